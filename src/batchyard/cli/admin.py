@@ -1,0 +1,221 @@
+"""Operator commands: ``keys``, ``credit``, ``audit``.
+
+They work on the database directly (migrating it first), so an operator can
+create the first key before any server is running. Server modules are
+imported inside the commands, so the client-only install can still load the
+CLI for ``batchyard run``.
+"""
+
+from __future__ import annotations
+
+import sys
+from decimal import Decimal
+from typing import TYPE_CHECKING
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from batchyard.cli.options import database_options, settings_from
+
+if TYPE_CHECKING:
+    from batchyard.store.database import Database
+
+__all__ = ["audit", "credit", "keys"]
+
+console = Console(stderr=True)
+
+
+def open_database(config_file: str | None, database_url: str | None) -> Database:
+    from batchyard.store.database import Database
+
+    settings = settings_from(config_file, database_url)
+    db = Database(settings.database_url, pool_size=2)
+    db.migrate()
+    return db
+
+
+@click.group()
+def keys() -> None:
+    """Create, list and revoke API keys."""
+
+
+@keys.command("create")
+@click.option(
+    "--org", "org_name", required=True, help="Organisation name (created at tier 0 if new)."
+)
+@click.option(
+    "--scope",
+    type=click.Choice(["full", "read", "inference"]),
+    default="full",
+    show_default=True,
+    help="What the key may do.",
+)
+@database_options
+def keys_create(
+    org_name: str, scope: str, config_file: str | None, database_url: str | None
+) -> None:
+    """Create a key; the key itself is printed alone on the last line, once."""
+    from sqlalchemy import Connection
+
+    from batchyard.core.accounts import ApiKey, Organisation, Scope
+    from batchyard.core.clock import SystemClock
+    from batchyard.store import accounts
+
+    db = open_database(config_file, database_url)
+    now = SystemClock().now()
+
+    def tx(conn: Connection) -> tuple[Organisation, ApiKey, str]:
+        org = accounts.ensure_org(conn, org_name, now)
+        key, secret = accounts.create_key(conn, org.id, Scope(scope), now)
+        return org, key, secret
+
+    try:
+        org, key, secret = db.run_sync(tx)
+    finally:
+        db.close()
+    console.print(f"created key [bold]{key.id}[/] ({scope}) for {org.name} ({org.id}); shown once:")
+    click.echo(secret)
+
+
+@keys.command("list")
+@click.option("--org", "org_name", required=True)
+@database_options
+def keys_list(org_name: str, config_file: str | None, database_url: str | None) -> None:
+    """List an organisation's keys (never the secrets)."""
+    from batchyard.store import accounts
+
+    db = open_database(config_file, database_url)
+    try:
+        org = db.run_sync(lambda c: accounts.get_org_by_name(c, org_name), readonly=True)
+        if org is None:
+            raise click.ClickException(f"no organisation called {org_name!r}")
+        rows = db.run_sync(lambda c: accounts.list_keys(c, org.id), readonly=True)
+    finally:
+        db.close()
+    table = Table(title=f"keys of {org.name} ({org.id})")
+    for col in ("id", "scope", "key", "created", "revoked"):
+        table.add_column(col)
+    for k in rows:
+        table.add_row(
+            k.id,
+            k.scope.value,
+            k.display,
+            k.created_at.isoformat(timespec="seconds"),
+            k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
+        )
+    Console().print(table)
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@database_options
+def keys_revoke(key_id: str, config_file: str | None, database_url: str | None) -> None:
+    """Revoke a key at once; its undispatched deferred work is canceled."""
+    from batchyard.core.clock import SystemClock
+    from batchyard.store import accounts
+
+    db = open_database(config_file, database_url)
+    now = SystemClock().now()
+    try:
+        key = db.run_sync(lambda c: accounts.revoke_key(c, key_id, now))
+    except Exception as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        db.close()
+    console.print(f"revoked {key.id}")
+
+
+@click.group()
+def credit() -> None:
+    """Add credit and set automatic top-ups (no payment processor: the operator adds it)."""
+
+
+def _amount(text: str) -> Decimal:
+    from batchyard.core.money import parse_money
+
+    try:
+        value = parse_money(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if value <= 0:
+        raise click.BadParameter("the amount must be positive")
+    return value
+
+
+@credit.command("add")
+@click.option("--org", "org_name", required=True)
+@click.argument("amount")
+@database_options
+def credit_add(
+    org_name: str, amount: str, config_file: str | None, database_url: str | None
+) -> None:
+    """Add AMOUNT US dollars of credit; buying credit can move the organisation up a tier."""
+    from batchyard.core.clock import SystemClock
+    from batchyard.core.money import format_money, to_ticks
+    from batchyard.store import accounts, ledger
+
+    value = _amount(amount)
+    settings = settings_from(config_file, database_url)
+    db = open_database(config_file, database_url)
+    now = SystemClock().now()
+    try:
+        org = db.run_sync(lambda c: accounts.get_org_by_name(c, org_name), readonly=True)
+        if org is None:
+            raise click.ClickException(f"no organisation called {org_name!r}; create a key first")
+        bal = db.run_sync(
+            lambda c: ledger.top_up(c, org.id, to_ticks(value), now, tiers=settings.tiers)
+        )
+        tier = db.run_sync(lambda c: accounts.get_org(c, org.id).tier, readonly=True)
+    finally:
+        db.close()
+    console.print(
+        f"added ${format_money(value)} to {org.name}: available ${format_money(bal.available)}, "
+        f"tier {tier}"
+    )
+
+
+@credit.command("auto-topup")
+@click.option("--org", "org_name", required=True)
+@click.option(
+    "--threshold", required=True, help="Top up when available credit would fall below this."
+)
+@click.option("--amount", "amount", required=True, help="How much each automatic top-up adds.")
+@database_options
+def credit_auto_topup(
+    org_name: str, threshold: str, amount: str, config_file: str | None, database_url: str | None
+) -> None:
+    """Record an automatic top-up rule: threshold + amount."""
+    from batchyard.store import accounts
+
+    t, a = _amount(threshold), _amount(amount)
+    db = open_database(config_file, database_url)
+    try:
+        org = db.run_sync(lambda c: accounts.get_org_by_name(c, org_name), readonly=True)
+        if org is None:
+            raise click.ClickException(f"no organisation called {org_name!r}")
+        db.run_sync(lambda c: accounts.set_auto_topup(c, org.id, t, a))
+    finally:
+        db.close()
+    console.print(f"{org_name}: top up ${a} whenever available credit would fall below ${t}")
+
+
+@click.command()
+@database_options
+def audit(config_file: str | None, database_url: str | None) -> None:
+    """Check every ledger invariant; exit 0 only when all hold."""
+    from batchyard.store import ledger
+
+    db = open_database(config_file, database_url)
+    try:
+        problems = db.run_sync(ledger.audit, readonly=True)
+    finally:
+        db.close()
+    if problems:
+        for p in problems:
+            console.print(f"[red]✗[/] {p}")
+        console.print(f"[red]{len(problems)} ledger invariant(s) broken[/]")
+        sys.exit(1)
+    console.print(
+        "[green]✓[/] ledger sound: balance = top-ups − settled charges − held reservations"
+    )

@@ -1,0 +1,1 @@
+"""The core every front door stands on: accounts, ledger, catalog, limits, clock."""

@@ -1,0 +1,121 @@
+"""Settings for one deployment: defaults, then the config file, then the environment.
+
+With nothing configured, batchyard keeps its SQLite database (and the batch
+encryption key it makes) in ``~/.batchyard`` (or ``$BATCHYARD_HOME``) and
+serves kettei-core from the embedded model, so ``batchyard serve`` works on a
+fresh machine. Every operator command reads ``BATCHYARD_DATABASE_URL`` and
+``BATCHYARD_CONFIG`` so the CLI and the server agree on where the data is.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchyard.core.catalog import Catalog, catalog_from_config
+from batchyard.core.tiers import DEFAULT_TIERS, Tier, tiers_from_config
+
+__all__ = ["Settings", "default_home", "load_settings"]
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("BATCHYARD_HOME") or Path.home() / ".batchyard")
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    home: Path
+    catalog: Catalog
+    tiers: tuple[Tier, ...] = DEFAULT_TIERS
+    limiter_url: str | None = None
+    idempotency_ttl_s: float = 24 * 3600
+    # How long a tombstone of an expired key is kept (answers
+    # idempotency_response_expired) before the key may be forgotten.
+    idempotency_tombstone_s: float = 30 * 24 * 3600
+    max_body_bytes: int = 4 * 1024 * 1024
+    default_max_tokens: int = 256
+    billing_review_threshold: Decimal | None = None
+    batch_encryption_key: str | None = None
+    price_feed: str | None = None
+    price_feed_interval_s: float = 60.0
+    price_max_age_s: float = 300.0
+    market_policy: str = "first_eligible"
+    market_interval_s: float = 15.0
+    embedded_model_path: str | None = None
+    embedded_contexts: int = 2
+    embedded_n_ctx: int = 2048
+    warm_fallback_after_s: float = 10.0
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def sqlite_path(self) -> Path | None:
+        if not self.is_sqlite:
+            return None
+        tail = self.database_url.split("///", 1)[-1]
+        if not tail or tail == ":memory:":
+            return None
+        return Path(tail)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    data = tomllib.loads(text) if path.suffix == ".toml" else (yaml.safe_load(text) or {})
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config file must hold a mapping")
+    return data
+
+
+def normalise_database_url(url: str) -> str:
+    """Accept plain ``postgresql://`` and use the psycopg 3 driver for it."""
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def load_settings(
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    database_url: str | None = None,
+    **overrides: Any,
+) -> Settings:
+    home = default_home()
+    config_file = config_file or os.environ.get("BATCHYARD_CONFIG")
+    data: dict[str, Any] = _read_file(Path(config_file)) if config_file else {}
+    url = (
+        database_url
+        or os.environ.get("BATCHYARD_DATABASE_URL")
+        or data.get("database_url")
+        or f"sqlite:///{home / 'batchyard.db'}"
+    )
+    threshold = data.get("billing_review_threshold")
+    settings = Settings(
+        database_url=normalise_database_url(str(url)),
+        home=home,
+        catalog=catalog_from_config(data),
+        tiers=tiers_from_config(data.get("tiers")),
+        limiter_url=os.environ.get("BATCHYARD_LIMITER_URL") or data.get("limiter_url"),
+        billing_review_threshold=Decimal(str(threshold)) if threshold is not None else None,
+        batch_encryption_key=(
+            os.environ.get("BATCHYARD_BATCH_ENCRYPTION_KEY") or data.get("batch_encryption_key")
+        ),
+        price_feed=os.environ.get("BATCHYARD_PRICE_FEED") or data.get("price_feed"),
+        price_feed_interval_s=float(data.get("price_feed_interval_s", 60.0)),
+        price_max_age_s=float(data.get("price_max_age_s", 300.0)),
+        market_policy=str(data.get("market_policy", "first_eligible")),
+        embedded_model_path=os.environ.get("BATCHYARD_MODEL_PATH")
+        or data.get("embedded_model_path"),
+        embedded_contexts=int(data.get("embedded_contexts", 2)),
+        raw=data,
+    )
+    return replace(settings, **overrides) if overrides else settings

@@ -1,0 +1,113 @@
+"""The Engine protocol: ``complete(request) -> completion with usage``.
+
+Engines sit at the edge. They raise ``batchyard.errors.UpstreamError`` (or a
+subclass) for failures, carrying ``retry_after`` where the upstream said so,
+and report the upstream's own rate-limit signals on each completion so the
+dispatcher can pace by them instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Choice",
+    "Completion",
+    "CompletionRequest",
+    "Engine",
+    "RateLimitSignal",
+    "ScoringEngine",
+    "Usage",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """One chat completion, in OpenAI's shape, already validated and priced.
+
+    ``messages`` are OpenAI chat messages; ``content`` may be a string or a
+    list of content parts (text and ``image_url``), passed through untouched
+    to engines that read images. ``response_format`` is OpenAI's
+    ``{"type": "json_schema", ...}`` where the caller wants constrained output.
+    """
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: list[str] | None = None
+    seed: int | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int
+    output_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    text: str
+    finish_reason: str = "stop"
+    # Token log-probabilities, OpenAI's ``logprobs.content`` list, where given.
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitSignal:
+    """What the upstream said about its own limits (``x-ratelimit-*`` headers)."""
+
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_requests_s: float | None = None
+    reset_tokens_s: float | None = None
+    limit_requests: int | None = None
+    limit_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    rate_limit: RateLimitSignal | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text if self.choices else ""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Anything that answers chat completions."""
+
+    name: str
+
+    async def complete(self, request: CompletionRequest) -> Completion: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ScoringEngine(Protocol):
+    """An engine that can score candidate continuations (per-outcome scoring).
+
+    ``score`` returns the total log-probability of each candidate string as the
+    assistant's reply to ``messages``, which lets decide pick an outcome and
+    report real probabilities instead of parsing free text.
+    """
+
+    async def score(
+        self, model: str, messages: list[dict[str, Any]], candidates: list[str]
+    ) -> tuple[list[float], Usage]: ...

@@ -1,0 +1,340 @@
+"""Every error batchyard raises or answers, in one tree.
+
+The ``code`` of each class is the wire code: the string a client sees in
+``{"error": {"code", "message", "retryable"}}``. Keeping the tree in one module
+means the API, the SDK and the CLI agree on codes by construction, and a test
+checks that no two classes claim the same code.
+
+``retryable`` is true exactly where sending the same request again, with the
+same idempotency key, can succeed: a rate limit, an overloaded upstream, a
+model still loading. Anything that needs the caller to change the request is
+not retryable.
+
+    BatchyardError
+    ├── InvalidRequest (400)
+    │   ├── InvalidJson
+    │   ├── InvalidIdempotencyKey
+    │   ├── UnknownModel
+    │   ├── ModelUnavailable
+    │   ├── UnsupportedInput
+    │   ├── ContextWindowExceeded
+    │   ├── NoDecisions, TooFewOutcomes, DuplicateId, EmptyText
+    │   ├── EmptyFilterResult, InvalidFilter, InvalidField
+    │   └── BatchInvalid (TooManyRequests/DuplicateCustomId/...) via codes
+    ├── Unauthorized (401)
+    │   ├── MissingApiKey
+    │   └── InvalidApiKey
+    ├── InsufficientCredit (402)
+    ├── Forbidden (403) ── InsufficientScope
+    ├── NotFound (404)
+    ├── Conflict (409)
+    │   ├── IdempotencyConflict
+    │   ├── IdempotencyResponseExpired
+    │   ├── IdempotencyInProgress
+    │   ├── InvalidState
+    │   └── QuoteExpired
+    ├── PayloadTooLarge (413)
+    ├── RateLimited (429)
+    ├── PendingLimitExceeded (429)
+    ├── UpstreamError (502)
+    │   ├── UpstreamTimeout (504)
+    │   ├── UpstreamRateLimited (503)
+    │   └── ModelOutputInvalid (502)
+    ├── ModelWarming (503)
+    ├── ServiceUnavailable (503)
+    └── InternalError (500)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BatchUnavailable",
+    "BatchyardError",
+    "Conflict",
+    "ContextWindowExceeded",
+    "DuplicateId",
+    "EmptyFilterResult",
+    "EmptyText",
+    "Forbidden",
+    "IdempotencyConflict",
+    "IdempotencyInProgress",
+    "IdempotencyResponseExpired",
+    "InsufficientCredit",
+    "InsufficientScope",
+    "InternalError",
+    "InvalidApiKey",
+    "InvalidFilter",
+    "InvalidIdempotencyKey",
+    "InvalidJson",
+    "InvalidRequest",
+    "InvalidState",
+    "MissingApiKey",
+    "ModelOutputInvalid",
+    "ModelUnavailable",
+    "ModelWarming",
+    "NoDecisions",
+    "NotFound",
+    "PayloadTooLarge",
+    "PendingLimitExceeded",
+    "QuoteExpired",
+    "RateLimited",
+    "ServiceUnavailable",
+    "TooFewOutcomes",
+    "Unauthorized",
+    "UnknownModel",
+    "UnsupportedInput",
+    "UpstreamError",
+    "UpstreamRateLimited",
+    "UpstreamTimeout",
+    "error_class_for_code",
+]
+
+
+class BatchyardError(Exception):
+    """Base of every batchyard error; carries its wire code and HTTP status."""
+
+    code: ClassVar[str] = "internal_error"
+    status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+        details: dict[str, Any] | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        retryable: bool | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+        self.details = details or {}
+        # Instances may narrow a generic class to a more specific wire code
+        # (an InvalidRequest about a batch says ``too_many_requests``, say)
+        # without a class per code that nothing catches separately.
+        if code is not None:
+            self.code = code  # type: ignore[misc]
+        if status is not None:
+            self.status = status  # type: ignore[misc]
+        if retryable is not None:
+            self.retryable = retryable  # type: ignore[misc]
+
+    def to_body(self) -> dict[str, Any]:
+        """The wire body: ``{"error": {...}}``; never carries secrets."""
+        err: dict[str, Any] = {
+            "code": self.code,
+            "message": self.message,
+            "retryable": self.retryable,
+        }
+        if self.param is not None:
+            err["param"] = self.param
+        if self.retry_after is not None:
+            err["retry_after"] = self.retry_after
+        err.update(self.details)
+        return {"error": err}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+class InvalidRequest(BatchyardError):
+    code = "invalid_request"
+    status = 400
+
+
+class InvalidJson(InvalidRequest):
+    code = "invalid_json"
+
+
+class InvalidIdempotencyKey(InvalidRequest):
+    code = "invalid_idempotency_key"
+
+
+class UnknownModel(InvalidRequest):
+    code = "unknown_model"
+
+
+class ModelUnavailable(InvalidRequest):
+    """The model is in the catalog but no route serves it yet."""
+
+    code = "model_unavailable"
+
+
+class UnsupportedInput(InvalidRequest):
+    code = "unsupported_input"
+
+
+class ContextWindowExceeded(InvalidRequest):
+    code = "context_window_exceeded"
+
+
+class NoDecisions(InvalidRequest):
+    code = "no_decisions"
+
+
+class TooFewOutcomes(InvalidRequest):
+    code = "too_few_outcomes"
+
+
+class DuplicateId(InvalidRequest):
+    code = "duplicate_id"
+
+
+class EmptyText(InvalidRequest):
+    code = "empty_text"
+
+
+class InvalidFilter(InvalidRequest):
+    code = "invalid_filter"
+
+
+class EmptyFilterResult(InvalidRequest):
+    code = "filter_matches_no_rows"
+
+
+class Unauthorized(BatchyardError):
+    code = "unauthorized"
+    status = 401
+
+
+class MissingApiKey(Unauthorized):
+    code = "missing_api_key"
+
+
+class InvalidApiKey(Unauthorized):
+    code = "invalid_api_key"
+
+
+class InsufficientCredit(BatchyardError):
+    code = "insufficient_credit"
+    status = 402
+
+
+class Forbidden(BatchyardError):
+    code = "forbidden"
+    status = 403
+
+
+class InsufficientScope(Forbidden):
+    code = "insufficient_scope"
+
+
+class NotFound(BatchyardError):
+    code = "not_found"
+    status = 404
+
+
+class Conflict(BatchyardError):
+    code = "conflict"
+    status = 409
+
+
+class IdempotencyConflict(Conflict):
+    code = "idempotency_conflict"
+
+
+class IdempotencyResponseExpired(Conflict):
+    code = "idempotency_response_expired"
+
+
+class IdempotencyInProgress(Conflict):
+    """Another request with this key is still running; try again shortly."""
+
+    code = "idempotency_in_progress"
+    retryable = True
+
+
+class InvalidState(Conflict):
+    code = "invalid_state"
+
+
+class QuoteExpired(Conflict):
+    code = "quote_expired"
+
+
+class PayloadTooLarge(BatchyardError):
+    code = "request_too_large"
+    status = 413
+
+
+class RateLimited(BatchyardError):
+    code = "rate_limited"
+    status = 429
+    retryable = True
+
+
+class PendingLimitExceeded(BatchyardError):
+    """Too much work waiting; it frees up as items finish, so it is retryable."""
+
+    code = "pending_limit_exceeded"
+    status = 429
+    retryable = True
+
+
+class UpstreamError(BatchyardError):
+    code = "upstream_error"
+    status = 502
+    retryable = True
+
+
+class UpstreamTimeout(UpstreamError):
+    code = "upstream_timeout"
+    status = 504
+
+
+class UpstreamRateLimited(UpstreamError):
+    code = "upstream_rate_limited"
+    status = 503
+
+
+class ModelOutputInvalid(UpstreamError):
+    """The model answered something outside the allowed outcomes."""
+
+    code = "model_output_invalid"
+    retryable = False
+
+
+class ModelWarming(BatchyardError):
+    code = "model_warming"
+    status = 503
+    retryable = True
+
+
+class ServiceUnavailable(BatchyardError):
+    code = "service_unavailable"
+    status = 503
+    retryable = True
+
+
+class BatchUnavailable(ServiceUnavailable):
+    """Deferred batches cannot run: no encryption key is configured."""
+
+    code = "batches_unavailable"
+    retryable = False
+
+
+class InternalError(BatchyardError):
+    code = "internal_error"
+    status = 500
+    retryable = True
+
+
+def _all_subclasses(cls: type[BatchyardError]) -> list[type[BatchyardError]]:
+    out: list[type[BatchyardError]] = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_class_for_code(code: str) -> type[BatchyardError]:
+    """The most specific class for a wire code, for clients that rebuild errors."""
+    for cls in _all_subclasses(BatchyardError):
+        if cls.code == code:
+            return cls
+    return BatchyardError

@@ -1,0 +1,51 @@
+"""Structured logs: one JSON object a line, with the ``extra=`` fields kept.
+
+Keys and request text never reach a log: handlers log codes, ids and counts,
+and this formatter drops any field whose name suggests a secret or content.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["JsonFormatter", "setup_logging"]
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+_FORBIDDEN = ("key", "secret", "token", "password", "authorization", "content", "text", "messages")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for name, value in vars(record).items():
+            if name in _STANDARD or name.startswith("_"):
+                continue
+            lowered = name.lower()
+            if any(f in lowered for f in _FORBIDDEN) and not lowered.endswith(
+                ("_id", "_count", "_tokens")
+            ):
+                continue
+            out[name] = (
+                value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+            )
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("batchyard")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

@@ -1,0 +1,1 @@
+"""Durable state: tables, migrations and the queries each concept needs."""

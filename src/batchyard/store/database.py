@@ -1,0 +1,118 @@
+"""One database handle for both backends, and the way into a transaction.
+
+SQLite runs with WAL, ``synchronous=FULL`` (money is at stake) and a busy
+timeout, and every writing transaction starts with ``BEGIN IMMEDIATE``: a
+deferred transaction that reads and then writes fails with SQLITE_BUSY instead
+of waiting its turn. PostgreSQL runs the same code; row locks come from the
+queries themselves (``FOR UPDATE``).
+
+Blocking database work runs on a small thread pool so the event loop keeps
+serving while a transaction commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.pool import StaticPool
+
+__all__ = ["Database"]
+
+log = logging.getLogger("batchyard.store")
+T = TypeVar("T")
+
+
+class Database:
+    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        self._lock: threading.Lock | None = None
+        if self.is_sqlite:
+            memory = url in ("sqlite://", "sqlite:///:memory:")
+            if not memory:
+                path = Path(url.split("///", 1)[1])
+                path.parent.mkdir(parents=True, exist_ok=True)
+            kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+            if memory:
+                # One shared connection; a lock keeps threads from interleaving on it.
+                kwargs["poolclass"] = StaticPool
+                self._lock = threading.Lock()
+            else:
+                kwargs["pool_size"] = pool_size
+            self.engine: Engine = create_engine(url, **kwargs)
+            self._install_sqlite_hooks(memory)
+        else:
+            self.engine = create_engine(
+                url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+            )
+        self._executor = ThreadPoolExecutor(
+            max_workers=pool_size, thread_name_prefix="batchyard-db"
+        )
+
+    def _install_sqlite_hooks(self, memory: bool) -> None:
+        @event.listens_for(self.engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            # Let us issue BEGIN ourselves instead of pysqlite's implicit one.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            if not memory:
+                cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        @event.listens_for(self.engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            mode = conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")
+            conn.exec_driver_sql(f"BEGIN {mode}")
+
+    @contextmanager
+    def transaction(self, *, readonly: bool = False) -> Iterator[Connection]:
+        """A transaction that commits on success and rolls back on any error."""
+        if self._lock is not None:
+            with self._lock, self._begin(readonly) as conn:
+                yield conn
+        else:
+            with self._begin(readonly) as conn:
+                yield conn
+
+    @contextmanager
+    def _begin(self, readonly: bool) -> Iterator[Connection]:
+        with self.engine.connect() as conn:
+            if self.is_sqlite and readonly:
+                conn = conn.execution_options(sqlite_begin="DEFERRED")
+            with conn.begin():
+                yield conn
+
+    def run_sync(self, fn: Callable[[Connection], T], *, readonly: bool = False) -> T:
+        with self.transaction(readonly=readonly) as conn:
+            return fn(conn)
+
+    async def run(self, fn: Callable[[Connection], T], *, readonly: bool = False) -> T:
+        """Run ``fn(conn)`` in one transaction on the database threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, lambda: self.run_sync(fn, readonly=readonly)
+        )
+
+    def migrate(self) -> None:
+        from batchyard.store.migrations import upgrade
+
+        upgrade(self)
+
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.engine.dispose()

@@ -1,0 +1,107 @@
+"""Queries behind idempotency keys (rules in ``core.idempotency``)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from batchyard.core.idempotency import SavedResponse
+from batchyard.errors import (
+    Conflict,
+    IdempotencyConflict,
+    IdempotencyInProgress,
+    IdempotencyResponseExpired,
+)
+from batchyard.store.tables import idempotency_keys as ik
+
+__all__ = ["begin", "finish", "forget", "purge"]
+
+# A claim older than this belongs to a request that died mid-way.
+STALE_CLAIM = timedelta(minutes=10)
+
+
+def begin(
+    conn: Connection,
+    org_id: str,
+    key: str,
+    fp: str,
+    now: datetime,
+    ttl: timedelta,
+) -> SavedResponse | None:
+    """Claim ``key`` for this request, or return the response saved under it.
+
+    Raises the 409s of the rules. ``None`` means: run the request, then
+    ``finish`` or ``forget``.
+    """
+    row = conn.execute(select(ik).where(ik.c.org_id == org_id, ik.c.key == key)).first()
+    if row is None:
+        try:
+            with conn.begin_nested():
+                conn.execute(
+                    insert(ik).values(
+                        org_id=org_id,
+                        key=key,
+                        fingerprint=fp,
+                        state="in_progress",
+                        created_at=now,
+                        expires_at=now + ttl,
+                    )
+                )
+        except IntegrityError:
+            raise IdempotencyInProgress(
+                "a request with this Idempotency-Key is in progress; retry shortly",
+                retry_after=1,
+            ) from None
+        return None
+    if row.fingerprint != fp:
+        raise IdempotencyConflict(
+            "this Idempotency-Key was used with a different request body; "
+            "use a new key for a changed request",
+            param="Idempotency-Key",
+        )
+    if row.state == "expired" or now >= row.expires_at:
+        raise IdempotencyResponseExpired(
+            "the response saved under this Idempotency-Key has expired (after 24 hours); "
+            "it will not run again; use a new key",
+            param="Idempotency-Key",
+        )
+    if row.state == "in_progress":
+        if now - row.created_at > STALE_CLAIM:
+            # The request that claimed the key died mid-way. It may have been
+            # charged, so running it again could charge twice: never do that.
+            raise Conflict(
+                "the request under this Idempotency-Key was interrupted and its outcome is "
+                "uncertain; check GET /v1/activity before sending it again with a new key",
+                param="Idempotency-Key",
+                code="idempotency_interrupted",
+            )
+        raise IdempotencyInProgress(
+            "a request with this Idempotency-Key is in progress; retry shortly", retry_after=1
+        )
+    return SavedResponse(status_code=int(row.status_code), body=str(row.response))
+
+
+def finish(conn: Connection, org_id: str, key: str, status_code: int, body: str) -> None:
+    conn.execute(
+        update(ik)
+        .where(ik.c.org_id == org_id, ik.c.key == key)
+        .values(state="done", status_code=status_code, response=body)
+    )
+
+
+def forget(conn: Connection, org_id: str, key: str) -> None:
+    """Drop a claim: the request failed retryably, or nothing may be kept (ZDR)."""
+    conn.execute(delete(ik).where(ik.c.org_id == org_id, ik.c.key == key))
+
+
+def purge(conn: Connection, now: datetime, tombstone: timedelta) -> int:
+    """Drop saved bodies past their 24 hours (keeping a tombstone), and old tombstones."""
+    n = conn.execute(
+        update(ik)
+        .where(ik.c.expires_at <= now, ik.c.state == "done")
+        .values(state="expired", response=None)
+    ).rowcount
+    conn.execute(delete(ik).where(ik.c.expires_at <= now - tombstone))
+    return int(n or 0)

@@ -1,0 +1,326 @@
+"""The credit ledger: append-only entries, and reservations that resolve once.
+
+A reservation is a pending transfer (TigerBeetle's model): ``reserve`` holds
+the most a call can cost, ``settle`` posts the real charge and releases the
+rest, ``release`` voids it. A reservation resolves at most once, a charge can
+never exceed what was held, and the balance is derived from the entries
+(``balances`` is a cache of the sums, written in the same transaction and
+re-derived by ``audit``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Connection, func, insert, select, update
+
+from batchyard.core.ids import new_id
+from batchyard.core.money import format_money, from_ticks
+from batchyard.core.tiers import Tier, tier_for_purchases
+from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
+from batchyard.store.tables import balances, ledger_entries, organisations, reservations
+
+__all__ = [
+    "Balance",
+    "Reservation",
+    "audit",
+    "balance",
+    "get_reservation",
+    "release",
+    "reserve",
+    "settle",
+    "top_up",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Balance:
+    topups: int
+    settled: int
+    held: int
+
+    @property
+    def available(self) -> int:
+        return self.topups - self.settled - self.held
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    id: str
+    org_id: str
+    amount: int
+    state: str
+    charged: int | None
+    purpose: str
+    ref: str | None
+
+
+def _entry(
+    conn: Connection,
+    org_id: str,
+    kind: str,
+    amount: int,
+    now: datetime,
+    reservation_id: str | None = None,
+    memo: str | None = None,
+) -> None:
+    conn.execute(
+        insert(ledger_entries).values(
+            org_id=org_id,
+            kind=kind,
+            amount=amount,
+            reservation_id=reservation_id,
+            memo=memo,
+            created_at=now,
+        )
+    )
+
+
+def _locked_balance(conn: Connection, org_id: str) -> Balance:
+    q = select(balances).where(balances.c.org_id == org_id)
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update()
+    row = conn.execute(q).first()
+    if row is None:
+        raise NotFound(f"organisation {org_id} not found")
+    return Balance(row.topups, row.settled, row.held)
+
+
+def balance(conn: Connection, org_id: str) -> Balance:
+    row = conn.execute(select(balances).where(balances.c.org_id == org_id)).first()
+    if row is None:
+        raise NotFound(f"organisation {org_id} not found")
+    return Balance(row.topups, row.settled, row.held)
+
+
+def top_up(
+    conn: Connection,
+    org_id: str,
+    amount: int,
+    now: datetime,
+    *,
+    tiers: Sequence[Tier] | None = None,
+    memo: str = "operator",
+) -> Balance:
+    """Add credit, and move the organisation up a tier if its purchases now reach one."""
+    if amount <= 0:
+        raise InvalidRequest("a top-up must be a positive amount", param="amount")
+    bal = _locked_balance(conn, org_id)
+    _entry(conn, org_id, "topup", amount, now, memo=memo)
+    conn.execute(
+        update(balances).where(balances.c.org_id == org_id).values(topups=bal.topups + amount)
+    )
+    if tiers:
+        current = conn.execute(
+            select(organisations.c.tier).where(organisations.c.id == org_id)
+        ).scalar_one()
+        earned = tier_for_purchases(tiers, from_ticks(bal.topups + amount)).level
+        if earned > current:
+            conn.execute(
+                update(organisations).where(organisations.c.id == org_id).values(tier=earned)
+            )
+    return Balance(bal.topups + amount, bal.settled, bal.held)
+
+
+def reserve(
+    conn: Connection,
+    org_id: str,
+    amount: int,
+    now: datetime,
+    *,
+    purpose: str,
+    ref: str | None = None,
+    tiers: Sequence[Tier] | None = None,
+) -> Reservation:
+    """Hold ``amount`` ticks, topping up first where an automatic rule says so.
+
+    Raises ``InsufficientCredit`` (402) and writes nothing when the credit,
+    after any automatic top-up, cannot cover the hold.
+    """
+    if amount < 0:
+        raise InvalidRequest("a reservation cannot be negative")
+    bal = _locked_balance(conn, org_id)
+    rule = conn.execute(
+        select(organisations.c.auto_topup_threshold, organisations.c.auto_topup_amount).where(
+            organisations.c.id == org_id
+        )
+    ).first()
+    if (
+        rule is not None
+        and rule.auto_topup_amount
+        and rule.auto_topup_threshold is not None
+        and bal.available - amount < rule.auto_topup_threshold
+    ):
+        bal = top_up(conn, org_id, rule.auto_topup_amount, now, tiers=tiers, memo="auto top-up")
+    if bal.available < amount:
+        raise InsufficientCredit(
+            f"this call can cost up to ${format_money(amount)} and the credit available is "
+            f"${format_money(max(bal.available, 0))}; nothing was charged",
+            details={
+                "required": format_money(amount),
+                "available": format_money(max(bal.available, 0)),
+            },
+        )
+    res_id = new_id("res", now)
+    conn.execute(
+        insert(reservations).values(
+            id=res_id,
+            org_id=org_id,
+            amount=amount,
+            state="held",
+            purpose=purpose,
+            ref=ref,
+            created_at=now,
+        )
+    )
+    _entry(conn, org_id, "reserve", amount, now, reservation_id=res_id)
+    conn.execute(update(balances).where(balances.c.org_id == org_id).values(held=bal.held + amount))
+    return Reservation(res_id, org_id, amount, "held", None, purpose, ref)
+
+
+def get_reservation(conn: Connection, reservation_id: str, *, lock: bool = False) -> Reservation:
+    q = select(reservations).where(reservations.c.id == reservation_id)
+    if lock and conn.dialect.name == "postgresql":
+        q = q.with_for_update()
+    row = conn.execute(q).first()
+    if row is None:
+        raise NotFound(f"reservation {reservation_id} not found")
+    return Reservation(row.id, row.org_id, row.amount, row.state, row.charged, row.purpose, row.ref)
+
+
+def settle(conn: Connection, reservation_id: str, charge: int, now: datetime) -> Reservation:
+    """Post the real charge against a held reservation and release the rest.
+
+    A charge above the hold is capped at the hold: the caller was promised
+    that the quote is the most a call can cost, and we keep that promise.
+    """
+    res = get_reservation(conn, reservation_id, lock=True)
+    if res.state != "held":
+        raise InvalidState(f"reservation {reservation_id} is already {res.state}")
+    charge = max(0, min(charge, res.amount))
+    bal = _locked_balance(conn, res.org_id)
+    if charge:
+        _entry(conn, res.org_id, "settle", charge, now, reservation_id=res.id)
+    rest = res.amount - charge
+    if rest:
+        _entry(conn, res.org_id, "release", rest, now, reservation_id=res.id)
+    conn.execute(
+        update(reservations)
+        .where(reservations.c.id == res.id, reservations.c.state == "held")
+        .values(state="settled", charged=charge, resolved_at=now)
+    )
+    conn.execute(
+        update(balances)
+        .where(balances.c.org_id == res.org_id)
+        .values(held=bal.held - res.amount, settled=bal.settled + charge)
+    )
+    return Reservation(res.id, res.org_id, res.amount, "settled", charge, res.purpose, res.ref)
+
+
+def release(conn: Connection, reservation_id: str, now: datetime) -> Reservation:
+    """Void a held reservation: nothing is charged."""
+    res = get_reservation(conn, reservation_id, lock=True)
+    if res.state != "held":
+        raise InvalidState(f"reservation {reservation_id} is already {res.state}")
+    bal = _locked_balance(conn, res.org_id)
+    if res.amount:
+        _entry(conn, res.org_id, "release", res.amount, now, reservation_id=res.id)
+    conn.execute(
+        update(reservations)
+        .where(reservations.c.id == res.id, reservations.c.state == "held")
+        .values(state="released", charged=0, resolved_at=now)
+    )
+    conn.execute(
+        update(balances).where(balances.c.org_id == res.org_id).values(held=bal.held - res.amount)
+    )
+    return Reservation(res.id, res.org_id, res.amount, "released", 0, res.purpose, res.ref)
+
+
+def audit(conn: Connection) -> list[str]:
+    """Every ledger invariant that does not hold, in words; empty means sound.
+
+    - balance = top-ups − settled charges − held reservations, per organisation,
+      both from the entries and in the cached balance row;
+    - no organisation's available credit is negative;
+    - every reserve, settle and release names an existing reservation of the
+      same organisation; a held reservation has only its reserve entry; a
+      resolved one has settle + release equal to its hold, each at most once;
+    - no entry has a non-positive amount or an unknown kind.
+    """
+    problems: list[str] = []
+    bad = conn.execute(
+        select(ledger_entries.c.id, ledger_entries.c.kind, ledger_entries.c.amount).where(
+            (ledger_entries.c.amount <= 0)
+            | ledger_entries.c.kind.not_in(["topup", "reserve", "settle", "release"])
+        )
+    ).all()
+    problems += [f"entry {r.id}: kind {r.kind!r} amount {r.amount}" for r in bad]
+    orphans = conn.execute(
+        select(ledger_entries.c.id).where(
+            ledger_entries.c.kind.in_(["reserve", "settle", "release"]),
+            ledger_entries.c.reservation_id.is_(None),
+        )
+    ).all()
+    problems += [f"entry {r.id}: names no reservation" for r in orphans]
+
+    sums: dict[tuple[str, str], int] = {}
+    for r in conn.execute(
+        select(
+            ledger_entries.c.org_id, ledger_entries.c.kind, func.sum(ledger_entries.c.amount)
+        ).group_by(ledger_entries.c.org_id, ledger_entries.c.kind)
+    ):
+        sums[(r[0], r[1])] = int(r[2] or 0)
+    for b in conn.execute(select(balances)):
+        topups = sums.get((b.org_id, "topup"), 0)
+        reserved = sums.get((b.org_id, "reserve"), 0)
+        settled = sums.get((b.org_id, "settle"), 0)
+        released = sums.get((b.org_id, "release"), 0)
+        held = reserved - settled - released
+        if (b.topups, b.settled, b.held) != (topups, settled, held):
+            problems.append(
+                f"{b.org_id}: cached balance (topups {b.topups}, settled {b.settled}, "
+                f"held {b.held}) != entries (topups {topups}, settled {settled}, held {held})"
+            )
+        if topups - settled - held < 0:
+            problems.append(f"{b.org_id}: available credit is negative")
+
+    per_res: dict[str, dict[str, list[int]]] = {}
+    for e in conn.execute(
+        select(
+            ledger_entries.c.reservation_id,
+            ledger_entries.c.kind,
+            ledger_entries.c.amount,
+            ledger_entries.c.org_id,
+        ).where(ledger_entries.c.reservation_id.is_not(None))
+    ):
+        per_res.setdefault(e.reservation_id, {}).setdefault(e.kind, []).append(e.amount)
+        per_res[e.reservation_id].setdefault("_org", []).append(hash(e.org_id))
+    seen: set[str] = set()
+    for res in conn.execute(select(reservations)):
+        seen.add(res.id)
+        e = per_res.get(res.id, {})
+        rs, st, rl = e.get("reserve", []), e.get("settle", []), e.get("release", [])
+        if rs != [res.amount] and not (res.amount == 0 and rs == []):
+            problems.append(f"{res.id}: reserve entries {rs} != hold {res.amount}")
+        if len(set(e.get("_org", []))) > 1:
+            problems.append(f"{res.id}: entries from more than one organisation")
+        if len(st) > 1 or len(rl) > 1:
+            problems.append(f"{res.id}: resolved more than once")
+        if res.state == "held" and (st or rl):
+            problems.append(f"{res.id}: held but has settle/release entries")
+        if res.state in ("settled", "released"):
+            charged = sum(st)
+            if charged + sum(rl) != res.amount:
+                problems.append(
+                    f"{res.id}: settle {charged} + release {sum(rl)} != hold {res.amount}"
+                )
+            if charged != (res.charged or 0):
+                problems.append(f"{res.id}: charged {res.charged} != settle entries {charged}")
+        if res.state not in ("held", "settled", "released"):
+            problems.append(f"{res.id}: unknown state {res.state!r}")
+    for rid in per_res:
+        if rid not in seen:
+            problems.append(f"entries name unknown reservation {rid}")
+    return problems

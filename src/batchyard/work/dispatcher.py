@@ -1,0 +1,215 @@
+"""The dispatcher: the only caller of engines.
+
+Every front door ends here with the same thing: a model call for one item,
+paid from one reservation, paced by one set of limits. The order is fixed:
+reserve the most the call can cost (402 before anything runs), wait for the
+route's pace (its RPM, TPM and concurrency, pushed back by the upstream's own
+Retry-After and ``x-ratelimit-*`` signals), call the engine, then settle to the
+real usage and release the rest, in one transaction with its activity record.
+
+A call that fails is released: nothing is charged. An upstream 429 was not
+processed, so it is waited out and tried again on the same reservation; no
+other failure is retried here, because only the caller knows whether a retry
+is safe (deferred items never retry a dispatched failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from decimal import Decimal
+
+from batchyard.core.catalog import ModelSpec, RouteSpec
+from batchyard.core.clock import Clock
+from batchyard.core.limits import Limit, Limiter
+from batchyard.core.money import charge_ticks, token_cost
+from batchyard.core.tiers import Tier
+from batchyard.engines.base import Completion, CompletionRequest, RateLimitSignal
+from batchyard.errors import UpstreamRateLimited
+from batchyard.store import activity, ledger
+from batchyard.store.database import Database
+from batchyard.work.engines import EngineRegistry
+
+__all__ = ["DispatchResult", "Dispatcher", "Price"]
+
+log = logging.getLogger("batchyard.dispatch")
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    input_per_mtok: Decimal
+    output_per_mtok: Decimal
+
+    def cost(self, input_tokens: int, output_tokens: int) -> Decimal:
+        return token_cost(input_tokens, output_tokens, self.input_per_mtok, self.output_per_mtok)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchResult:
+    completion: Completion
+    charge: int
+    reservation_id: str
+    route: str
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        db: Database,
+        clock: Clock,
+        limiter: Limiter,
+        engines: EngineRegistry,
+        tiers: tuple[Tier, ...],
+        upstream_429_retries: int = 5,
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.limiter = limiter
+        self.engines = engines
+        self.tiers = tiers
+        self.upstream_429_retries = upstream_429_retries
+        self._concurrency: dict[str, asyncio.Semaphore] = {}
+
+    def _semaphore(self, route: RouteSpec) -> asyncio.Semaphore | None:
+        if not route.concurrency:
+            return None
+        sem = self._concurrency.get(route.id)
+        if sem is None:
+            sem = self._concurrency[route.id] = asyncio.Semaphore(route.concurrency)
+        return sem
+
+    async def reserve(
+        self, org_id: str, amount: int, *, purpose: str, ref: str | None = None
+    ) -> ledger.Reservation:
+        now = self.clock.now()
+        return await self.db.run(
+            lambda c: ledger.reserve(
+                c, org_id, amount, now, purpose=purpose, ref=ref, tiers=self.tiers
+            )
+        )
+
+    async def release(self, reservation_id: str, *, org_id: str, reason: str) -> None:
+        now = self.clock.now()
+
+        def tx(c: object) -> None:
+            from sqlalchemy import Connection
+
+            assert isinstance(c, Connection)
+            res = ledger.release(c, reservation_id, now)
+            activity.record(
+                c,
+                org_id,
+                "release",
+                now,
+                reservation_id=reservation_id,
+                amount=res.amount,
+                detail={"reason": reason},
+            )
+
+        await self.db.run(tx)
+
+    async def pace(self, route: RouteSpec, input_tokens: int, max_output_tokens: int) -> None:
+        limits: list[tuple[Limit, float]] = []
+        if route.rpm:
+            limits.append((Limit("rpm", float(route.rpm)), 1.0))
+        if route.tpm:
+            limits.append((Limit("tpm", float(route.tpm)), float(input_tokens + max_output_tokens)))
+        if limits:
+            await self.limiter.acquire(f"route:{route.id}", limits)
+
+    async def _observe(self, route: RouteSpec, signal: RateLimitSignal | None) -> None:
+        if signal is None:
+            return
+        now = self.clock.time()
+        waits = []
+        if signal.remaining_requests == 0 and signal.reset_requests_s:
+            waits.append(signal.reset_requests_s)
+        if signal.remaining_tokens == 0 and signal.reset_tokens_s:
+            waits.append(signal.reset_tokens_s)
+        if waits:
+            await self.limiter.penalize(f"route:{route.id}", now + max(waits))
+
+    async def call(
+        self,
+        *,
+        route: RouteSpec,
+        request: CompletionRequest,
+        input_tokens: int,
+    ) -> Completion:
+        """Pace and call one route; an upstream 429 is waited out and retried."""
+        engine = self.engines.for_route(route)
+        sem = self._semaphore(route)
+        attempt = 0
+        while True:
+            await self.pace(route, input_tokens, request.max_tokens * max(1, request.n))
+            try:
+                if sem is not None:
+                    async with sem:
+                        completion = await engine.complete(request)
+                else:
+                    completion = await engine.complete(request)
+            except UpstreamRateLimited as exc:
+                attempt += 1
+                wait = exc.retry_after if exc.retry_after is not None else 1.0
+                await self.limiter.penalize(f"route:{route.id}", self.clock.time() + wait)
+                if attempt > self.upstream_429_retries:
+                    raise
+                log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
+                continue
+            await self._observe(route, completion.rate_limit)
+            return completion
+
+    async def execute(
+        self,
+        *,
+        org_id: str,
+        model: ModelSpec,
+        route: RouteSpec,
+        request: CompletionRequest,
+        input_tokens: int,
+        max_cost: int,
+        price: Price,
+        purpose: str,
+        ref: str | None = None,
+        reservation: ledger.Reservation | None = None,
+    ) -> DispatchResult:
+        """Reserve, call, settle: one item, paid from one reservation."""
+        res = reservation or await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
+        try:
+            completion = await self.call(route=route, request=request, input_tokens=input_tokens)
+        except BaseException as exc:
+            reason = getattr(exc, "code", type(exc).__name__)
+            await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))
+            raise
+        charge = charge_ticks(
+            price.cost(completion.usage.input_tokens, completion.usage.output_tokens)
+        )
+        now = self.clock.now()
+
+        def tx(c: object) -> int:
+            from sqlalchemy import Connection
+
+            assert isinstance(c, Connection)
+            settled = ledger.settle(c, res.id, charge, now)
+            activity.record(
+                c,
+                org_id,
+                "charge",
+                now,
+                ref=ref,
+                reservation_id=res.id,
+                amount=settled.charged,
+                detail={
+                    "purpose": purpose,
+                    "model": model.id,
+                    "route": route.id,
+                    "input_tokens": completion.usage.input_tokens,
+                    "output_tokens": completion.usage.output_tokens,
+                },
+            )
+            return settled.charged or 0
+
+        charged = await asyncio.shield(self.db.run(tx))
+        return DispatchResult(completion, charged, res.id, route.id)

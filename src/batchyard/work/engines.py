@@ -1,0 +1,74 @@
+"""Engines for routes, built once and shared.
+
+Routes name an engine kind and an endpoint; this registry turns them into
+live engines lazily (the embedded model loads on first use, not at import),
+and shares one embedded engine between every route that points at it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from batchyard.core.catalog import RouteSpec
+from batchyard.engines.base import Engine
+
+__all__ = ["EngineRegistry"]
+
+
+class EngineRegistry:
+    def __init__(
+        self,
+        *,
+        embedded_model_path: str | None = None,
+        embedded_contexts: int = 2,
+        embedded_n_ctx: int = 2048,
+        overrides: dict[str, Engine] | None = None,
+    ) -> None:
+        self._embedded_model_path = embedded_model_path
+        self._contexts = embedded_contexts
+        self._n_ctx = embedded_n_ctx
+        self._engines: dict[str, Engine] = dict(overrides or {})
+        self._embedded: Engine | None = None
+        self._lock = asyncio.Lock()
+
+    def set(self, route_id: str, engine: Engine) -> None:
+        """Put an engine behind a route (tests and embedding applications)."""
+        self._engines[route_id] = engine
+
+    def embedded(self) -> Engine:
+        if self._embedded is None:
+            from batchyard.engines.llama_cpp import LlamaCppEngine
+            from batchyard.engines.model_files import default_model_path
+
+            path = (
+                Path(self._embedded_model_path)
+                if self._embedded_model_path
+                else default_model_path()
+            )
+            self._embedded = LlamaCppEngine(path, contexts=self._contexts, n_ctx=self._n_ctx)
+        return self._embedded
+
+    def for_route(self, route: RouteSpec) -> Engine:
+        engine = self._engines.get(route.id)
+        if engine is not None:
+            return engine
+        if route.engine == "llama_cpp":
+            engine = self.embedded()
+        else:
+            from batchyard.engines.openai_http import OpenAIHttpEngine
+
+            if not route.base_url:
+                raise ValueError(f"route {route.id!r} needs a base_url")
+            key = os.environ.get(route.api_key_env) if route.api_key_env else None
+            engine = OpenAIHttpEngine(route.base_url, key, timeout_s=route.timeout_s, name=route.id)
+        self._engines[route.id] = engine
+        return engine
+
+    async def aclose(self) -> None:
+        seen: set[int] = set()
+        for engine in [*self._engines.values(), *([self._embedded] if self._embedded else [])]:
+            if id(engine) not in seen:
+                seen.add(id(engine))
+                await engine.aclose()
