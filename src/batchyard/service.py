@@ -61,6 +61,7 @@ class Service:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: list[Callable[[], Any]] = []
         self.started = False
+        # Background work of the front doors; each door adds its own line.
 
     def tokenizer(self, model: ModelSpec) -> Tokenizer:
         spec = model.tokenizer
@@ -89,12 +90,16 @@ class Service:
         self.started = True
 
     async def stop(self) -> None:
+        """Stop background work and close every resource."""
+        await self.stop_workers()
+        await self.engines.aclose()
+        await self.limiter.close()
+        self.db.close()
+
+    async def stop_workers(self) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        await self.engines.aclose()
-        await self.limiter.close()
-        self.db.close()

@@ -15,14 +15,19 @@ from batchyard.service import Service
 __all__ = ["create_app"]
 
 
-def create_app(service: Service, *, worker: bool = True) -> FastAPI:
+def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = True) -> FastAPI:
+    """The app; ``close_on_exit=False`` leaves closing the service to its owner (tests)."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await service.start(worker=worker)
         try:
             yield
         finally:
-            await service.stop()
+            if close_on_exit:
+                await service.stop()
+            else:
+                await service.stop_workers()
 
     app = FastAPI(title="batchyard", version="0.1.0", lifespan=lifespan)
     app.state.service = service
@@ -33,6 +38,8 @@ def create_app(service: Service, *, worker: bool = True) -> FastAPI:
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
-    for module in (account, chat, models):
-        app.include_router(module.router)
+    # One router per front door; each door adds its own line.
+    app.include_router(account.router)
+    app.include_router(chat.router)
+    app.include_router(models.router)
     return app

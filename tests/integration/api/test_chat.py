@@ -1,0 +1,99 @@
+"""POST /v1/chat/completions over real HTTP: billed from a reservation, limited by the tier."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from batchyard.engines.memory import ScriptedEngine
+from batchyard.store import ledger
+from tests.support.accounts import make_account
+from tests.support.server import live_server
+
+BODY = {
+    "model": "kettei-core",
+    "messages": [{"role": "user", "content": "Say hi"}],
+    "max_tokens": 8,
+}
+
+
+@pytest.fixture
+def engine(service):
+    eng = ScriptedEngine("hello there", clock=service.clock)
+    service.engines.set("embedded", eng)
+    return eng
+
+
+async def test_completion_is_charged_from_a_settled_reservation(service, engine):
+    acct = make_account(service, credit="1")
+    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+        r = await http.post("/v1/chat/completions", json=BODY, headers=acct.headers)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"] == "hello there"
+        assert body["usage"]["completion_tokens"] == 2
+        charge = body["charge"]
+        assert float(charge) > 0
+        acct_view = (await http.get("/v1/account", headers=acct.headers)).json()
+    bal = service.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.held == 0
+    assert acct_view["credit"]["held"] == "0"
+
+
+async def test_replay_with_same_key_is_not_charged_twice(service, engine):
+    acct = make_account(service, credit="1")
+    h = {**acct.headers, "Idempotency-Key": "k-1"}
+    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+        a = await http.post("/v1/chat/completions", json=BODY, headers=h)
+        b = await http.post("/v1/chat/completions", json=BODY, headers=h)
+        c = await http.post("/v1/chat/completions", json={**BODY, "max_tokens": 9}, headers=h)
+    assert a.status_code == b.status_code == 200
+    assert a.json() == b.json()
+    assert b.headers["Idempotent-Replayed"] == "true"
+    assert c.status_code == 409 and c.json()["error"]["code"] == "idempotency_conflict"
+    assert len(engine.calls) == 1
+
+
+async def test_over_the_tier_limit_is_429_with_retry_after_and_nothing_charged(service, engine):
+    acct = make_account(service, credit="1")
+    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+        codes = [
+            (await http.post("/v1/chat/completions", json=BODY, headers=acct.headers))
+            for _ in range(3)
+        ]
+    limited = [r for r in codes if r.status_code == 429]
+    assert limited, [r.status_code for r in codes]
+    assert limited[0].json()["error"] == {
+        **limited[0].json()["error"],
+        "code": "rate_limited",
+        "retryable": True,
+    }
+    assert int(limited[0].headers["Retry-After"]) >= 1
+    assert len(engine.calls) == len(codes) - len(limited)
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "code"),
+    [
+        ({}, BODY, 401, "missing_api_key"),
+        ({"Authorization": "Bearer by_nope"}, BODY, 401, "invalid_api_key"),
+        (None, {**BODY, "model": "nope"}, 400, "unknown_model"),
+        (None, {**BODY, "model": "kettei-fat"}, 400, "model_unavailable"),
+        (None, {**BODY, "max_tokens": -1}, 400, "invalid_request"),
+        (None, {**BODY, "max_tokens": 10_000_000}, 400, "max_tokens_out_of_range"),
+        (None, {**BODY, "stream": True}, 400, "invalid_request"),
+    ],
+)
+async def test_bad_input_gets_its_own_4xx_and_changes_nothing(
+    service, engine, headers, body, status, code
+):
+    acct = make_account(service, credit="1")
+    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+        r = await http.post(
+            "/v1/chat/completions", json=body, headers=acct.headers if headers is None else headers
+        )
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    assert engine.calls == []
+    bal = service.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.settled == 0 and bal.held == 0

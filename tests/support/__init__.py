@@ -1,0 +1,1 @@
+"""Test support: a live server on loopback, fake upstreams, databases."""
