@@ -30,7 +30,7 @@ def alembic_config() -> Config:
     return cfg
 
 
-def upgrade(db: Database, revision: str = "head") -> None:
+def upgrade(db: Database, revision: str = "heads") -> None:
     cfg = alembic_config()
     with db.engine.connect() as conn:
         if not db.is_sqlite:
