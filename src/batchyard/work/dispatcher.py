@@ -120,16 +120,8 @@ class Dispatcher:
             await self.limiter.acquire(f"route:{route.id}", limits)
 
     async def _observe(self, route: RouteSpec, signal: RateLimitSignal | None) -> None:
-        if signal is None:
-            return
-        now = self.clock.time()
-        waits = []
-        if signal.remaining_requests == 0 and signal.reset_requests_s:
-            waits.append(signal.reset_requests_s)
-        if signal.remaining_tokens == 0 and signal.reset_tokens_s:
-            waits.append(signal.reset_tokens_s)
-        if waits:
-            await self.limiter.penalize(f"route:{route.id}", now + max(waits))
+        if signal is not None:
+            await self.limiter.observe(f"route:{route.id}", signal)
 
     async def call(
         self,

@@ -1,0 +1,359 @@
+"""Every rate limit in batchyard, as one abstraction: GCRA cells checked together.
+
+An organisation's tier (requests, input tokens, estimate tokens and batch
+submissions per minute) and an upstream route's limits (requests and tokens per
+minute) are all the same thing: a rate with a small burst tolerance. GCRA keeps
+one number per limit, its *theoretical arrival time* (TAT): the moment the
+schedule would be caught up if every admitted unit had been spread evenly at the
+limit's rate. That makes every check O(1), shared state a single float per key,
+and pacing exact: at 60/min with a burst of 1, requests go out one a second from
+the first second, not sixty at once and then nothing for a minute.
+
+The arithmetic lives in small pure functions here (``cell_for``, ``gcra``,
+``gcra_many``, ``gcra_adjust``, ``gcra_penalize``). ``InMemoryLimiter`` and
+``SqlLimiter`` call them directly; ``RedisLimiter`` runs the same steps in Lua
+so a multi-limit check is one atomic round trip, and the shared contract tests
+hold all three to the same behaviour. See docs/explanation/limits.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from batchyard.core.clock import Clock
+from batchyard.engines.base import RateLimitSignal
+from batchyard.errors import RateLimited
+
+if TYPE_CHECKING:
+    import sqlalchemy
+
+__all__ = [
+    "EPSILON",
+    "PENALTY",
+    "Cell",
+    "Decision",
+    "InMemoryLimiter",
+    "Limit",
+    "Limiter",
+    "LimiterBase",
+    "cell_for",
+    "gcra",
+    "gcra_adjust",
+    "gcra_many",
+    "gcra_penalize",
+    "limiter_from_url",
+    "penalty_until",
+    "storage_keys",
+]
+
+logger = logging.getLogger(__name__)
+
+# Slack on time comparisons. Epoch seconds near 1.8e9 carry about 2.4e-7 s of
+# float resolution, so a waiter that sleeps exactly ``retry_after`` could land a
+# rounding error short and be told to wait a tenth of a microsecond more.
+EPSILON = 1e-6
+
+# The pseudo-limit that holds an upstream's "not before" time for a key. It is a
+# GCRA cell with zero increment and zero tolerance, so it admits exactly when
+# its TAT has passed and every check of the key honours it. The "!" keeps it
+# apart from real limit names, which may not start with one.
+PENALTY = "!penalty"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A rate: ``per_minute`` units of cost, with ``burst`` units of slack.
+
+    ``burst`` is how far ahead of the even schedule a caller may get, in units
+    of cost. It defaults to 1 so traffic is spread from the first second. A
+    single request may always cost more than ``burst`` (a long prompt against a
+    tokens-per-minute limit): the tolerance actually applied to a request is
+    ``max(burst, cost)``, which admits it once the schedule has caught up rather
+    than never.
+    """
+
+    name: str
+    per_minute: float
+    burst: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name.startswith("!") or ":" in self.name:
+            raise ValueError(f"invalid limit name {self.name!r}")
+        if not (self.per_minute > 0 and math.isfinite(self.per_minute)):
+            raise ValueError(f"limit {self.name}: per_minute must be positive and finite")
+        if not (self.burst >= 0 and math.isfinite(self.burst)):
+            raise ValueError(f"limit {self.name}: burst must be non-negative and finite")
+
+    @property
+    def interval(self) -> float:
+        """Seconds of schedule one unit of cost occupies."""
+        return 60.0 / self.per_minute
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Admitted, or how long until the same request would be.
+
+    ``limit`` names the limit that bound (``PENALTY`` for an upstream's back-off)
+    so an API answer can say which one; it is ``None`` when admitted.
+    """
+
+    allowed: bool
+    retry_after: float
+    limit: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One limit's share of one request, in seconds of that limit's schedule."""
+
+    increment: float
+    tolerance: float
+
+
+PENALTY_CELL = Cell(0.0, 0.0)
+
+
+def cell_for(limit: Limit, cost: float) -> Cell:
+    if not (cost >= 0 and math.isfinite(cost)):
+        raise ValueError(f"limit {limit.name}: cost must be non-negative and finite")
+    return Cell(cost * limit.interval, max(limit.burst, cost) * limit.interval)
+
+
+def gcra(tat: float, now: float, cell: Cell) -> tuple[float, float]:
+    """The TAT after admitting, and the wait before admission is allowed.
+
+    A wait at or below ``EPSILON`` means admit now. A TAT in the past means the
+    limit is idle, which is why a missing key is simply TAT 0.
+    """
+    new_tat = max(tat, now) + cell.increment
+    return new_tat, new_tat - cell.tolerance - now
+
+
+def gcra_many(
+    tats: Sequence[float], now: float, cells: Sequence[Cell]
+) -> tuple[float, int, list[float]]:
+    """Check several cells at once: (wait, index of the binding cell, new TATs).
+
+    All or nothing: the caller writes the new TATs only when ``wait <=
+    EPSILON``. The wait is the largest single wait, because each cell's wait
+    depends on its own TAT alone, so after that long every cell admits.
+    """
+    wait, binding, new_tats = 0.0, -1, []
+    for i, (tat, cell) in enumerate(zip(tats, cells, strict=True)):
+        new_tat, w = gcra(tat, now, cell)
+        new_tats.append(new_tat)
+        if w > wait:
+            wait, binding = w, i
+    return wait, binding, new_tats
+
+
+def gcra_adjust(tat: float, now: float, increment: float) -> float:
+    """Move a TAT by a correction once real usage is known.
+
+    A refund can take a limit back to idle but no further: unused reservation
+    that has already drained with time is not credit to spend later.
+    """
+    return max(max(tat, now) + increment, now)
+
+
+def gcra_penalize(tat: float, until: float) -> float:
+    """The penalty cell's TAT only ever moves later: the longest back-off wins."""
+    return max(tat, until)
+
+
+def storage_keys(key: str, limits: Sequence[tuple[Limit, float]]) -> list[str]:
+    """The per-limit keys for a request, penalty first; rejects a name twice."""
+    names = [limit.name for limit, _ in limits]
+    if len(set(names)) != len(names):
+        raise ValueError(f"limits for {key} repeat a name: {names}")
+    return [f"{key}:{PENALTY}", *(f"{key}:{name}" for name in names)]
+
+
+def request_cells(limits: Sequence[tuple[Limit, float]]) -> list[Cell]:
+    """The cells matching ``storage_keys``, penalty first."""
+    return [PENALTY_CELL, *(cell_for(limit, cost) for limit, cost in limits)]
+
+
+def binding_name(limits: Sequence[tuple[Limit, float]], index: int) -> str | None:
+    if index < 0:
+        return None
+    return PENALTY if index == 0 else limits[index - 1][0].name
+
+
+def penalty_until(
+    signal: RateLimitSignal, now: float, *, default_reset_s: float = 1.0
+) -> float | None:
+    """When an upstream's own headers say to hold off, as an epoch time.
+
+    An exhausted request or token allowance (``x-ratelimit-remaining-* == 0``)
+    holds the route until the matching reset; an upstream that says "none left"
+    without a reset gets ``default_reset_s``, since sending at once is sure to
+    fail. ``None`` when nothing is exhausted.
+    """
+    until: float | None = None
+    pairs = (
+        (signal.remaining_requests, signal.reset_requests_s),
+        (signal.remaining_tokens, signal.reset_tokens_s),
+    )
+    for remaining, reset in pairs:
+        if remaining is not None and remaining <= 0:
+            at = now + (reset if reset is not None else default_reset_s)
+            until = at if until is None else max(until, at)
+    return until
+
+
+@runtime_checkable
+class Limiter(Protocol):
+    """What the API and the dispatcher hold; in-process or shared alike."""
+
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+        """Admit ``cost`` against every limit under ``key``, or none of them."""
+        ...
+
+    async def acquire(
+        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_wait: float | None = None
+    ) -> None:
+        """Wait (on the clock) until admitted; ``RateLimited`` past ``max_wait``."""
+        ...
+
+    async def adjust(self, key: str, limit: Limit, delta: float) -> None:
+        """Correct a reservation by ``delta`` units: negative refunds."""
+        ...
+
+    async def penalize(self, key: str, until: float) -> None:
+        """Admit nothing under ``key`` before epoch time ``until``."""
+        ...
+
+    async def observe(self, key: str, signal: RateLimitSignal) -> None:
+        """Feed an upstream's ``x-ratelimit-*`` signal into ``penalize``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class LimiterBase:
+    """Waiting and signal handling, written once over ``try_acquire``."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+        raise NotImplementedError
+
+    async def penalize(self, key: str, until: float) -> None:
+        raise NotImplementedError
+
+    async def acquire(
+        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_wait: float | None = None
+    ) -> None:
+        # Pacing, not penalty: a refused attempt consumes nothing, so sleeping
+        # the advised time and asking again costs no one else anything. The
+        # re-check after each sleep is also how a penalty that arrived while we
+        # slept reaches every waiter.
+        start = self._clock.time()
+        while True:
+            decision = await self.try_acquire(key, limits)
+            if decision.allowed:
+                return
+            waited = self._clock.time() - start
+            if max_wait is not None and waited + decision.retry_after > max_wait + EPSILON:
+                raise RateLimited(
+                    f"rate limit {decision.limit} for {key} reached",
+                    retry_after=decision.retry_after,
+                )
+            await self._clock.sleep(decision.retry_after)
+
+    async def observe(self, key: str, signal: RateLimitSignal) -> None:
+        until = penalty_until(signal, self._clock.time())
+        if until is not None:
+            await self.penalize(key, until)
+
+    async def close(self) -> None:
+        return None
+
+
+def log_penalty(key: str, until: float, now: float) -> None:
+    logger.info(
+        "rate limit penalty",
+        extra={"limit_key": key, "until": until, "seconds": round(until - now, 3)},
+    )
+
+
+class InMemoryLimiter(LimiterBase):
+    """The default: one process, state in a dict.
+
+    Each operation reads and writes its TATs without awaiting in between, so
+    it is atomic under asyncio; a lock makes it safe from threads as well.
+    Idle keys are dropped now and then, since an idle TAT means the same as a
+    missing one.
+    """
+
+    _SWEEP_EVERY = 4096
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self._tats: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._ops = 0
+
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+        keys = storage_keys(key, limits)
+        cells = request_cells(limits)
+        now = self._clock.time()
+        with self._lock:
+            self._maybe_sweep(now)
+            tats = [self._tats.get(k, 0.0) for k in keys]
+            wait, binding, new_tats = gcra_many(tats, now, cells)
+            if wait > EPSILON:
+                return Decision(False, wait, binding_name(limits, binding))
+            for k, cell, new_tat in zip(keys, cells, new_tats, strict=True):
+                if cell.increment > 0:
+                    self._tats[k] = new_tat
+        return Decision(True, 0.0)
+
+    async def adjust(self, key: str, limit: Limit, delta: float) -> None:
+        k = f"{key}:{limit.name}"
+        now = self._clock.time()
+        with self._lock:
+            self._tats[k] = gcra_adjust(self._tats.get(k, 0.0), now, delta * limit.interval)
+
+    async def penalize(self, key: str, until: float) -> None:
+        k = f"{key}:{PENALTY}"
+        with self._lock:
+            self._tats[k] = gcra_penalize(self._tats.get(k, 0.0), until)
+        log_penalty(key, until, self._clock.time())
+
+    def _maybe_sweep(self, now: float) -> None:
+        self._ops += 1
+        if self._ops % self._SWEEP_EVERY == 0:
+            self._tats = {k: t for k, t in self._tats.items() if t > now}
+
+
+def limiter_from_url(
+    url: str | None, clock: Clock, engine: sqlalchemy.Engine | None = None, **options: Any
+) -> Limiter:
+    """Pick the limiter a deployment asked for.
+
+    ``None`` or ``memory``: in-process (one replica). ``redis://``/``rediss://``/
+    ``unix://``: shared through Redis. ``sql``: shared through the store's own
+    database, for deployments that run PostgreSQL but no Redis.
+    """
+    if url is None or url in ("memory", "memory://"):
+        return InMemoryLimiter(clock)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from batchyard.core.limits_redis import RedisLimiter
+
+        return RedisLimiter(url, clock, **options)
+    if url == "sql":
+        if engine is None:
+            raise ValueError("the sql limiter needs the store's engine")
+        from batchyard.core.limits_sql import SqlLimiter
+
+        return SqlLimiter(engine, clock)
+    raise ValueError(f"unknown limiter url scheme: {url.split('://')[0]!r}")

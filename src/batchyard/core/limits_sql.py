@@ -1,0 +1,153 @@
+"""GCRA limits shared through the database, for deployments without Redis.
+
+One row per limit key holds its TAT. A check locks its rows (``SELECT ... FOR
+UPDATE`` on PostgreSQL, in key order so two checks never deadlock), computes
+with the same pure functions as the in-process limiter, and writes back only if
+every limit admits. Missing rows are inserted first with ``ON CONFLICT DO
+NOTHING`` so there is always a row to lock; TAT 0 means idle. On SQLite the
+insert takes the database's write lock, which serialises checks just as well.
+
+The database driver blocks, so each operation runs in a worker thread and the
+event loop keeps serving. It is slower than Redis (a transaction per check) but
+needs nothing a batchyard deployment doesn't already run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from batchyard.core.clock import Clock
+from batchyard.core.limits import (
+    EPSILON,
+    PENALTY,
+    Decision,
+    Limit,
+    LimiterBase,
+    binding_name,
+    gcra_adjust,
+    gcra_many,
+    gcra_penalize,
+    log_penalty,
+    request_cells,
+    storage_keys,
+)
+
+__all__ = ["LIMITS_METADATA", "LIMITS_TABLE", "SqlLimiter", "create_table"]
+
+# The table's one definition. The store's migrations will take it over; until
+# then ``create_table`` makes it.
+LIMITS_METADATA = sa.MetaData()
+LIMITS_TABLE = sa.Table(
+    "rate_limits",
+    LIMITS_METADATA,
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("tat", sa.Double, nullable=False),
+)
+
+
+def create_table(engine: sa.Engine) -> None:
+    LIMITS_METADATA.create_all(engine, tables=[LIMITS_TABLE], checkfirst=True)
+
+
+class SqlLimiter(LimiterBase):
+    """Limits shared across replicas through PostgreSQL (or one SQLite file)."""
+
+    def __init__(self, engine: sa.Engine, clock: Clock) -> None:
+        super().__init__(clock)
+        if engine.dialect.name not in ("postgresql", "sqlite"):
+            raise ValueError(
+                f"SqlLimiter supports postgresql and sqlite, not {engine.dialect.name}"
+            )
+        self._engine = engine
+
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+        keys = storage_keys(key, limits)
+        cells = request_cells(limits)
+        now = self._clock.time()
+
+        def run() -> Decision:
+            with self._engine.begin() as conn:
+                locked = self._lock_rows(conn, keys)
+                wait, binding, new_tats = gcra_many([locked[k] for k in keys], now, cells)
+                if wait > EPSILON:
+                    return Decision(False, wait, binding_name(limits, binding))
+                writes = [
+                    {"k": k, "t": t}
+                    for k, cell, t in zip(keys, cells, new_tats, strict=True)
+                    if cell.increment > 0
+                ]
+                self._write(conn, writes)
+            return Decision(True, 0.0)
+
+        return await asyncio.to_thread(run)
+
+    async def adjust(self, key: str, limit: Limit, delta: float) -> None:
+        k = f"{key}:{limit.name}"
+        now = self._clock.time()
+
+        def run() -> None:
+            with self._engine.begin() as conn:
+                tat = self._lock_rows(conn, [k])[k]
+                self._write(conn, [{"k": k, "t": gcra_adjust(tat, now, delta * limit.interval)}])
+
+        await asyncio.to_thread(run)
+
+    async def penalize(self, key: str, until: float) -> None:
+        k = f"{key}:{PENALTY}"
+
+        def run() -> None:
+            with self._engine.begin() as conn:
+                tat = self._lock_rows(conn, [k])[k]
+                self._write(conn, [{"k": k, "t": gcra_penalize(tat, until)}])
+
+        await asyncio.to_thread(run)
+        log_penalty(key, until, self._clock.time())
+
+    async def prune(self, idle_for: float = 3600.0) -> int:
+        """Delete rows idle for ``idle_for`` seconds; the rows a check needs come back.
+
+        Safe alongside checks: a check that finds its row deleted between the
+        insert and the lock inserts it again before computing.
+        """
+        cutoff = self._clock.time() - idle_for
+
+        def run() -> int:
+            with self._engine.begin() as conn:
+                result = conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.tat < cutoff))
+                return result.rowcount
+
+        return await asyncio.to_thread(run)
+
+    def _lock_rows(self, conn: sa.Connection, keys: Sequence[str]) -> dict[str, float]:
+        ordered = sorted(set(keys))
+        insert = postgresql.insert if self._engine.dialect.name == "postgresql" else sqlite.insert
+        ensure = insert(LIMITS_TABLE).on_conflict_do_nothing(index_elements=["key"])
+        lock = (
+            sa.select(LIMITS_TABLE.c.key, LIMITS_TABLE.c.tat)
+            .where(LIMITS_TABLE.c.key.in_(ordered))
+            .order_by(LIMITS_TABLE.c.key)
+            .with_for_update()
+        )
+        # A prune can delete a row between our insert and our lock; go round
+        # again until every row is both present and ours.
+        for _ in range(5):
+            conn.execute(ensure, [{"key": k, "tat": 0.0} for k in ordered])
+            rows = {k: float(t) for k, t in conn.execute(lock)}
+            if len(rows) == len(ordered):
+                return rows
+        raise RuntimeError("rate limit rows kept vanishing while being locked")
+
+    @staticmethod
+    def _write(conn: sa.Connection, writes: list[dict[str, object]]) -> None:
+        if not writes:
+            return
+        stmt = (
+            sa.update(LIMITS_TABLE)
+            .where(LIMITS_TABLE.c.key == sa.bindparam("k"))
+            .values(tat=sa.bindparam("t"))
+        )
+        conn.execute(stmt, writes)

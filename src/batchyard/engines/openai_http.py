@@ -1,0 +1,298 @@
+"""An engine that forwards to any OpenAI-compatible ``/chat/completions``.
+
+Every failure is mapped onto the error tree so the dispatcher decides retries
+from ``retryable`` and ``retry_after`` alone, and the upstream's own
+``x-ratelimit-*`` headers ride along (on completions and on the raised error,
+as ``rate_limit``) so pacing follows what the provider says rather than a
+guess. The hot path is one pooled client and one ``json`` round trip per call:
+this engine is benchmarked against a bare httpx loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import httpx
+
+from batchyard.core.clock import Clock, SystemClock
+from batchyard.engines.base import (
+    Choice,
+    Completion,
+    CompletionRequest,
+    RateLimitSignal,
+    Usage,
+)
+from batchyard.errors import UpstreamError, UpstreamRateLimited, UpstreamTimeout
+
+__all__ = [
+    "OpenAIHttpEngine",
+    "parse_rate_limit",
+    "parse_reset",
+    "parse_retry_after",
+    "rate_limit_of",
+]
+
+log = logging.getLogger(__name__)
+
+# Attribute name under which raised errors carry the upstream's RateLimitSignal.
+RATE_LIMIT_ATTR = "rate_limit"
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def parse_reset(value: str | None) -> float | None:
+    """Seconds from OpenAI's reset format (``1s``, ``6m0s``, ``20ms``) or plain seconds."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    total, pos = 0.0, 0
+    for match in _DURATION_PART.finditer(value):
+        if match.start() != pos:
+            return None
+        number, unit = float(match.group(1)), match.group(2)
+        total += number * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+        pos = match.end()
+    return total if pos == len(value) and pos > 0 else None
+
+
+def _int_header(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(float(value))
+    except ValueError:
+        return None
+
+
+def parse_rate_limit(headers: httpx.Headers) -> RateLimitSignal | None:
+    """The ``x-ratelimit-*`` headers as a signal; ``None`` where the upstream sends none."""
+    get = headers.get
+    limit_req = get("x-ratelimit-limit-requests")
+    remaining_req = get("x-ratelimit-remaining-requests")
+    reset_req = get("x-ratelimit-reset-requests")
+    limit_tok = get("x-ratelimit-limit-tokens")
+    remaining_tok = get("x-ratelimit-remaining-tokens")
+    reset_tok = get("x-ratelimit-reset-tokens")
+    if (
+        limit_req is None
+        and remaining_req is None
+        and reset_req is None
+        and limit_tok is None
+        and remaining_tok is None
+        and reset_tok is None
+    ):
+        return None
+    return RateLimitSignal(
+        remaining_requests=_int_header(remaining_req),
+        remaining_tokens=_int_header(remaining_tok),
+        reset_requests_s=parse_reset(reset_req),
+        reset_tokens_s=parse_reset(reset_tok),
+        limit_requests=_int_header(limit_req),
+        limit_tokens=_int_header(limit_tok),
+    )
+
+
+def parse_retry_after(headers: httpx.Headers, clock: Clock) -> float | None:
+    """How long the upstream asked us to wait, from the most precise header it sent."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            return max(0.0, float(ms) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is not None:
+        value = value.strip()
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            when = None
+        if when is not None:
+            return max(0.0, when.timestamp() - clock.time())
+    return None
+
+
+def rate_limit_of(error: BaseException) -> RateLimitSignal | None:
+    """The upstream's rate-limit signal carried by an error this engine raised."""
+    signal = getattr(error, RATE_LIMIT_ATTR, None)
+    return signal if isinstance(signal, RateLimitSignal) else None
+
+
+def _upstream_message(response: httpx.Response) -> str:
+    try:
+        body = json.loads(response.content)
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:500]
+        if isinstance(error, str):
+            return error[:500]
+    except ValueError:
+        pass
+    return response.text[:200] or response.reason_phrase
+
+
+def _malformed(detail: str) -> UpstreamError:
+    return UpstreamError(f"upstream answered malformed JSON: {detail}", code="upstream_malformed")
+
+
+class OpenAIHttpEngine:
+    """Chat completions over HTTP against an OpenAI-compatible base URL (ending in ``/v1``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 60.0,
+        name: str = "openai_http",
+        client: httpx.AsyncClient | None = None,
+        max_connections: int = 256,
+        clock: Clock | None = None,
+    ) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self._url = f"{self.base_url}/chat/completions"
+        self._clock: Clock = clock or SystemClock()
+        self._headers = {"content-type": "application/json", "accept": "application/json"}
+        if api_key:
+            self._headers["authorization"] = f"Bearer {api_key}"
+        self._owns_client = client is None
+        # An owned client carries the headers itself, sparing a merge per call.
+        self._request_headers: dict[str, str] | None = None if client is None else self._headers
+        self._client = client or httpx.AsyncClient(
+            headers=self._headers,
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+        )
+
+    @staticmethod
+    def body_for(request: CompletionRequest) -> dict[str, Any]:
+        """OpenAI's request body; messages go through untouched, image parts included."""
+        body: dict[str, Any] = {
+            "model": request.model,
+            "messages": request.messages,
+            "max_tokens": request.max_tokens,
+        }
+        if request.n != 1:
+            body["n"] = request.n
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        if request.top_p is not None:
+            body["top_p"] = request.top_p
+        if request.stop:
+            body["stop"] = request.stop
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.response_format is not None:
+            body["response_format"] = request.response_format
+        if request.logprobs:
+            body["logprobs"] = True
+            if request.top_logprobs is not None:
+                body["top_logprobs"] = request.top_logprobs
+        return body
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        payload = json.dumps(self.body_for(request), separators=(",", ":")).encode()
+        try:
+            response = await self._client.post(
+                self._url, content=payload, headers=self._request_headers
+            )
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(f"upstream timed out ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"upstream unreachable ({type(exc).__name__})") from None
+        signal = parse_rate_limit(response.headers)
+        status = response.status_code
+        if status != 200:
+            raise self._error_for(response, signal)
+        try:
+            data = json.loads(response.content)
+        except ValueError:
+            raise _malformed("body is not JSON") from None
+        return self._completion(data, request, signal)
+
+    def _error_for(self, response: httpx.Response, signal: RateLimitSignal | None) -> UpstreamError:
+        status = response.status_code
+        retry_after = parse_retry_after(response.headers, self._clock)
+        error: UpstreamError
+        if status == 429:
+            if retry_after is None and signal is not None:
+                resets = [r for r in (signal.reset_requests_s, signal.reset_tokens_s) if r]
+                retry_after = max(resets) if resets else None
+            error = UpstreamRateLimited(
+                f"upstream rate limited: {_upstream_message(response)}", retry_after=retry_after
+            )
+        elif status >= 500:
+            error = UpstreamError(
+                f"upstream failed with HTTP {status}: {_upstream_message(response)}",
+                retry_after=retry_after,
+            )
+        else:
+            error = UpstreamError(
+                f"upstream rejected the request (HTTP {status}): {_upstream_message(response)}",
+                code="upstream_rejected",
+                status=502,
+                retryable=False,
+            )
+        log.info(
+            "upstream error",
+            extra={"engine": self.name, "http_status": status, "retry_after": retry_after},
+        )
+        setattr(error, RATE_LIMIT_ATTR, signal)
+        return error
+
+    @staticmethod
+    def _completion(
+        data: Any, request: CompletionRequest, signal: RateLimitSignal | None
+    ) -> Completion:
+        if not isinstance(data, dict):
+            raise _malformed("body is not an object")
+        usage = data.get("usage")
+        if not isinstance(usage, dict):
+            raise _malformed("no usage; the call cannot be billed")
+        raw_choices = data.get("choices")
+        if not isinstance(raw_choices, list) or not raw_choices:
+            raise _malformed("no choices")
+        try:
+            input_tokens = int(usage["prompt_tokens"])
+            output_tokens = int(usage.get("completion_tokens") or 0)
+            if len(raw_choices) > 1:
+                raw_choices = sorted(raw_choices, key=lambda c: c.get("index", 0))
+            choices = []
+            for raw in raw_choices:
+                message = raw.get("message") or {}
+                logprobs = raw.get("logprobs")
+                choices.append(
+                    Choice(
+                        text=message.get("content") or "",
+                        finish_reason=raw.get("finish_reason") or "stop",
+                        logprobs=logprobs.get("content") if isinstance(logprobs, dict) else None,
+                    )
+                )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise _malformed("missing or mistyped fields") from None
+        return Completion(
+            model=data.get("model") or request.model,
+            choices=choices,
+            usage=Usage(input_tokens=input_tokens, output_tokens=output_tokens),
+            rate_limit=signal,
+            raw=data,
+        )
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()

@@ -1,0 +1,173 @@
+"""The embedded engine on the real SmolLM2 GGUF: answers, scores, versions, and a free loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from batchyard.core.tokens import GgufTokenizer, tokenizer_for
+from batchyard.engines.base import CompletionRequest, Engine, ScoringEngine
+from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
+from batchyard.engines.model_files import default_model_path
+from batchyard.errors import ContextWindowExceeded, UnsupportedInput
+
+# One engine (and one event loop: its queues belong to a loop) for the module,
+# so the model loads once.
+pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[LlamaCppEngine]:
+    path = default_model_path()
+    eng = LlamaCppEngine(path, n_ctx=512, contexts=2, versions={"copy": VersionSpec("gguf", path)})
+    yield eng
+    await eng.aclose()
+
+
+def ask(messages: list[dict], max_tokens: int = 12, **options: object) -> CompletionRequest:
+    return CompletionRequest("smollm2", messages, max_tokens, **options)  # type: ignore[arg-type]
+
+
+async def test_lazy_load_then_a_completion_with_real_usage(engine: LlamaCppEngine) -> None:
+    assert isinstance(engine, Engine) and isinstance(engine, ScoringEngine)
+    assert not engine.loaded
+    done = await engine.complete(ask(CAPITAL, temperature=0.0))
+    assert engine.loaded and engine.is_loaded()
+    assert done.text.strip()
+    assert 0 < done.usage.output_tokens <= 12
+    assert done.usage.input_tokens == tokenizer_for("default").count_messages(CAPITAL)
+    assert engine.last_load_seconds is not None and engine.last_load_seconds > 0
+
+
+async def test_n_samples_and_generated_logprobs(engine: LlamaCppEngine) -> None:
+    done = await engine.complete(ask(CAPITAL, max_tokens=4, n=2, seed=3, logprobs=True))
+    assert len(done.choices) == 2
+    for choice in done.choices:
+        logprobs = choice.logprobs or []
+        assert logprobs, "logprobs were asked for"
+        assert "".join(lp["token"] for lp in logprobs) == choice.text
+        assert all(math.isfinite(lp["logprob"]) and lp["logprob"] <= 0 for lp in logprobs)
+
+
+async def test_scoring_prefers_the_right_answer(engine: LlamaCppEngine) -> None:
+    scores, usage = await engine.score("smollm2", CAPITAL, ["Paris", "Tokyo", "Banana"])
+    assert all(math.isfinite(s) and s < 0 for s in scores)
+    assert scores[0] == max(scores)
+    assert usage.input_tokens == tokenizer_for("default").count_messages(CAPITAL)
+    # Output usage is the sum of candidate tokens, each being evaluated.
+    gguf = tokenizer_for("default")
+    assert usage.output_tokens == sum(gguf.count(c) for c in ["Paris", "Tokyo", "Banana"])
+    again, _ = await engine.score("smollm2", CAPITAL, ["Paris", "Tokyo", "Banana"])
+    assert again.index(max(again)) == 0
+
+
+async def test_json_schema_constrains_the_output(engine: LlamaCppEngine) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    done = await engine.complete(ask(CAPITAL, max_tokens=24, response_format=fmt))
+    assert json.loads(done.text)["city"] in {"Paris", "Rome"}
+
+
+async def test_generation_does_not_block_the_event_loop(engine: LlamaCppEngine) -> None:
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    started = time.perf_counter()
+    story = [{"role": "user", "content": "Write a long story about a dragon."}]
+    await asyncio.gather(*[engine.complete(ask(story, max_tokens=48)) for _ in range(2)])
+    elapsed = time.perf_counter() - started
+    stop.set()
+    await tick
+    assert elapsed > 0.2
+    assert len(gaps) > elapsed / 0.05
+    assert max(gaps) < 0.2
+
+
+async def test_a_cancelled_call_returns_its_context_to_the_pool(engine: LlamaCppEngine) -> None:
+    story = [{"role": "user", "content": "Tell me everything about the ocean."}]
+    tasks = [asyncio.create_task(engine.complete(ask(story, max_tokens=40))) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    done = await asyncio.wait_for(engine.complete(ask(CAPITAL, max_tokens=3)), 60)
+    assert done.usage.output_tokens > 0
+
+
+async def test_versions_load_on_demand_and_report_observed_load_time(
+    engine: LlamaCppEngine,
+) -> None:
+    assert not engine.is_loaded("copy")
+    assert engine.load_seconds("copy") is None
+    seconds = await engine.load_version("copy")
+    assert engine.is_loaded("copy")
+    assert seconds > 0 and engine.load_seconds("copy") == seconds == engine.last_load_seconds
+    assert await engine.load_version("copy") == seconds  # already loaded: no reload
+    done = await engine.complete(ask(CAPITAL, max_tokens=3, temperature=0.0))
+    assert done.usage.output_tokens > 0
+    copy = await engine.complete(CompletionRequest("copy", CAPITAL, 3, temperature=0.0))
+    assert copy.model == "copy" and copy.usage.input_tokens == done.usage.input_tokens
+    await engine.unload_version("copy")
+    assert not engine.is_loaded("copy")
+    with pytest.raises(KeyError):
+        engine.is_loaded("nope")
+
+
+async def test_images_and_oversized_prompts_are_refused(engine: LlamaCppEngine) -> None:
+    image = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}},
+    ]
+    with pytest.raises(UnsupportedInput):
+        await engine.complete(ask([{"role": "user", "content": image}]))
+    huge = [{"role": "user", "content": "word " * 2000}]
+    with pytest.raises(ContextWindowExceeded):
+        await engine.score("smollm2", huge, ["yes"])
+    with pytest.raises(ContextWindowExceeded):
+        await engine.complete(ask(huge))
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        CAPITAL,
+        [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Name a colour. ☀️ naïve"},
+        ],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": [{"type": "text", "text": "Count to three."}]},
+        ],
+    ],
+)
+async def test_tokenizer_never_undercounts_the_engine(
+    engine: LlamaCppEngine, messages: list[dict]
+) -> None:
+    tokenizer = tokenizer_for("default")
+    assert isinstance(tokenizer, GgufTokenizer)
+    done = await engine.complete(ask(messages, max_tokens=2))
+    assert tokenizer.count_messages(messages) >= done.usage.input_tokens
+    assert tokenizer.count_messages(messages) == done.usage.input_tokens  # exact, in fact

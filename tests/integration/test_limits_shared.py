@@ -1,0 +1,392 @@
+"""One behavioural contract for every limiter: in-process, Redis, PostgreSQL, SQLite.
+
+The shared limiters run against the real servers on loopback. Each test gets
+its own key namespace (and its own Redis prefix); the SQL table lives in a
+schema of its own so it never meets the store's migrations. Time is a
+ManualClock passed to the limiter, which the shared limiters send to the server
+as ``now``: nothing here sleeps to test a time rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from batchyard.core.clock import ManualClock
+from batchyard.core.limits import PENALTY, Decision, InMemoryLimiter, Limit, limiter_from_url
+from batchyard.core.limits_redis import RedisLimiter
+from batchyard.core.limits_sql import LIMITS_TABLE, SqlLimiter, create_table
+from batchyard.engines.base import RateLimitSignal
+from batchyard.errors import RateLimited
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+SCHEMA = "batchyard_limits_test"
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+RPM = Limit("rpm", per_minute=60)
+TPM = Limit("tpm", per_minute=6000, burst=100)
+
+
+class SleepWatchingClock(ManualClock):
+    """A ManualClock that tells the test what a waiter asked to sleep for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps: list[float] = []
+        self.sleeping = asyncio.Event()
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.sleeping.set()
+        await super().sleep(seconds)
+
+    async def next_sleep(self) -> float:
+        await asyncio.wait_for(self.sleeping.wait(), 5)
+        self.sleeping.clear()
+        return self.sleeps[-1]
+
+
+def postgres_engine() -> sa.Engine:
+    engine = sa.create_engine(POSTGRES_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+    return engine.execution_options(schema_translate_map={None: SCHEMA})
+
+
+@pytest.fixture(scope="module")
+def pg_engine() -> Iterator[sa.Engine]:
+    engine = postgres_engine()
+    create_table(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def ns() -> str:
+    return f"t{uuid.uuid4().hex[:12]}."
+
+
+@pytest.fixture
+def clock() -> SleepWatchingClock:
+    return SleepWatchingClock()
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        "sqlite",
+    ]
+)
+async def limiter(request, clock, ns, tmp_path) -> AsyncIterator[object]:
+    if request.param == "memory":
+        lim = InMemoryLimiter(clock)
+        yield lim
+        await lim.close()
+    elif request.param == "redis":
+        prefix = f"batchyard-test:{ns}"
+        lim = RedisLimiter(REDIS_URL, clock, prefix=prefix)
+        yield lim
+        await lim.close()
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+    elif request.param == "postgres":
+        engine = request.getfixturevalue("pg_engine")
+        lim = SqlLimiter(engine, clock)
+        yield lim
+        await lim.close()
+        with engine.begin() as conn:
+            conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.key.startswith(ns)))
+    else:
+        engine = sa.create_engine(f"sqlite:///{tmp_path / 'limits.db'}")
+        create_table(engine)
+        lim = SqlLimiter(engine, clock)
+        yield lim
+        await lim.close()
+        engine.dispose()
+
+
+# -- the contract -------------------------------------------------------------
+
+
+async def test_even_spacing_from_the_first_second(limiter, clock, ns) -> None:
+    assert await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)]) == Decision(True, 0.0)
+    second = await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)])
+    assert second == Decision(False, pytest.approx(1.0), "rpm")
+    clock.advance(1.0)
+    assert (await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)])).allowed
+
+
+async def test_no_full_bucket_at_start_and_burst_is_honoured(limiter, clock, ns) -> None:
+    admitted = [(await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)])).allowed for _ in range(10)]
+    assert admitted.count(True) == 1
+    burst5 = Limit("rpm", per_minute=60, burst=5)
+    admitted = [(await limiter.try_acquire(f"{ns}org:b", [(burst5, 1)])).allowed for _ in range(10)]
+    assert admitted.count(True) == 5
+    clock.advance(2.0)
+    admitted = [(await limiter.try_acquire(f"{ns}org:b", [(burst5, 1)])).allowed for _ in range(10)]
+    assert admitted.count(True) == 2
+
+
+async def test_keys_are_independent(limiter, ns) -> None:
+    assert (await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)])).allowed
+    assert (await limiter.try_acquire(f"{ns}org:b", [(RPM, 1)])).allowed
+
+
+async def test_all_or_nothing(limiter, clock, ns) -> None:
+    key = f"{ns}org:a"
+    assert (await limiter.try_acquire(key, [(TPM, 100)])).allowed
+    refused = await limiter.try_acquire(key, [(RPM, 1), (TPM, 100)])
+    assert refused == Decision(False, pytest.approx(1.0), "tpm")
+    # The refused request took nothing from the request limit.
+    assert (await limiter.try_acquire(key, [(RPM, 1)])).allowed
+
+
+async def test_a_cost_above_burst_waits_for_the_schedule(limiter, clock, ns) -> None:
+    key = f"{ns}org:a"
+    assert (await limiter.try_acquire(key, [(TPM, 100)])).allowed
+    big = await limiter.try_acquire(key, [(TPM, 1000)])
+    assert big == Decision(False, pytest.approx(1.0), "tpm")
+    clock.advance(1.0)
+    assert (await limiter.try_acquire(key, [(TPM, 1000)])).allowed
+
+
+async def test_refund_and_extra_debit(limiter, clock, ns) -> None:
+    key = f"{ns}org:a"
+    assert (await limiter.try_acquire(key, [(TPM, 600)])).allowed
+    assert (await limiter.try_acquire(key, [(TPM, 100)])).retry_after == pytest.approx(6.0)
+    await limiter.adjust(key, TPM, -500)
+    assert (await limiter.try_acquire(key, [(TPM, 100)])).retry_after == pytest.approx(1.0)
+    await limiter.adjust(key, TPM, 300)
+    assert (await limiter.try_acquire(key, [(TPM, 100)])).retry_after == pytest.approx(4.0)
+    # A refund larger than the debt only brings the limit back to idle.
+    await limiter.adjust(key, TPM, -100_000)
+    assert (await limiter.try_acquire(key, [(TPM, 100)])).allowed
+    assert not (await limiter.try_acquire(key, [(TPM, 100)])).allowed
+
+
+async def test_penalize_blocks_the_key_until_then(limiter, clock, ns) -> None:
+    key = f"{ns}route:r1"
+    await limiter.penalize(key, clock.time() + 20)
+    assert await limiter.try_acquire(key, [(RPM, 1)]) == Decision(
+        False, pytest.approx(20.0), PENALTY
+    )
+    assert not (await limiter.try_acquire(key, [])).allowed
+    assert (await limiter.try_acquire(f"{ns}route:r2", [(RPM, 1)])).allowed
+    await limiter.penalize(key, clock.time() + 5)
+    clock.advance(19.5)
+    assert (await limiter.try_acquire(key, [(RPM, 1)])).retry_after == pytest.approx(0.5)
+    clock.advance(0.5)
+    assert (await limiter.try_acquire(key, [(RPM, 1)])).allowed
+
+
+async def test_observe_reads_exhausted_headers(limiter, clock, ns) -> None:
+    key = f"{ns}route:r"
+    await limiter.observe(key, RateLimitSignal(remaining_requests=5, reset_requests_s=30))
+    assert (await limiter.try_acquire(key, [])).allowed
+    await limiter.observe(key, RateLimitSignal(remaining_requests=0, reset_requests_s=2.5))
+    assert (await limiter.try_acquire(key, [])).retry_after == pytest.approx(2.5)
+
+
+async def test_acquire_paces_on_the_clock_and_sees_penalties(limiter, clock, ns) -> None:
+    key = f"{ns}route:r"
+    await limiter.acquire(key, [(RPM, 1)])
+    waiter = asyncio.create_task(limiter.acquire(key, [(RPM, 1)]))
+    assert await clock.next_sleep() == pytest.approx(1.0)
+    clock.advance(0.5)
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    # An upstream 429 arrives while the waiter sleeps; it wakes, sees it, waits on.
+    await limiter.penalize(key, clock.time() + 4.5)
+    clock.advance(0.5)
+    assert await clock.next_sleep() == pytest.approx(4.0)
+    clock.advance(4.0)
+    await asyncio.wait_for(waiter, 5)
+
+
+async def test_acquire_refuses_past_max_wait_without_consuming(limiter, clock, ns) -> None:
+    key = f"{ns}org:a"
+    await limiter.acquire(key, [(RPM, 1)])
+    with pytest.raises(RateLimited) as raised:
+        await limiter.acquire(key, [(RPM, 1)], max_wait=0.25)
+    assert raised.value.retry_after == pytest.approx(1.0)
+    assert clock.sleeps == []
+    clock.advance(1.0)
+    await limiter.acquire(key, [(RPM, 1)], max_wait=0)
+
+
+async def test_concurrent_tasks_share_one_limit(limiter, clock, ns) -> None:
+    limit = Limit("rpm", per_minute=60, burst=3)
+    decisions = await asyncio.gather(
+        *(limiter.try_acquire(f"{ns}org:a", [(limit, 1)]) for _ in range(12))
+    )
+    assert sum(d.allowed for d in decisions) == 3
+
+
+@pytest.mark.redis
+@pytest.mark.postgres
+async def test_limiter_from_url_builds_the_shared_ones(clock, pg_engine) -> None:
+    redis_limiter = limiter_from_url(REDIS_URL, clock)
+    assert isinstance(redis_limiter, RedisLimiter)
+    await redis_limiter.close()
+    assert isinstance(limiter_from_url("sql", clock, engine=pg_engine), SqlLimiter)
+
+
+@pytest.mark.postgres
+async def test_prune_drops_idle_rows_and_checks_carry_on(clock, ns, pg_engine) -> None:
+    limiter = SqlLimiter(pg_engine, clock)
+    key = f"{ns}org:a"
+    assert (await limiter.try_acquire(key, [(RPM, 1)])).allowed
+    clock.advance(7200)
+    assert await limiter.prune(idle_for=3600) >= 1
+    with pg_engine.connect() as conn:
+        left = conn.execute(
+            sa.select(sa.func.count()).where(LIMITS_TABLE.c.key.startswith(ns))
+        ).scalar_one()
+    assert left == 0
+    assert (await limiter.try_acquire(key, [(RPM, 1)])).allowed
+    assert not (await limiter.try_acquire(key, [(RPM, 1)])).allowed
+    with pg_engine.begin() as conn:
+        conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.key.startswith(ns)))
+
+
+@pytest.mark.redis
+async def test_redis_keys_expire_once_idle(clock, ns) -> None:
+    prefix = f"batchyard-test:{ns}"
+    limiter = RedisLimiter(REDIS_URL, clock, prefix=prefix)
+    await limiter.try_acquire("org:a", [(TPM, 100)])
+    await limiter.penalize("org:a", clock.time() + 30)
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        ttls = {k.decode(): client.pttl(k) for k in client.scan_iter(match=f"{prefix}*")}
+        # One request's limits share a hash tag, so they share a cluster slot.
+        assert set(ttls) == {f"{prefix}{{org:a}}:tpm", f"{prefix}{{org:a}}:!penalty"}
+        assert 1000 < ttls[f"{prefix}{{org:a}}:tpm"] <= 2000
+        assert 30000 < ttls[f"{prefix}{{org:a}}:!penalty"] <= 31000
+    finally:
+        await limiter.close()
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+# -- across processes ---------------------------------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from datetime import datetime
+    from batchyard.core.clock import ManualClock
+    from batchyard.core.limits import Limit
+
+    backend, ns, start = sys.argv[1], sys.argv[2], sys.argv[3]
+    clock = ManualClock(datetime.fromisoformat(start))
+    if backend == "redis":
+        from batchyard.core.limits_redis import RedisLimiter
+        limiter = RedisLimiter("%(redis)s", clock, prefix="batchyard-test:" + ns)
+    else:
+        import sqlalchemy as sa
+        from batchyard.core.limits_sql import SqlLimiter
+        engine = sa.create_engine("%(postgres)s").execution_options(
+            schema_translate_map={None: "%(schema)s"}
+        )
+        limiter = SqlLimiter(engine, clock)
+    limit = Limit("rpm", per_minute=60, burst=100)
+
+    async def main():
+        print("ready", flush=True)
+        sys.stdin.readline()
+        admitted = 0
+        for phase in range(3):
+            for _ in range(%(attempts)d):
+                admitted += (await limiter.try_acquire(ns + "org:shared", [(limit, 1)])).allowed
+            clock.advance(10)
+        await limiter.close()
+        print(json.dumps(admitted), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("backend", "attempts"),
+    [
+        pytest.param("redis", 300, marks=pytest.mark.redis),
+        pytest.param("postgres", 150, marks=pytest.mark.postgres),
+    ],
+)
+def test_two_processes_share_one_limit(backend, attempts, ns, request) -> None:
+    """Two OS processes hammering one organisation admit the limit once, not twice.
+
+    Both hold the same frozen time per phase, ten seconds apart. The first
+    phase spends the burst (100) and each later one the ten seconds' worth, so
+    120 in all however the processes interleave: the last phase fills the
+    schedule to exactly now + burst. The burst is large so that both processes
+    are admitting at the same moment; a limiter that read and wrote separately
+    would let both spend the same slot.
+    """
+    if backend == "postgres":
+        request.getfixturevalue("pg_engine")
+    code = WORKER % {
+        "redis": REDIS_URL,
+        "postgres": POSTGRES_URL,
+        "schema": SCHEMA,
+        "attempts": attempts,
+    }
+    start = ManualClock().now().isoformat()
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, backend, ns, start],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for worker in workers:
+            assert worker.stdout.readline().strip() == "ready"
+        for worker in workers:
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        counts = [json.loads(worker.communicate(timeout=60)[0]) for worker in workers]
+        assert all(worker.returncode == 0 for worker in workers)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+        cleanup(backend, ns)
+    assert sum(counts) == 120
+
+
+def cleanup(backend: str, ns: str) -> None:
+    if backend == "redis":
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"batchyard-test:{ns}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+    else:
+        engine = postgres_engine()
+        with engine.begin() as conn:
+            conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.key.startswith(ns)))
+        engine.dispose()
