@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from batchyard.cli.admin import audit, credit, keys
+from batchyard.cli.check import command as check_command
 from batchyard.cli.demo import demo
+from batchyard.cli.run import command as run_command
 from batchyard.cli.serve import serve, worker
 
 __all__ = ["cli", "main"]
@@ -20,14 +22,8 @@ def cli() -> None:
 for command in (serve, worker, keys, credit, audit, demo):
     cli.add_command(command)
 
-try:  # the client commands, present once the client package is installed
-    from batchyard.cli import check as _check
-    from batchyard.cli import run as _run
-
-    cli.add_command(_run.command, "run")
-    cli.add_command(_check.command, "check")
-except ImportError:  # pragma: no cover - only while the client is being built
-    pass
+cli.add_command(run_command, "run")
+cli.add_command(check_command, "check")
 
 
 def main() -> None:

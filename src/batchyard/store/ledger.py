@@ -175,7 +175,9 @@ def reserve(
             created_at=now,
         )
     )
-    _entry(conn, org_id, "reserve", amount, now, reservation_id=res_id)
+    # A free call (a zero-priced route) holds nothing: entries are always positive.
+    if amount:
+        _entry(conn, org_id, "reserve", amount, now, reservation_id=res_id)
     conn.execute(update(balances).where(balances.c.org_id == org_id).values(held=bal.held + amount))
     return Reservation(res_id, org_id, amount, "held", None, purpose, ref)
 
@@ -300,11 +302,11 @@ def audit(conn: Connection) -> list[str]:
     seen: set[str] = set()
     for res in conn.execute(select(reservations)):
         seen.add(res.id)
-        e = per_res.get(res.id, {})
-        rs, st, rl = e.get("reserve", []), e.get("settle", []), e.get("release", [])
+        ents = per_res.get(res.id, {})
+        rs, st, rl = ents.get("reserve", []), ents.get("settle", []), ents.get("release", [])
         if rs != [res.amount] and not (res.amount == 0 and rs == []):
             problems.append(f"{res.id}: reserve entries {rs} != hold {res.amount}")
-        if len(set(e.get("_org", []))) > 1:
+        if len(set(ents.get("_org", []))) > 1:
             problems.append(f"{res.id}: entries from more than one organisation")
         if len(st) > 1 or len(rl) > 1:
             problems.append(f"{res.id}: resolved more than once")

@@ -1,0 +1,300 @@
+"""The async client: every endpoint as a typed method, retries, optional pacing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, cast
+
+import httpx
+
+from batchyard.client import calls
+from batchyard.client.base import (
+    Call,
+    RetryPolicy,
+    Settings,
+    connection_failed,
+    decode,
+    error_from_response,
+    request_kwargs,
+)
+from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
+from batchyard.client.types import (
+    Account,
+    Batch,
+    BatchRequest,
+    BatchResultLine,
+    ChatCompletion,
+    DecideInput,
+    DecideResponse,
+    Decision,
+    EstimateResponse,
+    Model,
+    ModelList,
+)
+from batchyard.errors import BatchyardError
+
+__all__ = ["AsyncClient"]
+
+log = logging.getLogger("batchyard.client")
+
+
+class AsyncClient:
+    """Talks to a batchyard gateway from asyncio code.
+
+    With a ``pacer``, the calls that count against the requests limit
+    (decide, chat) wait for their slot first, and a 429 moves the shared pace
+    instead of each caller sleeping on its own, so many tasks sharing one
+    client share one steady rate.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        max_retries: int = 2,
+        timeout: float | None = None,
+        pacer: Pacer | None = None,
+        clock: PaceClock | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.settings = Settings.resolve(base_url, api_key, timeout)
+        self.retry = RetryPolicy(max_retries=max_retries)
+        self.pacer = pacer
+        self._clock: PaceClock = clock or (pacer.clock if pacer else MonotonicClock())
+        self._http = http_client or httpx.AsyncClient(
+            base_url=self.settings.base_url, timeout=self.settings.timeout
+        )
+        self._owns_http = http_client is None
+
+    def __repr__(self) -> str:
+        return f"AsyncClient(base_url={self.settings.base_url!r})"
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    def with_pacer(self, pacer: Pacer) -> AsyncClient:
+        """This client, sharing its connections, with ``pacer`` on the paced calls."""
+        view = copy.copy(self)
+        view.pacer = pacer
+        view._clock = pacer.clock
+        view._owns_http = False
+        return view
+
+    async def send_raw(self, call: Call) -> httpx.Response:
+        """Send with pacing and retries; the response of the attempt that succeeded."""
+        attempt = 0
+        while True:
+            paced = call.paced and self.pacer is not None
+            if paced:
+                assert self.pacer is not None
+                await self.pacer.wait(call.tokens)
+            try:
+                response = await self._http.request(
+                    call.method, call.path, **request_kwargs(self.settings, call)
+                )
+            except httpx.TransportError as exc:
+                error: BatchyardError = connection_failed(exc, self.settings.base_url)
+                cause: BaseException | None = exc
+            else:
+                if response.is_success:
+                    return response
+                error, cause = error_from_response(response), None
+            delay = self.retry.delay(attempt, error)
+            if delay is None:
+                raise error from cause
+            attempt += 1
+            log.info(
+                "retrying",
+                extra={
+                    "method": call.method,
+                    "path": call.path,
+                    "code": error.code,
+                    "status": error.status,
+                    "attempt": attempt,
+                    "delay_s": round(delay, 3),
+                },
+            )
+            if paced and error.status == 429:
+                assert self.pacer is not None
+                self.pacer.push_back(delay)  # the next pacer.wait() does the waiting
+            else:
+                await self._clock.sleep(delay)
+
+    async def send(self, call: Call) -> Any:
+        return decode(await self.send_raw(call))
+
+    # decide ---------------------------------------------------------------
+
+    async def decide(
+        self,
+        *,
+        model: str,
+        decisions: Sequence[Decision],
+        text: str | None = None,
+        image_url: str | None = None,
+        input: DecideInput | None = None,
+        max_output_tokens: int = 64,
+        fallback: str = "base",
+        idempotency_key: str | None = None,
+        tokens: int = 0,
+    ) -> DecideResponse:
+        """Every question about one text in one request; ``tokens`` feeds the pacer."""
+        body = calls.decide_body(
+            model=model,
+            decisions=decisions,
+            input=calls.decide_input(text, image_url, input),
+            max_output_tokens=max_output_tokens,
+            fallback=fallback,
+        )
+        return cast(DecideResponse, await self.send(calls.decide(body, idempotency_key, tokens)))
+
+    async def estimate(
+        self,
+        *,
+        model: str,
+        decisions: Sequence[Decision],
+        text: str | None = None,
+        image_url: str | None = None,
+        input: DecideInput | None = None,
+        max_output_tokens: int = 64,
+        fallback: str = "base",
+    ) -> EstimateResponse:
+        body = calls.decide_body(
+            model=model,
+            decisions=decisions,
+            input=calls.decide_input(text, image_url, input),
+            max_output_tokens=max_output_tokens,
+            fallback=fallback,
+        )
+        return cast(EstimateResponse, await self.send(calls.estimate(body)))
+
+    # account and models ---------------------------------------------------
+
+    async def account(self) -> Account:
+        return cast(Account, await self.send(calls.account()))
+
+    async def list_models(self) -> ModelList:
+        return cast(ModelList, await self.send(calls.list_models()))
+
+    async def get_model(self, model_id: str) -> Model:
+        return cast(Model, await self.send(calls.get_model(model_id)))
+
+    async def keep_warm(
+        self, model_id: str, minutes: int = 30, *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        call = calls.keep_warm(model_id, minutes, idempotency_key)
+        return cast(dict[str, Any], await self.send(call))
+
+    async def chat_completion(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        idempotency_key: str | None = None,
+        **params: Any,
+    ) -> ChatCompletion:
+        body = {"model": model, "messages": [dict(m) for m in messages], **params}
+        call = calls.chat_completion(body, idempotency_key)
+        return cast(ChatCompletion, await self.send(call))
+
+    # deferred batches -------------------------------------------------------
+
+    async def create_batch(
+        self,
+        requests: Sequence[BatchRequest],
+        *,
+        min_discount: float,
+        completion_window: str = "24h",
+        idempotency_key: str | None = None,
+    ) -> Batch:
+        call = calls.create_batch(requests, min_discount, completion_window, idempotency_key)
+        return cast(Batch, await self.send(call))
+
+    async def get_batch(self, batch_id: str) -> Batch:
+        return cast(Batch, await self.send(calls.get_batch(batch_id)))
+
+    async def batch_results(self, batch_id: str) -> AsyncIterator[BatchResultLine]:
+        """The NDJSON results, one parsed line at a time."""
+        response = await self.send_raw(calls.batch_results(batch_id))
+        async for line in response.aiter_lines():
+            if line.strip():
+                yield cast(BatchResultLine, json.loads(line))
+
+    async def cancel_batch(self, batch_id: str, *, idempotency_key: str | None = None) -> Batch:
+        return cast(Batch, await self.send(calls.cancel_batch(batch_id, idempotency_key)))
+
+    async def list_activity(self, **params: str) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.send(calls.list_activity(params)))
+
+    # projects, datasets, batch inference runs ------------------------------
+
+    async def create_project(
+        self, body: Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        call = calls.create_project(body, idempotency_key)
+        return cast(dict[str, Any], await self.send(call))
+
+    async def get_project(self, project_id: str) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.send(calls.get_project(project_id)))
+
+    async def upload_dataset(
+        self,
+        project_id: str,
+        filename: str,
+        content: bytes,
+        *,
+        fields: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        call = calls.upload_dataset(project_id, filename, content, fields, idempotency_key)
+        return cast(dict[str, Any], await self.send(call))
+
+    async def dataset_rows(
+        self, project_id: str, dataset_id: str, *, cursor: str | None = None
+    ) -> dict[str, Any]:
+        call = calls.dataset_rows(project_id, dataset_id, cursor)
+        return cast(dict[str, Any], await self.send(call))
+
+    async def create_run(
+        self, project_id: str, body: Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        call = calls.create_run(project_id, body, idempotency_key)
+        return cast(dict[str, Any], await self.send(call))
+
+    async def get_run(self, project_id: str, run_id: str) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.send(calls.get_run(project_id, run_id)))
+
+    async def confirm_run(
+        self, project_id: str, run_id: str, *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        call = calls.confirm_run(project_id, run_id, idempotency_key)
+        return cast(dict[str, Any], await self.send(call))
+
+    async def cancel_run(
+        self, project_id: str, run_id: str, *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        call = calls.cancel_run(project_id, run_id, idempotency_key)
+        return cast(dict[str, Any], await self.send(call))
+
+    async def list_runs(
+        self, project_id: str, *, status: str | None = None, cursor: str | None = None
+    ) -> dict[str, Any]:
+        call = calls.list_runs(project_id, status, cursor)
+        return cast(dict[str, Any], await self.send(call))

@@ -1,0 +1,194 @@
+"""What the sync and async clients share: settings, the retry policy, error mapping.
+
+Both clients build the same ``Call`` for an endpoint (see ``calls.py``) and
+differ only in how they send it and how they wait. Keeping the policy here
+means a retry rule changes in one place and the two clients cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from batchyard.errors import BatchyardError, error_class_for_code
+
+__all__ = [
+    "DEFAULT_BASE_URL",
+    "Call",
+    "ConnectionFailed",
+    "RetryPolicy",
+    "Settings",
+    "error_from_response",
+    "new_idempotency_key",
+    "retry_after_of",
+]
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT_S = 120.0
+USER_AGENT = "batchyard-client/0.1"
+
+
+class ConnectionFailed(BatchyardError):
+    """The gateway could not be reached (or the connection broke) after the retries.
+
+    Not a wire code a server sends: it stands for "no answer at all", which a
+    caller handles like a retryable error with the same idempotency key.
+    """
+
+    code = "connection_error"
+    status = 0
+    retryable = True
+
+
+def new_idempotency_key() -> str:
+    """A fresh key for one logical request; the retries of that request reuse it."""
+    return f"by-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request, independent of the transport that will send it."""
+
+    method: str
+    path: str
+    json: Any = None
+    params: Mapping[str, str] | None = None
+    idempotency_key: str | None = None
+    #: Calls that count against the requests limit; a client's pacer waits before them.
+    paced: bool = False
+    #: Token cost for the pacer's tokens-per-minute budget, when known.
+    tokens: int = 0
+    files: Mapping[str, tuple[str, bytes, str]] | None = None
+
+
+@dataclass
+class Settings:
+    """Where to send requests and as whom; the key never appears in ``repr``."""
+
+    base_url: str
+    api_key: str | None = field(repr=False)
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def resolve(cls, base_url: str | None, api_key: str | None, timeout: float | None) -> Settings:
+        url = base_url or os.environ.get("BATCHYARD_BASE_URL") or DEFAULT_BASE_URL
+        key = api_key if api_key is not None else os.environ.get("BATCHYARD_API_KEY")
+        return cls(url.rstrip("/"), key or None, timeout or DEFAULT_TIMEOUT_S)
+
+    def headers(self, call: Call) -> dict[str, str]:
+        out = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if self.api_key:
+            out["Authorization"] = f"Bearer {self.api_key}"
+        if call.idempotency_key is not None:
+            out["Idempotency-Key"] = call.idempotency_key
+        return out
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When to try a request again and how long to wait first.
+
+    Only errors the server marks retryable (and broken connections) are
+    retried: anything else needs the caller to change the request, so trying
+    again would only return the same failure. A Retry-After longer than
+    ``max_wait`` is not waited out: the error goes back to the caller, who
+    may have better things to do than block for minutes.
+    """
+
+    max_retries: int = 2
+    backoff_base: float = 0.5
+    backoff_max: float = 8.0
+    max_wait: float = 120.0
+
+    def delay(self, attempt: int, error: BatchyardError) -> float | None:
+        """Seconds to wait before retry number ``attempt + 1``, or None to give up."""
+        if attempt >= self.max_retries or not error.retryable:
+            return None
+        if error.retry_after is not None:
+            wait = float(error.retry_after)
+            return wait if wait <= self.max_wait else None
+        # Full jitter: spreads the retries of many workers that failed together.
+        cap = min(self.backoff_max, self.backoff_base * (2**attempt))
+        return random.uniform(cap / 2, cap)
+
+
+def retry_after_of(response: httpx.Response) -> float | None:
+    """Retry-After as seconds (the gateway sends whole seconds; dates are not used)."""
+    raw = response.headers.get("Retry-After")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return max(0.0, value) if math.isfinite(value) else None
+
+
+def error_from_response(response: httpx.Response) -> BatchyardError:
+    """Rebuild the typed error a server answered, keeping its code and retryability."""
+    body: Any
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    retry_after = retry_after_of(response)
+    if not isinstance(err, dict) or not isinstance(err.get("code"), str):
+        # Not our wire format (a proxy in between, say): judge by the status.
+        retryable = response.status_code in (429, 502, 503, 504)
+        return BatchyardError(
+            f"HTTP {response.status_code} without an error body",
+            code="http_error",
+            status=response.status_code,
+            retryable=retryable,
+            retry_after=retry_after,
+        )
+    code: str = err["code"]
+    if retry_after is None and isinstance(err.get("retry_after"), int | float):
+        retry_after = float(err["retry_after"])
+    known = {"code", "message", "retryable", "param", "retry_after"}
+    details = {k: v for k, v in err.items() if k not in known}
+    cls = error_class_for_code(code)
+    flag = err.get("retryable")
+    return cls(
+        str(err.get("message") or code),
+        param=err.get("param") if isinstance(err.get("param"), str) else None,
+        retry_after=retry_after,
+        details=details,
+        code=code,
+        status=response.status_code,
+        retryable=flag if isinstance(flag, bool) else None,
+    )
+
+
+def connection_failed(exc: httpx.TransportError, base_url: str) -> ConnectionFailed:
+    return ConnectionFailed(f"could not talk to {base_url}: {type(exc).__name__}: {exc}")
+
+
+def request_kwargs(settings: Settings, call: Call) -> dict[str, Any]:
+    """Arguments for ``httpx.(Async)Client.request`` shared by both clients."""
+    kwargs: dict[str, Any] = {
+        "headers": settings.headers(call),
+        "params": dict(call.params) if call.params else None,
+    }
+    if call.files is not None:
+        kwargs["files"] = dict(call.files)
+        if call.json is not None:
+            kwargs["data"] = call.json
+    elif call.json is not None:
+        kwargs["json"] = call.json
+    return kwargs
+
+
+def decode(response: httpx.Response) -> Any:
+    if not response.content:
+        return None
+    return response.json()

@@ -1,0 +1,174 @@
+"""Every endpoint as a ``Call``: path, body and idempotency, once for both clients.
+
+A state-changing POST always carries an Idempotency-Key: the caller's, or a
+fresh one made here, before the first attempt, so the automatic retries of
+that request send the same key and the server runs it at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+from batchyard.client.base import Call, new_idempotency_key
+from batchyard.client.types import BatchRequest, DecideInput, Decision
+
+__all__ = [
+    "decide_body",
+    "decide_input",
+]
+
+
+def _seg(value: str) -> str:
+    """One path segment, escaped so an id can never change the path."""
+    return quote(value, safe="")
+
+
+def _key(key: str | None) -> str:
+    return key if key is not None else new_idempotency_key()
+
+
+def decide_input(text: str | None, image_url: str | None, input: DecideInput | None) -> DecideInput:
+    if input is not None:
+        return input
+    if text is not None:
+        return {"text": text}
+    if image_url is not None:
+        return {"image_url": image_url}
+    raise ValueError("give text, image_url or input")
+
+
+def decide_body(
+    *,
+    model: str,
+    decisions: Sequence[Decision],
+    input: DecideInput,
+    max_output_tokens: int = 64,
+    fallback: str = "base",
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "input": dict(input),
+        "decisions": [dict(d) for d in decisions],
+        "max_output_tokens": max_output_tokens,
+        "fallback": fallback,
+    }
+
+
+def decide(body: dict[str, Any], key: str | None, tokens: int = 0) -> Call:
+    return Call("POST", "/v1/decide", body, idempotency_key=_key(key), paced=True, tokens=tokens)
+
+
+def estimate(body: dict[str, Any]) -> Call:
+    # Charges nothing and changes nothing: no idempotency key needed.
+    return Call("POST", "/v1/decide/estimate", body)
+
+
+def account() -> Call:
+    return Call("GET", "/v1/account")
+
+
+def list_models() -> Call:
+    return Call("GET", "/v1/models")
+
+
+def get_model(model_id: str) -> Call:
+    return Call("GET", f"/v1/models/{_seg(model_id)}")
+
+
+def keep_warm(model_id: str, minutes: int, key: str | None) -> Call:
+    return Call(
+        "POST",
+        f"/v1/models/{_seg(model_id)}/keep-warm",
+        {"minutes": minutes},
+        idempotency_key=_key(key),
+    )
+
+
+def chat_completion(body: dict[str, Any], key: str | None) -> Call:
+    return Call("POST", "/v1/chat/completions", body, idempotency_key=_key(key), paced=True)
+
+
+def create_batch(
+    requests: Sequence[BatchRequest],
+    min_discount: float,
+    completion_window: str,
+    key: str | None,
+) -> Call:
+    body = {
+        "min_discount": min_discount,
+        "completion_window": completion_window,
+        "requests": [dict(r) for r in requests],
+    }
+    return Call("POST", "/v1/batches", body, idempotency_key=_key(key))
+
+
+def get_batch(batch_id: str) -> Call:
+    return Call("GET", f"/v1/batches/{_seg(batch_id)}")
+
+
+def batch_results(batch_id: str) -> Call:
+    return Call("GET", f"/v1/batches/{_seg(batch_id)}/results")
+
+
+def cancel_batch(batch_id: str, key: str | None) -> Call:
+    return Call("POST", f"/v1/batches/{_seg(batch_id)}/cancel", idempotency_key=_key(key))
+
+
+def list_activity(params: Mapping[str, str]) -> Call:
+    return Call("GET", "/v1/activity", params=params or None)
+
+
+def create_project(body: Mapping[str, Any], key: str | None) -> Call:
+    return Call("POST", "/v1/projects", dict(body), idempotency_key=_key(key))
+
+
+def get_project(project_id: str) -> Call:
+    return Call("GET", f"/v1/projects/{_seg(project_id)}")
+
+
+def upload_dataset(
+    project_id: str,
+    filename: str,
+    content: bytes,
+    fields: Mapping[str, str] | None,
+    key: str | None,
+) -> Call:
+    return Call(
+        "POST",
+        f"/v1/projects/{_seg(project_id)}/datasets",
+        dict(fields) if fields else None,
+        idempotency_key=_key(key),
+        files={"file": (filename, content, "application/octet-stream")},
+    )
+
+
+def dataset_rows(project_id: str, dataset_id: str, cursor: str | None) -> Call:
+    path = f"/v1/projects/{_seg(project_id)}/datasets/{_seg(dataset_id)}/rows"
+    return Call("GET", path, params={"cursor": cursor} if cursor else None)
+
+
+def _runs(project_id: str) -> str:
+    return f"/v1/projects/{_seg(project_id)}/batch-inference-runs"
+
+
+def create_run(project_id: str, body: Mapping[str, Any], key: str | None) -> Call:
+    return Call("POST", _runs(project_id), dict(body), idempotency_key=_key(key))
+
+
+def get_run(project_id: str, run_id: str) -> Call:
+    return Call("GET", f"{_runs(project_id)}/{_seg(run_id)}")
+
+
+def confirm_run(project_id: str, run_id: str, key: str | None) -> Call:
+    return Call("POST", f"{_runs(project_id)}/{_seg(run_id)}/confirm", idempotency_key=_key(key))
+
+
+def cancel_run(project_id: str, run_id: str, key: str | None) -> Call:
+    return Call("POST", f"{_runs(project_id)}/{_seg(run_id)}/cancel", idempotency_key=_key(key))
+
+
+def list_runs(project_id: str, status: str | None, cursor: str | None) -> Call:
+    params = {k: v for k, v in (("status", status), ("cursor", cursor)) if v}
+    return Call("GET", _runs(project_id), params=params or None)

@@ -1,0 +1,167 @@
+"""Workers that share one pacer: the sending half of ``run`` and ``check``.
+
+The pace comes from the organisation's own limits (``GET /v1/account``) when
+the key may read them, else from flags or tier-0 defaults. Workers only
+bound how many requests are in flight; the pacer alone decides when each one
+leaves, so the rate is the same with 2 workers or 50.
+
+An error that would fail every remaining text alike (a bad key, no credit,
+an unknown model, the gateway gone) stops the run instead of being written
+once per text: those texts stay unsent and the next run sends them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchyard.client.async_client import AsyncClient
+from batchyard.client.pacer import PaceClock, Pacer
+from batchyard.client.types import Account, DecideResponse, Decision
+from batchyard.errors import BatchyardError, Forbidden
+
+__all__ = [
+    "DEFAULT_RPM",
+    "FATAL_CODES",
+    "Job",
+    "Pace",
+    "RunAborted",
+    "plan_pace",
+    "send_all",
+]
+
+#: Tier 0's requests a minute: the pace when nothing better is known.
+DEFAULT_RPM = 30
+#: Enough workers to keep the pace with answers this many seconds slow.
+_LATENCY_ALLOWANCE_S = 4.0
+
+FATAL_CODES = frozenset(
+    {
+        "missing_api_key",
+        "invalid_api_key",
+        "unauthorized",
+        "forbidden",
+        "insufficient_scope",
+        "insufficient_credit",
+        "unknown_model",
+        "model_unavailable",
+        "unsupported_input",
+        "no_decisions",
+        "too_few_outcomes",
+        "duplicate_id",
+        "connection_error",
+    }
+)
+
+
+class RunAborted(Exception):
+    """The run stopped early on an error every remaining text would hit."""
+
+    def __init__(self, error: BatchyardError) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+        #: What was done before the stop, where the caller keeps a summary.
+        self.summary: Any = None
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    text: str
+    key: str
+    model: str
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Pace:
+    rpm: float
+    tpm: float | None
+    concurrency: int
+    account: Account | None
+    #: Where the rate came from, for the plan the user sees.
+    source: str
+
+
+async def plan_pace(
+    client: AsyncClient, *, rpm: float | None = None, concurrency: int | None = None
+) -> Pace:
+    """Limits from the account where readable; flags override; defaults last."""
+    account: Account | None = None
+    # An inference key cannot read its account: then go by flags and defaults.
+    with contextlib.suppress(Forbidden):
+        account = await client.account()
+    limits = account["effective_limits"] if account else {}
+    tpm = limits.get("tokens_per_minute")
+    if rpm is not None:
+        source = "--rpm"
+    elif limits.get("requests_per_minute"):
+        rpm, source = float(limits["requests_per_minute"]), "account limits"
+    else:
+        rpm, source = float(DEFAULT_RPM), "tier-0 default"
+    workers = concurrency or max(2, min(64, math.ceil(rpm / 60 * _LATENCY_ALLOWANCE_S)))
+    return Pace(rpm, float(tpm) if tpm else None, workers, account, source)
+
+
+def local_tokens(text: str) -> int:
+    """A deliberately high token count (3 bytes a token) when no estimate is at hand."""
+    return max(1, math.ceil(len(text.encode("utf-8")) / 3))
+
+
+ResultHandler = Callable[[Job, DecideResponse | None, BatchyardError | None], None]
+
+
+async def send_all(
+    client: AsyncClient,
+    jobs: Iterable[Job],
+    *,
+    decisions: Sequence[Decision],
+    pace: Pace,
+    on_result: ResultHandler,
+    max_output_tokens: int = 64,
+    fallback: str = "base",
+    clock: PaceClock | None = None,
+) -> None:
+    """Send every job under one shared pace; ``on_result`` sees each outcome once."""
+    pacer = Pacer(pace.rpm, pace.tpm, clock=clock)
+    paced = client.with_pacer(pacer)
+    queue = iter(jobs)
+    fatal: list[BatchyardError] = []
+
+    async def worker() -> None:
+        for job in queue:
+            if fatal:
+                return
+            try:
+                answer: DecideResponse | None = await paced.decide(
+                    model=job.model,
+                    decisions=decisions,
+                    text=job.text,
+                    max_output_tokens=max_output_tokens,
+                    fallback=fallback,
+                    idempotency_key=job.key,
+                    tokens=job.tokens,
+                )
+                error: BatchyardError | None = None
+            except BatchyardError as exc:
+                if exc.code in FATAL_CODES:
+                    fatal.append(exc)
+                    return
+                answer, error = None, exc
+            on_result(job, answer, error)
+
+    tasks: list[asyncio.Task[Any]] = [
+        asyncio.create_task(worker()) for _ in range(max(1, pace.concurrency))
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if fatal:
+        raise RunAborted(fatal[0])

@@ -1,0 +1,154 @@
+"""The wire shapes, as TypedDicts: answers are plain dicts, typed for the reader.
+
+Plain dicts rather than classes so a field the server adds later reaches the
+caller untouched, and so the client needs no validation library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict
+
+__all__ = [
+    "Account",
+    "Answer",
+    "Batch",
+    "BatchRequest",
+    "BatchResultLine",
+    "ChatCompletion",
+    "Credit",
+    "DecideInput",
+    "DecideResponse",
+    "Decision",
+    "EffectiveLimits",
+    "EstimateResponse",
+    "Fallback",
+    "Model",
+    "ModelList",
+    "Outcome",
+    "Usage",
+]
+
+
+class Outcome(TypedDict):
+    id: str
+    description: NotRequired[str]
+
+
+class Decision(TypedDict):
+    id: str
+    question: str
+    outcomes: list[Outcome]
+
+
+class DecideInput(TypedDict, total=False):
+    text: str
+    image_url: str
+
+
+class Answer(TypedDict):
+    decision: str
+    outcome: str
+    probabilities: NotRequired[dict[str, float]]
+
+
+class Usage(TypedDict):
+    input_tokens: int
+    output_tokens: int
+
+
+class Fallback(TypedDict):
+    reason: str
+    model: str
+
+
+class DecideResponse(TypedDict):
+    id: str
+    model: str
+    answers: list[Answer]
+    usage: Usage
+    charge: str
+    fallback: Fallback | None
+
+
+class EstimateResponse(TypedDict):
+    input_tokens: int
+    max_output_tokens: int
+    max_cost: str
+
+
+class Organization(TypedDict):
+    id: str
+    name: str
+
+
+class Credit(TypedDict):
+    balance: str
+    held: str
+    available: str
+
+
+class EffectiveLimits(TypedDict, total=False):
+    requests_per_minute: int
+    tokens_per_minute: int
+    estimate_tokens_per_minute: int
+
+
+class Account(TypedDict):
+    organization: Organization
+    tier: int
+    credit: Credit
+    effective_limits: EffectiveLimits
+    zero_data_retention: bool
+
+
+class Pricing(TypedDict):
+    input_per_mtok: str
+    output_per_mtok: str
+
+
+class Model(TypedDict):
+    id: str
+    type: Literal["base", "version"]
+    base_model: str | None
+    modality: list[str]
+    context_window: int
+    pricing: Pricing
+    available: bool
+    warm: bool | None
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ChatCompletion(TypedDict, total=False):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: dict[str, int]
+    charge: str
+
+
+class BatchRequest(TypedDict):
+    custom_id: str
+    body: dict[str, Any]
+    min_discount: NotRequired[float]
+
+
+class Batch(TypedDict, total=False):
+    id: str
+    status: str
+    min_discount: float
+    completion_window: str
+    deadline: str
+    requests: list[dict[str, Any]]
+    results_url: str
+
+
+class BatchResultLine(TypedDict, total=False):
+    custom_id: str
+    status: str
+    result: dict[str, Any] | None
