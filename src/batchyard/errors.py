@@ -42,6 +42,7 @@ not retryable.
     │   └── ModelOutputInvalid (502)
     ├── ModelWarming (503)
     ├── ServiceUnavailable (503)
+    │   └── BatchUnavailable
     └── InternalError (500)
 """
 
@@ -334,7 +335,9 @@ def _all_subclasses(cls: type[BatchyardError]) -> list[type[BatchyardError]]:
 
 def error_class_for_code(code: str) -> type[BatchyardError]:
     """The most specific class for a wire code, for clients that rebuild errors."""
-    for cls in _all_subclasses(BatchyardError):
+    # The base shares InternalError's code only as a fallback; skip it so
+    # ``internal_error`` rebuilds the retryable InternalError.
+    for cls in _all_subclasses(BatchyardError)[1:]:
         if cls.code == code:
             return cls
     return BatchyardError

@@ -62,6 +62,11 @@ class Service:
         self._background: list[Callable[[], Any]] = []
         self.started = False
         # Background work of the front doors; each door adds its own line.
+        from batchyard.work import market as market_worker
+        from batchyard.work import warmth
+
+        market_worker.install(self)  # deferred batches (seed 003)
+        warmth.install(self)  # fine-tuned versions going cold (seed 000)
 
     def tokenizer(self, model: ModelSpec) -> Tokenizer:
         spec = model.tokenizer

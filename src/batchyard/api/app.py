@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from batchyard.api import account, chat, models
+from batchyard.api import account, batches, chat, decide, models
 from batchyard.api.errors import install_error_handlers
 from batchyard.service import Service
 
@@ -40,6 +40,8 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
 
     # One router per front door; each door adds its own line.
     app.include_router(account.router)
+    app.include_router(batches.router)
     app.include_router(chat.router)
+    app.include_router(decide.router)
     app.include_router(models.router)
     return app

@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 
 from batchyard.cli.options import database_options, settings_from
 
+if TYPE_CHECKING:
+    from batchyard.service import Service
+
 __all__ = ["serve", "worker"]
 
 console = Console(stderr=True)
+
+
+def _report_batch_key(service: Service) -> None:
+    """Say where a new batch key went, or why deferred batches are off."""
+    from batchyard.work.market import market_of
+
+    key = market_of(service).key
+    if key.created:
+        console.print(
+            f"batchyard: created the batch encryption key {key.path} (mode 0600); "
+            "back it up with the database: without it waiting batches cannot be read"
+        )
+    elif key.sealer is None:
+        console.print(f"batchyard: {key.reason}")
 
 
 @click.command()
@@ -39,6 +57,7 @@ def serve(
     setup_logging(log_level.upper())
     settings = settings_from(config_file, database_url)
     service = Service(settings)
+    _report_batch_key(service)
     where = settings.sqlite_path or settings.database_url.split("@")[-1]
     console.print(f"batchyard: database {where}; listening on http://{host}:{port}")
     app = create_app(service, worker=not no_worker)
@@ -58,6 +77,7 @@ def worker(log_level: str, config_file: str | None, database_url: str | None) ->
 
     async def main() -> None:
         service = Service(settings)
+        _report_batch_key(service)
         await service.start(worker=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

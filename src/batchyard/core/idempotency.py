@@ -21,11 +21,11 @@ from batchyard.errors import InvalidIdempotencyKey
 
 __all__ = ["SavedResponse", "fingerprint", "validate_key"]
 
-_VISIBLE_ASCII = re.compile(r"^[\x21-\x7e]+$")
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 def validate_key(key: str, *, min_len: int = 1, max_len: int = 128) -> str:
-    if not (min_len <= len(key) <= max_len) or not _VISIBLE_ASCII.match(key):
+    if not (min_len <= len(key) <= max_len) or not _VISIBLE_ASCII.fullmatch(key):
         raise InvalidIdempotencyKey(
             f"Idempotency-Key must be {min_len}-{max_len} visible ASCII characters",
             param="Idempotency-Key",

@@ -19,13 +19,20 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limit, Limiter
 from batchyard.core.money import charge_ticks, token_cost
 from batchyard.core.tiers import Tier
-from batchyard.engines.base import Completion, CompletionRequest, RateLimitSignal
+from batchyard.engines.base import (
+    Completion,
+    CompletionRequest,
+    RateLimitSignal,
+    ScoringEngine,
+    Usage,
+)
 from batchyard.errors import UpstreamRateLimited
 from batchyard.store import activity, ledger
 from batchyard.store.database import Database
@@ -205,3 +212,84 @@ class Dispatcher:
 
         charged = await asyncio.shield(self.db.run(tx))
         return DispatchResult(completion, charged, res.id, route.id)
+
+    async def score(
+        self,
+        *,
+        route: RouteSpec,
+        model: str,
+        messages: list[dict[str, Any]],
+        candidates: list[str],
+        input_tokens: int,
+    ) -> tuple[list[float], Usage]:
+        """Pace and score candidate replies on one route; an upstream 429 is waited out.
+
+        Decide's per-outcome scoring: billing stays with the caller (``reserve``
+        before, ``settle`` after), because one decision may take several scoring
+        calls and is paid as one.
+        """
+        engine = self.engines.for_route(route)
+        if not isinstance(engine, ScoringEngine):
+            raise TypeError(f"the engine of route {route.id!r} cannot score candidates")
+        sem = self._semaphore(route)
+        attempt = 0
+        while True:
+            await self.pace(route, input_tokens, len(candidates))
+            try:
+                if sem is not None:
+                    async with sem:
+                        return await engine.score(model, messages, candidates)
+                return await engine.score(model, messages, candidates)
+            except UpstreamRateLimited as exc:
+                attempt += 1
+                wait = exc.retry_after if exc.retry_after is not None else 1.0
+                await self.limiter.penalize(f"route:{route.id}", self.clock.time() + wait)
+                if attempt > self.upstream_429_retries:
+                    raise
+                log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
+
+    async def settle(
+        self,
+        *,
+        org_id: str,
+        reservation_id: str,
+        charge: int,
+        model: str,
+        route: str,
+        usage: Usage,
+        purpose: str,
+        ref: str | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> int:
+        """Settle a reservation to a real charge, with its activity record, in one transaction.
+
+        For callers that reserve and call separately (decide); returns the
+        charge actually posted (capped at the hold by the ledger).
+        """
+        now = self.clock.now()
+
+        def tx(c: object) -> int:
+            from sqlalchemy import Connection
+
+            assert isinstance(c, Connection)
+            settled = ledger.settle(c, reservation_id, charge, now)
+            activity.record(
+                c,
+                org_id,
+                "charge",
+                now,
+                ref=ref,
+                reservation_id=reservation_id,
+                amount=settled.charged,
+                detail={
+                    "purpose": purpose,
+                    "model": model,
+                    "route": route,
+                    "input_tokens": usage.input_tokens,
+                    "output_tokens": usage.output_tokens,
+                    **(detail or {}),
+                },
+            )
+            return settled.charged or 0
+
+        return await asyncio.shield(self.db.run(tx))

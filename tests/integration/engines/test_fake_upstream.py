@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+
 from tests.support.fake_upstream import FakeUpstream
 
 

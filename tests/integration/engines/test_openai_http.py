@@ -8,7 +8,6 @@ from email.utils import format_datetime
 
 import httpx
 import pytest
-from tests.support.fake_upstream import FakeUpstream
 
 from batchyard.core.clock import ManualClock
 from batchyard.engines.base import CompletionRequest, Engine, RateLimitSignal
@@ -20,6 +19,7 @@ from batchyard.engines.openai_http import (
     rate_limit_of,
 )
 from batchyard.errors import UpstreamError, UpstreamRateLimited, UpstreamTimeout
+from tests.support.fake_upstream import FakeUpstream
 
 
 def request(text: str = "hello there", **options: object) -> CompletionRequest:

@@ -6,11 +6,11 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from tests.support.fake_gateway import DECISIONS, FakeGateway
 
 from batchyard.client import AsyncClient
 from batchyard.client.check import check_models, score_model
 from batchyard.client.inputs import LabelledText
+from tests.support.fake_gateway import DECISIONS, FakeGateway
 
 LABELLED = [
     LabelledText("a", "t", {"sentiment": "positive", "spam": "no"}),

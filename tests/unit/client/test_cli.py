@@ -7,10 +7,10 @@ from decimal import Decimal
 from pathlib import Path
 
 from click.testing import CliRunner
-from tests.support.fake_gateway import FakeGateway, read_lines, write_jsonl
 
 from batchyard.cli.check import command as check_command
 from batchyard.cli.run import command as run_command
+from tests.support.fake_gateway import FakeGateway, read_lines, write_jsonl
 
 
 def _env(gw: FakeGateway) -> dict[str, str]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.support.fake_gateway import DECISIONS, FakeGateway
-
 from batchyard.client import AsyncClient, Client
+from tests.support.fake_gateway import DECISIONS, FakeGateway
 
 
 def _sync_calls(c: Client) -> list[Any]:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.support.fake_gateway import DECISIONS, write_jsonl
 
 from batchyard.client.inputs import InputError, load_decisions, read_labels, read_texts
 from batchyard.client.keys import decision_set_hash, request_hash, resend_key, text_key
+from tests.support.fake_gateway import DECISIONS, write_jsonl
 
 # keys ------------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ import socket
 
 import httpx
 import pytest
-from tests.support.fake_gateway import DECISIONS, FakeGateway
 
 from batchyard.client import AsyncClient, Client, ConnectionFailed
 from batchyard.client.base import RetryPolicy, error_from_response
@@ -20,6 +19,7 @@ from batchyard.errors import (
     ServiceUnavailable,
     TooFewOutcomes,
 )
+from tests.support.fake_gateway import DECISIONS, FakeGateway
 
 
 class Sleeps:

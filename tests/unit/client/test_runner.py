@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.support.fake_gateway import DECISIONS, FakeGateway, read_lines
 
 from batchyard.client import AsyncClient
 from batchyard.client.fleet import RunAborted
@@ -25,6 +24,7 @@ from batchyard.client.runner import (
     run_texts,
 )
 from batchyard.errors import BatchyardError
+from tests.support.fake_gateway import DECISIONS, FakeGateway, read_lines
 
 
 def texts(n: int, start: int = 0) -> list[TextItem]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from alembic import context
 
+import batchyard.store.batches
+import batchyard.store.runs  # noqa: F401  (projects, datasets, runs and their rows)
 from batchyard.store.tables import metadata
 
 connection = context.config.attributes["connection"]
