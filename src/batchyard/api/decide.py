@@ -1,0 +1,337 @@
+"""``POST /v1/decide``: every question about one text, answered in one call.
+
+The body is checked whole before anything is claimed, charged or counted, so a
+bad request is a 400 that leaves its idempotency key free for the fixed body.
+Then, inside the idempotent handler: the tier's limits, a hold for the most
+expensive outcome (the version's price or, where it may fall back, the base
+model's, whichever is higher), the model call, and settlement to the real
+usage at the price of the model that answered.
+
+A model output that cannot be read (``model_output_invalid``) releases the
+hold: nothing is charged for a call that gave no answer. Like every
+non-retryable failure it is saved under the idempotency key.
+
+``POST /v1/decide/estimate`` builds the same prompt, counts it with the
+model's tokenizer and quotes the most the call can cost, without running a
+model or charging anything. ``POST /v1/models/{id}/keep-warm`` keeps a
+fine-tuned version loaded for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from batchyard.api.context import (
+    authenticate,
+    check_tier_limits,
+    idempotent,
+    json_response,
+    read_json,
+    service_of,
+)
+from batchyard.core import decisions as rules
+from batchyard.core.accounts import Scope
+from batchyard.core.catalog import ModelSpec
+from batchyard.core.ids import new_id
+from batchyard.core.money import charge_ticks, format_money, quote_ticks
+from batchyard.engines.base import Completion, CompletionRequest, ScoringEngine, Usage
+from batchyard.errors import (
+    ContextWindowExceeded,
+    InvalidRequest,
+    ModelUnavailable,
+    ModelWarming,
+    NotFound,
+    UnsupportedInput,
+)
+from batchyard.service import Service
+from batchyard.work.dispatcher import Price
+from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving, warmth_of
+
+__all__ = ["LOAD_WAIT_BOUND_S", "Plan", "prepare", "router"]
+
+router = APIRouter()
+log = logging.getLogger("batchyard.decide")
+
+# With ``fallback: none``, how long a call waits for a version to load before
+# it answers 503 model_warming (retryable; the load goes on).
+LOAD_WAIT_BOUND_S = 60.0
+# What OpenAI-compatible servers allow at most; enough to cover the outcomes.
+TOP_LOGPROBS = 20
+# Generated JSON may carry spaces and newlines the tightest answer does not.
+GENERATION_SLACK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One model's way to answer the request, and the most it can cost."""
+
+    model: ModelSpec
+    serving: Serving
+    scoring: bool
+    fmt: rules.AnswerFormat
+    messages: list[dict[str, Any]]
+    input_tokens: int
+    max_output_tokens: int
+    price: Price
+    max_cost: int
+
+
+def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
+    if req.input.image_url is not None and not model.reads_images:
+        raise UnsupportedInput(
+            f"{model.id} reads text only; send images to kettei-chub or kettei-fat",
+            param="input.image_url",
+        )
+    where = serving(svc.catalog, model)
+    engine = svc.engines.for_route(where.route)
+    scoring = isinstance(engine, ScoringEngine) and req.input.image_url is None
+    fmt: rules.AnswerFormat = (
+        "json" if not scoring and where.route.supports_json_schema else "lines"
+    )
+    messages = rules.build_messages(req, fmt)
+    tok = svc.tokenizer(model)
+    need = rules.needed_output_tokens(req.decisions, fmt, tok.count)
+    if req.max_output_tokens is None:
+        max_out = need if scoring else need + GENERATION_SLACK_TOKENS
+        max_out = min(max_out, model.max_output_tokens)
+    else:
+        max_out = req.max_output_tokens
+    if not need <= max_out <= model.max_output_tokens:
+        raise InvalidRequest(
+            f"max_output_tokens must be between {need} (the longest answer to these "
+            f"decisions) and {model.max_output_tokens} for {model.id}",
+            param="max_output_tokens",
+            code="max_output_tokens_out_of_range",
+        )
+    input_tokens = tok.count_messages(messages)
+    if input_tokens + max_out > model.context_window:
+        raise ContextWindowExceeded(
+            f"the prompt is {input_tokens} tokens and the answers need up to {max_out}: "
+            f"over the {model.context_window}-token context window of {model.id}; "
+            "shorten the text",
+            param="input.text",
+        )
+    price = Price(model.input_per_mtok, model.output_per_mtok)
+    max_cost = quote_ticks(price.cost(input_tokens, max_out))
+    return Plan(model, where, scoring, fmt, messages, input_tokens, max_out, price, max_cost)
+
+
+def prepare(svc: Service, raw: dict[str, Any]) -> tuple[rules.DecideRequest, Plan, Plan | None]:
+    """The checked request, its plan, and the base model's plan where it may fall back."""
+    req = rules.parse_request(raw)
+    model = svc.catalog.model(req.model)
+    primary = _plan(svc, req, model)
+    fallback: Plan | None = None
+    if model.type == "version" and req.fallback == "base" and model.base_model:
+        try:
+            fallback = _plan(svc, req, svc.catalog.model(model.base_model))
+        except (ModelUnavailable, ContextWindowExceeded, UnsupportedInput, InvalidRequest):
+            # The base cannot take this request here: the version waits instead.
+            fallback = None
+    return req, primary, fallback
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    chosen: list[str]
+    probabilities: list[dict[str, float] | None]
+    usage: Usage
+
+
+async def _score(svc: Service, plan: Plan, req: rules.DecideRequest) -> _Scored:
+    chosen: list[str] = []
+    probabilities: list[dict[str, float] | None] = []
+    input_tokens: int | None = None
+    for k, decision in enumerate(req.decisions):
+        scores, usage = await svc.dispatcher.score(
+            route=plan.serving.route,
+            model=plan.serving.upstream_model,
+            messages=plan.messages,
+            candidates=rules.scoring_candidates(req.decisions, k, chosen),
+            input_tokens=plan.input_tokens,
+        )
+        # Every decision reads the same prompt; it is paid once.
+        input_tokens = usage.input_tokens if input_tokens is None else input_tokens
+        probs = rules.softmax(scores)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        chosen.append(decision.outcomes[best].id)
+        probabilities.append(dict(zip(decision.outcome_ids, probs, strict=True)))
+    answer = rules.answer_text(req.decisions, chosen, "lines")
+    output_tokens = svc.tokenizer(plan.model).count(answer)
+    return _Scored(chosen, probabilities, Usage(input_tokens or 0, output_tokens))
+
+
+async def _engine(svc: Service, plan: Plan, req: rules.DecideRequest) -> _Scored | Completion:
+    """The model's work, unbilled: billing wraps it, and a load given up on bills no one."""
+    if plan.scoring:
+        return await _score(svc, plan, req)
+    request = CompletionRequest(
+        model=plan.serving.upstream_model,
+        messages=plan.messages,
+        max_tokens=plan.max_output_tokens,
+        temperature=0.0,
+        response_format=rules.response_format(req.decisions) if plan.fmt == "json" else None,
+        logprobs=True,
+        top_logprobs=TOP_LOGPROBS,
+    )
+    return await svc.dispatcher.call(
+        route=plan.serving.route, request=request, input_tokens=plan.input_tokens
+    )
+
+
+def _read(plan: Plan, req: rules.DecideRequest, result: _Scored | Completion) -> _Scored:
+    if isinstance(result, _Scored):
+        return result
+    chosen = rules.parse_output(result.text, req.decisions, plan.fmt)
+    logprobs = result.choices[0].logprobs if result.choices else None
+    probabilities = rules.logprob_probabilities(result.text, logprobs, req.decisions, plan.fmt)
+    return _Scored(chosen, probabilities, result.usage)
+
+
+async def _answer(
+    svc: Service, req: rules.DecideRequest, primary: Plan, fallback: Plan | None
+) -> tuple[Plan, _Scored | Completion]:
+    """Who answers: the model asked for, or its base while a cold version loads."""
+    if primary.model.type != "version":
+        return primary, await _engine(svc, primary, req)
+    warmth = warmth_of(svc)
+    wait_s = svc.settings.warm_fallback_after_s
+    if fallback is None:
+        wait_s = max(wait_s, LOAD_WAIT_BOUND_S)
+    ok, result = await warmth.run(
+        primary.model.id, primary.serving, lambda: _engine(svc, primary, req), wait_s=wait_s
+    )
+    if ok and result is not None:
+        return primary, result
+    if fallback is not None:
+        log.info("fell back to the base model", extra={"model": primary.model.id})
+        return fallback, await _engine(svc, fallback, req)
+    raise ModelWarming(
+        f"{primary.model.id} is still loading after {wait_s:g} s; send the request again "
+        "with the same idempotency key, or keep the model warm first",
+        retry_after=svc.settings.warm_fallback_after_s,
+    )
+
+
+async def _decide(
+    svc: Service,
+    org_id: str,
+    req: rules.DecideRequest,
+    primary: Plan,
+    fallback: Plan | None,
+) -> dict[str, Any]:
+    now = svc.clock.now()
+    decision_id = new_id("dec", now)
+    hold = max(primary.max_cost, fallback.max_cost if fallback else 0)
+    res = await svc.dispatcher.reserve(org_id, hold, purpose="decide", ref=decision_id)
+    try:
+        used, result = await _answer(svc, req, primary, fallback)
+        answered = _read(used, req, result)
+    except BaseException as exc:
+        reason = str(getattr(exc, "code", type(exc).__name__))
+        await asyncio.shield(svc.dispatcher.release(res.id, org_id=org_id, reason=reason))
+        raise
+    usage = answered.usage
+    charged = await svc.dispatcher.settle(
+        org_id=org_id,
+        reservation_id=res.id,
+        charge=charge_ticks(used.price.cost(usage.input_tokens, usage.output_tokens)),
+        model=used.model.id,
+        route=used.serving.route.id,
+        usage=usage,
+        purpose="decide",
+        ref=decision_id,
+        detail={"decisions": len(req.decisions)},
+    )
+    fell_back = used is not primary
+    log.info(
+        "decided",
+        extra={
+            "org_id": org_id,
+            "model": used.model.id,
+            "decisions": len(req.decisions),
+            "fallback": fell_back,
+        },
+    )
+    return {
+        "id": decision_id,
+        "model": primary.model.id,
+        "answers": rules.answers_json(req.decisions, answered.chosen, answered.probabilities),
+        "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+        "charge": format_money(charged),
+        "fallback": {"reason": "model_warming", "model": used.model.id} if fell_back else None,
+    }
+
+
+@router.post("/v1/decide")
+async def decide(request: Request) -> Response:
+    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    raw = await read_json(request)
+    svc = service_of(request)
+    req, primary, fallback = prepare(svc, raw)
+
+    async def handler() -> tuple[int, Any]:
+        await check_tier_limits(request, principal, requests=1, tokens=primary.input_tokens)
+        return 200, await _decide(svc, principal.org_id, req, primary, fallback)
+
+    return await idempotent(request, principal, raw, handler)
+
+
+@router.post("/v1/decide/estimate")
+async def estimate(request: Request) -> JSONResponse:
+    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    raw = await read_json(request)
+    svc = service_of(request)
+    _, primary, fallback = prepare(svc, raw)
+    await check_tier_limits(
+        request, principal, requests=1, tokens=primary.input_tokens, kind="estimate"
+    )
+    max_cost = max(primary.max_cost, fallback.max_cost if fallback else 0)
+    return json_response(
+        {
+            "input_tokens": primary.input_tokens,
+            "max_output_tokens": primary.max_output_tokens,
+            "max_cost": format_money(max_cost),
+        }
+    )
+
+
+@router.post("/v1/models/{model_id}/keep-warm")
+async def keep_warm(request: Request, model_id: str) -> Response:
+    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    raw = await read_json(request)
+    svc = service_of(request)
+    model = svc.catalog.models.get(model_id)
+    if model is None:
+        raise NotFound(f"model {model_id!r} not found")
+    if model.type != "version":
+        raise InvalidRequest(
+            f"{model.id} is a base model and is always served; keep-warm is for "
+            "fine-tuned versions",
+            param="model",
+            code="not_a_model_version",
+        )
+    minutes = raw.get("minutes")
+    if (
+        isinstance(minutes, bool)
+        or not isinstance(minutes, int | float)
+        or not 0 < minutes <= MAX_KEEP_WARM_MINUTES
+    ):
+        raise InvalidRequest(
+            f"minutes must be a number above 0 and at most {MAX_KEEP_WARM_MINUTES}",
+            param="minutes",
+            code="minutes_out_of_range",
+        )
+    where = serving(svc.catalog, model)
+
+    async def handler() -> tuple[int, Any]:
+        view = warmth_of(svc).keep_warm(model.id, where, float(minutes))
+        return 200, {"id": model.id, "object": "model", "warm": view.to_json()}
+
+    return await idempotent(request, principal, raw, handler)

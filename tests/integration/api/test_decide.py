@@ -1,0 +1,704 @@
+"""POST /v1/decide over real HTTP: one text, every decision, paid once, with the seed's rules.
+
+Engines are scripted on the service's ManualClock, so limits, the 24-hour
+idempotency window and a version's slow load are driven by moving the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import AsyncIterator, Callable
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import pytest
+
+from batchyard.core.accounts import Scope
+from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
+from batchyard.core.clock import ManualClock
+from batchyard.core.config import Settings
+from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
+from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
+from batchyard.engines.memory import ScriptedEngine
+from batchyard.errors import ModelUnavailable
+from batchyard.service import Service
+from batchyard.store import accounts, activity, ledger
+from batchyard.work.warmth import serving
+from tests.support.accounts import make_account
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.server import live_server
+
+TEXT = "The battery died after two days."
+SENTIMENT = {
+    "id": "sentiment",
+    "question": "How does the writer feel about the product?",
+    "outcomes": [
+        {"id": "positive", "description": "pleased"},
+        {"id": "negative", "description": "unhappy"},
+        {"id": "neutral", "description": "neither"},
+    ],
+}
+TOPIC = {
+    "id": "topic",
+    "question": "What is the comment about?",
+    "outcomes": [{"id": "battery"}, {"id": "screen"}, {"id": "price"}],
+}
+BODY: dict[str, Any] = {
+    "model": "kettei-core",
+    "input": {"text": TEXT},
+    "decisions": [SENTIMENT, TOPIC],
+    "max_output_tokens": 64,
+}
+CORE = (Decimal("0.10"), Decimal("0.40"))
+VERSION = "kettei-core-acme"
+VERSION_PRICE = (Decimal("0.30"), Decimal("1.20"))
+
+
+def text_scorer(model: str, messages: list[dict[str, Any]], candidates: list[str]) -> list[float]:
+    """Favour the outcome named in the text ("battery"; "died" reads as negative)."""
+    text = str(messages[-1]["content"]).split("Questions:")[0].lower().replace("died", "negative")
+    scores = []
+    for candidate in candidates:
+        outcome = candidate.rsplit("\n", 1)[-1].split(": ", 1)[-1]
+        scores.append(math.log(0.9) if outcome in text else math.log(0.05))
+    return scores
+
+
+def cost(prices: tuple[Decimal, Decimal], usage: dict[str, int]) -> str:
+    ticks = charge_ticks(token_cost(usage["input_tokens"], usage["output_tokens"], *prices))
+    return format_money(ticks)
+
+
+def balance(svc: Service, org_id: str) -> ledger.Balance:
+    return svc.db.run_sync(lambda c: ledger.balance(c, org_id), readonly=True)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for the server (same loop) to reach a point; not a stand-in for the clock."""
+    for _ in range(int(timeout / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture
+def engine(service: Service) -> ScriptedEngine:
+    eng = ScriptedEngine(clock=service.clock, scorer=text_scorer)
+    service.engines.set("embedded", eng)
+    return eng
+
+
+@pytest.fixture
+async def http(service: Service) -> AsyncIterator[httpx.AsyncClient]:
+    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as client:
+        yield client
+
+
+# -- answers and billing -----------------------------------------------------------
+
+
+async def test_every_decision_answered_in_one_call_with_the_text_paid_once(service, engine, http):
+    acct = make_account(service, credit="1")
+    r = await http.post("/v1/decide", json=BODY, headers=acct.headers)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("dec.") and body["model"] == "kettei-core"
+    assert body["fallback"] is None
+    answers = {a["decision"]: a for a in body["answers"]}
+    assert [a["decision"] for a in body["answers"]] == ["sentiment", "topic"]
+    assert answers["sentiment"]["outcome"] == "negative"
+    assert answers["topic"]["outcome"] == "battery"
+    for answer in body["answers"]:
+        probs = answer["probabilities"]
+        assert math.isclose(sum(probs.values()), 1.0, abs_tol=1e-5)
+        assert max(probs, key=probs.get) == answer["outcome"]
+    # One prompt, read once per decision by the scorer, billed once.
+    prompts = [c.messages for c in engine.score_calls]
+    assert len(prompts) == 2 and prompts[0] == prompts[1]
+    assert str(prompts[0]).count(TEXT) == 1
+    assert engine.score_calls[1].candidates[0].startswith("sentiment: negative\ntopic: ")
+    words = sum(len(str(m["content"]).split()) for m in prompts[0])
+    assert body["usage"]["input_tokens"] == words
+    assert 0 < body["usage"]["output_tokens"] <= 64
+    assert body["charge"] == cost(CORE, body["usage"])
+    bal = balance(service, acct.org_id)
+    assert bal.held == 0 and bal.settled == to_ticks(Decimal(body["charge"]))
+    acts = service.db.run_sync(lambda c: activity.list_activity(c, acct.org_id))
+    charge = next(a for a in acts if a["kind"] == "charge" and a["ref"] == body["id"])
+    assert charge["detail"]["purpose"] == "decide" and charge["detail"]["decisions"] == 2
+
+
+async def test_a_read_key_cannot_decide(service, engine, http):
+    acct = make_account(service, scope=Scope.READ)
+    r = await http.post("/v1/decide", json=BODY, headers=acct.headers)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
+    inference = make_account(service, "acme", credit="0", scope=Scope.INFERENCE)
+    ok = await http.post("/v1/decide", json=BODY, headers=inference.headers)
+    assert ok.status_code == 200, ok.text
+
+
+LONG_TEXT = "word " * 2100
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"decisions": []}, "no_decisions"),
+        ({"decisions": [{**TOPIC, "outcomes": [{"id": "battery"}]}]}, "too_few_outcomes"),
+        ({"decisions": [TOPIC, TOPIC]}, "duplicate_id"),
+        ({"decisions": [{**TOPIC, "outcomes": [{"id": "a"}, {"id": "a"}]}]}, "duplicate_id"),
+        ({"input": {"text": " "}}, "empty_text"),
+        ({"input": {"text": LONG_TEXT}}, "context_window_exceeded"),
+        ({"model": "kettei-nope"}, "unknown_model"),
+        ({"input": {"image_url": "https://example.com/a.png"}}, "unsupported_input"),
+        ({"max_output_tokens": 0}, "max_output_tokens_out_of_range"),
+        ({"max_output_tokens": 100_000}, "max_output_tokens_out_of_range"),
+        ({"max_output_tokens": 2}, "max_output_tokens_out_of_range"),
+    ],
+)
+async def test_bad_input_is_400_with_its_code_and_leaves_the_key_free(
+    service, engine, http, change, code
+):
+    acct = make_account(service, credit="1")
+    headers = {**acct.headers, "Idempotency-Key": "item-1"}
+    r = await http.post("/v1/decide", json={**BODY, **change}, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code and r.json()["error"]["retryable"] is False
+    assert engine.score_calls == [] and balance(service, acct.org_id).settled == 0
+    # Nothing was claimed under the key: the fixed body runs with it.
+    fixed = await http.post("/v1/decide", json=BODY, headers=headers)
+    assert fixed.status_code == 200, fixed.text
+    assert fixed.headers.get("Idempotent-Replayed") is None
+
+
+# -- idempotency ------------------------------------------------------------------
+
+
+async def test_replay_returns_the_saved_answer_uncharged_for_24_hours(service, engine, http):
+    acct = make_account(service, credit="1")
+    headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
+    first = await http.post("/v1/decide", json=BODY, headers=headers)
+    assert first.status_code == 200
+    settled = balance(service, acct.org_id).settled
+    service.clock.advance(23 * 3600)
+    again = await http.post("/v1/decide", json=BODY, headers=headers)
+    assert again.json() == first.json()
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert len(engine.score_calls) == 2 and balance(service, acct.org_id).settled == settled
+    changed = {**BODY, "decisions": [SENTIMENT]}
+    conflict = await http.post("/v1/decide", json=changed, headers=headers)
+    assert conflict.status_code == 409
+    assert conflict.json()["error"]["code"] == "idempotency_conflict"
+    service.clock.advance(3600 + 1)
+    expired = await http.post("/v1/decide", json=BODY, headers=headers)
+    assert expired.status_code == 409
+    assert expired.json()["error"] == {
+        **expired.json()["error"],
+        "code": "idempotency_response_expired",
+        "retryable": False,
+    }
+    assert len(engine.score_calls) == 2 and balance(service, acct.org_id).settled == settled
+
+
+async def test_zero_data_retention_reruns_and_recharges(service, engine, http):
+    acct = make_account(service, credit="1")
+    service.db.run_sync(lambda c: accounts.set_zero_data_retention(c, acct.org_id, True))
+    headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
+    first = await http.post("/v1/decide", json=BODY, headers=headers)
+    service.clock.advance(5)
+    second = await http.post("/v1/decide", json=BODY, headers=headers)
+    assert first.status_code == second.status_code == 200
+    assert second.headers.get("Idempotent-Replayed") is None
+    assert first.json()["id"] != second.json()["id"]
+    assert len(engine.score_calls) == 4
+    expected = 2 * to_ticks(Decimal(first.json()["charge"]))
+    assert balance(service, acct.org_id).settled == expected
+
+
+# -- limits and credit ------------------------------------------------------------
+
+
+async def test_over_the_tier_limit_is_429_with_retry_after_shared_by_every_key(
+    service, engine, http
+):
+    acct = make_account(service, credit="1")
+    other_key = make_account(service, "acme", credit="0", scope=Scope.INFERENCE)
+    assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
+    limited = await http.post("/v1/decide", json=BODY, headers=other_key.headers)
+    assert limited.status_code == 429
+    assert limited.json()["error"]["code"] == "rate_limited"
+    assert limited.json()["error"]["retryable"] is True
+    wait = int(limited.headers["Retry-After"])
+    assert wait >= 1
+    assert len(engine.score_calls) == 2
+    service.clock.advance(wait)
+    assert (await http.post("/v1/decide", json=BODY, headers=other_key.headers)).status_code == 200
+
+
+async def test_402_when_credit_cannot_cover_the_most_expensive_outcome(service, engine, http):
+    acct = make_account(service, credit="0")
+    headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
+    r = await http.post("/v1/decide", json=BODY, headers=headers)
+    assert r.status_code == 402
+    err = r.json()["error"]
+    assert err["code"] == "insufficient_credit" and err["retryable"] is False
+    assert "nothing was charged" in err["message"]
+    assert engine.score_calls == []
+    bal = balance(service, acct.org_id)
+    assert bal.settled == 0 and bal.held == 0
+
+
+async def test_an_automatic_top_up_lets_the_call_through(service, engine, http):
+    acct = make_account(service, credit="0")
+    service.db.run_sync(
+        lambda c: accounts.set_auto_topup(c, acct.org_id, Decimal("1"), Decimal("5"))
+    )
+    r = await http.post("/v1/decide", json=BODY, headers=acct.headers)
+    assert r.status_code == 200, r.text
+    bal = balance(service, acct.org_id)
+    assert bal.topups == to_ticks(Decimal("5"))
+    assert bal.settled == to_ticks(Decimal(r.json()["charge"]))
+
+
+# -- estimate ---------------------------------------------------------------------
+
+
+async def test_estimate_counts_the_prompt_and_quotes_without_charging(service, engine, http):
+    acct = make_account(service, credit="0", scope=Scope.INFERENCE)
+    r = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+    assert r.status_code == 200, r.text
+    est = r.json()
+    from batchyard.core.decisions import build_messages, parse_request
+
+    model = service.catalog.model("kettei-core")
+    messages = build_messages(parse_request(BODY), "lines")
+    assert est["input_tokens"] == service.tokenizer(model).count_messages(messages)
+    assert est["max_output_tokens"] == 64
+    quote = token_cost(est["input_tokens"], 64, *CORE)
+    assert Decimal(est["max_cost"]) >= quote
+    assert Decimal(est["max_cost"]) - quote < Decimal("1e-10")
+    assert engine.score_calls == [] and balance(service, acct.org_id).held == 0
+    bad = await http.post(
+        "/v1/decide/estimate", json={**BODY, "decisions": []}, headers=acct.headers
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "no_decisions"
+
+
+async def test_estimates_have_their_own_token_budget(service, engine, http):
+    acct = make_account(service, credit="1")
+    # A decision spends the requests limit; an estimate right after still runs.
+    assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
+    est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+    assert est.status_code == 200
+    again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+    assert again.status_code == 429 and "Retry-After" in again.headers
+    service.clock.advance(int(again.headers["Retry-After"]))
+    assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
+
+
+async def test_default_max_output_tokens_is_the_longest_answer(service, engine, http):
+    acct = make_account(service, credit="1")
+    body = {k: v for k, v in BODY.items() if k != "max_output_tokens"}
+    est = (await http.post("/v1/decide/estimate", json=body, headers=acct.headers)).json()
+    assert 4 <= est["max_output_tokens"] < 64
+    r = await http.post("/v1/decide", json=body, headers=acct.headers)
+    assert r.json()["usage"]["output_tokens"] <= est["max_output_tokens"]
+
+
+# -- the newcomer's sequence -------------------------------------------------------
+
+
+async def test_a_newcomers_sequence(service, engine, http):
+    """estimate, decide, replay, change under the same key, exceed the tier, run dry."""
+    acct = make_account(service, "newcomer", credit="0")
+    est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+    assert est.status_code == 200
+    max_cost = Decimal(est.json()["max_cost"])
+    # Credit for exactly one call at its most expensive.
+    service.db.run_sync(
+        lambda c: ledger.top_up(c, acct.org_id, to_ticks(max_cost), service.clock.now())
+    )
+    h1 = {**acct.headers, "Idempotency-Key": "ticket-1"}
+    first = await http.post("/v1/decide", json=BODY, headers=h1)
+    assert first.status_code == 200, first.text
+    assert Decimal(first.json()["charge"]) <= max_cost
+    replay = await http.post("/v1/decide", json=BODY, headers=h1)
+    assert replay.status_code == 200 and replay.json() == first.json()
+    changed = {**BODY, "decisions": [TOPIC]}
+    conflict = await http.post("/v1/decide", json=changed, headers=h1)
+    assert conflict.status_code == 409
+    assert conflict.json()["error"]["code"] == "idempotency_conflict"
+    h2 = {**acct.headers, "Idempotency-Key": "ticket-2"}
+    limited = await http.post("/v1/decide", json=BODY, headers=h2)
+    assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+    service.clock.advance(int(limited.headers["Retry-After"]))
+    broke = await http.post("/v1/decide", json=BODY, headers=h2)
+    assert broke.status_code == 402
+    assert broke.json()["error"]["code"] == "insufficient_credit"
+    bal = balance(service, acct.org_id)
+    assert bal.settled == to_ticks(Decimal(first.json()["charge"])) and bal.held == 0
+    assert len(engine.score_calls) == 2
+
+
+# -- OpenAI-compatible routes (generation, parsed strictly) -------------------------------
+
+
+def with_catalog(
+    settings: Settings, clock: ManualClock, models: list[ModelSpec], routes: list[RouteSpec]
+) -> Service:
+    """A migrated service whose catalog adds ``models`` and ``routes`` to the defaults."""
+    base = default_catalog()
+    catalog = Catalog([*base.models.values(), *models], [*base.routes.values(), *routes])
+    svc = Service(dataclasses.replace(settings, catalog=catalog), clock=clock)
+    svc.db.migrate()
+    return svc
+
+
+async def closed_after_audit(svc: Service) -> None:
+    problems = svc.db.run_sync(ledger.audit, readonly=True)
+    await svc.stop()
+    assert problems == [], problems
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    with FakeUpstream() as up:
+        yield up
+
+
+@pytest.fixture
+async def remote(settings, clock, upstream: FakeUpstream) -> AsyncIterator[Service]:
+    """kettei-chub on a JSON-schema route and kettei-fat on a free-text one, over HTTP."""
+    routes = [
+        RouteSpec(
+            id="chub",
+            model="kettei-chub",
+            engine="openai_http",
+            upstream_model="chub-1",
+            base_url=upstream.base_url,
+            supports_json_schema=True,
+        ),
+        RouteSpec(
+            id="fat",
+            model="kettei-fat",
+            engine="openai_http",
+            upstream_model="fat-1",
+            base_url=upstream.base_url,
+        ),
+    ]
+    svc = with_catalog(settings, clock, [], routes)
+    try:
+        yield svc
+    finally:
+        await closed_after_audit(svc)
+
+
+async def test_a_json_schema_route_gets_one_enum_per_decision(remote, upstream):
+    acct = make_account(remote, credit="1")
+    image = "data:image/png;base64,iVBORw0KGgo="
+    body = {**BODY, "model": "kettei-chub", "input": {"text": TEXT, "image_url": image}}
+    async with live_server(remote) as base, httpx.AsyncClient(base_url=base) as http:
+        r = await http.post("/v1/decide", json=body, headers=acct.headers)
+    assert r.status_code == 200, r.text
+    sent = upstream.last_request
+    assert sent is not None
+    schema = sent["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["sentiment"]["enum"] == ["positive", "negative", "neutral"]
+    assert sent["messages"][-1]["content"][1] == {"type": "image_url", "image_url": {"url": image}}
+    assert sent["logprobs"] is True and sent["temperature"] == 0.0
+    answers = r.json()["answers"]
+    # FakeUpstream picks each enum's first value and sends no top_logprobs.
+    assert answers == [
+        {"decision": "sentiment", "outcome": "positive"},
+        {"decision": "topic", "outcome": "battery"},
+    ]
+    prices = (Decimal("0.50"), Decimal("2.00"))
+    assert r.json()["charge"] == cost(prices, r.json()["usage"])
+
+
+async def test_unreadable_free_text_is_502_nothing_charged_and_saved(remote, upstream):
+    acct = make_account(remote, credit="1")
+    headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
+    body = {**BODY, "model": "kettei-fat"}
+    async with live_server(remote) as base, httpx.AsyncClient(base_url=base) as http:
+        r = await http.post("/v1/decide", json=body, headers=headers)
+        again = await http.post("/v1/decide", json=body, headers=headers)
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "model_output_invalid"
+    assert r.json()["error"]["retryable"] is False
+    assert again.status_code == 502 and again.headers["Idempotent-Replayed"] == "true"
+    assert upstream.requests == 1
+    bal = balance(remote, acct.org_id)
+    assert bal.settled == 0 and bal.held == 0
+
+
+class LogprobEngine:
+    """An OpenAI-style engine that answers JSON with top_logprobs on the answer token."""
+
+    name = "logprobs"
+
+    def __init__(self) -> None:
+        self.requests: list[CompletionRequest] = []
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        self.requests.append(request)
+        top = {"negative": 0.7, "positive": 0.2, "neutral": 0.1}
+        tokens = [
+            {"token": '{"sentiment": "', "logprob": 0.0},
+            {
+                "token": "negative",
+                "logprob": math.log(0.7),
+                "top_logprobs": [{"token": t, "logprob": math.log(p)} for t, p in top.items()],
+            },
+            {"token": '"}', "logprob": 0.0},
+        ]
+        text = "".join(t["token"] for t in tokens)
+        return Completion(request.model, [Choice(text, logprobs=tokens)], Usage(40, 3))
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_probabilities_come_from_the_routes_top_logprobs(remote):
+    engine = LogprobEngine()
+    remote.engines.set("chub", engine)
+    acct = make_account(remote, credit="1")
+    body = {**BODY, "model": "kettei-chub", "decisions": [SENTIMENT]}
+    async with live_server(remote) as base, httpx.AsyncClient(base_url=base) as http:
+        r = await http.post("/v1/decide", json=body, headers=acct.headers)
+    assert r.status_code == 200, r.text
+    assert engine.requests[0].top_logprobs == 20
+    assert r.json()["answers"] == [
+        {
+            "decision": "sentiment",
+            "outcome": "negative",
+            "probabilities": {"positive": 0.2, "negative": 0.7, "neutral": 0.1},
+        }
+    ]
+    assert r.json()["usage"] == {"input_tokens": 40, "output_tokens": 3}
+
+
+# -- fine-tuned versions: cold until loaded, the 10-second fallback, keep-warm ----------
+
+ONE = {**BODY, "model": VERSION, "decisions": [SENTIMENT]}
+
+
+@pytest.fixture
+async def versioned(settings, clock) -> AsyncIterator[Service]:
+    """kettei-core plus a fine-tuned version on its own route that loads in 30 s."""
+    version = ModelSpec(
+        id=VERSION,
+        input_per_mtok=VERSION_PRICE[0],
+        output_per_mtok=VERSION_PRICE[1],
+        context_window=2048,
+        tokenizer="default",
+        type="version",
+        base_model="kettei-core",
+        max_output_tokens=1024,
+    )
+    route = RouteSpec(
+        id="acme-ft",
+        model=VERSION,
+        engine="openai_http",
+        upstream_model="acme-ft-1",
+        base_url="http://127.0.0.1:9/v1",
+    )
+    svc = with_catalog(settings, clock, [version], [route])
+    try:
+        yield svc
+    finally:
+        await closed_after_audit(svc)
+
+
+@pytest.fixture
+def engines(versioned: Service) -> tuple[ScriptedEngine, ScriptedEngine]:
+    """(base, version): the version's engine takes 30 s of clock time per call."""
+    base = ScriptedEngine(clock=versioned.clock, scorer=text_scorer)
+    slow = ScriptedEngine(clock=versioned.clock, scorer=text_scorer, delay_s=30)
+    versioned.engines.set("embedded", base)
+    versioned.engines.set("acme-ft", slow)
+    return base, slow
+
+
+async def warm_state(http: httpx.AsyncClient, headers: dict[str, str]) -> dict[str, Any]:
+    r = await http.get(f"/v1/models/{VERSION}", headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()["warm"]
+
+
+async def test_a_cold_version_falls_back_to_its_base_after_ten_seconds(versioned, engines):
+    base, slow = engines
+    clock = versioned.clock
+    acct = make_account(versioned, credit="1")
+    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+        assert (await warm_state(http, acct.headers))["state"] == "cold"
+        listed = (await http.get("/v1/models", headers=acct.headers)).json()["data"]
+        warm = {m["id"]: m["warm"] for m in listed}
+        assert warm[VERSION]["state"] == "cold" and warm["kettei-core"] is None
+        call = asyncio.create_task(http.post("/v1/decide", json=ONE, headers=acct.headers))
+        await until(lambda: slow.in_flight == 1)
+        clock.advance(9)
+        await asyncio.sleep(0.05)
+        assert not call.done()
+        clock.advance(1)
+        r = await call
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == VERSION
+        assert body["fallback"] == {"reason": "model_warming", "model": "kettei-core"}
+        assert body["answers"][0]["outcome"] == "negative"
+        assert body["charge"] == cost(CORE, body["usage"])
+        assert len(base.score_calls) == 1
+        state = await warm_state(http, acct.headers)
+        assert state == {"state": "loading", "until": None, "last_load_seconds": None}
+        # The load goes on; once it ends the version is warm and says how long it took.
+        clock.advance(20)
+        await until(lambda: slow.in_flight == 0)
+        state = await warm_state(http, acct.headers)
+        assert state["state"] == "warm" and state["last_load_seconds"] == 30.0
+        assert state["until"] is not None
+        # Warm now: the version answers, at its own price.
+        call = asyncio.create_task(http.post("/v1/decide", json=ONE, headers=acct.headers))
+        await until(lambda: slow.in_flight == 1)
+        clock.advance(30)
+        r = await call
+        assert r.status_code == 200, r.text
+        assert r.json()["fallback"] is None
+        assert r.json()["charge"] == cost(VERSION_PRICE, r.json()["usage"])
+        assert len(base.score_calls) == 1 and len(slow.score_calls) == 2
+        # Idle past the window, it goes cold again.
+        clock.advance(16 * 60)
+        assert (await warm_state(http, acct.headers))["state"] == "cold"
+    bal = balance(versioned, acct.org_id)
+    assert bal.held == 0
+
+
+async def test_the_estimate_quotes_the_dearer_of_version_and_base(versioned, engines):
+    acct = make_account(versioned, credit="1")
+    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+        est = (await http.post("/v1/decide/estimate", json=ONE, headers=acct.headers)).json()
+    quote = token_cost(est["input_tokens"], est["max_output_tokens"], *VERSION_PRICE)
+    assert Decimal(est["max_cost"]) >= quote
+
+
+async def test_fallback_none_waits_bounded_then_503_retryable_and_the_key_stays_free(
+    versioned, engines
+):
+    base, slow = engines
+    slow.delay_s = 120
+    clock = versioned.clock
+    acct = make_account(versioned, credit="1")
+    headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
+    body = {**ONE, "fallback": "none"}
+    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+        call = asyncio.create_task(http.post("/v1/decide", json=body, headers=headers))
+        await until(lambda: slow.in_flight == 1)
+        clock.advance(10)
+        await asyncio.sleep(0.05)
+        assert not call.done(), "fallback none does not fall back at 10 s"
+        clock.advance(50)
+        r = await call
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["code"] == "model_warming" and err["retryable"] is True
+        assert "Retry-After" in r.headers
+        assert base.score_calls == []
+        assert balance(versioned, acct.org_id).settled == 0
+        clock.advance(60)
+        await until(lambda: slow.in_flight == 0)
+        assert (await warm_state(http, acct.headers))["state"] == "warm"
+        again = asyncio.create_task(http.post("/v1/decide", json=body, headers=headers))
+        await until(lambda: slow.in_flight == 1)
+        clock.advance(120)
+        r = await again
+        assert r.status_code == 200, r.text
+        assert r.json()["fallback"] is None
+    bal = balance(versioned, acct.org_id)
+    assert bal.settled == to_ticks(Decimal(r.json()["charge"])) and bal.held == 0
+
+
+async def test_keep_warm_loads_a_version_and_holds_it_for_the_window(versioned, engines):
+    _, slow = engines
+    clock = versioned.clock
+    acct = make_account(versioned, credit="1")
+    start = clock.now()
+    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+        r = await http.post(
+            f"/v1/models/{VERSION}/keep-warm", json={"minutes": 30}, headers=acct.headers
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["warm"]["state"] == "loading"
+        assert r.json()["warm"]["until"] == isoformat_after(start, 1800)
+        await until(lambda: slow.in_flight == 1)
+        clock.advance(30)
+        await until(lambda: slow.in_flight == 0)
+        state = await warm_state(http, acct.headers)
+        assert state["state"] == "warm" and state["last_load_seconds"] == 30.0
+        # Idle for longer than the idle window, but inside the keep-warm window.
+        clock.advance(20 * 60)
+        assert (await warm_state(http, acct.headers))["state"] == "warm"
+        call = asyncio.create_task(http.post("/v1/decide", json=ONE, headers=acct.headers))
+        await until(lambda: slow.in_flight == 1)
+        clock.advance(30)
+        r = await call
+        assert r.status_code == 200 and r.json()["fallback"] is None
+        clock.advance(40 * 60)
+        assert (await warm_state(http, acct.headers)) == {
+            "state": "cold",
+            "until": None,
+            "last_load_seconds": 30.0,
+        }
+    # Keep-warm is not billed: only the decision was.
+    assert balance(versioned, acct.org_id).settled == to_ticks(Decimal(r.json()["charge"]))
+
+
+def isoformat_after(start: Any, seconds: float) -> str:
+    from datetime import timedelta
+
+    from batchyard.core.clock import isoformat
+
+    return isoformat(start + timedelta(seconds=seconds))
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "scope", "status", "code"),
+    [
+        (VERSION, {"minutes": 0}, Scope.FULL, 400, "minutes_out_of_range"),
+        (VERSION, {"minutes": "ten"}, Scope.FULL, 400, "minutes_out_of_range"),
+        (VERSION, {"minutes": 10}, Scope.READ, 403, "insufficient_scope"),
+        ("kettei-core", {"minutes": 10}, Scope.FULL, 400, "not_a_model_version"),
+        ("kettei-nope", {"minutes": 10}, Scope.FULL, 404, "not_found"),
+    ],
+)
+async def test_keep_warm_refusals(versioned, engines, model, body, scope, status, code):
+    acct = make_account(versioned, credit="0", scope=scope)
+    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+        r = await http.post(f"/v1/models/{model}/keep-warm", json=body, headers=acct.headers)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+    assert engines[1].score_calls == []
+
+
+def test_a_version_can_be_served_by_its_base_route() -> None:
+    """A route may list versions it serves (an adapter on the base) instead of its own route."""
+    base = default_catalog()
+    version = ModelSpec(
+        id=VERSION,
+        input_per_mtok=VERSION_PRICE[0],
+        output_per_mtok=VERSION_PRICE[1],
+        context_window=2048,
+        type="version",
+        base_model="kettei-core",
+    )
+    embedded = dataclasses.replace(
+        base.routes["embedded"], version={VERSION: {"upstream_model": "acme-lora"}}
+    )
+    catalog = Catalog([*base.models.values(), version], [embedded])
+    where = serving(catalog, catalog.model(VERSION))
+    assert where.route.id == "embedded" and where.upstream_model == "acme-lora"
+    assert serving(catalog, catalog.model("kettei-core")).upstream_model == embedded.upstream_model
+    with pytest.raises(ModelUnavailable):
+        serving(catalog, catalog.model("kettei-fat"))
