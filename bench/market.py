@@ -41,7 +41,8 @@ from batchyard.core.prices import Price
 
 CHECK_S = 15
 PER_HOUR = 3600 // CHECK_S
-HOURS = 48  # submissions over the first day, deadlines up to a day later
+HOURS = 72  # a warm-up day, a measured day of submissions, a day for their deadlines
+WARMUP_CHECKS = 24 * PER_HOUR
 N_CHECKS = HOURS * PER_HOUR
 START = datetime(2026, 3, 2, tzinfo=UTC)
 DIRECT = Price(Decimal("1.00"), Decimal("4.00"))
@@ -106,7 +107,12 @@ def daily(rng: random.Random, mean: float = 0.55, amp: float = 0.35) -> Levels:
 
 
 def dips(rng: random.Random, base: float = 0.62, every_h: float = 4.0) -> Levels:
-    levels = _per_minute(rng, lambda _k, _l: max(0.3, base + rng.gauss(0, 0.02)), base)
+    # Between dips the price wanders a little around its base (a slow AR
+    # process, not per-minute noise: a spot price holds for a while).
+    def step(_k: int, level: float) -> float:
+        return max(0.3, level + 0.05 * (base - level) + rng.gauss(0, 0.006))
+
+    levels = _per_minute(rng, step, base)
     k = 0
     while True:
         k += int(rng.expovariate(1 / (every_h * PER_HOUR)))
@@ -198,19 +204,20 @@ class SimItem:
     best: float | None = None  # hindsight-optimal cost
 
 
-def make_items(seed: int, count: int) -> list[SimItem]:
-    rng = random.Random(seed * 7919 + 1)
+def make_items(seed: int, count: int, day: int = 1) -> list[SimItem]:
+    """``count`` items submitted at random over ``day`` (0: the warm-up day)."""
+    rng = random.Random(seed * 7919 + 1 + 104729 * day)
     windows = [w for w, _ in WINDOWS]
     weights = [p for _, p in WINDOWS]
     out: list[SimItem] = []
     for n in range(count):
-        first = rng.randrange(0, 24 * PER_HOUR)
+        first = day * 24 * PER_HOUR + rng.randrange(0, 24 * PER_HOUR)
         submitted = START + timedelta(seconds=first * CHECK_S - rng.uniform(0, CHECK_S - 1))
         window = rng.choices(windows, weights)[0]
         deadline = submitted + window
         last = min(N_CHECKS - 1, math.ceil((deadline - START).total_seconds() / CHECK_S) - 1)
         item = Item(
-            id=f"item-{n}",
+            id=f"item-{day}-{n}",
             min_discount=rng.choice(MIN_DISCOUNTS),
             deadline=deadline,
             submitted_at=submitted,
@@ -316,9 +323,12 @@ def run_scenario(
     scenario: Scenario, policies: Sequence[Policy], seed: int, count: int
 ) -> list[Outcome]:
     offers = build_offers(scenario)
-    items = make_items(seed, count)
+    # The worker has been running for a day: the same traffic on the warm-up
+    # day feeds what a learning policy sees, but only day-two items are measured.
+    warmup = make_items(seed, count, day=0)
+    items = make_items(seed, count, day=1)
     hindsight(items, offers)
-    return [measure(p, items, replay(p, items, offers)) for p in policies]
+    return [measure(p, items, replay(p, [*warmup, *items], offers)) for p in policies]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -328,11 +338,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     console = Console()
-    policies: list[Policy] = [FirstEligible(), DeadlineAware()]
+    # A fresh policy per scenario: one that learns must not carry one market into the next.
+    fresh: list[Callable[[], Policy]] = [FirstEligible, DeadlineAware]
+    policies = [make() for make in fresh]
     started = time.perf_counter()
     totals: dict[str, list[Outcome]] = {p.name: [] for p in policies}
     for scenario in scenarios(args.seed):
-        outcomes = run_scenario(scenario, policies, args.seed, args.items)
+        outcomes = run_scenario(scenario, [make() for make in fresh], args.seed, args.items)
         table = Table(title=f"{scenario.name}: {scenario.about}", title_justify="left")
         table.add_column("policy")
         table.add_column("deadlines met", justify="right")

@@ -21,14 +21,13 @@ the dearest of it and its fallbacks, because any of them may end up serving.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Protocol
 
+from batchyard.core.outlook import MarketHistory
 from batchyard.core.prices import Price, discount_percent
 
 __all__ = [
@@ -187,151 +186,156 @@ class FirstEligible:
 
 
 class DeadlineAware:
-    """Waits for a deeper discount than the minimum while the deadline allows.
+    """Waits for a deeper discount than the minimum, but never past the last safe chance.
 
-    Three rules decide, for an item with at least one offer qualifying at its
-    own minimum; the first that fires dispatches on the cheapest such offer:
+    For an item with at least one offer qualifying at its own minimum now, it
+    dispatches on the cheapest such offer when the first of these holds, and
+    otherwise waits:
 
-    1. *Schedule.* Dispatch when an offer meets the required discount
-       ``min + depth x (100 - min) x g^curve``, where ``g`` is the share of the
-       window left, rescaled to reach 0 where the final stretch begins. So the
-       bar starts high and relaxes to the item's minimum; in the final stretch
-       (the larger of ``final_share`` of the window and ``final_min``) any
-       qualifying offer is taken.
-    2. *Trailing stop.* Once the item has seen a qualifying offer, dispatch
-       when the cheapest qualifying cost rises more than ``stop`` (a share)
-       above the lowest it has seen, once no more than ``stop_share`` of the
-       window is left: the price has turned, and what is left of the window
-       may hold nothing better, or nothing at all.
-    3. *Edge.* Dispatch when that cost has risen from the item's low and the
-       offer's discount is within ``edge`` percentage points of the minimum:
-       the next move may take the last qualifying price of the window away.
-    4. *Rare discount.* Dispatch when the offer's discount is among the deepest
-       ``rare`` share of what its route showed over the last ``memory`` (once
-       at least ``min_memory`` of it is known): a short deep dip is taken
-       while it lasts instead of waiting for the schedule to reach it.
+    1. *Safety window.* Less than the larger of ``safety_share`` of the
+       item's window and ``safety`` is left: take what qualifies.
+    2. *Reserve.* The offer's discount reaches the ``reserve`` quantile of the
+       best discount that past windows as long as the time left held (see
+       ``batchyard.core.outlook``). As the deadline nears, the windows
+       compared get shorter and their best gets shallower, so the bar relaxes
+       towards the minimum on its own.
+    3. *Last chance.* The share of past windows as long as the time left that
+       held any qualifying price is below ``assurance``, and the offer's
+       discount is within one pass's largest observed drop (times
+       ``move_factor``) of the minimum, and the market's last move was not a
+       deepening: the next pass may take the chance away for good.
 
-    Observed history only ever makes the policy dispatch *sooner* among
-    offers that qualify now on fresh prices; it never authorises a spend.
-    The state (per-item lowest cost, per-route history) lives in this object:
-    a restarted worker forgets it and falls back to the schedule alone, which
-    is still safe. Defaults were tuned with ``bench/market.py``; see
-    docs/explanation/market.md.
+    Until a market's history spans ``min_memory`` (a fresh worker), a
+    schedule stands in for 2 and 3: hold out for
+    ``min + depth x (100 - min) x g^curve`` (``g`` the share of the window
+    left), and take any qualifying offer that has come down from the item's
+    best once it is within ``cold_edge`` points of the minimum.
+
+    History only ever makes the policy dispatch sooner among offers that
+    qualify now on fresh prices; it never authorises a spend. The state lives
+    in this object: a restarted worker forgets it and starts cold, which is
+    still safe. Defaults were chosen with ``bench/market.py``; see
+    docs/explanation/market.md for what they achieve and where they fall short.
     """
 
     def __init__(
         self,
         *,
+        reserve: float = 0.5,
+        assurance: float = 0.98,
+        move_factor: float = 1.5,
+        safety: timedelta = timedelta(minutes=5),
+        safety_share: Decimal = Decimal("0.02"),
+        memory: timedelta = timedelta(hours=48),
+        min_memory: timedelta = timedelta(hours=12),
         depth: Decimal = Decimal("0.5"),
         curve: Decimal = Decimal("2"),
-        final_share: Decimal = Decimal("0.1"),
-        final_min: timedelta = timedelta(minutes=5),
-        stop: Decimal = Decimal("0.15"),
-        stop_share: Decimal = Decimal("0.3"),
-        edge: Decimal = Decimal("1"),
-        rare: Decimal = Decimal("0.05"),
-        memory: timedelta = timedelta(hours=24),
-        min_memory: timedelta = timedelta(hours=2),
+        cold_edge: Decimal = Decimal("5"),
         name: str = "deadline-aware",
     ) -> None:
-        if not Decimal(0) <= depth <= 1:
-            raise ValueError("depth is a share from 0 to 1")
-        if curve <= 0:
-            raise ValueError("curve must be positive")
-        if not Decimal(0) <= final_share < 1:
-            raise ValueError("final_share is a share from 0 to below 1")
-        if final_min < timedelta(0) or min_memory < timedelta(0) or memory <= timedelta(0):
+        if not 0 <= reserve <= 1 or not 0 <= assurance <= 1:
+            raise ValueError("reserve and assurance are shares from 0 to 1")
+        if not Decimal(0) <= depth <= 1 or not Decimal(0) <= safety_share < 1:
+            raise ValueError("depth and safety_share are shares from 0 to 1")
+        if curve <= 0 or move_factor < 0 or cold_edge < 0:
+            raise ValueError("curve must be positive, move_factor and cold_edge not negative")
+        if safety < timedelta(0) or min_memory < timedelta(0) or memory <= timedelta(0):
             raise ValueError("durations cannot be negative")
-        if stop < 0 or not Decimal(0) <= rare <= 1:
-            raise ValueError("stop must be >= 0 and rare a share from 0 to 1")
-        self.depth = depth
-        self.curve = curve
-        self.final_share = final_share
-        self.final_min = final_min
-        self.stop = stop
-        self.stop_share = stop_share
-        self.edge = edge
-        self.rare = rare
+        self.reserve = reserve
+        self.assurance = assurance
+        self.move_factor = move_factor
+        self.safety = safety
+        self.safety_share = safety_share
         self.memory = memory
         self.min_memory = min_memory
+        self.depth = depth
+        self.curve = curve
+        self.cold_edge = cold_edge
         self.name = name
-        self._lowest: dict[str, tuple[Decimal, datetime]] = {}  # item id -> (cost, deadline)
-        self._history: dict[str, _History] = {}
-        self._pruned_at: datetime | None = None
+        self._markets: dict[tuple[str, ...], MarketHistory] = {}
+
+    def safety_window(self, item: Item) -> timedelta:
+        """How close to its deadline an item takes any qualifying offer."""
+        return max(self.safety, (item.deadline - item.submitted_at) * float(self.safety_share))
 
     def required_discount(self, item: Item, now: datetime) -> Decimal:
-        """The discount the schedule holds out for at ``now`` (never below the minimum)."""
+        """The cold-start schedule's bar at ``now`` (never below the minimum)."""
         minimum = item.min_discount
-        window = (item.deadline - item.submitted_at).total_seconds()
-        left = (item.deadline - now).total_seconds()
-        if window <= 0 or left <= 0 or item.deadline - now <= self.final_min:
+        if item.deadline - now <= self.safety_window(item):
             return minimum
-        share_left = min(Decimal(1), Decimal(left) / Decimal(window))
-        if share_left <= self.final_share:
-            return minimum
-        scaled = (share_left - self.final_share) / (1 - self.final_share)
-        return minimum + self.depth * (_HUNDRED - minimum) * scaled**self.curve
+        return minimum + self.depth * (_HUNDRED - minimum) * _share_left(item, now) ** self.curve
+
+    def observe(self, offers: Sequence[RouteOffer], direct: Price, now: datetime) -> None:
+        """Record the market as it stands; ``choose`` calls this itself.
+
+        A worker may also call it on passes with nothing waiting, so that the
+        first item after a quiet spell does not meet a blank history.
+        """
+        key = tuple(sorted(offer.route for offer in offers))
+        history = self._markets.get(key)
+        if history is None:
+            history = self._markets[key] = MarketHistory(self.memory)
+        history.add(now, _best_discount(offers, direct))
 
     def choose(
         self, item: Item, offers: Sequence[RouteOffer], direct: Price, now: datetime
     ) -> RouteOffer | None:
         _check_discount(item.min_discount)
-        self._observe(offers, direct, now)
+        self.observe(offers, direct, now)
         if now >= item.deadline:
-            self._lowest.pop(item.id, None)
             return None
         best = _cheapest(item, offers, direct, item.min_discount)
         if best is None:
             return None
-        required = max(item.min_discount, self.required_discount(item, now))
-        scheduled = _cheapest(item, offers, direct, required)
-        if scheduled is not None:
-            return self._dispatch(item, scheduled)
-        cost = offer_cost(best, item.input_tokens, item.max_output_tokens)
-        lowest = self._lowest.get(item.id)
+        left = item.deadline - now
+        if left <= self.safety_window(item):
+            return best
+        discount = _offer_discount(best, direct)
+        history = self._markets[tuple(sorted(offer.route for offer in offers))]
+        improved = history.rising
+        if history.span() < self.min_memory:
+            return self._cold(item, offers, direct, now, best, discount, improved)
+        outlook = history.outlook(now)
+        waiting = left - self.safety_window(item)
+        reserve = Decimal(str(max(0.0, min(100.0, outlook.reserve(waiting, self.reserve)))))
+        deep = _cheapest(item, offers, direct, max(item.min_discount, reserve))
+        if deep is not None:
+            return deep
+        minimum = float(item.min_discount)
         if (
-            lowest is not None
-            and cost > lowest[0] * (1 + self.stop)
-            and _share_left(item, now) <= self.stop_share
+            outlook.chance(waiting, minimum) < self.assurance
+            and float(discount) - minimum <= outlook.move * self.move_factor
         ):
-            return self._dispatch(item, best)
-        if (
-            lowest is not None
-            and cost > lowest[0]
-            and _offer_discount(best, direct) - item.min_discount <= self.edge
-        ):
-            # Rising and within ``edge`` points of the limit: the next move may
-            # take the last qualifying price of the window away.
-            return self._dispatch(item, best)
-        if self._is_rare(best, direct, now):
-            return self._dispatch(item, best)
-        if lowest is None or cost < lowest[0]:
-            self._lowest[item.id] = (cost, item.deadline)
+            return best
         return None
 
-    def _dispatch(self, item: Item, offer: RouteOffer) -> RouteOffer:
-        self._lowest.pop(item.id, None)
-        return offer
+    def _cold(
+        self,
+        item: Item,
+        offers: Sequence[RouteOffer],
+        direct: Price,
+        now: datetime,
+        best: RouteOffer,
+        discount: Decimal,
+        improved: bool,
+    ) -> RouteOffer | None:
+        scheduled = _cheapest(item, offers, direct, self.required_discount(item, now))
+        if scheduled is not None:
+            return scheduled
+        if not improved and discount - item.min_discount <= self.cold_edge:
+            return best
+        return None
 
-    def _is_rare(self, offer: RouteOffer, direct: Price, now: datetime) -> bool:
-        history = self._history.get(offer.route)
-        if history is None or not history.spans(self.min_memory, now):
-            return False
-        return _offer_discount(offer, direct) >= history.quantile(1 - self.rare)
 
-    def _observe(self, offers: Sequence[RouteOffer], direct: Price, now: datetime) -> None:
-        for offer in offers:
-            if offer.price is None:
-                continue
-            history = self._history.get(offer.route)
-            if history is None:
-                history = self._history[offer.route] = _History(self.memory)
-            history.add(now, _offer_discount(offer, direct))
-        # Items that were dispatched elsewhere or cancelled never come back to
-        # say so; forget them once their deadline has passed.
-        if self._pruned_at is None or now - self._pruned_at > timedelta(minutes=5):
-            self._pruned_at = now
-            self._lowest = {k: v for k, v in self._lowest.items() if v[1] > now}
+def _best_discount(offers: Sequence[RouteOffer], direct: Price) -> float | None:
+    """The deepest discount any payable route offers now (None: nothing payable)."""
+    best: Decimal | None = None
+    for offer in offers:
+        if _qualifies(offer, direct, Decimal(0)):
+            discount = _offer_discount(offer, direct)
+            if best is None or discount > best:
+                best = discount
+    return None if best is None else float(best)
 
 
 def _share_left(item: Item, now: datetime) -> Decimal:
@@ -350,34 +354,6 @@ def _offer_discount(offer: RouteOffer, direct: Price) -> Decimal:
     for fb in offer.fallbacks:
         worst = min(worst, _offer_discount(fb, direct))
     return worst
-
-
-class _History:
-    """A route's observed discounts over a trailing window, kept sorted for quantiles."""
-
-    #: Several items ask in one worker pass; one sample per pass is enough.
-    SPACING = timedelta(seconds=10)
-
-    def __init__(self, span: timedelta) -> None:
-        self._span = span
-        self._samples: deque[tuple[datetime, Decimal]] = deque()
-        self._sorted: list[Decimal] = []
-
-    def add(self, now: datetime, discount: Decimal) -> None:
-        if self._samples and now - self._samples[-1][0] < self.SPACING:
-            return
-        self._samples.append((now, discount))
-        insort(self._sorted, discount)
-        while self._samples and self._samples[0][0] < now - self._span:
-            _, old = self._samples.popleft()
-            del self._sorted[bisect_left(self._sorted, old)]
-
-    def spans(self, needed: timedelta, now: datetime) -> bool:
-        return bool(self._samples) and now - self._samples[0][0] >= needed
-
-    def quantile(self, q: Decimal) -> Decimal:
-        index = int(q * (len(self._sorted) - 1))
-        return self._sorted[index]
 
 
 def policy_by_name(name: str) -> Policy:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -145,16 +146,16 @@ def test_first_eligible_takes_the_first_check_with_a_qualifying_route() -> None:
     assert policy.choose(it, [offer("b", "0.1")], DIRECT, it.deadline) is None
 
 
-def test_deadline_aware_waits_for_depth_then_relaxes_to_the_minimum() -> None:
-    policy = DeadlineAware(rare=Decimal(0))
+def test_deadline_aware_cold_waits_for_depth_then_relaxes_to_the_minimum() -> None:
+    policy = DeadlineAware()  # no history yet: the schedule decides
     it = item(min_discount=50, hours=24)
     clock = ManualClock(T0)
     assert policy.required_discount(it, clock.now()) > Decimal(70)
-    at_55 = [offer("a", "0.45")]
-    assert policy.choose(it, at_55, DIRECT, clock.now()) is None
-    clock.advance(23.9 * 3600)  # inside the final stretch
+    at_60 = [offer("a", "0.40")]
+    assert policy.choose(it, at_60, DIRECT, clock.now()) is None
+    clock.advance(23.9 * 3600)  # inside the safety window
     assert policy.required_discount(it, clock.now()) == 50
-    assert policy.choose(it, at_55, DIRECT, clock.now()) == at_55[0]
+    assert policy.choose(it, at_60, DIRECT, clock.now()) == at_60[0]
 
 
 def test_deadline_aware_takes_a_deep_offer_at_once() -> None:
@@ -174,20 +175,38 @@ def test_deadline_aware_never_dispatches_what_does_not_qualify() -> None:
         clock.advance(15)
 
 
-def test_deadline_aware_stops_when_the_price_turns_late_in_the_window() -> None:
-    policy = DeadlineAware(
-        depth=Decimal("0.9"),
-        curve=Decimal(1),
-        rare=Decimal(0),
-        final_share=Decimal("0.05"),
-        stop_share=Decimal("0.5"),
-    )
-    it = item(min_discount=50, hours=1)
-    clock = ManualClock(T0 + timedelta(minutes=40))  # a third of the window left
-    assert policy.choose(it, [offer("a", "0.40")], DIRECT, clock.now()) is None
+def _warm(
+    policy: DeadlineAware, clock: ManualClock, level: Callable[[int], str], hours: int
+) -> None:
+    """Let the policy watch route ``a`` for ``hours``, one pass every 15 s."""
+    for k in range(hours * 240):
+        policy.observe([offer("a", level(k))], DIRECT, clock.now())
+        clock.advance(15)
+
+
+def test_deadline_aware_warm_holds_out_for_what_the_market_usually_gives() -> None:
+    # Two hours at 0.40, then two at 0.60 (qualifying at 30 % off), all day.
+    policy = DeadlineAware(min_memory=timedelta(hours=12))
+    clock = ManualClock(T0)
+    _warm(policy, clock, lambda k: "0.40" if (k // 480) % 2 == 0 else "0.60", 24)
+    it = Item("w", Decimal(30), clock.now() + timedelta(hours=6), clock.now(), 1000, 1000)
+    # The price qualifies, but a 6 h window has always held 60 % off: wait.
+    assert policy.choose(it, [offer("a", "0.60")], DIRECT, clock.now()) is None
     clock.advance(15)
-    turned = offer("a", "0.48")  # 20 % dearer than its low, still qualifying
-    assert policy.choose(it, [turned], DIRECT, clock.now()) == turned
+    assert policy.choose(it, [offer("a", "0.40")], DIRECT, clock.now()) is not None
+
+
+def test_deadline_aware_warm_takes_the_last_chance_before_it_goes() -> None:
+    # Qualifying prices (30 % off) show up one hour a day, and fall in steps
+    # of a point: a 1 h item at the edge of the minimum must not wait.
+    policy = DeadlineAware(min_memory=timedelta(hours=12))
+    clock = ManualClock(T0)
+    _warm(policy, clock, lambda k: "0.69" if k % 5760 < 240 else "0.80", 24)
+    it = Item("l", Decimal(30), clock.now() + timedelta(hours=1), clock.now(), 1000, 1000)
+    policy.observe([offer("a", "0.68")], DIRECT, clock.now())
+    clock.advance(15)
+    edge = offer("a", "0.695")
+    assert policy.choose(it, [edge], DIRECT, clock.now()) == edge
 
 
 def test_policy_by_name() -> None:
@@ -211,13 +230,14 @@ def _load_bench() -> object:
     return module
 
 
-def test_bench_small_deadline_aware_saves_and_never_breaks_the_rule() -> None:
+def test_bench_small_deadline_aware_meets_every_chance_and_saves() -> None:
     """A small replay of the benchmark: a behaviour check, not a timing one.
 
     ``replay`` asserts that every dispatched offer qualifies at the item's
-    minimum. Waiting can lose a chance that never comes back (see
-    docs/explanation/market.md), so this bounds the misses rather than
-    claiming none.
+    minimum; here the waiting policy must also dispatch every item that had a
+    qualifying price before its deadline (bar one, over all scenarios: a
+    one-minute qualifying blip can come and go between two of its looks, see
+    docs/explanation/market.md), and pay less than first-eligible.
     """
     bench = _load_bench()
     chances = met = 0
@@ -225,11 +245,9 @@ def test_bench_small_deadline_aware_saves_and_never_breaks_the_rule() -> None:
         first, waiting = bench.run_scenario(  # type: ignore[attr-defined]
             scenario, [FirstEligible(), DeadlineAware()], 3, 30
         )
-        assert first.met == first.chances  # first-eligible never misses a chance
+        assert first.met == first.chances
+        assert waiting.ratio_total < first.ratio_total, scenario.name
         chances += waiting.chances
         met += waiting.met
-        if scenario.name == "dips":
-            # Short deep dips are where waiting clearly pays.
-            assert waiting.ratio_total < first.ratio_total
     assert chances > 100
-    assert met >= 0.9 * chances
+    assert met >= chances - 1
