@@ -1,0 +1,555 @@
+"""Deferred batches and their items: tables and the queries the door and worker need.
+
+An item's request body is stored sealed (``core.sealing``) and dropped as soon
+as the item can no longer be dispatched; its result is sealed too and kept
+until the batch's results are purged. Everything else (custom IDs, statuses,
+token counts, reservation IDs) is metadata and stays, so a purged batch still
+answers "what happened and what did it cost".
+
+Item states: ``waiting → dispatched → succeeded | failed``; ``waiting →
+expired | canceled``; ``dispatched`` whose lease lapsed ``→ uncertain``. The
+worker claims a waiting item by locking its row (``FOR UPDATE SKIP LOCKED``
+on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already makes the writer alone)
+and marking it dispatched in the transaction that reserves its credit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    Connection,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Table,
+    UniqueConstraint,
+    and_,
+    func,
+    insert,
+    select,
+    update,
+)
+
+from batchyard.store.tables import UtcDateTime, api_keys, metadata, organisations
+
+__all__ = [
+    "ACTIVE",
+    "ITEM_STATES",
+    "TERMINAL",
+    "BatchRow",
+    "ItemRow",
+    "NewItem",
+    "batch_items",
+    "batches",
+    "cancel_batch",
+    "cancel_for_revoked_keys",
+    "claim",
+    "counts",
+    "create_batch",
+    "expire_due",
+    "extend_lease",
+    "finish_item",
+    "get_batch",
+    "items_of",
+    "lapsed_leases",
+    "list_batches",
+    "lock_org",
+    "mark_dispatched",
+    "mark_uncertain",
+    "pending_count",
+    "purge_due",
+    "refresh_batch",
+    "results_of",
+    "waiting_candidates",
+]
+
+ITEM_STATES = (
+    "waiting",
+    "dispatched",
+    "succeeded",
+    "failed",
+    "expired",
+    "canceled",
+    "uncertain",
+)
+#: States that count against the pending limit and keep a batch in progress.
+ACTIVE = ("waiting", "dispatched")
+TERMINAL = ("succeeded", "failed", "expired", "canceled", "uncertain")
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("org_id", String(64), ForeignKey("organisations.id"), nullable=False),
+    # The submitting key: revoking it cancels the batch's undispatched items.
+    Column("key_id", String(64), nullable=False),
+    # in_progress | canceling | completed | expired | canceled
+    Column("status", String(16), nullable=False),
+    Column("min_discount", String(16), nullable=False),
+    Column("completion_window", String(8), nullable=False),
+    Column("request_count", Integer, nullable=False),
+    Column("created_at", UtcDateTime(), nullable=False),
+    Column("deadline", UtcDateTime(), nullable=False),
+    Column("cancel_requested_at", UtcDateTime(), nullable=True),
+    Column("completed_at", UtcDateTime(), nullable=True),
+    Column("purged_at", UtcDateTime(), nullable=True),
+    Index("ix_batches_org", "org_id", "id"),
+    Index("ix_batches_completed", "completed_at"),
+)
+
+batch_items = Table(
+    "batch_items",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("batch_id", String(64), ForeignKey("batches.id"), nullable=False),
+    Column("org_id", String(64), nullable=False),
+    Column("key_id", String(64), nullable=False),
+    Column("position", Integer, nullable=False),
+    Column("custom_id", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    # Why an item ended as it did, as a wire code (key_revoked, insufficient_credit, ...).
+    Column("reason", String(64), nullable=True),
+    Column("model", String(200), nullable=False),
+    Column("min_discount", String(16), nullable=False),
+    Column("input_tokens", Integer, nullable=False),
+    Column("max_tokens", Integer, nullable=False),
+    Column("created_at", UtcDateTime(), nullable=False),
+    Column("deadline", UtcDateTime(), nullable=False),
+    Column("body", LargeBinary, nullable=True),
+    Column("route", String(200), nullable=True),
+    Column("reservation_id", String(64), nullable=True),
+    Column("lease_until", UtcDateTime(), nullable=True),
+    Column("dispatched_at", UtcDateTime(), nullable=True),
+    Column("finished_at", UtcDateTime(), nullable=True),
+    Column("result_status", Integer, nullable=True),
+    Column("result", LargeBinary, nullable=True),
+    UniqueConstraint("batch_id", "custom_id", name="uq_batch_items_custom_id"),
+    Index("ix_batch_items_batch", "batch_id", "position"),
+    Index("ix_batch_items_status", "status", "deadline"),
+    Index("ix_batch_items_org", "org_id", "status"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    id: str
+    org_id: str
+    key_id: str
+    status: str
+    min_discount: Decimal
+    completion_window: str
+    request_count: int
+    created_at: datetime
+    deadline: datetime
+    cancel_requested_at: datetime | None
+    completed_at: datetime | None
+    purged_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewItem:
+    id: str
+    position: int
+    custom_id: str
+    model: str
+    min_discount: Decimal
+    input_tokens: int
+    max_tokens: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRow:
+    id: str
+    batch_id: str
+    org_id: str
+    key_id: str
+    position: int
+    custom_id: str
+    status: str
+    reason: str | None
+    model: str
+    min_discount: Decimal
+    input_tokens: int
+    max_tokens: int
+    created_at: datetime
+    deadline: datetime
+    route: str | None
+    reservation_id: str | None
+    lease_until: datetime | None
+    result_status: int | None
+
+
+_ITEM_COLUMNS = [batch_items.c[f.name] for f in fields(ItemRow)]
+
+
+def _batch(row: Any) -> BatchRow:
+    values = {f.name: row._mapping[f.name] for f in fields(BatchRow)}
+    return BatchRow(**{**values, "min_discount": Decimal(values["min_discount"])})
+
+
+def _item(row: Any) -> ItemRow:
+    values = {f.name: row._mapping[f.name] for f in fields(ItemRow)}
+    return ItemRow(**{**values, "min_discount": Decimal(values["min_discount"])})
+
+
+# --- submission ---------------------------------------------------------------
+
+
+def lock_org(conn: Connection, org_id: str) -> None:
+    """Serialise an organisation's submissions so the pending limit cannot be raced.
+
+    SQLite's ``BEGIN IMMEDIATE`` already admits one writer at a time.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            select(organisations.c.id).where(organisations.c.id == org_id).with_for_update()
+        )
+
+
+def pending_count(conn: Connection, org_id: str) -> int:
+    return int(
+        conn.execute(
+            select(func.count())
+            .select_from(batch_items)
+            .where(batch_items.c.org_id == org_id, batch_items.c.status.in_(ACTIVE))
+        ).scalar_one()
+    )
+
+
+def create_batch(
+    conn: Connection,
+    *,
+    batch_id: str,
+    org_id: str,
+    key_id: str,
+    min_discount: Decimal,
+    completion_window: str,
+    created_at: datetime,
+    deadline: datetime,
+    items: Sequence[NewItem],
+) -> None:
+    conn.execute(
+        insert(batches).values(
+            id=batch_id,
+            org_id=org_id,
+            key_id=key_id,
+            status="in_progress",
+            min_discount=str(min_discount),
+            completion_window=completion_window,
+            request_count=len(items),
+            created_at=created_at,
+            deadline=deadline,
+        )
+    )
+    conn.execute(
+        insert(batch_items),
+        [
+            {
+                "id": it.id,
+                "batch_id": batch_id,
+                "org_id": org_id,
+                "key_id": key_id,
+                "position": it.position,
+                "custom_id": it.custom_id,
+                "status": "waiting",
+                "model": it.model,
+                "min_discount": str(it.min_discount),
+                "input_tokens": it.input_tokens,
+                "max_tokens": it.max_tokens,
+                "created_at": created_at,
+                "deadline": deadline,
+                "body": it.body,
+            }
+            for it in items
+        ],
+    )
+
+
+# --- reading --------------------------------------------------------------------
+
+
+def get_batch(conn: Connection, org_id: str, batch_id: str) -> BatchRow | None:
+    """The batch if ``org_id`` owns it; another organisation's batch is None."""
+    row = conn.execute(
+        select(batches).where(batches.c.id == batch_id, batches.c.org_id == org_id)
+    ).first()
+    return _batch(row) if row is not None else None
+
+
+def list_batches(
+    conn: Connection, org_id: str, *, after: str | None = None, limit: int = 20
+) -> list[BatchRow]:
+    """Newest first; ``after`` is the last ID of the previous page."""
+    q = select(batches).where(batches.c.org_id == org_id)
+    if after:
+        q = q.where(batches.c.id < after)
+    rows = conn.execute(q.order_by(batches.c.id.desc()).limit(limit)).all()
+    return [_batch(r) for r in rows]
+
+
+def items_of(conn: Connection, batch_id: str) -> list[ItemRow]:
+    rows = conn.execute(
+        select(*_ITEM_COLUMNS)
+        .where(batch_items.c.batch_id == batch_id)
+        .order_by(batch_items.c.position)
+    ).all()
+    return [_item(r) for r in rows]
+
+
+def results_of(conn: Connection, batch_id: str) -> list[tuple[ItemRow, bytes | None]]:
+    rows = conn.execute(
+        select(*_ITEM_COLUMNS, batch_items.c.result)
+        .where(batch_items.c.batch_id == batch_id)
+        .order_by(batch_items.c.position)
+    ).all()
+    return [(_item(r), r.result) for r in rows]
+
+
+def counts(conn: Connection, batch_ids: Iterable[str]) -> dict[str, dict[str, int]]:
+    """Items per status for each batch, every state present (zero when none)."""
+    ids = list(batch_ids)
+    out = {b: dict.fromkeys(ITEM_STATES, 0) for b in ids}
+    if not ids:
+        return out
+    rows = conn.execute(
+        select(batch_items.c.batch_id, batch_items.c.status, func.count())
+        .where(batch_items.c.batch_id.in_(ids))
+        .group_by(batch_items.c.batch_id, batch_items.c.status)
+    ).all()
+    for batch_id, status, n in rows:
+        out[batch_id][status] = int(n)
+    return out
+
+
+# --- transitions ------------------------------------------------------------------
+
+
+def refresh_batch(conn: Connection, batch_id: str, now: datetime) -> str:
+    """Recompute a batch's status from its items; stamps ``completed_at`` once."""
+    row = conn.execute(
+        select(batches.c.status, batches.c.cancel_requested_at, batches.c.completed_at).where(
+            batches.c.id == batch_id
+        )
+    ).first()
+    if row is None:
+        return "missing"
+    per = counts(conn, [batch_id])[batch_id]
+    active = per["waiting"] + per["dispatched"]
+    if active:
+        status = "canceling" if row.cancel_requested_at is not None else "in_progress"
+        completed_at = None
+    else:
+        if row.cancel_requested_at is not None:
+            status = "canceled"
+        elif per["expired"] and per["expired"] == sum(per.values()):
+            status = "expired"
+        else:
+            status = "completed"
+        completed_at = row.completed_at or now
+    if status != row.status or completed_at != row.completed_at:
+        conn.execute(
+            update(batches)
+            .where(batches.c.id == batch_id)
+            .values(status=status, completed_at=completed_at)
+        )
+    return status
+
+
+def _refresh_all(conn: Connection, batch_ids: Iterable[str], now: datetime) -> None:
+    for batch_id in sorted(set(batch_ids)):
+        refresh_batch(conn, batch_id, now)
+
+
+def cancel_batch(conn: Connection, batch_id: str, now: datetime) -> int:
+    """Stop the batch's waiting items; dispatched ones may finish. Returns how many stopped."""
+    conn.execute(
+        update(batches)
+        .where(batches.c.id == batch_id, batches.c.cancel_requested_at.is_(None))
+        .values(cancel_requested_at=now)
+    )
+    result = conn.execute(
+        update(batch_items)
+        .where(batch_items.c.batch_id == batch_id, batch_items.c.status == "waiting")
+        .values(status="canceled", reason="canceled", finished_at=now, body=None)
+    )
+    refresh_batch(conn, batch_id, now)
+    return int(result.rowcount or 0)
+
+
+def _transition_waiting(
+    conn: Connection, where: Any, status: str, reason: str, now: datetime
+) -> int:
+    """Move matching waiting items to ``status``; returns how many moved."""
+    touched = (
+        conn.execute(
+            select(batch_items.c.batch_id)
+            .where(batch_items.c.status == "waiting", where)
+            .distinct()
+        )
+        .scalars()
+        .all()
+    )
+    if not touched:
+        return 0
+    result = conn.execute(
+        update(batch_items)
+        .where(batch_items.c.status == "waiting", where)
+        .values(status=status, reason=reason, finished_at=now, body=None)
+    )
+    _refresh_all(conn, touched, now)
+    return int(result.rowcount or 0)
+
+
+def expire_due(conn: Connection, now: datetime) -> int:
+    """Waiting items whose deadline has come: never dispatched, so ``expired``."""
+    return _transition_waiting(conn, batch_items.c.deadline <= now, "expired", "deadline", now)
+
+
+def cancel_for_revoked_keys(conn: Connection, now: datetime) -> int:
+    """Waiting items whose submitting key is revoked (or gone): ``canceled``."""
+    active_keys = select(api_keys.c.id).where(api_keys.c.revoked_at.is_(None))
+    return _transition_waiting(
+        conn, batch_items.c.key_id.not_in(active_keys), "canceled", "key_revoked", now
+    )
+
+
+def lapsed_leases(conn: Connection, now: datetime) -> list[ItemRow]:
+    """Dispatched items whose worker stopped renewing: their outcome is unknown."""
+    q = select(*_ITEM_COLUMNS).where(
+        batch_items.c.status == "dispatched", batch_items.c.lease_until < now
+    )
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update(skip_locked=True)
+    return [_item(r) for r in conn.execute(q).all()]
+
+
+def mark_uncertain(conn: Connection, item: ItemRow, now: datetime) -> None:
+    conn.execute(
+        update(batch_items)
+        .where(batch_items.c.id == item.id, batch_items.c.status == "dispatched")
+        .values(status="uncertain", reason="interrupted", finished_at=now, lease_until=None)
+    )
+    refresh_batch(conn, item.batch_id, now)
+
+
+def purge_due(conn: Connection, before: datetime, now: datetime) -> list[str]:
+    """Drop bodies and results of batches completed before ``before``; keep metadata."""
+    ids = (
+        conn.execute(
+            select(batches.c.id).where(
+                batches.c.completed_at.is_not(None),
+                batches.c.completed_at <= before,
+                batches.c.purged_at.is_(None),
+            )
+        )
+        .scalars()
+        .all()
+    )
+    if ids:
+        conn.execute(
+            update(batch_items)
+            .where(batch_items.c.batch_id.in_(ids))
+            .values(body=None, result=None)
+        )
+        conn.execute(update(batches).where(batches.c.id.in_(ids)).values(purged_at=now))
+    return list(ids)
+
+
+# --- the worker's claim -------------------------------------------------------------
+
+
+def waiting_candidates(conn: Connection, now: datetime, limit: int) -> list[ItemRow]:
+    """Waiting items that can still be dispatched, most urgent deadline first."""
+    rows = conn.execute(
+        select(*_ITEM_COLUMNS)
+        .where(batch_items.c.status == "waiting", batch_items.c.deadline > now)
+        .order_by(batch_items.c.deadline, batch_items.c.batch_id, batch_items.c.position)
+        .limit(limit)
+    ).all()
+    return [_item(r) for r in rows]
+
+
+def claim(conn: Connection, item_id: str) -> tuple[ItemRow, bytes] | None:
+    """Lock a waiting item and read its sealed body; None if another worker has it."""
+    q = select(*_ITEM_COLUMNS, batch_items.c.body).where(
+        batch_items.c.id == item_id, batch_items.c.status == "waiting"
+    )
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update(skip_locked=True)
+    row = conn.execute(q).first()
+    if row is None or row.body is None:
+        return None
+    return _item(row), bytes(row.body)
+
+
+def mark_dispatched(
+    conn: Connection,
+    item_id: str,
+    *,
+    route: str,
+    reservation_id: str,
+    now: datetime,
+    lease_until: datetime,
+) -> None:
+    conn.execute(
+        update(batch_items)
+        .where(batch_items.c.id == item_id, batch_items.c.status == "waiting")
+        .values(
+            status="dispatched",
+            route=route,
+            reservation_id=reservation_id,
+            dispatched_at=now,
+            lease_until=lease_until,
+        )
+    )
+
+
+def extend_lease(conn: Connection, item_id: str, until: datetime) -> bool:
+    result = conn.execute(
+        update(batch_items)
+        .where(and_(batch_items.c.id == item_id, batch_items.c.status == "dispatched"))
+        .values(lease_until=until)
+    )
+    return bool(result.rowcount)
+
+
+def finish_item(
+    conn: Connection,
+    item: ItemRow,
+    *,
+    status: str,
+    now: datetime,
+    reason: str | None = None,
+    result_status: int | None = None,
+    result: bytes | None = None,
+    from_states: Sequence[str] = ("waiting", "dispatched", "uncertain"),
+) -> bool:
+    """End an item with its result; False when it had already left ``from_states``."""
+    if status not in TERMINAL:
+        raise ValueError(f"{status!r} is not a final item state")
+    done = conn.execute(
+        update(batch_items)
+        .where(batch_items.c.id == item.id, batch_items.c.status.in_(from_states))
+        .values(
+            status=status,
+            reason=reason,
+            finished_at=now,
+            lease_until=None,
+            body=None,
+            result_status=result_status,
+            result=result,
+        )
+    )
+    if not done.rowcount:
+        return False
+    refresh_batch(conn, item.batch_id, now)
+    return True

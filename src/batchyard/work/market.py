@@ -1,0 +1,659 @@
+"""The market worker: dispatch waiting items when a route meets their discount.
+
+Each pass, in order:
+
+1. *Recover.* A dispatched item whose lease lapsed belonged to a worker that
+   stopped mid-call; whether the call ran is unknown, so it becomes
+   ``uncertain`` with its reservation still held and an activity record that
+   names it. Nothing is retried and nothing is released: that would risk
+   paying twice or losing a charge the provider made.
+2. *Housekeep.* Waiting items past their deadline expire; waiting items
+   whose submitting key was revoked are canceled; results of batches
+   completed more than 24 hours ago are purged.
+3. *Choose.* For each waiting item (most urgent first), the policy picks a
+   route among those that qualify on fresh prices, or says wait.
+4. *Claim.* Per chosen item, one transaction locks the row, rechecks the
+   deadline, the submitting key and the price, reserves the most the call can
+   cost on that route, and marks the item ``dispatched`` with its reservation
+   and a lease, all before the engine is called. No qualifying route, no
+   reservation: funds are never held while waiting.
+5. *Execute.* Up to ten items, concurrently, through the dispatcher's pacing.
+   The lease is renewed while the call runs. The result is settled to real
+   usage at the route's offered price in one transaction with the item's
+   result and its activity record; a failure is released and recorded, and
+   never retried.
+
+Cancelling the worker mid-call (shutdown, crash) leaves the item
+``dispatched``; the lease lapses and the next pass of any worker makes it
+``uncertain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import weakref
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection
+
+from batchyard.core.catalog import RouteSpec
+from batchyard.core.clock import isoformat
+from batchyard.core.ids import new_id
+from batchyard.core.market import Item, Policy, RouteOffer, offer_cost, policy_by_name, qualifies
+from batchyard.core.money import charge_ticks, format_money, quote_ticks, token_cost
+from batchyard.core.prices import Price, PriceBook, PriceFeed
+from batchyard.core.sealing import Sealer, SealError, ensure_key_file, parse_key
+from batchyard.engines.base import Completion, CompletionRequest
+from batchyard.errors import (
+    BatchUnavailable,
+    BatchyardError,
+    InsufficientCredit,
+    InternalError,
+    UpstreamError,
+)
+from batchyard.store import accounts, activity, ledger
+from batchyard.store import batches as store
+from batchyard.work.prices import MarketPrices
+
+if TYPE_CHECKING:
+    from batchyard.core.config import Settings
+    from batchyard.service import Service
+
+__all__ = [
+    "KeyState",
+    "MarketWorker",
+    "PassReport",
+    "install",
+    "market_of",
+    "resolve_key",
+    "result_aad",
+]
+
+log = logging.getLogger("batchyard.market")
+
+#: Results are kept this long after their batch completes, then purged.
+RESULTS_KEPT = timedelta(hours=24)
+
+_WORKERS: weakref.WeakKeyDictionary[Service, MarketWorker] = weakref.WeakKeyDictionary()
+
+
+def result_aad(item_id: str) -> bytes:
+    """Associated data of an item's sealed result (its body uses the bare item ID)."""
+    return f"{item_id}:result".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """The batch encryption key, or why deferred batches cannot run."""
+
+    sealer: Sealer | None
+    reason: str | None = None
+    path: str | None = None
+    created: bool = False
+
+
+def resolve_key(settings: Settings) -> KeyState:
+    """The configured key; on an SQLite file with none, ``<db dir>/batch.key`` (made once)."""
+    if settings.batch_encryption_key:
+        try:
+            return KeyState(Sealer(parse_key(settings.batch_encryption_key)))
+        except SealError as exc:
+            return KeyState(None, f"deferred batches are off: {exc}")
+    db_path = settings.sqlite_path
+    if db_path is not None:
+        path = db_path.parent / "batch.key"
+        try:
+            key, created = ensure_key_file(path)
+        except (OSError, SealError) as exc:
+            return KeyState(None, f"deferred batches are off: the key file {path}: {exc}")
+        return KeyState(Sealer(key), path=str(path), created=created)
+    return KeyState(
+        None,
+        "deferred batches need a batch encryption key on this database: set "
+        "BATCHYARD_BATCH_ENCRYPTION_KEY (or batch_encryption_key in the config file) "
+        "to 32 random bytes in base64",
+    )
+
+
+@dataclass
+class PassReport:
+    """What one pass did, for logs and tests."""
+
+    uncertain: int = 0
+    expired: int = 0
+    canceled: int = 0
+    purged: int = 0
+    dispatched: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Claimed:
+    item: store.ItemRow
+    request: CompletionRequest
+    route: RouteSpec
+    price: Price
+    reservation_id: str
+
+
+class MarketWorker:
+    def __init__(
+        self,
+        service: Service,
+        *,
+        per_pass: int = 10,
+        lease_s: float = 120.0,
+        scan_limit: int = 1000,
+        policy: Policy | None = None,
+        book: PriceBook | None = None,
+    ) -> None:
+        self.service = service
+        settings = service.settings
+        self.per_pass = per_pass
+        self.lease = timedelta(seconds=lease_s)
+        self.scan_limit = scan_limit
+        # Workers in one process may share a book; each process polls its own feed.
+        self.book = book if book is not None else PriceBook()
+        self.prices = MarketPrices(
+            service.catalog, self.book, timedelta(seconds=settings.price_max_age_s)
+        )
+        self.policy: Policy = policy or policy_by_name(settings.market_policy)
+        self.key = resolve_key(settings)
+        self.feed = (
+            PriceFeed(settings.price_feed, self.book, service.clock)
+            if settings.price_feed
+            else None
+        )
+        if self.key.created:
+            log.info(
+                "created a batch encryption key",
+                extra={"event": "batch_key_created", "path": self.key.path},
+            )
+
+    # --- availability -------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self.key.sealer is not None
+
+    def sealer(self) -> Sealer:
+        """The sealer, or 503 ``batches_unavailable`` saying why there is none."""
+        if self.key.sealer is None:
+            raise BatchUnavailable(self.key.reason or "deferred batches are not available")
+        return self.key.sealer
+
+    # --- the loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Pass after pass until cancelled; idle passes are ``market_interval_s`` apart."""
+        clock = self.service.clock
+        if not self.available:
+            log.warning(
+                "deferred batches are off", extra={"event": "market_off", "reason": self.key.reason}
+            )
+            return
+        feed_task: asyncio.Task[None] | None = None
+        if self.feed is not None:
+            await self.feed.refresh()
+            feed_task = asyncio.create_task(self._feed_loop())
+        try:
+            while True:
+                report: PassReport | None = None
+                try:
+                    report = await self.run_pass()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("market pass failed", extra={"event": "market_pass_error"})
+                # A full pass suggests more work is ready; otherwise wait for the market.
+                if report is None or report.dispatched < self.per_pass:
+                    await clock.sleep(self.service.settings.market_interval_s)
+        finally:
+            if feed_task is not None:
+                feed_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await feed_task
+
+    async def _feed_loop(self) -> None:
+        assert self.feed is not None
+        interval = self.service.settings.price_feed_interval_s
+        while True:
+            await self.service.clock.sleep(interval)
+            await self.feed.refresh()
+
+    async def run_pass(self) -> PassReport:
+        report = PassReport()
+        if not self.available:
+            return report
+        await self.recover(report)
+        await self.housekeep(report)
+        chosen = await self._choose(report)
+        claimed: list[_Claimed] = []
+        for candidate, offer in chosen:
+            got = await self._claim(candidate, offer, report)
+            if got is not None:
+                claimed.append(got)
+        report.dispatched = len(claimed)
+        if claimed:
+            outcomes = await asyncio.gather(*(self._execute(c) for c in claimed))
+            report.succeeded = sum(1 for ok in outcomes if ok)
+            report.failed += sum(1 for ok in outcomes if not ok)
+        if any((report.dispatched, report.expired, report.canceled, report.uncertain)):
+            log.info(
+                "market pass",
+                extra={
+                    "event": "market_pass",
+                    "dispatched": report.dispatched,
+                    "succeeded": report.succeeded,
+                    "failed": report.failed,
+                    "expired": report.expired,
+                    "canceled": report.canceled,
+                    "uncertain": report.uncertain,
+                },
+            )
+        return report
+
+    # --- recovery and housekeeping -------------------------------------------------------
+
+    async def recover(self, report: PassReport | None = None) -> int:
+        """Dispatched items whose lease lapsed become ``uncertain``, reservation held."""
+        now = self.service.clock.now()
+
+        def tx(conn: Connection) -> int:
+            lapsed = store.lapsed_leases(conn, now)
+            for item in lapsed:
+                store.mark_uncertain(conn, item, now)
+                held = (
+                    ledger.get_reservation(conn, item.reservation_id).amount
+                    if item.reservation_id
+                    else None
+                )
+                activity.record(
+                    conn,
+                    item.org_id,
+                    "uncertain",
+                    now,
+                    ref=item.id,
+                    reservation_id=item.reservation_id,
+                    amount=held,
+                    detail={
+                        "purpose": "batch",
+                        "batch_id": item.batch_id,
+                        "custom_id": item.custom_id,
+                        "route": item.route,
+                        "reason": "the worker stopped during the call; its outcome is unknown",
+                    },
+                )
+                log.warning(
+                    "batch item uncertain",
+                    extra={
+                        "event": "batch_item_uncertain",
+                        "item_id": item.id,
+                        "reservation_id": item.reservation_id,
+                    },
+                )
+            return len(lapsed)
+
+        n = await self.service.db.run(tx)
+        if report is not None:
+            report.uncertain += n
+        return n
+
+    async def housekeep(self, report: PassReport | None = None) -> None:
+        now = self.service.clock.now()
+
+        def tx(conn: Connection) -> tuple[int, int, int]:
+            expired = store.expire_due(conn, now)
+            canceled = store.cancel_for_revoked_keys(conn, now)
+            purged = store.purge_due(conn, now - RESULTS_KEPT, now)
+            return expired, canceled, len(purged)
+
+        expired, canceled, purged = await self.service.db.run(tx)
+        if report is not None:
+            report.expired += expired
+            report.canceled += canceled
+            report.purged += purged
+
+    # --- choosing and claiming --------------------------------------------------------------
+
+    async def _choose(self, report: PassReport) -> list[tuple[store.ItemRow, RouteOffer]]:
+        now = self.service.clock.now()
+        candidates = await self.service.db.run(
+            lambda c: store.waiting_candidates(c, now, self.scan_limit), readonly=True
+        )
+        report.waiting = len(candidates)
+        offers: dict[str, list[RouteOffer]] = {}
+        chosen: list[tuple[store.ItemRow, RouteOffer]] = []
+        for cand in candidates:
+            if len(chosen) >= self.per_pass:
+                break
+            if cand.model not in self.service.catalog.models:
+                continue
+            model_offers = offers.get(cand.model)
+            if model_offers is None:
+                model_offers = offers[cand.model] = self.prices.offers(cand.model, now)
+            if not model_offers:
+                continue
+            direct = self.prices.direct(cand.model)
+            item = Item(
+                id=cand.id,
+                min_discount=cand.min_discount,
+                deadline=cand.deadline,
+                submitted_at=cand.created_at,
+                input_tokens=cand.input_tokens,
+                max_output_tokens=cand.max_tokens,
+            )
+            offer = self.policy.choose(item, model_offers, direct, now)
+            # A policy may only narrow the rule; check it anyway, money is at stake.
+            if offer is not None and qualifies(offer, direct, cand.min_discount):
+                chosen.append((cand, offer))
+        # A policy that learns from the market should see it on quiet passes too.
+        observe = getattr(self.policy, "observe", None)
+        if callable(observe):
+            for model_id in self.service.catalog.models:
+                if model_id not in offers and self.service.catalog.routes_for(model_id):
+                    observe(self.prices.offers(model_id, now), self.prices.direct(model_id), now)
+        return chosen
+
+    async def _claim(
+        self, cand: store.ItemRow, chosen: RouteOffer, report: PassReport
+    ) -> _Claimed | None:
+        service = self.service
+        sealer = self.sealer()
+        route = service.catalog.routes[chosen.route]
+
+        def tx(conn: Connection) -> _Claimed | None:
+            now = service.clock.now()
+            got = store.claim(conn, cand.id)
+            if got is None:
+                return None
+            item, sealed = got
+            if now >= item.deadline:
+                store.finish_item(conn, item, status="expired", reason="deadline", now=now)
+                report.expired += 1
+                return None
+            if not accounts.key_is_active(conn, item.key_id):
+                store.finish_item(conn, item, status="canceled", reason="key_revoked", now=now)
+                report.canceled += 1
+                return None
+            # The price that authorises this spend is read now, not at the top of the pass.
+            offer = self.prices.offer(route.id, now)
+            direct = self.prices.direct(item.model)
+            if offer.price is None or not qualifies(offer, direct, item.min_discount):
+                return None
+            try:
+                stored = json.loads(sealer.open(sealed, item.id.encode()))
+            except SealError as exc:
+                # Sealed under another key: it can never run; say so instead of
+                # failing every pass until it expires.
+                err = InternalError(f"the stored request cannot be read: {exc}", retryable=False)
+                _finish_failed(conn, sealer, item, err, now)
+                report.failed += 1
+                return None
+            amount = quote_ticks(offer_cost(offer, item.input_tokens, item.max_tokens))
+            try:
+                with conn.begin_nested():
+                    res = ledger.reserve(
+                        conn,
+                        item.org_id,
+                        amount,
+                        now,
+                        purpose="batch",
+                        ref=item.id,
+                        tiers=service.settings.tiers,
+                    )
+            except InsufficientCredit as exc:
+                _finish_failed(conn, sealer, item, exc, now)
+                report.failed += 1
+                return None
+            store.mark_dispatched(
+                conn,
+                item.id,
+                route=route.id,
+                reservation_id=res.id,
+                now=now,
+                lease_until=now + self.lease,
+            )
+            activity.record(
+                conn,
+                item.org_id,
+                "dispatch",
+                now,
+                ref=item.id,
+                reservation_id=res.id,
+                amount=res.amount,
+                detail={
+                    "purpose": "batch",
+                    "batch_id": item.batch_id,
+                    "custom_id": item.custom_id,
+                    "model": item.model,
+                    "route": route.id,
+                },
+            )
+            return _Claimed(
+                item=item,
+                request=CompletionRequest(
+                    model=route.upstream_model,
+                    messages=stored["messages"],
+                    max_tokens=item.max_tokens,
+                    temperature=stored.get("temperature"),
+                    top_p=stored.get("top_p"),
+                    stop=stored.get("stop"),
+                    seed=stored.get("seed"),
+                    response_format=stored.get("response_format"),
+                ),
+                route=route,
+                price=offer.price,
+                reservation_id=res.id,
+            )
+
+        claimed = await service.db.run(tx)
+        if claimed is not None:
+            log.info(
+                "batch item dispatched",
+                extra={
+                    "event": "batch_item_dispatched",
+                    "item_id": cand.id,
+                    "route": route.id,
+                    "reservation_id": claimed.reservation_id,
+                },
+            )
+        return claimed
+
+    # --- executing ----------------------------------------------------------------------
+
+    async def _heartbeat(self, item_id: str) -> None:
+        clock, db = self.service.clock, self.service.db
+        lease = self.lease
+
+        def renew(conn: Connection) -> bool:
+            return store.extend_lease(conn, item_id, clock.now() + lease)
+
+        while True:
+            await clock.sleep(lease.total_seconds() / 3)
+            await db.run(renew)
+
+    async def _execute(self, job: _Claimed) -> bool:
+        """Call, then settle or release with the item's result; True on success."""
+        heartbeat = asyncio.create_task(self._heartbeat(job.item.id))
+        try:
+            try:
+                completion = await self.service.dispatcher.call(
+                    route=job.route, request=job.request, input_tokens=job.item.input_tokens
+                )
+            except asyncio.CancelledError:
+                # Interrupted: the outcome is unknown. The lease lapses and a
+                # later pass marks the item uncertain; nothing is released.
+                raise
+            except Exception as exc:
+                err = (
+                    exc
+                    if isinstance(exc, BatchyardError)
+                    else UpstreamError(f"the engine failed ({type(exc).__name__})")
+                )
+                await asyncio.shield(self._fail(job, err))
+                return False
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+        await asyncio.shield(self._succeed(job, completion))
+        return True
+
+    async def _succeed(self, job: _Claimed, completion: Completion) -> None:
+        service, item = self.service, job.item
+        sealer = self.sealer()
+        now = service.clock.now()
+        usage = completion.usage
+        charge = charge_ticks(
+            token_cost(
+                usage.input_tokens,
+                usage.output_tokens,
+                job.price.input_per_mtok,
+                job.price.output_per_mtok,
+            )
+        )
+
+        def tx(conn: Connection) -> None:
+            held = ledger.get_reservation(conn, job.reservation_id, lock=True)
+            charged = charge
+            if held.state == "held":
+                charged = ledger.settle(conn, job.reservation_id, charge, now).charged or 0
+                activity.record(
+                    conn,
+                    item.org_id,
+                    "charge",
+                    now,
+                    ref=item.id,
+                    reservation_id=job.reservation_id,
+                    amount=charged,
+                    detail={
+                        "purpose": "batch",
+                        "batch_id": item.batch_id,
+                        "custom_id": item.custom_id,
+                        "model": item.model,
+                        "route": job.route.id,
+                        "input_tokens": usage.input_tokens,
+                        "output_tokens": usage.output_tokens,
+                    },
+                )
+            body = {
+                "status_code": 200,
+                "body": _completion_body(item, job, completion, charged, now),
+            }
+            store.finish_item(
+                conn,
+                item,
+                status="succeeded",
+                now=now,
+                result_status=200,
+                result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
+                from_states=("dispatched", "uncertain"),
+            )
+
+        await service.db.run(tx)
+        log.info(
+            "batch item succeeded",
+            extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
+        )
+
+    async def _fail(self, job: _Claimed, exc: BatchyardError) -> None:
+        service, item = self.service, job.item
+        sealer = self.sealer()
+        now = service.clock.now()
+
+        def tx(conn: Connection) -> None:
+            held = ledger.get_reservation(conn, job.reservation_id, lock=True)
+            if held.state == "held":
+                ledger.release(conn, job.reservation_id, now)
+                activity.record(
+                    conn,
+                    item.org_id,
+                    "release",
+                    now,
+                    ref=item.id,
+                    reservation_id=job.reservation_id,
+                    amount=held.amount,
+                    detail={"purpose": "batch", "reason": exc.code, "route": job.route.id},
+                )
+            _finish_failed(conn, sealer, item, exc, now, from_states=("dispatched", "uncertain"))
+
+        await service.db.run(tx)
+        log.info(
+            "batch item failed",
+            extra={"event": "batch_item_failed", "item_id": item.id, "code": exc.code},
+        )
+
+
+def _finish_failed(
+    conn: Connection,
+    sealer: Sealer,
+    item: store.ItemRow,
+    exc: BatchyardError,
+    now: datetime,
+    from_states: tuple[str, ...] = ("waiting",),
+) -> None:
+    """End an item as failed; its result has a success's shape with the error body."""
+    body = {"status_code": exc.status, "body": exc.to_body()}
+    store.finish_item(
+        conn,
+        item,
+        status="failed",
+        reason=exc.code,
+        now=now,
+        result_status=exc.status,
+        result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
+        from_states=from_states,
+    )
+
+
+def _completion_body(
+    item: store.ItemRow, job: _Claimed, completion: Completion, charged: int, now: datetime
+) -> dict[str, Any]:
+    return {
+        "id": new_id("chatcmpl", now),
+        "object": "chat.completion",
+        "created": int(now.timestamp()),
+        "model": item.model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": ch.text},
+                "finish_reason": ch.finish_reason,
+            }
+            for i, ch in enumerate(completion.choices)
+        ],
+        "usage": {
+            "prompt_tokens": completion.usage.input_tokens,
+            "completion_tokens": completion.usage.output_tokens,
+            "total_tokens": completion.usage.total_tokens,
+        },
+        "route": job.route.id,
+        "charge": format_money(charged),
+        "reservation_id": job.reservation_id,
+        "created_at": isoformat(now),
+    }
+
+
+def install(service: Service) -> MarketWorker:
+    """Attach the market worker to ``service`` and run it as background work."""
+    worker = MarketWorker(service)
+    _WORKERS[service] = worker
+    service.add_background(worker.run)
+    return worker
+
+
+def market_of(service: Service) -> MarketWorker:
+    """The service's market worker (installed on first ask where the service has none)."""
+    worker = _WORKERS.get(service)
+    if worker is None:
+        worker = MarketWorker(service)
+        _WORKERS[service] = worker
+    return worker

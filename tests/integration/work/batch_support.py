@@ -1,0 +1,191 @@
+"""Shared pieces for the deferred-batch tests: a market catalog, bodies, engines.
+
+Each test module wraps ``market_factory`` in its own ``market`` fixture. The catalog keeps
+the catalog's kettei-core direct price (0.10 / 0.40 per Mtok) but swaps the
+embedded model for routes whose engines the tests script, and counts tokens
+with the fallback tokenizer so nothing loads a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from decimal import Decimal
+from typing import Any
+
+import httpx
+
+from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
+from batchyard.core.prices import Price, PricePoint
+from batchyard.engines.base import Completion, CompletionRequest
+from batchyard.engines.memory import ScriptedEngine
+from batchyard.service import Service
+from batchyard.store import batches as bstore
+from batchyard.store import ledger
+from batchyard.work.market import MarketWorker, market_of
+
+CORE = ModelSpec(
+    id="kettei-core",
+    input_per_mtok=Decimal("0.10"),
+    output_per_mtok=Decimal("0.40"),
+    context_window=2048,
+    max_output_tokens=1024,
+)
+BIG = ModelSpec(
+    id="big",
+    input_per_mtok=Decimal("1.00"),
+    output_per_mtok=Decimal("4.00"),
+    context_window=16384,
+    max_output_tokens=8192,
+)
+
+
+def feed_route(
+    rid: str, *, model: str = "kettei-core", caps: bool = True, fallbacks: Iterable[str] = ()
+) -> RouteSpec:
+    return RouteSpec(
+        id=rid,
+        model=model,
+        engine="openai_http",
+        upstream_model=f"{rid}-upstream",
+        base_url="http://127.0.0.1:9",
+        price_source="feed",
+        hard_price_caps=caps,
+        fallbacks=tuple(fallbacks),
+    )
+
+
+def fixed_route(
+    rid: str,
+    inp: str,
+    out: str,
+    *,
+    model: str = "kettei-core",
+    caps: bool = True,
+    fallbacks: Iterable[str] = (),
+) -> RouteSpec:
+    return RouteSpec(
+        id=rid,
+        model=model,
+        engine="openai_http",
+        upstream_model=f"{rid}-upstream",
+        base_url="http://127.0.0.1:9",
+        input_per_mtok=Decimal(inp),
+        output_per_mtok=Decimal(out),
+        hard_price_caps=caps,
+        fallbacks=tuple(fallbacks),
+    )
+
+
+def catalog(*routes: RouteSpec) -> Catalog:
+    return Catalog([CORE, BIG], routes)
+
+
+def chat(text: str = "Summarize this public release note.", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "kettei-core",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 16,
+        **extra,
+    }
+
+
+def batch_body(n: int = 1, min_discount: Any = 90, **extra: Any) -> dict[str, Any]:
+    return {
+        "min_discount": min_discount,
+        "requests": [{"custom_id": f"req-{i}", "body": chat()} for i in range(n)],
+        **extra,
+    }
+
+
+_keys = iter(range(10**9))
+
+
+def idem() -> str:
+    return f"submit-{next(_keys):08d}"
+
+
+async def submit(
+    http: httpx.AsyncClient, headers: dict[str, str], body: Any, key: str | None = None
+) -> httpx.Response:
+    return await http.post(
+        "/v1/batches", json=body, headers={**headers, "Idempotency-Key": key or idem()}
+    )
+
+
+def item_rows(service: Service, batch_id: str) -> list[bstore.ItemRow]:
+    return service.db.run_sync(lambda c: bstore.items_of(c, batch_id), readonly=True)
+
+
+def all_items(service: Service) -> list[Any]:
+    return service.db.run_sync(
+        lambda c: c.execute(bstore.batch_items.select()).all(), readonly=True
+    )
+
+
+def set_price(service: Service, route: str, inp: str, out: str) -> None:
+    market_of(service).book.update(
+        [PricePoint(route, Price(Decimal(inp), Decimal(out)), service.clock.now())]
+    )
+
+
+def worker(service: Service) -> MarketWorker:
+    return market_of(service)
+
+
+class BlockingEngine:
+    """Answers only when released; ``entered`` is set once a call is inside."""
+
+    name = "blocking"
+
+    def __init__(self, answer: str = "done") -> None:
+        self.answer = answer
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.calls: list[CompletionRequest] = []
+        self._inner = ScriptedEngine(answer)
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        self.calls.append(request)
+        self.entered.set()
+        await self.release.wait()
+        return await self._inner.complete(request)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (real time, for other tasks to run) until ``cond`` holds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def market_factory(settings: Any, clock: Any) -> AsyncIterator[Callable[..., Service]]:
+    """``make(*routes, **settings_overrides)`` -> a migrated Service; audited and stopped after.
+
+    Test modules wrap it in their own ``market`` fixture.
+    """
+    made: list[Service] = []
+
+    def make(*routes: RouteSpec, **overrides: Any) -> Service:
+        s = replace(settings, catalog=catalog(*routes), **overrides)
+        svc = Service(s, clock=clock)
+        svc.db.migrate()
+        made.append(svc)
+        return svc
+
+    try:
+        yield make
+    finally:
+        for svc in made:
+            problems = svc.db.run_sync(ledger.audit, readonly=True)
+            await svc.stop()
+            assert problems == [], problems
