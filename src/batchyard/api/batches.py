@@ -43,7 +43,18 @@ from batchyard.service import Service
 from batchyard.store import batches as store
 from batchyard.work.market import RESULTS_KEPT, market_of, result_aad
 
-__all__ = ["MAX_BODY_BYTES", "MAX_PENDING", "MAX_REQUESTS", "WINDOWS", "router"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_PENDING",
+    "MAX_REQUESTS",
+    "WINDOWS",
+    "Submission",
+    "cancel",
+    "parse_submission",
+    "result_lines",
+    "router",
+    "store_submission",
+]
 
 router = APIRouter()
 log = logging.getLogger("batchyard.api.batches")
@@ -89,7 +100,7 @@ class _Request:
 
 
 @dataclass(frozen=True, slots=True)
-class _Submission:
+class Submission:
     min_discount: Decimal
     window: str
     requests: list[_Request]
@@ -270,7 +281,8 @@ def _parse_request(
     return _Request(cid, model.id, min_discount, 0, mt, stored), mode
 
 
-def _parse(svc: Service, raw: dict[str, Any]) -> _Submission:
+def parse_submission(svc: Service, raw: dict[str, Any]) -> Submission:
+    """The whole submission checked, privacy applied and tokens counted; nothing is kept."""
     for key in raw.keys() - _TOP_KEYS:
         raise _bad(f"{key} is not a batch field", key, "unsupported_parameter")
     if raw.get("min_discount") is None:
@@ -328,7 +340,7 @@ def _parse(svc: Service, raw: dict[str, Any]) -> _Submission:
         out.append(
             _Request(req.custom_id, req.model, req.min_discount, tokens, req.max_tokens, stored)
         )
-    return _Submission(batch_min, window, out, redactions)
+    return Submission(batch_min, window, out, redactions)
 
 
 def _number(d: Decimal) -> int | float:
@@ -382,69 +394,79 @@ async def _check_rate(svc: Service, principal: Principal) -> None:
         )
 
 
+async def store_submission(svc: Service, principal: Principal, sub: Submission) -> dict[str, Any]:
+    """Seal and keep a parsed submission in one transaction; the new batch's view.
+
+    Shared by the API and the workspace so both queue through the same
+    submission rate, pending limit, sealing and persistence.
+    """
+    sealer = market_of(svc).sealer()
+    await _check_rate(svc, principal)
+    now = svc.clock.now()
+    batch_id = new_id("bat", now)
+    items = []
+    for pos, req in enumerate(sub.requests):
+        item_id = new_id("bti", now)
+        blob = sealer.seal(json.dumps(req.stored).encode(), item_id.encode())
+        items.append(
+            store.NewItem(
+                item_id,
+                pos,
+                req.custom_id,
+                req.model,
+                req.min_discount,
+                req.input_tokens,
+                req.max_tokens,
+                blob,
+            )
+        )
+
+    def tx(conn: Connection) -> dict[str, Any]:
+        store.lock_org(conn, principal.org_id)
+        pending = store.pending_count(conn, principal.org_id)
+        if pending + len(items) > MAX_PENDING:
+            raise PendingLimitExceeded(
+                f"{pending} items are pending and this batch adds {len(items)}; at most "
+                f"{MAX_PENDING} may be pending per organisation; retry as items finish",
+                details={"pending": pending, "limit": MAX_PENDING},
+            )
+        store.create_batch(
+            conn,
+            batch_id=batch_id,
+            org_id=principal.org_id,
+            key_id=principal.key_id,
+            min_discount=sub.min_discount,
+            completion_window=sub.window,
+            created_at=now,
+            deadline=now + WINDOWS[sub.window],
+            items=items,
+        )
+        return _load_view(conn, principal.org_id, batch_id)
+
+    view = await svc.db.run(tx)
+    log.info(
+        "batch submitted",
+        extra={
+            "event": "batch_submitted",
+            "batch_id": batch_id,
+            "org_id": principal.org_id,
+            "requests": len(items),
+            "privacy_redactions": sub.redactions,
+        },
+    )
+    return view
+
+
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> Response:
     principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
     svc = service_of(request)
-    sealer = market_of(svc).sealer()
+    market_of(svc).sealer()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=MAX_BODY_BYTES)
-    sub = _parse(svc, raw)
+    sub = parse_submission(svc, raw)
 
     async def handler() -> tuple[int, Any]:
-        await _check_rate(svc, principal)
-        now = svc.clock.now()
-        batch_id = new_id("bat", now)
-        items = []
-        for pos, req in enumerate(sub.requests):
-            item_id = new_id("bti", now)
-            blob = sealer.seal(json.dumps(req.stored).encode(), item_id.encode())
-            items.append(
-                store.NewItem(
-                    item_id,
-                    pos,
-                    req.custom_id,
-                    req.model,
-                    req.min_discount,
-                    req.input_tokens,
-                    req.max_tokens,
-                    blob,
-                )
-            )
-
-        def tx(conn: Connection) -> dict[str, Any]:
-            store.lock_org(conn, principal.org_id)
-            pending = store.pending_count(conn, principal.org_id)
-            if pending + len(items) > MAX_PENDING:
-                raise PendingLimitExceeded(
-                    f"{pending} items are pending and this batch adds {len(items)}; at most "
-                    f"{MAX_PENDING} may be pending per organisation; retry as items finish",
-                    details={"pending": pending, "limit": MAX_PENDING},
-                )
-            store.create_batch(
-                conn,
-                batch_id=batch_id,
-                org_id=principal.org_id,
-                key_id=principal.key_id,
-                min_discount=sub.min_discount,
-                completion_window=sub.window,
-                created_at=now,
-                deadline=now + WINDOWS[sub.window],
-                items=items,
-            )
-            return _load_view(conn, principal.org_id, batch_id)
-
-        view = await svc.db.run(tx)
-        log.info(
-            "batch submitted",
-            extra={
-                "event": "batch_submitted",
-                "batch_id": batch_id,
-                "org_id": principal.org_id,
-                "requests": len(items),
-                "privacy_redactions": sub.redactions,
-            },
-        )
-        return 201, view
+        return 201, await store_submission(svc, principal, sub)
 
     return await idempotent(request, principal, raw, handler, min_len=8, required=True)
 
@@ -478,10 +500,8 @@ async def get_batch(request: Request, batch_id: str) -> JSONResponse:
     return json_response(view)
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
-    svc = service_of(request)
+async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str, Any]:
+    """Stop the waiting items of the caller's batch; its view after."""
     now = svc.clock.now()
 
     def tx(conn: Connection) -> dict[str, Any]:
@@ -497,13 +517,15 @@ async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
         )
         return _load_view(conn, principal.org_id, batch.id)
 
-    return json_response(await svc.db.run(tx))
+    return await svc.db.run(tx)
 
 
-@router.get("/v1/batches/{batch_id}/results")
-async def batch_results(request: Request, batch_id: str) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
-    svc = service_of(request)
+async def result_lines(svc: Service, principal: Principal, batch_id: str) -> AsyncIterator[bytes]:
+    """The batch's NDJSON result lines; 404 for another organisation's, 410 once purged.
+
+    The rows are loaded (and the errors raised) before the first line is
+    yielded, so a caller can turn a failure into a response of its own.
+    """
     sealer = market_of(svc).sealer()
 
     def load(conn: Connection) -> list[tuple[store.ItemRow, bytes | None]]:
@@ -533,4 +555,17 @@ async def batch_results(request: Request, batch_id: str) -> Response:
             }
             yield (json.dumps(line) + "\n").encode()
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return lines()
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
+    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    return json_response(await cancel(service_of(request), principal, batch_id))
+
+
+@router.get("/v1/batches/{batch_id}/results")
+async def batch_results(request: Request, batch_id: str) -> Response:
+    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
+    lines = await result_lines(service_of(request), principal, batch_id)
+    return StreamingResponse(lines, media_type="application/x-ndjson")

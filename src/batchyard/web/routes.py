@@ -1,0 +1,399 @@
+"""The Batches workspace: server-rendered pages over the deferred-batch API (seed 003).
+
+Every page is plain HTML from Jinja2 with autoescaping on; there is no
+script at all (a non-terminal batch refreshes with ``<meta refresh>``), so
+the Content-Security-Policy can forbid scripts outright. Pages read the
+store through the same queries as ``/v1/batches`` and change it only
+through the API module's functions, so the workspace cannot queue, cancel
+or show anything the API would not.
+
+Sign-in takes an API key once and keeps only a server-side session (see
+``web.sessions``). Forms carry a CSRF token: the sign-in form a
+double-submit token also set as a cookie, the others the session's token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from sqlalchemy import Connection
+
+from batchyard.api import batches as api_batches
+from batchyard.api.context import service_of
+from batchyard.core.accounts import Principal, Scope
+from batchyard.core.clock import isoformat
+from batchyard.errors import BatchyardError, InvalidRequest, NotFound, PayloadTooLarge
+from batchyard.store import accounts
+from batchyard.store import batches as store
+from batchyard.web.sessions import Session, Sessions, principal_of, same_token
+from batchyard.web.submission import EXAMPLE, submit_text
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/workspace", include_in_schema=False)
+log = logging.getLogger("batchyard.web")
+
+SESSION_COOKIE = "by_workspace"
+SIGNIN_COOKIE = "by_workspace_signin"
+COOKIE_PATH = "/workspace"
+#: A form is URL-encoded, which can triple the JSON it carries.
+FORM_LIMIT = 3 * api_batches.MAX_BODY_BYTES + 4096
+PAGE_SIZE = 50
+REFRESH_S = 15
+SCOPES = (Scope.FULL, Scope.INFERENCE)
+LIVE_STATES = ("in_progress", "canceling")
+
+_HERE = Path(__file__).parent
+_env = Environment(
+    loader=FileSystemLoader(_HERE / "templates"), autoescape=True, undefined=StrictUndefined
+)
+_CSS = (_HERE / "static" / "workspace.css").read_bytes()
+
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _when(value: datetime | None) -> str:
+    return isoformat(value) if value is not None else "—"
+
+
+def _percent(value: Decimal) -> str:
+    return f"{value.normalize():f}"
+
+
+_env.filters["when"] = _when
+_env.filters["percent"] = _percent
+
+
+# --- plumbing -----------------------------------------------------------------------
+
+
+def _sessions(request: Request) -> Sessions:
+    state = request.app.state
+    sessions: Sessions | None = getattr(state, "workspace_sessions", None)
+    if sessions is None:
+        sessions = Sessions(service_of(request).clock)
+        state.workspace_sessions = sessions
+    return sessions
+
+
+def _page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    html = _env.get_template(name).render(**context)
+    return HTMLResponse(html, status_code=status, headers=_SECURITY_HEADERS)
+
+
+def _error(exc: BatchyardError) -> dict[str, Any]:
+    """What a page shows of an error: exactly the API's code and message."""
+    return {"code": exc.code, "message": exc.message, "status": exc.status}
+
+
+def _set_cookie(response: Response, request: Request, name: str, value: str) -> None:
+    response.set_cookie(
+        name,
+        value,
+        path=COOKIE_PATH,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+
+
+def _redirect(url: str) -> RedirectResponse:
+    return RedirectResponse(url, status_code=303, headers=_SECURITY_HEADERS)
+
+
+def _to_signin(note: str | None = None) -> RedirectResponse:
+    response = _redirect("/workspace/" + (f"?note={note}" if note else ""))
+    response.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH)
+    return response
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """The URL-encoded form, size-capped; the last value of a repeated field wins.
+
+    Anything else (no body, ``text/plain`` from a cross-site form) reads as an
+    empty form, so it fails the CSRF check with 403 like any tokenless post.
+    """
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/x-www-form-urlencoded":
+        return {}
+    size = 0
+    chunks: list[bytes] = []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > FORM_LIMIT:
+            raise PayloadTooLarge(f"the form is over {FORM_LIMIT} bytes")
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+        pairs = parse_qsl(text, keep_blank_values=True, max_num_fields=16)
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidRequest("the form could not be read") from None
+    return dict(pairs)
+
+
+async def _signed_in(request: Request) -> tuple[Session, Principal] | None:
+    token = request.cookies.get(SESSION_COOKIE)
+    sessions = _sessions(request)
+    session = sessions.get(token)
+    if session is None:
+        return None
+    svc = service_of(request)
+    principal = await svc.db.run(lambda c: principal_of(c, session), readonly=True)
+    if principal is None:
+        sessions.close(token)
+        return None
+    return session, principal
+
+
+def _forbidden(reason: str) -> HTMLResponse:
+    log.info("workspace form refused", extra={"event": "workspace_csrf", "reason": reason})
+    error = {"code": "csrf_failed", "message": reason, "status": 403}
+    return _page("error.html", 403, error=error, signed_in=False)
+
+
+# --- sign-in ------------------------------------------------------------------------
+
+
+def _signin_page(request: Request, *, status: int = 200, error: Any = None) -> HTMLResponse:
+    token = secrets.token_urlsafe(32)
+    notes = {"ended": "Your session ended; sign in again.", "out": "You are signed out."}
+    note = notes.get(request.query_params.get("note", ""))
+    response = _page("signin.html", status, csrf=token, error=error, note=note, signed_in=False)
+    _set_cookie(response, request, SIGNIN_COOKIE, token)
+    return response
+
+
+@router.get("/")
+async def signin_form(request: Request) -> Response:
+    if await _signed_in(request) is not None:
+        return _redirect("/workspace/batches")
+    return _signin_page(request)
+
+
+@router.post("/sign-in")
+async def sign_in(request: Request) -> Response:
+    form = await _form(request)
+    if not same_token(request.cookies.get(SIGNIN_COOKIE, ""), form.get("csrf")):
+        return _forbidden("the sign-in form has expired or did not come from this site; reload")
+    secret = form.get("api_key", "").strip()
+    svc = service_of(request)
+    principal = await svc.db.run(lambda c: accounts.authenticate(c, secret), readonly=True)
+    if principal is None:
+        error = {"code": "invalid_api_key", "message": "the API key is not valid", "status": 401}
+        return _signin_page(request, status=401, error=error)
+    if principal.scope not in SCOPES:
+        error = {
+            "code": "insufficient_scope",
+            "message": f"the workspace needs a key with scope full or inference; "
+            f"this key has scope {principal.scope.value}",
+            "status": 403,
+        }
+        return _signin_page(request, status=403, error=error)
+    token, _ = _sessions(request).open(principal)
+    log.info(
+        "workspace sign-in",
+        extra={
+            "event": "workspace_sign_in",
+            "org_id": principal.org_id,
+            "key_id": principal.key_id,
+        },
+    )
+    response = _redirect("/workspace/batches")
+    _set_cookie(response, request, SESSION_COOKIE, token)
+    response.delete_cookie(SIGNIN_COOKIE, path=COOKIE_PATH)
+    return response
+
+
+@router.post("/sign-out")
+async def sign_out(request: Request) -> Response:
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin()
+    form = await _form(request)
+    if not same_token(who[0].csrf, form.get("csrf")):
+        return _forbidden("the form did not carry this session's token; reload and retry")
+    _sessions(request).close(request.cookies.get(SESSION_COOKIE))
+    return _to_signin("out")
+
+
+# --- batches ------------------------------------------------------------------------
+
+
+def _new_key() -> str:
+    return "ws-" + secrets.token_urlsafe(24)
+
+
+async def _list_page(
+    request: Request,
+    session: Session,
+    principal: Principal,
+    *,
+    status: int = 200,
+    error: Any = None,
+    body_text: str | None = None,
+) -> HTMLResponse:
+    svc = service_of(request)
+    after = request.query_params.get("after") or None
+
+    def load(conn: Connection) -> tuple[list[store.BatchRow], dict[str, dict[str, int]]]:
+        rows = store.list_batches(conn, principal.org_id, after=after, limit=PAGE_SIZE)
+        return rows, store.counts(conn, [b.id for b in rows])
+
+    rows, per = await svc.db.run(load, readonly=True)
+    return _page(
+        "batches.html",
+        status,
+        signed_in=True,
+        org_name=principal.org_name,
+        csrf=session.csrf,
+        batches=[(b, per[b.id]) for b in rows],
+        next_after=rows[-1].id if len(rows) == PAGE_SIZE else None,
+        body_text=body_text if body_text is not None else json.dumps(EXAMPLE, indent=2),
+        idempotency_key=_new_key(),
+        error=error,
+        states=store.ITEM_STATES,
+    )
+
+
+@router.get("/batches")
+async def batches_page(request: Request) -> Response:
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin("ended" if request.cookies.get(SESSION_COOKIE) else None)
+    return await _list_page(request, *who)
+
+
+@router.post("/batches")
+async def submit_batch(request: Request) -> Response:
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin("ended")
+    session, principal = who
+    form = await _form(request)
+    if not same_token(session.csrf, form.get("csrf")):
+        return _forbidden("the form did not carry this session's token; reload and retry")
+    text = form.get("body", "")
+    try:
+        outcome = await submit_text(
+            service_of(request), principal, text, form.get("idempotency_key", "")
+        )
+    except BatchyardError as exc:
+        return await _list_page(
+            request, session, principal, status=exc.status, error=_error(exc), body_text=text
+        )
+    if outcome.status >= 400:
+        saved = outcome.body.get("error", {})
+        error = {
+            "code": saved.get("code"),
+            "message": saved.get("message"),
+            "status": outcome.status,
+        }
+        return await _list_page(
+            request, session, principal, status=outcome.status, error=error, body_text=text
+        )
+    return _redirect(f"/workspace/batches/{outcome.body['id']}")
+
+
+@router.get("/batches/{batch_id}")
+async def batch_page(request: Request, batch_id: str) -> Response:
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin("ended" if request.cookies.get(SESSION_COOKIE) else None)
+    return await _batch_page(request, *who, batch_id)
+
+
+async def _batch_page(
+    request: Request,
+    session: Session,
+    principal: Principal,
+    batch_id: str,
+    *,
+    status: int = 200,
+    error: Any = None,
+) -> HTMLResponse:
+    svc = service_of(request)
+
+    def load(
+        conn: Connection,
+    ) -> tuple[store.BatchRow, dict[str, int], list[store.ItemRow]] | None:
+        batch = store.get_batch(conn, principal.org_id, batch_id)
+        if batch is None:
+            return None
+        return batch, store.counts(conn, [batch.id])[batch.id], store.items_of(conn, batch.id)
+
+    found = await svc.db.run(load, readonly=True)
+    if found is None:
+        missing = NotFound(f"batch {batch_id} not found", param="batch_id")
+        return _page("error.html", 404, error=_error(missing), signed_in=True, csrf=session.csrf)
+    batch, counts, items = found
+    live = batch.status in LIVE_STATES
+    return _page(
+        "batch.html",
+        status,
+        signed_in=True,
+        org_name=principal.org_name,
+        csrf=session.csrf,
+        batch=batch,
+        counts=counts,
+        items=items,
+        states=store.ITEM_STATES,
+        refresh_s=REFRESH_S if live else None,
+        can_cancel=batch.status not in ("completed", "expired", "canceled"),
+        error=error,
+    )
+
+
+@router.post("/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> Response:
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin("ended")
+    session, principal = who
+    form = await _form(request)
+    if not same_token(session.csrf, form.get("csrf")):
+        return _forbidden("the form did not carry this session's token; reload and retry")
+    try:
+        await api_batches.cancel(service_of(request), principal, batch_id)
+    except BatchyardError as exc:
+        return await _batch_page(
+            request, session, principal, batch_id, status=exc.status, error=_error(exc)
+        )
+    return _redirect(f"/workspace/batches/{batch_id}")
+
+
+@router.get("/batches/{batch_id}/results")
+async def download_results(request: Request, batch_id: str) -> Response:
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin("ended" if request.cookies.get(SESSION_COOKIE) else None)
+    session, principal = who
+    try:
+        lines = await api_batches.result_lines(service_of(request), principal, batch_id)
+    except BatchyardError as exc:
+        return _page("error.html", exc.status, error=_error(exc), signed_in=True, csrf=session.csrf)
+    disposition = f'attachment; filename="{batch_id}-results.ndjson"'
+    headers = {**_SECURITY_HEADERS, "Content-Disposition": disposition}
+    return StreamingResponse(lines, media_type="application/x-ndjson", headers=headers)
+
+
+@router.get("/static/workspace.css")
+async def stylesheet() -> Response:
+    return Response(_CSS, media_type="text/css", headers={"Cache-Control": "max-age=3600"})

@@ -1,0 +1,134 @@
+"""The workspace in a real headless chromium: sign in, submit, watch it finish, cancel.
+
+Selenium blocks, and the server runs in the test's own event loop, so each
+browser step runs in a thread while the loop keeps serving. A screenshot of
+the finished batch is left at /tmp/workspace.png for a person to look at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.web.workspace_support import answer_with
+from tests.integration.work.batch_support import item_rows, worker
+from tests.support.accounts import make_account
+from tests.support.server import live_server
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = "/usr/bin/chromedriver"
+SCREENSHOT = Path("/tmp/workspace.png")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium: apt-get install -y chromium chromium-driver",
+    ),
+]
+
+
+def _driver(profile: Path) -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service as DriverService
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,1000",
+    ):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=DriverService(CHROMEDRIVER), options=options)
+
+
+def _click_and_load(driver: Any, element: Any) -> None:
+    """Click, then wait until the next page has replaced this one and finished loading."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old = driver.find_element(By.TAG_NAME, "html")
+    element.click()
+    wait = WebDriverWait(driver, 15)
+    wait.until(ec.staleness_of(old))
+    wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+
+
+async def test_sign_in_submit_complete_cancel_in_chromium(service, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    answer_with(service)
+    acct = make_account(service, credit="1")
+    driver = await asyncio.to_thread(_driver, tmp_path / "profile")
+    try:
+        async with live_server(service, worker=False) as base:
+
+            def sign_in_and_submit() -> str:
+                driver.get(f"{base}/workspace/")
+                driver.find_element(By.ID, "api_key").send_keys(acct.key)
+                _click_and_load(driver, driver.find_element(By.ID, "sign-in"))
+                assert driver.current_url == f"{base}/workspace/batches"
+                assert '"kettei-core"' in driver.find_element(By.ID, "body").get_attribute("value")
+                _click_and_load(driver, driver.find_element(By.ID, "submit"))
+                assert "/workspace/batches/bat." in driver.current_url
+                assert driver.find_element(By.ID, "status").text == "in_progress"
+                return str(driver.current_url).rsplit("/", 1)[1]
+
+            batch_id = await asyncio.to_thread(sign_in_and_submit)
+
+            def listed_then_opened() -> None:
+                driver.get(f"{base}/workspace/batches")
+                table = driver.find_element(By.ID, "batches")
+                _click_and_load(driver, table.find_element(By.LINK_TEXT, batch_id))
+                assert driver.current_url == f"{base}/workspace/batches/{batch_id}"
+
+            await asyncio.to_thread(listed_then_opened)
+            report = await worker(service).run_pass()
+            assert report.succeeded == 1
+
+            def finished() -> tuple[str, dict[str, Any]]:
+                driver.refresh()
+                assert driver.find_element(By.ID, "status").text == "completed"
+                rows = driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr")
+                assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == ["succeeded"]
+                assert not driver.find_elements(By.ID, "cancel")
+                href = driver.find_element(By.ID, "download").get_attribute("href")
+                driver.save_screenshot(str(SCREENSHOT))
+                return str(href), driver.get_cookie("by_workspace")
+
+            href, cookie = await asyncio.to_thread(finished)
+            assert href == f"{base}/workspace/batches/{batch_id}/results"
+            assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
+            assert acct.key not in cookie["value"]
+            async with httpx.AsyncClient(cookies={"by_workspace": cookie["value"]}) as http:
+                download = await http.get(href)
+            assert download.headers["content-disposition"].startswith("attachment;")
+            assert '"status": "succeeded"' in download.text
+
+            def submit_and_cancel() -> str:
+                driver.get(f"{base}/workspace/batches")
+                _click_and_load(driver, driver.find_element(By.ID, "submit"))
+                second = str(driver.current_url).rsplit("/", 1)[1]
+                _click_and_load(driver, driver.find_element(By.ID, "cancel"))
+                assert driver.find_element(By.ID, "status").text == "canceled"
+                return second
+
+            second = await asyncio.to_thread(submit_and_cancel)
+            assert second != batch_id
+            assert [i.status for i in item_rows(service, second)] == ["canceled"]
+    finally:
+        await asyncio.to_thread(driver.quit)
+    assert SCREENSHOT.stat().st_size > 0
