@@ -94,17 +94,21 @@ def keys_list(org_name: str, config_file: str | None, database_url: str | None) 
     finally:
         db.close()
     table = Table(title=f"keys of {org.name} ({org.id})")
-    for col in ("id", "scope", "key", "created", "revoked"):
+    # The id is what `keys revoke` takes: never cut it short.
+    table.add_column("id", no_wrap=True)
+    for col in ("scope", "key", "created", "revoked"):
         table.add_column(col)
     for k in rows:
         table.add_row(
             k.id,
             k.scope.value,
             k.display,
-            k.created_at.isoformat(timespec="seconds"),
-            k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
+            k.created_at.strftime("%Y-%m-%d %H:%M"),
+            k.revoked_at.strftime("%Y-%m-%d %H:%M") if k.revoked_at else "",
         )
-    Console().print(table)
+    out = Console()
+    # Piped output (scripts, grep) gets room for whole rows rather than Rich's 80 columns.
+    (out if out.is_terminal else Console(width=200)).print(table)
 
 
 @keys.command("revoke")

@@ -123,8 +123,9 @@ class Dispatcher:
             limits.append((Limit("rpm", float(route.rpm)), 1.0))
         if route.tpm:
             limits.append((Limit("tpm", float(route.tpm)), float(input_tokens + max_output_tokens)))
-        if limits:
-            await self.limiter.acquire(f"route:{route.id}", limits)
+        # Always ask, even with no limits of its own: the route's penalty (an
+        # upstream's Retry-After or exhausted x-ratelimit-*) must hold it too.
+        await self.limiter.acquire(f"route:{route.id}", limits)
 
     async def _observe(self, route: RouteSpec, signal: RateLimitSignal | None) -> None:
         if signal is not None:

@@ -1,0 +1,187 @@
+"""Chat completions through a route of engine ``openai_http`` to a fake upstream over real HTTP.
+
+The gateway and the fake upstream both run on loopback; the dispatcher's
+pacing runs on the ManualClock, so an upstream's Retry-After is checked by
+reading the route's penalty and moving the clock, not by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from decimal import Decimal
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from batchyard.core.catalog import catalog_from_config
+from batchyard.core.money import charge_ticks, format_money, token_cost
+from batchyard.service import Service
+from batchyard.store import ledger
+from batchyard.store.tables import ledger_entries
+from tests.support.accounts import make_account
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.server import live_server
+
+IN_PRICE, OUT_PRICE = Decimal("1.5"), Decimal("6")
+BODY = {
+    "model": "remote-model",
+    "messages": [{"role": "user", "content": "tell me four words"}],
+    "max_tokens": 16,
+}
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+def upstream():
+    with FakeUpstream(mode="echo") as up:
+        yield up
+
+
+@pytest.fixture
+async def svc(settings, clock, upstream):
+    catalog = catalog_from_config(
+        {
+            "models": [
+                {
+                    "id": "remote-model",
+                    "input_per_mtok": str(IN_PRICE),
+                    "output_per_mtok": str(OUT_PRICE),
+                    "context_window": 4096,
+                    "max_output_tokens": 512,
+                }
+            ],
+            "routes": [
+                {
+                    "id": "remote",
+                    "model": "remote-model",
+                    "engine": "openai_http",
+                    "base_url": upstream.base_url,
+                    "upstream_model": "fake-upstream-model",
+                    "timeout_s": 0.5,
+                }
+            ],
+        }
+    )
+    service = Service(dataclasses.replace(settings, catalog=catalog), clock=clock)
+    service.db.migrate()
+    try:
+        yield service
+    finally:
+        problems = service.db.run_sync(ledger.audit, readonly=True)
+        await service.stop()
+        assert problems == [], problems
+
+
+@pytest.fixture
+async def http(svc):
+    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
+        yield client
+
+
+def entries(svc, org_id):
+    def q(c):
+        rows = c.execute(
+            select(ledger_entries.c.kind, func.count())
+            .where(ledger_entries.c.org_id == org_id)
+            .group_by(ledger_entries.c.kind)
+        ).all()
+        return {kind: n for kind, n in rows}
+
+    return svc.db.run_sync(q, readonly=True)
+
+
+async def until(predicate, timeout=10.0):
+    """Wait for something the server does, not for time the clock should move."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
+
+
+def expected_charge(body):
+    usage = body["usage"]
+    cost = token_cost(usage["prompt_tokens"], usage["completion_tokens"], IN_PRICE, OUT_PRICE)
+    return format_money(charge_ticks(cost))
+
+
+async def test_a_completion_is_forwarded_and_billed(svc, http, upstream):
+    acct = make_account(svc)
+    r = await http.post(CHAT, json=BODY, headers=acct.headers)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "remote-model"
+    assert body["choices"][0]["message"]["content"] == "echo: tell me four words"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert body["charge"] == expected_charge(body)
+    assert upstream.last_request["model"] == "fake-upstream-model"
+    assert upstream.last_request["max_tokens"] == 16
+    assert entries(svc, acct.org_id) == {"topup": 1, "reserve": 1, "settle": 1, "release": 1}
+    bal = svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert format_money(bal.settled) == body["charge"] and bal.held == 0
+
+
+async def test_an_upstream_429_is_waited_out_then_retried_and_billed_once(svc, http, upstream):
+    acct = make_account(svc)
+    upstream.fail_next(1, status=429, retry_after=7)
+    call = asyncio.create_task(http.post(CHAT, json=BODY, headers=acct.headers))
+    await until(lambda: upstream.statuses[429] == 1)
+    # The route is held for the upstream's Retry-After; nothing is sent meanwhile.
+    # (Asking with no limits reads the route's penalty and takes nothing.)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (hold := await svc.limiter.try_acquire("route:remote", [])).allowed:
+        assert loop.time() < deadline, "the 429 never held the route"
+        await asyncio.sleep(0.005)
+    assert hold.retry_after == pytest.approx(7, abs=0.01)
+    assert not call.done()
+    assert upstream.requests == 1
+    svc.clock.advance(6.5)
+    await asyncio.sleep(0)
+    assert not (await svc.limiter.try_acquire("route:remote", [])).allowed
+    assert upstream.requests == 1
+    svc.clock.advance(0.5)
+    r = await asyncio.wait_for(call, timeout=10)
+    assert r.status_code == 200, r.text
+    assert upstream.requests == 2 and upstream.statuses[200] == 1
+    assert r.json()["charge"] == expected_charge(r.json())
+    assert entries(svc, acct.org_id) == {"topup": 1, "reserve": 1, "settle": 1, "release": 1}
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "code", "retryable"),
+    [
+        ("5xx", 502, "upstream_error", True),
+        ("timeout", 504, "upstream_timeout", True),
+        ("malformed", 502, "upstream_malformed", True),
+        ("missing_usage", 502, "upstream_malformed", True),
+    ],
+)
+async def test_a_failed_upstream_call_is_answered_and_nothing_is_charged(
+    svc, http, upstream, fault, status, code, retryable
+):
+    acct = make_account(svc)
+    if fault == "5xx":
+        upstream.fail_next(1, status=503)
+    elif fault == "timeout":
+        upstream.delay_s = 3
+    elif fault == "malformed":
+        upstream.malformed_next(1)
+    else:
+        upstream.malformed_next(1, kind="missing_usage")
+    r = await http.post(CHAT, json=BODY, headers={**acct.headers, "Idempotency-Key": "f-1"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["retryable"]) == (code, retryable)
+    bal = svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.settled == 0 and bal.held == 0
+    assert entries(svc, acct.org_id) == {"topup": 1, "reserve": 1, "release": 1}
+    # Retryable, so the key was not spent: the same request succeeds once the upstream does.
+    upstream.delay_s = 0
+    svc.clock.advance(60)
+    again = await http.post(CHAT, json=BODY, headers={**acct.headers, "Idempotency-Key": "f-1"})
+    assert again.status_code == 200, again.text
+    assert entries(svc, acct.org_id)["settle"] == 1
