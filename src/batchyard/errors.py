@@ -213,8 +213,11 @@ class InvalidApiKey(Unauthorized):
 
 
 class InsufficientCredit(BatchyardError):
+    """Nothing was charged; after buying credit the same key can succeed (seed 000)."""
+
     code = "insufficient_credit"
     status = 402
+    retryable = True
 
 
 class Forbidden(BatchyardError):

@@ -43,9 +43,11 @@ def test_codes_are_unique_snake_case_wire_codes():
 def test_status_and_retryable_are_sane(cls):
     assert 400 <= cls.status <= 599
     assert isinstance(cls.retryable, bool)
-    # Client errors are the caller's to fix, except waiting out a limit or a busy key.
+    # Client errors are the caller's to fix, except waiting out a limit or a busy
+    # key, and buying credit (seed 000: "buy credit ... then send them again").
     if cls.status < 500 and cls.status != 429:
-        assert cls.retryable is (cls.code == "idempotency_in_progress"), cls
+        expected = cls.code in ("idempotency_in_progress", "insufficient_credit")
+        assert cls.retryable is expected, cls
     if cls.status == 429:
         assert cls.retryable
 

@@ -218,7 +218,7 @@ async def test_insufficient_credit_is_402_and_writes_nothing(svc, http, engine):
     r = await http.post(CHAT, json={**BODY, "max_tokens": 1000}, headers=acct.headers)
     assert r.status_code == 402, r.text
     err = r.json()["error"]
-    assert (err["code"], err["retryable"]) == ("insufficient_credit", False)
+    assert (err["code"], err["retryable"]) == ("insufficient_credit", True)
     assert Decimal(err["required"]) > Decimal(err["available"]) == Decimal("0.0000001")
     assert counts(svc, acct.org_id) == before
     assert engine.calls == []

@@ -245,7 +245,7 @@ async def test_402_when_credit_cannot_cover_the_most_expensive_outcome(service, 
     r = await http.post("/v1/decide", json=BODY, headers=headers)
     assert r.status_code == 402
     err = r.json()["error"]
-    assert err["code"] == "insufficient_credit" and err["retryable"] is False
+    assert err["code"] == "insufficient_credit" and err["retryable"] is True
     assert "nothing was charged" in err["message"]
     assert engine.score_calls == []
     bal = balance(service, acct.org_id)

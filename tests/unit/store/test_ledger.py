@@ -186,7 +186,7 @@ def test_insufficient_credit_says_how_much_and_writes_nothing(db, org):
     with pytest.raises(InsufficientCredit) as exc:
         db.run_sync(lambda c: ledger.reserve(c, org, to_ticks(Decimal("1.5")), now, purpose="t"))
     body = exc.value.to_body()["error"]
-    assert body["code"] == "insufficient_credit" and body["retryable"] is False
+    assert body["code"] == "insufficient_credit" and body["retryable"] is True
     assert (body["required"], body["available"]) == ("1.5", "1")
     assert _counts(db) == before
     assert db.run_sync(ledger.audit) == []
