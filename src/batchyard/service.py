@@ -63,9 +63,11 @@ class Service:
         self.started = False
         # Background work of the front doors; each door adds its own line.
         from batchyard.work import market as market_worker
+        from batchyard.work import runs as runs_worker
         from batchyard.work import warmth
 
         market_worker.install(self)  # deferred batches (seed 003)
+        runs_worker.install(self)  # batch inference runs (seed 002)
         warmth.install(self)  # fine-tuned versions going cold (seed 000)
 
     def tokenizer(self, model: ModelSpec) -> Tokenizer:

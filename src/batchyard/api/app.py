@@ -8,9 +8,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from batchyard.api import account, batches, chat, decide, models
+from batchyard.api import account, batches, chat, decide, models, projects, runs
 from batchyard.api.errors import install_error_handlers
 from batchyard.service import Service
+from batchyard.web import routes as workspace
 
 __all__ = ["create_app"]
 
@@ -44,4 +45,7 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     app.include_router(chat.router)
     app.include_router(decide.router)
     app.include_router(models.router)
+    app.include_router(projects.router)
+    app.include_router(runs.router)
+    app.include_router(workspace.router)  # the Batches workspace pages (web/)
     return app

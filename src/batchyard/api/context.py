@@ -164,7 +164,7 @@ async def idempotent(
     def claim(conn: Connection) -> idem_rules.SavedResponse | None:
         return idem_store.begin(conn, principal.org_id, key, fp, now, ttl)
 
-    saved = await svc.db.run(claim)
+    saved = await svc.db.write(claim)
     if saved is not None:
         resp = Response(saved.body, status_code=saved.status_code, media_type="application/json")
         resp.headers["Idempotent-Replayed"] = "true"
@@ -174,19 +174,19 @@ async def idempotent(
         status, payload = await handler()
     except BatchyardError as exc:
         if exc.retryable or not keep:
-            await svc.db.run(lambda c: idem_store.forget(c, principal.org_id, key))
+            await svc.db.write(lambda c: idem_store.forget(c, principal.org_id, key))
         else:
             text, failed_status = json.dumps(exc.to_body()), exc.status
-            await svc.db.run(
+            await svc.db.write(
                 lambda c: idem_store.finish(c, principal.org_id, key, failed_status, text)
             )
         raise
     except BaseException:
-        await svc.db.run(lambda c: idem_store.forget(c, principal.org_id, key))
+        await svc.db.write(lambda c: idem_store.forget(c, principal.org_id, key))
         raise
     text = json.dumps(payload)
     if keep:
-        await svc.db.run(lambda c: idem_store.finish(c, principal.org_id, key, status, text))
+        await svc.db.write(lambda c: idem_store.finish(c, principal.org_id, key, status, text))
     else:
-        await svc.db.run(lambda c: idem_store.forget(c, principal.org_id, key))
+        await svc.db.write(lambda c: idem_store.forget(c, principal.org_id, key))
     return Response(text, status_code=status, media_type="application/json")

@@ -8,6 +8,7 @@ from batchyard.cli.admin import audit, credit, keys
 from batchyard.cli.check import command as check_command
 from batchyard.cli.demo import demo
 from batchyard.cli.run import command as run_command
+from batchyard.cli.runs import runs
 from batchyard.cli.serve import serve, worker
 
 __all__ = ["cli", "main"]
@@ -19,7 +20,7 @@ def cli() -> None:
     """batchyard: a self-hostable batch inference gateway for LLMs."""
 
 
-for command in (serve, worker, keys, credit, audit, demo):
+for command in (serve, worker, keys, credit, audit, runs, demo):
     cli.add_command(command)
 
 cli.add_command(run_command, "run")

@@ -91,7 +91,7 @@ class Dispatcher:
         self, org_id: str, amount: int, *, purpose: str, ref: str | None = None
     ) -> ledger.Reservation:
         now = self.clock.now()
-        return await self.db.run(
+        return await self.db.write(
             lambda c: ledger.reserve(
                 c, org_id, amount, now, purpose=purpose, ref=ref, tiers=self.tiers
             )
@@ -115,7 +115,7 @@ class Dispatcher:
                 detail={"reason": reason},
             )
 
-        await self.db.run(tx)
+        await self.db.write(tx)
 
     async def pace(self, route: RouteSpec, input_tokens: int, max_output_tokens: int) -> None:
         limits: list[tuple[Limit, float]] = []
@@ -211,7 +211,7 @@ class Dispatcher:
             )
             return settled.charged or 0
 
-        charged = await asyncio.shield(self.db.run(tx))
+        charged = await asyncio.shield(self.db.write(tx))
         return DispatchResult(completion, charged, res.id, route.id)
 
     async def score(
@@ -293,4 +293,4 @@ class Dispatcher:
             )
             return settled.charged or 0
 
-        return await asyncio.shield(self.db.run(tx))
+        return await asyncio.shield(self.db.write(tx))

@@ -1,0 +1,491 @@
+"""Batch inference runs: ``/v1/projects/{projectId}/batch-inference-runs``.
+
+Wire format as seed 002 writes it (camelCase). Creating a run validates the
+request against the dataset and answers the run in ``preparing`` at once; the
+worker freezes the rows and prices them (``awaiting_confirmation`` with a
+``quote``). Nothing is reserved before ``confirm``, and nothing is charged
+beyond the rows actually answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy import Connection
+
+from batchyard.api.context import (
+    authenticate,
+    idempotent,
+    json_response,
+    read_json,
+    service_of,
+)
+from batchyard.core.accounts import Scope
+from batchyard.core.clock import isoformat
+from batchyard.core.filters import RowFilter, compile_filter
+from batchyard.core.ids import new_id
+from batchyard.core.money import format_money
+from batchyard.core.runs import (
+    MAX_SAMPLES_PER_ROW,
+    TERMINAL,
+    BlockedReason,
+    RunStatus,
+    check_transition,
+    message_for,
+    prompt_messages,
+    resolve_model,
+)
+from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, QuoteExpired
+from batchyard.store import activity, ledger
+from batchyard.store import projects as pstore
+from batchyard.store import runs as rstore
+from batchyard.work import runs as worker
+
+__all__ = ["router", "run_json"]
+
+router = APIRouter()
+BASE = "/v1/projects/{project_id}/batch-inference-runs"
+READ = (Scope.FULL, Scope.READ, Scope.INFERENCE)
+WRITE = (Scope.FULL, Scope.INFERENCE)
+S = RunStatus
+
+
+def _output(run: rstore.Run) -> dict[str, Any]:
+    out = dict(run.spec["output"])
+    out["datasetId"] = run.dataset_id if out["type"] == "field" else run.output_dataset_id
+    return out
+
+
+def run_json(run: rstore.Run) -> dict[str, Any]:
+    """A run as the seed writes it."""
+    quote: dict[str, Any] | None = None
+    max_cost = expires = None
+    if run.quote_max_cost is not None and run.quote_expires_at is not None:
+        max_cost = format_money(run.quote_max_cost)
+        expires = isoformat(run.quote_expires_at)
+        quote = {
+            "rows": run.quote_rows,
+            "inputTokens": run.quote_input_tokens,
+            "maxOutputTokens": run.quote_max_output_tokens,
+            "maxCost": max_cost,
+            "expiresAt": expires,
+        }
+    progress = None
+    if run.status in (S.RUNNING, S.STOPPING):
+        progress = {
+            "rowsDone": run.rows_done,
+            "rowsFailed": run.rows_failed,
+            "rowsUncertain": run.rows_uncertain,
+            "rowsTotal": run.rows_total,
+            "inputTokens": run.input_tokens,
+            "outputTokens": run.output_tokens,
+        }
+    results = None
+    if run.status in TERMINAL and run.reservation_id is not None:
+        results = {
+            "rowsSucceeded": run.rows_done,
+            "rowsFailed": run.rows_failed - run.rows_uncertain,
+            "rowsUncertain": run.rows_uncertain,
+            "rowsCanceled": run.rows_canceled,
+            "outputsWritten": run.outputs_written,
+            "inputTokens": run.input_tokens,
+            "outputTokens": run.output_tokens,
+        }
+    charge = format_money(run.charge) if run.charge is not None else None
+    message = message_for(
+        run.status,
+        blocked_reason=run.blocked_reason,
+        run_id=run.id,
+        max_cost=max_cost,
+        expires=expires,
+        done=run.rows_done,
+        failed=run.rows_failed,
+        total=run.rows_total,
+        charge=charge,
+        error=(run.error or {}).get("message"),
+    )
+    return {
+        "id": run.id,
+        "projectId": run.project_id,
+        "datasetId": run.dataset_id,
+        "status": run.status,
+        "blockedReason": run.blocked_reason,
+        "message": message,
+        "model": run.spec["model"],
+        "mode": run.spec["mode"],
+        "input": run.spec["input"],
+        "filter": run.spec.get("filter"),
+        "output": _output(run),
+        "sampling": run.spec["sampling"],
+        "quote": quote,
+        "progress": progress,
+        "results": results,
+        "charge": charge,
+        "error": run.error,
+        "createdAt": isoformat(run.created_at),
+        "updatedAt": isoformat(run.updated_at),
+    }
+
+
+def _object(body: dict[str, Any], key: str, default: Any = None) -> dict[str, Any]:
+    value = body.get(key, default)
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{key} must be an object", param=key)
+    return value
+
+
+def _int(value: Any, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{param} must be an integer", param=param)
+    return value
+
+
+def _number(value: Any, param: str, low: float, high: float, *, open_low: bool) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"{param} must be a number", param=param)
+    if value > high or value < low or (open_low and value == low):
+        bound = f"{'above' if open_low else 'at least'} {low} and at most {high}"
+        raise InvalidRequest(f"{param} must be {bound}", param=param, code="sampling_out_of_range")
+    return float(value)
+
+
+def _validate(svc: Any, body: dict[str, Any], ds: pstore.Dataset) -> dict[str, Any]:
+    """The run's spec, normalised, or the 400 that explains what is wrong."""
+    model_in = _object(body, "model")
+    model, _, _ = resolve_model(svc.catalog, model_in)
+    mode = _object(body, "mode", {"type": "single_turn"})
+    if mode.get("type") != "single_turn":
+        raise InvalidRequest(
+            f"mode.type {mode.get('type')!r} is not supported; use single_turn",
+            param="mode.type",
+            code="unsupported_mode",
+        )
+    default_input = (
+        {"type": "messages"} if ds.kind == "chat-sft" else {"type": "field", "field": "text"}
+    )
+    source = _object(body, "input", default_input)
+    if source.get("type") == "messages":
+        if "messages" not in ds.fields and ds.row_count:
+            raise InvalidRequest(
+                "the dataset's rows have no `messages` field",
+                param="input",
+                code="input_field_not_found",
+            )
+        source = {"type": "messages"}
+    elif source.get("type") == "field":
+        field = source.get("field")
+        if not isinstance(field, str) or not field:
+            raise InvalidRequest("input.field must name a field", param="input.field")
+        if field not in ds.fields:
+            raise InvalidRequest(
+                f"the dataset has no field {field!r}",
+                param="input.field",
+                code="input_field_not_found",
+            )
+        source = {"type": "field", "field": field}
+    else:
+        raise InvalidRequest(
+            "input.type must be messages or field", param="input.type", code="unsupported_input"
+        )
+    output = _object(body, "output")
+    if output.get("type") == "field":
+        out_field = output.get("field")
+        if not isinstance(out_field, str) or not out_field or len(out_field) > 200:
+            raise InvalidRequest("output.field must name a field", param="output.field")
+        prompt_field = source.get("field", "messages")
+        if out_field == prompt_field:
+            raise InvalidRequest(
+                f"output.field {out_field!r} would overwrite the prompt the rows are read from",
+                param="output.field",
+                code="output_overwrites_input",
+            )
+        output = {"type": "field", "field": out_field}
+    elif output.get("type") == "dataset":
+        name = output.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise InvalidRequest("output.name must be 1 to 200 characters", param="output.name")
+        output = {"type": "dataset", "name": name.strip()}
+    else:
+        raise InvalidRequest(
+            "output.type must be field or dataset",
+            param="output.type",
+            code="unsupported_output_type",
+        )
+    sampling = _object(body, "sampling", {})
+    unknown = set(sampling) - {"maxOutputTokens", "samplesPerRow", "temperature", "topP"}
+    if unknown:
+        raise InvalidRequest(f"sampling has unknown fields {sorted(unknown)}", param="sampling")
+    max_out = _int(
+        sampling.get(
+            "maxOutputTokens", min(svc.settings.default_max_tokens, model.max_output_tokens)
+        ),
+        "sampling.maxOutputTokens",
+    )
+    if not 1 <= max_out <= model.max_output_tokens:
+        raise InvalidRequest(
+            f"sampling.maxOutputTokens must be from 1 to {model.max_output_tokens} for {model.id}",
+            param="sampling.maxOutputTokens",
+            code="max_output_tokens_out_of_range",
+        )
+    samples = _int(sampling.get("samplesPerRow", 1), "sampling.samplesPerRow")
+    if not 1 <= samples <= MAX_SAMPLES_PER_ROW:
+        raise InvalidRequest(
+            f"sampling.samplesPerRow must be from 1 to {MAX_SAMPLES_PER_ROW}",
+            param="sampling.samplesPerRow",
+            code="samples_per_row_out_of_range",
+        )
+    temperature = _number(sampling.get("temperature"), "sampling.temperature", 0, 2, open_low=False)
+    top_p = _number(sampling.get("topP"), "sampling.topP", 0, 1, open_low=True)
+    return {
+        "model": {"type": model.type, "id": model.id},
+        "mode": {"type": "single_turn"},
+        "input": source,
+        "output": output,
+        "sampling": {
+            "maxOutputTokens": max_out,
+            "samplesPerRow": samples,
+            "temperature": temperature,
+            "topP": top_p,
+        },
+        "filter": body.get("filter"),
+    }
+
+
+def _any_row_matches(svc: Any, dataset_id: str, keep: RowFilter, source: dict[str, Any]) -> bool:
+    after = 0
+    while True:
+        batch = svc.db.run_sync(
+            lambda c, a=after: pstore.current_rows(c, dataset_id, after=a, limit=2000),
+            readonly=True,
+        )
+        if not batch:
+            return False
+        for _, _, raw in batch:
+            data = json.loads(raw)
+            if keep(data) and prompt_messages(data, source) is not None:
+                return True
+        after = batch[-1][0]
+
+
+@router.post(BASE)
+async def create_run(request: Request, project_id: str) -> Response:
+    principal = await authenticate(request, *WRITE)
+    svc = service_of(request)
+    raw = await read_json(request)
+    dataset_id = raw.get("datasetId")
+    if not isinstance(dataset_id, str) or not dataset_id:
+        raise InvalidRequest("datasetId must be a dataset ID (ds.…)", param="datasetId")
+    org = principal.org_id
+
+    def lookup(c: Connection) -> pstore.Dataset:
+        pstore.get_project(c, org, project_id)
+        return pstore.get_dataset(c, org, dataset_id, project_id)
+
+    ds = await svc.db.run(lookup, readonly=True)
+    spec = _validate(svc, raw, ds)
+    keep = compile_filter(spec["filter"])
+
+    async def handler() -> tuple[int, Any]:
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, _any_row_matches, svc, ds.id, keep, spec["input"])
+        if not found:
+            raise EmptyFilterResult(
+                "no row of the dataset matches the filter with a prompt to send",
+                param="filter",
+            )
+        now = svc.clock.now()
+        run_id = new_id("bir", now)
+
+        def tx(c: Connection) -> rstore.Run:
+            rstore.create_run(
+                c,
+                id=run_id,
+                org_id=org,
+                project_id=project_id,
+                dataset_id=ds.id,
+                status=S.PREPARING,
+                spec=spec,
+                rows_total=0,
+                rows_done=0,
+                rows_failed=0,
+                rows_uncertain=0,
+                rows_canceled=0,
+                input_tokens=0,
+                output_tokens=0,
+                charge_accum=0,
+                outputs_written=0,
+                approved=False,
+                created_at=now,
+                updated_at=now,
+            )
+            return rstore.load_run(c, run_id)
+
+        run = await svc.db.run(tx)
+        worker.notify(svc)
+        return 201, run_json(run)
+
+    return await idempotent(request, principal, raw, handler, required=True)
+
+
+@router.get(BASE)
+async def list_runs(request: Request, project_id: str) -> JSONResponse:
+    principal = await authenticate(request, *READ)
+    svc = service_of(request)
+    status = request.query_params.get("status") or None
+    if status is not None and status not in set(S):
+        raise InvalidRequest(f"status {status!r} is not a run status", param="status")
+    raw_limit = request.query_params.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
+    limit = int(raw_limit)
+    cursor = request.query_params.get("cursor") or None
+
+    def tx(c: Connection) -> list[rstore.Run]:
+        pstore.get_project(c, principal.org_id, project_id)
+        return rstore.list_runs(
+            c, principal.org_id, project_id, status=status, before=cursor, limit=limit + 1
+        )
+
+    runs = await svc.db.run(tx, readonly=True)
+    more = len(runs) > limit
+    runs = runs[:limit]
+    return json_response(
+        {
+            "data": [run_json(r) for r in runs],
+            "hasMore": more,
+            "nextCursor": runs[-1].id if more else None,
+        }
+    )
+
+
+@router.get(BASE + "/{run_id}")
+async def get_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
+    principal = await authenticate(request, *READ)
+    svc = service_of(request)
+    run = await svc.db.run(
+        lambda c: rstore.get_run(c, principal.org_id, run_id, project_id), readonly=True
+    )
+    return json_response(run_json(run))
+
+
+@router.post(BASE + "/{run_id}/confirm")
+async def confirm_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
+    """Reserve the quote and queue the run, or block it (funds, billing review)."""
+    principal = await authenticate(request, *WRITE)
+    svc = service_of(request)
+    now = svc.clock.now()
+
+    def tx(c: Connection) -> rstore.Run:
+        run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
+        if run.status != S.AWAITING_CONFIRMATION:
+            raise InvalidState(
+                f"run {run_id} is {run.status}; only a run awaiting confirmation can be confirmed",
+                details={"status": run.status},
+            )
+        assert run.quote_expires_at is not None
+        if now > run.quote_expires_at:
+            raise QuoteExpired(
+                f"the quote expired at {isoformat(run.quote_expires_at)}; create the run again "
+                "for a fresh quote",
+                details={"status": run.status},
+            )
+        worker.fund(
+            c,
+            run,
+            now,
+            threshold=svc.settings.billing_review_threshold,
+            tiers=svc.settings.tiers,
+        )
+        return rstore.load_run(c, run_id)
+
+    run = await svc.db.run(tx)
+    worker.notify(svc)
+    return json_response(run_json(run))
+
+
+@router.post(BASE + "/{run_id}/cancel")
+async def cancel_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
+    """Stop a run: answered rows are kept and charged, the rest is released."""
+    principal = await authenticate(request, *WRITE)
+    svc = service_of(request)
+    now = svc.clock.now()
+
+    def tx(c: Connection) -> rstore.Run:
+        run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
+        if run.status == S.STOPPING:
+            return run
+        if run.status in TERMINAL:
+            check_transition(run.status, S.CANCELED, run_id=run_id)
+        held = run.status in (S.RUNNING, S.WRITING_OUTPUTS)
+        if held or (run.status == S.BLOCKED and run.blocked_reason == BlockedReason.PAYMENT):
+            # A worker finishes it: in-flight calls land, outputs are written, usage settled.
+            lease = {} if held else {"lease_owner": None, "lease_expires_at": None}
+            rstore.update_run(c, run_id, now, status=S.STOPPING, **lease)
+        else:
+            if run.reservation_id is not None:
+                res = ledger.release(c, run.reservation_id, now)
+                activity.record(
+                    c,
+                    run.org_id,
+                    "release",
+                    now,
+                    ref=run.id,
+                    reservation_id=res.id,
+                    amount=res.amount,
+                    detail={"reason": "canceled"},
+                )
+            rstore.cancel_pending(c, run_id, now)
+            rstore.update_run(
+                c,
+                run_id,
+                now,
+                status=S.CANCELED,
+                blocked_reason=None,
+                charge=0 if run.reservation_id else None,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+        return rstore.load_run(c, run_id)
+
+    run = await svc.db.run(tx)
+    worker.notify(svc)
+    return json_response(run_json(run))
+
+
+@router.get(BASE + "/{run_id}/failures")
+async def list_failures(request: Request, project_id: str, run_id: str) -> JSONResponse:
+    """Rows that failed, and rows left ``uncertain`` by a worker that died mid-call."""
+    principal = await authenticate(request, *READ)
+    svc = service_of(request)
+    cursor = request.query_params.get("cursor") or None
+    if cursor is not None and not cursor.isdigit():
+        raise InvalidRequest("cursor is not one this API gave out", param="cursor")
+    raw_limit = request.query_params.get("limit", "100")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
+        raise InvalidRequest("limit must be an integer from 1 to 1000", param="limit")
+    limit = int(raw_limit)
+
+    def tx(c: Connection) -> list[dict[str, Any]]:
+        rstore.get_run(c, principal.org_id, run_id, project_id)
+        return rstore.list_failures(
+            c, run_id, after=int(cursor) if cursor else None, limit=limit + 1
+        )
+
+    rows = await svc.db.run(tx, readonly=True)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    for r in rows:
+        r["updatedAt"] = isoformat(r["updatedAt"]) if r["updatedAt"] else None
+    return json_response(
+        {
+            "data": rows,
+            "hasMore": more,
+            "nextCursor": str(rows[-1]["rowId"]) if more else None,
+        }
+    )
