@@ -32,6 +32,7 @@ from batchyard.client.types import (
     DecideResponse,
     Decision,
     EstimateResponse,
+    KeepWarm,
     Model,
     ModelList,
 )
@@ -114,6 +115,9 @@ class AsyncClient:
                 cause: BaseException | None = exc
             else:
                 if response.is_success:
+                    if paced:
+                        assert self.pacer is not None
+                        self.pacer.answered()
                     return response
                 error, cause = error_from_response(response), None
             delay = self.retry.delay(attempt, error)
@@ -133,7 +137,12 @@ class AsyncClient:
             )
             if paced and error.status == 429:
                 assert self.pacer is not None
-                self.pacer.push_back(delay)  # the next pacer.wait() does the waiting
+                # The next pacer.wait() does the waiting. A wait under half a
+                # slot is timing noise (the server's own work before its limit
+                # check varies by milliseconds), not a sign that someone else
+                # shares the limit: hold the pace, but do not slow it down.
+                noise = delay < self.pacer.interval(call.tokens) / 2
+                self.pacer.push_back(delay, slow=not noise)
             else:
                 await self._clock.sleep(delay)
 
@@ -198,9 +207,9 @@ class AsyncClient:
 
     async def keep_warm(
         self, model_id: str, minutes: int = 30, *, idempotency_key: str | None = None
-    ) -> dict[str, Any]:
+    ) -> KeepWarm:
         call = calls.keep_warm(model_id, minutes, idempotency_key)
-        return cast(dict[str, Any], await self.send(call))
+        return cast(KeepWarm, await self.send(call))
 
     async def chat_completion(
         self,

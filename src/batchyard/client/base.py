@@ -152,8 +152,13 @@ def error_from_response(response: httpx.Response) -> BatchyardError:
             retry_after=retry_after,
         )
     code: str = err["code"]
-    if retry_after is None and isinstance(err.get("retry_after"), int | float):
-        retry_after = float(err["retry_after"])
+    exact = err.get("retry_after")
+    if isinstance(exact, int | float) and not isinstance(exact, bool) and math.isfinite(exact):
+        # The header is rounded up to whole seconds (at least 1); the body keeps
+        # the limiter's own figure. Under a limit of 1,200 a minute the next slot
+        # is 50 ms away, so waiting the header's full second would idle twenty
+        # slots for every 429.
+        retry_after = max(0.0, float(exact))
     known = {"code", "message", "retryable", "param", "retry_after"}
     details = {k: v for k, v in err.items() if k not in known}
     cls = error_class_for_code(code)

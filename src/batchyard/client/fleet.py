@@ -8,6 +8,11 @@ leaves, so the rate is the same with 2 workers or 50.
 An error that would fail every remaining text alike (a bad key, no credit,
 an unknown model, the gateway gone) stops the run instead of being written
 once per text: those texts stay unsent and the next run sends them.
+
+A 429 that outlasts the SDK's retries is not a failure of the text either: it
+says "not yet". Such a job goes back into the queue, behind the pacer's
+push-back, up to ``RATE_LIMITED_REQUEUES`` times, rather than being written
+to the errors file and waiting for a ``--retry-failed`` run.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +33,7 @@ from batchyard.errors import BatchyardError, Forbidden
 __all__ = [
     "DEFAULT_RPM",
     "FATAL_CODES",
+    "RATE_LIMITED_REQUEUES",
     "Job",
     "Pace",
     "RunAborted",
@@ -38,6 +45,8 @@ __all__ = [
 DEFAULT_RPM = 30
 #: Enough workers to keep the pace with answers this many seconds slow.
 _LATENCY_ALLOWANCE_S = 4.0
+#: How often one text may go back into the queue after 429s past the SDK's retries.
+RATE_LIMITED_REQUEUES = 5
 
 FATAL_CODES = frozenset(
     {
@@ -129,11 +138,18 @@ async def send_all(
     """Send every job under one shared pace; ``on_result`` sees each outcome once."""
     pacer = Pacer(pace.rpm, pace.tpm, clock=clock)
     paced = client.with_pacer(pacer)
-    queue = iter(jobs)
+    fresh = iter(jobs)
+    again: deque[Job] = deque()
+    requeued: Counter[str] = Counter()
     fatal: list[BatchyardError] = []
 
+    def next_job() -> Job | None:
+        if again:
+            return again.popleft()
+        return next(fresh, None)
+
     async def worker() -> None:
-        for job in queue:
+        while (job := next_job()) is not None:
             if fatal:
                 return
             try:
@@ -151,6 +167,14 @@ async def send_all(
                 if exc.code in FATAL_CODES:
                     fatal.append(exc)
                     return
+                if (
+                    exc.status == 429
+                    and exc.retryable
+                    and requeued[job.key] < RATE_LIMITED_REQUEUES
+                ):
+                    requeued[job.key] += 1
+                    again.append(job)  # the pacer already holds everyone back
+                    continue
                 answer, error = None, exc
             on_result(job, answer, error)
 

@@ -45,8 +45,13 @@ class Pacer:
     ``headroom`` aims a little under the limit (99% by default) so the small
     jitter of real networks does not land two requests inside one interval of
     the server's limiter. Each 429 also slows the pace by ``slow_down`` (up to
-    twice the planned interval), because a 429 under a correct pace means
-    someone else (another key of the organisation) shares the limit.
+    twice the planned interval), because a 429 under a correct pace may mean
+    someone else (another key of the organisation) shares the limit. Each
+    answer eases it back by ``slow_down ** (1 / recover_after)``: a 429 that
+    was only a request landing a few milliseconds early (the server's own
+    processing time varies) must not slow the rest of a long run for good,
+    while a limit truly shared settles where a 429 comes about once per
+    ``recover_after`` answers.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class Pacer:
         *,
         headroom: float = 0.99,
         slow_down: float = 1.02,
+        recover_after: int = 20,
         clock: PaceClock | None = None,
     ) -> None:
         if rpm <= 0:
@@ -67,6 +73,7 @@ class Pacer:
         self._token_interval = 60.0 / (tpm * headroom) if tpm else 0.0
         self._factor = 1.0
         self._slow_down = slow_down
+        self._ease = slow_down ** (1.0 / max(1, recover_after))
         self._next_at: float | None = None
         self._blocked_until = float("-inf")
         self.push_backs = 0
@@ -95,10 +102,19 @@ class Pacer:
             if self.clock.time() >= self._blocked_until:
                 return
 
-    def push_back(self, seconds: float) -> None:
-        """A 429 said to wait ``seconds``: nobody sends before then."""
+    def push_back(self, seconds: float, *, slow: bool = True) -> None:
+        """A 429 said to wait ``seconds``: nobody sends before then.
+
+        ``slow=False`` holds the pace without slowing it, for a 429 that only
+        says a request landed a moment early (see ``AsyncClient.send_raw``).
+        """
         self.push_backs += 1
         until = self.clock.time() + max(0.0, seconds)
         self._blocked_until = max(self._blocked_until, until)
         self._next_at = max(self._next_at or until, until)
-        self._factor = min(2.0, self._factor * self._slow_down)
+        if slow:
+            self._factor = min(2.0, self._factor * self._slow_down)
+
+    def answered(self) -> None:
+        """A paced request went through: ease a slow-down from earlier 429s."""
+        self._factor = max(1.0, self._factor / self._ease)

@@ -36,6 +36,7 @@ from batchyard.client.types import (
     DecideResponse,
     Decision,
     EstimateResponse,
+    KeepWarm,
     Model,
     ModelList,
 )
@@ -177,9 +178,9 @@ class Client:
 
     def keep_warm(
         self, model_id: str, minutes: int = 30, *, idempotency_key: str | None = None
-    ) -> dict[str, Any]:
+    ) -> KeepWarm:
         call = calls.keep_warm(model_id, minutes, idempotency_key)
-        return cast(dict[str, Any], self.send(call))
+        return cast(KeepWarm, self.send(call))
 
     def chat_completion(
         self,

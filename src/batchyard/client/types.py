@@ -22,10 +22,12 @@ __all__ = [
     "EffectiveLimits",
     "EstimateResponse",
     "Fallback",
+    "KeepWarm",
     "Model",
     "ModelList",
     "Outcome",
     "Usage",
+    "Warmth",
 ]
 
 
@@ -93,12 +95,18 @@ class EffectiveLimits(TypedDict, total=False):
     estimate_tokens_per_minute: int
 
 
+class AutoTopUp(TypedDict):
+    threshold: str
+    amount: str
+
+
 class Account(TypedDict):
     organization: Organization
     tier: int
     credit: Credit
     effective_limits: EffectiveLimits
     zero_data_retention: bool
+    auto_top_up: NotRequired[AutoTopUp | None]
 
 
 class Pricing(TypedDict):
@@ -106,15 +114,33 @@ class Pricing(TypedDict):
     output_per_mtok: str
 
 
+class Warmth(TypedDict):
+    """A fine-tuned version's load state; ``until`` is when it goes cold if unused."""
+
+    state: Literal["cold", "loading", "warm"]
+    until: str | None
+    last_load_seconds: float | None
+
+
 class Model(TypedDict):
     id: str
+    object: NotRequired[Literal["model"]]
     type: Literal["base", "version"]
     base_model: str | None
     modality: list[str]
     context_window: int
+    max_output_tokens: NotRequired[int]
     pricing: Pricing
     available: bool
-    warm: bool | None
+    #: None for base models, which are always served.
+    warm: Warmth | None
+    description: NotRequired[str | None]
+
+
+class KeepWarm(TypedDict):
+    id: str
+    object: Literal["model"]
+    warm: Warmth
 
 
 class ModelList(TypedDict):
