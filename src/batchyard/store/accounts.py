@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, bindparam, insert, select, update
 
 from batchyard.core.accounts import (
     ApiKey,
@@ -144,22 +144,26 @@ def key_is_active(conn: Connection, key_id: str) -> bool:
     return row is not None and row.revoked_at is None
 
 
+# Built once: every request authenticates.
+_PRINCIPAL = (
+    select(
+        api_keys.c.id,
+        api_keys.c.scope,
+        api_keys.c.revoked_at,
+        api_keys.c.key_hash,
+        organisations.c.id.label("org_id"),
+        organisations.c.name,
+        organisations.c.tier,
+        organisations.c.zero_data_retention,
+    )
+    .join(organisations, organisations.c.id == api_keys.c.org_id)
+    .where(api_keys.c.key_hash == bindparam("k_hash"))
+)
+
+
 def authenticate(conn: Connection, secret: str) -> Principal | None:
     """The principal behind a presented key, or None (unknown or revoked)."""
-    row = conn.execute(
-        select(
-            api_keys.c.id,
-            api_keys.c.scope,
-            api_keys.c.revoked_at,
-            api_keys.c.key_hash,
-            organisations.c.id.label("org_id"),
-            organisations.c.name,
-            organisations.c.tier,
-            organisations.c.zero_data_retention,
-        )
-        .join(organisations, organisations.c.id == api_keys.c.org_id)
-        .where(api_keys.c.key_hash == hash_key(secret))
-    ).first()
+    row = conn.execute(_PRINCIPAL, {"k_hash": hash_key(secret)}).first()
     if row is None or row.revoked_at is not None:
         return None
     if not keys_match(row.key_hash, secret):

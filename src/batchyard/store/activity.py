@@ -18,6 +18,9 @@ from batchyard.store.tables import activity
 
 __all__ = ["list_activity", "record"]
 
+# Built once: recording runs on every charge (see store.ledger's note).
+_INSERT = insert(activity)
+
 
 def record(
     conn: Connection,
@@ -32,16 +35,17 @@ def record(
 ) -> str:
     act_id = new_id("act", now)
     conn.execute(
-        insert(activity).values(
-            id=act_id,
-            org_id=org_id,
-            kind=kind,
-            ref=ref,
-            reservation_id=reservation_id,
-            amount=amount,
-            detail=json.dumps(detail) if detail else None,
-            created_at=now,
-        )
+        _INSERT,
+        {
+            "id": act_id,
+            "org_id": org_id,
+            "kind": kind,
+            "ref": ref,
+            "reservation_id": reservation_id,
+            "amount": amount,
+            "detail": json.dumps(detail) if detail else None,
+            "created_at": now,
+        },
     )
     return act_id
 

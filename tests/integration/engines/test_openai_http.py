@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
+import aiohttp
 import httpx
 import pytest
 
@@ -173,12 +174,12 @@ async def test_malformed_bodies(up: FakeUpstream, engine: OpenAIHttpEngine, kind
     assert caught.value.code == "upstream_malformed"
 
 
-async def test_injected_client_is_used_and_left_open(up: FakeUpstream) -> None:
-    async with httpx.AsyncClient() as client:
-        eng = OpenAIHttpEngine(up.base_url, "k", client=client)
+async def test_injected_session_is_used_and_left_open(up: FakeUpstream) -> None:
+    async with aiohttp.ClientSession() as session:
+        eng = OpenAIHttpEngine(up.base_url, "k", session=session)
         assert (await eng.complete(request())).text == "echo: hello there"
         await eng.aclose()
-        assert not client.is_closed
+        assert not session.closed
     assert up.last_headers["authorization"] == "Bearer k"
 
 
