@@ -47,6 +47,9 @@ test: check
 
 bench: install
 	$(BIN)/python bench/dispatch.py
+	$(BIN)/python bench/pacing.py
+	$(BIN)/python bench/runs.py
+	$(BIN)/python bench/market.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
