@@ -31,6 +31,7 @@ from batchyard.core.clock import isoformat
 from batchyard.core.runs import prompt_messages
 from batchyard.errors import InvalidRequest, NotFound, PayloadTooLarge
 from batchyard.store import projects as store
+from batchyard.store import row_versions
 
 __all__ = ["dataset_json", "router"]
 
@@ -312,6 +313,6 @@ async def patch_row(
         if ds.kind == "chat-sft":
             merged = {**store.get_row(c, dataset_id, int(row_id)).data, **changes}
             _check_row(merged, ds.kind, "data")
-        return store.patch_row(c, dataset_id, int(row_id), changes, now)
+        return row_versions.patch_row(c, dataset_id, int(row_id), changes, now)
 
     return json_response(row_json(await svc.db.run(tx)))

@@ -1,9 +1,10 @@
-"""Projects, datasets and their versioned rows.
+"""Projects, datasets and their versioned rows: the tables, and reading rows.
 
 Rows are never edited in place: an edit (or a run writing its completions into
-a field) adds a new version and marks it current. A run records the
-``(row id, version)`` pairs it quoted, so it answers exactly the text it
-priced, whatever happens to the dataset after the quote.
+a field) adds a new version and marks it current (``store.row_versions``
+writes those). A run records the ``(row id, version)`` pairs it quoted, so it
+answers exactly the text it priced, whatever happens to the dataset after the
+quote.
 
 Every lookup takes the caller's organisation: an ID of another organisation is
 "not found", so the API never confirms that someone else's object exists.
@@ -27,8 +28,6 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    and_,
-    bindparam,
     delete,
     insert,
     select,
@@ -56,11 +55,9 @@ __all__ = [
     "get_project",
     "get_row",
     "list_rows",
-    "patch_row",
     "projects",
     "rows_at",
     "set_fields",
-    "write_field",
 ]
 
 MAX_FIELDS = 500
@@ -328,79 +325,3 @@ def rows_at(
         tuple_(dataset_rows.c.row_id, dataset_rows.c.version).in_(list(refs)),
     )
     return {r[0]: json.loads(r[1]) for r in conn.execute(q)}
-
-
-def _new_versions(
-    conn: Connection, dataset_id: str, changes: dict[int, dict[str, Any]], now: datetime
-) -> dict[int, Row]:
-    """Write the current data of rows with ``changes`` merged in, as new versions."""
-    if not changes:
-        return {}
-    current = conn.execute(
-        select(dataset_rows.c.row_id, dataset_rows.c.version, dataset_rows.c.data).where(
-            dataset_rows.c.dataset_id == dataset_id,
-            dataset_rows.c.current.is_(True),
-            dataset_rows.c.row_id.in_(list(changes)),
-        )
-    ).all()
-    out: dict[int, Row] = {}
-    for row_id, version, text in current:
-        data = json.loads(text)
-        for key, value in changes[row_id].items():
-            if value is None:
-                data.pop(key, None)
-            else:
-                data[key] = value
-        out[row_id] = Row(row_id, version + 1, data, now)
-    conn.execute(
-        update(dataset_rows)
-        .where(
-            and_(
-                dataset_rows.c.dataset_id == dataset_id,
-                dataset_rows.c.row_id == bindparam("rid"),
-                dataset_rows.c.version == bindparam("ver"),
-            )
-        )
-        .values(current=False),
-        [{"rid": r.id, "ver": r.version - 1} for r in out.values()],
-    )
-    conn.execute(
-        insert(dataset_rows),
-        [
-            {
-                "dataset_id": dataset_id,
-                "row_id": r.id,
-                "version": r.version,
-                "current": True,
-                "data": _dumps(r.data),
-                "created_at": now,
-            }
-            for r in out.values()
-        ],
-    )
-    return out
-
-
-def patch_row(
-    conn: Connection,
-    dataset_id: str,
-    row_id: int,
-    changes: dict[str, Any],
-    now: datetime,
-) -> Row:
-    """Merge ``changes`` into a row as a new version (a ``null`` value removes the field)."""
-    get_row(conn, dataset_id, row_id)
-    row = _new_versions(conn, dataset_id, {row_id: changes}, now)[row_id]
-    set_fields(conn, dataset_id, [k for k, v in changes.items() if v is not None], now)
-    conn.execute(update(datasets).where(datasets.c.id == dataset_id).values(updated_at=now))
-    return row
-
-
-def write_field(
-    conn: Connection, dataset_id: str, field: str, values: dict[int, Any], now: datetime
-) -> int:
-    """Set ``field`` on many rows at once (a run's completions), each as a new version."""
-    written = _new_versions(conn, dataset_id, {k: {field: v} for k, v in values.items()}, now)
-    if written:
-        set_fields(conn, dataset_id, [field], now)
-    return len(written)

@@ -1,0 +1,316 @@
+"""A run's rows (work items): frozen at the quote, claimed, answered, written.
+
+A row is frozen as ``(row id, version)`` when the run is quoted, so the run
+answers exactly the text it priced. Its state moves ``pending`` →
+``dispatched`` → ``succeeded`` | ``failed``; a row whose call was in flight
+when its worker died becomes ``uncertain`` and is never sent again. Each
+change to the rows updates the run's counters in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
+
+from batchyard.core.runs import ItemState
+from batchyard.store.projects import dataset_rows as dr
+from batchyard.store.runs import run_items, runs
+
+__all__ = [
+    "ItemResult",
+    "WorkItem",
+    "add_items",
+    "cancel_pending",
+    "claim_items",
+    "clear_items",
+    "list_failures",
+    "mark_uncertain",
+    "mark_written",
+    "record_results",
+    "recount",
+    "succeeded_unwritten",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    row_id: int
+    version: int
+    input_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """What one row's call came to; ``state`` is succeeded or failed."""
+
+    row_id: int
+    state: str
+    outputs: list[str] | None = None
+    usage_input: int = 0
+    usage_output: int = 0
+    charge: int = 0
+    error: dict[str, Any] | None = None
+
+
+def clear_items(conn: Connection, run_id: str) -> None:
+    """Forget a half-prepared quote's rows, so a new preparation starts clean."""
+    conn.execute(delete(run_items).where(run_items.c.run_id == run_id))
+
+
+def add_items(
+    conn: Connection, run_id: str, items: Sequence[tuple[int, int, int, str, str | None]]
+) -> None:
+    """Freeze rows into a run: ``(row id, version, input tokens, state, error JSON)``."""
+    if items:
+        conn.execute(
+            insert(run_items),
+            [
+                {
+                    "run_id": run_id,
+                    "row_id": r,
+                    "version": v,
+                    "input_tokens": t,
+                    "state": s,
+                    "error": e,
+                    "written": False,
+                }
+                for r, v, t, s, e in items
+            ],
+        )
+
+
+def claim_items(
+    conn: Connection, run_id: str, dataset_id: str, n: int, now: datetime
+) -> list[tuple[WorkItem, dict[str, Any] | None]]:
+    """Mark up to ``n`` pending rows dispatched, with their frozen data; lowest IDs first."""
+    if n <= 0:
+        return []
+    rows = conn.execute(
+        select(run_items.c.row_id, run_items.c.version, run_items.c.input_tokens, dr.c.data)
+        .select_from(
+            run_items.outerjoin(
+                dr,
+                and_(
+                    dr.c.dataset_id == dataset_id,
+                    dr.c.row_id == run_items.c.row_id,
+                    dr.c.version == run_items.c.version,
+                ),
+            )
+        )
+        .where(run_items.c.run_id == run_id, run_items.c.state == ItemState.PENDING)
+        .order_by(run_items.c.row_id)
+        .limit(n)
+    ).all()
+    if rows:
+        conn.execute(
+            update(run_items)
+            .where(
+                run_items.c.run_id == run_id,
+                run_items.c.state == ItemState.PENDING,
+                run_items.c.row_id.in_([r[0] for r in rows]),
+            )
+            .values(state=ItemState.DISPATCHED, updated_at=now)
+        )
+    return [
+        (WorkItem(r[0], r[1], r[2]), json.loads(r[3]) if r[3] is not None else None) for r in rows
+    ]
+
+
+def record_results(
+    conn: Connection, run_id: str, results: Sequence[ItemResult], now: datetime
+) -> None:
+    """Write finished rows and their usage, and add them to the run's counters.
+
+    Only rows still ``dispatched`` are written, so a row is recorded (and its
+    usage counted) once, even if a result arrives after a takeover.
+    """
+    if not results:
+        return
+    params = [
+        {
+            "rid": r.row_id,
+            "st": r.state,
+            "out": json.dumps(r.outputs, ensure_ascii=False) if r.outputs is not None else None,
+            "ui": r.usage_input,
+            "uo": r.usage_output,
+            "ch": r.charge,
+            "err": json.dumps(r.error) if r.error else None,
+            "now": now,
+        }
+        for r in results
+    ]
+    conn.execute(
+        update(run_items)
+        .where(
+            and_(
+                run_items.c.run_id == run_id,
+                run_items.c.row_id == bindparam("rid"),
+                run_items.c.state == ItemState.DISPATCHED,
+            )
+        )
+        .values(
+            state=bindparam("st"),
+            outputs=bindparam("out"),
+            usage_input=bindparam("ui"),
+            usage_output=bindparam("uo"),
+            charge=bindparam("ch"),
+            error=bindparam("err"),
+            updated_at=bindparam("now"),
+        ),
+        params,
+    )
+    ok = [r for r in results if r.state == ItemState.SUCCEEDED]
+    conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id)
+        .values(
+            rows_done=runs.c.rows_done + len(ok),
+            rows_failed=runs.c.rows_failed + (len(results) - len(ok)),
+            input_tokens=runs.c.input_tokens + sum(r.usage_input for r in ok),
+            output_tokens=runs.c.output_tokens + sum(r.usage_output for r in ok),
+            charge_accum=runs.c.charge_accum + sum(r.charge for r in ok),
+            updated_at=now,
+        )
+    )
+
+
+def _set_state(
+    conn: Connection, run_id: str, old: str, new: str, now: datetime, error: str | None = None
+) -> list[int]:
+    ids = [
+        r[0]
+        for r in conn.execute(
+            select(run_items.c.row_id).where(run_items.c.run_id == run_id, run_items.c.state == old)
+        )
+    ]
+    if ids:
+        conn.execute(
+            update(run_items)
+            .where(run_items.c.run_id == run_id, run_items.c.state == old)
+            .values(state=new, updated_at=now, error=error)
+        )
+    return ids
+
+
+def mark_uncertain(conn: Connection, run_id: str, now: datetime) -> list[int]:
+    """Rows whose call was in flight when their worker died: never sent again."""
+    error = json.dumps(
+        {
+            "code": "uncertain",
+            "message": "the worker stopped while this row's call was in flight; it may have "
+            "been answered upstream, so it was not sent again",
+        }
+    )
+    return _set_state(conn, run_id, ItemState.DISPATCHED, ItemState.UNCERTAIN, now, error)
+
+
+def cancel_pending(conn: Connection, run_id: str, now: datetime) -> list[int]:
+    return _set_state(conn, run_id, ItemState.PENDING, ItemState.CANCELED, now)
+
+
+def recount(conn: Connection, run_id: str, now: datetime) -> None:
+    """Re-derive the run's counters from its rows (after a takeover or a stop)."""
+    counts: dict[str, int] = {}
+    tokens_in = tokens_out = charge = 0
+    for state, n, ui, uo, ch in conn.execute(
+        select(
+            run_items.c.state,
+            func.count(),
+            func.sum(run_items.c.usage_input),
+            func.sum(run_items.c.usage_output),
+            func.sum(run_items.c.charge),
+        )
+        .where(run_items.c.run_id == run_id)
+        .group_by(run_items.c.state)
+    ):
+        counts[state] = int(n)
+        if state == ItemState.SUCCEEDED:
+            tokens_in, tokens_out, charge = int(ui or 0), int(uo or 0), int(ch or 0)
+    conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id)
+        .values(
+            rows_total=sum(counts.values()),
+            rows_done=counts.get(ItemState.SUCCEEDED, 0),
+            rows_failed=counts.get(ItemState.FAILED, 0) + counts.get(ItemState.UNCERTAIN, 0),
+            rows_uncertain=counts.get(ItemState.UNCERTAIN, 0),
+            rows_canceled=counts.get(ItemState.CANCELED, 0),
+            input_tokens=tokens_in,
+            output_tokens=tokens_out,
+            charge_accum=charge,
+            updated_at=now,
+        )
+    )
+
+
+def succeeded_unwritten(
+    conn: Connection, run_id: str, limit: int
+) -> list[tuple[int, int, list[str]]]:
+    """Answered rows whose completions are not written yet: ``(row, version, outputs)``."""
+    rows = conn.execute(
+        select(run_items.c.row_id, run_items.c.version, run_items.c.outputs)
+        .where(
+            run_items.c.run_id == run_id,
+            run_items.c.state == ItemState.SUCCEEDED,
+            run_items.c.written.is_(False),
+        )
+        .order_by(run_items.c.row_id)
+        .limit(limit)
+    ).all()
+    return [(r[0], r[1], json.loads(r[2]) if r[2] else []) for r in rows]
+
+
+def mark_written(conn: Connection, run_id: str, row_ids: Sequence[int], now: datetime) -> None:
+    if row_ids:
+        conn.execute(
+            update(run_items)
+            .where(run_items.c.run_id == run_id, run_items.c.row_id.in_(list(row_ids)))
+            .values(written=True)
+        )
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id)
+            .values(outputs_written=runs.c.outputs_written + len(row_ids), updated_at=now)
+        )
+
+
+def list_failures(
+    conn: Connection, run_id: str, *, after: int | None = None, limit: int = 100
+) -> list[dict[str, Any]]:
+    """Rows that failed or are uncertain, by row ID."""
+    q = select(
+        run_items.c.row_id,
+        run_items.c.version,
+        run_items.c.state,
+        run_items.c.error,
+        run_items.c.updated_at,
+    ).where(
+        run_items.c.run_id == run_id,
+        run_items.c.state.in_([ItemState.FAILED, ItemState.UNCERTAIN]),
+    )
+    if after is not None:
+        q = q.where(run_items.c.row_id > after)
+    return [
+        {
+            "rowId": r.row_id,
+            "version": r.version,
+            "state": r.state,
+            "error": json.loads(r.error) if r.error else None,
+            "updatedAt": r.updated_at,
+        }
+        for r in conn.execute(q.order_by(run_items.c.row_id).limit(limit))
+    ]

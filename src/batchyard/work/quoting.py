@@ -1,0 +1,212 @@
+"""Preparing a run's quote: freezing the selected rows and counting their tokens.
+
+A *preparing* run is quoted by the worker that claimed it: the rows the
+filter selects are frozen as ``(row id, version)`` work items and counted
+with the model's tokenizer, in batches, on a thread (counting is CPU work and
+the event loop keeps serving). Each batch is saved with a lease renewal, so a
+worker that lost the run stops writing to it; a row whose prompt cannot fit
+the model's context window is frozen as failed rather than quoted. The run
+then waits in ``awaiting_confirmation`` with the quote's price and expiry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection
+
+from batchyard.core.clock import isoformat
+from batchyard.core.filters import compile_filter
+from batchyard.core.money import quote_ticks
+from batchyard.core.runs import (
+    ItemState,
+    RunSettings,
+    RunStatus,
+    prompt_messages,
+    prompt_text,
+    resolve_model,
+)
+from batchyard.errors import BatchyardError
+from batchyard.store import projects as pstore
+from batchyard.store import work_items
+from batchyard.store.runs import Run, update_run
+from batchyard.work.dispatcher import Price
+
+if TYPE_CHECKING:
+    from batchyard.service import Service
+
+__all__ = ["QuotePreparer"]
+
+log = logging.getLogger("batchyard.runs")
+S = RunStatus
+
+
+class QuotePreparer:
+    """Quotes the preparing runs one worker holds (under its ``owner`` lease)."""
+
+    def __init__(
+        self,
+        service: Service,
+        *,
+        owner: str,
+        settings: RunSettings,
+        lease_until: Callable[[], datetime],
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.svc = service
+        self.owner = owner
+        self.settings = settings
+        self._lease_until = lease_until
+        # Whether the worker's loop stopped: a quote on a thread then gives up.
+        self._stopping = stopping
+
+    def prepare(self, run: Run) -> None:
+        """Freeze and count the selected rows in batches (runs on a thread)."""
+        db, clock, spec = self.svc.db, self.svc.clock, run.spec
+        try:
+            model, _, _ = resolve_model(self.svc.catalog, spec["model"])
+        except BatchyardError as exc:
+            self._fail(run, exc.code, exc.message)
+            return
+        tok = self.svc.tokenizer(model)
+        keep = compile_filter(spec.get("filter"))
+        source = spec["input"]
+        max_out = int(spec["sampling"]["maxOutputTokens"])
+        by_field = source.get("type") == "field"
+        field = str(source.get("field"))
+        # A text field is sent as one user message: the template's tokens are
+        # the same for every row, so count them once (never fewer than the
+        # template renders: BPE merges across the seam can only save tokens).
+        wrap = tok.count_messages([{"role": "user", "content": ""}]) if by_field else 0
+        db.run_sync(lambda c: work_items.clear_items(c, run.id))
+        after, rows, tokens = 0, 0, 0
+        too_long = json.dumps(
+            {
+                "code": "context_window_exceeded",
+                "message": (
+                    f"the prompt and maxOutputTokens exceed the {model.context_window}-token "
+                    f"context window of {model.id}"
+                ),
+            }
+        )
+        while True:
+
+            def scan(c: Connection, a: int = after) -> list[tuple[int, int, str]]:
+                return pstore.current_rows(
+                    c, run.dataset_id, after=a, limit=self.settings.prepare_batch
+                )
+
+            batch = db.run_sync(scan, readonly=True)
+            if not batch or self._stopping():
+                break
+            after = batch[-1][0]
+            refs: list[tuple[int, int]] = []
+            texts: list[str] = []
+            counts: list[int] = []
+            for row_id, version, raw in batch:
+                data = json.loads(raw)
+                if not keep(data):
+                    continue
+                if by_field:
+                    text = prompt_text(data, field)
+                    if text is not None:
+                        refs.append((row_id, version))
+                        texts.append(text)
+                else:
+                    messages = prompt_messages(data, source)
+                    if messages is not None:
+                        refs.append((row_id, version))
+                        counts.append(tok.count_messages(messages))
+            if by_field:
+                counts = [n + wrap for n in tok.count_batch(texts)]
+            items: list[tuple[int, int, int, str, str | None]] = []
+            for (row_id, version), n in zip(refs, counts, strict=True):
+                if n + max_out > model.context_window:
+                    items.append((row_id, version, n, ItemState.FAILED, too_long))
+                else:
+                    items.append((row_id, version, n, ItemState.PENDING, None))
+                    rows += 1
+                    tokens += n
+            until = self._lease_until()
+
+            def save(c: Connection, items: list[Any] = items, until: Any = until) -> bool:
+                now = clock.now()
+                if not update_run(
+                    c,
+                    run.id,
+                    now,
+                    expect=[S.PREPARING],
+                    owner=self.owner,
+                    lease_expires_at=until,
+                ):
+                    return False
+                work_items.add_items(c, run.id, items)
+                return True
+
+            if not db.run_sync(save):
+                log.info("quote abandoned", extra={"run_id": run.id})
+                return
+        if self._stopping():
+            return
+        if rows == 0:
+            self._fail(
+                run,
+                "filter_matches_no_rows",
+                "no row of the dataset matches the filter with a prompt to send",
+            )
+            return
+        samples = int(spec["sampling"]["samplesPerRow"])
+        out_tokens = rows * max_out * samples
+        cost = quote_ticks(
+            Price(model.input_per_mtok, model.output_per_mtok).cost(tokens, out_tokens)
+        )
+
+        def finish(c: Connection) -> None:
+            now = clock.now()
+            work_items.recount(c, run.id, now)
+            update_run(
+                c,
+                run.id,
+                now,
+                expect=[S.PREPARING],
+                owner=self.owner,
+                status=S.AWAITING_CONFIRMATION,
+                quote_rows=rows,
+                quote_input_tokens=tokens,
+                quote_max_output_tokens=out_tokens,
+                quote_max_cost=cost,
+                quote_expires_at=now + self.settings.quote_ttl,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+
+        db.run_sync(finish)
+        log.info(
+            "quote ready",
+            extra={
+                "run_id": run.id,
+                "rows": rows,
+                "input_tokens": tokens,
+                "expires": isoformat(clock.now() + self.settings.quote_ttl),
+            },
+        )
+
+    def _fail(self, run: Run, code: str, message: str) -> None:
+        def tx(c: Connection) -> None:
+            update_run(
+                c,
+                run.id,
+                self.svc.clock.now(),
+                expect=[S.PREPARING],
+                owner=self.owner,
+                status=S.FAILED,
+                error={"code": code, "message": message},
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+
+        self.svc.db.run_sync(tx)

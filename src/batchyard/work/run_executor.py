@@ -1,0 +1,352 @@
+"""Executing a queued run: answering its rows, then writing outputs and settling.
+
+Rows are dispatched concurrently (the embedded engine's pool of contexts, or
+the route's concurrency) through ``dispatcher.call``, which paces each route
+by its limits. Finished rows are written with their usage in the same
+transaction that marks them succeeded, batched with the next claim and the
+lease renewal, so a fast upstream costs one commit per handful of rows, not
+one per row. A long streak of failures means the route is broken, not the
+rows, and the run stops instead of burning through every row.
+
+The run's one reservation pays for every row; it is settled once, at the end,
+with the sum of the rows' charges. A settlement that fails leaves the run
+``blocked`` on ``payment``, and a worker retries it later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection
+
+from batchyard.core.catalog import RouteSpec
+from batchyard.core.money import charge_ticks, quote_ticks
+from batchyard.core.runs import (
+    BlockedReason,
+    ItemState,
+    RunSettings,
+    RunStatus,
+    prompt_messages,
+    resolve_model,
+)
+from batchyard.engines.base import CompletionRequest
+from batchyard.errors import BatchyardError
+from batchyard.store import activity, ledger, work_items
+from batchyard.store.run_leases import heartbeat
+from batchyard.store.runs import Run, load_run, update_run
+from batchyard.store.work_items import ItemResult, WorkItem
+from batchyard.work.dispatcher import Price
+from batchyard.work.run_outputs import write_outputs
+
+if TYPE_CHECKING:
+    from batchyard.service import Service
+
+__all__ = ["RunExecutor"]
+
+log = logging.getLogger("batchyard.runs")
+S = RunStatus
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What every call of one run shares."""
+
+    route: RouteSpec
+    upstream: str
+    price: Price
+    source: dict[str, Any]
+    max_tokens: int
+    samples: int
+    temperature: float | None
+    top_p: float | None
+
+    def row_cap(self, input_tokens: int) -> int:
+        """The most one row may be charged: its own share of the quote."""
+        return quote_ticks(self.price.cost(input_tokens, self.max_tokens * self.samples))
+
+
+def _plan(svc: Service, run: Run) -> _Plan:
+    """Resolve the run's model and sampling once; the model may have left the catalog."""
+    model, route, upstream = resolve_model(svc.catalog, run.spec["model"])
+    sampling = run.spec["sampling"]
+    return _Plan(
+        route=route,
+        upstream=upstream,
+        price=Price(model.input_per_mtok, model.output_per_mtok),
+        source=run.spec["input"],
+        max_tokens=int(sampling["maxOutputTokens"]),
+        samples=int(sampling["samplesPerRow"]),
+        temperature=sampling.get("temperature"),
+        top_p=sampling.get("topP"),
+    )
+
+
+class RunExecutor:
+    """Executes and settles the runs one worker holds (under its ``owner`` lease)."""
+
+    def __init__(
+        self,
+        service: Service,
+        *,
+        owner: str,
+        settings: RunSettings,
+        lease_until: Callable[[], datetime],
+    ) -> None:
+        self.svc = service
+        self.owner = owner
+        self.settings = settings
+        self._lease_until = lease_until
+
+    def _concurrency(self, route: RouteSpec) -> int:
+        if route.concurrency:
+            return route.concurrency
+        if route.engine == "llama_cpp":
+            return max(1, self.svc.settings.embedded_contexts)
+        return self.settings.default_concurrency
+
+    async def _answer(self, plan: _Plan, item: WorkItem, data: dict[str, Any] | None) -> ItemResult:
+        messages = prompt_messages(data or {}, plan.source)
+        if messages is None:
+            return ItemResult(
+                item.row_id,
+                ItemState.FAILED,
+                error={"code": "missing_input", "message": "the frozen row has no prompt"},
+            )
+        request = CompletionRequest(
+            model=plan.upstream,
+            messages=messages,
+            max_tokens=plan.max_tokens,
+            temperature=plan.temperature,
+            top_p=plan.top_p,
+            n=plan.samples,
+        )
+        try:
+            c = await self.svc.dispatcher.call(
+                route=plan.route, request=request, input_tokens=item.input_tokens
+            )
+        except BatchyardError as exc:
+            return ItemResult(
+                item.row_id, ItemState.FAILED, error={"code": exc.code, "message": exc.message}
+            )
+        except Exception as exc:
+            log.exception("row call failed", extra={"row_id": item.row_id})
+            return ItemResult(
+                item.row_id,
+                ItemState.FAILED,
+                error={"code": "internal_error", "message": type(exc).__name__},
+            )
+        charge = charge_ticks(plan.price.cost(c.usage.input_tokens, c.usage.output_tokens))
+        return ItemResult(
+            item.row_id,
+            ItemState.SUCCEEDED,
+            outputs=[ch.text for ch in c.choices][: plan.samples],
+            usage_input=c.usage.input_tokens,
+            usage_output=c.usage.output_tokens,
+            charge=min(charge, plan.row_cap(item.input_tokens)),
+        )
+
+    async def execute(self, run: Run) -> None:
+        """Answer a claimed run's rows (unless it is past that), write its outputs, settle it."""
+        if run.status in (S.RUNNING, S.STOPPING):
+            try:
+                plan = _plan(self.svc, run)
+            except BatchyardError as exc:
+                await self._begin_finish(run.id, error={"code": exc.code, "message": exc.message})
+            else:
+                if not await self._dispatch_rows(run, plan):
+                    return
+        await write_outputs(
+            self.svc,
+            run.id,
+            owner=self.owner,
+            lease_until=self._lease_until,
+            batch_size=self.settings.write_batch,
+        )
+        await self.settle(run.id)
+
+    async def _dispatch_rows(self, run: Run, plan: _Plan) -> bool:
+        """Answer every pending row; ``False`` if the lease was lost on the way.
+
+        Commits are pipelined with the calls: while one transaction records
+        finished rows and claims the next ones, the calls still in flight go
+        on, so the engine's slots stay busy and each commit covers many rows.
+        """
+        width = self._concurrency(plan.route)
+        loop = asyncio.get_running_loop()
+        interval = min(self.settings.heartbeat_s, self.settings.flush_s)
+        flying: dict[asyncio.Task[ItemResult], int] = {}
+        stepping: asyncio.Task[Any] | None = None
+        asked = 0
+        done: list[ItemResult] = []
+        stop = exhausted = False
+        streak, last_step = 0, float("-inf")
+        error: dict[str, Any] | None = None
+        try:
+            while True:
+                idle = stop or exhausted
+                if stepping is None:
+                    due = loop.time() - last_step >= interval
+                    claim = not idle and len(flying) <= width - max(1, width // 4)
+                    if claim or due or (done and not flying):
+                        asked = 0 if idle else width - len(flying)
+                        stepping = asyncio.create_task(self._step(run, done, asked))
+                        done, last_step = [], loop.time()
+                    elif idle and not flying:
+                        break
+                waiting: set[asyncio.Task[Any]] = set(flying)
+                if stepping is not None:
+                    waiting.add(stepping)
+                timeout = max(0.0, last_step + interval - loop.time())
+                finished, _ = await asyncio.wait(
+                    waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in finished:
+                    if task is stepping:
+                        stepping = None
+                        step = task.result()
+                        if step is None:
+                            return False
+                        status, claimed = step
+                        stop = stop or status == S.STOPPING
+                        exhausted = exhausted or (asked > 0 and len(claimed) < asked)
+                        for item, data in claimed:
+                            answer = asyncio.create_task(self._answer(plan, item, data))
+                            flying[answer] = item.row_id
+                        continue
+                    del flying[task]
+                    result = task.result()
+                    done.append(result)
+                    streak = 0 if result.state == ItemState.SUCCEEDED else streak + 1
+                if streak >= self.settings.failure_streak and error is None:
+                    last = done[-1].error if done else None
+                    error = {
+                        "code": "too_many_failures",
+                        "message": f"{streak} rows in a row failed (last: "
+                        f"{(last or {}).get('message')}); the route looks broken, so the run "
+                        "stopped",
+                    }
+                    stop = True
+        finally:
+            for task in flying:
+                task.cancel()
+            if stepping is not None:
+                stepping.cancel()
+        await self._begin_finish(run.id, error=error)
+        return True
+
+    async def _step(
+        self, run: Run, results: list[ItemResult], free: int
+    ) -> tuple[str, list[tuple[WorkItem, dict[str, Any] | None]]] | None:
+        """Record finished rows, renew the lease and claim more: one transaction."""
+        now, until = self.svc.clock.now(), self._lease_until()
+
+        def tx(c: Connection) -> tuple[str, list[Any]] | None:
+            status = heartbeat(c, run.id, self.owner, until)
+            if status is None:
+                return None
+            work_items.record_results(c, run.id, results, now)
+            if status == S.STOPPING:
+                return status, []
+            return status, work_items.claim_items(c, run.id, run.dataset_id, free, now)
+
+        return await asyncio.shield(self.svc.db.run(tx))
+
+    async def _begin_finish(self, run_id: str, *, error: dict[str, Any] | None) -> None:
+        """No more calls: unsent rows are canceled and the outputs get written."""
+        now = self.svc.clock.now()
+
+        def tx(c: Connection) -> None:
+            run = load_run(c, run_id, lock=True)
+            if run.lease_owner != self.owner:
+                return
+            work_items.cancel_pending(c, run_id, now)
+            work_items.recount(c, run_id, now)
+            values: dict[str, Any] = {"outcome": S.FAILED if error else S.COMPLETED}
+            if error:
+                values["error"] = error
+            if run.status == S.RUNNING:
+                values["status"] = S.WRITING_OUTPUTS
+            update_run(c, run_id, now, **values)
+
+        await self.svc.db.run(tx)
+
+    async def settle(self, run_id: str) -> None:
+        """Charge the summed usage against the run's reservation, release the rest, end it."""
+        now = self.svc.clock.now()
+
+        def tx(c: Connection) -> str | None:
+            run = load_run(c, run_id, lock=True)
+            if run.lease_owner != self.owner:
+                return None
+            final = (
+                S.CANCELED
+                if run.status == S.STOPPING or run.outcome == S.CANCELED
+                else (S.FAILED if run.outcome == S.FAILED else S.COMPLETED)
+            )
+            charged = 0
+            if run.reservation_id is not None:
+                res = ledger.get_reservation(c, run.reservation_id, lock=True)
+                if res.state == "held":
+                    settled = ledger.settle(c, run.reservation_id, run.charge_accum, now)
+                    charged = settled.charged or 0
+                    activity.record(
+                        c,
+                        run.org_id,
+                        "charge",
+                        now,
+                        ref=run.id,
+                        reservation_id=run.reservation_id,
+                        amount=charged,
+                        detail={
+                            "purpose": "run",
+                            "model": run.spec["model"].get("id"),
+                            "rows": run.rows_done,
+                            "uncertain": run.rows_uncertain,
+                            "input_tokens": run.input_tokens,
+                            "output_tokens": run.output_tokens,
+                        },
+                    )
+                else:
+                    charged = res.charged or 0
+            update_run(
+                c,
+                run_id,
+                now,
+                status=final,
+                charge=charged,
+                blocked_reason=None,
+                outcome=final,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+            return final
+
+        try:
+            final = await asyncio.shield(self.svc.db.run(tx))
+        except BatchyardError as exc:
+            log.error("run settlement failed", extra={"run_id": run_id, "code": exc.code})
+
+            def block(c: Connection) -> None:
+                run = load_run(c, run_id, lock=True)
+                canceled = run.status == S.STOPPING or run.outcome == S.CANCELED
+                update_run(
+                    c,
+                    run_id,
+                    now,
+                    owner=self.owner,
+                    status=S.BLOCKED,
+                    outcome=S.CANCELED if canceled else run.outcome,
+                    blocked_reason=BlockedReason.PAYMENT,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                )
+
+            await self.svc.db.run(block)
+            return
+        if final:
+            log.info("run finished", extra={"run_id": run_id, "status": final})
