@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,11 +35,13 @@ from batchyard.store import accounts
 from batchyard.store import idempotency as idem_store
 
 __all__ = [
+    "Answer",
     "authenticate",
     "check_tier_limits",
     "idempotent",
     "json_response",
     "read_json",
+    "run_once",
     "service_of",
 ]
 
@@ -130,6 +133,63 @@ async def check_tier_limits(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a call under an Idempotency-Key answered: status and JSON text, perhaps replayed."""
+
+    status: int
+    text: str
+    replayed: bool = False
+
+
+async def run_once(
+    svc: Service,
+    principal: Principal,
+    key: str,
+    fingerprint: str,
+    handler: Callable[[], Awaitable[tuple[int, Any]]],
+) -> Answer:
+    """Run ``handler`` once per (organisation, key), or replay the answer saved for it.
+
+    The rules of every idempotent call, whichever door it came through: a
+    key reused with another body, whose answer expired, or still running is
+    a 409 (raised by ``store.idempotency.begin``); the handler's successes
+    and non-retryable failures are saved until the key expires; retryable
+    failures are not, so a retry runs again; and nothing is saved for an
+    organisation with zero data retention. ``handler`` returns (status,
+    JSON body).
+    """
+    now = svc.clock.now()
+    ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
+    org = principal.org_id
+
+    def claim(conn: Connection) -> idem_rules.SavedResponse | None:
+        return idem_store.begin(conn, org, key, fingerprint, now, ttl)
+
+    saved = await svc.db.write(claim)
+    if saved is not None:
+        return Answer(saved.status_code, saved.body, replayed=True)
+    keep = not principal.zero_data_retention
+    try:
+        status, payload = await handler()
+    except BatchyardError as exc:
+        if exc.retryable or not keep:
+            await svc.db.write(lambda c: idem_store.forget(c, org, key))
+        else:
+            text, failed_status = json.dumps(exc.to_body()), exc.status
+            await svc.db.write(lambda c: idem_store.finish(c, org, key, failed_status, text))
+        raise
+    except BaseException:
+        await svc.db.write(lambda c: idem_store.forget(c, org, key))
+        raise
+    text = json.dumps(payload)
+    if keep:
+        await svc.db.write(lambda c: idem_store.finish(c, org, key, status, text))
+    else:
+        await svc.db.write(lambda c: idem_store.forget(c, org, key))
+    return Answer(status, text)
+
+
 async def idempotent(
     request: Request,
     principal: Principal,
@@ -139,11 +199,9 @@ async def idempotent(
     min_len: int = 1,
     required: bool = False,
 ) -> Response:
-    """Run ``handler`` once per Idempotency-Key, replaying its saved answer.
+    """Run ``handler`` once per Idempotency-Key, replaying its saved answer (see ``run_once``).
 
-    The handler returns (status, JSON body). Its successes and non-retryable
-    failures are saved for 24 hours; retryable failures are not, and nothing
-    is saved for an organisation with zero data retention.
+    Without the header the handler simply runs, unless ``required``.
     """
     svc = service_of(request)
     key = request.headers.get("idempotency-key")
@@ -158,35 +216,8 @@ async def idempotent(
         return json_response(payload, status)
     idem_rules.validate_key(key, min_len=min_len)
     fp = idem_rules.fingerprint(request.method, request.url.path, body)
-    now = svc.clock.now()
-    ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
-
-    def claim(conn: Connection) -> idem_rules.SavedResponse | None:
-        return idem_store.begin(conn, principal.org_id, key, fp, now, ttl)
-
-    saved = await svc.db.write(claim)
-    if saved is not None:
-        resp = Response(saved.body, status_code=saved.status_code, media_type="application/json")
+    answer = await run_once(svc, principal, key, fp, handler)
+    resp = Response(answer.text, status_code=answer.status, media_type="application/json")
+    if answer.replayed:
         resp.headers["Idempotent-Replayed"] = "true"
-        return resp
-    keep = not principal.zero_data_retention
-    try:
-        status, payload = await handler()
-    except BatchyardError as exc:
-        if exc.retryable or not keep:
-            await svc.db.write(lambda c: idem_store.forget(c, principal.org_id, key))
-        else:
-            text, failed_status = json.dumps(exc.to_body()), exc.status
-            await svc.db.write(
-                lambda c: idem_store.finish(c, principal.org_id, key, failed_status, text)
-            )
-        raise
-    except BaseException:
-        await svc.db.write(lambda c: idem_store.forget(c, principal.org_id, key))
-        raise
-    text = json.dumps(payload)
-    if keep:
-        await svc.db.write(lambda c: idem_store.finish(c, principal.org_id, key, status, text))
-    else:
-        await svc.db.write(lambda c: idem_store.forget(c, principal.org_id, key))
-    return Response(text, status_code=status, media_type="application/json")
+    return resp

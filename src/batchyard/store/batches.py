@@ -1,14 +1,9 @@
-"""Deferred batches and their items: tables and the queries the door and worker need.
+"""Deferred batches and their items: the queries the door and the worker need.
 
-An item's request body is stored sealed (``core.sealing``) and dropped as soon
-as the item can no longer be dispatched; its result is sealed too and kept
-until the batch's results are purged. Everything else (custom IDs, statuses,
-token counts, reservation IDs) is metadata and stays, so a purged batch still
-answers "what happened and what did it cost".
-
-Item states: ``waiting → dispatched → succeeded | failed``; ``waiting →
-expired | canceled``; ``dispatched`` whose lease lapsed ``→ uncertain``. The
-worker claims a waiting item by locking its row (``FOR UPDATE SKIP LOCKED``
+The tables and item states are ``store.batch_tables``. Item states:
+``waiting → dispatched → succeeded | failed``; ``waiting → expired |
+canceled``; ``dispatched`` whose lease lapsed ``→ uncertain``. The worker
+claims a waiting item by locking its row (``FOR UPDATE SKIP LOCKED``
 on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already makes the writer alone)
 and marking it dispatched in the transaction that reserves its credit.
 """
@@ -21,34 +16,15 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import (
-    Column,
-    Connection,
-    ForeignKey,
-    Index,
-    Integer,
-    LargeBinary,
-    String,
-    Table,
-    UniqueConstraint,
-    and_,
-    func,
-    insert,
-    select,
-    update,
-)
+from sqlalchemy import Connection, and_, func, insert, select, update
 
-from batchyard.store.tables import UtcDateTime, api_keys, metadata, organisations
+from batchyard.store.batch_tables import ACTIVE, ITEM_STATES, TERMINAL, batch_items, batches
+from batchyard.store.tables import api_keys, organisations
 
 __all__ = [
-    "ACTIVE",
-    "ITEM_STATES",
-    "TERMINAL",
     "BatchRow",
     "ItemRow",
     "NewItem",
-    "batch_items",
-    "batches",
     "cancel_batch",
     "cancel_for_revoked_keys",
     "claim",
@@ -70,72 +46,6 @@ __all__ = [
     "results_of",
     "waiting_candidates",
 ]
-
-ITEM_STATES = (
-    "waiting",
-    "dispatched",
-    "succeeded",
-    "failed",
-    "expired",
-    "canceled",
-    "uncertain",
-)
-#: States that count against the pending limit and keep a batch in progress.
-ACTIVE = ("waiting", "dispatched")
-TERMINAL = ("succeeded", "failed", "expired", "canceled", "uncertain")
-
-batches = Table(
-    "batches",
-    metadata,
-    Column("id", String(64), primary_key=True),
-    Column("org_id", String(64), ForeignKey("organisations.id"), nullable=False),
-    # The submitting key: revoking it cancels the batch's undispatched items.
-    Column("key_id", String(64), nullable=False),
-    # in_progress | canceling | completed | expired | canceled
-    Column("status", String(16), nullable=False),
-    Column("min_discount", String(16), nullable=False),
-    Column("completion_window", String(8), nullable=False),
-    Column("request_count", Integer, nullable=False),
-    Column("created_at", UtcDateTime(), nullable=False),
-    Column("deadline", UtcDateTime(), nullable=False),
-    Column("cancel_requested_at", UtcDateTime(), nullable=True),
-    Column("completed_at", UtcDateTime(), nullable=True),
-    Column("purged_at", UtcDateTime(), nullable=True),
-    Index("ix_batches_org", "org_id", "id"),
-    Index("ix_batches_completed", "completed_at"),
-)
-
-batch_items = Table(
-    "batch_items",
-    metadata,
-    Column("id", String(64), primary_key=True),
-    Column("batch_id", String(64), ForeignKey("batches.id"), nullable=False),
-    Column("org_id", String(64), nullable=False),
-    Column("key_id", String(64), nullable=False),
-    Column("position", Integer, nullable=False),
-    Column("custom_id", String(64), nullable=False),
-    Column("status", String(16), nullable=False),
-    # Why an item ended as it did, as a wire code (key_revoked, insufficient_credit, ...).
-    Column("reason", String(64), nullable=True),
-    Column("model", String(200), nullable=False),
-    Column("min_discount", String(16), nullable=False),
-    Column("input_tokens", Integer, nullable=False),
-    Column("max_tokens", Integer, nullable=False),
-    Column("created_at", UtcDateTime(), nullable=False),
-    Column("deadline", UtcDateTime(), nullable=False),
-    Column("body", LargeBinary, nullable=True),
-    Column("route", String(200), nullable=True),
-    Column("reservation_id", String(64), nullable=True),
-    Column("lease_until", UtcDateTime(), nullable=True),
-    Column("dispatched_at", UtcDateTime(), nullable=True),
-    Column("finished_at", UtcDateTime(), nullable=True),
-    Column("result_status", Integer, nullable=True),
-    Column("result", LargeBinary, nullable=True),
-    UniqueConstraint("batch_id", "custom_id", name="uq_batch_items_custom_id"),
-    Index("ix_batch_items_batch", "batch_id", "position"),
-    Index("ix_batch_items_status", "status", "deadline"),
-    Index("ix_batch_items_org", "org_id", "status"),
-)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,12 +29,14 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sqlalchemy import Connection
 
 from batchyard.api import batches as api_batches
+from batchyard.api.batch_requests import MAX_BODY_BYTES
 from batchyard.api.context import service_of
 from batchyard.core.accounts import Principal, Scope
 from batchyard.core.clock import isoformat
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound, PayloadTooLarge
 from batchyard.store import accounts
 from batchyard.store import batches as store
+from batchyard.store.batch_tables import ITEM_STATES
 from batchyard.web.sessions import Session, Sessions, principal_of, same_token
 from batchyard.web.submission import EXAMPLE, submit_text
 
@@ -47,7 +49,7 @@ SESSION_COOKIE = "by_workspace"
 SIGNIN_COOKIE = "by_workspace_signin"
 COOKIE_PATH = "/workspace"
 #: A form is URL-encoded, which can triple the JSON it carries.
-FORM_LIMIT = 3 * api_batches.MAX_BODY_BYTES + 4096
+FORM_LIMIT = 3 * MAX_BODY_BYTES + 4096
 PAGE_SIZE = 50
 REFRESH_S = 15
 SCOPES = (Scope.FULL, Scope.INFERENCE)
@@ -269,7 +271,7 @@ async def _list_page(
         body_text=body_text if body_text is not None else json.dumps(EXAMPLE, indent=2),
         idempotency_key=_new_key(),
         error=error,
-        states=store.ITEM_STATES,
+        states=ITEM_STATES,
     )
 
 
@@ -354,7 +356,7 @@ async def _batch_page(
         batch=batch,
         counts=counts,
         items=items,
-        states=store.ITEM_STATES,
+        states=ITEM_STATES,
         refresh_s=REFRESH_S if live else None,
         can_cancel=batch.status not in ("completed", "expired", "canceled"),
         error=error,

@@ -2,29 +2,27 @@
 
 The form posts the same JSON body as ``POST /v1/batches`` and an
 Idempotency-Key. Parsing, privacy, sealing, the submission rate and the
-pending limit are the API module's functions, and the idempotency record is
-fingerprinted as ``POST /v1/batches``: a key used in the workspace and then
-with curl (same body) names the same batch, and a double-clicked submit
-replays the first answer instead of queueing twice.
+pending limit are the API's functions and the idempotency rules are
+``api.context.run_once``, with the record fingerprinted as ``POST
+/v1/batches``: a key used in the workspace and then with curl (same body)
+names the same batch, and a double-clicked submit replays the first answer
+instead of queueing twice.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection
-
-from batchyard.api import batches as api_batches
+from batchyard.api.batch_requests import MAX_BODY_BYTES, parse_submission
+from batchyard.api.batches import store_submission
+from batchyard.api.context import run_once
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
-from batchyard.errors import BatchyardError, InvalidJson, PayloadTooLarge
+from batchyard.errors import InvalidJson, PayloadTooLarge
 from batchyard.service import Service
-from batchyard.store import idempotency as idem_store
 from batchyard.work.market import market_of
 
 __all__ = ["EXAMPLE", "Outcome", "submit_text"]
@@ -62,8 +60,8 @@ class Outcome:
 
 
 def _parse_json(text: str) -> dict[str, Any]:
-    if len(text.encode("utf-8")) > api_batches.MAX_BODY_BYTES:
-        raise PayloadTooLarge(f"the batch JSON is over {api_batches.MAX_BODY_BYTES} bytes")
+    if len(text.encode("utf-8")) > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"the batch JSON is over {MAX_BODY_BYTES} bytes")
     if not text.strip():
         raise InvalidJson("the batch JSON is empty; paste a JSON object")
     try:
@@ -75,57 +73,19 @@ def _parse_json(text: str) -> dict[str, Any]:
     return raw
 
 
-async def _once(
-    svc: Service,
-    principal: Principal,
-    key: str,
-    raw: dict[str, Any],
-    handler: Callable[[], Awaitable[dict[str, Any]]],
-) -> Outcome:
-    """``api.context.idempotent``'s rules without an HTTP request to read them from."""
-    fp = idem_rules.fingerprint("POST", API_PATH, raw)
-    now = svc.clock.now()
-    ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
-    org = principal.org_id
-
-    def claim(conn: Connection) -> idem_rules.SavedResponse | None:
-        return idem_store.begin(conn, org, key, fp, now, ttl)
-
-    saved = await svc.db.run(claim)
-    if saved is not None:
-        return Outcome(saved.status_code, json.loads(saved.body), replayed=True)
-    keep = not principal.zero_data_retention
-    try:
-        view = await handler()
-    except BatchyardError as exc:
-        if exc.retryable or not keep:
-            await svc.db.run(lambda c: idem_store.forget(c, org, key))
-        else:
-            text, status = json.dumps(exc.to_body()), exc.status
-            await svc.db.run(lambda c: idem_store.finish(c, org, key, status, text))
-        raise
-    except BaseException:
-        await svc.db.run(lambda c: idem_store.forget(c, org, key))
-        raise
-    if keep:
-        text = json.dumps(view)
-        await svc.db.run(lambda c: idem_store.finish(c, org, key, 201, text))
-    else:
-        await svc.db.run(lambda c: idem_store.forget(c, org, key))
-    return Outcome(201, view)
-
-
 async def submit_text(svc: Service, principal: Principal, text: str, key: str) -> Outcome:
     """Submit the form's JSON under ``key``; raises the API's errors, queueing nothing."""
     market_of(svc).sealer()
     raw = _parse_json(text)
-    sub = api_batches.parse_submission(svc, raw)
+    sub = parse_submission(svc, raw)
     idem_rules.validate_key(key, min_len=8)
 
-    async def handler() -> dict[str, Any]:
-        return await api_batches.store_submission(svc, principal, sub)
+    async def handler() -> tuple[int, Any]:
+        return 201, await store_submission(svc, principal, sub)
 
-    outcome = await _once(svc, principal, key, raw, handler)
+    fingerprint = idem_rules.fingerprint("POST", API_PATH, raw)
+    answer = await run_once(svc, principal, key, fingerprint, handler)
+    outcome = Outcome(answer.status, json.loads(answer.text), replayed=answer.replayed)
     log.info(
         "workspace submission",
         extra={

@@ -2,14 +2,11 @@
 
 Each pass, in order:
 
-1. *Recover.* A dispatched item whose lease lapsed belonged to a worker that
-   stopped mid-call; whether the call ran is unknown, so it becomes
-   ``uncertain`` with its reservation still held and an activity record that
-   names it. Nothing is retried and nothing is released: that would risk
-   paying twice or losing a charge the provider made.
-2. *Housekeep.* Waiting items past their deadline expire; waiting items
-   whose submitting key was revoked are canceled; results of batches
-   completed more than 24 hours ago are purged.
+1. *Recover.* A dispatched item whose lease lapsed becomes ``uncertain``,
+   its reservation still held; nothing is retried or released
+   (``work.market_housekeeping``).
+2. *Housekeep.* Overdue waiting items expire, those of revoked keys are
+   canceled, and results of batches completed 24 hours ago are purged.
 3. *Choose.* For each waiting item (most urgent first), the policy picks a
    route among those that qualify on fresh prices, or says wait.
 4. *Claim.* Per chosen item, one transaction locks the row, rechecks the
@@ -21,11 +18,12 @@ Each pass, in order:
    The lease is renewed while the call runs. The result is settled to real
    usage at the route's offered price in one transaction with the item's
    result and its activity record; a failure is released and recorded, and
-   never retried.
+   never retried (``work.market_results``).
 
 Cancelling the worker mid-call (shutdown, crash) leaves the item
 ``dispatched``; the lease lapses and the next pass of any worker makes it
-``uncertain``.
+``uncertain``. Without a batch encryption key (``work.batch_sealing``) the
+worker does nothing and the door answers 503.
 """
 
 from __future__ import annotations
@@ -36,18 +34,15 @@ import json
 import logging
 import weakref
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
-from batchyard.core.catalog import RouteSpec
-from batchyard.core.clock import isoformat
-from batchyard.core.ids import new_id
 from batchyard.core.market import Item, Policy, RouteOffer, offer_cost, policy_by_name, qualifies
-from batchyard.core.money import charge_ticks, format_money, quote_ticks, token_cost
-from batchyard.core.prices import Price, PriceBook, PriceFeed
-from batchyard.core.sealing import Sealer, SealError, ensure_key_file, parse_key
+from batchyard.core.money import quote_ticks
+from batchyard.core.prices import PriceBook, PriceFeed
+from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.base import Completion, CompletionRequest
 from batchyard.errors import (
     BatchUnavailable,
@@ -58,66 +53,19 @@ from batchyard.errors import (
 )
 from batchyard.store import accounts, activity, ledger
 from batchyard.store import batches as store
+from batchyard.work import market_housekeeping
+from batchyard.work.batch_sealing import resolve_key
+from batchyard.work.market_results import Claimed, finish_failed, record_failure, record_success
 from batchyard.work.prices import MarketPrices
 
 if TYPE_CHECKING:
-    from batchyard.core.config import Settings
     from batchyard.service import Service
 
-__all__ = [
-    "KeyState",
-    "MarketWorker",
-    "PassReport",
-    "install",
-    "market_of",
-    "resolve_key",
-    "result_aad",
-]
+__all__ = ["MarketWorker", "PassReport", "install", "market_of"]
 
 log = logging.getLogger("batchyard.market")
 
-#: Results are kept this long after their batch completes, then purged.
-RESULTS_KEPT = timedelta(hours=24)
-
 _WORKERS: weakref.WeakKeyDictionary[Service, MarketWorker] = weakref.WeakKeyDictionary()
-
-
-def result_aad(item_id: str) -> bytes:
-    """Associated data of an item's sealed result (its body uses the bare item ID)."""
-    return f"{item_id}:result".encode()
-
-
-@dataclass(frozen=True, slots=True)
-class KeyState:
-    """The batch encryption key, or why deferred batches cannot run."""
-
-    sealer: Sealer | None
-    reason: str | None = None
-    path: str | None = None
-    created: bool = False
-
-
-def resolve_key(settings: Settings) -> KeyState:
-    """The configured key; on an SQLite file with none, ``<db dir>/batch.key`` (made once)."""
-    if settings.batch_encryption_key:
-        try:
-            return KeyState(Sealer(parse_key(settings.batch_encryption_key)))
-        except SealError as exc:
-            return KeyState(None, f"deferred batches are off: {exc}")
-    db_path = settings.sqlite_path
-    if db_path is not None:
-        path = db_path.parent / "batch.key"
-        try:
-            key, created = ensure_key_file(path)
-        except (OSError, SealError) as exc:
-            return KeyState(None, f"deferred batches are off: the key file {path}: {exc}")
-        return KeyState(Sealer(key), path=str(path), created=created)
-    return KeyState(
-        None,
-        "deferred batches need a batch encryption key on this database: set "
-        "BATCHYARD_BATCH_ENCRYPTION_KEY (or batch_encryption_key in the config file) "
-        "to 32 random bytes in base64",
-    )
 
 
 @dataclass
@@ -134,16 +82,14 @@ class PassReport:
     waiting: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Claimed:
-    item: store.ItemRow
-    request: CompletionRequest
-    route: RouteSpec
-    price: Price
-    reservation_id: str
-
-
 class MarketWorker:
+    """Passes over the waiting items of every organisation; see the module docstring.
+
+    Several workers, in one process or many, may share a database: a claim
+    locks the item's row and a lease says who holds a dispatched item, so no
+    item is dispatched twice.
+    """
+
     def __init__(
         self,
         service: Service,
@@ -235,7 +181,7 @@ class MarketWorker:
         await self.recover(report)
         await self.housekeep(report)
         chosen = await self._choose(report)
-        claimed: list[_Claimed] = []
+        claimed: list[Claimed] = []
         for candidate, offer in chosen:
             got = await self._claim(candidate, offer, report)
             if got is not None:
@@ -264,62 +210,18 @@ class MarketWorker:
 
     async def recover(self, report: PassReport | None = None) -> int:
         """Dispatched items whose lease lapsed become ``uncertain``, reservation held."""
-        now = self.service.clock.now()
-
-        def tx(conn: Connection) -> int:
-            lapsed = store.lapsed_leases(conn, now)
-            for item in lapsed:
-                store.mark_uncertain(conn, item, now)
-                held = (
-                    ledger.get_reservation(conn, item.reservation_id).amount
-                    if item.reservation_id
-                    else None
-                )
-                activity.record(
-                    conn,
-                    item.org_id,
-                    "uncertain",
-                    now,
-                    ref=item.id,
-                    reservation_id=item.reservation_id,
-                    amount=held,
-                    detail={
-                        "purpose": "batch",
-                        "batch_id": item.batch_id,
-                        "custom_id": item.custom_id,
-                        "route": item.route,
-                        "reason": "the worker stopped during the call; its outcome is unknown",
-                    },
-                )
-                log.warning(
-                    "batch item uncertain",
-                    extra={
-                        "event": "batch_item_uncertain",
-                        "item_id": item.id,
-                        "reservation_id": item.reservation_id,
-                    },
-                )
-            return len(lapsed)
-
-        n = await self.service.db.run(tx)
+        n = await market_housekeeping.recover_lapsed(self.service)
         if report is not None:
             report.uncertain += n
         return n
 
     async def housekeep(self, report: PassReport | None = None) -> None:
-        now = self.service.clock.now()
-
-        def tx(conn: Connection) -> tuple[int, int, int]:
-            expired = store.expire_due(conn, now)
-            canceled = store.cancel_for_revoked_keys(conn, now)
-            purged = store.purge_due(conn, now - RESULTS_KEPT, now)
-            return expired, canceled, len(purged)
-
-        expired, canceled, purged = await self.service.db.run(tx)
+        """Expire, cancel for revoked keys, and purge old results."""
+        swept = await market_housekeeping.housekeep(self.service)
         if report is not None:
-            report.expired += expired
-            report.canceled += canceled
-            report.purged += purged
+            report.expired += swept.expired
+            report.canceled += swept.canceled
+            report.purged += swept.purged
 
     # --- choosing and claiming --------------------------------------------------------------
 
@@ -364,12 +266,12 @@ class MarketWorker:
 
     async def _claim(
         self, cand: store.ItemRow, chosen: RouteOffer, report: PassReport
-    ) -> _Claimed | None:
+    ) -> Claimed | None:
         service = self.service
         sealer = self.sealer()
         route = service.catalog.routes[chosen.route]
 
-        def tx(conn: Connection) -> _Claimed | None:
+        def tx(conn: Connection) -> Claimed | None:
             now = service.clock.now()
             got = store.claim(conn, cand.id)
             if got is None:
@@ -394,7 +296,7 @@ class MarketWorker:
                 # Sealed under another key: it can never run; say so instead of
                 # failing every pass until it expires.
                 err = InternalError(f"the stored request cannot be read: {exc}", retryable=False)
-                _finish_failed(conn, sealer, item, err, now)
+                finish_failed(conn, sealer, item, err, now)
                 report.failed += 1
                 return None
             amount = quote_ticks(offer_cost(offer, item.input_tokens, item.max_tokens))
@@ -410,7 +312,7 @@ class MarketWorker:
                         tiers=service.settings.tiers,
                     )
             except InsufficientCredit as exc:
-                _finish_failed(conn, sealer, item, exc, now)
+                finish_failed(conn, sealer, item, exc, now)
                 report.failed += 1
                 return None
             store.mark_dispatched(
@@ -437,7 +339,7 @@ class MarketWorker:
                     "route": route.id,
                 },
             )
-            return _Claimed(
+            return Claimed(
                 item=item,
                 request=CompletionRequest(
                     model=route.upstream_model,
@@ -480,7 +382,7 @@ class MarketWorker:
             await clock.sleep(lease.total_seconds() / 3)
             await db.run(renew)
 
-    async def _execute(self, job: _Claimed) -> bool:
+    async def _execute(self, job: Claimed) -> bool:
         """Call, then settle or release with the item's result; True on success."""
         heartbeat = asyncio.create_task(self._heartbeat(job.item.id))
         try:
@@ -507,139 +409,11 @@ class MarketWorker:
         await asyncio.shield(self._succeed(job, completion))
         return True
 
-    async def _succeed(self, job: _Claimed, completion: Completion) -> None:
-        service, item = self.service, job.item
-        sealer = self.sealer()
-        now = service.clock.now()
-        usage = completion.usage
-        charge = charge_ticks(
-            token_cost(
-                usage.input_tokens,
-                usage.output_tokens,
-                job.price.input_per_mtok,
-                job.price.output_per_mtok,
-            )
-        )
+    async def _succeed(self, job: Claimed, completion: Completion) -> None:
+        await record_success(self.service, self.sealer(), job, completion)
 
-        def tx(conn: Connection) -> None:
-            held = ledger.get_reservation(conn, job.reservation_id, lock=True)
-            charged = charge
-            if held.state == "held":
-                charged = ledger.settle(conn, job.reservation_id, charge, now).charged or 0
-                activity.record(
-                    conn,
-                    item.org_id,
-                    "charge",
-                    now,
-                    ref=item.id,
-                    reservation_id=job.reservation_id,
-                    amount=charged,
-                    detail={
-                        "purpose": "batch",
-                        "batch_id": item.batch_id,
-                        "custom_id": item.custom_id,
-                        "model": item.model,
-                        "route": job.route.id,
-                        "input_tokens": usage.input_tokens,
-                        "output_tokens": usage.output_tokens,
-                    },
-                )
-            body = {
-                "status_code": 200,
-                "body": _completion_body(item, job, completion, charged, now),
-            }
-            store.finish_item(
-                conn,
-                item,
-                status="succeeded",
-                now=now,
-                result_status=200,
-                result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
-                from_states=("dispatched", "uncertain"),
-            )
-
-        await service.db.run(tx)
-        log.info(
-            "batch item succeeded",
-            extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
-        )
-
-    async def _fail(self, job: _Claimed, exc: BatchyardError) -> None:
-        service, item = self.service, job.item
-        sealer = self.sealer()
-        now = service.clock.now()
-
-        def tx(conn: Connection) -> None:
-            held = ledger.get_reservation(conn, job.reservation_id, lock=True)
-            if held.state == "held":
-                ledger.release(conn, job.reservation_id, now)
-                activity.record(
-                    conn,
-                    item.org_id,
-                    "release",
-                    now,
-                    ref=item.id,
-                    reservation_id=job.reservation_id,
-                    amount=held.amount,
-                    detail={"purpose": "batch", "reason": exc.code, "route": job.route.id},
-                )
-            _finish_failed(conn, sealer, item, exc, now, from_states=("dispatched", "uncertain"))
-
-        await service.db.run(tx)
-        log.info(
-            "batch item failed",
-            extra={"event": "batch_item_failed", "item_id": item.id, "code": exc.code},
-        )
-
-
-def _finish_failed(
-    conn: Connection,
-    sealer: Sealer,
-    item: store.ItemRow,
-    exc: BatchyardError,
-    now: datetime,
-    from_states: tuple[str, ...] = ("waiting",),
-) -> None:
-    """End an item as failed; its result has a success's shape with the error body."""
-    body = {"status_code": exc.status, "body": exc.to_body()}
-    store.finish_item(
-        conn,
-        item,
-        status="failed",
-        reason=exc.code,
-        now=now,
-        result_status=exc.status,
-        result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
-        from_states=from_states,
-    )
-
-
-def _completion_body(
-    item: store.ItemRow, job: _Claimed, completion: Completion, charged: int, now: datetime
-) -> dict[str, Any]:
-    return {
-        "id": new_id("chatcmpl", now),
-        "object": "chat.completion",
-        "created": int(now.timestamp()),
-        "model": item.model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": ch.text},
-                "finish_reason": ch.finish_reason,
-            }
-            for i, ch in enumerate(completion.choices)
-        ],
-        "usage": {
-            "prompt_tokens": completion.usage.input_tokens,
-            "completion_tokens": completion.usage.output_tokens,
-            "total_tokens": completion.usage.total_tokens,
-        },
-        "route": job.route.id,
-        "charge": format_money(charged),
-        "reservation_id": job.reservation_id,
-        "created_at": isoformat(now),
-    }
+    async def _fail(self, job: Claimed, exc: BatchyardError) -> None:
+        await record_failure(self.service, self.sealer(), job, exc)
 
 
 def install(service: Service) -> MarketWorker:

@@ -13,7 +13,7 @@ from batchyard.core.clock import isoformat
 from batchyard.core.config import load_settings
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.service import Service
-from batchyard.store import batches as bstore
+from batchyard.store.batch_tables import batch_items
 from tests.integration.work.batch_support import (
     all_items,
     batch_body,
@@ -331,8 +331,7 @@ async def test_results_are_purged_24_hours_after_completion(svc, clock):
     blobs = svc.db.run_sync(
         lambda c: c.execute(
             select(func.count()).where(
-                (bstore.batch_items.c.body.is_not(None))
-                | (bstore.batch_items.c.result.is_not(None))
+                (batch_items.c.body.is_not(None)) | (batch_items.c.result.is_not(None))
             )
         ).scalar_one()
     )

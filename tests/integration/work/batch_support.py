@@ -25,6 +25,7 @@ from batchyard.engines.memory import ScriptedEngine
 from batchyard.service import Service
 from batchyard.store import batches as bstore
 from batchyard.store import ledger
+from batchyard.store.batch_tables import batch_items
 from batchyard.work.market import MarketWorker, market_of
 
 CORE = ModelSpec(
@@ -121,9 +122,7 @@ def item_rows(service: Service, batch_id: str) -> list[bstore.ItemRow]:
 
 
 def all_items(service: Service) -> list[Any]:
-    return service.db.run_sync(
-        lambda c: c.execute(bstore.batch_items.select()).all(), readonly=True
-    )
+    return service.db.run_sync(lambda c: c.execute(batch_items.select()).all(), readonly=True)
 
 
 def set_price(service: Service, route: str, inp: str, out: str) -> None:

@@ -406,7 +406,7 @@ def test_offers_carry_fallbacks_and_survive_cycles(market, clock):
 
 async def test_a_body_sealed_under_another_key_fails_once_instead_of_every_pass(market, clock):
     from batchyard.core.sealing import Sealer, generate_key
-    from batchyard.work.market import KeyState
+    from batchyard.work.batch_sealing import KeyState
 
     svc = market(feed_route("spot"))
     engine = ScriptedEngine("x", clock=clock)

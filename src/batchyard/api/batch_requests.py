@@ -1,0 +1,317 @@
+"""What a deferred batch submission may say, and the check of one (seed 003).
+
+A submission is checked whole before anything is kept: every request is
+validated first, and only then does privacy run (``redact`` or ``reject``)
+and are tokens counted on the text that will actually be stored and sent.
+Nothing here writes: sealing and keeping a checked ``Submission`` is
+``api.batches.store_submission``, shared by the API and the workspace.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from batchyard.core import privacy
+from batchyard.core.market import effective_min_discount
+from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
+from batchyard.service import Service
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_REQUESTS",
+    "WINDOWS",
+    "ParsedRequest",
+    "Submission",
+    "parse_submission",
+]
+
+MAX_BODY_BYTES = 1_000_000
+MAX_REQUESTS = 50
+MAX_OUTPUT_TOKENS = 4096
+DEFAULT_MAX_TOKENS = 1024
+WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
+CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+_TOP_KEYS = {"min_discount", "completion_window", "requests"}
+_REQUEST_KEYS = {"custom_id", "body", "min_discount"}
+_BODY_KEYS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "response_format",
+    "privacy",
+    "n",
+    "stream",
+    "user",
+}
+_TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
+_ROLES = {"system", "developer", "user", "assistant"}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """One request of a submission, checked; ``stored`` is what gets sealed."""
+
+    custom_id: str
+    model: str
+    min_discount: Decimal
+    input_tokens: int
+    max_tokens: int
+    stored: dict[str, Any]  # what is sealed: redacted messages and sampling options
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A whole submission that passed every check, ready to be sealed and kept."""
+
+    min_discount: Decimal
+    window: str
+    requests: list[ParsedRequest]
+    redactions: int
+
+
+def _bad(message: str, param: str, code: str) -> InvalidRequest:
+    return InvalidRequest(message, param=param, code=code)
+
+
+def _discount(value: Any, param: str) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise _bad(f"{param} must be a number from 0 to 100", param, "invalid_min_discount")
+    try:
+        d = Decimal(str(value).strip())
+    except InvalidOperation:
+        raise _bad(
+            f"{param} must be a number from 0 to 100", param, "invalid_min_discount"
+        ) from None
+    if not d.is_finite() or not Decimal(0) <= d <= Decimal(100):
+        raise _bad(
+            f"{param} is a percentage from 0 to 100, not {value}",
+            param,
+            "min_discount_out_of_range",
+        )
+    return d
+
+
+def _check_messages(messages: Any, param: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _bad(f"{param} must be a non-empty list of chat messages", param, "invalid_request")
+    for i, m in enumerate(messages):
+        where = f"{param}[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object", where, "invalid_request")
+        role = m.get("role")
+        if role == "tool" or "tool_calls" in m or "function_call" in m:
+            raise _bad("tools are not supported in deferred batches", where, "tools_unsupported")
+        if role not in _ROLES:
+            raise _bad(f"{where}.role is not a chat role", f"{where}.role", "invalid_request")
+        content = m.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise _bad(
+                f"{where}.content must be a string or a list of text parts",
+                f"{where}.content",
+                "invalid_request",
+            )
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise UnsupportedInput(
+                    "deferred batches take text only; images, audio and files are not supported",
+                    param=f"{where}.content",
+                )
+            if not isinstance(part.get("text"), str):
+                raise _bad(
+                    f"{where}.content has a text part without text", where, "invalid_request"
+                )
+
+
+def _check_options(body: dict[str, Any], param: str) -> dict[str, Any]:
+    """The sampling options a deferred request may carry, checked."""
+    options: dict[str, Any] = {}
+    t = body.get("temperature")
+    if t is not None:
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2:
+            raise _bad("temperature is from 0 to 2", f"{param}.temperature", "invalid_request")
+        options["temperature"] = float(t)
+    p = body.get("top_p")
+    if p is not None:
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+            raise _bad("top_p is above 0 and at most 1", f"{param}.top_p", "invalid_request")
+        options["top_p"] = float(p)
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _bad("stop is a string or a list of strings", f"{param}.stop", "invalid_request")
+        options["stop"] = stops
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise _bad("seed must be an integer", f"{param}.seed", "invalid_request")
+        options["seed"] = seed
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _bad(
+                "response_format must be an object", f"{param}.response_format", "invalid_request"
+            )
+        options["response_format"] = fmt
+    return options
+
+
+def _parse_request(
+    svc: Service, raw: Any, i: int, batch_min: Decimal, seen: set[str]
+) -> tuple[ParsedRequest, privacy.PrivacyMode]:
+    where = f"requests[{i}]"
+    if not isinstance(raw, dict):
+        raise _bad(f"{where} must be an object", where, "invalid_request")
+    for key in raw.keys() - _REQUEST_KEYS:
+        raise _bad(
+            f"{where}.{key} is not a request field", f"{where}.{key}", "unsupported_parameter"
+        )
+    cid = raw.get("custom_id")
+    if not isinstance(cid, str) or not CUSTOM_ID.match(cid):
+        raise _bad(
+            f"{where}.custom_id must be 1-64 letters, digits, '_' or '-'",
+            f"{where}.custom_id",
+            "invalid_custom_id",
+        )
+    if cid in seen:
+        raise _bad(
+            f"custom_id {cid!r} appears more than once", f"{where}.custom_id", "duplicate_custom_id"
+        )
+    seen.add(cid)
+    own = raw.get("min_discount")
+    min_discount = batch_min
+    if own is not None:
+        own_d = _discount(own, f"{where}.min_discount")
+        if own_d < batch_min:
+            raise _bad(
+                f"{where}.min_discount {own} is below the batch's {batch_min}; a request may "
+                "raise the minimum discount, never lower it",
+                f"{where}.min_discount",
+                "min_discount_below_batch",
+            )
+        min_discount = effective_min_discount(batch_min, own_d)
+    body = raw.get("body")
+    bp = f"{where}.body"
+    if not isinstance(body, dict):
+        raise _bad(f"{bp} must be a chat completion request object", bp, "invalid_request")
+    if body.get("stream"):
+        raise _bad(
+            "deferred batches do not stream; send stream: false",
+            f"{bp}.stream",
+            "streaming_unsupported",
+        )
+    if _TOOL_KEYS & body.keys():
+        raise _bad(
+            "tools are not supported in deferred batches", f"{bp}.tools", "tools_unsupported"
+        )
+    if "modalities" in body or "audio" in body:
+        raise UnsupportedInput("deferred batches take and give text only", param=f"{bp}.modalities")
+    for key in body.keys() - _BODY_KEYS:
+        raise _bad(
+            f"{bp}.{key} is not supported in deferred batches",
+            f"{bp}.{key}",
+            "unsupported_parameter",
+        )
+    n = body.get("n", 1)
+    if n != 1:
+        raise _bad("deferred batches take n = 1", f"{bp}.n", "unsupported_parameter")
+    model = svc.catalog.model(body.get("model"))
+    svc.catalog.route_for(model.id)
+    _check_messages(body.get("messages"), f"{bp}.messages")
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
+    if mt is None:
+        mt = min(DEFAULT_MAX_TOKENS, limit)
+    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit:
+        raise _bad(
+            f"max_tokens is from 1 to {limit} for {model.id}",
+            f"{bp}.max_tokens",
+            "max_tokens_out_of_range",
+        )
+    options = _check_options(body, bp)
+    raw_privacy = body.get("privacy") or {}
+    mode_name = raw_privacy.get("mode", "off") if isinstance(raw_privacy, dict) else None
+    try:
+        mode = privacy.PrivacyMode(str(mode_name))
+    except ValueError:
+        raise _bad(
+            "privacy.mode is off, redact or reject", f"{bp}.privacy.mode", "invalid_privacy_mode"
+        ) from None
+    stored = {"messages": body["messages"], **options}
+    return ParsedRequest(cid, model.id, min_discount, 0, mt, stored), mode
+
+
+def parse_submission(svc: Service, raw: dict[str, Any]) -> Submission:
+    """The whole submission checked, privacy applied and tokens counted; nothing is kept."""
+    for key in raw.keys() - _TOP_KEYS:
+        raise _bad(f"{key} is not a batch field", key, "unsupported_parameter")
+    if raw.get("min_discount") is None:
+        raise _bad(
+            "min_discount is required (a percentage from 0 to 100)",
+            "min_discount",
+            "min_discount_required",
+        )
+    batch_min = _discount(raw["min_discount"], "min_discount")
+    window = raw.get("completion_window", "24h")
+    if window not in WINDOWS:
+        raise _bad(
+            "completion_window is 1h, 6h or 24h", "completion_window", "invalid_completion_window"
+        )
+    reqs = raw.get("requests")
+    if not isinstance(reqs, list):
+        raise _bad("requests must be a list of 1 to 50 requests", "requests", "invalid_request")
+    if not reqs:
+        raise _bad("a batch needs at least one request", "requests", "no_requests")
+    if len(reqs) > MAX_REQUESTS:
+        raise _bad(
+            f"a batch holds at most {MAX_REQUESTS} requests, not {len(reqs)}",
+            "requests",
+            "too_many_requests",
+        )
+    seen: set[str] = set()
+    parsed = [_parse_request(svc, r, i, batch_min, seen) for i, r in enumerate(reqs)]
+    # Everything is valid; only now does privacy run, then tokens are counted
+    # on the text that will actually be stored and sent.
+    out: list[ParsedRequest] = []
+    redactions = 0
+    for i, (req, mode) in enumerate(parsed):
+        messages = req.stored["messages"]
+        if mode is privacy.PrivacyMode.REDACT:
+            messages, found = privacy.redact_messages(messages)
+            redactions += found
+        elif mode is privacy.PrivacyMode.REJECT:
+            try:
+                privacy.apply(privacy.PrivacyMode.REJECT, messages)
+            except InvalidRequest as exc:
+                raise InvalidRequest(
+                    f"requests[{i}]: {exc.message}",
+                    param=f"requests[{i}].body.messages",
+                    code=exc.code,
+                ) from None
+        model = svc.catalog.models[req.model]
+        tokens = svc.tokenizer(model).count_messages(messages)
+        if tokens + req.max_tokens > model.context_window:
+            raise ContextWindowExceeded(
+                f"requests[{i}]: {tokens} prompt tokens + max_tokens {req.max_tokens} exceed the "
+                f"{model.context_window}-token context window of {model.id}",
+                param=f"requests[{i}].body.messages",
+            )
+        stored = {**req.stored, "messages": messages}
+        out.append(
+            ParsedRequest(
+                req.custom_id, req.model, req.min_discount, tokens, req.max_tokens, stored
+            )
+        )
+    return Submission(batch_min, window, out, redactions)
