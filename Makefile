@@ -26,8 +26,8 @@ demo: install
 	$(BIN)/batchyard demo
 
 lint: install
-	$(BIN)/ruff check src tests bench docs $(wildcard examples)
-	$(BIN)/ruff format --check src tests bench docs $(wildcard examples)
+	$(BIN)/ruff check src tests bench $(wildcard docs/*.py) $(wildcard examples)
+	$(BIN)/ruff format --check src tests bench $(wildcard docs/*.py) $(wildcard examples)
 
 types: install
 	$(BIN)/mypy
