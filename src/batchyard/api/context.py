@@ -119,8 +119,13 @@ async def check_tier_limits(
     if kind == "estimate":
         limits = [(Limit("estimate_tpm", float(tier.estimate_tokens_per_minute)), tokens)]
     else:
+        rpm = float(tier.requests_per_minute)
         limits = [
-            (Limit("rpm", float(tier.requests_per_minute)), requests),
+            # A tenth of a second of tolerance: a client pacing evenly at the
+            # limit still arrives with a few ms of jitter (the server's own work
+            # before this check varies), and a zero-tolerance cell turns that
+            # jitter into 429s. Over any minute the slack is rpm/600 requests.
+            (Limit("rpm", rpm, burst=1.0 + 0.1 * rpm / 60.0), requests),
             (Limit("tpm", float(tier.tokens_per_minute)), tokens),
         ]
     decision = await svc.limiter.try_acquire(f"org:{principal.org_id}", limits)

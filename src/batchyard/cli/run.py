@@ -97,34 +97,7 @@ class RichProgress(RunObserver):
     def planned(self, estimate: RunEstimate, summary: RunSummary) -> None:
         c = self.console
         skipped = summary.already_done + summary.skipped_failed
-        c.print(
-            f"[bold]{estimate.texts:,}[/] texts to send, {summary.already_done:,} already answered"
-            + (
-                f", {summary.skipped_failed:,} failed before (--retry-failed)"
-                if summary.skipped_failed
-                else ""
-            )
-        )
-        if estimate.max_cost is not None and estimate.texts:
-            c.print(
-                f"Estimate from {estimate.sampled} sampled texts: "
-                f"~{estimate.input_tokens_per_text:,.0f} input tokens a text, "
-                f"at most [bold]${estimate.max_cost}[/] in all"
-            )
-        credit = (
-            f"${estimate.credit_available}"
-            if estimate.credit_available is not None
-            else "unknown (key cannot read the account)"
-        )
-        c.print(f"Credit available: {credit}")
-        c.print(
-            f"Pace: {estimate.rpm:g} requests/min ({estimate.pace_source}), "
-            f"{estimate.concurrency} workers, about {duration(estimate.seconds)}"
-        )
-        if estimate.zero_data_retention:
-            c.print(
-                "[yellow]Zero data retention: answers are not saved, so a rerun charges again.[/]"
-            )
+        print_plan(c, estimate, summary)
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -159,6 +132,36 @@ class RichProgress(RunObserver):
     def stop(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def print_plan(c: Console, estimate: RunEstimate, summary: RunSummary) -> None:
+    """What a run will send, cost and take, before it sends anything."""
+    c.print(
+        f"[bold]{estimate.texts:,}[/] texts to send, {summary.already_done:,} already answered"
+        + (
+            f", {summary.skipped_failed:,} failed before (--retry-failed)"
+            if summary.skipped_failed
+            else ""
+        )
+    )
+    if estimate.max_cost is not None and estimate.texts:
+        c.print(
+            f"Estimate from {estimate.sampled} sampled texts: "
+            f"~{estimate.input_tokens_per_text:,.0f} input tokens a text, "
+            f"at most [bold]${estimate.max_cost}[/] in all"
+        )
+    credit = (
+        f"${estimate.credit_available}"
+        if estimate.credit_available is not None
+        else "unknown (key cannot read the account)"
+    )
+    c.print(f"Credit available: {credit}")
+    c.print(
+        f"Pace: {estimate.rpm:g} requests/min ({estimate.pace_source}), "
+        f"{estimate.concurrency} workers, about {duration(estimate.seconds)}"
+    )
+    if estimate.zero_data_retention:
+        c.print("[yellow]Zero data retention: answers are not saved, so a rerun charges again.[/]")
 
 
 def print_summary(console: Console, s: RunSummary) -> None:
@@ -207,6 +210,12 @@ def print_summary(console: Console, s: RunSummary) -> None:
 @click.option(
     "--yes", "-y", is_flag=True, help="Start even when credit may not cover the estimate."
 )
+@click.option(
+    "--estimate",
+    "estimate_only",
+    is_flag=True,
+    help="Only price what a run would send (free: no model runs, nothing is charged).",
+)
 @client_options
 def command(
     texts: Path,
@@ -222,6 +231,7 @@ def command(
     retry_failed: bool,
     resend_fallbacks: bool,
     yes: bool,
+    estimate_only: bool,
     base_url: str | None,
     api_key: str | None,
 ) -> None:
@@ -249,6 +259,7 @@ def command(
                 retry_failed=retry_failed,
                 resend_fallbacks=resend_fallbacks,
                 yes=yes,
+                estimate_only=estimate_only,
                 observer=progress,
             )
 
@@ -270,6 +281,17 @@ def command(
         raise SystemExit(130) from None
     finally:
         progress.stop()
+    if estimate_only:
+        assert summary.estimate is not None
+        print_plan(console, summary.estimate, summary)
+        est = summary.estimate
+        if (
+            est.max_cost is not None
+            and est.credit_available is not None
+            and est.max_cost > est.credit_available
+        ):
+            console.print("[red]Credit may not cover it:[/] buy credit before the run.")
+        return
     print_summary(console, summary)
     if summary.failed:
         raise SystemExit(1)

@@ -22,6 +22,7 @@ from batchyard.errors import BatchyardError, error_class_for_code
 
 __all__ = [
     "DEFAULT_BASE_URL",
+    "REPLAYED",
     "Call",
     "ConnectionFailed",
     "RetryPolicy",
@@ -32,6 +33,8 @@ __all__ = [
 ]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+#: ``error.details[REPLAYED]`` is True when the server replayed a saved failure.
+REPLAYED = "idempotent_replayed"
 DEFAULT_TIMEOUT_S = 120.0
 USER_AGENT = "batchyard-client/0.1"
 
@@ -161,6 +164,11 @@ def error_from_response(response: httpx.Response) -> BatchyardError:
         retry_after = max(0.0, float(exact))
     known = {"code", "message", "retryable", "param", "retry_after"}
     details = {k: v for k, v in err.items() if k not in known}
+    if response.headers.get("Idempotent-Replayed") == "true":
+        # A failure saved under the key by an earlier request, sent back as it
+        # was: whatever changed since (credit bought, say), this key will only
+        # ever return it. Kept in ``details`` so callers can choose a new key.
+        details[REPLAYED] = True
     cls = error_class_for_code(code)
     flag = err.get("retryable")
     return cls(

@@ -13,12 +13,19 @@ A 429 that outlasts the SDK's retries is not a failure of the text either: it
 says "not yet". Such a job goes back into the queue, behind the pacer's
 push-back, up to ``RATE_LIMITED_REQUEUES`` times, rather than being written
 to the errors file and waiting for a ``--retry-failed`` run.
+
+A 402 ``insufficient_credit`` stops the run, and the server saves that refusal
+under the text's key. When the user has bought credit and runs the same
+command again, that key only replays the old 402; a replayed 402 therefore
+sends the text again at once under its next key (``resend_key``), and only a
+fresh 402 (credit still short) stops the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchyard.client.async_client import AsyncClient
+from batchyard.client.base import REPLAYED
+from batchyard.client.keys import resend_key
 from batchyard.client.pacer import PaceClock, Pacer
 from batchyard.client.types import Account, DecideResponse, Decision
 from batchyard.errors import BatchyardError, Forbidden
@@ -47,6 +56,8 @@ DEFAULT_RPM = 30
 _LATENCY_ALLOWANCE_S = 4.0
 #: How often one text may go back into the queue after 429s past the SDK's retries.
 RATE_LIMITED_REQUEUES = 5
+#: How many new keys one text may try past 402s that earlier runs left saved.
+_REKEYS = 20
 
 FATAL_CODES = frozenset(
     {
@@ -141,6 +152,7 @@ async def send_all(
     fresh = iter(jobs)
     again: deque[Job] = deque()
     requeued: Counter[str] = Counter()
+    rekeyed: Counter[str] = Counter()
     fatal: list[BatchyardError] = []
 
     def next_job() -> Job | None:
@@ -164,6 +176,14 @@ async def send_all(
                 )
                 error: BatchyardError | None = None
             except BatchyardError as exc:
+                if (
+                    exc.code == "insufficient_credit"
+                    and exc.details.get(REPLAYED)
+                    and rekeyed[job.id] < _REKEYS
+                ):
+                    rekeyed[job.id] += 1
+                    again.appendleft(dataclasses.replace(job, key=resend_key(job.key)))
+                    continue
                 if exc.code in FATAL_CODES:
                     fatal.append(exc)
                     return

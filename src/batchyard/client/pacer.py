@@ -20,6 +20,9 @@ from typing import Protocol
 
 __all__ = ["MonotonicClock", "PaceClock", "Pacer"]
 
+#: How much one timing-noise 429 widens the margin, as a share of a slot.
+_MARGIN_STEP = 0.05
+
 
 class PaceClock(Protocol):
     def time(self) -> float:
@@ -42,16 +45,25 @@ class MonotonicClock:
 class Pacer:
     """Spaces requests evenly under a requests limit and an input-tokens limit.
 
-    ``headroom`` aims a little under the limit (99% by default) so the small
-    jitter of real networks does not land two requests inside one interval of
-    the server's limiter. Each 429 also slows the pace by ``slow_down`` (up to
-    twice the planned interval), because a 429 under a correct pace may mean
-    someone else (another key of the organisation) shares the limit. Each
-    answer eases it back by ``slow_down ** (1 / recover_after)``: a 429 that
-    was only a request landing a few milliseconds early (the server's own
-    processing time varies) must not slow the rest of a long run for good,
-    while a limit truly shared settles where a 429 comes about once per
-    ``recover_after`` answers.
+    ``headroom`` aims a little under the limit (99% by default). Two kinds of
+    429 can still come back, and they call for different answers:
+
+    - *Timing noise*: the server checks its limit only after some work of its
+      own (the key lookup, the idempotency claim), and that work varies by
+      milliseconds, so a request sent on time can land a little early. The
+      429 asks for a wait under half a slot. The pacer learns a *margin* that
+      it adds to every interval: each such 429 widens it by a step, each
+      answer narrows it by a step ``noise_429s`` times smaller, so it settles
+      where about that share of requests draws a 429 (the margin where the
+      server's jitter exceeds it that often). Steps are a share of the slot,
+      not the 429's own wait, so one stall of the server cannot make the
+      rest of the run slow.
+    - *A shared limit*: another key of the organisation is using it, and the
+      wait is longer. Each such 429 slows the pace by ``slow_down`` (up to
+      twice the planned interval); each answer eases it back by
+      ``slow_down ** (1 / recover_after)``, so a limit truly shared settles
+      where such a 429 comes about once per ``recover_after`` answers, and a
+      burst of them early in a long run does not slow the rest of it for good.
     """
 
     def __init__(
@@ -62,6 +74,7 @@ class Pacer:
         headroom: float = 0.99,
         slow_down: float = 1.02,
         recover_after: int = 20,
+        noise_429s: float = 0.03,
         clock: PaceClock | None = None,
     ) -> None:
         if rpm <= 0:
@@ -74,6 +87,9 @@ class Pacer:
         self._factor = 1.0
         self._slow_down = slow_down
         self._ease = slow_down ** (1.0 / max(1, recover_after))
+        self._margin = 0.0
+        self._margin_up = self._request_interval * _MARGIN_STEP
+        self._margin_down = self._margin_up * noise_429s / (1.0 - noise_429s)
         self._next_at: float | None = None
         self._blocked_until = float("-inf")
         self.push_backs = 0
@@ -81,12 +97,17 @@ class Pacer:
     @property
     def rpm(self) -> float:
         """The requests a minute this pacer aims at now."""
-        return 60.0 / (self._request_interval * self._factor)
+        return 60.0 / self.interval()
+
+    @property
+    def margin(self) -> float:
+        """Seconds added to every interval for the server's timing noise."""
+        return self._margin
 
     def interval(self, tokens: int = 0) -> float:
         """Seconds this request occupies: whichever limit it would use up first."""
         per_request = max(self._request_interval, tokens * self._token_interval)
-        return per_request * self._factor
+        return per_request * self._factor + self._margin
 
     async def wait(self, tokens: int = 0) -> None:
         """Return when this request may go; reservation happens without awaiting."""
@@ -105,16 +126,20 @@ class Pacer:
     def push_back(self, seconds: float, *, slow: bool = True) -> None:
         """A 429 said to wait ``seconds``: nobody sends before then.
 
-        ``slow=False`` holds the pace without slowing it, for a 429 that only
-        says a request landed a moment early (see ``AsyncClient.send_raw``).
+        ``slow=False`` is for timing noise (see the class docstring): the
+        wait is learned into the margin instead of slowing the pace.
         """
         self.push_backs += 1
-        until = self.clock.time() + max(0.0, seconds)
+        wait = max(0.0, seconds)
+        until = self.clock.time() + wait
         self._blocked_until = max(self._blocked_until, until)
         self._next_at = max(self._next_at or until, until)
         if slow:
             self._factor = min(2.0, self._factor * self._slow_down)
+        else:
+            self._margin = min(self._request_interval, self._margin + self._margin_up)
 
     def answered(self) -> None:
-        """A paced request went through: ease a slow-down from earlier 429s."""
+        """A paced request went through: ease what earlier 429s added."""
         self._factor = max(1.0, self._factor / self._ease)
+        self._margin = max(0.0, self._margin - self._margin_down)

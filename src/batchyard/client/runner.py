@@ -92,6 +92,7 @@ class RunSummary:
     output: Path | None = None
     errors_path: Path | None = None
     aborted: str | None = None
+    estimate: RunEstimate | None = None
 
 
 class RunObserver:
@@ -195,6 +196,7 @@ async def run_texts(
     retry_failed: bool = False,
     resend_fallbacks: bool = False,
     yes: bool = False,
+    estimate_only: bool = False,
     observer: RunObserver | None = None,
     clock: PaceClock | None = None,
 ) -> RunSummary:
@@ -202,7 +204,8 @@ async def run_texts(
 
     Raises ``InputError`` or ``RunRefused`` before sending anything, and
     ``RunAborted`` (after writing what was answered) when an error stops all
-    remaining texts alike.
+    remaining texts alike. ``estimate_only`` stops after pricing what a run
+    would send (``summary.estimate``), having sent no decide and written nothing.
     """
     observer = observer or RunObserver()
     clock = clock or MonotonicClock()
@@ -255,6 +258,9 @@ async def run_texts(
         max_output_tokens=max_output_tokens,
         fallback=fallback,
     )
+    summary.estimate = estimate
+    if estimate_only:
+        return summary
     if (
         not yes
         and estimate.max_cost is not None
