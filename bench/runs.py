@@ -184,6 +184,7 @@ async def _run_through(svc: Service, org: str, project: str, dataset: str) -> di
     await worker.run_until_idle()
     end = time.perf_counter()
     run = svc.db.run_sync(lambda c: rstore.load_run(c, run_id))
+    await svc.engines.aclose()
     return {
         "status": run.status,
         "rows": run.rows_done,
