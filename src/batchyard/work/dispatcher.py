@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from sqlalchemy import Connection
+
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limit, Limiter
@@ -100,10 +102,7 @@ class Dispatcher:
     async def release(self, reservation_id: str, *, org_id: str, reason: str) -> None:
         now = self.clock.now()
 
-        def tx(c: object) -> None:
-            from sqlalchemy import Connection
-
-            assert isinstance(c, Connection)
+        def tx(c: Connection) -> None:
             res = ledger.release(c, reservation_id, now)
             activity.record(
                 c,
@@ -188,10 +187,7 @@ class Dispatcher:
         )
         now = self.clock.now()
 
-        def tx(c: object) -> int:
-            from sqlalchemy import Connection
-
-            assert isinstance(c, Connection)
+        def tx(c: Connection) -> int:
             settled = ledger.settle(c, res.id, charge, now)
             activity.record(
                 c,
@@ -269,10 +265,7 @@ class Dispatcher:
         """
         now = self.clock.now()
 
-        def tx(c: object) -> int:
-            from sqlalchemy import Connection
-
-            assert isinstance(c, Connection)
+        def tx(c: Connection) -> int:
             settled = ledger.settle(c, reservation_id, charge, now)
             activity.record(
                 c,
