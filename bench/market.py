@@ -32,6 +32,7 @@ from batchyard.core.market import (
     DeadlineAware,
     FirstEligible,
     Item,
+    OptimalStopping,
     Policy,
     RouteOffer,
     offer_cost,
@@ -339,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     console = Console()
     # A fresh policy per scenario: one that learns must not carry one market into the next.
-    fresh: list[Callable[[], Policy]] = [FirstEligible, DeadlineAware]
+    fresh: list[Callable[[], Policy]] = [FirstEligible, DeadlineAware, OptimalStopping]
     policies = [make() for make in fresh]
     started = time.perf_counter()
     totals: dict[str, list[Outcome]] = {p.name: [] for p in policies}

@@ -34,6 +34,7 @@ __all__ = [
     "DeadlineAware",
     "FirstEligible",
     "Item",
+    "OptimalStopping",
     "Policy",
     "RouteOffer",
     "effective_min_discount",
@@ -327,6 +328,61 @@ class DeadlineAware:
         return None
 
 
+class OptimalStopping(DeadlineAware):
+    """Backward induction over the looks left, from the market's own distribution.
+
+    With ``n`` independent looks left (the time left over the trace's
+    decorrelation time, see ``Outlook.stopping``), the offer worth taking
+    now is the one at least as deep as what waiting is worth in expectation,
+    a miss being worth ``miss`` (a discount: -100 is paying twice the direct
+    price, the request run elsewhere at full price plus its lateness). The
+    iid model cannot see that a market may dry up, so the safety window and
+    last-chance rules of ``DeadlineAware`` still apply, and so does its cold
+    start. It narrows ``qualifies`` like every policy.
+    """
+
+    def __init__(
+        self, *, miss: float = -100.0, name: str = "optimal-stopping", **kw: object
+    ) -> None:
+        super().__init__(name=name, **kw)  # type: ignore[arg-type]
+        self.miss = miss
+
+    def choose(
+        self, item: Item, offers: Sequence[RouteOffer], direct: Price, now: datetime
+    ) -> RouteOffer | None:
+        _check_discount(item.min_discount)
+        self.observe(offers, direct, now)
+        if now >= item.deadline:
+            return None
+        best = _cheapest(item, offers, direct, item.min_discount)
+        if best is None:
+            return None
+        left = item.deadline - now
+        if left <= self.safety_window(item):
+            return best
+        discount = _offer_discount(best, direct)
+        history = self._markets[tuple(sorted(offer.route for offer in offers))]
+        if history.span() < self.min_memory:
+            return self._cold(item, offers, direct, now, best, discount, history.rising)
+        outlook = history.outlook(now)
+        waiting = left - self.safety_window(item)
+        minimum = float(item.min_discount)
+        bar = outlook.stopping(minimum, self.miss, outlook.draws(waiting))
+        deep = _cheapest(item, offers, direct, max(item.min_discount, _bar(bar)))
+        if deep is not None:
+            return deep
+        if (
+            outlook.chance(waiting, minimum) < self.assurance
+            and float(discount) - minimum <= outlook.move * self.move_factor
+        ):
+            return best
+        return None
+
+
+def _bar(discount: float) -> Decimal:
+    return Decimal(str(max(0.0, min(100.0, discount))))
+
+
 def _best_discount(offers: Sequence[RouteOffer], direct: Price) -> float | None:
     """The deepest discount any payable route offers now (None: nothing payable)."""
     best: Decimal | None = None
@@ -357,11 +413,12 @@ def _offer_discount(offer: RouteOffer, direct: Price) -> Decimal:
 
 
 def policy_by_name(name: str) -> Policy:
-    """The policy a configuration names: ``first-eligible`` or ``deadline-aware``."""
+    """The policy a configuration names: first-eligible, deadline-aware, optimal-stopping."""
     # A fresh object each call: DeadlineAware keeps state that must not be shared.
     factories: dict[str, type[FirstEligible] | type[DeadlineAware]] = {
         "first-eligible": FirstEligible,
         "deadline-aware": DeadlineAware,
+        "optimal-stopping": OptimalStopping,
     }
     factory = factories.get(name.strip().lower().replace("_", "-"))
     if factory is None:

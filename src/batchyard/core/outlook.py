@@ -14,6 +14,11 @@ each worker pass, kept for a trailing ``memory`` in short bins. From it:
   offer, so a feed that drops out lowers it.
 * ``move``: the largest drop of the best discount between two passes. A
   discount within that of the item's minimum can vanish at the next pass.
+* ``stopping(minimum, miss)``: optimal-stopping thresholds by backward
+  induction (``OptimalStopping``), treating the market as a run of
+  independent draws from the per-bin distribution, one draw per
+  ``decorrelation`` (the lag after which the trace forgets its level):
+  a 15 s pass is not a fresh draw on a market that moves by the hour.
 
 Discounts here are floats: they only rank and estimate, never authorise a
 spend or count money (``qualifies`` does that, exactly, on fresh prices).
@@ -37,6 +42,15 @@ class Outlook:
     def __init__(self, bins: list[float], bin_s: float, move: float) -> None:
         self.bin_s = bin_s
         self.move = move
+        self._total = len(bins)
+        # Per-bin best discounts that were on offer, ascending, with suffix sums.
+        self._values = sorted(b for b in bins if b > _NOTHING)
+        self._suffix = [0.0] * (len(self._values) + 1)
+        for i in range(len(self._values) - 1, -1, -1):
+            self._suffix[i] = self._suffix[i + 1] + self._values[i]
+        self._stopping: dict[tuple[float, float], list[float]] = {}
+        #: How long the trace takes to forget its level (autocorrelation below 1/e).
+        self.decorrelation = timedelta(seconds=bin_s * _decorrelation_bins(bins))
         self._lengths: list[int] = []  # window lengths in bins, ascending
         self._maxima: list[list[float]] = []  # per length: sorted best discounts
         n = len(bins)
@@ -65,6 +79,34 @@ class Outlook:
     def chance(self, window: timedelta, minimum: float) -> float:
         maxima = self._for(window)
         return 1 - bisect_left(maxima, minimum) / len(maxima)
+
+    def draws(self, window: timedelta) -> int:
+        """Independent looks at the market a window holds (at least the current one)."""
+        tau = max(self.decorrelation.total_seconds(), self.bin_s)
+        return 1 + int(window.total_seconds() // tau)
+
+    def stopping(self, minimum: float, miss: float, draws: int) -> float:
+        """The discount worth taking now with ``draws`` looks left, this one included.
+
+        Backward induction: with no look left the item is missed, worth
+        ``miss`` (a discount; 0 is paying the direct price). With n looks,
+        t_n = E[max(Y, t_{n-1})], where Y is a draw's best discount, counted
+        as nothing (keep t_{n-1}) when no route was on offer at ``minimum``.
+        Taking the offer now is optimal when it is at least t_{draws-1}.
+        Discounts stand in for cost, which falls linearly as they deepen.
+        """
+        key = (minimum, miss)
+        table = self._stopping.get(key)
+        if table is None:
+            table = self._stopping[key] = [miss]
+        start = bisect_left(self._values, minimum)
+        total = max(1, self._total)
+        while len(table) < draws:
+            t = table[-1]
+            i = max(start, bisect_left(self._values, t))
+            above = len(self._values) - i
+            table.append(t + (self._suffix[i] - above * t) / total)
+        return table[draws - 1]
 
 
 class MarketHistory:
@@ -134,6 +176,35 @@ class MarketHistory:
             self._outlook = Outlook(bins, self._bin_s, move)
             self._outlook_at = now
         return self._outlook
+
+
+def _decorrelation_bins(bins: list[float]) -> int:
+    """The first lag (in bins, geometric steps) where autocorrelation falls below 1/e.
+
+    Only pairs of bins that both had a price count: a feed outage says
+    nothing about how fast prices move, and must not pass for a fresh draw
+    (the chance of an outage is ``chance``'s business, not this one's).
+    """
+    n = len(bins)
+    seen = [b for b in bins if b > _NOTHING]
+    if len(seen) < 4:
+        return 1
+    mean = sum(seen) / len(seen)
+    dev = [b - mean if b > _NOTHING else None for b in bins]
+    var = sum((b - mean) ** 2 for b in seen) / len(seen)
+    if var <= 0:
+        return max(1, n // 2)  # a flat market: no new draw in sight
+    lag = 1
+    while lag < n // 2:
+        pairs = [
+            (a, b) for a, b in zip(dev, dev[lag:], strict=False) if a is not None and b is not None
+        ]
+        if pairs:
+            acf = sum(a * b for a, b in pairs) / len(pairs) / var
+            if acf < 1 / math.e:
+                return lag
+        lag = max(lag + 1, int(lag * 1.25))
+    return max(1, n // 2)
 
 
 def _sparse_max(values: list[float]) -> list[list[float]]:

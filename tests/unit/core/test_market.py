@@ -16,6 +16,7 @@ from batchyard.core.market import (
     DeadlineAware,
     FirstEligible,
     Item,
+    OptimalStopping,
     RouteOffer,
     effective_min_discount,
     expected_cost,
@@ -23,6 +24,7 @@ from batchyard.core.market import (
     policy_by_name,
     qualifies,
 )
+from batchyard.core.outlook import Outlook
 from batchyard.core.prices import Price, PriceBook, PricePoint
 
 T0 = datetime(2026, 3, 2, 12, 0, tzinfo=UTC)
@@ -212,6 +214,7 @@ def test_deadline_aware_warm_takes_the_last_chance_before_it_goes() -> None:
 def test_policy_by_name() -> None:
     assert isinstance(policy_by_name("first_eligible"), FirstEligible)
     assert isinstance(policy_by_name("deadline-aware"), DeadlineAware)
+    assert isinstance(policy_by_name("Optimal_Stopping"), OptimalStopping)
     assert policy_by_name("deadline-aware") is not policy_by_name("deadline-aware")
     with pytest.raises(ValueError):
         policy_by_name("cheapest-ever")
@@ -251,3 +254,39 @@ def test_bench_small_deadline_aware_meets_every_chance_and_saves() -> None:
         met += waiting.met
     assert chances > 100
     assert met >= chances - 1
+
+
+# --- optimal stopping ---------------------------------------------------------------------
+
+
+def test_stopping_thresholds_follow_backward_induction() -> None:
+    # Half the bins at 60 % off, half at 20 %: for a 50 % minimum a draw is
+    # 60 with probability 1/2 and nothing otherwise.
+    outlook = Outlook([60.0, 20.0] * 50, 120.0, 0.0)
+    assert outlook.stopping(50.0, -100.0, 1) == -100.0
+    assert outlook.stopping(50.0, -100.0, 2) == pytest.approx(-20.0)  # (60 - 100) / 2
+    assert outlook.stopping(50.0, -100.0, 3) == pytest.approx(20.0)  # (60 - 20) / 2
+    assert outlook.stopping(50.0, -100.0, 50) <= 60.0
+    # A market that alternates every bin forgets its level at once: each bin is a draw.
+    assert outlook.draws(timedelta(minutes=10)) == 6
+
+
+def test_stopping_counts_a_persistent_market_as_few_draws() -> None:
+    # Two-hour spells: a new level about every 40 minutes, not every 2-minute bin.
+    outlook = Outlook(([60.0] * 60 + [20.0] * 60) * 8, 120.0, 0.0)
+    assert outlook.decorrelation >= timedelta(minutes=30)
+    assert outlook.draws(timedelta(hours=1)) <= 3
+
+
+def test_optimal_stopping_holds_out_then_takes_the_bar() -> None:
+    # Every other 30 minutes at 60 % off, else 35 %: a 24 h item at a 30 %
+    # minimum waits out 35 % and takes 60 %.
+    policy = OptimalStopping(min_memory=timedelta(hours=12))
+    clock = ManualClock(T0)
+    _warm(policy, clock, lambda k: "0.40" if (k // 120) % 2 == 0 else "0.65", 24)
+    it = Item("o", Decimal(30), clock.now() + timedelta(hours=24), clock.now(), 1000, 1000)
+    assert policy.choose(it, [offer("a", "0.65")], DIRECT, clock.now()) is None
+    clock.advance(15)
+    assert policy.choose(it, [offer("a", "0.40")], DIRECT, clock.now()) is not None
+    uncapped = offer("a", "0.01", False)
+    assert policy.choose(it, [uncapped], DIRECT, clock.now()) is None
