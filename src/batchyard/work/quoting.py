@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
@@ -93,61 +95,68 @@ class QuotePreparer:
                 ),
             }
         )
-        while True:
 
-            def scan(c: Connection, a: int = after) -> list[tuple[int, int, str]]:
-                return pstore.current_rows(
-                    c, run.dataset_id, after=a, limit=self.settings.prepare_batch
-                )
+        def scan(c: Connection, a: int) -> list[tuple[int, int, str]]:
+            return pstore.current_rows(
+                c, run.dataset_id, after=a, limit=self.settings.prepare_batch
+            )
 
-            batch = db.run_sync(scan, readonly=True)
-            if not batch or self._stopping():
-                break
-            after = batch[-1][0]
-            refs: list[tuple[int, int]] = []
-            texts: list[str] = []
-            counts: list[int] = []
-            for row_id, version, raw in batch:
-                data = json.loads(raw)
-                if not keep(data):
-                    continue
+        def save(c: Connection, items: list[Any], until: datetime) -> bool:
+            now = clock.now()
+            if not update_run(
+                c, run.id, now, expect=[S.PREPARING], owner=self.owner, lease_expires_at=until
+            ):
+                return False
+            work_items.add_items(c, run.id, items)
+            return True
+
+        # Reading the next batch and saving the last one run on a second thread
+        # while this one counts: the tokenizer releases the GIL inside
+        # llama.cpp, so the store's work hides behind the counting instead of
+        # adding to it (bench/runs.py compares quoting with the bare tokenizer).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchyard-quote-io") as io:
+            next_batch = io.submit(db.run_sync, partial(scan, a=after), readonly=True)
+            saved: Future[bool] | None = None
+            while True:
+                batch = next_batch.result()
+                if not batch or self._stopping():
+                    break
+                after = batch[-1][0]
+                next_batch = io.submit(db.run_sync, partial(scan, a=after), readonly=True)
+                refs: list[tuple[int, int]] = []
+                texts: list[str] = []
+                counts: list[int] = []
+                for row_id, version, raw in batch:
+                    data = json.loads(raw)
+                    if not keep(data):
+                        continue
+                    if by_field:
+                        text = prompt_text(data, field)
+                        if text is not None:
+                            refs.append((row_id, version))
+                            texts.append(text)
+                    else:
+                        messages = prompt_messages(data, source)
+                        if messages is not None:
+                            refs.append((row_id, version))
+                            counts.append(tok.count_messages(messages))
                 if by_field:
-                    text = prompt_text(data, field)
-                    if text is not None:
-                        refs.append((row_id, version))
-                        texts.append(text)
-                else:
-                    messages = prompt_messages(data, source)
-                    if messages is not None:
-                        refs.append((row_id, version))
-                        counts.append(tok.count_messages(messages))
-            if by_field:
-                counts = [n + wrap for n in tok.count_batch(texts)]
-            items: list[tuple[int, int, int, str, str | None]] = []
-            for (row_id, version), n in zip(refs, counts, strict=True):
-                if n + max_out > model.context_window:
-                    items.append((row_id, version, n, ItemState.FAILED, too_long))
-                else:
-                    items.append((row_id, version, n, ItemState.PENDING, None))
-                    rows += 1
-                    tokens += n
-            until = self._lease_until()
-
-            def save(c: Connection, items: list[Any] = items, until: Any = until) -> bool:
-                now = clock.now()
-                if not update_run(
-                    c,
-                    run.id,
-                    now,
-                    expect=[S.PREPARING],
-                    owner=self.owner,
-                    lease_expires_at=until,
-                ):
-                    return False
-                work_items.add_items(c, run.id, items)
-                return True
-
-            if not db.run_sync(save):
+                    counts = [n + wrap for n in tok.count_batch(texts)]
+                items: list[tuple[int, int, int, str, str | None]] = []
+                for (row_id, version), n in zip(refs, counts, strict=True):
+                    if n + max_out > model.context_window:
+                        items.append((row_id, version, n, ItemState.FAILED, too_long))
+                    else:
+                        items.append((row_id, version, n, ItemState.PENDING, None))
+                        rows += 1
+                        tokens += n
+                if saved is not None and not saved.result():
+                    log.info("quote abandoned", extra={"run_id": run.id})
+                    return
+                saved = io.submit(
+                    db.run_sync, partial(save, items=items, until=self._lease_until())
+                )
+            if saved is not None and not saved.result():
                 log.info("quote abandoned", extra={"run_id": run.id})
                 return
         if self._stopping():
