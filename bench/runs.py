@@ -114,24 +114,12 @@ def new_run(svc: Service, org: str, project: str, dataset: str) -> str:
     svc.db.run_sync(
         lambda c: rstore.create_run(
             c,
-            id=run_id,
+            run_id=run_id,
             org_id=org,
             project_id=project,
             dataset_id=dataset,
-            status="preparing",
             spec=SPEC,
-            rows_total=0,
-            rows_done=0,
-            rows_failed=0,
-            rows_uncertain=0,
-            rows_canceled=0,
-            input_tokens=0,
-            output_tokens=0,
-            charge_accum=0,
-            outputs_written=0,
-            approved=False,
-            created_at=now,
-            updated_at=now,
+            now=now,
         )
     )
     return run_id

@@ -160,24 +160,12 @@ async def create_run(request: Request, project_id: str) -> Response:
         def tx(c: Connection) -> rstore.Run:
             rstore.create_run(
                 c,
-                id=run_id,
+                run_id=run_id,
                 org_id=org,
                 project_id=project_id,
                 dataset_id=ds.id,
-                status=S.PREPARING,
                 spec=spec,
-                rows_total=0,
-                rows_done=0,
-                rows_failed=0,
-                rows_uncertain=0,
-                rows_canceled=0,
-                input_tokens=0,
-                output_tokens=0,
-                charge_accum=0,
-                outputs_written=0,
-                approved=False,
-                created_at=now,
-                updated_at=now,
+                now=now,
             )
             return rstore.load_run(c, run_id)
 

@@ -154,10 +154,40 @@ def run_of(row: Any) -> Run:
     return Run(**values)
 
 
-def create_run(conn: Connection, **values: Any) -> str:
-    values["spec"] = json.dumps(values["spec"], separators=(",", ":"))
-    conn.execute(insert(runs).values(**values))
-    return str(values["id"])
+def create_run(
+    conn: Connection,
+    *,
+    run_id: str,
+    org_id: str,
+    project_id: str,
+    dataset_id: str,
+    spec: dict[str, Any],
+    now: datetime,
+) -> str:
+    """A new run in ``preparing``, every counter at zero: the quote fills them."""
+    conn.execute(
+        insert(runs).values(
+            id=run_id,
+            org_id=org_id,
+            project_id=project_id,
+            dataset_id=dataset_id,
+            status="preparing",
+            spec=json.dumps(spec, separators=(",", ":")),
+            rows_total=0,
+            rows_done=0,
+            rows_failed=0,
+            rows_uncertain=0,
+            rows_canceled=0,
+            input_tokens=0,
+            output_tokens=0,
+            charge_accum=0,
+            outputs_written=0,
+            approved=False,
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    return run_id
 
 
 def load_run(conn: Connection, run_id: str, *, lock: bool = False) -> Run:
