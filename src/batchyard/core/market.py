@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Protocol
 
-from batchyard.core.outlook import MarketHistory
+from batchyard.core.outlook import MarketHistory, Outlook
 from batchyard.core.prices import Price, discount_percent
 
 __all__ = [
@@ -298,8 +298,9 @@ class DeadlineAware:
             return self._cold(item, offers, direct, now, best, discount, improved)
         outlook = history.outlook(now)
         waiting = left - self.safety_window(item)
-        reserve = Decimal(str(max(0.0, min(100.0, outlook.reserve(waiting, self.reserve)))))
-        deep = _cheapest(item, offers, direct, max(item.min_discount, reserve))
+        deep = _cheapest(
+            item, offers, direct, max(item.min_discount, self.bar(outlook, item, waiting))
+        )
         if deep is not None:
             return deep
         minimum = float(item.min_discount)
@@ -309,6 +310,10 @@ class DeadlineAware:
         ):
             return best
         return None
+
+    def bar(self, outlook: Outlook, item: Item, waiting: timedelta) -> Decimal:
+        """The discount worth taking now: what past windows this long held."""
+        return _bar(outlook.reserve(waiting, self.reserve))
 
     def _cold(
         self,
@@ -347,36 +352,10 @@ class OptimalStopping(DeadlineAware):
         super().__init__(name=name, **kw)  # type: ignore[arg-type]
         self.miss = miss
 
-    def choose(
-        self, item: Item, offers: Sequence[RouteOffer], direct: Price, now: datetime
-    ) -> RouteOffer | None:
-        _check_discount(item.min_discount)
-        self.observe(offers, direct, now)
-        if now >= item.deadline:
-            return None
-        best = _cheapest(item, offers, direct, item.min_discount)
-        if best is None:
-            return None
-        left = item.deadline - now
-        if left <= self.safety_window(item):
-            return best
-        discount = _offer_discount(best, direct)
-        history = self._markets[tuple(sorted(offer.route for offer in offers))]
-        if history.span() < self.min_memory:
-            return self._cold(item, offers, direct, now, best, discount, history.rising)
-        outlook = history.outlook(now)
-        waiting = left - self.safety_window(item)
+    def bar(self, outlook: Outlook, item: Item, waiting: timedelta) -> Decimal:
+        """What waiting is worth with the looks left: deeper than this, take it."""
         minimum = float(item.min_discount)
-        bar = outlook.stopping(minimum, self.miss, outlook.draws(waiting))
-        deep = _cheapest(item, offers, direct, max(item.min_discount, _bar(bar)))
-        if deep is not None:
-            return deep
-        if (
-            outlook.chance(waiting, minimum) < self.assurance
-            and float(discount) - minimum <= outlook.move * self.move_factor
-        ):
-            return best
-        return None
+        return _bar(outlook.stopping(minimum, self.miss, outlook.draws(waiting)))
 
 
 def _bar(discount: float) -> Decimal:
