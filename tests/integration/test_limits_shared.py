@@ -28,6 +28,7 @@ from batchyard.core.limits_redis import RedisLimiter
 from batchyard.core.limits_sql import LIMITS_TABLE, SqlLimiter, create_table
 from batchyard.engines.base import RateLimitSignal
 from batchyard.errors import RateLimited
+from tests.support.clocks import SleepWatchingClock
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -36,25 +37,6 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 RPM = Limit("rpm", per_minute=60)
 TPM = Limit("tpm", per_minute=6000, burst=100)
-
-
-class SleepWatchingClock(ManualClock):
-    """A ManualClock that tells the test what a waiter asked to sleep for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sleeps: list[float] = []
-        self.sleeping = asyncio.Event()
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.sleeping.set()
-        await super().sleep(seconds)
-
-    async def next_sleep(self) -> float:
-        await asyncio.wait_for(self.sleeping.wait(), 5)
-        self.sleeping.clear()
-        return self.sleeps[-1]
 
 
 def postgres_engine() -> sa.Engine:

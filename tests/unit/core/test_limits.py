@@ -31,28 +31,10 @@ from batchyard.core.limits import (
 )
 from batchyard.engines.base import RateLimitSignal
 from batchyard.errors import RateLimited
+from tests.support.clocks import SleepWatchingClock
 
 RPM = Limit("rpm", per_minute=60)
 TPM = Limit("tpm", per_minute=6000, burst=100)
-
-
-class SleepWatchingClock(ManualClock):
-    """A ManualClock that tells the test what a waiter asked to sleep for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sleeps: list[float] = []
-        self.sleeping = asyncio.Event()
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.sleeping.set()
-        await super().sleep(seconds)
-
-    async def next_sleep(self) -> float:
-        await asyncio.wait_for(self.sleeping.wait(), 5)
-        self.sleeping.clear()
-        return self.sleeps[-1]
 
 
 @pytest.fixture
