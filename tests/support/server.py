@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from batchyard.api.app import create_app
 from batchyard.service import Service
@@ -26,10 +27,21 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def live_server(service: Service, *, worker: bool = True) -> AsyncIterator[str]:
-    """Serve ``service`` on 127.0.0.1; yields the base URL (no trailing slash)."""
+async def live_server(
+    service: Service,
+    *,
+    worker: bool = True,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
+) -> AsyncIterator[str]:
+    """Serve ``service`` on 127.0.0.1; yields the base URL (no trailing slash).
+
+    ``wrap`` puts middleware of the test's own around the app (to count what
+    goes over the wire, say).
+    """
     port = free_port()
-    app = create_app(service, worker=worker, close_on_exit=False)
+    app: ASGIApp = create_app(service, worker=worker, close_on_exit=False)
+    if wrap is not None:
+        app = wrap(app)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on"
     )

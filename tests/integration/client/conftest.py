@@ -9,20 +9,17 @@ engine answers at once.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from batchyard.api.app import create_app
 from batchyard.client.async_client import AsyncClient
 from batchyard.core.clock import SystemClock
 from batchyard.core.config import Settings
@@ -32,7 +29,7 @@ from batchyard.errors import UpstreamError
 from batchyard.service import Service
 from batchyard.store import ledger
 from tests.support.accounts import Account, make_account
-from tests.support.server import free_port
+from tests.support.server import live_server
 
 #: The test organisation's requests a minute: 40 a second, one every 25 ms.
 TIER_RPM = 2400
@@ -77,26 +74,9 @@ class Wire:
         self.replayed = 0
 
 
-@asynccontextmanager
-async def counted_server(service: Service, wire: Wire) -> AsyncIterator[str]:
+def counted_server(service: Service, wire: Wire) -> AbstractAsyncContextManager[str]:
     """``tests.support.server.live_server`` with ``wire`` around the app."""
-    port = free_port()
-    app = wire.wrap(create_app(service, worker=True, close_on_exit=False))
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on"
-    )
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, timeout=30)
+    return live_server(service, worker=True, wrap=wire.wrap)
 
 
 @dataclass
