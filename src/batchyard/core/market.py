@@ -27,18 +27,18 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Protocol
 
-from batchyard.core.outlook import MarketHistory, Outlook
+from batchyard.core.outlook import Analogues, MarketHistory
 from batchyard.core.prices import Price, discount_percent
 
 __all__ = [
     "DeadlineAware",
     "FirstEligible",
     "Item",
-    "OptimalStopping",
     "Policy",
     "RouteOffer",
     "effective_min_discount",
     "expected_cost",
+    "market_key",
     "offer_cost",
     "policy_by_name",
     "qualifies",
@@ -195,88 +195,85 @@ class DeadlineAware:
 
     1. *Safety window.* Less than the larger of ``safety_share`` of the
        item's window and ``safety`` is left: take what qualifies.
-    2. *Reserve.* The offer's discount reaches the ``reserve`` quantile of the
-       best discount that past windows as long as the time left held (see
-       ``batchyard.core.outlook``). As the deadline nears, the windows
-       compared get shorter and their best gets shallower, so the bar relaxes
-       towards the minimum on its own.
-    3. *Last chance.* The share of past windows as long as the time left that
-       held any qualifying price is below ``assurance``, and the offer's
-       discount is within one pass's largest observed drop (times
-       ``move_factor``) of the minimum, and the market's last move was not a
-       deepening: the next pass may take the chance away for good.
+    2. *Risk.* Fewer than ``assurance`` of the market's analogues (the past
+       moments that looked most like now, see ``batchyard.core.outlook``)
+       went on to offer any qualifying price in the time left: take it while
+       it is there.
+    3. *Worth.* Taking now costs no more than ``1 + slack`` times what the
+       best plan of waiting cost on the analogues' futures (a future where
+       nothing qualified by the deadline counting ``analogues.penalty``
+       points of the direct price). ``slack`` pays for the optimism of picking the best
+       plan on the same few futures it is judged by.
 
-    Until a market's history spans ``min_memory`` (a fresh worker), a
-    schedule stands in for 2 and 3: hold out for
-    ``min + depth x (100 - min) x g^curve`` (``g`` the share of the window
-    left), and take any qualifying offer that has come down from the item's
-    best once it is within ``cold_edge`` points of the minimum.
+    Until a market's history spans ``min_memory`` (a fresh worker with
+    nothing restored), or while it holds too few analogues, it knows nothing
+    that would justify betting a deadline, and takes the first qualifying
+    offer as ``FirstEligible`` does.
 
     History only ever makes the policy dispatch sooner among offers that
-    qualify now on fresh prices; it never authorises a spend. The state lives
-    in this object: a restarted worker forgets it and starts cold, which is
-    still safe. Defaults were chosen with ``bench/market.py``; see
-    docs/explanation/market.md for what they achieve and where they fall short.
+    qualify now on fresh prices; it never authorises a spend. The history
+    lives in this object; the market worker saves it and restores it on
+    start (``saved``/``restore``). Defaults were chosen with
+    ``bench/market.py``; see docs/explanation/market.md for what they achieve.
     """
 
     def __init__(
         self,
         *,
-        reserve: float = 0.5,
-        assurance: float = 0.98,
-        move_factor: float = 1.5,
+        assurance: float = 0.97,
+        slack: float = 0.1,
+        analogues: Analogues | None = None,
         safety: timedelta = timedelta(minutes=5),
         safety_share: Decimal = Decimal("0.02"),
-        memory: timedelta = timedelta(hours=48),
+        memory: timedelta = timedelta(days=7),
         min_memory: timedelta = timedelta(hours=12),
-        depth: Decimal = Decimal("0.5"),
-        curve: Decimal = Decimal("2"),
-        cold_edge: Decimal = Decimal("5"),
         name: str = "deadline-aware",
     ) -> None:
-        if not 0 <= reserve <= 1 or not 0 <= assurance <= 1:
-            raise ValueError("reserve and assurance are shares from 0 to 1")
-        if not Decimal(0) <= depth <= 1 or not Decimal(0) <= safety_share < 1:
-            raise ValueError("depth and safety_share are shares from 0 to 1")
-        if curve <= 0 or move_factor < 0 or cold_edge < 0:
-            raise ValueError("curve must be positive, move_factor and cold_edge not negative")
+        if not 0 <= assurance <= 1:
+            raise ValueError("assurance is a share from 0 to 1")
+        if not Decimal(0) <= safety_share < 1:
+            raise ValueError("safety_share is a share from 0 to 1")
+        if slack < 0:
+            raise ValueError("slack cannot be negative")
         if safety < timedelta(0) or min_memory < timedelta(0) or memory <= timedelta(0):
             raise ValueError("durations cannot be negative")
-        self.reserve = reserve
         self.assurance = assurance
-        self.move_factor = move_factor
+        self.slack = slack
+        self.analogues = analogues or Analogues()
         self.safety = safety
         self.safety_share = safety_share
         self.memory = memory
         self.min_memory = min_memory
-        self.depth = depth
-        self.curve = curve
-        self.cold_edge = cold_edge
         self.name = name
-        self._markets: dict[tuple[str, ...], MarketHistory] = {}
+        self._markets: dict[str, MarketHistory] = {}
 
     def safety_window(self, item: Item) -> timedelta:
         """How close to its deadline an item takes any qualifying offer."""
         return max(self.safety, (item.deadline - item.submitted_at) * float(self.safety_share))
 
-    def required_discount(self, item: Item, now: datetime) -> Decimal:
-        """The cold-start schedule's bar at ``now`` (never below the minimum)."""
-        minimum = item.min_discount
-        if item.deadline - now <= self.safety_window(item):
-            return minimum
-        return minimum + self.depth * (_HUNDRED - minimum) * _share_left(item, now) ** self.curve
+    def history(self, market: str) -> MarketHistory:
+        """The history kept for ``market`` (``market_key`` of its offers)."""
+        history = self._markets.get(market)
+        if history is None:
+            history = self._markets[market] = MarketHistory(self.memory, analogues=self.analogues)
+        return history
 
     def observe(self, offers: Sequence[RouteOffer], direct: Price, now: datetime) -> None:
         """Record the market as it stands; ``choose`` calls this itself.
 
-        A worker may also call it on passes with nothing waiting, so that the
+        A worker also calls it on passes with nothing waiting, so that the
         first item after a quiet spell does not meet a blank history.
         """
-        key = tuple(sorted(offer.route for offer in offers))
-        history = self._markets.get(key)
-        if history is None:
-            history = self._markets[key] = MarketHistory(self.memory)
-        history.add(now, _best_discount(offers, direct))
+        self.history(market_key(offers)).add(now, _best_discount(offers, direct))
+
+    def saved(self, since: int | None = None) -> dict[str, list[tuple[int, float | None]]]:
+        """Every market's history from bin ``since`` on, for the worker to store."""
+        return {market: history.saved(since) for market, history in self._markets.items()}
+
+    def restore(self, markets: dict[str, list[tuple[int, float | None]]]) -> None:
+        """Histories a previous worker stored: a restart does not start blind."""
+        for market, bins in markets.items():
+            self.history(market).restore(bins)
 
     def choose(
         self, item: Item, offers: Sequence[RouteOffer], direct: Price, now: datetime
@@ -291,75 +288,24 @@ class DeadlineAware:
         left = item.deadline - now
         if left <= self.safety_window(item):
             return best
-        discount = _offer_discount(best, direct)
-        history = self._markets[tuple(sorted(offer.route for offer in offers))]
-        improved = history.rising
-        if history.span() < self.min_memory:
-            return self._cold(item, offers, direct, now, best, discount, improved)
-        outlook = history.outlook(now)
-        waiting = left - self.safety_window(item)
-        deep = _cheapest(
-            item, offers, direct, max(item.min_discount, self.bar(outlook, item, waiting))
-        )
-        if deep is not None:
-            return deep
-        minimum = float(item.min_discount)
-        if (
-            outlook.chance(waiting, minimum) < self.assurance
-            and float(discount) - minimum <= outlook.move * self.move_factor
-        ):
+        history = self.history(market_key(offers))
+        view = None
+        if history.span() >= self.min_memory:
+            waiting = left - self.safety_window(item)
+            bins = int(waiting.total_seconds() // history.bin_s)
+            view = history.outlook(now).waiting(bins, float(item.min_discount))
+        if view is None:
+            return best  # nothing learnt yet: no bet on the deadline
+        chance, wait_cost = view
+        if chance < self.assurance:
             return best
-        return None
-
-    def bar(self, outlook: Outlook, item: Item, waiting: timedelta) -> Decimal:
-        """The discount worth taking now: what past windows this long held."""
-        return _bar(outlook.reserve(waiting, self.reserve))
-
-    def _cold(
-        self,
-        item: Item,
-        offers: Sequence[RouteOffer],
-        direct: Price,
-        now: datetime,
-        best: RouteOffer,
-        discount: Decimal,
-        improved: bool,
-    ) -> RouteOffer | None:
-        scheduled = _cheapest(item, offers, direct, self.required_discount(item, now))
-        if scheduled is not None:
-            return scheduled
-        if not improved and discount - item.min_discount <= self.cold_edge:
-            return best
-        return None
+        cost_now = 100.0 - float(_offer_discount(best, direct))
+        return best if cost_now <= wait_cost * (1 + self.slack) else None
 
 
-class OptimalStopping(DeadlineAware):
-    """Backward induction over the looks left, from the market's own distribution.
-
-    With ``n`` independent looks left (the time left over the trace's
-    decorrelation time, see ``Outlook.stopping``), the offer worth taking
-    now is the one at least as deep as what waiting is worth in expectation,
-    a miss being worth ``miss`` (a discount: -100 is paying twice the direct
-    price, the request run elsewhere at full price plus its lateness). The
-    iid model cannot see that a market may dry up, so the safety window and
-    last-chance rules of ``DeadlineAware`` still apply, and so does its cold
-    start. It narrows ``qualifies`` like every policy.
-    """
-
-    def __init__(
-        self, *, miss: float = -100.0, name: str = "optimal-stopping", **kw: object
-    ) -> None:
-        super().__init__(name=name, **kw)  # type: ignore[arg-type]
-        self.miss = miss
-
-    def bar(self, outlook: Outlook, item: Item, waiting: timedelta) -> Decimal:
-        """What waiting is worth with the looks left: deeper than this, take it."""
-        minimum = float(item.min_discount)
-        return _bar(outlook.stopping(minimum, self.miss, outlook.draws(waiting)))
-
-
-def _bar(discount: float) -> Decimal:
-    return Decimal(str(max(0.0, min(100.0, discount))))
+def market_key(offers: Sequence[RouteOffer]) -> str:
+    """The name a market's history is kept under: the routes it offers, sorted."""
+    return ",".join(sorted(offer.route for offer in offers))
 
 
 def _best_discount(offers: Sequence[RouteOffer], direct: Price) -> float | None:
@@ -373,14 +319,6 @@ def _best_discount(offers: Sequence[RouteOffer], direct: Price) -> float | None:
     return None if best is None else float(best)
 
 
-def _share_left(item: Item, now: datetime) -> Decimal:
-    window = (item.deadline - item.submitted_at).total_seconds()
-    if window <= 0:
-        return Decimal(0)
-    left = (item.deadline - now).total_seconds()
-    return max(Decimal(0), min(Decimal(1), Decimal(left) / Decimal(window)))
-
-
 def _offer_discount(offer: RouteOffer, direct: Price) -> Decimal:
     """The discount an offer guarantees: the shallowest over both rates and all fallbacks."""
     if offer.price is None:
@@ -392,12 +330,11 @@ def _offer_discount(offer: RouteOffer, direct: Price) -> Decimal:
 
 
 def policy_by_name(name: str) -> Policy:
-    """The policy a configuration names: first-eligible, deadline-aware, optimal-stopping."""
+    """The policy a configuration names: first-eligible or deadline-aware."""
     # A fresh object each call: DeadlineAware keeps state that must not be shared.
     factories: dict[str, type[FirstEligible] | type[DeadlineAware]] = {
         "first-eligible": FirstEligible,
         "deadline-aware": DeadlineAware,
-        "optimal-stopping": OptimalStopping,
     }
     factory = factories.get(name.strip().lower().replace("_", "-"))
     if factory is None:

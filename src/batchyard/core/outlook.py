@@ -1,24 +1,30 @@
-"""What a market's recent past says about the discounts the next hours may bring.
+"""What followed moments like this one, in a market's own past.
 
 ``DeadlineAware`` (``batchyard.core.market``) must decide, for an item that
-could be dispatched now, whether waiting is worth it and whether it is safe.
-Both answers come from one object per market: the best discount on offer at
-each worker pass, kept for a trailing ``memory`` in short bins. From it:
+could be dispatched now, whether waiting for a deeper discount is worth it
+and whether it is safe. Prices that swing daily, drift or dip are not a run
+of independent draws: what comes next depends on where the market is and
+where it is heading. So the answer is read from *analogues* (Lorenz's method
+of analogues): the moments in the recent past whose last few hours looked
+most like the last few hours now, and what each of them went on to offer.
 
-* ``reserve(window, q)``: the ``q`` quantile of *the best discount seen in a
-  window of that length*, over every such window of the past. Holding out for
-  it is the classic reserve price of online selling: an offer at least that
-  good is one that a window of the same length usually does not beat.
-* ``chance(window, minimum)``: the share of past windows of that length that
-  held any price at ``minimum`` or better. Stale gaps count as nothing on
-  offer, so a feed that drops out lowers it.
-* ``move``: the largest drop of the best discount between two passes. A
-  discount within that of the item's minimum can vanish at the next pass.
-* ``stopping(minimum, miss)``: optimal-stopping thresholds by backward
-  induction (``OptimalStopping``), treating the market as a run of
-  independent draws from the per-bin distribution, one draw per
-  ``decorrelation`` (the lag after which the trace forgets its level):
-  a 15 s pass is not a fresh draw on a market that moves by the hour.
+* ``MarketHistory`` keeps, per market, the deepest discount on offer in each
+  2-minute bin over a trailing ``memory`` (seven days by default), ``-inf``
+  where no route had a fresh payable price. It can be saved and restored, so
+  a restarted worker does not start blind.
+* ``Outlook`` is one snapshot of it. For an item needing ``minimum`` with
+  ``bins`` left, ``waiting`` takes the ``k`` analogues whose own future is at
+  least that long, and simulates every simple plan "take the first price at
+  least as deep as tau, else whatever qualifies at the end" on each of their
+  futures. It returns the share of futures that held any qualifying price
+  (``chance``) and the expected cost of the best plan (``cost``, in points of
+  the direct price; a future with nothing at the end costs ``penalty``).
+
+Each analogue's future is shifted by the small difference between its level
+and the level now (at most ``shift`` points), so that a neighbour matched a
+little higher or lower does not pass its luck on. The shift is capped: a
+neighbour in another regime (the base price when the market is in a dip)
+must not have its whole future lifted by the dip.
 
 Discounts here are floats: they only rank and estimate, never authorise a
 spend or count money (``qualifies`` does that, exactly, on fresh prices).
@@ -27,197 +33,253 @@ spend or count money (``qualifies`` does that, exactly, on fresh prices).
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
-from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-__all__ = ["MarketHistory", "Outlook"]
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["BIN", "Analogues", "MarketHistory", "Outlook", "bin_index"]
 
 _NOTHING = -math.inf
+#: The width of a history bin: a few worker passes, short enough for a 5-minute dip.
+BIN = timedelta(minutes=2)
+Floats = npt.NDArray[np.float64]
+
+#: How far back an analogue's shape is compared, in bins (2 min each): now,
+#: 10 and 30 minutes, 1, 2 and 4 hours ago. Enough to tell the falling side of
+#: a daily swing from the rising side, the start of a dip from its end.
+LAGS = (0, 5, 15, 30, 60, 120)
+#: Where no price was ever seen, a shape counts this level (below any payable one).
+_UNSEEN = -10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Analogues:
+    """How analogues are found and judged; defaults chosen with ``bench/market.py``."""
+
+    #: How many analogues a forecast rests on.
+    k: int = 30
+    #: The least distance between two analogues, in bins: neighbouring bins share
+    #: almost all their future, and thirty of them are one future counted thirty times.
+    spacing: int = 5
+    #: The most an analogue's future is shifted towards the level now, in points.
+    shift: float = 3.0
+    #: The root-mean-square difference of shape, in points, beyond which a past
+    #: moment is no analogue at all (a young history has few that qualify).
+    unlike: float = 15.0
+    #: The bins before the deadline whose price a plan falls back on.
+    tail: int = 3
+    #: What a future with nothing qualifying at the end costs, in points of the
+    #: direct price (100: paying it in full; 300: a miss is three times worse).
+    penalty: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.k < 3 or self.spacing < 1 or self.tail < 1:
+            raise ValueError("analogues need k >= 3, spacing >= 1 and tail >= 1")
+        if self.shift < 0 or self.penalty < 0 or self.unlike <= 0:
+            raise ValueError("shift and penalty cannot be negative, unlike must be positive")
 
 
 class Outlook:
-    """Window statistics computed from one snapshot of a market's history."""
+    """Analogues of the present, found once per bin and shared by every item."""
 
-    def __init__(self, bins: list[float], bin_s: float, move: float) -> None:
-        self.bin_s = bin_s
-        self.move = move
-        self._total = len(bins)
-        # Per-bin best discounts that were on offer, ascending, with suffix sums.
-        self._values = sorted(b for b in bins if b > _NOTHING)
-        self._suffix = [0.0] * (len(self._values) + 1)
-        for i in range(len(self._values) - 1, -1, -1):
-            self._suffix[i] = self._suffix[i + 1] + self._values[i]
-        self._stopping: dict[tuple[float, float], list[float]] = {}
-        #: How long the trace takes to forget its level (autocorrelation below 1/e).
-        self.decorrelation = timedelta(seconds=bin_s * _decorrelation_bins(bins))
-        self._lengths: list[int] = []  # window lengths in bins, ascending
-        self._maxima: list[list[float]] = []  # per length: sorted best discounts
-        n = len(bins)
-        table = _sparse_max(bins)
-        length = 1
-        while length <= max(1, n // 2):
-            stride = max(1, (n - length) // 240)
-            maxima = sorted(
-                _range_max(table, s, s + length) for s in range(0, n - length + 1, stride)
-            )
-            self._lengths.append(length)
-            self._maxima.append(maxima)
-            length = max(length + 1, int(length * 1.2))
+    def __init__(self, bins: Sequence[float], analogues: Analogues | None = None) -> None:
+        settings = analogues or Analogues()
+        self.k = settings.k
+        self.spacing = settings.spacing
+        self.shift = settings.shift
+        self.tail = settings.tail
+        self.penalty = settings.penalty
+        values = np.asarray(bins, dtype=np.float64)
+        self._values = values
+        self._filled = _carry_forward(values)
+        n = len(values)
+        self._now = n - 1
+        self._level = float(self._filled[-1]) if n else _UNSEEN
+        lags = np.asarray(LAGS)
+        # Every past moment with a full shape and at least one bin of future.
+        starts = np.arange(int(lags[-1]), n - 1)
+        if len(starts):
+            shapes = self._filled[starts[:, None] - lags[None, :]]
+            here = self._filled[self._now - lags]
+            distance = ((shapes - here) ** 2).mean(axis=1)
+            # A moment that does not look like now is no analogue of it,
+            # however few better ones there are.
+            alike = distance <= settings.unlike**2
+            self._ranked = starts[alike][np.argsort(distance[alike], kind="stable")]
+        else:
+            self._ranked = starts
+        self._futures: dict[tuple[int, float], _Futures | None] = {}
+        self._answers: dict[tuple[int, float], tuple[float, float] | None] = {}
 
-    def _for(self, window: timedelta) -> list[float]:
-        # The longest tabulated window that fits: a shorter one holds fewer
-        # chances, so the estimate errs towards dispatching sooner.
-        want = max(1, int(window.total_seconds() // self.bin_s))
-        index = max(0, bisect_left(self._lengths, want + 1) - 1)
-        return self._maxima[index]
+    def waiting(self, bins: int, minimum: float) -> tuple[float, float] | None:
+        """(chance, cost) of waiting ``bins`` more bins; None without enough analogues."""
+        if bins < 1:
+            return None
+        key = (bins, minimum)
+        if key in self._answers:
+            return self._answers[key]
+        plans = (_horizon(bins), minimum)
+        if plans not in self._futures:
+            self._futures[plans] = self._plans(*plans)
+        futures = self._futures[plans]
+        answer = None if futures is None else futures.at(min(bins, futures.horizon))
+        self._answers[key] = answer
+        return answer
 
-    def reserve(self, window: timedelta, q: float) -> float:
-        maxima = self._for(window)
-        return maxima[min(len(maxima) - 1, int(q * len(maxima)))]
+    def _apart(self, ranked: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The ``k`` best analogues at least ``spacing`` bins from each other.
 
-    def chance(self, window: timedelta, minimum: float) -> float:
-        maxima = self._for(window)
-        return 1 - bisect_left(maxima, minimum) / len(maxima)
-
-    def draws(self, window: timedelta) -> int:
-        """Independent looks at the market a window holds (at least the current one)."""
-        tau = max(self.decorrelation.total_seconds(), self.bin_s)
-        return 1 + int(window.total_seconds() // tau)
-
-    def stopping(self, minimum: float, miss: float, draws: int) -> float:
-        """The discount worth taking now with ``draws`` looks left, this one included.
-
-        Backward induction: with no look left the item is missed, worth
-        ``miss`` (a discount; 0 is paying the direct price). With n looks,
-        t_n = E[max(Y, t_{n-1})], where Y is a draw's best discount, counted
-        as nothing (keep t_{n-1}) when no route was on offer at ``minimum``.
-        Taking the offer now is optimal when it is at least t_{draws-1}.
-        Discounts stand in for cost, which falls linearly as they deepen.
+        Neighbouring bins share almost all their future: thirty of them are
+        one future counted thirty times, and would make a rare outcome look
+        certain.
         """
-        key = (minimum, miss)
-        table = self._stopping.get(key)
-        if table is None:
-            table = self._stopping[key] = [miss]
-        start = bisect_left(self._values, minimum)
-        total = max(1, self._total)
-        while len(table) < draws:
-            t = table[-1]
-            i = max(start, bisect_left(self._values, t))
-            above = len(self._values) - i
-            table.append(t + (self._suffix[i] - above * t) / total)
-        return table[draws - 1]
+        taken: list[int] = []
+        for start in ranked.tolist():
+            if all(abs(start - other) >= self.spacing for other in taken):
+                taken.append(start)
+                if len(taken) == self.k:
+                    break
+        return np.asarray(taken, dtype=np.int64)
+
+    def _plans(self, horizon: int, minimum: float) -> _Futures | None:
+        # Only analogues whose future is known for the whole horizon. A future
+        # cut short by "now" would pass its last bin off as the deadline, where
+        # something usually still qualifies: too short a history is no history.
+        whole = self._ranked[self._now - self._ranked > horizon]
+        chosen = self._apart(whole)
+        if len(chosen) < self.k:
+            return None
+        rows = self._values[chosen[:, None] + 1 + np.arange(horizon)[None, :]]
+        lift = np.clip(self._level - self._filled[chosen], -self.shift, self.shift)
+        return _Futures(rows + lift[:, None], minimum, self.tail, self.penalty)
+
+
+class _Futures:
+    """The analogues' futures for one minimum, and every threshold plan on them."""
+
+    def __init__(self, rows: Floats, minimum: float, tail: int, penalty: float) -> None:
+        self.horizon = rows.shape[1]
+        self.minimum = minimum
+        self.penalty = penalty
+        self.best = np.maximum.accumulate(rows, axis=1)  # the deepest seen so far
+        # The fallback of every plan: the deepest price in the last ``tail`` bins.
+        end = rows.copy()
+        for back in range(1, tail):
+            end[:, back:] = np.maximum(end[:, back:], rows[:, :-back])
+        self.end = end
+        # Plans: take the first bin at least tau deep, tau from the minimum up.
+        self.taus = np.arange(minimum, 100.0 + 1e-9, 2.0)
+        # The running best is sorted, so the first bin reaching tau is a search.
+        self.first = np.stack([np.searchsorted(row, self.taus) for row in self.best])
+        last = self.horizon - 1
+        self.got = np.take_along_axis(self.best, np.minimum(self.first, last), axis=1)
+
+    def at(self, bins: int) -> tuple[float, float]:
+        last = bins - 1
+        chance = float((self.best[:, last] >= self.minimum).mean())
+        end = self.end[:, last]
+        fallback = np.where(end >= self.minimum, 100.0 - end, self.penalty)
+        cost = np.where(self.first <= last, 100.0 - self.got, fallback[:, None])
+        return chance, float(cost.mean(axis=0).min())
 
 
 class MarketHistory:
-    """The best discount a market offered at each pass, binned over ``memory``.
+    """The best discount a market offered in each bin, over a trailing ``memory``.
 
-    A bin keeps the best discount seen in it (``-inf`` when nothing had a
-    fresh price) and the largest pass-to-pass drop. Bins with no observation
-    at all (the worker was idle) also count as nothing on offer: unknown is
-    treated as unavailable, which only makes the policy more careful.
+    Bins with no observation at all (the worker was idle) count as nothing
+    on offer: unknown is treated as unavailable, which only makes the policy
+    more careful.
     """
 
     def __init__(
         self,
-        memory: timedelta,
-        bin_width: timedelta = timedelta(minutes=2),
-        refresh: timedelta = timedelta(minutes=20),
+        memory: timedelta = timedelta(days=7),
+        bin_width: timedelta = BIN,
+        analogues: Analogues | None = None,
     ) -> None:
-        self._bin_s = bin_width.total_seconds()
-        self._keep = int(memory.total_seconds() // self._bin_s)
-        self._refresh = refresh
-        self._bins: deque[tuple[int, float, float]] = deque()  # (index, best, drop)
-        self._last: float | None = None
-        #: Whether the last change of the best discount was upwards (deeper).
-        self.rising = False
+        self.bin_s = bin_width.total_seconds()
+        self._keep = int(memory.total_seconds() // self.bin_s)
+        self._first: int | None = None  # bin index of self._bins[0]
+        self._bins: list[float] = []
         self._last_at: datetime | None = None
+        self._analogues = analogues or Analogues()
         self._outlook: Outlook | None = None
-        self._outlook_at: datetime | None = None
+        self._outlook_bin: int | None = None
+
+    def index(self, now: datetime) -> int:
+        return bin_index(now, self.bin_s)
 
     def add(self, now: datetime, discount: float | None) -> None:
         if self._last_at is not None and now <= self._last_at:
             return  # several items ask in one pass; one sample is enough
-        index = int(now.timestamp() // self._bin_s)
-        value = _NOTHING if discount is None else discount
-        drop = 0.0
-        if self._last is not None and discount is None:
-            drop = math.inf  # the feed went stale: every chance went at once
-        elif self._last is not None and discount is not None and self._last > discount:
-            drop = self._last - discount
-        if self._last is not None and discount is not None and self._last != discount:
-            self.rising = discount > self._last
-        elif discount is None:
-            self.rising = False
-        self._last, self._last_at = discount, now
-        if self._bins and self._bins[-1][0] == index:
-            _, best, worst_drop = self._bins[-1]
-            self._bins[-1] = (index, max(best, value), max(worst_drop, drop))
-        else:
-            if self._bins:  # idle bins in between: nothing known, nothing counted
-                for gap in range(self._bins[-1][0] + 1, index):
-                    self._bins.append((gap, _NOTHING, 0.0))
-            self._bins.append((index, value, drop))
-        while self._bins and self._bins[0][0] <= index - self._keep:
-            self._bins.popleft()
+        self._last_at = now
+        self._put(self.index(now), _NOTHING if discount is None else discount)
+
+    def _put(self, index: int, value: float) -> None:
+        if self._first is None:
+            self._first = index
+        pos = index - self._first
+        if pos < 0:
+            return  # older than what is kept
+        if pos >= len(self._bins):
+            self._bins.extend([_NOTHING] * (pos + 1 - len(self._bins)))
+        self._bins[pos] = max(self._bins[pos], value)
+        extra = len(self._bins) - self._keep
+        if extra > self._keep // 8:  # trim in chunks, not on every bin
+            del self._bins[:extra]
+            self._first += extra
 
     def span(self) -> timedelta:
-        return timedelta(seconds=len(self._bins) * self._bin_s)
+        return timedelta(seconds=len(self._bins) * self.bin_s)
+
+    def saved(self, since: int | None = None) -> list[tuple[int, float | None]]:
+        """(bin index, best discount or None) per bin from ``since``, as ``restore`` takes them."""
+        first = self._first or 0
+        skip = 0 if since is None else max(0, since - first)
+        return [
+            (first + i, None if v == _NOTHING else v)
+            for i, v in enumerate(self._bins[skip:], start=skip)
+        ]
+
+    def restore(self, bins: Iterable[tuple[int, float | None]]) -> None:
+        """Merge saved bins in (a restarted worker picks up where it left off)."""
+        for index, value in sorted(bins):
+            self._put(index, _NOTHING if value is None else value)
+        self._outlook = None
 
     def outlook(self, now: datetime) -> Outlook:
-        """Statistics from the history, recomputed at most every ``refresh``."""
-        if (
-            self._outlook is None
-            or self._outlook_at is None
-            or now - self._outlook_at >= self._refresh
-        ):
-            bins = [best for _, best, _ in self._bins] or [_NOTHING]
-            move = max((drop for _, _, drop in self._bins), default=0.0)
-            self._outlook = Outlook(bins, self._bin_s, move)
-            self._outlook_at = now
+        """Analogues of ``now``, recomputed once per bin."""
+        index = self.index(now)
+        if self._outlook is None or self._outlook_bin != index:
+            self._outlook = Outlook(self._bins, self._analogues)
+            self._outlook_bin = index
         return self._outlook
 
 
-def _decorrelation_bins(bins: list[float]) -> int:
-    """The first lag (in bins, geometric steps) where autocorrelation falls below 1/e.
-
-    Only pairs of bins that both had a price count: a feed outage says
-    nothing about how fast prices move, and must not pass for a fresh draw
-    (the chance of an outage is ``chance``'s business, not this one's).
-    """
-    n = len(bins)
-    seen = [b for b in bins if b > _NOTHING]
-    if len(seen) < 4:
-        return 1
-    mean = sum(seen) / len(seen)
-    dev = [b - mean if b > _NOTHING else None for b in bins]
-    var = sum((b - mean) ** 2 for b in seen) / len(seen)
-    if var <= 0:
-        return max(1, n // 2)  # a flat market: no new draw in sight
-    lag = 1
-    while lag < n // 2:
-        pairs = [
-            (a, b) for a, b in zip(dev, dev[lag:], strict=False) if a is not None and b is not None
-        ]
-        if pairs:
-            acf = sum(a * b for a, b in pairs) / len(pairs) / var
-            if acf < 1 / math.e:
-                return lag
-        lag = max(lag + 1, int(lag * 1.25))
-    return max(1, n // 2)
+def bin_index(at: datetime, width_s: float = BIN.total_seconds()) -> int:
+    """The bin ``at`` falls in: the same numbering for every worker and every restart."""
+    return int(at.timestamp() // width_s)
 
 
-def _sparse_max(values: list[float]) -> list[list[float]]:
-    table = [values]
-    width = 1
-    while 2 * width <= len(values):
-        prev = table[-1]
-        table.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
-        width *= 2
-    return table
+def _horizon(bins: int) -> int:
+    # Items' windows are 1 h, 6 h or 24 h: analogues are chosen per class of
+    # horizon, so a 1 h item still learns from the last day's moments.
+    for step in (32, 192, 736):
+        if bins <= step:
+            return step
+    return bins
 
 
-def _range_max(table: list[list[float]], start: int, stop: int) -> float:
-    level = (stop - start).bit_length() - 1
-    row = table[level]
-    return max(row[start], row[stop - (1 << level)])
+def _carry_forward(values: Floats) -> Floats:
+    """The last price seen at each bin: a feed outage hides the level, it does not end it."""
+    seen = values > _NOTHING
+    if not seen.any():
+        return np.full(len(values), _UNSEEN)
+    last = np.where(seen, np.arange(len(values)), 0)
+    np.maximum.accumulate(last, out=last)
+    filled = values[last]
+    filled[~seen & (np.cumsum(seen) == 0)] = _UNSEEN
+    return filled
