@@ -41,6 +41,7 @@ from sqlalchemy import Connection
 
 from batchyard.core.market import Item, Policy, RouteOffer, offer_cost, policy_by_name, qualifies
 from batchyard.core.money import quote_ticks
+from batchyard.core.outlook import bin_index
 from batchyard.core.prices import PriceBook, PriceFeed
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.base import Completion, CompletionRequest
@@ -51,7 +52,7 @@ from batchyard.errors import (
     InternalError,
     UpstreamError,
 )
-from batchyard.store import accounts, activity, ledger
+from batchyard.store import accounts, activity, ledger, market_history
 from batchyard.store import batches as store
 from batchyard.work import market_housekeeping
 from batchyard.work.batch_sealing import resolve_key
@@ -111,6 +112,7 @@ class MarketWorker:
             service.catalog, self.book, timedelta(seconds=settings.price_max_age_s)
         )
         self.policy: Policy = policy or policy_by_name(settings.market_policy)
+        self._saved_from: int | None = None
         self.key = resolve_key(settings)
         self.feed = (
             PriceFeed(settings.price_feed, self.book, service.clock)
@@ -145,6 +147,7 @@ class MarketWorker:
                 "deferred batches are off", extra={"event": "market_off", "reason": self.key.reason}
             )
             return
+        await self.restore_history()
         feed_task: asyncio.Task[None] | None = None
         if self.feed is not None:
             await self.feed.refresh()
@@ -181,6 +184,7 @@ class MarketWorker:
         await self.recover(report)
         await self.housekeep(report)
         chosen = await self._choose(report)
+        await self.save_history()
         claimed: list[Claimed] = []
         for candidate, offer in chosen:
             got = await self._claim(candidate, offer, report)
@@ -205,6 +209,37 @@ class MarketWorker:
                 },
             )
         return report
+
+    # --- the policy's memory of the market ---------------------------------------------
+
+    async def restore_history(self) -> int:
+        """Give a learning policy what earlier workers saw; returns bins restored."""
+        restore = getattr(self.policy, "restore", None)
+        memory = getattr(self.policy, "memory", None)
+        if not callable(restore) or not isinstance(memory, timedelta):
+            return 0
+        since = bin_index(self.service.clock.now() - memory)
+        markets = await self.service.db.run(
+            lambda c: market_history.load_history(c, since), readonly=True
+        )
+        restore(markets)
+        return sum(len(bins) for bins in markets.values())
+
+    async def save_history(self) -> None:
+        """Store the bins the policy saw since the last save (the last one may still move)."""
+        saved = getattr(self.policy, "saved", None)
+        memory = getattr(self.policy, "memory", None)
+        if not callable(saved) or not isinstance(memory, timedelta):
+            return
+        now = self.service.clock.now()
+        markets = saved(self._saved_from)
+        here = bin_index(now)
+        # Prune once per bin, not on every pass.
+        keep_from = bin_index(now - memory) if here != self._saved_from else None
+        await self.service.db.write(
+            lambda c: market_history.save_history(c, markets, keep_from=keep_from)
+        )
+        self._saved_from = here
 
     # --- recovery and housekeeping -------------------------------------------------------
 

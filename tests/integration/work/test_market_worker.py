@@ -421,3 +421,24 @@ async def test_a_body_sealed_under_another_key_fails_once_instead_of_every_pass(
     (item,) = item_rows(svc, bid)
     assert (item.status, item.reason, item.reservation_id) == ("failed", "internal_error", None)
     assert balance(svc, acct).held == 0
+
+
+async def test_a_restarted_worker_restores_the_market_history_it_learns_from(market, clock):
+    from batchyard.store.market_history import load_history
+
+    svc = market(feed_route("spot"))
+    svc.engines.set("spot", ScriptedEngine("x", clock=clock))
+    set_price(svc, "spot", *HALF)
+    book = worker(svc).book
+    first = MarketWorker(svc, policy=DeadlineAware(), book=book)
+    for _ in range(3):  # quiet passes: the market is watched and saved all the same
+        await first.run_pass()
+        clock.advance(120)
+    stored = svc.db.run_sync(lambda c: load_history(c, 0), readonly=True)
+    assert [len(bins) for bins in stored.values()] == [3]
+    assert all(best == pytest.approx(50.0) for _, best in next(iter(stored.values())))
+    again = MarketWorker(svc, policy=DeadlineAware(), book=book)
+    assert await again.restore_history() == 3
+    assert again.policy.saved() == first.policy.saved()  # type: ignore[attr-defined]
+    # A policy that learns nothing is left alone.
+    assert await MarketWorker(svc, book=book).restore_history() == 0
