@@ -236,9 +236,15 @@ class MarketWorker:
         here = bin_index(now)
         # Prune once per bin, not on every pass.
         keep_from = bin_index(now - memory) if here != self._saved_from else None
-        await self.service.db.write(
-            lambda c: market_history.save_history(c, markets, keep_from=keep_from)
-        )
+        try:
+            await self.service.db.write(
+                lambda c: market_history.save_history(c, markets, keep_from=keep_from)
+            )
+        except Exception:
+            # The history only sharpens the policy; a pass must not fail for it.
+            # The next pass saves from the same bin again.
+            log.warning("market history not saved", extra={"event": "market_history_error"})
+            return
         self._saved_from = here
 
     # --- recovery and housekeeping -------------------------------------------------------

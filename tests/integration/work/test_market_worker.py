@@ -442,3 +442,20 @@ async def test_a_restarted_worker_restores_the_market_history_it_learns_from(mar
     assert again.policy.saved() == first.policy.saved()  # type: ignore[attr-defined]
     # A policy that learns nothing is left alone.
     assert await MarketWorker(svc, book=book).restore_history() == 0
+
+
+async def test_a_history_that_cannot_be_saved_does_not_stop_dispatch(market, clock, monkeypatch):
+    from batchyard.store import market_history
+
+    def broken(*_a, **_k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(market_history, "save_history", broken)
+    svc = market(feed_route("spot"))
+    svc.engines.set("spot", ScriptedEngine("x", clock=clock))
+    acct = make_account(svc)
+    bid = await _submit(svc, acct, batch_body(1))
+    set_price(svc, "spot", *CHEAP)
+    book = worker(svc).book
+    report = await MarketWorker(svc, policy=DeadlineAware(), book=book).run_pass()
+    assert report.succeeded == 1 and statuses(svc, bid) == ["succeeded"]
