@@ -68,7 +68,7 @@ class Analogues:
     shift: float = 3.0
     #: The root-mean-square difference of shape, in points, beyond which a past
     #: moment is no analogue at all (a young history has few that qualify).
-    unlike: float = 15.0
+    unlike: float = 20.0
     #: The bins before the deadline whose price a plan falls back on.
     tail: int = 3
     #: What a future with nothing qualifying at the end costs, in points of the
