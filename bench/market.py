@@ -9,8 +9,12 @@ the share of deadlines met among items where a qualifying price appeared.
     PYTHONPATH=src python bench/market.py [--seed N] [--items N]
 
 The policies are the real ones from ``batchyard.core.market``, called at
-every check exactly as the worker calls them, in time order, so a policy that
-learns from what it sees would learn here as it would in production.
+every check exactly as the worker calls them, in time order (and shown the
+market on quiet checks too, as the worker does), so a policy that learns from
+what it sees learns here as it would in production. The worker has watched
+the market for ``WARMUP_DAYS`` days before the measured day, as a deployed
+one has (it saves what it saw and restores it on restart); the "cold" row is
+a worker started at the measured day's dawn with nothing saved.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from batchyard.core.market import (
     DeadlineAware,
     FirstEligible,
     Item,
-    OptimalStopping,
     Policy,
     RouteOffer,
     offer_cost,
@@ -42,9 +45,10 @@ from batchyard.core.prices import Price
 
 CHECK_S = 15
 PER_HOUR = 3600 // CHECK_S
-HOURS = 72  # a warm-up day, a measured day of submissions, a day for their deadlines
-WARMUP_CHECKS = 24 * PER_HOUR
-N_CHECKS = HOURS * PER_HOUR
+#: Days of the market a worker has seen before the measured day (its saved
+#: history); then a measured day of submissions, and a day for their deadlines.
+WARMUP_DAYS = 3
+N_CHECKS = (WARMUP_DAYS + 2) * 24 * PER_HOUR
 START = datetime(2026, 3, 2, tzinfo=UTC)
 DIRECT = Price(Decimal("1.00"), Decimal("4.00"))
 WINDOWS = ((timedelta(hours=1), 0.3), (timedelta(hours=6), 0.3), (timedelta(hours=24), 0.4))
@@ -257,20 +261,30 @@ def hindsight(items: Sequence[SimItem], offers: Sequence[tuple[RouteOffer, ...]]
 
 
 def replay(
-    policy: Policy, items: Sequence[SimItem], offers: Sequence[tuple[RouteOffer, ...]]
+    policy: Policy,
+    items: Sequence[SimItem],
+    offers: Sequence[tuple[RouteOffer, ...]],
+    start: int = 0,
 ) -> dict[str, float]:
-    """Run the policy at every check in time order; return what it paid per item id."""
+    """Run the policy at every check from ``start`` in time order; return what it paid.
+
+    Like the worker, it shows a policy that learns the market on passes with
+    nothing waiting too.
+    """
     by_first: dict[int, list[SimItem]] = {}
     for sim in items:
-        by_first.setdefault(sim.first, []).append(sim)
+        by_first.setdefault(max(start, sim.first), []).append(sim)
     pending: list[SimItem] = []
     paid: dict[str, float] = {}
-    for k in range(N_CHECKS):
+    observe = getattr(policy, "observe", None)
+    for k in range(start, N_CHECKS):
         pending.extend(by_first.get(k, ()))
-        if not pending:
-            continue
         now = START + timedelta(seconds=k * CHECK_S)
         here = offers[k]
+        if not pending:
+            if callable(observe):
+                observe(here, DIRECT, now)
+            continue
         still: list[SimItem] = []
         for sim in pending:
             if k > sim.last:
@@ -298,7 +312,7 @@ class Outcome:
     saving: float  # share below the direct price, over items dispatched
 
 
-def measure(policy: Policy, items: Sequence[SimItem], paid: dict[str, float]) -> Outcome:
+def measure(name: str, items: Sequence[SimItem], paid: dict[str, float]) -> Outcome:
     chances = [s for s in items if s.best is not None]
     done = [s for s in chances if s.item.id in paid]
     ratios = sorted(paid[s.item.id] / s.best for s in done if s.best)
@@ -310,7 +324,7 @@ def measure(policy: Policy, items: Sequence[SimItem], paid: dict[str, float]) ->
         for s in done
     )
     return Outcome(
-        policy=policy.name,
+        policy=name,
         chances=len(chances),
         met=len(done),
         ratio_total=total_paid / total_best if total_best else math.nan,
@@ -320,16 +334,42 @@ def measure(policy: Policy, items: Sequence[SimItem], paid: dict[str, float]) ->
     )
 
 
+@dataclass(frozen=True)
+class Contender:
+    """A policy, and whether the worker running it has seen the warm-up days."""
+
+    name: str
+    make: Callable[[], Policy]
+    warm: bool = True
+
+
+CONTENDERS = (
+    Contender("first-eligible", FirstEligible),
+    Contender("deadline-aware", DeadlineAware),
+    # A worker started at the measured day's dawn with no saved history.
+    Contender("deadline-aware, cold", DeadlineAware, warm=False),
+)
+
+
 def run_scenario(
-    scenario: Scenario, policies: Sequence[Policy], seed: int, count: int
+    scenario: Scenario, contenders: Sequence[Contender], seed: int, count: int
 ) -> list[Outcome]:
     offers = build_offers(scenario)
-    # The worker has been running for a day: the same traffic on the warm-up
-    # day feeds what a learning policy sees, but only day-two items are measured.
-    warmup = make_items(seed, count, day=0)
-    items = make_items(seed, count, day=1)
+    # The worker has been running for WARMUP_DAYS days: the same traffic then
+    # feeds what a learning policy sees, but only the next day's items are measured.
+    warmup = [sim for day in range(WARMUP_DAYS) for sim in make_items(seed, count, day=day)]
+    items = make_items(seed, count, day=WARMUP_DAYS)
     hindsight(items, offers)
-    return [measure(p, items, replay(p, [*warmup, *items], offers)) for p in policies]
+    dawn = WARMUP_DAYS * 24 * PER_HOUR
+    outcomes = []
+    for contender in contenders:
+        policy = contender.make()  # fresh: one that learns must not carry a market over
+        if contender.warm:
+            paid = replay(policy, [*warmup, *items], offers)
+        else:
+            paid = replay(policy, items, offers, start=dawn)
+        outcomes.append(measure(contender.name, items, paid))
+    return outcomes
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -339,13 +379,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     console = Console()
-    # A fresh policy per scenario: one that learns must not carry one market into the next.
-    fresh: list[Callable[[], Policy]] = [FirstEligible, DeadlineAware, OptimalStopping]
-    policies = [make() for make in fresh]
     started = time.perf_counter()
-    totals: dict[str, list[Outcome]] = {p.name: [] for p in policies}
+    totals: dict[str, list[Outcome]] = {c.name: [] for c in CONTENDERS}
     for scenario in scenarios(args.seed):
-        outcomes = run_scenario(scenario, [make() for make in fresh], args.seed, args.items)
+        outcomes = run_scenario(scenario, CONTENDERS, args.seed, args.items)
         table = Table(title=f"{scenario.name}: {scenario.about}", title_justify="left")
         table.add_column("policy")
         table.add_column("deadlines met", justify="right")
