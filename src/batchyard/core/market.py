@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from batchyard.core.outlook import Analogues, MarketHistory
 from batchyard.core.prices import Price, discount_percent
@@ -34,6 +34,7 @@ __all__ = [
     "DeadlineAware",
     "FirstEligible",
     "Item",
+    "LearningPolicy",
     "Policy",
     "RouteOffer",
     "effective_min_discount",
@@ -164,6 +165,20 @@ class Policy(Protocol):
     def choose(
         self, item: Item, offers: Sequence[RouteOffer], direct: Price, now: datetime
     ) -> RouteOffer | None: ...
+
+
+@runtime_checkable
+class LearningPolicy(Policy, Protocol):
+    """A policy that learns from the market: the worker shows it quiet passes
+    too, and saves and restores what it learnt (``work.market_memory``)."""
+
+    memory: timedelta
+
+    def observe(self, offers: Sequence[RouteOffer], direct: Price, now: datetime) -> None: ...
+
+    def saved(self, since: int | None = None) -> dict[str, list[tuple[int, float | None]]]: ...
+
+    def restore(self, markets: dict[str, list[tuple[int, float | None]]]) -> None: ...
 
 
 class FirstEligible:

@@ -9,6 +9,8 @@ Each pass, in order:
    canceled, and results of batches completed 24 hours ago are purged.
 3. *Choose.* For each waiting item (most urgent first), the policy picks a
    route among those that qualify on fresh prices, or says wait.
+   A policy that learns from the market has what it saw saved
+   (``work.market_memory``), and restored when a worker starts.
 4. *Claim.* Per chosen item, one transaction locks the row, rechecks the
    deadline, the submitting key and the price, reserves the most the call can
    cost on that route, and marks the item ``dispatched`` with its reservation
@@ -39,9 +41,16 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
-from batchyard.core.market import Item, Policy, RouteOffer, offer_cost, policy_by_name, qualifies
+from batchyard.core.market import (
+    Item,
+    LearningPolicy,
+    Policy,
+    RouteOffer,
+    offer_cost,
+    policy_by_name,
+    qualifies,
+)
 from batchyard.core.money import quote_ticks
-from batchyard.core.outlook import bin_index
 from batchyard.core.prices import PriceBook, PriceFeed
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.base import Completion, CompletionRequest
@@ -52,10 +61,11 @@ from batchyard.errors import (
     InternalError,
     UpstreamError,
 )
-from batchyard.store import accounts, activity, ledger, market_history
+from batchyard.store import accounts, activity, ledger
 from batchyard.store import batches as store
 from batchyard.work import market_housekeeping
 from batchyard.work.batch_sealing import resolve_key
+from batchyard.work.market_memory import MarketMemory
 from batchyard.work.market_results import Claimed, finish_failed, record_failure, record_success
 from batchyard.work.prices import MarketPrices
 
@@ -112,7 +122,7 @@ class MarketWorker:
             service.catalog, self.book, timedelta(seconds=settings.price_max_age_s)
         )
         self.policy: Policy = policy or policy_by_name(settings.market_policy)
-        self._saved_from: int | None = None
+        self.memory = MarketMemory(service, self.policy)
         self.key = resolve_key(settings)
         self.feed = (
             PriceFeed(settings.price_feed, self.book, service.clock)
@@ -147,7 +157,7 @@ class MarketWorker:
                 "deferred batches are off", extra={"event": "market_off", "reason": self.key.reason}
             )
             return
-        await self.restore_history()
+        await self.memory.restore()
         feed_task: asyncio.Task[None] | None = None
         if self.feed is not None:
             await self.feed.refresh()
@@ -184,7 +194,7 @@ class MarketWorker:
         await self.recover(report)
         await self.housekeep(report)
         chosen = await self._choose(report)
-        await self.save_history()
+        await self.memory.save()
         claimed: list[Claimed] = []
         for candidate, offer in chosen:
             got = await self._claim(candidate, offer, report)
@@ -209,43 +219,6 @@ class MarketWorker:
                 },
             )
         return report
-
-    # --- the policy's memory of the market ---------------------------------------------
-
-    async def restore_history(self) -> int:
-        """Give a learning policy what earlier workers saw; returns bins restored."""
-        restore = getattr(self.policy, "restore", None)
-        memory = getattr(self.policy, "memory", None)
-        if not callable(restore) or not isinstance(memory, timedelta):
-            return 0
-        since = bin_index(self.service.clock.now() - memory)
-        markets = await self.service.db.run(
-            lambda c: market_history.load_history(c, since), readonly=True
-        )
-        restore(markets)
-        return sum(len(bins) for bins in markets.values())
-
-    async def save_history(self) -> None:
-        """Store the bins the policy saw since the last save (the last one may still move)."""
-        saved = getattr(self.policy, "saved", None)
-        memory = getattr(self.policy, "memory", None)
-        if not callable(saved) or not isinstance(memory, timedelta):
-            return
-        now = self.service.clock.now()
-        markets = saved(self._saved_from)
-        here = bin_index(now)
-        # Prune once per bin, not on every pass.
-        keep_from = bin_index(now - memory) if here != self._saved_from else None
-        try:
-            await self.service.db.write(
-                lambda c: market_history.save_history(c, markets, keep_from=keep_from)
-            )
-        except Exception:
-            # The history only sharpens the policy; a pass must not fail for it.
-            # The next pass saves from the same bin again.
-            log.warning("market history not saved", extra={"event": "market_history_error"})
-            return
-        self._saved_from = here
 
     # --- recovery and housekeeping -------------------------------------------------------
 
@@ -298,11 +271,12 @@ class MarketWorker:
             if offer is not None and qualifies(offer, direct, cand.min_discount):
                 chosen.append((cand, offer))
         # A policy that learns from the market should see it on quiet passes too.
-        observe = getattr(self.policy, "observe", None)
-        if callable(observe):
+        if isinstance(self.policy, LearningPolicy):
             for model_id in self.service.catalog.models:
                 if model_id not in offers and self.service.catalog.routes_for(model_id):
-                    observe(self.prices.offers(model_id, now), self.prices.direct(model_id), now)
+                    self.policy.observe(
+                        self.prices.offers(model_id, now), self.prices.direct(model_id), now
+                    )
         return chosen
 
     async def _claim(

@@ -438,10 +438,10 @@ async def test_a_restarted_worker_restores_the_market_history_it_learns_from(mar
     assert [len(bins) for bins in stored.values()] == [3]
     assert all(best == pytest.approx(50.0) for _, best in next(iter(stored.values())))
     again = MarketWorker(svc, policy=DeadlineAware(), book=book)
-    assert await again.restore_history() == 3
+    assert await again.memory.restore() == 3
     assert again.policy.saved() == first.policy.saved()  # type: ignore[attr-defined]
     # A policy that learns nothing is left alone.
-    assert await MarketWorker(svc, book=book).restore_history() == 0
+    assert await MarketWorker(svc, book=book).memory.restore() == 0
 
 
 async def test_a_history_that_cannot_be_saved_does_not_stop_dispatch(market, clock, monkeypatch):

@@ -16,6 +16,7 @@ from batchyard.core.market import (
     DeadlineAware,
     FirstEligible,
     Item,
+    LearningPolicy,
     RouteOffer,
     effective_min_discount,
     expected_cost,
@@ -211,6 +212,9 @@ def test_policy_by_name() -> None:
     assert isinstance(policy_by_name("deadline-aware"), DeadlineAware)
     assert isinstance(policy_by_name("Deadline_Aware"), DeadlineAware)
     assert policy_by_name("deadline-aware") is not policy_by_name("deadline-aware")
+    # Only a policy that learns is shown quiet passes and has its history saved.
+    assert isinstance(DeadlineAware(), LearningPolicy)
+    assert not isinstance(FirstEligible(), LearningPolicy)
     with pytest.raises(ValueError):
         policy_by_name("cheapest-ever")
 
