@@ -111,6 +111,7 @@ class Outlook:
             self._ranked = starts[alike][np.argsort(distance[alike], kind="stable")]
         else:
             self._ranked = starts
+        self._outages = _outages(values)
         self._futures: dict[tuple[int, float], _Futures | None] = {}
         self._answers: dict[tuple[int, float], tuple[float, float] | None] = {}
 
@@ -154,13 +155,16 @@ class Outlook:
             return None
         rows = self._values[chosen[:, None] + 1 + np.arange(horizon)[None, :]]
         lift = np.clip(self._level - self._filled[chosen], -self.shift, self.shift)
-        return _Futures(rows + lift[:, None], minimum, self.tail, self.penalty)
+        return _Futures(rows + lift[:, None], minimum, self.tail, self.penalty, self._outages)
 
 
 class _Futures:
     """The analogues' futures for one minimum, and every threshold plan on them."""
 
-    def __init__(self, rows: Floats, minimum: float, tail: int, penalty: float) -> None:
+    def __init__(
+        self, rows: Floats, minimum: float, tail: int, penalty: float, outages: Floats
+    ) -> None:
+        self.outages = outages
         self.horizon = rows.shape[1]
         self.minimum = minimum
         self.penalty = penalty
@@ -182,6 +186,10 @@ class _Futures:
         chance = float((self.best[:, last] >= self.minimum).mean())
         end = self.end[:, last]
         fallback = np.where(end >= self.minimum, 100.0 - end, self.penalty)
+        # Thirty futures rarely show the feed going dark at the very end; the
+        # whole history knows how often it does, and for how long.
+        dark = float(self.outages[min(last, len(self.outages) - 1)])
+        fallback = (1 - dark) * fallback + dark * self.penalty
         cost = np.where(self.first <= last, 100.0 - self.got, fallback[:, None])
         return chance, float(cost.mean(axis=0).min())
 
@@ -271,6 +279,26 @@ def _horizon(bins: int) -> int:
         if bins <= step:
             return step
     return bins
+
+
+def _outages(values: Floats, longest: int = 800) -> Floats:
+    """P(the last bins of a window of n bins fall in an outage that began inside it), per n.
+
+    An outage is a run of bins with nothing on offer after one with a price.
+    Outages start at rate h per bin with durations D, so the chance is
+    h x sum over s < n of P(D > s) (capped at 1).
+    """
+    seen = values > _NOTHING
+    starts = np.flatnonzero(seen[:-1] & ~seen[1:]) + 1
+    if not len(starts) or not len(values):
+        return np.zeros(longest)
+    ends = np.flatnonzero(~seen[:-1] & seen[1:]) + 1
+    durations = np.array(
+        [(ends[ends > s][0] if (ends > s).any() else len(values)) - s for s in starts]
+    )
+    rate = len(starts) / len(values)
+    survive = (durations[None, :] > np.arange(longest)[:, None]).mean(axis=1)
+    return np.minimum(1.0, rate * np.cumsum(survive))
 
 
 def _carry_forward(values: Floats) -> Floats:

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from batchyard.core.outlook import BIN, Analogues, MarketHistory, Outlook, bin_index
+from batchyard.core.outlook import BIN, Analogues, MarketHistory, Outlook, _outages, bin_index
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)
 NOTHING = -math.inf
@@ -85,6 +85,29 @@ def test_a_feed_outage_hides_the_level_but_does_not_end_it() -> None:
     b = Outlook(gapped).waiting(60, 30.0)
     assert a is not None and b is not None
     assert b[1] == pytest.approx(a[1], abs=5)
+
+
+def test_outages_are_learnt_from_the_whole_history() -> None:
+    # One 10-bin outage every 100 bins: rate 1/100, so the chance that a
+    # window's end lies in one that began inside it grows to 10 % and stops.
+    values = np.array([NOTHING if i % 100 >= 90 else 50.0 for i in range(2000)])
+    dark = _outages(values)
+    assert dark[0] == pytest.approx(0.01)
+    assert dark[4] == pytest.approx(0.05)
+    assert dark[50] == pytest.approx(0.10)
+    assert not _outages(np.array([50.0] * 100)).any()  # a feed that never went dark
+
+
+def test_a_feed_that_goes_dark_makes_waiting_dearer() -> None:
+    # The same flat market, with and without outages: waiting for more than
+    # is on offer now is worth less when the fallback may find nothing.
+    flat = [60.0 if i % 10 else 70.0 for i in range(3000)]
+    dark = [NOTHING if i % 120 >= 100 else v for i, v in enumerate(flat)]
+    dark[-5:] = flat[-5:]
+    lit = Outlook(flat).waiting(20, 50.0)
+    unlit = Outlook(dark).waiting(20, 50.0)
+    assert lit is not None and unlit is not None
+    assert unlit[1] > lit[1]
 
 
 def test_analogue_settings_are_checked() -> None:
