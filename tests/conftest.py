@@ -5,13 +5,15 @@
   marked ``postgres`` (or the ``pg_url`` fixture) get a fresh PostgreSQL
   database on 127.0.0.1:5432.
 - ``audit_after``: every test that uses ``service`` ends with the ledger audit.
+- ``market``: makes deferred-batch services on a scripted market
+  (``tests.integration.work.batch_support.market_factory``).
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,11 @@ async def service(settings: Settings, clock: ManualClock) -> AsyncIterator[Servi
         problems = svc.db.run_sync(ledger.audit, readonly=True)
         await svc.stop()
         assert problems == [], problems
+
+
+@pytest.fixture
+async def market(settings: Settings, clock: ManualClock) -> AsyncIterator[Callable[..., Service]]:
+    from tests.integration.work.batch_support import market_factory
+
+    async with market_factory(settings, clock) as make:
+        yield make

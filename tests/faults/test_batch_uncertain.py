@@ -13,7 +13,6 @@ import json
 from datetime import timedelta
 
 import httpx
-import pytest
 
 from batchyard.store import ledger
 from batchyard.work.market import MarketWorker
@@ -23,19 +22,12 @@ from tests.integration.work.batch_support import (
     eventually,
     feed_route,
     item_rows,
-    market_factory,
     set_price,
     submit,
     worker,
 )
 from tests.support.accounts import make_account
 from tests.support.server import live_server
-
-
-@pytest.fixture
-async def market(settings, clock):
-    async with market_factory(settings, clock) as make:
-        yield make
 
 
 async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(market, clock):

@@ -13,27 +13,18 @@ import logging
 import re
 
 import httpx
-import pytest
 
 from batchyard.core.tokens import message_text
 from batchyard.engines.memory import ScriptedEngine
 from tests.integration.work.batch_support import (
     all_items,
     feed_route,
-    market_factory,
     set_price,
     submit,
     worker,
 )
 from tests.support.accounts import make_account
 from tests.support.server import live_server
-
-
-@pytest.fixture
-async def market(settings, clock):
-    async with market_factory(settings, clock) as make:
-        yield make
-
 
 EMAIL = "alice.smith@example.com"
 PHONE = "+44 20 7946 0958"

@@ -20,19 +20,12 @@ from tests.integration.work.batch_support import (
     chat,
     feed_route,
     fixed_route,
-    market_factory,
     set_price,
     submit,
     worker,
 )
 from tests.support.accounts import add_key, make_account
 from tests.support.server import live_server
-
-
-@pytest.fixture
-async def market(settings, clock):
-    async with market_factory(settings, clock) as make:
-        yield make
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
@@ -32,19 +31,6 @@ def _diff(db: Database) -> list[object]:
 
 def _tables(db: Database) -> set[str]:
     return set(inspect(db.engine).get_table_names()) - {"alembic_version"}
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def fresh_db(request, tmp_path):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'fresh.db'}"
-    else:
-        url = request.getfixturevalue("pg_url")
-    db = Database(url, pool_size=2)
-    try:
-        yield db
-    finally:
-        db.close()
 
 
 def test_upgrade_to_heads_matches_the_declared_schema(fresh_db):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
 from batchyard.store import projects, runs
-from batchyard.store.database import Database
 from batchyard.store.migrations import downgrade
 from batchyard.store.tables import metadata
 
@@ -19,20 +17,6 @@ MINE = {
     "batch_inference_runs": runs.runs,
     "batch_inference_run_items": runs.run_items,
 }
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def fresh_db(request, tmp_path):
-    url = (
-        f"sqlite:///{tmp_path / 'f.db'}"
-        if request.param == "sqlite"
-        else request.getfixturevalue("pg_url")
-    )
-    db = Database(url, pool_size=2)
-    try:
-        yield db
-    finally:
-        db.close()
 
 
 def _about_mine(diff) -> bool:

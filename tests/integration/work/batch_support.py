@@ -1,7 +1,7 @@
 """Shared pieces for the deferred-batch tests: a market catalog, bodies, engines.
 
-Each test module wraps ``market_factory`` in its own ``market`` fixture. The catalog keeps
-the catalog's kettei-core direct price (0.10 / 0.40 per Mtok) but swaps the
+Tests get ``market_factory`` through the ``market`` fixture (tests/conftest.py). The
+catalog keeps the catalog's kettei-core direct price (0.10 / 0.40 per Mtok) but swaps the
 embedded model for routes whose engines the tests script, and counts tokens
 with the fallback tokenizer so nothing loads a model.
 """

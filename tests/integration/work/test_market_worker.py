@@ -24,20 +24,12 @@ from tests.integration.work.batch_support import (
     feed_route,
     fixed_route,
     item_rows,
-    market_factory,
     set_price,
     submit,
     worker,
 )
 from tests.support.accounts import make_account
 from tests.support.server import live_server
-
-
-@pytest.fixture
-async def market(settings, clock):
-    async with market_factory(settings, clock) as make:
-        yield make
-
 
 # kettei-core direct: 0.10 / 0.40 per Mtok. 90 % off needs <= 0.01 / 0.04.
 CHEAP = ("0.008", "0.03")  # 92 % / 92.5 %
