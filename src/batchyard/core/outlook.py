@@ -86,12 +86,7 @@ class Outlook:
     """Analogues of the present, found once per bin and shared by every item."""
 
     def __init__(self, bins: Sequence[float], analogues: Analogues | None = None) -> None:
-        settings = analogues or Analogues()
-        self.k = settings.k
-        self.spacing = settings.spacing
-        self.shift = settings.shift
-        self.tail = settings.tail
-        self.penalty = settings.penalty
+        self.settings = settings = analogues or Analogues()
         values = np.asarray(bins, dtype=np.float64)
         self._values = values
         self._filled = _carry_forward(values)
@@ -139,9 +134,9 @@ class Outlook:
         """
         taken: list[int] = []
         for start in ranked.tolist():
-            if all(abs(start - other) >= self.spacing for other in taken):
+            if all(abs(start - other) >= self.settings.spacing for other in taken):
                 taken.append(start)
-                if len(taken) == self.k:
+                if len(taken) == self.settings.k:
                     break
         return np.asarray(taken, dtype=np.int64)
 
@@ -151,23 +146,23 @@ class Outlook:
         # something usually still qualifies: too short a history is no history.
         whole = self._ranked[self._now - self._ranked > horizon]
         chosen = self._apart(whole)
-        if len(chosen) < self.k:
+        if len(chosen) < self.settings.k:
             return None
         rows = self._values[chosen[:, None] + 1 + np.arange(horizon)[None, :]]
-        lift = np.clip(self._level - self._filled[chosen], -self.shift, self.shift)
-        return _Futures(rows + lift[:, None], minimum, self.tail, self.penalty, self._outages)
+        shift = self.settings.shift
+        lift = np.clip(self._level - self._filled[chosen], -shift, shift)
+        return _Futures(rows + lift[:, None], minimum, self.settings, self._outages)
 
 
 class _Futures:
     """The analogues' futures for one minimum, and every threshold plan on them."""
 
-    def __init__(
-        self, rows: Floats, minimum: float, tail: int, penalty: float, outages: Floats
-    ) -> None:
+    def __init__(self, rows: Floats, minimum: float, settings: Analogues, outages: Floats) -> None:
+        tail = settings.tail
         self.outages = outages
         self.horizon = rows.shape[1]
         self.minimum = minimum
-        self.penalty = penalty
+        self.penalty = settings.penalty
         self.best = np.maximum.accumulate(rows, axis=1)  # the deepest seen so far
         # The fallback of every plan: the deepest price in the last ``tail`` bins.
         end = rows.copy()
@@ -292,10 +287,9 @@ def _outages(values: Floats, longest: int = 800) -> Floats:
     starts = np.flatnonzero(seen[:-1] & ~seen[1:]) + 1
     if not len(starts) or not len(values):
         return np.zeros(longest)
-    ends = np.flatnonzero(~seen[:-1] & seen[1:]) + 1
-    durations = np.array(
-        [(ends[ends > s][0] if (ends > s).any() else len(values)) - s for s in starts]
-    )
+    ends = np.append(np.flatnonzero(~seen[:-1] & seen[1:]) + 1, len(values))
+    # Each outage ends at the first recovery after it began (or is still on).
+    durations = ends[np.searchsorted(ends, starts, side="right")] - starts
     rate = len(starts) / len(values)
     survive = (durations[None, :] > np.arange(longest)[:, None]).mean(axis=1)
     return np.minimum(1.0, rate * np.cumsum(survive))

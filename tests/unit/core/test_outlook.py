@@ -139,4 +139,6 @@ def test_history_keeps_only_its_memory_and_restores_what_was_saved() -> None:
     assert other.saved() == history.saved()
     assert history.saved(since=bin_index(T0 + 119 * BIN)) == [(bin_index(T0 + 119 * BIN), 119.0)]
     # The outlook is computed once per bin and shared by every item in it.
-    assert history.outlook(T0 + 119 * BIN) is history.outlook(T0 + 119 * BIN)
+    here = history.outlook(T0 + 119 * BIN)
+    assert history.outlook(T0 + 119 * BIN + timedelta(seconds=30)) is here
+    assert history.outlook(T0 + 120 * BIN) is not here
