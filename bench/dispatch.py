@@ -175,13 +175,12 @@ def settles(db: Database) -> int:
 
     from batchyard.store.tables import ledger_entries
 
-    return db.run_sync(
+    return db.read_sync(
         lambda c: c.execute(
             select(func.count())
             .select_from(ledger_entries)
             .where(ledger_entries.c.kind == "settle")
-        ).scalar_one(),
-        readonly=True,
+        ).scalar_one()
     )
 
 
@@ -273,7 +272,7 @@ def main() -> None:
         ledger.top_up(conn, org.id, to_ticks(Decimal("1000000")), now)
         return secret
 
-    key = db.run_sync(setup)
+    key = db.transact_sync(setup)
 
     port = free_port()
     serve_args = ["serve", "--port", str(port), "--config", str(cfg), "--log-level", "warning"]
@@ -311,8 +310,8 @@ def main() -> None:
         upstream.terminate()
         upstream.wait(timeout=10)
 
-    problems = db.run_sync(ledger.audit, readonly=True)
-    held = db.run_sync(lambda conn: ledger.balance(conn, _org_id(conn)).held, readonly=True)
+    problems = db.read_sync(ledger.audit)
+    held = db.read_sync(lambda conn: ledger.balance(conn, _org_id(conn)).held)
     db.close()
 
     table = Table(title=f"{n} chat completions at concurrency {c}")

@@ -82,14 +82,13 @@ def serve(home: Path, port: int, rpm: int) -> None:
     """The real app with an instant engine; one organisation per contender, at ``rpm``."""
     import uvicorn
 
-    from batchyard.api.app import create_app
+    from batchyard.app import build_service, create_app
     from batchyard.core.accounts import Scope
     from batchyard.core.clock import SystemClock
     from batchyard.core.config import load_settings
     from batchyard.core.money import to_ticks
     from batchyard.core.tiers import Tier
     from batchyard.engines.memory import ScriptedEngine
-    from batchyard.service import Service
     from batchyard.store import accounts, ledger
 
     settings = load_settings(database_url=f"sqlite:///{home / 'batchyard.db'}")
@@ -97,7 +96,9 @@ def serve(home: Path, port: int, rpm: int) -> None:
     tier = Tier(1, rpm, 1_000_000_000, 10_000_000_000, Decimal("1e9"))
     settings = dataclasses.replace(settings, tiers=(settings.tiers[0], tier))
     clock = SystemClock()
-    service = Service(settings, clock=clock, engines={"embedded": ScriptedEngine(clock=clock)})
+    service = build_service(
+        settings, clock=clock, engines={"embedded": ScriptedEngine(clock=clock)}
+    )
     service.db.migrate()
 
     def setup(conn: Any) -> dict[str, str]:
@@ -111,7 +112,7 @@ def serve(home: Path, port: int, rpm: int) -> None:
             out[name] = secret
         return out
 
-    keys = service.db.run_sync(setup)
+    keys = service.db.transact_sync(setup)
     (home / "keys.json").write_text(json.dumps(keys))
     uvicorn.run(
         create_app(service), host="127.0.0.1", port=port, log_level="warning", access_log=False

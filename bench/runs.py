@@ -37,13 +37,13 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
+from batchyard.app import build_service, run_worker  # noqa: E402
 from batchyard.core.clock import SystemClock  # noqa: E402
 from batchyard.core.config import load_settings  # noqa: E402
 from batchyard.core.ids import new_id  # noqa: E402
 from batchyard.service import Service  # noqa: E402
 from batchyard.store import projects as pstore  # noqa: E402
 from batchyard.store import runs as rstore  # noqa: E402
-from batchyard.work.runs import RunWorker  # noqa: E402
 
 _VOCABULARY = (
     "my order arrived late and the box was damaged please refund the shipping cost "
@@ -80,7 +80,7 @@ def chunks(n: int, size: int = 5000) -> Iterator[list[str]]:
 
 
 def _service(url: str, **overrides: Any) -> Service:
-    svc = Service(load_settings(database_url=url, **overrides), clock=SystemClock())
+    svc = build_service(load_settings(database_url=url, **overrides), clock=SystemClock())
     svc.db.migrate()
     return svc
 
@@ -97,13 +97,13 @@ def setup(url: str, rows: int) -> tuple[str, str, str]:
         p = pstore.create_project(c, acct.org_id, "bench", now)
         return p.id, pstore.create_dataset(c, acct.org_id, p.id, "tickets", "text", now).id
 
-    project, dataset = svc.db.run_sync(create)
+    project, dataset = svc.db.transact_sync(create)
     for batch in chunks(rows):
 
         def append(c: Any, b: list[str] = batch) -> int:
             return pstore.append_rows(c, dataset, [{"text": t} for t in b], now)
 
-        svc.db.run_sync(append)
+        svc.db.transact_sync(append)
     svc.db.close()
     return acct.org_id, project, dataset
 
@@ -111,7 +111,7 @@ def setup(url: str, rows: int) -> tuple[str, str, str]:
 def new_run(svc: Service, org: str, project: str, dataset: str) -> str:
     now = svc.clock.now()
     run_id = new_id("bir", now)
-    svc.db.run_sync(
+    svc.db.transact_sync(
         lambda c: rstore.create_run(
             c,
             run_id=run_id,
@@ -131,9 +131,9 @@ def phase_quote(url: str, org: str, project: str, dataset: str) -> dict[str, Any
     svc.tokenizer(svc.catalog.model("kettei-core"))  # load the vocabulary outside the timing
     run_id = new_run(svc, org, project, dataset)
     start = time.perf_counter()
-    asyncio.run(RunWorker(svc).run_until_idle())
+    asyncio.run(run_worker(svc).run_until_idle())
     elapsed = time.perf_counter() - start
-    run = svc.db.run_sync(lambda c: rstore.load_run(c, run_id))
+    run = svc.db.transact_sync(lambda c: rstore.load_run(c, run_id))
     svc.db.close()
     return {
         "seconds": elapsed,
@@ -145,7 +145,7 @@ def phase_quote(url: str, org: str, project: str, dataset: str) -> dict[str, Any
 
 def bare_tokenizer(rows: int) -> dict[str, Any]:
     """The tokenizer alone over the same texts, already in memory."""
-    svc = Service(load_settings(database_url="sqlite://"), clock=SystemClock())
+    svc = build_service(load_settings(database_url="sqlite://"), clock=SystemClock())
     tok = svc.tokenizer(svc.catalog.model("kettei-core"))
     spent = 0.0
     for batch in chunks(rows):
@@ -157,9 +157,9 @@ def bare_tokenizer(rows: int) -> dict[str, Any]:
 
 
 async def _run_through(svc: Service, org: str, project: str, dataset: str) -> dict[str, Any]:
-    from batchyard.work.runs import fund
+    from batchyard.work.runs.funding import fund
 
-    worker = RunWorker(svc)
+    worker = run_worker(svc)
     run_id = new_run(svc, org, project, dataset)
     start = time.perf_counter()
     await worker.run_until_idle()
@@ -168,10 +168,10 @@ async def _run_through(svc: Service, org: str, project: str, dataset: str) -> di
     def confirm(c: Any) -> None:
         fund(c, rstore.load_run(c, run_id), svc.clock.now(), threshold=None)
 
-    svc.db.run_sync(confirm)
+    svc.db.transact_sync(confirm)
     await worker.run_until_idle()
     end = time.perf_counter()
-    run = svc.db.run_sync(lambda c: rstore.load_run(c, run_id))
+    run = svc.db.transact_sync(lambda c: rstore.load_run(c, run_id))
     await svc.engines.aclose()
     return {
         "status": run.status,
@@ -188,7 +188,7 @@ def phase_run(url: str, rows: int, concurrency: int) -> dict[str, Any]:
     org, project, dataset = setup(url, rows)
     with FakeUpstream(mode="instant") as up:
         svc = _service(url)
-        svc = Service(
+        svc = build_service(
             replace(
                 svc.settings,
                 catalog=http_catalog(up.base_url),

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from batchyard.app import build_service
 from batchyard.core.clock import ManualClock
 from batchyard.core.config import Settings, load_settings
 from batchyard.service import Service
@@ -66,12 +67,12 @@ def settings(sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 @pytest.fixture
 async def service(settings: Settings, clock: ManualClock) -> AsyncIterator[Service]:
     """A migrated service on SQLite with the manual clock (engines: the defaults)."""
-    svc = Service(settings, clock=clock)
+    svc = build_service(settings, clock=clock)
     svc.db.migrate()
     try:
         yield svc
     finally:
-        problems = svc.db.run_sync(ledger.audit, readonly=True)
+        problems = svc.db.read_sync(ledger.audit)
         await svc.stop()
         assert problems == [], problems
 

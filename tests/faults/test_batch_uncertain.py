@@ -14,8 +14,8 @@ from datetime import timedelta
 
 import httpx
 
+from batchyard.app import market_worker
 from batchyard.store import ledger
-from batchyard.work.market import MarketWorker
 from tests.integration.work.batch_support import (
     BlockingEngine,
     batch_body,
@@ -39,7 +39,7 @@ async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(marke
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
         set_price(svc, "spot", "0.008", "0.03")
 
-        doomed = MarketWorker(svc, lease_s=120, book=worker(svc).book)
+        doomed = market_worker(svc, lease_s=120, book=worker(svc).book)
         task = asyncio.create_task(doomed.run_pass())
         await asyncio.wait_for(engine.entered.wait(), 5)
         (item,) = item_rows(svc, bid)
@@ -49,7 +49,7 @@ async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(marke
             await task
 
         # Another worker, before the lease lapses: the item is not touched.
-        survivor = MarketWorker(svc, book=worker(svc).book)
+        survivor = market_worker(svc, book=worker(svc).book)
         await survivor.run_pass()
         assert item_rows(svc, bid)[0].status == "dispatched"
 
@@ -58,8 +58,8 @@ async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(marke
         assert report.uncertain == 1
 
         (after,) = item_rows(svc, bid)
-        res = svc.db.run_sync(lambda c: ledger.get_reservation(c, item.reservation_id))
-        bal = svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+        res = svc.db.transact_sync(lambda c: ledger.get_reservation(c, item.reservation_id))
+        bal = svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
         activity = (await http.get("/v1/activity", headers=acct.headers)).json()["data"]
         batch = (await http.get(f"/v1/batches/{bid}", headers=acct.headers)).json()
         lines = (await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)).content
@@ -96,10 +96,10 @@ async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(mar
     async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
     set_price(svc, "spot", "0.008", "0.03")
-    slow = MarketWorker(svc, lease_s=120, book=worker(svc).book)
+    slow = market_worker(svc, lease_s=120, book=worker(svc).book)
     task = asyncio.create_task(slow.run_pass())
     await asyncio.wait_for(engine.entered.wait(), 5)
-    other = MarketWorker(svc, book=worker(svc).book)
+    other = market_worker(svc, book=worker(svc).book)
     for _ in range(6):  # 6 minutes of a long call, heartbeats every 40 s
         clock.advance(40)
         await eventually(  # the heartbeat pushed the lease out again

@@ -14,10 +14,9 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from batchyard.service import Service
+from batchyard.app import build_service, run_worker
 from batchyard.store import activity, ledger
 from batchyard.store.tables import ledger_entries
-from batchyard.work.runs import RunWorker
 from tests.integration.api.runs_support import Api, GatedEngine, with_runs
 from tests.support.accounts import make_account
 from tests.support.server import live_server
@@ -34,10 +33,10 @@ LEASE = 30
 
 @pytest.fixture
 async def svc(settings, clock):
-    s = Service(with_runs(settings, lease_s=LEASE), clock=clock)
+    s = build_service(with_runs(settings, lease_s=LEASE), clock=clock)
     s.db.migrate()
     yield s
-    problems = s.db.run_sync(ledger.audit, readonly=True)
+    problems = s.db.read_sync(ledger.audit)
     await s.stop()
     assert problems == [], problems
 
@@ -59,7 +58,7 @@ async def test_a_killed_worker_leaves_uncertain_rows_and_no_double_charge(svc, c
         api = await Api(http, acct.headers).start()
         ds = await api.upload(ROWS)
         run = (await api.create({**RUN, "datasetId": ds["id"]})).json()
-        first = RunWorker(svc, owner="worker-a")
+        first = run_worker(svc, owner="worker-a")
         await first.run_until_idle()
         await api.wait(run["id"], "awaiting_confirmation")
         await api.post(run["id"], "confirm")
@@ -83,7 +82,7 @@ async def test_a_killed_worker_leaves_uncertain_rows_and_no_double_charge(svc, c
         live = GatedEngine()
         live.gate.set()
         svc.engines.set("embedded", live)
-        second = RunWorker(svc, owner="worker-b")
+        second = run_worker(svc, owner="worker-b")
         await second.run_until_idle()
         held = await api.get(run["id"])
         assert held["status"] == "running" and live.prompts == []  # the lease still holds
@@ -114,7 +113,7 @@ async def test_a_killed_worker_leaves_uncertain_rows_and_no_double_charge(svc, c
     assert answered.isdisjoint(uncertain_ids) and len(answered) == res["rowsSucceeded"]
 
     # One reservation, settled once, for the answered rows only.
-    entries = svc.db.run_sync(
+    entries = svc.db.transact_sync(
         lambda c: c.execute(
             select(ledger_entries.c.kind, ledger_entries.c.amount).where(
                 ledger_entries.c.org_id == acct.org_id, ledger_entries.c.kind != "topup"
@@ -122,8 +121,8 @@ async def test_a_killed_worker_leaves_uncertain_rows_and_no_double_charge(svc, c
         ).all()
     )
     assert [k for k, _ in entries] == ["reserve", "settle", "release"]
-    acts = svc.db.run_sync(lambda c: activity.list_activity(c, acct.org_id))
+    acts = svc.db.transact_sync(lambda c: activity.list_activity(c, acct.org_id))
     kinds = Counter(a["kind"] for a in acts if a["ref"] == run["id"])
     assert kinds == {"uncertain": 1, "charge": 1}
-    bal = svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    bal = svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.held == 0 and bal.settled == dict(entries)["settle"]

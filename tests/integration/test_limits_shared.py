@@ -22,12 +22,14 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from batchyard.app import limiter_from_url
 from batchyard.core.clock import ManualClock
-from batchyard.core.limits import PENALTY, Decision, InMemoryLimiter, Limit, limiter_from_url
-from batchyard.core.limits_redis import RedisLimiter
-from batchyard.core.limits_sql import LIMITS_TABLE, SqlLimiter, create_table
+from batchyard.core.limits import PENALTY, Admission, InMemoryLimiter, Limit
 from batchyard.engines.base import RateLimitSignal
 from batchyard.errors import RateLimited
+from batchyard.store.redis_limiter import RedisLimiter
+from batchyard.store.sql_limiter import SqlLimiter
+from batchyard.store.tables import rate_limits
 from tests.support.clocks import SleepWatchingClock
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -49,7 +51,7 @@ def postgres_engine() -> sa.Engine:
 @pytest.fixture(scope="module")
 def pg_engine() -> Iterator[sa.Engine]:
     engine = postgres_engine()
-    create_table(engine)
+    rate_limits.create(engine, checkfirst=True)
     yield engine
     engine.dispose()
 
@@ -93,10 +95,10 @@ async def limiter(request, clock, ns, tmp_path) -> AsyncIterator[object]:
         yield lim
         await lim.close()
         with engine.begin() as conn:
-            conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.key.startswith(ns)))
+            conn.execute(sa.delete(rate_limits).where(rate_limits.c.key.startswith(ns)))
     else:
         engine = sa.create_engine(f"sqlite:///{tmp_path / 'limits.db'}")
-        create_table(engine)
+        rate_limits.create(engine, checkfirst=True)
         lim = SqlLimiter(engine, clock)
         yield lim
         await lim.close()
@@ -107,9 +109,9 @@ async def limiter(request, clock, ns, tmp_path) -> AsyncIterator[object]:
 
 
 async def test_even_spacing_from_the_first_second(limiter, clock, ns) -> None:
-    assert await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)]) == Decision(True, 0.0)
+    assert await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)]) == Admission(True, 0.0)
     second = await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)])
-    assert second == Decision(False, pytest.approx(1.0), "rpm")
+    assert second == Admission(False, pytest.approx(1.0), "rpm")
     clock.advance(1.0)
     assert (await limiter.try_acquire(f"{ns}org:a", [(RPM, 1)])).allowed
 
@@ -134,7 +136,7 @@ async def test_all_or_nothing(limiter, clock, ns) -> None:
     key = f"{ns}org:a"
     assert (await limiter.try_acquire(key, [(TPM, 100)])).allowed
     refused = await limiter.try_acquire(key, [(RPM, 1), (TPM, 100)])
-    assert refused == Decision(False, pytest.approx(1.0), "tpm")
+    assert refused == Admission(False, pytest.approx(1.0), "tpm")
     # The refused request took nothing from the request limit.
     assert (await limiter.try_acquire(key, [(RPM, 1)])).allowed
 
@@ -143,7 +145,7 @@ async def test_a_cost_above_burst_waits_for_the_schedule(limiter, clock, ns) -> 
     key = f"{ns}org:a"
     assert (await limiter.try_acquire(key, [(TPM, 100)])).allowed
     big = await limiter.try_acquire(key, [(TPM, 1000)])
-    assert big == Decision(False, pytest.approx(1.0), "tpm")
+    assert big == Admission(False, pytest.approx(1.0), "tpm")
     clock.advance(1.0)
     assert (await limiter.try_acquire(key, [(TPM, 1000)])).allowed
 
@@ -165,7 +167,7 @@ async def test_refund_and_extra_debit(limiter, clock, ns) -> None:
 async def test_penalize_blocks_the_key_until_then(limiter, clock, ns) -> None:
     key = f"{ns}route:r1"
     await limiter.penalize(key, clock.time() + 20)
-    assert await limiter.try_acquire(key, [(RPM, 1)]) == Decision(
+    assert await limiter.try_acquire(key, [(RPM, 1)]) == Admission(
         False, pytest.approx(20.0), PENALTY
     )
     assert not (await limiter.try_acquire(key, [])).allowed
@@ -223,10 +225,10 @@ async def test_concurrent_tasks_share_one_limit(limiter, clock, ns) -> None:
 @pytest.mark.redis
 @pytest.mark.postgres
 async def test_limiter_from_url_builds_the_shared_ones(clock, pg_engine) -> None:
-    redis_limiter = limiter_from_url(REDIS_URL, clock)
+    redis_limiter = limiter_from_url(REDIS_URL, clock, pg_engine)
     assert isinstance(redis_limiter, RedisLimiter)
     await redis_limiter.close()
-    assert isinstance(limiter_from_url("sql", clock, engine=pg_engine), SqlLimiter)
+    assert isinstance(limiter_from_url("sql", clock, pg_engine), SqlLimiter)
 
 
 @pytest.mark.postgres
@@ -238,13 +240,13 @@ async def test_prune_drops_idle_rows_and_checks_carry_on(clock, ns, pg_engine) -
     assert await limiter.prune(idle_for=3600) >= 1
     with pg_engine.connect() as conn:
         left = conn.execute(
-            sa.select(sa.func.count()).where(LIMITS_TABLE.c.key.startswith(ns))
+            sa.select(sa.func.count()).where(rate_limits.c.key.startswith(ns))
         ).scalar_one()
     assert left == 0
     assert (await limiter.try_acquire(key, [(RPM, 1)])).allowed
     assert not (await limiter.try_acquire(key, [(RPM, 1)])).allowed
     with pg_engine.begin() as conn:
-        conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.key.startswith(ns)))
+        conn.execute(sa.delete(rate_limits).where(rate_limits.c.key.startswith(ns)))
 
 
 @pytest.mark.redis
@@ -280,11 +282,11 @@ WORKER = textwrap.dedent(
     backend, ns, start = sys.argv[1], sys.argv[2], sys.argv[3]
     clock = ManualClock(datetime.fromisoformat(start))
     if backend == "redis":
-        from batchyard.core.limits_redis import RedisLimiter
+        from batchyard.store.redis_limiter import RedisLimiter
         limiter = RedisLimiter("%(redis)s", clock, prefix="batchyard-test:" + ns)
     else:
         import sqlalchemy as sa
-        from batchyard.core.limits_sql import SqlLimiter
+        from batchyard.store.sql_limiter import SqlLimiter
         engine = sa.create_engine("%(postgres)s").execution_options(
             schema_translate_map={None: "%(schema)s"}
         )
@@ -370,5 +372,5 @@ def cleanup(backend: str, ns: str) -> None:
     else:
         engine = postgres_engine()
         with engine.begin() as conn:
-            conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.key.startswith(ns)))
+            conn.execute(sa.delete(rate_limits).where(rate_limits.c.key.startswith(ns)))
         engine.dispose()

@@ -14,10 +14,10 @@ import logging
 import httpx
 import pytest
 
+from batchyard.app import build_service
 from batchyard.core.accounts import hash_key
 from batchyard.core.catalog import catalog_from_config
 from batchyard.logs import JsonFormatter
-from batchyard.service import Service
 from batchyard.store import accounts, ledger
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
@@ -53,12 +53,12 @@ async def svc(settings, clock, upstream, monkeypatch):
             ],
         }
     )
-    service = Service(dataclasses.replace(settings, catalog=catalog), clock=clock)
+    service = build_service(dataclasses.replace(settings, catalog=catalog), clock=clock)
     service.db.migrate()
     try:
         yield service
     finally:
-        problems = service.db.run_sync(ledger.audit, readonly=True)
+        problems = service.db.read_sync(ledger.audit)
         await service.stop()
         assert problems == [], problems
 
@@ -103,7 +103,7 @@ async def test_no_key_and_no_text_in_any_log(svc, upstream, clock, caplog):
         bad = {**body, "messages": [{"role": "wizard", "content": TEXT}]}
         assert (await http.post(CHAT, json=bad, headers=acct.headers)).status_code == 400
         now = clock.now()
-        svc.db.run_sync(lambda c: accounts.revoke_key(c, acct.key_id, now))
+        svc.db.transact_sync(lambda c: accounts.revoke_key(c, acct.key_id, now))
         assert (await http.post(CHAT, json=body, headers=acct.headers)).status_code == 401
     assert upstream.statuses[200] >= 1
     assert len(caplog.records) > 0

@@ -87,7 +87,7 @@ def served(request, tmp_path_factory):
             ledger.top_up(conn, org.id, to_ticks(Decimal("5")), now)
             return org.id, secret
 
-        org_id, key = db.run_sync(setup)
+        org_id, key = db.transact_sync(setup)
         db.close()
         yield Served(base, normalise_database_url(url), key, org_id)
         proc.send_signal(signal.SIGTERM)
@@ -109,7 +109,7 @@ def served(request, tmp_path_factory):
 def _audit(url: str) -> list[str]:
     db = Database(url, pool_size=1)
     try:
-        return db.run_sync(ledger.audit, readonly=True)
+        return db.read_sync(ledger.audit)
     finally:
         db.close()
 

@@ -41,7 +41,7 @@ def make_account(
             accounts.set_tier(conn, org.id, tier)
         return Account(org.id, secret, key.id)
 
-    return service.db.run_sync(tx)
+    return service.db.transact_sync(tx)
 
 
 def add_key(service: Service, org_name: str, scope: Scope) -> Account:

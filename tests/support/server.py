@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from starlette.types import ASGIApp
 
-from batchyard.api.app import create_app
+from batchyard.app import create_app
 from batchyard.service import Service
 
 

@@ -25,7 +25,7 @@ async def get_account(request: Request) -> JSONResponse:
     def load(conn: Connection) -> tuple[Organisation, ledger.Balance]:
         return accounts.get_org(conn, principal.org_id), ledger.balance(conn, principal.org_id)
 
-    org, bal = await svc.db.run(load, readonly=True)
+    org, bal = await svc.db.read(load)
     tier = svc.tier(org.tier)
     auto = None
     if org.auto_topup_amount is not None and org.auto_topup_threshold is not None:
@@ -56,9 +56,8 @@ async def get_activity(
     principal = await authenticate(request, Scope.FULL, Scope.READ)
     svc = service_of(request)
     limit = max(1, min(limit, 1000))
-    rows = await svc.db.run(
-        lambda c: activity.list_activity(c, principal.org_id, after=after, limit=limit),
-        readonly=True,
+    rows = await svc.db.read(
+        lambda c: activity.list_activity(c, principal.org_id, after=after, limit=limit)
     )
     data = [
         {

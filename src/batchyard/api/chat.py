@@ -25,9 +25,9 @@ from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.prices import Price
 from batchyard.engines.base import CompletionRequest
 from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
-from batchyard.work.dispatcher import Price
 
 __all__ = ["ChatBody", "router", "validation_error"]
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from fastapi import Request
@@ -21,7 +19,6 @@ from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal, Scope
 from batchyard.core.limits import Limit
 from batchyard.errors import (
-    BatchyardError,
     InsufficientScope,
     InvalidApiKey,
     InvalidJson,
@@ -30,25 +27,18 @@ from batchyard.errors import (
     PayloadTooLarge,
     RateLimited,
 )
-from batchyard.service import Service
+from batchyard.service.deployment import service_of
+from batchyard.service.idempotency import run_once
 from batchyard.store import accounts
-from batchyard.store import idempotency as idem_store
 
 __all__ = [
-    "Answer",
     "authenticate",
     "check_tier_limits",
     "idempotent",
     "json_response",
     "read_json",
-    "run_once",
     "service_of",
 ]
-
-
-def service_of(request: Request) -> Service:
-    svc: Service = request.app.state.service
-    return svc
 
 
 def _presented_key(request: Request) -> str:
@@ -69,7 +59,7 @@ async def authenticate(request: Request, *scopes: Scope) -> Principal:
     def lookup(conn: Connection) -> Principal | None:
         return accounts.authenticate(conn, secret)
 
-    principal = await svc.db.run(lookup, readonly=True)
+    principal = await svc.db.read(lookup)
     if principal is None:
         raise InvalidApiKey("the API key is not valid (unknown or revoked)")
     if scopes and principal.scope not in scopes:
@@ -128,71 +118,14 @@ async def check_tier_limits(
             (Limit("rpm", rpm, burst=1.0 + 0.1 * rpm / 60.0), requests),
             (Limit("tpm", float(tier.tokens_per_minute)), tokens),
         ]
-    decision = await svc.limiter.try_acquire(f"org:{principal.org_id}", limits)
-    if not decision.allowed:
+    admission = await svc.limiter.try_acquire(f"org:{principal.org_id}", limits)
+    if not admission.allowed:
         raise RateLimited(
             f"over your tier's limits (tier {tier.level}: {tier.requests_per_minute} requests "
             f"and {tier.tokens_per_minute} input tokens a minute); retry after the delay "
             "or move up a tier",
-            retry_after=decision.retry_after,
+            retry_after=admission.retry_after,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """What a call under an Idempotency-Key answered: status and JSON text, perhaps replayed."""
-
-    status: int
-    text: str
-    replayed: bool = False
-
-
-async def run_once(
-    svc: Service,
-    principal: Principal,
-    key: str,
-    fingerprint: str,
-    handler: Callable[[], Awaitable[tuple[int, Any]]],
-) -> Answer:
-    """Run ``handler`` once per (organisation, key), or replay the answer saved for it.
-
-    The rules of every idempotent call, whichever door it came through: a
-    key reused with another body, whose answer expired, or still running is
-    a 409 (raised by ``store.idempotency.begin``); the handler's successes
-    and non-retryable failures are saved until the key expires; retryable
-    failures are not, so a retry runs again; and nothing is saved for an
-    organisation with zero data retention. ``handler`` returns (status,
-    JSON body).
-    """
-    now = svc.clock.now()
-    ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
-    org = principal.org_id
-
-    def claim(conn: Connection) -> idem_rules.SavedResponse | None:
-        return idem_store.begin(conn, org, key, fingerprint, now, ttl)
-
-    saved = await svc.db.write(claim)
-    if saved is not None:
-        return Answer(saved.status_code, saved.body, replayed=True)
-    keep = not principal.zero_data_retention
-    try:
-        status, payload = await handler()
-    except BatchyardError as exc:
-        if exc.retryable or not keep:
-            await svc.db.write(lambda c: idem_store.forget(c, org, key))
-        else:
-            text, failed_status = json.dumps(exc.to_body()), exc.status
-            await svc.db.write(lambda c: idem_store.finish(c, org, key, failed_status, text))
-        raise
-    except BaseException:
-        await svc.db.write(lambda c: idem_store.forget(c, org, key))
-        raise
-    text = json.dumps(payload)
-    if keep:
-        await svc.db.write(lambda c: idem_store.finish(c, org, key, status, text))
-    else:
-        await svc.db.write(lambda c: idem_store.forget(c, org, key))
-    return Answer(status, text)
 
 
 async def idempotent(

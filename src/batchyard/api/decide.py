@@ -40,7 +40,8 @@ from batchyard.core.accounts import Scope
 from batchyard.core.catalog import ModelSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
-from batchyard.engines.base import Completion, CompletionRequest, ScoringEngine, Usage
+from batchyard.core.prices import Price
+from batchyard.engines.base import Completion, CompletionRequest, Usage
 from batchyard.errors import (
     ContextWindowExceeded,
     InvalidRequest,
@@ -50,8 +51,7 @@ from batchyard.errors import (
     UnsupportedInput,
 )
 from batchyard.service import Service
-from batchyard.work.dispatcher import Price
-from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving, warmth_of
+from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
 
 __all__ = ["LOAD_WAIT_BOUND_S", "Plan", "prepare", "router"]
 
@@ -89,8 +89,7 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
             param="input.image_url",
         )
     where = serving(svc.catalog, model)
-    engine = svc.engines.for_route(where.route)
-    scoring = isinstance(engine, ScoringEngine) and req.input.image_url is None
+    scoring = svc.dispatcher.can_score(where.route) and req.input.image_url is None
     fmt: rules.AnswerFormat = (
         "json" if not scoring and where.route.supports_json_schema else "lines"
     )
@@ -200,7 +199,7 @@ async def _answer(
     """Who answers: the model asked for, or its base while a cold version loads."""
     if primary.model.type != "version":
         return primary, await _engine(svc, primary, req)
-    warmth = warmth_of(svc)
+    warmth = svc.warmth
     wait_s = svc.settings.warm_fallback_after_s
     if fallback is None:
         wait_s = max(wait_s, LOAD_WAIT_BOUND_S)
@@ -331,7 +330,7 @@ async def keep_warm(request: Request, model_id: str) -> Response:
     where = serving(svc.catalog, model)
 
     async def handler() -> tuple[int, Any]:
-        view = warmth_of(svc).keep_warm(model.id, where, float(minutes))
+        view = svc.warmth.keep_warm(model.id, where, float(minutes))
         return 200, {"id": model.id, "object": "model", "warm": view.to_json()}
 
     return await idempotent(request, principal, raw, handler)

@@ -17,7 +17,7 @@ from batchyard.core.catalog import ModelSpec
 from batchyard.core.money import format_money
 from batchyard.errors import ModelUnavailable, NotFound
 from batchyard.service import Service
-from batchyard.work.warmth import serving, warmth_of
+from batchyard.work.warmth import serving
 
 __all__ = ["model_json", "router", "warm_json"]
 
@@ -31,7 +31,7 @@ def warm_json(svc: Service, m: ModelSpec) -> dict[str, Any] | None:
         where = serving(svc.catalog, m)
     except ModelUnavailable:
         return None
-    return warmth_of(svc).view(m.id, where).to_json()
+    return svc.warmth.view(m.id, where).to_json()
 
 
 def model_json(m: ModelSpec, available: bool, warm: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -103,7 +103,7 @@ async def create_project(request: Request) -> JSONResponse:
     name = _name(body.get("name"))
     svc = service_of(request)
     now = svc.clock.now()
-    project = await svc.db.run(lambda c: store.create_project(c, principal.org_id, name, now))
+    project = await svc.db.transact(lambda c: store.create_project(c, principal.org_id, name, now))
     return json_response(project_json(project), 201)
 
 
@@ -111,9 +111,7 @@ async def create_project(request: Request) -> JSONResponse:
 async def get_project(request: Request, project_id: str) -> JSONResponse:
     principal = await authenticate(request, *READ)
     svc = service_of(request)
-    project = await svc.db.run(
-        lambda c: store.get_project(c, principal.org_id, project_id), readonly=True
-    )
+    project = await svc.db.read(lambda c: store.get_project(c, principal.org_id, project_id))
     return json_response(project_json(project))
 
 
@@ -186,22 +184,22 @@ def _import(
     if kind is None:
         kind = "chat-sft" if isinstance(first[1], dict) and "messages" in first[1] else "text"
     now = svc.clock.now()
-    ds = svc.db.run_sync(lambda c: store.create_dataset(c, org_id, project_id, name, kind, now))
+    ds = svc.db.transact_sync(
+        lambda c: store.create_dataset(c, org_id, project_id, name, kind, now)
+    )
     try:
         batch = [_check_row(first[1], kind, first[0])]
         for where, row in rows:
             batch.append(_check_row(row, kind, where))
             if len(batch) >= BATCH:
-                svc.db.run_sync(lambda c, b=batch: store.append_rows(c, ds.id, b, now))
+                svc.db.transact_sync(lambda c, b=batch: store.append_rows(c, ds.id, b, now))
                 batch = []
         if batch:
-            svc.db.run_sync(lambda c, b=batch: store.append_rows(c, ds.id, b, now))
+            svc.db.transact_sync(lambda c, b=batch: store.append_rows(c, ds.id, b, now))
     except BaseException:
-        svc.db.run_sync(lambda c: store.delete_dataset(c, ds.id))
+        svc.db.transact_sync(lambda c: store.delete_dataset(c, ds.id))
         raise
-    result: store.Dataset = svc.db.run_sync(
-        lambda c: store.get_dataset(c, org_id, ds.id), readonly=True
-    )
+    result: store.Dataset = svc.db.read_sync(lambda c: store.get_dataset(c, org_id, ds.id))
     return result
 
 
@@ -226,7 +224,7 @@ async def create_dataset(request: Request, project_id: str) -> JSONResponse:
     principal = await authenticate(request, Scope.FULL)
     svc = service_of(request)
     org = principal.org_id
-    await svc.db.run(lambda c: store.get_project(c, org, project_id), readonly=True)
+    await svc.db.read(lambda c: store.get_project(c, org, project_id))
     fmt = _format(request)
     if fmt == "json":
         body = await read_json(request)
@@ -235,7 +233,9 @@ async def create_dataset(request: Request, project_id: str) -> JSONResponse:
         if kind not in KINDS:
             raise InvalidRequest("kind must be text or chat-sft", param="kind")
         now = svc.clock.now()
-        ds = await svc.db.run(lambda c: store.create_dataset(c, org, project_id, name, kind, now))
+        ds = await svc.db.transact(
+            lambda c: store.create_dataset(c, org, project_id, name, kind, now)
+        )
         return json_response(dataset_json(ds), 201)
     name = _name(request.query_params.get("name"), "name")
     kind_param = request.query_params.get("kind")
@@ -261,9 +261,7 @@ async def create_dataset(request: Request, project_id: str) -> JSONResponse:
 async def get_dataset(request: Request, project_id: str, dataset_id: str) -> JSONResponse:
     principal = await authenticate(request, *READ)
     svc = service_of(request)
-    ds = await svc.db.run(
-        lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id), readonly=True
-    )
+    ds = await svc.db.read(lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id))
     return json_response(dataset_json(ds))
 
 
@@ -281,7 +279,7 @@ async def list_rows(request: Request, project_id: str, dataset_id: str) -> JSONR
         store.get_dataset(c, principal.org_id, dataset_id, project_id)
         return store.list_rows(c, dataset_id, after=after, limit=limit + 1)
 
-    rows = await svc.db.run(tx, readonly=True)
+    rows = await svc.db.read(tx)
     more = len(rows) > limit
     rows = rows[:limit]
     return json_response(
@@ -315,4 +313,4 @@ async def patch_row(
             _check_row(merged, ds.kind, "data")
         return row_versions.patch_row(c, dataset_id, int(row_id), changes, now)
 
-    return json_response(row_json(await svc.db.run(tx)))
+    return json_response(row_json(await svc.db.transact(tx)))

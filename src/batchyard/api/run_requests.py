@@ -152,9 +152,8 @@ def any_row_matches(svc: Any, dataset_id: str, keep: RowFilter, source: dict[str
     """
     after = 0
     while True:
-        batch = svc.db.run_sync(
-            lambda c, a=after: pstore.current_rows(c, dataset_id, after=a, limit=2000),
-            readonly=True,
+        batch = svc.db.read_sync(
+            lambda c, a=after: pstore.current_rows(c, dataset_id, after=a, limit=2000)
         )
         if not batch:
             return False

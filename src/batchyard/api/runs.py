@@ -40,7 +40,7 @@ from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, Qu
 from batchyard.store import activity, ledger, work_items
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
-from batchyard.work import runs as worker
+from batchyard.work.runs.funding import fund
 
 __all__ = ["router", "run_json"]
 
@@ -142,7 +142,7 @@ async def create_run(request: Request, project_id: str) -> Response:
         pstore.get_project(c, org, project_id)
         return pstore.get_dataset(c, org, dataset_id, project_id)
 
-    ds = await svc.db.run(lookup, readonly=True)
+    ds = await svc.db.read(lookup)
     spec = validate_run_request(svc, raw, ds)
     keep = compile_filter(spec["filter"])
 
@@ -169,8 +169,8 @@ async def create_run(request: Request, project_id: str) -> Response:
             )
             return rstore.load_run(c, run_id)
 
-        run = await svc.db.run(tx)
-        worker.notify(svc)
+        run = await svc.db.transact(tx)
+        svc.runs.notify()
         return 201, run_json(run)
 
     return await idempotent(request, principal, raw, handler, required=True)
@@ -195,7 +195,7 @@ async def list_runs(request: Request, project_id: str) -> JSONResponse:
             c, principal.org_id, project_id, status=status, before=cursor, limit=limit + 1
         )
 
-    runs = await svc.db.run(tx, readonly=True)
+    runs = await svc.db.read(tx)
     more = len(runs) > limit
     runs = runs[:limit]
     return json_response(
@@ -211,9 +211,7 @@ async def list_runs(request: Request, project_id: str) -> JSONResponse:
 async def get_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
     principal = await authenticate(request, *READ)
     svc = service_of(request)
-    run = await svc.db.run(
-        lambda c: rstore.get_run(c, principal.org_id, run_id, project_id), readonly=True
-    )
+    run = await svc.db.read(lambda c: rstore.get_run(c, principal.org_id, run_id, project_id))
     return json_response(run_json(run))
 
 
@@ -238,7 +236,7 @@ async def confirm_run(request: Request, project_id: str, run_id: str) -> JSONRes
                 "for a fresh quote",
                 details={"status": run.status},
             )
-        worker.fund(
+        fund(
             c,
             run,
             now,
@@ -247,8 +245,8 @@ async def confirm_run(request: Request, project_id: str, run_id: str) -> JSONRes
         )
         return rstore.load_run(c, run_id)
 
-    run = await svc.db.run(tx)
-    worker.notify(svc)
+    run = await svc.db.transact(tx)
+    svc.runs.notify()
     return json_response(run_json(run))
 
 
@@ -296,8 +294,8 @@ async def cancel_run(request: Request, project_id: str, run_id: str) -> JSONResp
             )
         return rstore.load_run(c, run_id)
 
-    run = await svc.db.run(tx)
-    worker.notify(svc)
+    run = await svc.db.transact(tx)
+    svc.runs.notify()
     return json_response(run_json(run))
 
 
@@ -320,7 +318,7 @@ async def list_failures(request: Request, project_id: str, run_id: str) -> JSONR
             c, run_id, after=int(cursor) if cursor else None, limit=limit + 1
         )
 
-    rows = await svc.db.run(tx, readonly=True)
+    rows = await svc.db.read(tx)
     more = len(rows) > limit
     rows = rows[:limit]
     for r in rows:

@@ -71,7 +71,7 @@ def keys_create(
         return org, key, secret
 
     try:
-        org, key, secret = db.run_sync(tx)
+        org, key, secret = db.transact_sync(tx)
     finally:
         db.close()
     console.print(f"created key [bold]{key.id}[/] ({scope}) for {org.name} ({org.id}); shown once:")
@@ -87,10 +87,10 @@ def keys_list(org_name: str, config_file: str | None, database_url: str | None) 
 
     db = open_database(config_file, database_url)
     try:
-        org = db.run_sync(lambda c: accounts.get_org_by_name(c, org_name), readonly=True)
+        org = db.read_sync(lambda c: accounts.get_org_by_name(c, org_name))
         if org is None:
             raise click.ClickException(f"no organisation called {org_name!r}")
-        rows = db.run_sync(lambda c: accounts.list_keys(c, org.id), readonly=True)
+        rows = db.read_sync(lambda c: accounts.list_keys(c, org.id))
     finally:
         db.close()
     table = Table(title=f"keys of {org.name} ({org.id})")
@@ -122,7 +122,7 @@ def keys_revoke(key_id: str, config_file: str | None, database_url: str | None) 
     db = open_database(config_file, database_url)
     now = SystemClock().now()
     try:
-        key = db.run_sync(lambda c: accounts.revoke_key(c, key_id, now))
+        key = db.transact_sync(lambda c: accounts.revoke_key(c, key_id, now))
     except Exception as exc:
         raise click.ClickException(str(exc)) from None
     finally:
@@ -164,13 +164,13 @@ def credit_add(
     db = open_database(config_file, database_url)
     now = SystemClock().now()
     try:
-        org = db.run_sync(lambda c: accounts.get_org_by_name(c, org_name), readonly=True)
+        org = db.read_sync(lambda c: accounts.get_org_by_name(c, org_name))
         if org is None:
             raise click.ClickException(f"no organisation called {org_name!r}; create a key first")
-        bal = db.run_sync(
+        bal = db.transact_sync(
             lambda c: ledger.top_up(c, org.id, to_ticks(value), now, tiers=settings.tiers)
         )
-        tier = db.run_sync(lambda c: accounts.get_org(c, org.id).tier, readonly=True)
+        tier = db.read_sync(lambda c: accounts.get_org(c, org.id).tier)
     finally:
         db.close()
     console.print(
@@ -195,10 +195,10 @@ def credit_auto_topup(
     t, a = _amount(threshold), _amount(amount)
     db = open_database(config_file, database_url)
     try:
-        org = db.run_sync(lambda c: accounts.get_org_by_name(c, org_name), readonly=True)
+        org = db.read_sync(lambda c: accounts.get_org_by_name(c, org_name))
         if org is None:
             raise click.ClickException(f"no organisation called {org_name!r}")
-        db.run_sync(lambda c: accounts.set_auto_topup(c, org.id, t, a))
+        db.transact_sync(lambda c: accounts.set_auto_topup(c, org.id, t, a))
     finally:
         db.close()
     console.print(f"{org_name}: top up ${a} whenever available credit would fall below ${t}")
@@ -212,7 +212,7 @@ def audit(config_file: str | None, database_url: str | None) -> None:
 
     db = open_database(config_file, database_url)
     try:
-        problems = db.run_sync(ledger.audit, readonly=True)
+        problems = db.read_sync(ledger.audit)
     finally:
         db.close()
     if problems:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from batchyard.cli.run import client_options, pace_options
+from batchyard.cli.text_runner import client_options, pace_options
 from batchyard.client.async_client import AsyncClient
 from batchyard.client.check import CheckReport, ModelScore, check_models
 from batchyard.client.fleet import RunAborted

@@ -20,6 +20,8 @@ import httpx
 from rich.console import Console
 from rich.panel import Panel
 
+from batchyard.core.clock import SystemClock
+
 __all__ = ["demo"]
 
 console = Console()
@@ -67,18 +69,19 @@ def demo(prompt: str, keep: bool) -> None:
     try:
         headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=base, headers=headers, timeout=300) as client:
-            deadline = time.monotonic() + 120
+            clock = SystemClock()
+            deadline = clock.time() + 120
             while True:
                 try:
                     if client.get("/healthz").status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
-                if time.monotonic() > deadline or server.poll() is not None:
+                if clock.time() > deadline or server.poll() is not None:
                     raise click.ClickException("the server did not start")
                 time.sleep(0.2)
             console.print(f"✓ server up at {base}")
-            started = time.monotonic()
+            started = clock.time()
             r = client.post(
                 "/v1/chat/completions",
                 json={
@@ -92,7 +95,7 @@ def demo(prompt: str, keep: bool) -> None:
             if r.status_code != 200:
                 raise click.ClickException(f"completion failed: {r.status_code} {r.text}")
             body = r.json()
-            elapsed = time.monotonic() - started
+            elapsed = clock.time() - started
             console.print(
                 Panel(
                     body["choices"][0]["message"]["content"].strip(),

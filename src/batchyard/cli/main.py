@@ -7,9 +7,9 @@ import click
 from batchyard.cli.admin import audit, credit, keys
 from batchyard.cli.check import command as check_command
 from batchyard.cli.demo import demo
-from batchyard.cli.run import command as run_command
 from batchyard.cli.runs import runs
 from batchyard.cli.serve import serve, worker
+from batchyard.cli.text_runner import command as run_command
 
 __all__ = ["cli", "main"]
 

@@ -31,14 +31,14 @@ def approve(run_id: str, config_file: str | None, database_url: str | None) -> N
     from batchyard.core.clock import SystemClock
     from batchyard.errors import BatchyardError
     from batchyard.store.database import Database
-    from batchyard.work import runs as worker
+    from batchyard.work.runs.funding import approve as approve_run
 
     settings = settings_from(config_file, database_url)
     db = Database(settings.database_url, pool_size=2)
     try:
         db.migrate()
         now = SystemClock().now()
-        status = db.run_sync(lambda c: worker.approve(c, run_id, now, tiers=settings.tiers))
+        status = db.transact_sync(lambda c: approve_run(c, run_id, now, tiers=settings.tiers))
     except BatchyardError as exc:
         raise click.ClickException(exc.message) from None
     finally:

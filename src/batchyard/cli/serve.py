@@ -21,9 +21,7 @@ console = Console(stderr=True)
 
 def _report_batch_key(service: Service) -> None:
     """Say where a new batch key went, or why deferred batches are off."""
-    from batchyard.work.market import market_of
-
-    key = market_of(service).key
+    key = service.batch_key
     if key.created:
         console.print(
             f"batchyard: created the batch encryption key {key.path} (mode 0600); "
@@ -50,13 +48,12 @@ def serve(
     """Start the API (and an in-process worker) on SQLite by default."""
     import uvicorn
 
-    from batchyard.api.app import create_app
+    from batchyard.app import build_service, create_app
     from batchyard.logs import setup_logging
-    from batchyard.service import Service
 
     setup_logging(log_level.upper())
     settings = settings_from(config_file, database_url)
-    service = Service(settings)
+    service = build_service(settings)
     _report_batch_key(service)
     where = settings.sqlite_path or settings.database_url.split("@")[-1]
     console.print(f"batchyard: database {where}; listening on http://{host}:{port}")
@@ -69,14 +66,14 @@ def serve(
 @database_options
 def worker(log_level: str, config_file: str | None, database_url: str | None) -> None:
     """Run background work (runs, deferred batches) without serving HTTP."""
+    from batchyard.app import build_service
     from batchyard.logs import setup_logging
-    from batchyard.service import Service
 
     setup_logging(log_level.upper())
     settings = settings_from(config_file, database_url)
 
     async def main() -> None:
-        service = Service(settings)
+        service = build_service(settings)
         _report_batch_key(service)
         await service.start(worker=True)
         stop = asyncio.Event()

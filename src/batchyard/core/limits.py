@@ -23,30 +23,26 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from batchyard.core.clock import Clock
-from batchyard.engines.base import RateLimitSignal
 from batchyard.errors import RateLimited
-
-if TYPE_CHECKING:
-    import sqlalchemy
 
 __all__ = [
     "EPSILON",
     "PENALTY",
+    "Admission",
     "Cell",
-    "Decision",
     "InMemoryLimiter",
     "Limit",
     "Limiter",
     "LimiterBase",
+    "RateLimitSignal",
     "cell_for",
     "gcra",
     "gcra_adjust",
     "gcra_many",
     "gcra_penalize",
-    "limiter_from_url",
     "penalty_until",
     "storage_keys",
 ]
@@ -63,6 +59,22 @@ EPSILON = 1e-6
 # its TAT has passed and every check of the key honours it. The "!" keeps it
 # apart from real limit names, which may not start with one.
 PENALTY = "!penalty"
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitSignal:
+    """What an upstream said about its own limits (its ``x-ratelimit-*`` headers).
+
+    Engines read it off each answer; the limiter turns an exhausted allowance
+    into a penalty on the route, so every caller of that route waits it out.
+    """
+
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_requests_s: float | None = None
+    reset_tokens_s: float | None = None
+    limit_requests: int | None = None
+    limit_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,8 +108,8 @@ class Limit:
 
 
 @dataclass(frozen=True)
-class Decision:
-    """Admitted, or how long until the same request would be.
+class Admission:
+    """The limiter's verdict: admitted, or how long until the same request would be.
 
     ``limit`` names the limit that bound (``PENALTY`` for an upstream's back-off)
     so an API answer can say which one; it is ``None`` when admitted.
@@ -212,7 +224,7 @@ def penalty_until(
 class Limiter(Protocol):
     """What the API and the dispatcher hold; in-process or shared alike."""
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
         """Admit ``cost`` against every limit under ``key``, or none of them."""
         ...
 
@@ -243,7 +255,7 @@ class LimiterBase:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
         raise NotImplementedError
 
     async def penalize(self, key: str, until: float) -> None:
@@ -258,16 +270,16 @@ class LimiterBase:
         # slept reaches every waiter.
         start = self._clock.time()
         while True:
-            decision = await self.try_acquire(key, limits)
-            if decision.allowed:
+            admission = await self.try_acquire(key, limits)
+            if admission.allowed:
                 return
             waited = self._clock.time() - start
-            if max_wait is not None and waited + decision.retry_after > max_wait + EPSILON:
+            if max_wait is not None and waited + admission.retry_after > max_wait + EPSILON:
                 raise RateLimited(
-                    f"rate limit {decision.limit} for {key} reached",
-                    retry_after=decision.retry_after,
+                    f"rate limit {admission.limit} for {key} reached",
+                    retry_after=admission.retry_after,
                 )
-            await self._clock.sleep(decision.retry_after)
+            await self._clock.sleep(admission.retry_after)
 
     async def observe(self, key: str, signal: RateLimitSignal) -> None:
         until = penalty_until(signal, self._clock.time())
@@ -302,7 +314,7 @@ class InMemoryLimiter(LimiterBase):
         self._lock = threading.Lock()
         self._ops = 0
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
         keys = storage_keys(key, limits)
         cells = request_cells(limits)
         now = self._clock.time()
@@ -311,11 +323,11 @@ class InMemoryLimiter(LimiterBase):
             tats = [self._tats.get(k, 0.0) for k in keys]
             wait, binding, new_tats = gcra_many(tats, now, cells)
             if wait > EPSILON:
-                return Decision(False, wait, binding_name(limits, binding))
+                return Admission(False, wait, binding_name(limits, binding))
             for k, cell, new_tat in zip(keys, cells, new_tats, strict=True):
                 if cell.increment > 0:
                     self._tats[k] = new_tat
-        return Decision(True, 0.0)
+        return Admission(True, 0.0)
 
     async def adjust(self, key: str, limit: Limit, delta: float) -> None:
         k = f"{key}:{limit.name}"
@@ -333,27 +345,3 @@ class InMemoryLimiter(LimiterBase):
         self._ops += 1
         if self._ops % self._SWEEP_EVERY == 0:
             self._tats = {k: t for k, t in self._tats.items() if t > now}
-
-
-def limiter_from_url(
-    url: str | None, clock: Clock, engine: sqlalchemy.Engine | None = None, **options: Any
-) -> Limiter:
-    """Pick the limiter a deployment asked for.
-
-    ``None`` or ``memory``: in-process (one replica). ``redis://``/``rediss://``/
-    ``unix://``: shared through Redis. ``sql``: shared through the store's own
-    database, for deployments that run PostgreSQL but no Redis.
-    """
-    if url is None or url in ("memory", "memory://"):
-        return InMemoryLimiter(clock)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from batchyard.core.limits_redis import RedisLimiter
-
-        return RedisLimiter(url, clock, **options)
-    if url == "sql":
-        if engine is None:
-            raise ValueError("the sql limiter needs the store's engine")
-        from batchyard.core.limits_sql import SqlLimiter
-
-        return SqlLimiter(engine, clock)
-    raise ValueError(f"unknown limiter url scheme: {url.split('://')[0]!r}")

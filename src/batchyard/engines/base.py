@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from batchyard.core.limits import RateLimitSignal
+
 __all__ = [
     "Choice",
     "Completion",
@@ -61,18 +63,6 @@ class Choice:
     finish_reason: str = "stop"
     # Token log-probabilities, OpenAI's ``logprobs.content`` list, where given.
     logprobs: list[dict[str, Any]] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RateLimitSignal:
-    """What the upstream said about its own limits (``x-ratelimit-*`` headers)."""
-
-    remaining_requests: int | None = None
-    remaining_tokens: int | None = None
-    reset_requests_s: float | None = None
-    reset_tokens_s: float | None = None
-    limit_requests: int | None = None
-    limit_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

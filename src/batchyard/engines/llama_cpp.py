@@ -17,7 +17,6 @@ import asyncio
 import atexit
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,8 +26,10 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from batchyard.core.tokens import ChatTemplate, text_messages
+from batchyard.core.clock import Clock, SystemClock
+from batchyard.core.tokens import text_messages
 from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
+from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import ContextWindowExceeded, UnsupportedInput, UpstreamError
 
 __all__ = ["LlamaCppEngine", "VersionSpec"]
@@ -179,8 +180,11 @@ class LlamaCppEngine:
         n_threads: int | None = None,
         versions: dict[str, VersionSpec] | None = None,
         score_turn_end: bool = False,
+        clock: Clock | None = None,
     ) -> None:
         self.name = name
+        # Only to time loads (reported as warm state); nothing here waits on it.
+        self.clock: Clock = clock or SystemClock()
         # Off by default: small models rarely end a turn right after a bare
         # label ("Positive" then EOT can be 1e-7 likely while "Positive." is
         # not), so requiring the end token buries the signal in noise. Turn it
@@ -251,7 +255,7 @@ class LlamaCppEngine:
             if pool.loaded:
                 return pool.load_seconds or 0.0
             loop = asyncio.get_running_loop()
-            started = time.perf_counter()
+            started = self.clock.time()
             try:
                 models = await loop.run_in_executor(
                     pool.executor, lambda: [_Model(pool.factory()) for _ in range(pool.contexts)]
@@ -262,7 +266,7 @@ class LlamaCppEngine:
                     code="model_load_failed",
                     retryable=False,
                 ) from None
-            elapsed = time.perf_counter() - started
+            elapsed = self.clock.time() - started
             pool.models = models
             for model in models:
                 _open_models.add(model)

@@ -112,19 +112,37 @@ class Database:
             with conn.begin():
                 yield conn
 
-    def run_sync(self, fn: Callable[[Connection], T], *, readonly: bool = False) -> T:
-        with self.transaction(readonly=readonly) as conn:
+    def read_sync(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn(conn)`` in a read-only transaction on this thread."""
+        with self.transaction(readonly=True) as conn:
             return fn(conn)
 
-    async def run(self, fn: Callable[[Connection], T], *, readonly: bool = False) -> T:
-        """Run ``fn(conn)`` in one transaction on the database threads."""
+    def transact_sync(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn(conn)`` in a writing transaction of its own on this thread."""
+        with self.transaction() as conn:
+            return fn(conn)
+
+    async def read(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn(conn)`` in a read-only transaction on the database threads.
+
+        On SQLite a reader never waits for the writer (WAL); on PostgreSQL
+        reads run in parallel on the pool.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, lambda: self.run_sync(fn, readonly=readonly)
-        )
+        return await loop.run_in_executor(self._executor, lambda: self.read_sync(fn))
+
+    async def transact(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn(conn)`` in a writing transaction of its own on the database threads.
+
+        For writes that are long (a batch of rows), lock many rows (claims),
+        or must not share a commit with anyone else's. Short writes on a hot
+        path use ``write``, which shares one commit among concurrent callers.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: self.transact_sync(fn))
 
     async def write(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn(conn)`` atomically, committed together with other writes.
+        """Run ``fn(conn)`` atomically, committed together with other writes: the hot path.
 
         Group commit: concurrent writes queue for one writer thread, which runs
         each in a savepoint of a shared transaction and commits them with one
@@ -168,7 +186,7 @@ class Database:
     def migrate(self) -> None:
         from batchyard.store.migrations import upgrade
 
-        upgrade(self)
+        upgrade(self.engine)
 
     def ping(self) -> None:
         with self.engine.connect() as conn:

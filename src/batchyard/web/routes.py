@@ -4,8 +4,8 @@ Every page is plain HTML from Jinja2 with autoescaping on; there is no
 script at all (a non-terminal batch refreshes with ``<meta refresh>``), so
 the Content-Security-Policy can forbid scripts outright. Pages read the
 store through the same queries as ``/v1/batches`` and change it only
-through the API module's functions, so the workspace cannot queue, cancel
-or show anything the API would not.
+through ``service.batches``, the functions the API calls too, so the
+workspace cannot queue, cancel or show anything the API would not.
 
 Sign-in takes an API key once and keeps only a server-side session (see
 ``web.sessions``). Forms carry a CSRF token: the sign-in form a
@@ -28,12 +28,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sqlalchemy import Connection
 
-from batchyard.api import batches as api_batches
-from batchyard.api.batch_requests import MAX_BODY_BYTES
-from batchyard.api.context import service_of
 from batchyard.core.accounts import Principal, Scope
 from batchyard.core.clock import isoformat
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound, PayloadTooLarge
+from batchyard.service import batches as service_batches
+from batchyard.service import service_of
+from batchyard.service.batch_requests import MAX_BODY_BYTES
 from batchyard.store import accounts
 from batchyard.store import batches as store
 from batchyard.store.batch_tables import ITEM_STATES
@@ -158,7 +158,7 @@ async def _signed_in(request: Request) -> tuple[Session, Principal] | None:
     if session is None:
         return None
     svc = service_of(request)
-    principal = await svc.db.run(lambda c: principal_of(c, session), readonly=True)
+    principal = await svc.db.read(lambda c: principal_of(c, session))
     if principal is None:
         sessions.close(token)
         return None
@@ -197,7 +197,7 @@ async def sign_in(request: Request) -> Response:
         return _forbidden("the sign-in form has expired or did not come from this site; reload")
     secret = form.get("api_key", "").strip()
     svc = service_of(request)
-    principal = await svc.db.run(lambda c: accounts.authenticate(c, secret), readonly=True)
+    principal = await svc.db.read(lambda c: accounts.authenticate(c, secret))
     if principal is None:
         error = {"code": "invalid_api_key", "message": "the API key is not valid", "status": 401}
         return _signin_page(request, status=401, error=error)
@@ -259,7 +259,7 @@ async def _list_page(
         rows = store.list_batches(conn, principal.org_id, after=after, limit=PAGE_SIZE)
         return rows, store.counts(conn, [b.id for b in rows])
 
-    rows, per = await svc.db.run(load, readonly=True)
+    rows, per = await svc.db.read(load)
     return _page(
         "batches.html",
         status,
@@ -341,7 +341,7 @@ async def _batch_page(
             return None
         return batch, store.counts(conn, [batch.id])[batch.id], store.items_of(conn, batch.id)
 
-    found = await svc.db.run(load, readonly=True)
+    found = await svc.db.read(load)
     if found is None:
         missing = NotFound(f"batch {batch_id} not found", param="batch_id")
         return _page("error.html", 404, error=_error(missing), signed_in=True, csrf=session.csrf)
@@ -373,7 +373,7 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
     if not same_token(session.csrf, form.get("csrf")):
         return _forbidden("the form did not carry this session's token; reload and retry")
     try:
-        await api_batches.cancel(service_of(request), principal, batch_id)
+        await service_batches.cancel(service_of(request), principal, batch_id)
     except BatchyardError as exc:
         return await _batch_page(
             request, session, principal, batch_id, status=exc.status, error=_error(exc)
@@ -388,7 +388,7 @@ async def download_results(request: Request, batch_id: str) -> Response:
         return _to_signin("ended" if request.cookies.get(SESSION_COOKIE) else None)
     session, principal = who
     try:
-        lines = await api_batches.result_lines(service_of(request), principal, batch_id)
+        lines = await service_batches.result_lines(service_of(request), principal, batch_id)
     except BatchyardError as exc:
         return _page("error.html", exc.status, error=_error(exc), signed_in=True, csrf=session.csrf)
     disposition = f'attachment; filename="{batch_id}-results.ndjson"'

@@ -2,8 +2,8 @@
 
 The form posts the same JSON body as ``POST /v1/batches`` and an
 Idempotency-Key. Parsing, privacy, sealing, the submission rate and the
-pending limit are the API's functions and the idempotency rules are
-``api.context.run_once``, with the record fingerprinted as ``POST
+pending limit are ``service.batches``' and the idempotency rules are
+``service.idempotency.run_once``, with the record fingerprinted as ``POST
 /v1/batches``: a key used in the workspace and then with curl (same body)
 names the same batch, and a double-clicked submit replays the first answer
 instead of queueing twice.
@@ -16,14 +16,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from batchyard.api.batch_requests import MAX_BODY_BYTES, parse_submission
-from batchyard.api.batches import store_submission
-from batchyard.api.context import run_once
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
 from batchyard.errors import InvalidJson, PayloadTooLarge
-from batchyard.service import Service
-from batchyard.work.market import market_of
+from batchyard.service import Service, batches
+from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
+from batchyard.service.idempotency import run_once
 
 __all__ = ["EXAMPLE", "Outcome", "submit_text"]
 
@@ -75,13 +73,13 @@ def _parse_json(text: str) -> dict[str, Any]:
 
 async def submit_text(svc: Service, principal: Principal, text: str, key: str) -> Outcome:
     """Submit the form's JSON under ``key``; raises the API's errors, queueing nothing."""
-    market_of(svc).sealer()
+    svc.batch_key.require()
     raw = _parse_json(text)
     sub = parse_submission(svc, raw)
     idem_rules.validate_key(key, min_len=8)
 
     async def handler() -> tuple[int, Any]:
-        return 201, await store_submission(svc, principal, sub)
+        return 201, await batches.submit(svc, principal, sub)
 
     fingerprint = idem_rules.fingerprint("POST", API_PATH, raw)
     answer = await run_once(svc, principal, key, fingerprint, handler)

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection
 
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limit, Limiter
-from batchyard.core.money import charge_ticks, token_cost
+from batchyard.core.money import charge_ticks
+from batchyard.core.prices import Price
 from batchyard.core.tiers import Tier
 from batchyard.engines.base import (
     Completion,
@@ -40,18 +41,10 @@ from batchyard.store import activity, ledger
 from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
 
-__all__ = ["DispatchResult", "Dispatcher", "Price"]
+__all__ = ["DispatchResult", "Dispatcher"]
 
 log = logging.getLogger("batchyard.dispatch")
-
-
-@dataclass(frozen=True, slots=True)
-class Price:
-    input_per_mtok: Decimal
-    output_per_mtok: Decimal
-
-    def cost(self, input_tokens: int, output_tokens: int) -> Decimal:
-        return token_cost(input_tokens, output_tokens, self.input_per_mtok, self.output_per_mtok)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +123,40 @@ class Dispatcher:
         if signal is not None:
             await self.limiter.observe(f"route:{route.id}", signal)
 
+    def can_score(self, route: RouteSpec) -> bool:
+        """Whether the route's engine scores candidate replies (decide's per-outcome scoring)."""
+        return isinstance(self.engines.for_route(route), ScoringEngine)
+
+    async def _paced(
+        self,
+        route: RouteSpec,
+        cost_tokens: int,
+        input_tokens: int,
+        send: Callable[[], Awaitable[T]],
+    ) -> T:
+        """Pace the route, then ``send``; an upstream 429 is waited out and sent again.
+
+        A 429 means the upstream did not process the call, so sending it again
+        cannot charge twice. Its Retry-After becomes a penalty on the route
+        that every caller of the route waits out, not only this one.
+        """
+        sem = self._semaphore(route)
+        attempt = 0
+        while True:
+            await self.pace(route, input_tokens, cost_tokens)
+            try:
+                if sem is None:
+                    return await send()
+                async with sem:
+                    return await send()
+            except UpstreamRateLimited as exc:
+                attempt += 1
+                wait = exc.retry_after if exc.retry_after is not None else 1.0
+                await self.limiter.penalize(f"route:{route.id}", self.clock.time() + wait)
+                if attempt > self.upstream_429_retries:
+                    raise
+                log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
+
     async def call(
         self,
         *,
@@ -139,26 +166,14 @@ class Dispatcher:
     ) -> Completion:
         """Pace and call one route; an upstream 429 is waited out and retried."""
         engine = self.engines.for_route(route)
-        sem = self._semaphore(route)
-        attempt = 0
-        while True:
-            await self.pace(route, input_tokens, request.max_tokens * max(1, request.n))
-            try:
-                if sem is not None:
-                    async with sem:
-                        completion = await engine.complete(request)
-                else:
-                    completion = await engine.complete(request)
-            except UpstreamRateLimited as exc:
-                attempt += 1
-                wait = exc.retry_after if exc.retry_after is not None else 1.0
-                await self.limiter.penalize(f"route:{route.id}", self.clock.time() + wait)
-                if attempt > self.upstream_429_retries:
-                    raise
-                log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
-                continue
-            await self._observe(route, completion.rate_limit)
-            return completion
+        completion = await self._paced(
+            route,
+            request.max_tokens * max(1, request.n),
+            input_tokens,
+            lambda: engine.complete(request),
+        )
+        await self._observe(route, completion.rate_limit)
+        return completion
 
     async def execute(
         self,
@@ -228,22 +243,9 @@ class Dispatcher:
         engine = self.engines.for_route(route)
         if not isinstance(engine, ScoringEngine):
             raise TypeError(f"the engine of route {route.id!r} cannot score candidates")
-        sem = self._semaphore(route)
-        attempt = 0
-        while True:
-            await self.pace(route, input_tokens, len(candidates))
-            try:
-                if sem is not None:
-                    async with sem:
-                        return await engine.score(model, messages, candidates)
-                return await engine.score(model, messages, candidates)
-            except UpstreamRateLimited as exc:
-                attempt += 1
-                wait = exc.retry_after if exc.retry_after is not None else 1.0
-                await self.limiter.penalize(f"route:{route.id}", self.clock.time() + wait)
-                if attempt > self.upstream_429_retries:
-                    raise
-                log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
+        return await self._paced(
+            route, len(candidates), input_tokens, lambda: engine.score(model, messages, candidates)
+        )
 
     async def settle(
         self,

@@ -21,21 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.clock import Clock, isoformat
-from batchyard.engines.base import CompletionRequest, ScoringEngine
+from batchyard.engines.base import CompletionRequest
 from batchyard.errors import ModelUnavailable
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
-
-if TYPE_CHECKING:
-    from batchyard.service import Service
 
 __all__ = [
     "IDLE_S",
@@ -43,9 +39,7 @@ __all__ = [
     "Serving",
     "WarmView",
     "Warmth",
-    "install",
     "serving",
-    "warmth_of",
 ]
 
 log = logging.getLogger("batchyard.warmth")
@@ -261,10 +255,9 @@ class Warmth:
         """The smallest call that makes a remote version load (the operator's cost)."""
         route, name = v.serving.route, v.serving.upstream_model
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Ready?"}]
-        engine = self.engines.for_route(route)
 
         async def probe() -> Any:
-            if isinstance(engine, ScoringEngine):
+            if self.dispatcher.can_score(route):
                 return await self.dispatcher.score(
                     route=route, model=name, messages=messages, candidates=["Yes"], input_tokens=8
                 )
@@ -320,22 +313,3 @@ def _log_failure(model_id: str) -> Callable[[asyncio.Task[Any]], None]:
             )
 
     return done
-
-
-_registry: weakref.WeakKeyDictionary[Service, Warmth] = weakref.WeakKeyDictionary()
-
-
-def warmth_of(service: Service) -> Warmth:
-    """The service's warm-state tracker (made on first use)."""
-    w = _registry.get(service)
-    if w is None:
-        w = _registry[service] = Warmth(
-            clock=service.clock, engines=service.engines, dispatcher=service.dispatcher
-        )
-    return w
-
-
-def install(service: Service) -> None:
-    """Track warm state for ``service`` and run its sweep while the service is up."""
-    w = warmth_of(service)
-    service.add_background(w.loop)

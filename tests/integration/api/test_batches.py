@@ -8,11 +8,11 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from batchyard.app import build_service
 from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
 from batchyard.core.config import load_settings
 from batchyard.engines.memory import ScriptedEngine
-from batchyard.service import Service
 from batchyard.store.batch_tables import batch_items
 from tests.integration.work.batch_support import (
     all_items,
@@ -321,7 +321,7 @@ async def test_results_are_purged_24_hours_after_completion(svc, clock):
     assert gone.status_code == 410 and gone.json()["error"]["code"] == "results_expired"
     assert meta.status_code == 200
     assert meta.json()["request_counts"]["succeeded"] == 1 and meta.json()["results_purged"]
-    blobs = svc.db.run_sync(
+    blobs = svc.db.transact_sync(
         lambda c: c.execute(
             select(func.count()).where(
                 (batch_items.c.body.is_not(None)) | (batch_items.c.result.is_not(None))
@@ -335,7 +335,7 @@ async def test_results_are_purged_24_hours_after_completion(svc, clock):
 async def test_postgres_without_a_key_answers_503_and_runs_nothing(pg_url, clock, monkeypatch):
     monkeypatch.delenv("BATCHYARD_BATCH_ENCRYPTION_KEY", raising=False)
     monkeypatch.delenv("BATCHYARD_CONFIG", raising=False)
-    svc = Service(load_settings(database_url=pg_url), clock=clock)
+    svc = build_service(load_settings(database_url=pg_url), clock=clock)
     svc.db.migrate()
     try:
         acct = make_account(svc)
@@ -356,12 +356,12 @@ async def test_sqlite_default_creates_a_private_key_file_beside_the_database(set
     import os
     import stat
 
-    svc = Service(settings, clock=clock)
+    svc = build_service(settings, clock=clock)
     try:
         key_path = settings.sqlite_path.parent / "batch.key"
         assert worker(svc).key.created and worker(svc).key.path == str(key_path)
         assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
-        again = Service(settings, clock=clock)
+        again = build_service(settings, clock=clock)
         assert not worker(again).key.created
         await again.stop()
     finally:

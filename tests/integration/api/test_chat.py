@@ -35,7 +35,7 @@ async def test_completion_is_charged_from_a_settled_reservation(service, engine)
         charge = body["charge"]
         assert float(charge) > 0
         acct_view = (await http.get("/v1/account", headers=acct.headers)).json()
-    bal = service.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    bal = service.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.held == 0
     assert acct_view["credit"]["held"] == "0"
 
@@ -95,5 +95,5 @@ async def test_bad_input_gets_its_own_4xx_and_changes_nothing(
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
     assert engine.calls == []
-    bal = service.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    bal = service.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.settled == 0 and bal.held == 0

@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 
 from batchyard import errors
+from batchyard.app import build_service
 from batchyard.core.accounts import Scope
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.service import Service
@@ -66,14 +67,14 @@ async def svc(request, settings, clock):
     if request.param == "postgresql":
         url = request.getfixturevalue("pg_module_url")
         settings = dataclasses.replace(settings, database_url=url)
-    service = Service(settings, clock=clock)
+    service = build_service(settings, clock=clock)
     service.db.migrate()
     if request.param == "postgresql":
-        service.db.run_sync(_empty)
+        service.db.transact_sync(_empty)
     try:
         yield service
     finally:
-        problems = service.db.run_sync(ledger.audit, readonly=True)
+        problems = service.db.read_sync(ledger.audit)
         await service.stop()
         assert problems == [], problems
 
@@ -105,7 +106,7 @@ def counts(svc: Service, org_id: str) -> dict[str, int]:
         ).scalar_one()
         return out
 
-    return svc.db.run_sync(q, readonly=True)
+    return svc.db.read_sync(q)
 
 
 async def test_healthz(http):
@@ -202,7 +203,7 @@ async def test_a_revoked_key_is_refused_at_once(svc, http, engine):
     acct = make_account(svc)
     assert (await http.get("/v1/account", headers=acct.headers)).status_code == 200
     now = svc.clock.now()
-    svc.db.run_sync(lambda c: accounts.revoke_key(c, acct.key_id, now))
+    svc.db.transact_sync(lambda c: accounts.revoke_key(c, acct.key_id, now))
     for r in (
         await http.get("/v1/account", headers=acct.headers),
         await http.post(CHAT, json=BODY, headers=acct.headers),
@@ -226,10 +227,12 @@ async def test_insufficient_credit_is_402_and_writes_nothing(svc, http, engine):
 
 async def test_auto_top_up_happens_before_a_402(svc, http, engine):
     acct = make_account(svc, credit="0")
-    svc.db.run_sync(lambda c: accounts.set_auto_topup(c, acct.org_id, Decimal("1"), Decimal("5")))
+    svc.db.transact_sync(
+        lambda c: accounts.set_auto_topup(c, acct.org_id, Decimal("1"), Decimal("5"))
+    )
     r = await http.post(CHAT, json=BODY, headers=acct.headers)
     assert r.status_code == 200, r.text
-    bal = svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    bal = svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.topups == 5 * 10**10 and bal.held == 0
     assert bal.settled == int(Decimal(r.json()["charge"]) * 10**10)
     account = (await http.get("/v1/account", headers=acct.headers)).json()
@@ -238,7 +241,7 @@ async def test_auto_top_up_happens_before_a_402(svc, http, engine):
 
 async def test_zero_data_retention_reruns_and_recharges(svc, http, engine, clock):
     acct = make_account(svc)
-    svc.db.run_sync(lambda c: accounts.set_zero_data_retention(c, acct.org_id, True))
+    svc.db.transact_sync(lambda c: accounts.set_zero_data_retention(c, acct.org_id, True))
     h = {**acct.headers, "Idempotency-Key": "same-key"}
     a = await http.post(CHAT, json=BODY, headers=h)
     clock.advance(60)
@@ -248,7 +251,7 @@ async def test_zero_data_retention_reruns_and_recharges(svc, http, engine, clock
     assert a.json()["id"] != b.json()["id"]
     assert len(engine.calls) == 2
     assert counts(svc, acct.org_id)["settle"] == 2
-    kept = svc.db.run_sync(
+    kept = svc.db.transact_sync(
         lambda c: c.execute(select(func.count()).select_from(idempotency_keys)).scalar_one()
     )
     assert kept == 0

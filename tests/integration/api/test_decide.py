@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from batchyard.app import build_service
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.clock import ManualClock
@@ -73,7 +74,7 @@ def cost(prices: tuple[Decimal, Decimal], usage: dict[str, int]) -> str:
 
 
 def balance(svc: Service, org_id: str) -> ledger.Balance:
-    return svc.db.run_sync(lambda c: ledger.balance(c, org_id), readonly=True)
+    return svc.db.read_sync(lambda c: ledger.balance(c, org_id))
 
 
 async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -127,7 +128,7 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
     assert body["charge"] == cost(CORE, body["usage"])
     bal = balance(service, acct.org_id)
     assert bal.held == 0 and bal.settled == to_ticks(Decimal(body["charge"]))
-    acts = service.db.run_sync(lambda c: activity.list_activity(c, acct.org_id))
+    acts = service.db.transact_sync(lambda c: activity.list_activity(c, acct.org_id))
     charge = next(a for a in acts if a["kind"] == "charge" and a["ref"] == body["id"])
     assert charge["detail"]["purpose"] == "decide" and charge["detail"]["decisions"] == 2
 
@@ -206,7 +207,7 @@ async def test_replay_returns_the_saved_answer_uncharged_for_24_hours(service, e
 
 async def test_zero_data_retention_reruns_and_recharges(service, engine, http):
     acct = make_account(service, credit="1")
-    service.db.run_sync(lambda c: accounts.set_zero_data_retention(c, acct.org_id, True))
+    service.db.transact_sync(lambda c: accounts.set_zero_data_retention(c, acct.org_id, True))
     headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
     first = await http.post("/v1/decide", json=BODY, headers=headers)
     service.clock.advance(5)
@@ -254,7 +255,7 @@ async def test_402_when_credit_cannot_cover_the_most_expensive_outcome(service, 
 
 async def test_an_automatic_top_up_lets_the_call_through(service, engine, http):
     acct = make_account(service, credit="0")
-    service.db.run_sync(
+    service.db.transact_sync(
         lambda c: accounts.set_auto_topup(c, acct.org_id, Decimal("1"), Decimal("5"))
     )
     r = await http.post("/v1/decide", json=BODY, headers=acct.headers)
@@ -319,7 +320,7 @@ async def test_a_newcomers_sequence(service, engine, http):
     assert est.status_code == 200
     max_cost = Decimal(est.json()["max_cost"])
     # Credit for exactly one call at its most expensive.
-    service.db.run_sync(
+    service.db.transact_sync(
         lambda c: ledger.top_up(c, acct.org_id, to_ticks(max_cost), service.clock.now())
     )
     h1 = {**acct.headers, "Idempotency-Key": "ticket-1"}
@@ -353,13 +354,13 @@ def with_catalog(
     """A migrated service whose catalog adds ``models`` and ``routes`` to the defaults."""
     base = default_catalog()
     catalog = Catalog([*base.models.values(), *models], [*base.routes.values(), *routes])
-    svc = Service(dataclasses.replace(settings, catalog=catalog), clock=clock)
+    svc = build_service(dataclasses.replace(settings, catalog=catalog), clock=clock)
     svc.db.migrate()
     return svc
 
 
 async def closed_after_audit(svc: Service) -> None:
-    problems = svc.db.run_sync(ledger.audit, readonly=True)
+    problems = svc.db.read_sync(ledger.audit)
     await svc.stop()
     assert problems == [], problems
 

@@ -57,5 +57,5 @@ async def test_decide_on_the_embedded_model(service) -> None:
     assert body["usage"]["input_tokens"] == est.json()["input_tokens"]
     assert 0 < body["usage"]["output_tokens"] <= 32
     assert 0 < float(body["charge"]) <= float(est.json()["max_cost"])
-    bal = service.db.run_sync(lambda c: ledger.balance(c, acct.org_id), readonly=True)
+    bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.held == 0 and bal.settled > 0

@@ -138,7 +138,7 @@ async def test_chat_sft_rows_and_edits_make_versions(service):
     assert edit.json()["version"] == 2 and edit.json()["data"] == {"messages": msgs, "lang": "de"}
     assert broken.status_code == 400 and missing.status_code == 404
     assert rows["data"][0]["version"] == 2 and rows["data"][1]["version"] == 1
-    versions = service.db.run_sync(
+    versions = service.db.transact_sync(
         lambda c: c.execute(select(func.count()).select_from(dataset_rows)).scalar()
     )
     assert versions == 3
@@ -182,7 +182,7 @@ async def test_empty_dataset_and_bad_uploads_leave_nothing(service):
     assert not_chat.status_code == 400
     assert fmt.status_code == 400 and fmt.json()["error"]["code"] == "unsupported_dataset_format"
     assert foreign_project.status_code == 404 and foreign_ds.status_code == 404
-    counts = service.db.run_sync(
+    counts = service.db.transact_sync(
         lambda c: (
             c.execute(select(func.count()).select_from(datasets)).scalar(),
             c.execute(select(func.count()).select_from(dataset_rows)).scalar(),

@@ -12,12 +12,11 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from batchyard.app import build_service, run_worker
 from batchyard.core.money import to_ticks
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import UpstreamError
-from batchyard.service import Service
 from batchyard.store import activity, ledger
-from batchyard.work.runs import RunWorker
 from tests.integration.api.runs_support import (
     ISO,
     Api,
@@ -65,16 +64,16 @@ async def svc(settings, clock):
 
     The ledger audit runs after the test and must be clean.
     """
-    s = Service(with_runs(settings), clock=clock)
+    s = build_service(with_runs(settings), clock=clock)
     s.db.migrate()
     yield s
-    problems = s.db.run_sync(ledger.audit, readonly=True)
+    problems = s.db.read_sync(ledger.audit)
     await s.stop()
     assert problems == [], problems
 
 
 def balance(svc, org_id):
-    return svc.db.run_sync(lambda c: ledger.balance(c, org_id))
+    return svc.db.transact_sync(lambda c: ledger.balance(c, org_id))
 
 
 async def test_a_run_goes_through_every_state_and_charges_real_usage(svc):
@@ -133,7 +132,7 @@ async def test_a_run_goes_through_every_state_and_charges_real_usage(svc):
     assert len(engine.calls) == 30
     bal = balance(svc, acct.org_id)
     assert bal.held == 0 and bal.settled == to_ticks(Decimal(done["charge"]))
-    acts = svc.db.run_sync(lambda c: activity.list_activity(c, acct.org_id))
+    acts = svc.db.transact_sync(lambda c: activity.list_activity(c, acct.org_id))
     charges = [a for a in acts if a["kind"] == "charge" and a["ref"] == run["id"]]
     assert len(charges) == 1 and charges[0]["amount"] == bal.settled
 
@@ -264,7 +263,7 @@ async def test_failed_rows_are_counted_and_listed_not_fatal(svc):
 
 
 async def test_a_broken_route_fails_the_run_after_a_streak(settings, clock):
-    svc = Service(with_runs(settings, failure_streak=5), clock=clock)
+    svc = build_service(with_runs(settings, failure_streak=5), clock=clock)
     svc.db.migrate()
     svc.engines.set(
         "embedded", ScriptedEngine("ok", clock=svc.clock, failures=[UpstreamError("down")] * 40)
@@ -279,7 +278,7 @@ async def test_a_broken_route_fails_the_run_after_a_streak(settings, clock):
             await api.post(run["id"], "confirm")
             failed = await api.wait(run["id"], "failed")
     finally:
-        problems = svc.db.run_sync(ledger.audit, readonly=True)
+        problems = svc.db.read_sync(ledger.audit)
         await svc.stop()
     assert problems == []
     assert failed["error"]["code"] == "too_many_failures" and failed["charge"] == "0"
@@ -298,7 +297,7 @@ async def test_without_funds_a_run_is_blocked_and_moves_on_when_credit_arrives(s
         blocked = (await api.post(run["id"], "confirm")).json()
         assert blocked["status"] == "blocked" and blocked["blockedReason"] == "funds"
         assert "credit" in blocked["message"]
-        svc.db.run_sync(
+        svc.db.transact_sync(
             lambda c: ledger.top_up(c, acct.org_id, to_ticks(Decimal("1")), svc.clock.now())
         )
         done = await api.wait(run["id"], "completed")
@@ -306,7 +305,7 @@ async def test_without_funds_a_run_is_blocked_and_moves_on_when_credit_arrives(s
 
 
 async def test_a_large_quote_waits_for_billing_review_and_the_cli_approves_it(settings, clock):
-    svc = Service(
+    svc = build_service(
         with_runs(replace(settings, billing_review_threshold=Decimal("0.000001"))), clock=clock
     )
     svc.db.migrate()
@@ -329,7 +328,7 @@ async def test_a_large_quote_waits_for_billing_review_and_the_cli_approves_it(se
             assert result.exit_code == 0, result.output
             done = await api.wait(run["id"], "completed")
     finally:
-        problems = svc.db.run_sync(ledger.audit, readonly=True)
+        problems = svc.db.read_sync(ledger.audit)
         await svc.stop()
     assert problems == [] and done["results"]["rowsSucceeded"] == 5
 
@@ -342,7 +341,7 @@ async def test_confirm_rules_invalid_state_and_quote_expired(svc):
         ds = await api.upload(TICKETS[:3])
         early = (await api.create({**RUN, "datasetId": ds["id"]})).json()
         too_soon = await api.post(early["id"], "confirm")
-        await RunWorker(svc).run_until_idle()
+        await run_worker(svc).run_until_idle()
         await api.wait(early["id"], "awaiting_confirmation")
         svc.clock.advance(24 * 3600 + 1)
         expired = await api.post(early["id"], "confirm")
@@ -446,7 +445,7 @@ async def test_datasets_and_runs_of_other_projects_and_organisations_are_404(svc
 async def test_five_thousand_rows_through_a_fake_upstream_over_http(settings, clock):
     with FakeUpstream(mode="echo") as up:
         cfg = with_runs(replace(settings, catalog=http_catalog(up.base_url)), concurrency=16)
-        svc = Service(cfg, clock=clock)
+        svc = build_service(cfg, clock=clock)
         svc.db.migrate()
         acct = make_account(svc, credit="10")
         rows = [{"text": f"row {i} says hello"} for i in range(5000)]
@@ -465,7 +464,7 @@ async def test_five_thousand_rows_through_a_fake_upstream_over_http(settings, cl
                 elapsed = time.monotonic() - started
                 out = await api.rows(ds["id"])
         finally:
-            problems = svc.db.run_sync(ledger.audit, readonly=True)
+            problems = svc.db.read_sync(ledger.audit)
             await svc.stop()
     assert problems == []
     assert done["results"]["rowsSucceeded"] == 5000
@@ -478,12 +477,14 @@ async def test_five_thousand_rows_through_a_fake_upstream_over_http(settings, cl
 
 @pytest.mark.postgres
 async def test_the_same_flow_on_postgresql_with_two_workers_claiming(settings, clock, pg_url):
-    svc = Service(with_runs(replace(settings, database_url=pg_url), max_active_runs=1), clock=clock)
+    svc = build_service(
+        with_runs(replace(settings, database_url=pg_url), max_active_runs=1), clock=clock
+    )
     svc.db.migrate()
     engine = ScriptedEngine(lambda req: f"re: {req.messages[-1]['content']}", clock=clock)
     svc.engines.set("embedded", engine)
     acct = make_account(svc, credit="5")
-    workers = [RunWorker(svc, owner=f"worker-{i}") for i in range(2)]
+    workers = [run_worker(svc, owner=f"worker-{i}") for i in range(2)]
     try:
         async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
             api = await Api(http, acct.headers).start()
@@ -502,7 +503,7 @@ async def test_the_same_flow_on_postgresql_with_two_workers_claiming(settings, c
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
-        problems = svc.db.run_sync(ledger.audit, readonly=True)
+        problems = svc.db.read_sync(ledger.audit)
         await svc.stop()
     assert problems == []
     prompts = [c.messages[-1]["content"] for c in engine.calls]

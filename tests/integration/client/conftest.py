@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from batchyard.app import build_service
 from batchyard.client.async_client import AsyncClient
 from batchyard.core.clock import SystemClock
 from batchyard.core.config import Settings
@@ -117,7 +118,7 @@ def _scorer(broken: set[str]) -> Callable[[str, list[dict[str, Any]], list[str]]
 async def gateway(settings: Settings) -> AsyncIterator[LiveGateway]:
     """The real app on loopback, real time, a scripted scorer, an org on the test tier."""
     tiers = (settings.tiers[0], TIER)
-    svc = Service(dataclasses.replace(settings, tiers=tiers), clock=SystemClock())
+    svc = build_service(dataclasses.replace(settings, tiers=tiers), clock=SystemClock())
     svc.db.migrate()
     broken: set[str] = set()
     engine = ScriptedEngine(clock=svc.clock, scorer=_scorer(broken))
@@ -128,6 +129,6 @@ async def gateway(settings: Settings) -> AsyncIterator[LiveGateway]:
         async with counted_server(svc, wire) as base:
             yield LiveGateway(svc, base, account, engine, wire, broken)
     finally:
-        problems = svc.db.run_sync(ledger.audit, readonly=True)
+        problems = svc.db.read_sync(ledger.audit)
         await svc.stop()
         assert problems == [], problems

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
-from batchyard.cli.run import command as run_command
+from batchyard.cli.text_runner import command as run_command
 from batchyard.client import calls
 from batchyard.client.async_client import AsyncClient
 from batchyard.client.fleet import RunAborted
@@ -102,7 +102,7 @@ def ledger_view(gw: LiveGateway) -> dict[str, Any]:
         ]
         return {"charges": charges, "saved": saved, "settles": settles}
 
-    return gw.service.db.run_sync(read, readonly=True)
+    return gw.service.db.read_sync(read)
 
 
 class StopAfter(RunObserver):
@@ -331,7 +331,7 @@ async def test_out_of_credit_stops_and_after_buying_credit_the_same_command_fini
         idem_store.finish(conn, poor.org_id, key, 402, saved_402)
         ledger.top_up(conn, poor.org_id, to_ticks(Decimal(5)), now)
 
-    gateway.service.db.run_sync(buy_credit_with_a_saved_402)
+    gateway.service.db.transact_sync(buy_credit_with_a_saved_402)
     gateway.wire.reset()
     async with AsyncClient(gateway.base_url, poor.key) as client:
         rest = await run_texts(client, items, DECISIONS, model="kettei-core", output=out)
@@ -351,7 +351,7 @@ async def test_out_of_credit_stops_and_after_buying_credit_the_same_command_fini
         )
         return Counter(r.ref for r in conn.execute(q))
 
-    paid = gateway.service.db.run_sync(charges, readonly=True)
+    paid = gateway.service.db.read_sync(charges)
     assert len(paid) == 20 and set(paid.values()) == {1}
 
 

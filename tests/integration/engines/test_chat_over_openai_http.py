@@ -15,9 +15,9 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from batchyard.app import build_service
 from batchyard.core.catalog import catalog_from_config
 from batchyard.core.money import charge_ticks, format_money, token_cost
-from batchyard.service import Service
 from batchyard.store import ledger
 from batchyard.store.tables import ledger_entries
 from tests.support.accounts import make_account
@@ -64,12 +64,12 @@ async def svc(settings, clock, upstream):
             ],
         }
     )
-    service = Service(dataclasses.replace(settings, catalog=catalog), clock=clock)
+    service = build_service(dataclasses.replace(settings, catalog=catalog), clock=clock)
     service.db.migrate()
     try:
         yield service
     finally:
-        problems = service.db.run_sync(ledger.audit, readonly=True)
+        problems = service.db.read_sync(ledger.audit)
         await service.stop()
         assert problems == [], problems
 
@@ -89,7 +89,7 @@ def entries(svc, org_id):
         ).all()
         return {kind: n for kind, n in rows}
 
-    return svc.db.run_sync(q, readonly=True)
+    return svc.db.read_sync(q)
 
 
 async def until(predicate, timeout=10.0):
@@ -120,7 +120,7 @@ async def test_a_completion_is_forwarded_and_billed(svc, http, upstream):
     assert upstream.last_request["model"] == "fake-upstream-model"
     assert upstream.last_request["max_tokens"] == 16
     assert entries(svc, acct.org_id) == {"topup": 1, "reserve": 1, "settle": 1, "release": 1}
-    bal = svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    bal = svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
     assert format_money(bal.settled) == body["charge"] and bal.held == 0
 
 
@@ -176,7 +176,7 @@ async def test_a_failed_upstream_call_is_answered_and_nothing_is_charged(
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert (err["code"], err["retryable"]) == (code, retryable)
-    bal = svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id))
+    bal = svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.settled == 0 and bal.held == 0
     assert entries(svc, acct.org_id) == {"topup": 1, "reserve": 1, "release": 1}
     # Retryable, so the key was not spent: the same request succeeds once the upstream does.

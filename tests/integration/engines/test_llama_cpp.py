@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from batchyard.core.tokens import GgufTokenizer, tokenizer_for
 from batchyard.engines.base import CompletionRequest, Engine, ScoringEngine
 from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
 from batchyard.engines.model_files import default_model_path
+from batchyard.engines.tokenizers import GgufTokenizer, tokenizer_for
 from batchyard.errors import ContextWindowExceeded, UnsupportedInput
 
 # One engine (and one event loop: its queues belong to a loop) for the module,

@@ -45,7 +45,7 @@ def test_upgrade_to_heads_matches_the_declared_schema(fresh_db):
 
 def test_downgrade_to_base_and_up_again(fresh_db):
     fresh_db.migrate()
-    migrations.downgrade(fresh_db, "base")
+    migrations.downgrade(fresh_db.engine, "base")
     assert _tables(fresh_db) == set()
     fresh_db.migrate()
     assert _diff(fresh_db) == []

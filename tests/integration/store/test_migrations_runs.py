@@ -45,7 +45,7 @@ def test_0002_creates_the_run_tables_with_their_declared_columns_and_indexes(fre
 
 def test_0002_downgrades_and_upgrades_again(fresh_db):
     fresh_db.migrate()
-    downgrade(fresh_db, "0001")
+    downgrade(fresh_db.engine, "0001")
     assert not set(MINE) & set(inspect(fresh_db.engine).get_table_names())
     fresh_db.migrate()
     assert set(MINE) <= set(inspect(fresh_db.engine).get_table_names())

@@ -224,7 +224,7 @@ async def test_sign_out_revocation_and_idle_time_end_the_session(service, clock)
             replayed = await http.get("/workspace/batches")
         async with httpx.AsyncClient(base_url=base) as http:
             await signed_in(http, spare.key)
-            service.db.run_sync(lambda c: accounts.revoke_key(c, spare.key_id, clock.now()))
+            service.db.transact_sync(lambda c: accounts.revoke_key(c, spare.key_id, clock.now()))
             revoked = await http.get("/workspace/batches")
         async with httpx.AsyncClient(base_url=base) as http:
             await signed_in(http, acct.key)

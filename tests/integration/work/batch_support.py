@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from batchyard.app import build_service
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.prices import Price, PricePoint
 from batchyard.engines.base import Completion, CompletionRequest
@@ -26,7 +27,7 @@ from batchyard.service import Service
 from batchyard.store import batches as bstore
 from batchyard.store import ledger
 from batchyard.store.batch_tables import batch_items
-from batchyard.work.market import MarketWorker, market_of
+from batchyard.work.batches.worker import MarketWorker
 
 CORE = ModelSpec(
     id="kettei-core",
@@ -118,21 +119,21 @@ async def submit(
 
 
 def item_rows(service: Service, batch_id: str) -> list[bstore.ItemRow]:
-    return service.db.run_sync(lambda c: bstore.items_of(c, batch_id), readonly=True)
+    return service.db.read_sync(lambda c: bstore.items_of(c, batch_id))
 
 
 def all_items(service: Service) -> list[Any]:
-    return service.db.run_sync(lambda c: c.execute(batch_items.select()).all(), readonly=True)
+    return service.db.read_sync(lambda c: c.execute(batch_items.select()).all())
 
 
 def set_price(service: Service, route: str, inp: str, out: str) -> None:
-    market_of(service).book.update(
+    service.market.book.update(
         [PricePoint(route, Price(Decimal(inp), Decimal(out)), service.clock.now())]
     )
 
 
 def worker(service: Service) -> MarketWorker:
-    return market_of(service)
+    return service.market
 
 
 class BlockingEngine:
@@ -176,7 +177,7 @@ async def market_factory(settings: Any, clock: Any) -> AsyncIterator[Callable[..
 
     def make(*routes: RouteSpec, **overrides: Any) -> Service:
         s = replace(settings, catalog=catalog(*routes), **overrides)
-        svc = Service(s, clock=clock)
+        svc = build_service(s, clock=clock)
         svc.db.migrate()
         made.append(svc)
         return svc
@@ -185,6 +186,6 @@ async def market_factory(settings: Any, clock: Any) -> AsyncIterator[Callable[..
         yield make
     finally:
         for svc in made:
-            problems = svc.db.run_sync(ledger.audit, readonly=True)
+            problems = svc.db.read_sync(ledger.audit)
             await svc.stop()
             assert problems == [], problems

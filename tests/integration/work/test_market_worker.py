@@ -9,13 +9,13 @@ from decimal import Decimal
 import httpx
 import pytest
 
+from batchyard.app import market_worker
 from batchyard.core.market import DeadlineAware, FirstEligible, RouteOffer
 from batchyard.core.prices import Price
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.store import accounts, ledger
 from batchyard.store.activity import list_activity
-from batchyard.work.market import MarketWorker
 from tests.integration.work.batch_support import (
     BlockingEngine,
     all_items,
@@ -48,7 +48,7 @@ def statuses(svc, bid):
 
 
 def balance(svc, acct):
-    return svc.db.run_sync(lambda c: ledger.balance(c, acct.org_id), readonly=True)
+    return svc.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
 
 
 async def test_waits_without_holding_funds_then_dispatches_when_a_price_qualifies(market, clock):
@@ -150,7 +150,7 @@ async def test_revoking_the_submitting_key_cancels_undispatched_items(market, cl
     svc.engines.set("spot", engine)
     acct = make_account(svc)
     bid = await _submit(svc, acct, batch_body(2))
-    svc.db.run_sync(lambda c: accounts.revoke_key(c, acct.key_id, clock.now()))
+    svc.db.transact_sync(lambda c: accounts.revoke_key(c, acct.key_id, clock.now()))
     set_price(svc, "spot", *CHEAP)
     report = await worker(svc).run_pass()
     assert report.canceled == 2 and engine.calls == []
@@ -166,7 +166,7 @@ class RevokeWhileChoosing:
         self.svc, self.key_id, self.inner = svc, key_id, FirstEligible()
 
     def choose(self, item, offers, direct, now):
-        self.svc.db.run_sync(lambda c: accounts.revoke_key(c, self.key_id, now))
+        self.svc.db.transact_sync(lambda c: accounts.revoke_key(c, self.key_id, now))
         return self.inner.choose(item, offers, direct, now)
 
 
@@ -177,7 +177,7 @@ async def test_the_key_is_rechecked_just_before_dispatch(market, clock):
     acct = make_account(svc)
     bid = await _submit(svc, acct, batch_body(1))
     set_price(svc, "spot", *CHEAP)
-    w = MarketWorker(svc, policy=RevokeWhileChoosing(svc, acct.key_id), book=worker(svc).book)
+    w = market_worker(svc, policy=RevokeWhileChoosing(svc, acct.key_id), book=worker(svc).book)
     report = await w.run_pass()
     assert report.dispatched == 0 and report.canceled == 1 and engine.calls == []
     assert statuses(svc, bid) == ["canceled"]
@@ -199,7 +199,7 @@ async def test_a_dispatched_failure_is_released_recorded_and_never_retried(marke
     assert len(engine.calls) == 1
     (item,) = item_rows(svc, bid)
     assert (item.status, item.reason, item.result_status) == ("failed", "upstream_error", 502)
-    res = svc.db.run_sync(lambda c: ledger.get_reservation(c, item.reservation_id))
+    res = svc.db.transact_sync(lambda c: ledger.get_reservation(c, item.reservation_id))
     assert res.state == "released" and res.charged == 0
     async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
         (line,) = (
@@ -230,7 +230,7 @@ async def test_cancel_stops_waiting_items_while_claimed_work_finishes(market, cl
     engine = BlockingEngine("late answer")
     svc.engines.set("spot", engine)
     acct = make_account(svc)
-    w = MarketWorker(svc, per_pass=1, book=worker(svc).book)
+    w = market_worker(svc, per_pass=1, book=worker(svc).book)
     async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
         bid = (await submit(http, acct.headers, batch_body(3))).json()["id"]
         set_price(svc, "spot", *CHEAP)
@@ -342,20 +342,20 @@ async def test_the_worker_follows_the_policy_but_never_past_the_rule(market, clo
     set_price(svc, "spot", *CHEAP)
     set_price(svc, "nocaps", "0", "0")
     book = worker(svc).book
-    assert (await MarketWorker(svc, policy=Waits(), book=book).run_pass()).dispatched == 0
-    assert (await MarketWorker(svc, policy=Rogue(), book=book).run_pass()).dispatched == 0
+    assert (await market_worker(svc, policy=Waits(), book=book).run_pass()).dispatched == 0
+    assert (await market_worker(svc, policy=Rogue(), book=book).run_pass()).dispatched == 0
     assert statuses(svc, bid) == ["waiting"] and engine.calls == []
     assert balance(svc, acct).held == 0
-    assert (await MarketWorker(svc, book=book).run_pass()).succeeded == 1
+    assert (await market_worker(svc, book=book).run_pass()).succeeded == 1
 
 
 @pytest.mark.postgres
 async def test_on_postgres_with_a_configured_key(pg_url, clock, monkeypatch):
     from dataclasses import replace
 
+    from batchyard.app import build_service
     from batchyard.core.config import load_settings
     from batchyard.core.sealing import generate_key, key_text
-    from batchyard.service import Service
     from tests.integration.work.batch_support import catalog
 
     monkeypatch.delenv("BATCHYARD_CONFIG", raising=False)
@@ -363,7 +363,7 @@ async def test_on_postgres_with_a_configured_key(pg_url, clock, monkeypatch):
         load_settings(database_url=pg_url, batch_encryption_key=key_text(generate_key())),
         catalog=catalog(feed_route("spot")),
     )
-    svc = Service(s, clock=clock)
+    svc = build_service(s, clock=clock)
     svc.db.migrate()
     try:
         svc.engines.set("spot", ScriptedEngine("x", clock=clock))
@@ -372,12 +372,12 @@ async def test_on_postgres_with_a_configured_key(pg_url, clock, monkeypatch):
         set_price(svc, "spot", *CHEAP)
         # Two workers on one database: each item is claimed once.
         book = worker(svc).book
-        a, b = MarketWorker(svc, book=book), MarketWorker(svc, book=book)
+        a, b = market_worker(svc, book=book), market_worker(svc, book=book)
         ra, rb = await asyncio.gather(a.run_pass(), b.run_pass())
         assert ra.dispatched + rb.dispatched == 3
         assert statuses(svc, bid) == ["succeeded"] * 3
-        assert svc.db.run_sync(ledger.audit, readonly=True) == []
-        acts = svc.db.run_sync(lambda c: list_activity(c, acct.org_id), readonly=True)
+        assert svc.db.read_sync(ledger.audit) == []
+        acts = svc.db.read_sync(lambda c: list_activity(c, acct.org_id))
         assert sorted(a["kind"] for a in acts) == ["charge"] * 3 + ["dispatch"] * 3
     finally:
         await svc.stop()
@@ -398,7 +398,7 @@ def test_offers_carry_fallbacks_and_survive_cycles(market, clock):
 
 async def test_a_body_sealed_under_another_key_fails_once_instead_of_every_pass(market, clock):
     from batchyard.core.sealing import Sealer, generate_key
-    from batchyard.work.batch_sealing import KeyState
+    from batchyard.work.batches.sealing import BatchKey
 
     svc = market(feed_route("spot"))
     engine = ScriptedEngine("x", clock=clock)
@@ -406,8 +406,8 @@ async def test_a_body_sealed_under_another_key_fails_once_instead_of_every_pass(
     acct = make_account(svc)
     bid = await _submit(svc, acct, batch_body(1))
     set_price(svc, "spot", *CHEAP)
-    w = MarketWorker(svc, book=worker(svc).book)
-    w.key = KeyState(Sealer(generate_key()))  # the operator swapped the key
+    w = market_worker(svc, book=worker(svc).book)
+    w.key = BatchKey(Sealer(generate_key()))  # the operator swapped the key
     report = await w.run_pass()
     assert report.failed == 1 and engine.calls == []
     (item,) = item_rows(svc, bid)
@@ -422,18 +422,18 @@ async def test_a_restarted_worker_restores_the_market_history_it_learns_from(mar
     svc.engines.set("spot", ScriptedEngine("x", clock=clock))
     set_price(svc, "spot", *HALF)
     book = worker(svc).book
-    first = MarketWorker(svc, policy=DeadlineAware(), book=book)
+    first = market_worker(svc, policy=DeadlineAware(), book=book)
     for _ in range(3):  # quiet passes: the market is watched and saved all the same
         await first.run_pass()
         clock.advance(120)
-    stored = svc.db.run_sync(lambda c: load_history(c, 0), readonly=True)
+    stored = svc.db.read_sync(lambda c: load_history(c, 0))
     assert [len(bins) for bins in stored.values()] == [3]
     assert all(best == pytest.approx(50.0) for _, best in next(iter(stored.values())))
-    again = MarketWorker(svc, policy=DeadlineAware(), book=book)
+    again = market_worker(svc, policy=DeadlineAware(), book=book)
     assert await again.memory.restore() == 3
     assert again.policy.saved() == first.policy.saved()  # type: ignore[attr-defined]
     # A policy that learns nothing is left alone.
-    assert await MarketWorker(svc, book=book).memory.restore() == 0
+    assert await market_worker(svc, book=book).memory.restore() == 0
 
 
 async def test_a_history_that_cannot_be_saved_does_not_stop_dispatch(market, clock, monkeypatch):
@@ -449,5 +449,5 @@ async def test_a_history_that_cannot_be_saved_does_not_stop_dispatch(market, clo
     bid = await _submit(svc, acct, batch_body(1))
     set_price(svc, "spot", *CHEAP)
     book = worker(svc).book
-    report = await MarketWorker(svc, policy=DeadlineAware(), book=book).run_pass()
+    report = await market_worker(svc, policy=DeadlineAware(), book=book).run_pass()
     assert report.succeeded == 1 and statuses(svc, bid) == ["succeeded"]

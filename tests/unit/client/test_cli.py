@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from batchyard.cli.check import command as check_command
-from batchyard.cli.run import command as run_command
+from batchyard.cli.text_runner import command as run_command
 from tests.support.fake_gateway import FakeGateway, read_lines, write_jsonl
 
 

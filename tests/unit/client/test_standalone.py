@@ -15,7 +15,7 @@ def test_importing_the_client_and_its_commands_pulls_in_nothing_of_the_server() 
     code = (
         "import sys, json\n"
         "import batchyard.client, batchyard.client.runner, batchyard.client.check\n"
-        "import batchyard.cli.run, batchyard.cli.check\n"
+        "import batchyard.cli.text_runner, batchyard.cli.check\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     env = {**os.environ, "PYTHONPATH": SRC}

@@ -17,16 +17,14 @@ from batchyard.core.clock import ManualClock
 from batchyard.core.limits import (
     EPSILON,
     PENALTY,
+    Admission,
     Cell,
-    Decision,
     InMemoryLimiter,
     Limit,
-    Limiter,
     cell_for,
     gcra,
     gcra_adjust,
     gcra_many,
-    limiter_from_url,
     penalty_until,
 )
 from batchyard.engines.base import RateLimitSignal
@@ -106,7 +104,7 @@ async def test_negative_cost_and_repeated_names_are_refused(limiter: InMemoryLim
 async def test_even_spacing_from_the_first_second(
     limiter: InMemoryLimiter, clock: ManualClock
 ) -> None:
-    assert await limiter.try_acquire("org:a", [(RPM, 1)]) == Decision(True, 0.0)
+    assert await limiter.try_acquire("org:a", [(RPM, 1)]) == Admission(True, 0.0)
     second = await limiter.try_acquire("org:a", [(RPM, 1)])
     assert not second.allowed
     assert second.retry_after == pytest.approx(1.0)
@@ -141,7 +139,7 @@ async def test_all_or_nothing(limiter: InMemoryLimiter, clock: ManualClock) -> N
     # token limit refuses, and the request limit must not have been charged.
     assert (await limiter.try_acquire("org:a", [(TPM, 100)])).allowed
     refused = await limiter.try_acquire("org:a", [(RPM, 1), (TPM, 100)])
-    assert refused == Decision(False, pytest.approx(1.0), "tpm")
+    assert refused == Admission(False, pytest.approx(1.0), "tpm")
     assert (await limiter.try_acquire("org:a", [(RPM, 1)])).allowed
 
 
@@ -201,7 +199,7 @@ async def test_penalize_blocks_every_limit_under_the_key(
         await limiter.penalize("route:r1", clock.time() + 20)
     assert caplog.records[0].limit_key == "route:r1"
     decision = await limiter.try_acquire("route:r1", [(RPM, 1)])
-    assert decision == Decision(False, pytest.approx(20.0), PENALTY)
+    assert decision == Admission(False, pytest.approx(20.0), PENALTY)
     assert (await limiter.try_acquire("route:r1", [])).allowed is False
     assert (await limiter.try_acquire("route:r2", [(RPM, 1)])).allowed
     # A shorter penalty afterwards does not shorten the longer one.
@@ -274,17 +272,6 @@ def test_penalty_until_reads_each_allowance() -> None:
     assert penalty_until(both, 100.0) == 112.0
     assert penalty_until(RateLimitSignal(remaining_tokens=0), 100.0) == 101.0
     assert penalty_until(RateLimitSignal(remaining_tokens=0), 100.0, default_reset_s=3) == 103.0
-
-
-async def test_limiter_from_url_picks_by_scheme(clock: ManualClock) -> None:
-    assert isinstance(limiter_from_url(None, clock), InMemoryLimiter)
-    assert isinstance(limiter_from_url("memory", clock), InMemoryLimiter)
-    assert isinstance(limiter_from_url(None, clock), Limiter)
-    with pytest.raises(ValueError, match="engine"):
-        limiter_from_url("sql", clock)
-    with pytest.raises(ValueError, match="scheme") as raised:
-        limiter_from_url("mongodb://user:secret@host", clock)
-    assert "secret" not in str(raised.value)
 
 
 async def test_idle_keys_are_swept(limiter: InMemoryLimiter, clock: ManualClock) -> None:

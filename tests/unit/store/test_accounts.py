@@ -20,11 +20,11 @@ def now():
 
 
 def _org(db, now, name="acme"):
-    return db.run_sync(lambda c: accounts.ensure_org(c, name, now))
+    return db.transact_sync(lambda c: accounts.ensure_org(c, name, now))
 
 
 def _key(db, now, org_id, scope=Scope.FULL):
-    return db.run_sync(lambda c: accounts.create_key(c, org_id, scope, now))
+    return db.transact_sync(lambda c: accounts.create_key(c, org_id, scope, now))
 
 
 def test_a_new_organisation_starts_at_tier_0_and_is_found_by_name(db, now):
@@ -32,10 +32,10 @@ def test_a_new_organisation_starts_at_tier_0_and_is_found_by_name(db, now):
     assert org.tier == 0 and not org.zero_data_retention
     assert org.id.startswith("org.")
     assert _org(db, now).id == org.id  # ensure is idempotent
-    assert db.run_sync(lambda c: accounts.get_org_by_name(c, "acme")).id == org.id
-    assert db.run_sync(lambda c: accounts.get_org_by_name(c, "nobody")) is None
+    assert db.transact_sync(lambda c: accounts.get_org_by_name(c, "acme")).id == org.id
+    assert db.transact_sync(lambda c: accounts.get_org_by_name(c, "nobody")) is None
     with pytest.raises(NotFound):
-        db.run_sync(lambda c: accounts.get_org(c, "org.nope"))
+        db.transact_sync(lambda c: accounts.get_org(c, "org.nope"))
     for bad in ("", "   ", "x" * 201):
         with pytest.raises(InvalidRequest):
             _org(db, now, bad)
@@ -54,13 +54,13 @@ def test_the_key_is_never_stored_in_clear(db, now):
                 out.extend(str(v) for v in r)
         return "\n".join(out)
 
-    everything = db.run_sync(dump)
+    everything = db.transact_sync(dump)
     for secret in secrets:
         assert secret not in everything
         assert secret[len(KEY_PREFIX) :] not in everything
         assert hash_key(secret) in everything
     # Lists show a short display form only.
-    listed = db.run_sync(lambda c: accounts.list_keys(c, org.id))
+    listed = db.transact_sync(lambda c: accounts.list_keys(c, org.id))
     assert [k.scope for k in listed] == list(Scope)
     for k, secret in zip(listed, secrets, strict=True):
         assert k.display.endswith(secret[-4:]) and len(k.display) < 16
@@ -70,7 +70,7 @@ def test_the_key_is_never_stored_in_clear(db, now):
 def test_authenticate_finds_the_principal_and_nothing_else(db, now):
     org = _org(db, now)
     key, secret = _key(db, now, org.id, Scope.INFERENCE)
-    p = db.run_sync(lambda c: accounts.authenticate(c, secret))
+    p = db.transact_sync(lambda c: accounts.authenticate(c, secret))
     assert (p.key_id, p.org_id, p.org_name, p.scope, p.tier) == (
         key.id,
         org.id,
@@ -80,7 +80,7 @@ def test_authenticate_finds_the_principal_and_nothing_else(db, now):
     )
     assert p.may(Scope.INFERENCE) and not p.may(Scope.FULL, Scope.READ)
     for wrong in ("", secret[:-1], secret + "x", KEY_PREFIX + "nope", hash_key(secret)):
-        assert db.run_sync(lambda c, w=wrong: accounts.authenticate(c, w)) is None
+        assert db.transact_sync(lambda c, w=wrong: accounts.authenticate(c, w)) is None
     assert keys_match(hash_key(secret), secret) and not keys_match(hash_key(secret), "x")
 
 
@@ -88,30 +88,30 @@ def test_revoking_takes_effect_at_once_and_only_for_that_key(db, now):
     org = _org(db, now)
     k1, s1 = _key(db, now, org.id)
     _, s2 = _key(db, now, org.id)
-    revoked = db.run_sync(lambda c: accounts.revoke_key(c, k1.id, now))
+    revoked = db.transact_sync(lambda c: accounts.revoke_key(c, k1.id, now))
     assert revoked.revoked_at == now
-    assert db.run_sync(lambda c: accounts.authenticate(c, s1)) is None
-    assert db.run_sync(lambda c: accounts.authenticate(c, s2)) is not None
-    assert not db.run_sync(lambda c: accounts.key_is_active(c, k1.id))
+    assert db.transact_sync(lambda c: accounts.authenticate(c, s1)) is None
+    assert db.transact_sync(lambda c: accounts.authenticate(c, s2)) is not None
+    assert not db.transact_sync(lambda c: accounts.key_is_active(c, k1.id))
     # Revoking twice keeps the first time.
     later = ManualClock(now).now()
-    assert db.run_sync(lambda c: accounts.revoke_key(c, k1.id, later)).revoked_at == now
+    assert db.transact_sync(lambda c: accounts.revoke_key(c, k1.id, later)).revoked_at == now
     with pytest.raises(NotFound):
-        db.run_sync(lambda c: accounts.revoke_key(c, "key.nope", now))
+        db.transact_sync(lambda c: accounts.revoke_key(c, "key.nope", now))
 
 
 def test_organisation_settings_reach_the_principal(db, now):
     org = _org(db, now)
     _, secret = _key(db, now, org.id)
-    db.run_sync(lambda c: accounts.set_tier(c, org.id, 2))
-    db.run_sync(lambda c: accounts.set_zero_data_retention(c, org.id, True))
-    db.run_sync(lambda c: accounts.set_auto_topup(c, org.id, Decimal("5"), Decimal("20.5")))
-    p = db.run_sync(lambda c: accounts.authenticate(c, secret))
+    db.transact_sync(lambda c: accounts.set_tier(c, org.id, 2))
+    db.transact_sync(lambda c: accounts.set_zero_data_retention(c, org.id, True))
+    db.transact_sync(lambda c: accounts.set_auto_topup(c, org.id, Decimal("5"), Decimal("20.5")))
+    p = db.transact_sync(lambda c: accounts.authenticate(c, secret))
     assert p.tier == 2 and p.zero_data_retention
-    o = db.run_sync(lambda c: accounts.get_org(c, org.id))
+    o = db.transact_sync(lambda c: accounts.get_org(c, org.id))
     assert (o.auto_topup_threshold, o.auto_topup_amount) == (Decimal(5), Decimal("20.5"))
-    db.run_sync(lambda c: accounts.set_auto_topup(c, org.id, None, None))
-    o = db.run_sync(lambda c: accounts.get_org(c, org.id))
+    db.transact_sync(lambda c: accounts.set_auto_topup(c, org.id, None, None))
+    o = db.transact_sync(lambda c: accounts.get_org(c, org.id))
     assert o.auto_topup_threshold is None and o.auto_topup_amount is None
 
 

@@ -32,15 +32,15 @@ def clock() -> ManualClock:
 
 def begin(db, clock, key="k", fp=FP, org="org.a"):
     now = clock.now()
-    return db.run_sync(lambda c: idem.begin(c, org, key, fp, now, TTL))
+    return db.transact_sync(lambda c: idem.begin(c, org, key, fp, now, TTL))
 
 
 def finish(db, key="k", org="org.a", status=200, body='{"ok":true}'):
-    db.run_sync(lambda c: idem.finish(c, org, key, status, body))
+    db.transact_sync(lambda c: idem.finish(c, org, key, status, body))
 
 
 def row(db, key="k", org="org.a"):
-    return db.run_sync(
+    return db.transact_sync(
         lambda c: c.execute(
             select(idempotency_keys).where(
                 idempotency_keys.c.org_id == org, idempotency_keys.c.key == key
@@ -104,7 +104,7 @@ def test_after_24_hours_the_key_answers_expired_and_never_runs_again(db, clock):
     assert (exc.value.status, exc.value.code) == (409, "idempotency_response_expired")
     # A purge drops the saved body and keeps a tombstone that still answers expired.
     now = clock.now()
-    assert db.run_sync(lambda c: idem.purge(c, now, TOMBSTONE)) == 1
+    assert db.transact_sync(lambda c: idem.purge(c, now, TOMBSTONE)) == 1
     r = row(db)
     assert (r.state, r.response) == ("expired", None)
     clock.advance(TOMBSTONE.total_seconds() - 3600)
@@ -121,7 +121,7 @@ def test_purge_forgets_tombstones_after_their_time(db, clock):
     begin(db, clock, key="fresh")
     finish(db, key="fresh")
     now = clock.now()
-    db.run_sync(lambda c: idem.purge(c, now, TOMBSTONE))
+    db.transact_sync(lambda c: idem.purge(c, now, TOMBSTONE))
     assert row(db) is None and row(db, key="young") is None
     assert row(db, key="fresh").state == "done"
     assert begin(db, clock) is None  # the old key is free again
@@ -132,14 +132,14 @@ def test_purge_leaves_live_and_in_progress_keys(db, clock):
     begin(db, clock, key="done")
     finish(db, key="done")
     now = clock.now()
-    assert db.run_sync(lambda c: idem.purge(c, now, TOMBSTONE)) == 0
+    assert db.transact_sync(lambda c: idem.purge(c, now, TOMBSTONE)) == 0
     assert row(db, key="running").state == "in_progress"
     assert row(db, key="done").state == "done"
 
 
 def test_forget_frees_the_key(db, clock):
     begin(db, clock)
-    db.run_sync(lambda c: idem.forget(c, "org.a", "k"))
+    db.transact_sync(lambda c: idem.forget(c, "org.a", "k"))
     assert row(db) is None
     assert begin(db, clock, fp=OTHER_FP) is None
 

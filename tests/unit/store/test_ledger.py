@@ -43,7 +43,7 @@ def _counts(db: Database) -> tuple[int, int]:
             c.execute(select(func.count()).select_from(reservations)).scalar_one(),
         )
 
-    return db.run_sync(q, readonly=True)
+    return db.read_sync(q)
 
 
 @dataclass
@@ -65,7 +65,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.clock = ManualClock()
         now = self.clock.now()
         self.orgs = [
-            self.db.run_sync(lambda c, n=name: accounts.ensure_org(c, n, now).id)
+            self.db.transact_sync(lambda c, n=name: accounts.ensure_org(c, n, now).id)
             for name in ("a", "b")
         ]
         self.topups = dict.fromkeys(self.orgs, 0)
@@ -82,7 +82,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 1), amount=AMOUNT)
     def top_up(self, i: int, amount: int) -> None:
         org, now = self.orgs[i], self.clock.now()
-        bal = self.db.run_sync(lambda c: ledger.top_up(c, org, amount, now))
+        bal = self.db.transact_sync(lambda c: ledger.top_up(c, org, amount, now))
         self.topups[org] += amount
         assert bal.available == self._available(org)
 
@@ -92,11 +92,11 @@ class LedgerMachine(RuleBasedStateMachine):
         before = _counts(self.db)
         if amount > self._available(org):
             with pytest.raises(InsufficientCredit) as exc:
-                self.db.run_sync(lambda c: ledger.reserve(c, org, amount, now, purpose="test"))
+                self.db.transact_sync(lambda c: ledger.reserve(c, org, amount, now, purpose="test"))
             assert exc.value.status == 402
             assert _counts(self.db) == before, "a refused reservation wrote something"
             return multiple()
-        res = self.db.run_sync(lambda c: ledger.reserve(c, org, amount, now, purpose="test"))
+        res = self.db.transact_sync(lambda c: ledger.reserve(c, org, amount, now, purpose="test"))
         assert (res.state, res.amount, res.org_id) == ("held", amount, org)
         self.reserved[org] += amount
         return Held(res.id, org, amount)
@@ -116,7 +116,7 @@ class LedgerMachine(RuleBasedStateMachine):
             "negative": -delta,
         }[where]
         now = self.clock.now()
-        res = self.db.run_sync(lambda c: ledger.settle(c, h.id, charge, now))
+        res = self.db.transact_sync(lambda c: ledger.settle(c, h.id, charge, now))
         expected = max(0, min(charge, h.amount))  # never above the hold
         assert (res.state, res.charged) == ("settled", expected)
         self.reserved[h.org] -= h.amount
@@ -126,7 +126,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(target=resolved, h=consumes(held))
     def release(self, h: Held):
         now = self.clock.now()
-        res = self.db.run_sync(lambda c: ledger.release(c, h.id, now))
+        res = self.db.transact_sync(lambda c: ledger.release(c, h.id, now))
         assert (res.state, res.charged) == ("released", 0)
         self.reserved[h.org] -= h.amount
         return h
@@ -137,9 +137,9 @@ class LedgerMachine(RuleBasedStateMachine):
         before = _counts(self.db)
         with pytest.raises(InvalidState):
             if how == "settle":
-                self.db.run_sync(lambda c: ledger.settle(c, h.id, 1, now))
+                self.db.transact_sync(lambda c: ledger.settle(c, h.id, 1, now))
             else:
-                self.db.run_sync(lambda c: ledger.release(c, h.id, now))
+                self.db.transact_sync(lambda c: ledger.release(c, h.id, now))
         assert _counts(self.db) == before
 
     @rule(seconds=st.floats(min_value=0.001, max_value=3600))
@@ -150,9 +150,9 @@ class LedgerMachine(RuleBasedStateMachine):
     def audit_is_clean_and_balances_match_the_model(self) -> None:
         if not hasattr(self, "db"):
             return
-        assert self.db.run_sync(ledger.audit, readonly=True) == []
+        assert self.db.read_sync(ledger.audit) == []
         for org in self.orgs:
-            bal = self.db.run_sync(lambda c, o=org: ledger.balance(c, o), readonly=True)
+            bal = self.db.read_sync(lambda c, o=org: ledger.balance(c, o))
             assert (bal.topups, bal.settled, bal.held) == (
                 self.topups[org],
                 self.settled[org],
@@ -176,31 +176,35 @@ TestLedgerMachine.settings = settings(
 @pytest.fixture
 def org(db: Database) -> str:
     now = ManualClock().now()
-    return db.run_sync(lambda c: accounts.ensure_org(c, "acme", now).id)
+    return db.transact_sync(lambda c: accounts.ensure_org(c, "acme", now).id)
 
 
 def test_insufficient_credit_says_how_much_and_writes_nothing(db, org):
     now = ManualClock().now()
-    db.run_sync(lambda c: ledger.top_up(c, org, to_ticks(Decimal("1")), now))
+    db.transact_sync(lambda c: ledger.top_up(c, org, to_ticks(Decimal("1")), now))
     before = _counts(db)
     with pytest.raises(InsufficientCredit) as exc:
-        db.run_sync(lambda c: ledger.reserve(c, org, to_ticks(Decimal("1.5")), now, purpose="t"))
+        db.transact_sync(
+            lambda c: ledger.reserve(c, org, to_ticks(Decimal("1.5")), now, purpose="t")
+        )
     body = exc.value.to_body()["error"]
     assert body["code"] == "insufficient_credit" and body["retryable"] is True
     assert (body["required"], body["available"]) == ("1.5", "1")
     assert _counts(db) == before
-    assert db.run_sync(ledger.audit) == []
+    assert db.transact_sync(ledger.audit) == []
 
 
 def test_auto_top_up_happens_before_the_402(db, org):
     now = ManualClock().now()
-    db.run_sync(lambda c: accounts.set_auto_topup(c, org, Decimal("2"), Decimal("5")))
-    db.run_sync(lambda c: ledger.top_up(c, org, to_ticks(Decimal("1")), now))
+    db.transact_sync(lambda c: accounts.set_auto_topup(c, org, Decimal("2"), Decimal("5")))
+    db.transact_sync(lambda c: ledger.top_up(c, org, to_ticks(Decimal("1")), now))
     # 1 available, 3 asked: the rule tops up 5 first, so the hold fits.
-    res = db.run_sync(lambda c: ledger.reserve(c, org, to_ticks(Decimal("3")), now, purpose="t"))
-    bal = db.run_sync(lambda c: ledger.balance(c, org))
+    res = db.transact_sync(
+        lambda c: ledger.reserve(c, org, to_ticks(Decimal("3")), now, purpose="t")
+    )
+    bal = db.transact_sync(lambda c: ledger.balance(c, org))
     assert (bal.topups, bal.held) == (to_ticks(Decimal("6")), res.amount)
-    memos = db.run_sync(
+    memos = db.transact_sync(
         lambda c: (
             c.execute(select(ledger_entries.c.memo).where(ledger_entries.c.kind == "topup"))
             .scalars()
@@ -209,24 +213,26 @@ def test_auto_top_up_happens_before_the_402(db, org):
     )
     assert memos == ["operator", "auto top-up"]
     # Above the threshold after the hold: no second top-up.
-    db.run_sync(lambda c: ledger.reserve(c, org, to_ticks(Decimal("0.5")), now, purpose="t"))
-    assert db.run_sync(lambda c: ledger.balance(c, org)).topups == to_ticks(Decimal("6"))
+    db.transact_sync(lambda c: ledger.reserve(c, org, to_ticks(Decimal("0.5")), now, purpose="t"))
+    assert db.transact_sync(lambda c: ledger.balance(c, org)).topups == to_ticks(Decimal("6"))
     # Even a top-up cannot cover this one: 402, and the top-up is rolled back with it.
     before = _counts(db)
     with pytest.raises(InsufficientCredit):
-        db.run_sync(lambda c: ledger.reserve(c, org, to_ticks(Decimal("100")), now, purpose="t"))
+        db.transact_sync(
+            lambda c: ledger.reserve(c, org, to_ticks(Decimal("100")), now, purpose="t")
+        )
     assert _counts(db) == before
-    assert db.run_sync(ledger.audit) == []
+    assert db.transact_sync(ledger.audit) == []
 
 
 def test_buying_credit_moves_the_tier_up_and_never_down(db, org):
     now = ManualClock().now()
 
     def tier() -> int:
-        return db.run_sync(lambda c: accounts.get_org(c, org).tier)
+        return db.transact_sync(lambda c: accounts.get_org(c, org).tier)
 
     def buy(amount: str) -> None:
-        db.run_sync(
+        db.transact_sync(
             lambda c: ledger.top_up(c, org, to_ticks(Decimal(amount)), now, tiers=DEFAULT_TIERS)
         )
 
@@ -235,15 +241,17 @@ def test_buying_credit_moves_the_tier_up_and_never_down(db, org):
     assert tier() == 0
     buy("0.01")  # 50 bought in all: tier 1
     assert tier() == 1
-    res = db.run_sync(lambda c: ledger.reserve(c, org, to_ticks(Decimal("40")), now, purpose="t"))
-    db.run_sync(lambda c: ledger.settle(c, res.id, res.amount, now))
+    res = db.transact_sync(
+        lambda c: ledger.reserve(c, org, to_ticks(Decimal("40")), now, purpose="t")
+    )
+    db.transact_sync(lambda c: ledger.settle(c, res.id, res.amount, now))
     assert tier() == 1  # spending does not demote
     buy("450")
     assert tier() == 2
     buy("10000")
     assert tier() == 3
     # An operator's manual tier above what purchases earn is kept.
-    db.run_sync(lambda c: accounts.set_tier(c, org, 3))
+    db.transact_sync(lambda c: accounts.set_tier(c, org, 3))
     buy("1")
     assert tier() == 3
 
@@ -251,13 +259,13 @@ def test_buying_credit_moves_the_tier_up_and_never_down(db, org):
 def test_amounts_must_be_positive_and_reservations_must_exist(db, org):
     now = ManualClock().now()
     with pytest.raises(InvalidRequest):
-        db.run_sync(lambda c: ledger.top_up(c, org, 0, now))
+        db.transact_sync(lambda c: ledger.top_up(c, org, 0, now))
     with pytest.raises(InvalidRequest):
-        db.run_sync(lambda c: ledger.reserve(c, org, -1, now, purpose="t"))
+        db.transact_sync(lambda c: ledger.reserve(c, org, -1, now, purpose="t"))
     with pytest.raises(NotFound):
-        db.run_sync(lambda c: ledger.settle(c, "res.nope", 1, now))
+        db.transact_sync(lambda c: ledger.settle(c, "res.nope", 1, now))
     with pytest.raises(NotFound):
-        db.run_sync(lambda c: ledger.balance(c, "org.nope"))
+        db.transact_sync(lambda c: ledger.balance(c, "org.nope"))
 
 
 def test_the_audit_finds_a_tampered_balance_and_a_double_settle(db, org):
@@ -266,22 +274,22 @@ def test_the_audit_finds_a_tampered_balance_and_a_double_settle(db, org):
     from batchyard.store.tables import balances
 
     now = ManualClock().now()
-    db.run_sync(lambda c: ledger.top_up(c, org, 1000, now))
-    res = db.run_sync(lambda c: ledger.reserve(c, org, 100, now, purpose="t"))
-    db.run_sync(lambda c: ledger.settle(c, res.id, 60, now))
-    assert db.run_sync(ledger.audit) == []
-    db.run_sync(
+    db.transact_sync(lambda c: ledger.top_up(c, org, 1000, now))
+    res = db.transact_sync(lambda c: ledger.reserve(c, org, 100, now, purpose="t"))
+    db.transact_sync(lambda c: ledger.settle(c, res.id, 60, now))
+    assert db.transact_sync(ledger.audit) == []
+    db.transact_sync(
         lambda c: c.execute(update(balances).where(balances.c.org_id == org).values(topups=1))
     )
-    assert any("cached balance" in p for p in db.run_sync(ledger.audit))
-    db.run_sync(
+    assert any("cached balance" in p for p in db.transact_sync(ledger.audit))
+    db.transact_sync(
         lambda c: c.execute(
             insert(ledger_entries).values(
                 org_id=org, kind="settle", amount=5000, reservation_id=res.id, created_at=now
             )
         )
     )
-    problems = db.run_sync(ledger.audit)
+    problems = db.transact_sync(ledger.audit)
     assert any("resolved more than once" in p for p in problems)
     assert any("!= hold" in p for p in problems)
 
@@ -297,5 +305,5 @@ def test_the_audit_finds_a_tampered_balance_and_a_double_settle(db, org):
             )
         )
 
-    db.run_sync(overdraw)
-    assert any("available credit is negative" in p for p in db.run_sync(ledger.audit))
+    db.transact_sync(overdraw)
+    assert any("available credit is negative" in p for p in db.transact_sync(ledger.audit))

@@ -9,14 +9,10 @@ advisory lock keeps two workers starting at once from racing each other.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import text
-
-if TYPE_CHECKING:
-    from batchyard.store.database import Database
+from sqlalchemy import Engine, text
 
 __all__ = ["alembic_config", "upgrade"]
 
@@ -30,10 +26,11 @@ def alembic_config() -> Config:
     return cfg
 
 
-def upgrade(db: Database, revision: str = "heads") -> None:
+def upgrade(engine: Engine, revision: str = "heads") -> None:
     cfg = alembic_config()
-    with db.engine.connect() as conn:
-        if not db.is_sqlite:
+    locking = engine.dialect.name == "postgresql"
+    with engine.connect() as conn:
+        if locking:
             conn.execute(text("SELECT pg_advisory_lock(:id)"), {"id": _LOCK_ID})
             conn.commit()
         try:
@@ -41,14 +38,14 @@ def upgrade(db: Database, revision: str = "heads") -> None:
             command.upgrade(cfg, revision)
             conn.commit()
         finally:
-            if not db.is_sqlite:
+            if locking:
                 conn.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": _LOCK_ID})
                 conn.commit()
 
 
-def downgrade(db: Database, revision: str) -> None:
+def downgrade(engine: Engine, revision: str) -> None:
     cfg = alembic_config()
-    with db.engine.connect() as conn:
+    with engine.connect() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
         conn.commit()

@@ -23,7 +23,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.limits import (
     EPSILON,
     PENALTY,
-    Decision,
+    Admission,
     Limit,
     LimiterBase,
     binding_name,
@@ -107,15 +107,15 @@ class RedisLimiter(LimiterBase):
         caller_key, _, name = storage_key.rpartition(":")
         return f"{self._prefix}{{{caller_key}}}:{name}"
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
         keys = [self._key(k) for k in storage_keys(key, limits)]
         args: list[str | float] = [repr(self._clock.time()), repr(EPSILON)]
         for cell in request_cells(limits):
             args += [repr(cell.increment), repr(cell.tolerance)]
         allowed, wait, binding = await self._acquire(keys=keys, args=args)
         if int(allowed):
-            return Decision(True, 0.0)
-        return Decision(False, float(wait), binding_name(limits, int(binding)))
+            return Admission(True, 0.0)
+        return Admission(False, float(wait), binding_name(limits, int(binding)))
 
     async def adjust(self, key: str, limit: Limit, delta: float) -> None:
         await self._adjust(

@@ -4,13 +4,13 @@ Each pass, in order:
 
 1. *Recover.* A dispatched item whose lease lapsed becomes ``uncertain``,
    its reservation still held; nothing is retried or released
-   (``work.market_housekeeping``).
+   (``work.batches.housekeeping``).
 2. *Housekeep.* Overdue waiting items expire, those of revoked keys are
    canceled, and results of batches completed 24 hours ago are purged.
 3. *Choose.* For each waiting item (most urgent first), the policy picks a
    route among those that qualify on fresh prices, or says wait.
    A policy that learns from the market has what it saw saved
-   (``work.market_memory``), and restored when a worker starts.
+   (``work.batches.memory``), and restored when a worker starts.
 4. *Claim.* Per chosen item, one transaction locks the row, rechecks the
    deadline, the submitting key and the price, reserves the most the call can
    cost on that route, and marks the item ``dispatched`` with its reservation
@@ -20,11 +20,11 @@ Each pass, in order:
    The lease is renewed while the call runs. The result is settled to real
    usage at the route's offered price in one transaction with the item's
    result and its activity record; a failure is released and recorded, and
-   never retried (``work.market_results``).
+   never retried (``work.batches.results``).
 
 Cancelling the worker mid-call (shutdown, crash) leaves the item
 ``dispatched``; the lease lapses and the next pass of any worker makes it
-``uncertain``. Without a batch encryption key (``work.batch_sealing``) the
+``uncertain``. Without a batch encryption key (``work.batches.sealing``) the
 worker does nothing and the door answers 503.
 """
 
@@ -34,28 +34,26 @@ import asyncio
 import contextlib
 import json
 import logging
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
+from batchyard.core.catalog import Catalog
+from batchyard.core.clock import Clock
 from batchyard.core.market import (
     Item,
     LearningPolicy,
     Policy,
     RouteOffer,
     offer_cost,
-    policy_by_name,
     qualifies,
 )
 from batchyard.core.money import quote_ticks
-from batchyard.core.prices import PriceBook, PriceFeed
 from batchyard.core.sealing import Sealer, SealError
+from batchyard.core.tiers import Tier
 from batchyard.engines.base import Completion, CompletionRequest
 from batchyard.errors import (
-    BatchUnavailable,
     BatchyardError,
     InsufficientCredit,
     InternalError,
@@ -63,20 +61,34 @@ from batchyard.errors import (
 )
 from batchyard.store import accounts, activity, ledger
 from batchyard.store import batches as store
-from batchyard.work import market_housekeeping
-from batchyard.work.batch_sealing import resolve_key
-from batchyard.work.market_memory import MarketMemory
-from batchyard.work.market_results import Claimed, finish_failed, record_failure, record_success
-from batchyard.work.prices import MarketPrices
+from batchyard.store.database import Database
+from batchyard.work.batches import housekeeping
+from batchyard.work.batches.feed import PriceFeed
+from batchyard.work.batches.memory import MarketMemory
+from batchyard.work.batches.prices import MarketPrices
+from batchyard.work.batches.results import Claimed, finish_failed, record_failure, record_success
+from batchyard.work.batches.sealing import BatchKey
+from batchyard.work.dispatcher import Dispatcher
 
-if TYPE_CHECKING:
-    from batchyard.service import Service
-
-__all__ = ["MarketWorker", "PassReport", "install", "market_of"]
+__all__ = ["MarketSettings", "MarketWorker", "PassReport"]
 
 log = logging.getLogger("batchyard.market")
 
-_WORKERS: weakref.WeakKeyDictionary[Service, MarketWorker] = weakref.WeakKeyDictionary()
+
+@dataclass(frozen=True, slots=True)
+class MarketSettings:
+    """How often and how much the worker does: seed 003's numbers by default."""
+
+    #: Seconds between idle passes ("checks the market about every 15 seconds").
+    interval_s: float = 15.0
+    #: Seconds between price-feed refreshes.
+    feed_interval_s: float = 60.0
+    #: Items executed per pass at most ("up to ten items per pass").
+    per_pass: int = 10
+    #: How long a dispatched item's lease lasts without a heartbeat.
+    lease_s: float = 120.0
+    #: Waiting items looked at per pass, most urgent first.
+    scan_limit: int = 1000
 
 
 @dataclass
@@ -103,55 +115,50 @@ class MarketWorker:
 
     def __init__(
         self,
-        service: Service,
         *,
-        per_pass: int = 10,
-        lease_s: float = 120.0,
-        scan_limit: int = 1000,
-        policy: Policy | None = None,
-        book: PriceBook | None = None,
+        db: Database,
+        clock: Clock,
+        catalog: Catalog,
+        dispatcher: Dispatcher,
+        tiers: tuple[Tier, ...],
+        key: BatchKey,
+        prices: MarketPrices,
+        policy: Policy,
+        feed: PriceFeed | None = None,
+        settings: MarketSettings | None = None,
     ) -> None:
-        self.service = service
-        settings = service.settings
-        self.per_pass = per_pass
-        self.lease = timedelta(seconds=lease_s)
-        self.scan_limit = scan_limit
+        self.db = db
+        self.clock = clock
+        self.catalog = catalog
+        self.dispatcher = dispatcher
+        self.tiers = tiers
+        self.key = key
+        self.prices = prices
         # Workers in one process may share a book; each process polls its own feed.
-        self.book = book if book is not None else PriceBook()
-        self.prices = MarketPrices(
-            service.catalog, self.book, timedelta(seconds=settings.price_max_age_s)
-        )
-        self.policy: Policy = policy or policy_by_name(settings.market_policy)
-        self.memory = MarketMemory(service, self.policy)
-        self.key = resolve_key(settings)
-        self.feed = (
-            PriceFeed(settings.price_feed, self.book, service.clock)
-            if settings.price_feed
-            else None
-        )
-        if self.key.created:
-            log.info(
-                "created a batch encryption key",
-                extra={"event": "batch_key_created", "path": self.key.path},
-            )
+        self.book = prices.book
+        self.policy = policy
+        self.feed = feed
+        self.settings = settings or MarketSettings()
+        self.per_pass = self.settings.per_pass
+        self.lease = timedelta(seconds=self.settings.lease_s)
+        self.scan_limit = self.settings.scan_limit
+        self.memory = MarketMemory(db, clock, policy)
 
     # --- availability -------------------------------------------------------------
 
     @property
     def available(self) -> bool:
-        return self.key.sealer is not None
+        return self.key.available
 
     def sealer(self) -> Sealer:
         """The sealer, or 503 ``batches_unavailable`` saying why there is none."""
-        if self.key.sealer is None:
-            raise BatchUnavailable(self.key.reason or "deferred batches are not available")
-        return self.key.sealer
+        return self.key.require()
 
     # --- the loop -------------------------------------------------------------------
 
     async def run(self) -> None:
         """Pass after pass until cancelled; idle passes are ``market_interval_s`` apart."""
-        clock = self.service.clock
+        clock = self.clock
         if not self.available:
             log.warning(
                 "deferred batches are off", extra={"event": "market_off", "reason": self.key.reason}
@@ -173,7 +180,7 @@ class MarketWorker:
                     log.exception("market pass failed", extra={"event": "market_pass_error"})
                 # A full pass suggests more work is ready; otherwise wait for the market.
                 if report is None or report.dispatched < self.per_pass:
-                    await clock.sleep(self.service.settings.market_interval_s)
+                    await clock.sleep(self.settings.interval_s)
         finally:
             if feed_task is not None:
                 feed_task.cancel()
@@ -182,9 +189,9 @@ class MarketWorker:
 
     async def _feed_loop(self) -> None:
         assert self.feed is not None
-        interval = self.service.settings.price_feed_interval_s
+        interval = self.settings.feed_interval_s
         while True:
-            await self.service.clock.sleep(interval)
+            await self.clock.sleep(interval)
             await self.feed.refresh()
 
     async def run_pass(self) -> PassReport:
@@ -224,14 +231,14 @@ class MarketWorker:
 
     async def recover(self, report: PassReport | None = None) -> int:
         """Dispatched items whose lease lapsed become ``uncertain``, reservation held."""
-        n = await market_housekeeping.recover_lapsed(self.service)
+        n = await housekeeping.recover_lapsed(self.db, self.clock)
         if report is not None:
             report.uncertain += n
         return n
 
     async def housekeep(self, report: PassReport | None = None) -> None:
         """Expire, cancel for revoked keys, and purge old results."""
-        swept = await market_housekeeping.housekeep(self.service)
+        swept = await housekeeping.housekeep(self.db, self.clock)
         if report is not None:
             report.expired += swept.expired
             report.canceled += swept.canceled
@@ -240,17 +247,15 @@ class MarketWorker:
     # --- choosing and claiming --------------------------------------------------------------
 
     async def _choose(self, report: PassReport) -> list[tuple[store.ItemRow, RouteOffer]]:
-        now = self.service.clock.now()
-        candidates = await self.service.db.run(
-            lambda c: store.waiting_candidates(c, now, self.scan_limit), readonly=True
-        )
+        now = self.clock.now()
+        candidates = await self.db.read(lambda c: store.waiting_candidates(c, now, self.scan_limit))
         report.waiting = len(candidates)
         offers: dict[str, list[RouteOffer]] = {}
         chosen: list[tuple[store.ItemRow, RouteOffer]] = []
         for cand in candidates:
             if len(chosen) >= self.per_pass:
                 break
-            if cand.model not in self.service.catalog.models:
+            if cand.model not in self.catalog.models:
                 continue
             model_offers = offers.get(cand.model)
             if model_offers is None:
@@ -272,8 +277,8 @@ class MarketWorker:
                 chosen.append((cand, offer))
         # A policy that learns from the market should see it on quiet passes too.
         if isinstance(self.policy, LearningPolicy):
-            for model_id in self.service.catalog.models:
-                if model_id not in offers and self.service.catalog.routes_for(model_id):
+            for model_id in self.catalog.models:
+                if model_id not in offers and self.catalog.routes_for(model_id):
                     self.policy.observe(
                         self.prices.offers(model_id, now), self.prices.direct(model_id), now
                     )
@@ -282,12 +287,11 @@ class MarketWorker:
     async def _claim(
         self, cand: store.ItemRow, chosen: RouteOffer, report: PassReport
     ) -> Claimed | None:
-        service = self.service
         sealer = self.sealer()
-        route = service.catalog.routes[chosen.route]
+        route = self.catalog.routes[chosen.route]
 
         def tx(conn: Connection) -> Claimed | None:
-            now = service.clock.now()
+            now = self.clock.now()
             got = store.claim(conn, cand.id)
             if got is None:
                 return None
@@ -324,7 +328,7 @@ class MarketWorker:
                         now,
                         purpose="batch",
                         ref=item.id,
-                        tiers=service.settings.tiers,
+                        tiers=self.tiers,
                     )
             except InsufficientCredit as exc:
                 finish_failed(conn, sealer, item, exc, now)
@@ -371,7 +375,7 @@ class MarketWorker:
                 reservation_id=res.id,
             )
 
-        claimed = await service.db.run(tx)
+        claimed = await self.db.transact(tx)
         if claimed is not None:
             log.info(
                 "batch item dispatched",
@@ -387,7 +391,7 @@ class MarketWorker:
     # --- executing ----------------------------------------------------------------------
 
     async def _heartbeat(self, item_id: str) -> None:
-        clock, db = self.service.clock, self.service.db
+        clock, db = self.clock, self.db
         lease = self.lease
 
         def renew(conn: Connection) -> bool:
@@ -395,14 +399,14 @@ class MarketWorker:
 
         while True:
             await clock.sleep(lease.total_seconds() / 3)
-            await db.run(renew)
+            await db.transact(renew)
 
     async def _execute(self, job: Claimed) -> bool:
         """Call, then settle or release with the item's result; True on success."""
         heartbeat = asyncio.create_task(self._heartbeat(job.item.id))
         try:
             try:
-                completion = await self.service.dispatcher.call(
+                completion = await self.dispatcher.call(
                     route=job.route, request=job.request, input_tokens=job.item.input_tokens
                 )
             except asyncio.CancelledError:
@@ -425,24 +429,7 @@ class MarketWorker:
         return True
 
     async def _succeed(self, job: Claimed, completion: Completion) -> None:
-        await record_success(self.service, self.sealer(), job, completion)
+        await record_success(self.db, self.clock, self.sealer(), job, completion)
 
     async def _fail(self, job: Claimed, exc: BatchyardError) -> None:
-        await record_failure(self.service, self.sealer(), job, exc)
-
-
-def install(service: Service) -> MarketWorker:
-    """Attach the market worker to ``service`` and run it as background work."""
-    worker = MarketWorker(service)
-    _WORKERS[service] = worker
-    service.add_background(worker.run)
-    return worker
-
-
-def market_of(service: Service) -> MarketWorker:
-    """The service's market worker (installed on first ask where the service has none)."""
-    worker = _WORKERS.get(service)
-    if worker is None:
-        worker = MarketWorker(service)
-        _WORKERS[service] = worker
-    return worker
+        await record_failure(self.db, self.clock, self.sealer(), job, exc)

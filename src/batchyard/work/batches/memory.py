@@ -10,14 +10,12 @@ them (``store.market_history``). A policy that learns nothing is left alone.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
+from batchyard.core.clock import Clock
 from batchyard.core.market import LearningPolicy, Policy
 from batchyard.core.outlook import bin_index
 from batchyard.store import market_history
-
-if TYPE_CHECKING:
-    from batchyard.service import Service
+from batchyard.store.database import Database
 
 __all__ = ["MarketMemory"]
 
@@ -27,8 +25,9 @@ log = logging.getLogger("batchyard.market")
 class MarketMemory:
     """Saves and restores one worker's policy history."""
 
-    def __init__(self, service: Service, policy: Policy) -> None:
-        self.service = service
+    def __init__(self, db: Database, clock: Clock, policy: Policy) -> None:
+        self.db = db
+        self.clock = clock
         self.policy = policy if isinstance(policy, LearningPolicy) else None
         self._saved_from: int | None = None
 
@@ -37,10 +36,8 @@ class MarketMemory:
         policy = self.policy
         if policy is None:
             return 0
-        since = bin_index(self.service.clock.now() - policy.memory)
-        markets = await self.service.db.run(
-            lambda c: market_history.load_history(c, since), readonly=True
-        )
+        since = bin_index(self.clock.now() - policy.memory)
+        markets = await self.db.read(lambda c: market_history.load_history(c, since))
         policy.restore(markets)
         return sum(len(bins) for bins in markets.values())
 
@@ -49,13 +46,13 @@ class MarketMemory:
         policy = self.policy
         if policy is None:
             return
-        now = self.service.clock.now()
+        now = self.clock.now()
         markets = policy.saved(self._saved_from)
         here = bin_index(now)
         # Prune once per bin, not on every pass.
         keep_from = bin_index(now - policy.memory) if here != self._saved_from else None
         try:
-            await self.service.db.write(
+            await self.db.write(
                 lambda c: market_history.save_history(c, markets, keep_from=keep_from)
             )
         except Exception:

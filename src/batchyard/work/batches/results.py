@@ -14,24 +14,22 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection
 
 from batchyard.core.catalog import RouteSpec
-from batchyard.core.clock import isoformat
+from batchyard.core.clock import Clock, isoformat
 from batchyard.core.ids import new_id
-from batchyard.core.money import charge_ticks, format_money, token_cost
+from batchyard.core.money import charge_ticks, format_money
 from batchyard.core.prices import Price
 from batchyard.core.sealing import Sealer
 from batchyard.engines.base import Completion, CompletionRequest
 from batchyard.errors import BatchyardError
 from batchyard.store import activity, ledger
 from batchyard.store import batches as store
-from batchyard.work.batch_sealing import result_aad
-
-if TYPE_CHECKING:
-    from batchyard.service import Service
+from batchyard.store.database import Database
+from batchyard.work.batches.sealing import result_aad
 
 __all__ = ["Claimed", "finish_failed", "record_failure", "record_success"]
 
@@ -72,20 +70,13 @@ def finish_failed(
 
 
 async def record_success(
-    service: Service, sealer: Sealer, job: Claimed, completion: Completion
+    db: Database, clock: Clock, sealer: Sealer, job: Claimed, completion: Completion
 ) -> None:
     """Settle the hold to real usage and keep the sealed completion as the item's result."""
     item = job.item
-    now = service.clock.now()
+    now = clock.now()
     usage = completion.usage
-    charge = charge_ticks(
-        token_cost(
-            usage.input_tokens,
-            usage.output_tokens,
-            job.price.input_per_mtok,
-            job.price.output_per_mtok,
-        )
-    )
+    charge = charge_ticks(job.price.cost(usage.input_tokens, usage.output_tokens))
 
     def tx(conn: Connection) -> None:
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
@@ -124,7 +115,7 @@ async def record_success(
             from_states=("dispatched", "uncertain"),
         )
 
-    await service.db.run(tx)
+    await db.transact(tx)
     log.info(
         "batch item succeeded",
         extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
@@ -132,11 +123,11 @@ async def record_success(
 
 
 async def record_failure(
-    service: Service, sealer: Sealer, job: Claimed, exc: BatchyardError
+    db: Database, clock: Clock, sealer: Sealer, job: Claimed, exc: BatchyardError
 ) -> None:
     """Release the hold and keep the sealed error as the item's result; never retried."""
     item = job.item
-    now = service.clock.now()
+    now = clock.now()
 
     def tx(conn: Connection) -> None:
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
@@ -154,7 +145,7 @@ async def record_failure(
             )
         finish_failed(conn, sealer, item, exc, now, from_states=("dispatched", "uncertain"))
 
-    await service.db.run(tx)
+    await db.transact(tx)
     log.info(
         "batch item failed",
         extra={"event": "batch_item_failed", "item_id": item.id, "code": exc.code},

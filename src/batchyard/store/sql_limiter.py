@@ -24,7 +24,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.limits import (
     EPSILON,
     PENALTY,
-    Decision,
+    Admission,
     Limit,
     LimiterBase,
     binding_name,
@@ -35,22 +35,9 @@ from batchyard.core.limits import (
     request_cells,
     storage_keys,
 )
+from batchyard.store.tables import rate_limits
 
-__all__ = ["LIMITS_METADATA", "LIMITS_TABLE", "SqlLimiter", "create_table"]
-
-# The table's one definition. The store's migrations will take it over; until
-# then ``create_table`` makes it.
-LIMITS_METADATA = sa.MetaData()
-LIMITS_TABLE = sa.Table(
-    "rate_limits",
-    LIMITS_METADATA,
-    sa.Column("key", sa.Text, primary_key=True),
-    sa.Column("tat", sa.Double, nullable=False),
-)
-
-
-def create_table(engine: sa.Engine) -> None:
-    LIMITS_METADATA.create_all(engine, tables=[LIMITS_TABLE], checkfirst=True)
+__all__ = ["SqlLimiter"]
 
 
 class SqlLimiter(LimiterBase):
@@ -64,24 +51,24 @@ class SqlLimiter(LimiterBase):
             )
         self._engine = engine
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Decision:
+    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
         keys = storage_keys(key, limits)
         cells = request_cells(limits)
         now = self._clock.time()
 
-        def run() -> Decision:
+        def run() -> Admission:
             with self._engine.begin() as conn:
                 locked = self._lock_rows(conn, keys)
                 wait, binding, new_tats = gcra_many([locked[k] for k in keys], now, cells)
                 if wait > EPSILON:
-                    return Decision(False, wait, binding_name(limits, binding))
+                    return Admission(False, wait, binding_name(limits, binding))
                 writes = [
                     {"k": k, "t": t}
                     for k, cell, t in zip(keys, cells, new_tats, strict=True)
                     if cell.increment > 0
                 ]
                 self._write(conn, writes)
-            return Decision(True, 0.0)
+            return Admission(True, 0.0)
 
         return await asyncio.to_thread(run)
 
@@ -117,7 +104,7 @@ class SqlLimiter(LimiterBase):
 
         def run() -> int:
             with self._engine.begin() as conn:
-                result = conn.execute(sa.delete(LIMITS_TABLE).where(LIMITS_TABLE.c.tat < cutoff))
+                result = conn.execute(sa.delete(rate_limits).where(rate_limits.c.tat < cutoff))
                 return result.rowcount
 
         return await asyncio.to_thread(run)
@@ -125,11 +112,11 @@ class SqlLimiter(LimiterBase):
     def _lock_rows(self, conn: sa.Connection, keys: Sequence[str]) -> dict[str, float]:
         ordered = sorted(set(keys))
         insert = postgresql.insert if self._engine.dialect.name == "postgresql" else sqlite.insert
-        ensure = insert(LIMITS_TABLE).on_conflict_do_nothing(index_elements=["key"])
+        ensure = insert(rate_limits).on_conflict_do_nothing(index_elements=["key"])
         lock = (
-            sa.select(LIMITS_TABLE.c.key, LIMITS_TABLE.c.tat)
-            .where(LIMITS_TABLE.c.key.in_(ordered))
-            .order_by(LIMITS_TABLE.c.key)
+            sa.select(rate_limits.c.key, rate_limits.c.tat)
+            .where(rate_limits.c.key.in_(ordered))
+            .order_by(rate_limits.c.key)
             .with_for_update()
         )
         # A prune can delete a row between our insert and our lock; go round
@@ -146,8 +133,8 @@ class SqlLimiter(LimiterBase):
         if not writes:
             return
         stmt = (
-            sa.update(LIMITS_TABLE)
-            .where(LIMITS_TABLE.c.key == sa.bindparam("k"))
+            sa.update(rate_limits)
+            .where(rate_limits.c.key == sa.bindparam("k"))
             .values(tat=sa.bindparam("t"))
         )
         conn.execute(stmt, writes)

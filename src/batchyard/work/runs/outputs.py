@@ -14,24 +14,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection
 
+from batchyard.core.clock import Clock
 from batchyard.core.runs import prompt_messages
 from batchyard.store import projects as pstore
 from batchyard.store import row_versions, work_items
+from batchyard.store.database import Database
 from batchyard.store.run_leases import renew_lease
 from batchyard.store.runs import update_run
-
-if TYPE_CHECKING:
-    from batchyard.service import Service
 
 __all__ = ["write_outputs"]
 
 
 async def write_outputs(
-    service: Service,
+    db: Database,
+    clock: Clock,
     run_id: str,
     *,
     owner: str,
@@ -40,12 +40,12 @@ async def write_outputs(
 ) -> None:
     """Write every answered row of the run, a batch per transaction."""
     while True:
-        now, until = service.clock.now(), lease_until()
+        now, until = clock.now(), lease_until()
 
         def tx(c: Connection, now: Any = now, until: Any = until) -> int:
             return _write_batch(c, run_id, owner, now, until, batch_size)
 
-        if await service.db.run(tx) == 0:
+        if await db.transact(tx) == 0:
             return
 
 

@@ -20,12 +20,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection
 
-from batchyard.core.catalog import RouteSpec
+from batchyard.core.catalog import Catalog, RouteSpec
+from batchyard.core.clock import Clock
 from batchyard.core.money import charge_ticks, quote_ticks
+from batchyard.core.prices import Price
 from batchyard.core.runs import (
     BlockedReason,
     ItemState,
@@ -37,14 +39,12 @@ from batchyard.core.runs import (
 from batchyard.engines.base import CompletionRequest
 from batchyard.errors import BatchyardError
 from batchyard.store import activity, ledger, work_items
+from batchyard.store.database import Database
 from batchyard.store.run_leases import heartbeat
 from batchyard.store.runs import Run, load_run, update_run
 from batchyard.store.work_items import ItemResult, WorkItem
-from batchyard.work.dispatcher import Price
-from batchyard.work.run_outputs import write_outputs
-
-if TYPE_CHECKING:
-    from batchyard.service import Service
+from batchyard.work.dispatcher import Dispatcher
+from batchyard.work.runs.outputs import write_outputs
 
 __all__ = ["RunExecutor"]
 
@@ -70,9 +70,9 @@ class _Plan:
         return quote_ticks(self.price.cost(input_tokens, self.max_tokens * self.samples))
 
 
-def _plan(svc: Service, run: Run) -> _Plan:
+def _plan(catalog: Catalog, run: Run) -> _Plan:
     """Resolve the run's model and sampling once; the model may have left the catalog."""
-    model, route, upstream = resolve_model(svc.catalog, run.spec["model"])
+    model, route, upstream = resolve_model(catalog, run.spec["model"])
     sampling = run.spec["sampling"]
     return _Plan(
         route=route,
@@ -91,13 +91,21 @@ class RunExecutor:
 
     def __init__(
         self,
-        service: Service,
         *,
+        db: Database,
+        clock: Clock,
+        catalog: Catalog,
+        dispatcher: Dispatcher,
         owner: str,
         settings: RunSettings,
         lease_until: Callable[[], datetime],
+        embedded_contexts: int = 1,
     ) -> None:
-        self.svc = service
+        self.db = db
+        self.clock = clock
+        self.catalog = catalog
+        self.dispatcher = dispatcher
+        self.embedded_contexts = embedded_contexts
         self.owner = owner
         self.settings = settings
         self._lease_until = lease_until
@@ -106,7 +114,7 @@ class RunExecutor:
         if route.concurrency:
             return route.concurrency
         if route.engine == "llama_cpp":
-            return max(1, self.svc.settings.embedded_contexts)
+            return max(1, self.embedded_contexts)
         return self.settings.default_concurrency
 
     async def _answer(self, plan: _Plan, item: WorkItem, data: dict[str, Any] | None) -> ItemResult:
@@ -126,7 +134,7 @@ class RunExecutor:
             n=plan.samples,
         )
         try:
-            c = await self.svc.dispatcher.call(
+            c = await self.dispatcher.call(
                 route=plan.route, request=request, input_tokens=item.input_tokens
             )
         except BatchyardError as exc:
@@ -154,14 +162,15 @@ class RunExecutor:
         """Answer a claimed run's rows (unless it is past that), write its outputs, settle it."""
         if run.status in (S.RUNNING, S.STOPPING):
             try:
-                plan = _plan(self.svc, run)
+                plan = _plan(self.catalog, run)
             except BatchyardError as exc:
                 await self._begin_finish(run.id, error={"code": exc.code, "message": exc.message})
             else:
                 if not await self._dispatch_rows(run, plan):
                     return
         await write_outputs(
-            self.svc,
+            self.db,
+            self.clock,
             run.id,
             owner=self.owner,
             lease_until=self._lease_until,
@@ -243,7 +252,7 @@ class RunExecutor:
         self, run: Run, results: list[ItemResult], free: int
     ) -> tuple[str, list[tuple[WorkItem, dict[str, Any] | None]]] | None:
         """Record finished rows, renew the lease and claim more: one transaction."""
-        now, until = self.svc.clock.now(), self._lease_until()
+        now, until = self.clock.now(), self._lease_until()
 
         def tx(c: Connection) -> tuple[str, list[Any]] | None:
             status = heartbeat(c, run.id, self.owner, until)
@@ -254,11 +263,11 @@ class RunExecutor:
                 return status, []
             return status, work_items.claim_items(c, run.id, run.dataset_id, free, now)
 
-        return await asyncio.shield(self.svc.db.run(tx))
+        return await asyncio.shield(self.db.transact(tx))
 
     async def _begin_finish(self, run_id: str, *, error: dict[str, Any] | None) -> None:
         """No more calls: unsent rows are canceled and the outputs get written."""
-        now = self.svc.clock.now()
+        now = self.clock.now()
 
         def tx(c: Connection) -> None:
             run = load_run(c, run_id, lock=True)
@@ -273,11 +282,11 @@ class RunExecutor:
                 values["status"] = S.WRITING_OUTPUTS
             update_run(c, run_id, now, **values)
 
-        await self.svc.db.run(tx)
+        await self.db.transact(tx)
 
     async def settle(self, run_id: str) -> None:
         """Charge the summed usage against the run's reservation, release the rest, end it."""
-        now = self.svc.clock.now()
+        now = self.clock.now()
 
         def tx(c: Connection) -> str | None:
             run = load_run(c, run_id, lock=True)
@@ -327,7 +336,7 @@ class RunExecutor:
             return final
 
         try:
-            final = await asyncio.shield(self.svc.db.run(tx))
+            final = await asyncio.shield(self.db.transact(tx))
         except BatchyardError as exc:
             log.error("run settlement failed", extra={"run_id": run_id, "code": exc.code})
 
@@ -346,7 +355,7 @@ class RunExecutor:
                     lease_expires_at=None,
                 )
 
-            await self.svc.db.run(block)
+            await self.db.transact(block)
             return
         if final:
             log.info("run finished", extra={"run_id": run_id, "status": final})

@@ -18,7 +18,7 @@ from typing import Any
 from batchyard.core import privacy
 from batchyard.core.market import effective_min_discount
 from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
-from batchyard.service import Service
+from batchyard.service.deployment import Service
 
 __all__ = [
     "MAX_BODY_BYTES",

@@ -17,13 +17,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection
 
-from batchyard.core.clock import isoformat
+from batchyard.core.catalog import Catalog
+from batchyard.core.clock import Clock, isoformat
 from batchyard.core.filters import compile_filter
 from batchyard.core.money import quote_ticks
+from batchyard.core.prices import Price
 from batchyard.core.runs import (
     ItemState,
     RunSettings,
@@ -32,14 +34,12 @@ from batchyard.core.runs import (
     prompt_text,
     resolve_model,
 )
+from batchyard.engines.tokenizers import Tokenizers
 from batchyard.errors import BatchyardError
 from batchyard.store import projects as pstore
 from batchyard.store import work_items
+from batchyard.store.database import Database
 from batchyard.store.runs import Run, update_run
-from batchyard.work.dispatcher import Price
-
-if TYPE_CHECKING:
-    from batchyard.service import Service
 
 __all__ = ["QuotePreparer"]
 
@@ -52,14 +52,20 @@ class QuotePreparer:
 
     def __init__(
         self,
-        service: Service,
         *,
+        db: Database,
+        clock: Clock,
+        catalog: Catalog,
+        tokenizers: Tokenizers,
         owner: str,
         settings: RunSettings,
         lease_until: Callable[[], datetime],
         stopping: Callable[[], bool],
     ) -> None:
-        self.svc = service
+        self.db = db
+        self.clock = clock
+        self.catalog = catalog
+        self.tokenizers = tokenizers
         self.owner = owner
         self.settings = settings
         self._lease_until = lease_until
@@ -68,13 +74,13 @@ class QuotePreparer:
 
     def prepare(self, run: Run) -> None:
         """Freeze and count the selected rows in batches (runs on a thread)."""
-        db, clock, spec = self.svc.db, self.svc.clock, run.spec
+        db, clock, spec = self.db, self.clock, run.spec
         try:
-            model, _, _ = resolve_model(self.svc.catalog, spec["model"])
+            model, _, _ = resolve_model(self.catalog, spec["model"])
         except BatchyardError as exc:
             self._fail(run, exc.code, exc.message)
             return
-        tok = self.svc.tokenizer(model)
+        tok = self.tokenizers.for_model(model)
         keep = compile_filter(spec.get("filter"))
         source = spec["input"]
         max_out = int(spec["sampling"]["maxOutputTokens"])
@@ -84,7 +90,7 @@ class QuotePreparer:
         # the same for every row, so count them once (never fewer than the
         # template renders: BPE merges across the seam can only save tokens).
         wrap = tok.count_messages([{"role": "user", "content": ""}]) if by_field else 0
-        db.run_sync(lambda c: work_items.clear_items(c, run.id))
+        db.transact_sync(lambda c: work_items.clear_items(c, run.id))
         after, rows, tokens = 0, 0, 0
         too_long = json.dumps(
             {
@@ -115,14 +121,14 @@ class QuotePreparer:
         # llama.cpp, so the store's work hides behind the counting instead of
         # adding to it (bench/runs.py compares quoting with the bare tokenizer).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchyard-quote-io") as io:
-            next_batch = io.submit(db.run_sync, partial(scan, a=after), readonly=True)
+            next_batch = io.submit(db.read_sync, partial(scan, a=after))
             saved: Future[bool] | None = None
             while True:
                 batch = next_batch.result()
                 if not batch or self._stopping():
                     break
                 after = batch[-1][0]
-                next_batch = io.submit(db.run_sync, partial(scan, a=after), readonly=True)
+                next_batch = io.submit(db.read_sync, partial(scan, a=after))
                 refs: list[tuple[int, int]] = []
                 texts: list[str] = []
                 counts: list[int] = []
@@ -154,7 +160,7 @@ class QuotePreparer:
                     log.info("quote abandoned", extra={"run_id": run.id})
                     return
                 saved = io.submit(
-                    db.run_sync, partial(save, items=items, until=self._lease_until())
+                    db.transact_sync, partial(save, items=items, until=self._lease_until())
                 )
             if saved is not None and not saved.result():
                 log.info("quote abandoned", extra={"run_id": run.id})
@@ -193,7 +199,7 @@ class QuotePreparer:
                 lease_expires_at=None,
             )
 
-        db.run_sync(finish)
+        db.transact_sync(finish)
         log.info(
             "quote ready",
             extra={
@@ -209,7 +215,7 @@ class QuotePreparer:
             update_run(
                 c,
                 run.id,
-                self.svc.clock.now(),
+                self.clock.now(),
                 expect=[S.PREPARING],
                 owner=self.owner,
                 status=S.FAILED,
@@ -218,4 +224,4 @@ class QuotePreparer:
                 lease_expires_at=None,
             )
 
-        self.svc.db.run_sync(tx)
+        self.db.transact_sync(tx)

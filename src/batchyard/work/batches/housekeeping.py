@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from sqlalchemy import Connection
 
+from batchyard.core.clock import Clock
 from batchyard.store import activity, ledger
 from batchyard.store import batches as store
-
-if TYPE_CHECKING:
-    from batchyard.service import Service
+from batchyard.store.database import Database
 
 __all__ = ["RESULTS_KEPT", "Swept", "housekeep", "recover_lapsed"]
 
@@ -41,9 +40,9 @@ class Swept(NamedTuple):
     purged: int
 
 
-async def recover_lapsed(service: Service) -> int:
+async def recover_lapsed(db: Database, clock: Clock) -> int:
     """Dispatched items whose lease lapsed become ``uncertain``, reservation held."""
-    now = service.clock.now()
+    now = clock.now()
 
     def tx(conn: Connection) -> int:
         lapsed = store.lapsed_leases(conn, now)
@@ -80,12 +79,12 @@ async def recover_lapsed(service: Service) -> int:
             )
         return len(lapsed)
 
-    return await service.db.run(tx)
+    return await db.transact(tx)
 
 
-async def housekeep(service: Service) -> Swept:
+async def housekeep(db: Database, clock: Clock) -> Swept:
     """Expire overdue items, cancel those of revoked keys, purge old results: one transaction."""
-    now = service.clock.now()
+    now = clock.now()
 
     def tx(conn: Connection) -> Swept:
         expired = store.expire_due(conn, now)
@@ -93,4 +92,4 @@ async def housekeep(service: Service) -> Swept:
         purged = store.purge_due(conn, now - RESULTS_KEPT, now)
         return Swept(expired, canceled, len(purged))
 
-    return await service.db.run(tx)
+    return await db.transact(tx)

@@ -1,18 +1,18 @@
 """The run worker: takes runs through leases and hands each to what it needs.
 
-One loop per process (``install`` adds it to the service) takes runs through
+One loop per process (the service owns it and runs it) takes runs through
 leases in the store, so any number of processes can share the work and a dead
 one's runs are taken over once its lease expires:
 
-- *preparing* runs are quoted (``work.quoting``);
+- *preparing* runs are quoted (``work.runs.quoting``);
 - *blocked* runs are retried: ``funds`` when credit may have arrived,
   ``payment`` when the settlement may now succeed;
 - *queued* runs are executed, their outputs written and their usage settled
-  (``work.run_executor``, ``work.run_outputs``).
+  (``work.runs.executor``, ``work.runs.outputs``).
 
-Confirming a run funds it here (``fund``): its whole quote is reserved, or it
-is blocked. A row whose call was in flight when its worker died becomes
-``uncertain`` on takeover and is never sent again.
+Confirming a run funds it (``work.runs.funding``): its whole quote is
+reserved, or it is blocked. A row whose call was in flight when its worker
+died becomes ``uncertain`` on takeover and is never sent again.
 """
 
 from __future__ import annotations
@@ -20,81 +20,58 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection
 
+from batchyard.core.catalog import Catalog
+from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
-from batchyard.core.money import from_ticks
 from batchyard.core.runs import BlockedReason, RunSettings, RunStatus
-from batchyard.errors import InsufficientCredit
-from batchyard.store import activity, ledger, work_items
+from batchyard.core.tiers import Tier
+from batchyard.engines.tokenizers import Tokenizers
+from batchyard.store import activity, work_items
+from batchyard.store.database import Database
 from batchyard.store.run_leases import HELD, blocked_runs, claim_run, work_waiting
 from batchyard.store.runs import Run, load_run, update_run
-from batchyard.work.quoting import QuotePreparer
-from batchyard.work.run_executor import RunExecutor
+from batchyard.work.dispatcher import Dispatcher
+from batchyard.work.runs.executor import RunExecutor
+from batchyard.work.runs.funding import fund
+from batchyard.work.runs.quoting import QuotePreparer
 
-if TYPE_CHECKING:
-    from batchyard.service import Service
-
-__all__ = ["RunWorker", "approve", "fund", "install", "notify", "worker_for"]
+__all__ = ["RunWorker"]
 
 log = logging.getLogger("batchyard.runs")
 S = RunStatus
 # Statuses a worker takes runs in (held ones only once their lease expired).
 CLAIMABLE = (S.PREPARING, S.QUEUED, *HELD)
-_workers: weakref.WeakKeyDictionary[Service, RunWorker] = weakref.WeakKeyDictionary()
-
-
-def fund(
-    conn: Connection,
-    run: Run,
-    now: Any,
-    *,
-    threshold: Decimal | None,
-    tiers: Any = None,
-) -> str:
-    """Reserve a confirmed run's quote, or block it; returns the new status.
-
-    One transaction moves the run and writes its reservation, so the store
-    never shows a queued run without its money.
-    """
-    cost = run.quote_max_cost or 0
-    if threshold is not None and from_ticks(cost) > threshold and not run.approved:
-        update_run(conn, run.id, now, status=S.BLOCKED, blocked_reason=BlockedReason.BILLING_REVIEW)
-        return S.BLOCKED
-    try:
-        res = ledger.reserve(conn, run.org_id, cost, now, purpose="run", ref=run.id, tiers=tiers)
-    except InsufficientCredit:
-        if run.status != S.BLOCKED or run.blocked_reason != BlockedReason.FUNDS:
-            update_run(conn, run.id, now, status=S.BLOCKED, blocked_reason=BlockedReason.FUNDS)
-        return S.BLOCKED
-    update_run(conn, run.id, now, status=S.QUEUED, blocked_reason=None, reservation_id=res.id)
-    return S.QUEUED
-
-
-def approve(conn: Connection, run_id: str, now: Any, *, tiers: Any = None) -> str:
-    """An operator's approval of a run held for billing review; then it is funded."""
-    run = load_run(conn, run_id, lock=True)
-    if run.status != S.BLOCKED or run.blocked_reason != BlockedReason.BILLING_REVIEW:
-        from batchyard.errors import InvalidState
-
-        raise InvalidState(f"run {run_id} is {run.status}, not held for billing review")
-    update_run(conn, run_id, now, approved=True)
-    run = load_run(conn, run_id)
-    return fund(conn, run, now, threshold=None, tiers=tiers)
 
 
 class RunWorker:
     """One process's share of the run work; ``run_forever`` is its loop."""
 
-    def __init__(self, service: Service, *, owner: str | None = None) -> None:
-        self.svc = service
-        self.owner = owner or new_id("wkr", service.clock.now())
-        self.settings = RunSettings.from_raw(service.settings.raw.get("runs"))
+    def __init__(
+        self,
+        *,
+        db: Database,
+        clock: Clock,
+        catalog: Catalog,
+        dispatcher: Dispatcher,
+        tokenizers: Tokenizers,
+        tiers: tuple[Tier, ...],
+        settings: RunSettings | None = None,
+        billing_review_threshold: Decimal | None = None,
+        embedded_contexts: int = 1,
+        owner: str | None = None,
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.tiers = tiers
+        self.billing_review_threshold = billing_review_threshold
+        self.owner = owner or new_id("wkr", clock.now())
+        self.settings = settings or RunSettings()
         self._active: dict[str, asyncio.Task[None]] = {}
         # (run ID, status when claimed) of every claim, for operators and tests.
         self.claims: list[tuple[str, str]] = []
@@ -102,14 +79,24 @@ class RunWorker:
         # Tells a quote being prepared on a thread to give up (the loop stopped).
         self._stopping = False
         self._quotes = QuotePreparer(
-            service,
+            db=db,
+            clock=clock,
+            catalog=catalog,
+            tokenizers=tokenizers,
             owner=self.owner,
             settings=self.settings,
             lease_until=self._lease_until,
             stopping=lambda: self._stopping,
         )
         self._executor = RunExecutor(
-            service, owner=self.owner, settings=self.settings, lease_until=self._lease_until
+            db=db,
+            clock=clock,
+            catalog=catalog,
+            dispatcher=dispatcher,
+            owner=self.owner,
+            settings=self.settings,
+            lease_until=self._lease_until,
+            embedded_contexts=embedded_contexts,
         )
 
     # -- the loop ----------------------------------------------------------------
@@ -156,10 +143,8 @@ class RunWorker:
                         "run task failed",
                         extra={"run_id": run_id, "error_type": type(task.exception()).__name__},
                     )
-        now, exclude = self.svc.clock.now(), list(self._active)
-        claimable, funds = await self.svc.db.run(
-            lambda c: work_waiting(c, now, CLAIMABLE, exclude), readonly=True
-        )
+        now, exclude = self.clock.now(), list(self._active)
+        claimable, funds = await self.db.read(lambda c: work_waiting(c, now, CLAIMABLE, exclude))
         if funds:
             await self._retry_blocked_funds()
         while claimable and len(self._active) < self.settings.max_active_runs:
@@ -178,10 +163,10 @@ class RunWorker:
             await asyncio.wait(list(self._active.values()), return_when=asyncio.FIRST_COMPLETED)
 
     def _lease_until(self) -> datetime:
-        return self.svc.clock.now() + timedelta(seconds=self.settings.lease_s)
+        return self.clock.now() + timedelta(seconds=self.settings.lease_s)
 
     async def _claim(self) -> Run | None:
-        now, until = self.svc.clock.now(), self._lease_until()
+        now, until = self.clock.now(), self._lease_until()
         exclude = list(self._active)
 
         def tx(c: Connection) -> Run | None:
@@ -209,7 +194,7 @@ class RunWorker:
                 self._take_over(c, run, now)
             return load_run(c, run.id)
 
-        return await self.svc.db.run(tx)
+        return await self.db.transact(tx)
 
     def _take_over(self, c: Connection, run: Run, now: Any) -> None:
         """A dead worker's run: its in-flight rows become uncertain, never re-sent."""
@@ -231,9 +216,9 @@ class RunWorker:
         work_items.recount(c, run.id, now)
 
     async def _retry_blocked_funds(self) -> None:
-        now = self.svc.clock.now()
-        threshold = self.svc.settings.billing_review_threshold
-        tiers = self.svc.settings.tiers
+        now = self.clock.now()
+        threshold = self.billing_review_threshold
+        tiers = self.tiers
 
         def tx(c: Connection) -> int:
             queued = 0
@@ -241,7 +226,7 @@ class RunWorker:
                 queued += fund(c, run, now, threshold=threshold, tiers=tiers) == S.QUEUED
             return queued
 
-        if await self.svc.db.run(tx):
+        if await self.db.transact(tx):
             self.notify()
 
     async def _work(self, run: Run) -> None:
@@ -253,23 +238,3 @@ class RunWorker:
             await self._executor.settle(run.id)
             return
         await self._executor.execute(run)
-
-
-def worker_for(service: Service) -> RunWorker:
-    worker = _workers.get(service)
-    if worker is None:
-        worker = _workers[service] = RunWorker(service)
-    return worker
-
-
-def notify(service: Service) -> None:
-    """Tell this process's worker that there is run work to look at."""
-    worker = _workers.get(service)
-    if worker is not None:
-        worker.notify()
-
-
-def install(service: Service) -> None:
-    """Run this process's run worker while the service is up."""
-    worker = worker_for(service)
-    service.add_background(worker.run_forever)

@@ -1,0 +1,240 @@
+"""The composition root: every part of a deployment is built and wired here, and only here.
+
+``build_service`` turns settings into a ``Service``: the store, the limiter
+the settings ask for, the engines, the dispatcher, the batch encryption key
+and the three background workers, each handed only the parts it uses.
+``create_app`` mounts the API's routers and the workspace's pages over that
+service. The CLI (``serve``, ``worker``), the tests and the benchmarks all
+start from these functions, so there is one place to read to see how
+batchyard fits together, and a test swaps a clock, an engine or a limiter
+by passing it in here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from batchyard.api import account, batches, chat, decide, models, projects, runs
+from batchyard.api.errors import install_error_handlers
+from batchyard.core.clock import Clock, SystemClock
+from batchyard.core.config import Settings
+from batchyard.core.limits import InMemoryLimiter, Limiter
+from batchyard.core.market import Policy, policy_by_name
+from batchyard.core.prices import PriceBook
+from batchyard.core.runs import RunSettings
+from batchyard.engines.base import Engine
+from batchyard.engines.tokenizers import Tokenizers
+from batchyard.service import Service
+from batchyard.store.database import Database
+from batchyard.web import routes as workspace
+from batchyard.work.batches.feed import PriceFeed
+from batchyard.work.batches.prices import MarketPrices
+from batchyard.work.batches.sealing import BatchKey, resolve_key
+from batchyard.work.batches.worker import MarketSettings, MarketWorker
+from batchyard.work.dispatcher import Dispatcher
+from batchyard.work.engines import EngineRegistry
+from batchyard.work.runs.worker import RunWorker
+from batchyard.work.warmth import Warmth
+
+__all__ = ["build_service", "create_app", "limiter_from_url", "market_worker", "run_worker"]
+
+log = logging.getLogger("batchyard.app")
+
+
+def limiter_from_url(url: str | None, clock: Clock, engine: sqlalchemy.Engine) -> Limiter:
+    """The limiter a deployment asked for.
+
+    ``None`` or ``memory``: in-process (one replica). ``redis://``/``rediss://``/
+    ``unix://``: shared through Redis. ``sql``: shared through the store's own
+    database, for deployments that run PostgreSQL but no Redis.
+    """
+    if url is None or url in ("memory", "memory://"):
+        return InMemoryLimiter(clock)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from batchyard.store.redis_limiter import RedisLimiter
+
+        return RedisLimiter(url, clock)
+    if url == "sql":
+        from batchyard.store.sql_limiter import SqlLimiter
+
+        return SqlLimiter(engine, clock)
+    raise ValueError(f"unknown limiter url scheme: {url.split('://')[0]!r}")
+
+
+def build_service(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    engines: dict[str, Engine] | None = None,
+    limiter: Limiter | None = None,
+    policy: Policy | None = None,
+) -> Service:
+    """Every part of one deployment, wired; nothing starts until ``Service.start``.
+
+    ``engines`` puts engines behind route IDs (tests, embedding applications);
+    other routes get theirs from the catalog on first use.
+    """
+    clock = clock or SystemClock()
+    db = Database(settings.database_url)
+    limiter = limiter or limiter_from_url(settings.limiter_url, clock, db.engine)
+    registry = EngineRegistry(
+        embedded_model_path=settings.embedded_model_path,
+        embedded_contexts=settings.embedded_contexts,
+        embedded_n_ctx=settings.embedded_n_ctx,
+        overrides=engines,
+    )
+    dispatcher = Dispatcher(
+        db=db, clock=clock, limiter=limiter, engines=registry, tiers=settings.tiers
+    )
+    tokenizers = Tokenizers(settings.embedded_model_path)
+    key = resolve_key(settings)
+    if key.created:
+        log.info(
+            "created a batch encryption key",
+            extra={"event": "batch_key_created", "path": key.path},
+        )
+    return Service(
+        settings=settings,
+        clock=clock,
+        db=db,
+        limiter=limiter,
+        engines=registry,
+        dispatcher=dispatcher,
+        tokenizers=tokenizers,
+        batch_key=key,
+        market=_market_worker(settings, db, clock, dispatcher, key, policy=policy),
+        runs=_run_worker(settings, db, clock, dispatcher, tokenizers),
+        warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher),
+    )
+
+
+def market_worker(
+    service: Service,
+    *,
+    policy: Policy | None = None,
+    book: PriceBook | None = None,
+    **knobs: Any,
+) -> MarketWorker:
+    """Another deferred-batch worker over ``service``'s parts (a second process, in tests).
+
+    Workers in one process may share a ``book``; each polls its own feed.
+    ``knobs`` override ``MarketSettings`` (``per_pass``, ``lease_s``, ...).
+    """
+    return _market_worker(
+        service.settings,
+        service.db,
+        service.clock,
+        service.dispatcher,
+        service.batch_key,
+        policy=policy,
+        book=book,
+        **knobs,
+    )
+
+
+def run_worker(service: Service, *, owner: str | None = None) -> RunWorker:
+    """Another batch-inference-run worker over ``service``'s parts (a second process, in tests)."""
+    return _run_worker(
+        service.settings,
+        service.db,
+        service.clock,
+        service.dispatcher,
+        service.tokenizers,
+        owner=owner,
+    )
+
+
+def _market_worker(
+    s: Settings,
+    db: Database,
+    clock: Clock,
+    dispatcher: Dispatcher,
+    key: BatchKey,
+    *,
+    policy: Policy | None = None,
+    book: PriceBook | None = None,
+    **knobs: Any,
+) -> MarketWorker:
+    book = book if book is not None else PriceBook()
+    settings = MarketSettings(
+        interval_s=s.market_interval_s, feed_interval_s=s.price_feed_interval_s
+    )
+    return MarketWorker(
+        db=db,
+        clock=clock,
+        catalog=s.catalog,
+        dispatcher=dispatcher,
+        tiers=s.tiers,
+        key=key,
+        prices=MarketPrices(s.catalog, book, timedelta(seconds=s.price_max_age_s)),
+        policy=policy or policy_by_name(s.market_policy),
+        feed=PriceFeed(s.price_feed, book, clock) if s.price_feed else None,
+        settings=dataclasses.replace(settings, **knobs),
+    )
+
+
+def _run_worker(
+    s: Settings,
+    db: Database,
+    clock: Clock,
+    dispatcher: Dispatcher,
+    tokenizers: Tokenizers,
+    *,
+    owner: str | None = None,
+) -> RunWorker:
+    return RunWorker(
+        db=db,
+        clock=clock,
+        catalog=s.catalog,
+        dispatcher=dispatcher,
+        tokenizers=tokenizers,
+        tiers=s.tiers,
+        settings=RunSettings.from_raw(s.raw.get("runs")),
+        billing_review_threshold=s.billing_review_threshold,
+        embedded_contexts=s.embedded_contexts,
+        owner=owner,
+    )
+
+
+def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = True) -> FastAPI:
+    """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.start(worker=worker)
+        try:
+            yield
+        finally:
+            if close_on_exit:
+                await service.stop()
+            else:
+                await service.stop_workers()
+
+    app = FastAPI(title="batchyard", version="0.1.0", lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app)
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        ok = service.started
+        return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
+
+    # One router per front door; each door adds its own line.
+    app.include_router(account.router)
+    app.include_router(batches.router)
+    app.include_router(chat.router)
+    app.include_router(decide.router)
+    app.include_router(models.router)
+    app.include_router(projects.router)
+    app.include_router(runs.router)
+    app.include_router(workspace.router)  # the Batches workspace pages (web/)
+    return app

@@ -1,0 +1,230 @@
+"""Deferred batches as both front doors use them: submit, show, cancel, read results.
+
+The API (``api.batches``) and the workspace (``web``) call these same
+functions, so the workspace cannot queue, cancel or show anything the API
+would not: one submission rate, one pending limit, one way of sealing bodies
+and one view of a batch. Execution is the market worker's
+(``work.batches.worker``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import Connection
+
+from batchyard.core.accounts import Principal
+from batchyard.core.clock import isoformat
+from batchyard.core.ids import new_id
+from batchyard.core.limits import Limit
+from batchyard.errors import InvalidState, NotFound, PendingLimitExceeded, RateLimited
+from batchyard.service.batch_requests import WINDOWS, Submission
+from batchyard.service.deployment import Service
+from batchyard.store import batches as store
+from batchyard.work.batches.housekeeping import RESULTS_KEPT
+from batchyard.work.batches.sealing import result_aad
+
+__all__ = [
+    "MAX_PENDING",
+    "SUBMISSIONS_PER_MINUTE",
+    "cancel",
+    "list_views",
+    "load_view",
+    "result_lines",
+    "submit",
+    "view_of",
+]
+
+log = logging.getLogger("batchyard.api.batches")
+
+MAX_PENDING = 200
+SUBMISSIONS_PER_MINUTE = 10
+
+
+def _number(d: Decimal) -> int | float:
+    return int(d) if d == d.to_integral_value() else float(d)
+
+
+def view_of(
+    batch: store.BatchRow, per: dict[str, int], items: list[store.ItemRow] | None
+) -> dict[str, Any]:
+    view: dict[str, Any] = {
+        "id": batch.id,
+        "object": "batch",
+        "status": batch.status,
+        "created_at": isoformat(batch.created_at),
+        "deadline": isoformat(batch.deadline),
+        "completed_at": isoformat(batch.completed_at) if batch.completed_at else None,
+        "min_discount": _number(batch.min_discount),
+        "completion_window": batch.completion_window,
+        "request_counts": {"total": batch.request_count, **per},
+        "results_url": f"/v1/batches/{batch.id}/results",
+        "results_expire_at": (
+            isoformat(batch.completed_at + RESULTS_KEPT) if batch.completed_at else None
+        ),
+        "results_purged": batch.purged_at is not None,
+    }
+    if items is not None:
+        view["requests"] = [
+            {"custom_id": it.custom_id, "status": it.status}
+            | ({"reason": it.reason} if it.reason else {})
+            for it in items
+        ]
+    return view
+
+
+def load_view(conn: Connection, org_id: str, batch_id: str) -> dict[str, Any]:
+    batch = store.get_batch(conn, org_id, batch_id)
+    if batch is None:
+        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    per = store.counts(conn, [batch.id])[batch.id]
+    return view_of(batch, per, store.items_of(conn, batch.id))
+
+
+async def _check_rate(svc: Service, principal: Principal) -> None:
+    limit = Limit("batch_submissions", SUBMISSIONS_PER_MINUTE, burst=SUBMISSIONS_PER_MINUTE)
+    admission = await svc.limiter.try_acquire(f"org:{principal.org_id}", [(limit, 1.0)])
+    if not admission.allowed:
+        raise RateLimited(
+            f"at most {SUBMISSIONS_PER_MINUTE} batch submissions a minute per organisation; "
+            "retry after the delay",
+            retry_after=admission.retry_after,
+        )
+
+
+async def submit(svc: Service, principal: Principal, sub: Submission) -> dict[str, Any]:
+    """Seal and keep a parsed submission in one transaction; the new batch's view.
+
+    Shared by the API and the workspace so both queue through the same
+    submission rate, pending limit, sealing and persistence.
+    """
+    sealer = svc.batch_key.require()
+    await _check_rate(svc, principal)
+    now = svc.clock.now()
+    batch_id = new_id("bat", now)
+    items = []
+    for pos, req in enumerate(sub.requests):
+        item_id = new_id("bti", now)
+        blob = sealer.seal(json.dumps(req.stored).encode(), item_id.encode())
+        items.append(
+            store.NewItem(
+                item_id,
+                pos,
+                req.custom_id,
+                req.model,
+                req.min_discount,
+                req.input_tokens,
+                req.max_tokens,
+                blob,
+            )
+        )
+
+    def tx(conn: Connection) -> dict[str, Any]:
+        store.lock_org(conn, principal.org_id)
+        pending = store.pending_count(conn, principal.org_id)
+        if pending + len(items) > MAX_PENDING:
+            raise PendingLimitExceeded(
+                f"{pending} items are pending and this batch adds {len(items)}; at most "
+                f"{MAX_PENDING} may be pending per organisation; retry as items finish",
+                details={"pending": pending, "limit": MAX_PENDING},
+            )
+        store.create_batch(
+            conn,
+            batch_id=batch_id,
+            org_id=principal.org_id,
+            key_id=principal.key_id,
+            min_discount=sub.min_discount,
+            completion_window=sub.window,
+            created_at=now,
+            deadline=now + WINDOWS[sub.window],
+            items=items,
+        )
+        return load_view(conn, principal.org_id, batch_id)
+
+    view = await svc.db.transact(tx)
+    log.info(
+        "batch submitted",
+        extra={
+            "event": "batch_submitted",
+            "batch_id": batch_id,
+            "org_id": principal.org_id,
+            "requests": len(items),
+            "privacy_redactions": sub.redactions,
+        },
+    )
+    return view
+
+
+async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str, Any]:
+    """Stop the waiting items of the caller's batch; its view after."""
+    now = svc.clock.now()
+
+    def tx(conn: Connection) -> dict[str, Any]:
+        batch = store.get_batch(conn, principal.org_id, batch_id)
+        if batch is None:
+            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        if batch.status in ("completed", "expired"):
+            raise InvalidState(f"batch {batch_id} is already {batch.status}; nothing to cancel")
+        stopped = store.cancel_batch(conn, batch.id, now)
+        log.info(
+            "batch canceled",
+            extra={"event": "batch_canceled", "batch_id": batch.id, "stopped": stopped},
+        )
+        return load_view(conn, principal.org_id, batch.id)
+
+    return await svc.db.transact(tx)
+
+
+async def result_lines(svc: Service, principal: Principal, batch_id: str) -> AsyncIterator[bytes]:
+    """The batch's NDJSON result lines; 404 for another organisation's, 410 once purged.
+
+    The rows are loaded (and the errors raised) before the first line is
+    yielded, so a caller can turn a failure into a response of its own.
+    """
+    sealer = svc.batch_key.require()
+
+    def load(conn: Connection) -> list[tuple[store.ItemRow, bytes | None]]:
+        batch = store.get_batch(conn, principal.org_id, batch_id)
+        if batch is None:
+            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        if batch.purged_at is not None:
+            raise NotFound(
+                f"the results of batch {batch_id} were deleted 24 hours after it completed; "
+                "its status and request counts remain",
+                param="batch_id",
+                code="results_expired",
+                status=410,
+            )
+        return store.results_of(conn, batch.id)
+
+    rows = await svc.db.read(load)
+
+    async def lines() -> AsyncIterator[bytes]:
+        for item, blob in rows:
+            result = json.loads(sealer.open(blob, result_aad(item.id))) if blob else None
+            line = {
+                "custom_id": item.custom_id,
+                "status": item.status,
+                "result": result,
+                "reservation_id": item.reservation_id,
+            }
+            yield (json.dumps(line) + "\n").encode()
+
+    return lines()
+
+
+async def list_views(
+    svc: Service, principal: Principal, *, after: str | None, limit: int
+) -> list[dict[str, Any]]:
+    """One page of the caller's batches, newest first, without their per-request lists."""
+
+    def load(conn: Connection) -> list[dict[str, Any]]:
+        rows = store.list_batches(conn, principal.org_id, after=after, limit=limit)
+        per = store.counts(conn, [b.id for b in rows])
+        return [view_of(b, per[b.id], None) for b in rows]
+
+    return await svc.db.read(load)

@@ -1,0 +1,109 @@
+"""The parts of one deployment, held together: what every front door reaches for.
+
+A ``Service`` holds what the composition root (``batchyard.app``) built:
+settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
+encryption key, and the three background workers (deferred batches, runs,
+warm state of fine-tuned versions). It builds nothing itself, so a test hands
+in a ``ManualClock`` or a scripted engine once, at the root, and every part of
+the system sees the same one; and each worker was given only the parts it
+uses, never the ``Service``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import HTTPConnection
+
+from batchyard.core.catalog import Catalog, ModelSpec
+from batchyard.core.clock import Clock
+from batchyard.core.config import Settings
+from batchyard.core.limits import Limiter
+from batchyard.core.tiers import Tier
+from batchyard.core.tokens import Tokenizer
+from batchyard.engines.tokenizers import Tokenizers
+from batchyard.store.database import Database
+from batchyard.work.batches.sealing import BatchKey
+from batchyard.work.batches.worker import MarketWorker
+from batchyard.work.dispatcher import Dispatcher
+from batchyard.work.engines import EngineRegistry
+from batchyard.work.runs.worker import RunWorker
+from batchyard.work.warmth import Warmth
+
+__all__ = ["Service", "service_of"]
+
+log = logging.getLogger("batchyard.service")
+
+
+@dataclass(eq=False)
+class Service:
+    """One deployment's parts and the lifecycle of its background work."""
+
+    settings: Settings
+    clock: Clock
+    db: Database
+    limiter: Limiter
+    engines: EngineRegistry
+    dispatcher: Dispatcher
+    tokenizers: Tokenizers
+    batch_key: BatchKey
+    market: MarketWorker
+    runs: RunWorker
+    warmth: Warmth
+    started: bool = field(default=False, init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False, repr=False)
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.settings.catalog
+
+    def tokenizer(self, model: ModelSpec) -> Tokenizer:
+        return self.tokenizers.for_model(model)
+
+    def tier(self, level: int) -> Tier:
+        """The tier at ``level``; an unknown level (a tier removed from config) is tier 0."""
+        for t in self.settings.tiers:
+            if t.level == level:
+                return t
+        return self.settings.tiers[0]
+
+    def _background(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
+        return [
+            self.market.run,  # deferred batches (seed 003)
+            self.runs.run_forever,  # batch inference runs (seed 002)
+            self.warmth.loop,  # fine-tuned versions going cold (seed 000)
+        ]
+
+    async def start(self, *, worker: bool = True) -> None:
+        """Migrate the store, then run the background workers unless ``worker`` is off."""
+        await asyncio.get_running_loop().run_in_executor(None, self.db.migrate)
+        if worker:
+            for work in self._background():
+                self._tasks.append(asyncio.create_task(work()))
+        self.started = True
+
+    async def stop(self) -> None:
+        """Stop background work and close every resource."""
+        await self.stop_workers()
+        await self.engines.aclose()
+        await self.limiter.close()
+        self.db.close()
+
+    async def stop_workers(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+
+def service_of(request: HTTPConnection) -> Service:
+    """The service an app was built over (``batchyard.app.create_app`` puts it there)."""
+    svc: Service = request.app.state.service
+    return svc

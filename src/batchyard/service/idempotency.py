@@ -1,0 +1,81 @@
+"""Running a call once per Idempotency-Key, whichever front door it came through.
+
+The API (``api.context.idempotent``) and the workspace's submission form
+share these rules, so a key used in the workspace and then with curl (same
+body) names the same answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Connection
+
+from batchyard.core import idempotency as idem_rules
+from batchyard.core.accounts import Principal
+from batchyard.errors import BatchyardError
+from batchyard.service.deployment import Service
+from batchyard.store import idempotency as idem_store
+
+__all__ = ["Answer", "run_once"]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a call under an Idempotency-Key answered: status and JSON text, perhaps replayed."""
+
+    status: int
+    text: str
+    replayed: bool = False
+
+
+async def run_once(
+    svc: Service,
+    principal: Principal,
+    key: str,
+    fingerprint: str,
+    handler: Callable[[], Awaitable[tuple[int, Any]]],
+) -> Answer:
+    """Run ``handler`` once per (organisation, key), or replay the answer saved for it.
+
+    The rules of every idempotent call, whichever door it came through: a
+    key reused with another body, whose answer expired, or still running is
+    a 409 (raised by ``store.idempotency.begin``); the handler's successes
+    and non-retryable failures are saved until the key expires; retryable
+    failures are not, so a retry runs again; and nothing is saved for an
+    organisation with zero data retention. ``handler`` returns (status,
+    JSON body).
+    """
+    now = svc.clock.now()
+    ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
+    org = principal.org_id
+
+    def claim(conn: Connection) -> idem_rules.SavedResponse | None:
+        return idem_store.begin(conn, org, key, fingerprint, now, ttl)
+
+    saved = await svc.db.write(claim)
+    if saved is not None:
+        return Answer(saved.status_code, saved.body, replayed=True)
+    keep = not principal.zero_data_retention
+    try:
+        status, payload = await handler()
+    except BatchyardError as exc:
+        if exc.retryable or not keep:
+            await svc.db.write(lambda c: idem_store.forget(c, org, key))
+        else:
+            text, failed_status = json.dumps(exc.to_body()), exc.status
+            await svc.db.write(lambda c: idem_store.finish(c, org, key, failed_status, text))
+        raise
+    except BaseException:
+        await svc.db.write(lambda c: idem_store.forget(c, org, key))
+        raise
+    text = json.dumps(payload)
+    if keep:
+        await svc.db.write(lambda c: idem_store.finish(c, org, key, status, text))
+    else:
+        await svc.db.write(lambda c: idem_store.forget(c, org, key))
+    return Answer(status, text)
