@@ -182,7 +182,7 @@ async def _run_through(svc: Service, org: str, project: str, dataset: str) -> di
 
 
 def phase_run(url: str, rows: int, concurrency: int) -> dict[str, Any]:
-    from tests.integration.api.runs_support import http_catalog
+    from tests.support.runs import http_catalog
     from tests.support.fake_upstream import FakeUpstream
 
     org, project, dataset = setup(url, rows)

@@ -6,7 +6,7 @@
   database on 127.0.0.1:5432.
 - ``audit_after``: every test that uses ``service`` ends with the ledger audit.
 - ``market``: makes deferred-batch services on a scripted market
-  (``tests.integration.work.batch_support.market_factory``).
+  (``tests.support.batches.market_factory``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ async def service(settings: Settings, clock: ManualClock) -> AsyncIterator[Servi
 
 @pytest.fixture
 async def market(settings: Settings, clock: ManualClock) -> AsyncIterator[Callable[..., Service]]:
-    from tests.integration.work.batch_support import market_factory
+    from tests.support.batches import market_factory
 
     async with market_factory(settings, clock) as make:
         yield make

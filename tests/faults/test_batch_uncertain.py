@@ -16,7 +16,8 @@ import httpx
 
 from batchyard.app import market_worker
 from batchyard.store import ledger
-from tests.integration.work.batch_support import (
+from tests.support.accounts import make_account
+from tests.support.batches import (
     BlockingEngine,
     batch_body,
     eventually,
@@ -26,7 +27,6 @@ from tests.integration.work.batch_support import (
     submit,
     worker,
 )
-from tests.support.accounts import make_account
 from tests.support.server import live_server
 
 

@@ -17,8 +17,8 @@ from sqlalchemy import select
 from batchyard.app import build_service, run_worker
 from batchyard.store import activity, ledger
 from batchyard.store.tables import ledger_entries
-from tests.integration.api.runs_support import Api, GatedEngine, with_runs
 from tests.support.accounts import make_account
+from tests.support.runs import Api, GatedEngine, with_runs
 from tests.support.server import live_server
 
 ROWS = [{"text": f"row {i}"} for i in range(30)]

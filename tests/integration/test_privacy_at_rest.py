@@ -16,14 +16,14 @@ import httpx
 
 from batchyard.core.tokens import message_text
 from batchyard.engines.memory import ScriptedEngine
-from tests.integration.work.batch_support import (
+from tests.support.accounts import make_account
+from tests.support.batches import (
     all_items,
     feed_route,
     set_price,
     submit,
     worker,
 )
-from tests.support.accounts import make_account
 from tests.support.server import live_server
 
 EMAIL = "alice.smith@example.com"

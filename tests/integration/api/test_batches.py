@@ -14,7 +14,8 @@ from batchyard.core.clock import isoformat
 from batchyard.core.config import load_settings
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.store.batch_tables import batch_items
-from tests.integration.work.batch_support import (
+from tests.support.accounts import add_key, make_account
+from tests.support.batches import (
     all_items,
     batch_body,
     chat,
@@ -24,7 +25,6 @@ from tests.integration.work.batch_support import (
     submit,
     worker,
 )
-from tests.support.accounts import add_key, make_account
 from tests.support.server import live_server
 
 

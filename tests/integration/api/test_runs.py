@@ -17,15 +17,15 @@ from batchyard.core.money import to_ticks
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.store import activity, ledger
-from tests.integration.api.runs_support import (
+from tests.support.accounts import make_account
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.runs import (
     ISO,
     Api,
     GatedEngine,
     http_catalog,
     with_runs,
 )
-from tests.support.accounts import make_account
-from tests.support.fake_upstream import FakeUpstream
 from tests.support.server import live_server
 
 TICKETS = [

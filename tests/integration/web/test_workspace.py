@@ -12,7 +12,10 @@ import httpx
 from batchyard.core.accounts import Scope
 from batchyard.store import accounts
 from batchyard.web.submission import EXAMPLE
-from tests.integration.web.workspace_support import (
+from tests.support.accounts import add_key, make_account
+from tests.support.batches import all_items, item_rows, submit, worker
+from tests.support.server import live_server
+from tests.support.workspace import (
     answer_with,
     csrf_of,
     idem_of,
@@ -20,9 +23,6 @@ from tests.integration.web.workspace_support import (
     signed_in,
     submit_form,
 )
-from tests.integration.work.batch_support import all_items, item_rows, submit, worker
-from tests.support.accounts import add_key, make_account
-from tests.support.server import live_server
 
 EXAMPLE_TEXT = json.dumps(EXAMPLE, indent=2)
 _TEXTAREA = re.compile(r"<textarea[^>]*>(.*?)</textarea>", re.S)

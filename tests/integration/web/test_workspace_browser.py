@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.web.workspace_support import answer_with
-from tests.integration.work.batch_support import item_rows, worker
 from tests.support.accounts import make_account
+from tests.support.batches import item_rows, worker
 from tests.support.server import live_server
+from tests.support.workspace import answer_with
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -16,7 +16,8 @@ from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.store import accounts, ledger
 from batchyard.store.activity import list_activity
-from tests.integration.work.batch_support import (
+from tests.support.accounts import make_account
+from tests.support.batches import (
     BlockingEngine,
     all_items,
     batch_body,
@@ -28,7 +29,6 @@ from tests.integration.work.batch_support import (
     submit,
     worker,
 )
-from tests.support.accounts import make_account
 from tests.support.server import live_server
 
 # kettei-core direct: 0.10 / 0.40 per Mtok. 90 % off needs <= 0.01 / 0.04.
@@ -356,7 +356,7 @@ async def test_on_postgres_with_a_configured_key(pg_url, clock, monkeypatch):
     from batchyard.app import build_service
     from batchyard.core.config import load_settings
     from batchyard.core.sealing import generate_key, key_text
-    from tests.integration.work.batch_support import catalog
+    from tests.support.batches import catalog
 
     monkeypatch.delenv("BATCHYARD_CONFIG", raising=False)
     s = replace(
