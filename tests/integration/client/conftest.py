@@ -9,6 +9,7 @@ engine answers at once.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -43,33 +44,58 @@ class Wire:
 
     Counted at the server, around the ASGI app, so the SDK's own retries and
     the CLI's requests (which build their own client) are all seen.
+
+    A client that is cancelled (a killed run) leaves its requests running on
+    the server, which still answers them; those answers belong to the run that
+    sent them. So counters are read and reset only once nothing is in flight
+    (``quiet``), or a late 200 would land in the next run's count.
     """
 
     statuses: Counter[int] = field(default_factory=Counter)
     decide_statuses: Counter[int] = field(default_factory=Counter)
     replayed: int = 0
+    in_flight: int = 0
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    async def quiet(self, timeout: float = 30.0) -> None:
+        """Wait until the server has finished every request it received."""
+        await asyncio.wait_for(self._idle.wait(), timeout)
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
         async def counted(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-
-            async def send_counted(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    status = int(message["status"])
-                    self.statuses[status] += 1
-                    if scope["path"] == "/v1/decide":
-                        self.decide_statuses[status] += 1
-                        if (b"idempotent-replayed", b"true") in message.get("headers", []):
-                            self.replayed += 1
-                await send(message)
-
-            await app(scope, receive, send_counted)
+            self.in_flight += 1
+            self._idle.clear()
+            try:
+                await self._serve(app, scope, receive, send)
+            finally:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self._idle.set()
 
         return counted
 
-    def reset(self) -> None:
+    async def _serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                self.statuses[status] += 1
+                if scope["path"] == "/v1/decide":
+                    self.decide_statuses[status] += 1
+                    if (b"idempotent-replayed", b"true") in message.get("headers", []):
+                        self.replayed += 1
+            await send(message)
+
+        await app(scope, receive, send_counted)
+
+    async def reset(self) -> None:
+        """Forget what was counted, once the requests still in flight have answered."""
+        await self.quiet()
         self.statuses.clear()
         self.decide_statuses.clear()
         self.replayed = 0

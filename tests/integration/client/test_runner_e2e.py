@@ -148,13 +148,14 @@ async def test_killed_run_resumes_and_every_text_is_answered_and_charged_once(
             await task
     first = lines(out)
     assert 100 <= len(first) < 300
+    await gateway.wire.quiet()  # the killed run's last requests still finish on the server
     assert gateway.wire.decide_statuses[429] > 0, gateway.wire.decide_statuses
     assert len({r["id"] for r in first}) == len(first)
     killed_429s = gateway.wire.decide_statuses[429]
 
     # 2. The same command again, at the account's own pace. A 429 is never a
     #    failure of a text (the runner queues it again), so none was skipped.
-    gateway.wire.reset()
+    await gateway.wire.reset()
     async with gateway.client() as client:
         summary = await run_texts(client, items, DECISIONS, model="kettei-core", output=out)
     assert summary.aborted is None and summary.failed == 0 and summary.skipped_failed == 0
@@ -167,7 +168,7 @@ async def test_killed_run_resumes_and_every_text_is_answered_and_charged_once(
     assert gateway.wire.replayed <= 16
 
     # 3. A third time: nothing left to send, nothing sent.
-    gateway.wire.reset()
+    await gateway.wire.reset()
     async with gateway.client() as client:
         again = await run_texts(client, items, DECISIONS, model="kettei-core", output=out)
     assert again.to_send == 0 and again.answered == 0
@@ -233,7 +234,7 @@ async def test_retry_failed_resends_only_what_can_succeed(
     assert failed["huge"]["retryable"] is False
 
     # Without the flag a rerun leaves the failures alone and sends nothing.
-    gateway.wire.reset()
+    await gateway.wire.reset()
     skip = await _cli(gateway, *args)
     assert skip.exit_code == 0, skip.output
     assert "4 failed before" in skip.output
@@ -242,7 +243,7 @@ async def test_retry_failed_resends_only_what_can_succeed(
     # The upstream recovers: --retry-failed sends the retryable ones with their
     # own keys, and not the text that would fail the same way again.
     gateway.broken.clear()
-    gateway.wire.reset()
+    await gateway.wire.reset()
     retry = await _cli(gateway, *args, "--retry-failed")
     assert retry.exit_code == 0, retry.output
     assert "Answered 3 this run" in retry.output
@@ -272,7 +273,7 @@ async def test_changed_decisions_refuse_the_old_output_and_run_anew_elsewhere(
 
     changed = [*DECISIONS[:1], {**DECISIONS[1], "question": "Which part is discussed?"}]
     decisions.write_text(json.dumps(changed))
-    gateway.wire.reset()
+    await gateway.wire.reset()
     refused = await _cli(gateway, *base, "--output", str(out))
     assert refused.exit_code == 1
     assert "different decision set" in refused.output
@@ -332,7 +333,7 @@ async def test_out_of_credit_stops_and_after_buying_credit_the_same_command_fini
         ledger.top_up(conn, poor.org_id, to_ticks(Decimal(5)), now)
 
     gateway.service.db.transact_sync(buy_credit_with_a_saved_402)
-    gateway.wire.reset()
+    await gateway.wire.reset()
     async with AsyncClient(gateway.base_url, poor.key) as client:
         rest = await run_texts(client, items, DECISIONS, model="kettei-core", output=out)
     assert rest.failed == 0 and rest.aborted is None
