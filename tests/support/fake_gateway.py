@@ -120,8 +120,11 @@ class FakeGateway:
             "models": models,
             "context_window": context_window,
         }
-        self.reset()
         self._lock = threading.Lock()
+        # Requests the server is still answering (a cancelled client's included).
+        self._in_flight = 0
+        self._quiet = threading.Condition(self._lock)
+        self.reset()
         self.app = self._build()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -130,7 +133,15 @@ class FakeGateway:
     # control -------------------------------------------------------------
 
     def reset(self) -> None:
-        """Back to the state it started in, so one server can serve many tests."""
+        """Back to the state it started in, so one server can serve many tests.
+
+        Waits first until the server has answered every request it received:
+        a test that cancelled its client leaves requests running, and their
+        records must not land in the next test's.
+        """
+        with self._quiet:
+            if not self._quiet.wait_for(lambda: self._in_flight == 0, timeout=30):
+                raise RuntimeError("the fake gateway still has requests in flight after 30 s")
         for name, value in self._initial.items():
             setattr(self, name, value)
         self.dumb_models = {"kettei-dumb"}
@@ -257,6 +268,16 @@ class FakeGateway:
 
         @app.middleware("http")
         async def record(request: Request, call_next: Any) -> Response:
+            with gw._lock:
+                gw._in_flight += 1
+            try:
+                return await recorded(request, call_next)
+            finally:
+                with gw._quiet:
+                    gw._in_flight -= 1
+                    gw._quiet.notify_all()
+
+        async def recorded(request: Request, call_next: Any) -> Response:
             raw = await request.body()
             try:
                 body = json.loads(raw) if raw else None
