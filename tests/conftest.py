@@ -1,29 +1,32 @@
 """Fixtures shared by every tier of tests.
 
 - ``clock``: a ManualClock; time-dependent rules are tested by moving it.
-- ``settings`` / ``service``: a fresh SQLite file per test by default; tests
-  marked ``postgres`` (or the ``pg_url`` fixture) get a fresh PostgreSQL
-  database on 127.0.0.1:5432.
-- ``audit_after``: every test that uses ``service`` ends with the ledger audit.
-- ``market``: makes deferred-batch services on a scripted market
-  (``tests.support.batches.market_factory``).
+- ``sqlite_url`` / ``pg_url``: a database of the test's own, already migrated. Each is a
+  copy of a template migrated once per session (a file copy on SQLite, ``CREATE DATABASE
+  ... TEMPLATE`` on PostgreSQL), so a test pays for a copy, not for the migrations.
+  ``pg_empty_url`` is an empty PostgreSQL database, for the migration tests.
+- ``settings`` / ``make_service`` / ``service``: services built by the composition root on
+  the test's clock and database (``tests.support.services``); each ends with the ledger
+  audit.
+- ``market``: makes deferred-batch services on a scripted market (``tests.support.batches``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 
-from batchyard.app import build_service
 from batchyard.core.clock import ManualClock
 from batchyard.core.config import Settings, load_settings
 from batchyard.service import Service
-from batchyard.store import ledger
+from batchyard.store.database import Database
+from tests.support.services import ServiceFactory
 
 PG_ADMIN = os.environ.get(
     "BATCHYARD_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -36,24 +39,72 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'batchyard.db'}"
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("template") / "batchyard.db"
+    db = Database(f"sqlite:///{path}", pool_size=1)
+    db.migrate()
+    db.close()
+    return path
 
 
 @pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for one test, dropped afterwards."""
-    name = f"by_test_{uuid.uuid4().hex[:12]}"
+def sqlite_url(tmp_path: Path, _sqlite_template: Path) -> str:
+    """A migrated SQLite file of this test's own (a copy of the session's template)."""
+    path = tmp_path / "batchyard.db"
+    shutil.copyfile(_sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+def _pg_url(name: str) -> str:
+    return PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+
+
+@pytest.fixture(scope="session")
+def _pg_admin() -> Iterator[Engine]:
     admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
+    yield admin
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def _pg_template(_pg_admin: Engine) -> Iterator[str]:
+    """A database migrated once per session; tests get copies of it."""
+    name = f"by_template_{uuid.uuid4().hex[:12]}"
+    with _pg_admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
+    db = Database(_pg_url(name), pool_size=1)
+    db.migrate()
+    db.close()  # a template must have no connections while it is copied
     try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+        yield name
+    finally:
+        with _pg_admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def _pg_database(admin: Engine, template: str | None) -> Iterator[str]:
+    name = f"by_test_{uuid.uuid4().hex[:12]}"
+    clause = f' TEMPLATE "{template}"' if template else ""
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"{clause}'))
+    try:
+        yield _pg_url(name)
     finally:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+
+
+@pytest.fixture
+def pg_url(_pg_admin: Engine, _pg_template: str) -> Iterator[str]:
+    """A migrated PostgreSQL database for one test, dropped afterwards."""
+    yield from _pg_database(_pg_admin, _pg_template)
+
+
+@pytest.fixture
+def pg_empty_url(_pg_admin: Engine) -> Iterator[str]:
+    """An empty PostgreSQL database for one test (what migrations start from)."""
+    yield from _pg_database(_pg_admin, None)
 
 
 @pytest.fixture
@@ -65,21 +116,30 @@ def settings(sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.fixture
-async def service(settings: Settings, clock: ManualClock) -> AsyncIterator[Service]:
-    """A migrated service on SQLite with the manual clock (engines: the defaults)."""
-    svc = build_service(settings, clock=clock)
-    svc.db.migrate()
+async def make_service(
+    settings: Settings, clock: ManualClock, request: pytest.FixtureRequest
+) -> AsyncIterator[ServiceFactory]:
+    """Services on this test's settings and clock; each audited and stopped afterwards."""
+
+    def pg_database() -> Iterator[str]:
+        admin = request.getfixturevalue("_pg_admin")
+        return _pg_database(admin, request.getfixturevalue("_pg_template"))
+
+    factory = ServiceFactory(settings, clock, pg_database)
     try:
-        yield svc
+        yield factory
     finally:
-        problems = svc.db.read_sync(ledger.audit)
-        await svc.stop()
-        assert problems == [], problems
+        await factory.close()
 
 
 @pytest.fixture
-async def market(settings: Settings, clock: ManualClock) -> AsyncIterator[Callable[..., Service]]:
+def service(make_service: ServiceFactory) -> Service:
+    """A migrated service on SQLite with the manual clock (engines: the defaults)."""
+    return make_service()
+
+
+@pytest.fixture
+def market(make_service: ServiceFactory) -> Callable[..., Service]:
     from tests.support.batches import market_factory
 
-    async with market_factory(settings, clock) as make:
-        yield make
+    return market_factory(make_service)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import httpx
 import pytest
 
 from batchyard.app import build_service
@@ -21,7 +20,7 @@ from batchyard.logs import JsonFormatter
 from batchyard.store import accounts, ledger
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 TEXT = "Zanzibar-quokka-7781 has a private diagnosis"
 UPSTREAM_KEY = "sk-upstream-Secret-4242-do-not-log"
@@ -79,7 +78,7 @@ async def test_no_key_and_no_text_in_any_log(svc, upstream, clock, caplog):
     acct = make_account(svc, credit="1")
     poor = make_account(svc, "poor", credit="0")
     body = {"model": "m", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 32}
-    async with live_server(svc) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc) as http:
         h = {**acct.headers, "Idempotency-Key": "log-1"}
         ok = await http.post(CHAT, json=body, headers=h)
         assert ok.status_code == 200, ok.text

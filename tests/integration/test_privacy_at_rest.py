@@ -12,8 +12,6 @@ import json
 import logging
 import re
 
-import httpx
-
 from batchyard.core.tokens import message_text
 from batchyard.engines.memory import ScriptedEngine
 from tests.support.accounts import make_account
@@ -24,7 +22,7 @@ from tests.support.batches import (
     submit,
     worker,
 )
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 EMAIL = "alice.smith@example.com"
 PHONE = "+44 20 7946 0958"
@@ -92,7 +90,7 @@ async def test_redacted_personal_data_is_not_in_the_database_logs_or_results(
     engine = ScriptedEngine(_echo, clock=clock)
     svc.engines.set("spot", engine)
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await submit(http, acct.headers, _body("redact"))
         assert r.status_code == 201, r.text
         bid = r.json()["id"]
@@ -144,7 +142,7 @@ async def test_reject_mode_refuses_the_whole_submission_and_stores_nothing(
             },
         },
     )
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await submit(http, acct.headers, body)
     assert r.status_code == 400
     err = r.json()["error"]

@@ -10,24 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
-from dataclasses import replace
+from collections.abc import Callable, Iterable
 from decimal import Decimal
 from typing import Any
 
 import httpx
 
-from batchyard.app import build_service
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.prices import Price, PricePoint
 from batchyard.engines.base import Completion, CompletionRequest
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.service import Service
 from batchyard.store import batches as bstore
-from batchyard.store import ledger
 from batchyard.store.batch_tables import batch_items
 from batchyard.work.batches.worker import MarketWorker
+from tests.support.services import ServiceFactory
 
 CORE = ModelSpec(
     id="kettei-core",
@@ -167,25 +164,13 @@ async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-@asynccontextmanager
-async def market_factory(settings: Any, clock: Any) -> AsyncIterator[Callable[..., Service]]:
-    """``make(*routes, **settings_overrides)`` -> a migrated Service; audited and stopped after.
+def market_factory(make_service: ServiceFactory) -> Callable[..., Service]:
+    """``make(*routes, **settings_overrides)`` -> a service whose catalog is ``routes``.
 
-    Test modules wrap it in their own ``market`` fixture.
+    Made through the test's ``make_service``, so each is audited and stopped after.
     """
-    made: list[Service] = []
 
     def make(*routes: RouteSpec, **overrides: Any) -> Service:
-        s = replace(settings, catalog=catalog(*routes), **overrides)
-        svc = build_service(s, clock=clock)
-        svc.db.migrate()
-        made.append(svc)
-        return svc
+        return make_service(catalog=catalog(*routes), **overrides)
 
-    try:
-        yield make
-    finally:
-        for svc in made:
-            problems = svc.db.read_sync(ledger.audit)
-            await svc.stop()
-            assert problems == [], problems
+    return make

@@ -223,6 +223,8 @@ class FakeUpstream:
         self._window = -1
         self._window_used = 0
         self._warm: set[str] = set()
+        #: Calls that arrived while their model was cold and waited for its load.
+        self.waited_for_load = 0
         self._warming: dict[str, asyncio.Event] = {}
         self._connections: set[_Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -423,6 +425,7 @@ class FakeUpstream:
     ) -> bytes:
         warm_delay = self.warm_delay_s.get(model)
         if warm_delay is not None and model not in self._warm:
+            self.waited_for_load += 1
             event = self._warming.get(model)
             if event is None:
                 event = self._warming[model] = asyncio.Event()

@@ -20,7 +20,13 @@ ISO = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$"
 
 
 def with_runs(settings: Settings, **runs: Any) -> Settings:
-    return replace(settings, raw={**settings.raw, "runs": {**RUNS, **runs}})
+    return replace(settings, raw=runs_raw(settings.raw, **runs))
+
+
+def runs_raw(raw: dict[str, Any] | None = None, **runs: Any) -> dict[str, Any]:
+    """The config's ``raw`` with fast run timings (``RUNS``) and ``runs`` over them."""
+    raw = raw or {}
+    return {**raw, "runs": {**RUNS, **runs}}
 
 
 def http_catalog(base_url: str, **route: Any) -> Catalog:

@@ -25,7 +25,7 @@ from tests.support.batches import (
     submit,
     worker,
 )
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ async def test_first_batch_on_the_default_catalog_completes_without_a_feed(servi
             }
         ],
     }
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         r = await submit(http, acct.headers, body)
         assert r.status_code == 201, r.text
         created = r.json()
@@ -89,7 +89,7 @@ async def test_first_batch_on_the_default_catalog_completes_without_a_feed(servi
 
 async def test_same_key_same_body_is_the_same_batch_other_body_is_409(svc):
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         a = await submit(http, acct.headers, batch_body(2), key="same-key-1")
         b = await submit(http, acct.headers, batch_body(2), key="same-key-1")
         c = await submit(http, acct.headers, batch_body(3), key="same-key-1")
@@ -155,7 +155,7 @@ BAD = [
 @pytest.mark.parametrize(("body", "status", "code"), BAD, ids=[c for _, _, c in BAD])
 async def test_bad_submissions_are_refused_and_queue_nothing(svc, body, status, code):
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await submit(http, acct.headers, body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
@@ -166,7 +166,7 @@ async def test_one_bad_request_among_many_queues_nothing(svc):
     acct = make_account(svc)
     body = batch_body(10)
     body["requests"][9]["body"]["max_tokens"] = 5000
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await submit(http, acct.headers, body)
     assert r.status_code == 400 and "requests[9]" in r.json()["error"]["param"]
     assert all_items(svc) == []
@@ -186,7 +186,7 @@ async def test_output_tokens_cap_at_4096_and_default_to_1024(svc):
         "min_discount": 90,
         "requests": [{"custom_id": "o", "body": {**big, "max_tokens": 4097}}],
     }
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await submit(http, acct.headers, ok)
         bad = await submit(http, acct.headers, over)
     assert r.status_code == 201, r.text
@@ -198,7 +198,7 @@ async def test_body_over_1_mb_is_413(svc):
     acct = make_account(svc)
     body = batch_body(1)
     body["requests"][0]["body"]["messages"][0]["content"] = "x" * 1_000_001
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await submit(http, acct.headers, body)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert all_items(svc) == []
@@ -212,7 +212,7 @@ async def test_idempotency_key_is_required_and_8_to_128_chars(svc, key, code):
     headers = dict(acct.headers)
     if key is not None:
         headers["Idempotency-Key"] = key
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await http.post("/v1/batches", json=batch_body(1), headers=headers)
         ok = await submit(http, acct.headers, batch_body(1), key="8-chars!")
     assert r.status_code == 400 and r.json()["error"]["code"] == code
@@ -222,7 +222,7 @@ async def test_idempotency_key_is_required_and_8_to_128_chars(svc, key, code):
 
 async def test_eleventh_submission_in_a_minute_is_429_with_retry_after(svc, clock):
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         codes = [(await submit(http, acct.headers, batch_body(1))).status_code for _ in range(10)]
         eleventh = await submit(http, acct.headers, batch_body(1))
         clock.advance(60)
@@ -237,7 +237,7 @@ async def test_eleventh_submission_in_a_minute_is_429_with_retry_after(svc, cloc
 
 async def test_the_201st_pending_item_is_refused(svc):
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         full = [(await submit(http, acct.headers, batch_body(50))).status_code for _ in range(4)]
         over = await submit(http, acct.headers, batch_body(1))
         other = make_account(svc, "other-org")
@@ -253,7 +253,7 @@ async def test_batches_are_visible_only_to_their_owner(svc):
     acct = make_account(svc)
     reader = add_key(svc, "acme", Scope.READ)
     other = make_account(svc, "other-org")
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
         mine = await http.get(f"/v1/batches/{bid}", headers=reader.headers)
         theirs = [
@@ -269,7 +269,7 @@ async def test_batches_are_visible_only_to_their_owner(svc):
 
 async def test_list_is_newest_first_with_a_cursor(svc, clock):
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         ids = []
         for _ in range(3):
             ids.append((await submit(http, acct.headers, batch_body(1))).json()["id"])
@@ -288,7 +288,7 @@ async def test_list_is_newest_first_with_a_cursor(svc, clock):
 
 async def test_cancel_stops_waiting_items(svc):
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(3))).json()["id"]
         r = await http.post(f"/v1/batches/{bid}/cancel", headers=acct.headers)
         again = await http.post(f"/v1/batches/{bid}/cancel", headers=acct.headers)
@@ -305,7 +305,7 @@ async def test_cancel_stops_waiting_items(svc):
 async def test_results_are_purged_24_hours_after_completion(svc, clock):
     svc.engines.set("spot", ScriptedEngine("answer", clock=clock))
     acct = make_account(svc)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
         set_price(svc, "spot", "0.001", "0.004")
         await worker(svc).run_pass()
@@ -340,7 +340,7 @@ async def test_postgres_without_a_key_answers_503_and_runs_nothing(pg_url, clock
     try:
         acct = make_account(svc)
         assert not worker(svc).available
-        async with live_server(svc) as base, httpx.AsyncClient(base_url=base) as http:
+        async with asgi_client(svc) as http:
             r = await submit(http, acct.headers, batch_body(1))
         assert r.status_code == 503
         err = r.json()["error"]
@@ -374,7 +374,7 @@ async def test_a_batch_on_the_real_embedded_model_end_to_end(service):
     body = batch_body(2)
     for r in body["requests"]:
         r["body"]["max_tokens"] = 4
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         bid = (await submit(http, acct.headers, body)).json()["id"]
         report = await worker(service).run_pass()
         res = await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.store import ledger
 from tests.support.accounts import make_account
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 BODY = {
     "model": "kettei-core",
@@ -26,7 +25,7 @@ def engine(service):
 
 async def test_completion_is_charged_from_a_settled_reservation(service, engine):
     acct = make_account(service, credit="1")
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service) as http:
         r = await http.post("/v1/chat/completions", json=BODY, headers=acct.headers)
         assert r.status_code == 200, r.text
         body = r.json()
@@ -43,7 +42,7 @@ async def test_completion_is_charged_from_a_settled_reservation(service, engine)
 async def test_replay_with_same_key_is_not_charged_twice(service, engine):
     acct = make_account(service, credit="1")
     h = {**acct.headers, "Idempotency-Key": "k-1"}
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service) as http:
         a = await http.post("/v1/chat/completions", json=BODY, headers=h)
         b = await http.post("/v1/chat/completions", json=BODY, headers=h)
         c = await http.post("/v1/chat/completions", json={**BODY, "max_tokens": 9}, headers=h)
@@ -56,7 +55,7 @@ async def test_replay_with_same_key_is_not_charged_twice(service, engine):
 
 async def test_over_the_tier_limit_is_429_with_retry_after_and_nothing_charged(service, engine):
     acct = make_account(service, credit="1")
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service) as http:
         codes = [
             (await http.post("/v1/chat/completions", json=BODY, headers=acct.headers))
             for _ in range(3)
@@ -88,7 +87,7 @@ async def test_bad_input_gets_its_own_4xx_and_changes_nothing(
     service, engine, headers, body, status, code
 ):
     acct = make_account(service, credit="1")
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service) as http:
         r = await http.post(
             "/v1/chat/completions", json=body, headers=acct.headers if headers is None else headers
         )

@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import uuid
 from decimal import Decimal
 
-import httpx
 import pytest
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import func, select
 
 from batchyard import errors
-from batchyard.app import build_service
 from batchyard.core.accounts import Scope
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.service import Service
 from batchyard.store import accounts, ledger
-from batchyard.store.tables import activity, idempotency_keys, ledger_entries, metadata
+from batchyard.store.tables import activity, idempotency_keys, ledger_entries
 from tests.support.accounts import add_key, make_account
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 BODY = {
     "model": "kettei-core",
@@ -36,47 +32,12 @@ BODY = {
 CHAT = "/v1/chat/completions"
 
 
-PG_ADMIN = os.environ.get(
-    "BATCHYARD_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
-
-
-@pytest.fixture(scope="module")
-def pg_module_url():
-    """One PostgreSQL database for the module, emptied before each test (making one takes 1 s)."""
-    name = f"by_test_core_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-def _empty(conn) -> None:
-    names = ", ".join(f'"{t.name}"' for t in metadata.sorted_tables)
-    conn.execute(text(f"TRUNCATE {names} CASCADE"))
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
-async def svc(request, settings, clock):
+def svc(request, make_service):
     """A migrated service on SQLite or PostgreSQL, empty at the start; audited afterwards."""
     if request.param == "postgresql":
-        url = request.getfixturevalue("pg_module_url")
-        settings = dataclasses.replace(settings, database_url=url)
-    service = build_service(settings, clock=clock)
-    service.db.migrate()
-    if request.param == "postgresql":
-        service.db.transact_sync(_empty)
-    try:
-        yield service
-    finally:
-        problems = service.db.read_sync(ledger.audit)
-        await service.stop()
-        assert problems == [], problems
+        return make_service(postgres=True)
+    return make_service()
 
 
 @pytest.fixture
@@ -88,7 +49,7 @@ def engine(svc):
 
 @pytest.fixture
 async def http(svc):
-    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with asgi_client(svc, timeout=30) as client:
         yield client
 
 

@@ -30,7 +30,7 @@ from batchyard.store import accounts, activity, ledger
 from batchyard.work.warmth import serving
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 TEXT = "The battery died after two days."
 SENTIMENT = {
@@ -95,7 +95,7 @@ def engine(service: Service) -> ScriptedEngine:
 
 @pytest.fixture
 async def http(service: Service) -> AsyncIterator[httpx.AsyncClient]:
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as client:
+    async with asgi_client(service) as client:
         yield client
 
 
@@ -402,7 +402,7 @@ async def test_a_json_schema_route_gets_one_enum_per_decision(remote, upstream):
     acct = make_account(remote, credit="1")
     image = "data:image/png;base64,iVBORw0KGgo="
     body = {**BODY, "model": "kettei-chub", "input": {"text": TEXT, "image_url": image}}
-    async with live_server(remote) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(remote) as http:
         r = await http.post("/v1/decide", json=body, headers=acct.headers)
     assert r.status_code == 200, r.text
     sent = upstream.last_request
@@ -425,7 +425,7 @@ async def test_unreadable_free_text_is_502_nothing_charged_and_saved(remote, ups
     acct = make_account(remote, credit="1")
     headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
     body = {**BODY, "model": "kettei-fat"}
-    async with live_server(remote) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(remote) as http:
         r = await http.post("/v1/decide", json=body, headers=headers)
         again = await http.post("/v1/decide", json=body, headers=headers)
     assert r.status_code == 502
@@ -469,7 +469,7 @@ async def test_probabilities_come_from_the_routes_top_logprobs(remote):
     remote.engines.set("chub", engine)
     acct = make_account(remote, credit="1")
     body = {**BODY, "model": "kettei-chub", "decisions": [SENTIMENT]}
-    async with live_server(remote) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(remote) as http:
         r = await http.post("/v1/decide", json=body, headers=acct.headers)
     assert r.status_code == 200, r.text
     assert engine.requests[0].top_logprobs == 20
@@ -535,7 +535,7 @@ async def test_a_cold_version_falls_back_to_its_base_after_ten_seconds(versioned
     base, slow = engines
     clock = versioned.clock
     acct = make_account(versioned, credit="1")
-    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+    async with asgi_client(versioned) as http:
         assert (await warm_state(http, acct.headers))["state"] == "cold"
         listed = (await http.get("/v1/models", headers=acct.headers)).json()["data"]
         warm = {m["id"]: m["warm"] for m in listed}
@@ -580,7 +580,7 @@ async def test_a_cold_version_falls_back_to_its_base_after_ten_seconds(versioned
 
 async def test_the_estimate_quotes_the_dearer_of_version_and_base(versioned, engines):
     acct = make_account(versioned, credit="1")
-    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+    async with asgi_client(versioned) as http:
         est = (await http.post("/v1/decide/estimate", json=ONE, headers=acct.headers)).json()
     quote = token_cost(est["input_tokens"], est["max_output_tokens"], *VERSION_PRICE)
     assert Decimal(est["max_cost"]) >= quote
@@ -595,7 +595,7 @@ async def test_fallback_none_waits_bounded_then_503_retryable_and_the_key_stays_
     acct = make_account(versioned, credit="1")
     headers = {**acct.headers, "Idempotency-Key": "ticket-1"}
     body = {**ONE, "fallback": "none"}
-    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+    async with asgi_client(versioned) as http:
         call = asyncio.create_task(http.post("/v1/decide", json=body, headers=headers))
         await until(lambda: slow.in_flight == 1)
         clock.advance(10)
@@ -627,7 +627,7 @@ async def test_keep_warm_loads_a_version_and_holds_it_for_the_window(versioned, 
     clock = versioned.clock
     acct = make_account(versioned, credit="1")
     start = clock.now()
-    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+    async with asgi_client(versioned) as http:
         r = await http.post(
             f"/v1/models/{VERSION}/keep-warm", json={"minutes": 30}, headers=acct.headers
         )
@@ -677,7 +677,7 @@ def isoformat_after(start: Any, seconds: float) -> str:
 )
 async def test_keep_warm_refusals(versioned, engines, model, body, scope, status, code):
     acct = make_account(versioned, credit="0", scope=scope)
-    async with live_server(versioned) as url, httpx.AsyncClient(base_url=url) as http:
+    async with asgi_client(versioned) as http:
         r = await http.post(f"/v1/models/{model}/keep-warm", json=body, headers=acct.headers)
     assert r.status_code == status and r.json()["error"]["code"] == code
     assert engines[1].score_calls == []

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 
 from batchyard.store import ledger
 from tests.support.accounts import make_account
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 pytestmark = pytest.mark.model
 
@@ -37,7 +36,7 @@ BODY = {
 
 async def test_decide_on_the_embedded_model(service) -> None:
     acct = make_account(service, credit="1")
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+    async with asgi_client(service, timeout=120) as http:
         est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
         assert est.status_code == 200, est.text
         service.clock.advance(2)

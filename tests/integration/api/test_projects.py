@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import json
 
-import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import func, select
 
 from batchyard.store.projects import dataset_rows, datasets
 from tests.support.accounts import make_account
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 JSONL = "application/x-ndjson"
 
@@ -30,7 +29,7 @@ async def _project(http, acct, name="p"):
 async def test_projects_belong_to_their_organisation(service):
     a = make_account(service, "acme")
     b = make_account(service, "other")
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         pid = await _project(http, a, "support")
         got = await http.get(f"/v1/projects/{pid}", headers=a.headers)
         foreign = await http.get(f"/v1/projects/{pid}", headers=b.headers)
@@ -52,7 +51,7 @@ async def test_jsonl_upload_is_streamed_in_and_paged_out(service):
         for i in range(0, len(data), 7000):
             yield data[i : i + 7000]
 
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         pid = await _project(http, acct)
         r = await http.post(
             f"/v1/projects/{pid}/datasets",
@@ -85,7 +84,7 @@ async def test_csv_and_parquet_uploads(service):
     table = pa.table({"text": ["a b", "c d", "e"], "score": [1, 2, 3]})
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         pid = await _project(http, acct)
         c = await http.post(
             f"/v1/projects/{pid}/datasets?name=csv",
@@ -114,7 +113,7 @@ async def test_csv_and_parquet_uploads(service):
 async def test_chat_sft_rows_and_edits_make_versions(service):
     acct = make_account(service)
     msgs = [{"role": "user", "content": "hi"}]
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         pid = await _project(http, acct)
         r = await http.post(
             f"/v1/projects/{pid}/datasets?name=chat",
@@ -147,7 +146,7 @@ async def test_chat_sft_rows_and_edits_make_versions(service):
 async def test_empty_dataset_and_bad_uploads_leave_nothing(service):
     acct = make_account(service)
     other = make_account(service, "other")
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         pid = await _project(http, acct)
         empty = await http.post(
             f"/v1/projects/{pid}/datasets",

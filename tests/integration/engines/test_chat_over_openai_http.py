@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 from decimal import Decimal
 
-import httpx
 import pytest
 from sqlalchemy import func, select
 
@@ -22,7 +21,7 @@ from batchyard.store import ledger
 from batchyard.store.tables import ledger_entries
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 IN_PRICE, OUT_PRICE = Decimal("1.5"), Decimal("6")
 BODY = {
@@ -76,7 +75,7 @@ async def svc(settings, clock, upstream):
 
 @pytest.fixture
 async def http(svc):
-    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
+    async with asgi_client(svc, timeout=30) as client:
         yield client
 
 

@@ -15,7 +15,7 @@ def fresh_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Databas
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'fresh.db'}"
     else:
-        url = request.getfixturevalue("pg_url")
+        url = request.getfixturevalue("pg_empty_url")
     db = Database(url, pool_size=2)
     try:
         yield db

@@ -14,7 +14,7 @@ from batchyard.store import accounts
 from batchyard.web.submission import EXAMPLE
 from tests.support.accounts import add_key, make_account
 from tests.support.batches import all_items, item_rows, submit, worker
-from tests.support.server import live_server
+from tests.support.server import asgi_app, asgi_client
 from tests.support.workspace import (
     answer_with,
     csrf_of,
@@ -39,7 +39,7 @@ async def test_a_bad_key_is_refused_and_pages_need_a_session(service, caplog):
     caplog.set_level(logging.DEBUG)
     acct = make_account(service)
     reader = add_key(service, "acme", Scope.READ)
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         bad = await sign_in(http, "by_not-a-key")
         read_only = await sign_in(http, reader.key)
         gate = await http.get("/workspace/batches")
@@ -63,7 +63,7 @@ async def test_a_bad_key_is_refused_and_pages_need_a_session(service, caplog):
 
 async def test_sign_in_without_the_form_token_is_403(service):
     acct = make_account(service)
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         r = await http.post("/workspace/sign-in", data={"api_key": acct.key})
         forged = await http.post("/workspace/sign-in", data={"api_key": acct.key, "csrf": "x"})
         after = await http.get("/workspace/batches")
@@ -75,7 +75,7 @@ async def test_sign_in_without_the_form_token_is_403(service):
 async def test_submitted_example_runs_to_succeeded_and_downloads(service):
     answer_with(service)
     acct = make_account(service, credit="1")
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         page = await signed_in(http, acct.key)
         (prefilled,) = _TEXTAREA.findall(page)
         assert json.loads(html.unescape(prefilled)) == EXAMPLE
@@ -118,7 +118,7 @@ async def test_submitted_example_runs_to_succeeded_and_downloads(service):
 
 async def test_one_key_is_one_batch_across_the_form_and_the_api(service):
     acct = make_account(service)
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         await signed_in(http, acct.key)
         first = _batch_id(await submit_form(http, EXAMPLE_TEXT, key="same-key-123"))
         again = _batch_id(await submit_form(http, EXAMPLE_TEXT, key="same-key-123"))
@@ -134,7 +134,7 @@ async def test_invalid_json_and_duplicate_custom_id_show_their_codes_and_queue_n
     acct = make_account(service)
     duplicate = json.loads(EXAMPLE_TEXT)
     duplicate["requests"].append(duplicate["requests"][0])
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         await signed_in(http, acct.key)
         broken = await submit_form(http, '{"min_discount": 90, <script>alert(1)</script>')
         dup = await submit_form(http, json.dumps(duplicate))
@@ -152,7 +152,7 @@ async def test_invalid_json_and_duplicate_custom_id_show_their_codes_and_queue_n
 
 async def test_cancel_stops_the_waiting_items(service):
     acct = make_account(service)
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         await signed_in(http, acct.key)
         batch_id = _batch_id(await submit_form(http, EXAMPLE_TEXT))
         page = (await http.get(f"/workspace/batches/{batch_id}")).text
@@ -170,7 +170,7 @@ async def test_cancel_stops_the_waiting_items(service):
 
 async def test_posts_without_the_session_token_are_403_and_change_nothing(service):
     acct = make_account(service)
-    async with live_server(service, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(service, worker=False) as http:
         page = await signed_in(http, acct.key)
         no_token = await http.post(
             "/workspace/batches", data={"body": EXAMPLE_TEXT, "idempotency_key": idem_of(page)}
@@ -194,11 +194,11 @@ async def test_posts_without_the_session_token_are_403_and_change_nothing(servic
 async def test_another_organisations_batch_is_404(service):
     mine = make_account(service, "acme")
     theirs = make_account(service, "globex")
-    async with live_server(service, worker=False) as base:
-        async with httpx.AsyncClient(base_url=base) as http:
+    async with asgi_app(service, worker=False) as client:
+        async with client() as http:
             await signed_in(http, mine.key)
             batch_id = _batch_id(await submit_form(http, EXAMPLE_TEXT))
-        async with httpx.AsyncClient(base_url=base) as other:
+        async with client() as other:
             page = await signed_in(other, theirs.key)
             detail = await other.get(f"/workspace/batches/{batch_id}")
             results = await other.get(f"/workspace/batches/{batch_id}/results")
@@ -215,18 +215,18 @@ async def test_another_organisations_batch_is_404(service):
 async def test_sign_out_revocation_and_idle_time_end_the_session(service, clock):
     acct = make_account(service)
     spare = add_key(service, "acme", Scope.FULL)
-    async with live_server(service, worker=False) as base:
-        async with httpx.AsyncClient(base_url=base) as http:
+    async with asgi_app(service, worker=False) as client:
+        async with client() as http:
             page = await signed_in(http, acct.key)
             cookie = http.cookies.get("by_workspace")
             out = await http.post("/workspace/sign-out", data={"csrf": csrf_of(page)})
             http.cookies.set("by_workspace", cookie, path="/workspace")
             replayed = await http.get("/workspace/batches")
-        async with httpx.AsyncClient(base_url=base) as http:
+        async with client() as http:
             await signed_in(http, spare.key)
             service.db.transact_sync(lambda c: accounts.revoke_key(c, spare.key_id, clock.now()))
             revoked = await http.get("/workspace/batches")
-        async with httpx.AsyncClient(base_url=base) as http:
+        async with client() as http:
             await signed_in(http, acct.key)
             clock.advance(11 * 3600)
             alive = await http.get("/workspace/batches")

@@ -6,7 +6,6 @@ import asyncio
 import json
 from decimal import Decimal
 
-import httpx
 import pytest
 
 from batchyard.app import market_worker
@@ -29,7 +28,7 @@ from tests.support.batches import (
     submit,
     worker,
 )
-from tests.support.server import live_server
+from tests.support.server import asgi_client
 
 # kettei-core direct: 0.10 / 0.40 per Mtok. 90 % off needs <= 0.01 / 0.04.
 CHEAP = ("0.008", "0.03")  # 92 % / 92.5 %
@@ -37,7 +36,7 @@ HALF = ("0.05", "0.2")  # 50 %
 
 
 async def _submit(svc, acct, body):
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         r = await submit(http, acct.headers, body)
     assert r.status_code == 201, r.text
     return r.json()["id"]
@@ -136,7 +135,7 @@ async def test_items_expire_when_no_qualifying_price_appears(market, clock):
     report = await worker(svc).run_pass()
     assert report.expired == 2 and report.dispatched == 0
     assert statuses(svc, bid) == ["expired", "expired"]
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         b = (await http.get(f"/v1/batches/{bid}", headers=acct.headers)).json()
         lines = (await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)).content
     assert b["status"] == "expired" and b["completed_at"] is not None
@@ -201,7 +200,7 @@ async def test_a_dispatched_failure_is_released_recorded_and_never_retried(marke
     assert (item.status, item.reason, item.result_status) == ("failed", "upstream_error", 502)
     res = svc.db.transact_sync(lambda c: ledger.get_reservation(c, item.reservation_id))
     assert res.state == "released" and res.charged == 0
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         (line,) = (
             await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)
         ).content.splitlines()
@@ -231,7 +230,7 @@ async def test_cancel_stops_waiting_items_while_claimed_work_finishes(market, cl
     svc.engines.set("spot", engine)
     acct = make_account(svc)
     w = market_worker(svc, per_pass=1, book=worker(svc).book)
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(3))).json()["id"]
         set_price(svc, "spot", *CHEAP)
         running = asyncio.create_task(w.run_pass())
@@ -285,7 +284,7 @@ async def test_the_loop_follows_a_price_feed_file_and_the_clock(market, clock, t
     engine = ScriptedEngine("x", clock=clock)
     svc.engines.set("spot", engine)
     acct = make_account(svc)
-    async with live_server(svc, worker=True) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc) as http:
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
         for _ in range(3):
             clock.advance(15)
@@ -305,7 +304,7 @@ async def test_the_loop_follows_a_price_feed_file_and_the_clock(market, clock, t
 async def test_the_loop_expires_what_never_qualifies(market, clock):
     svc = market(feed_route("spot"), market_interval_s=15.0)
     acct = make_account(svc)
-    async with live_server(svc, worker=True) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc) as http:
         bid = (await submit(http, acct.headers, batch_body(1, completion_window="1h"))).json()["id"]
         clock.advance(3600)
         await eventually(lambda: statuses(svc, bid) == ["expired"])
