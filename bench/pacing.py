@@ -6,7 +6,7 @@ model is never the bottleneck) whose tier allows ``--rpm`` requests a minute,
 and scores ``--texts`` texts three ways, each as its own organisation so
 each starts with an idle limit:
 
-- the runner (``batchyard.client.runner.run_texts``), at the account's pace;
+- the runner (``batchyard.client.text_runner.run_texts``), at the account's pace;
 - a naive ``asyncio.gather`` over every text with a semaphore, raw httpx,
   sleeping the ``Retry-After`` header on each 429 and trying again;
 - the same naive loop through the SDK without a pacer, whose retries wait the
@@ -45,7 +45,7 @@ from rich.table import Table
 from batchyard.client.async_client import AsyncClient
 from batchyard.client.fleet import plan_pace
 from batchyard.client.inputs import TextItem
-from batchyard.client.runner import run_texts
+from batchyard.client.text_runner import run_texts
 from batchyard.errors import BatchyardError
 
 DECISIONS: list[dict[str, Any]] = [

@@ -182,8 +182,8 @@ async def _run_through(svc: Service, org: str, project: str, dataset: str) -> di
 
 
 def phase_run(url: str, rows: int, concurrency: int) -> dict[str, Any]:
-    from tests.support.runs import http_catalog
     from tests.support.fake_upstream import FakeUpstream
+    from tests.support.runs import http_catalog
 
     org, project, dataset = setup(url, rows)
     with FakeUpstream(mode="instant") as up:

@@ -52,7 +52,7 @@ from batchyard.client.answers import AnswerFile
 from batchyard.client.check import CheckReport, check_models
 from batchyard.client.fleet import plan_pace
 from batchyard.client.inputs import load_decisions, read_labels, read_texts
-from batchyard.client.runner import RunEstimate, RunSummary, estimate_texts, run_texts
+from batchyard.client.text_runner import TextRunEstimate, TextRunSummary, estimate_texts, run_texts
 
 DATA = Path(__file__).resolve().parent / "data"
 MODEL = "kettei-core"
@@ -125,9 +125,9 @@ def own_server() -> Iterator[tuple[str, str]]:
 
 @dataclass
 class Analysis:
-    estimate: RunEstimate
+    estimate: TextRunEstimate
     check: CheckReport
-    run: RunSummary
+    run: TextRunSummary
     #: Per decision, how many comments got each outcome.
     counts: dict[str, Counter[str]] = field(default_factory=dict)
     #: What every answer in the file cost, including those answered by the check.

@@ -14,7 +14,7 @@ from rich.table import Table
 from batchyard.cli.text_runner import client_options, pace_options
 from batchyard.client.async_client import AsyncClient
 from batchyard.client.check import CheckReport, ModelScore, check_models
-from batchyard.client.fleet import RunAborted
+from batchyard.client.fleet import TextRunAborted
 from batchyard.client.inputs import InputError, load_decisions, read_labels
 from batchyard.errors import BatchyardError
 
@@ -109,7 +109,7 @@ def command(
     try:
         with progress:
             report = asyncio.run(go())
-    except RunAborted as exc:
+    except TextRunAborted as exc:
         raise click.ClickException(f"stopped: {exc}") from exc
     except BatchyardError as exc:
         raise click.ClickException(f"{exc.code}: {exc.message}") from exc

@@ -1,6 +1,6 @@
 """``batchyard run``: answer the same decisions for every text of a file.
 
-A thin shell over ``batchyard.client.runner.run_texts``: it reads the files,
+A thin shell over ``batchyard.client.text_runner.run_texts``: it reads the files,
 shows the estimate, a progress bar and a summary, and turns the runner's
 refusals into one message and a non-zero exit.
 """
@@ -27,9 +27,15 @@ from rich.progress import (
 from rich.text import Text
 
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.fleet import RunAborted
+from batchyard.client.fleet import TextRunAborted
 from batchyard.client.inputs import InputError, load_decisions, read_texts
-from batchyard.client.runner import RunEstimate, RunObserver, RunRefused, RunSummary, run_texts
+from batchyard.client.text_runner import (
+    TextRunEstimate,
+    TextRunObserver,
+    TextRunRefused,
+    TextRunSummary,
+    run_texts,
+)
 from batchyard.errors import BatchyardError
 
 __all__ = ["client_options", "command", "duration"]
@@ -84,7 +90,7 @@ class _RateColumn(ProgressColumn):
         return Text(f"{speed * 60:,.0f}/min" if speed else "-/min")
 
 
-class RichProgress(RunObserver):
+class RichProgress(TextRunObserver):
     """The estimate, then a live bar: done, failed, skipped, rate, spend, time left."""
 
     def __init__(self, console: Console) -> None:
@@ -94,7 +100,7 @@ class RichProgress(RunObserver):
         self.done = self.failed = 0
         self.spend = 0.0  # display only; the summary's Decimal is the real figure
 
-    def planned(self, estimate: RunEstimate, summary: RunSummary) -> None:
+    def planned(self, estimate: TextRunEstimate, summary: TextRunSummary) -> None:
         c = self.console
         skipped = summary.already_done + summary.skipped_failed
         print_plan(c, estimate, summary)
@@ -134,7 +140,7 @@ class RichProgress(RunObserver):
             self.progress.stop()
 
 
-def print_plan(c: Console, estimate: RunEstimate, summary: RunSummary) -> None:
+def print_plan(c: Console, estimate: TextRunEstimate, summary: TextRunSummary) -> None:
     """What a run will send, cost and take, before it sends anything."""
     c.print(
         f"[bold]{estimate.texts:,}[/] texts to send, {summary.already_done:,} already answered"
@@ -164,7 +170,7 @@ def print_plan(c: Console, estimate: RunEstimate, summary: RunSummary) -> None:
         c.print("[yellow]Zero data retention: answers are not saved, so a rerun charges again.[/]")
 
 
-def print_summary(console: Console, s: RunSummary) -> None:
+def print_summary(console: Console, s: TextRunSummary) -> None:
     console.print(
         f"Answered [bold]{s.answered:,}[/] this run for ${s.spend} in {duration(s.elapsed_s)}; "
         f"{s.already_done:,} were already in {s.output}"
@@ -244,7 +250,7 @@ def command(
         raise click.ClickException(str(exc)) from exc
     progress = RichProgress(console)
 
-    async def go() -> RunSummary:
+    async def go() -> TextRunSummary:
         async with AsyncClient(base_url, api_key) as client:
             return await run_texts(
                 client,
@@ -265,9 +271,9 @@ def command(
 
     try:
         summary = asyncio.run(go())
-    except (InputError, RunRefused) as exc:
+    except (InputError, TextRunRefused) as exc:
         raise click.ClickException(str(exc)) from exc
-    except RunAborted as exc:
+    except TextRunAborted as exc:
         progress.stop()
         print_summary(console, exc.summary)
         raise SystemExit(1) from exc

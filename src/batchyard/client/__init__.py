@@ -1,4 +1,4 @@
-"""The batchyard client: SDK, paced runner and model check, without the server's code.
+"""The batchyard client: SDK, text runner and model check, without the server's code.
 
 Installs with ``pip install batchyard`` alone (httpx, click, rich, pyyaml);
 Parquet input needs the ``parquet`` extra. Errors are the classes of
@@ -10,6 +10,7 @@ from batchyard.client.base import ConnectionFailed, RetryPolicy
 from batchyard.client.inputs import InputError, TextItem, load_decisions, read_texts
 from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
 from batchyard.client.sync_client import Client
+from batchyard.client.sync_pacer import SyncMonotonicClock, SyncPaceClock, SyncPacer
 
 __all__ = [
     "AsyncClient",
@@ -20,6 +21,9 @@ __all__ = [
     "PaceClock",
     "Pacer",
     "RetryPolicy",
+    "SyncMonotonicClock",
+    "SyncPaceClock",
+    "SyncPacer",
     "TextItem",
     "load_decisions",
     "read_texts",

@@ -1,10 +1,16 @@
-"""The async client: every endpoint as a typed method, retries, optional pacing."""
+"""The async client: every endpoint as a typed method, retries, optional pacing.
+
+This module is the one definition of the client. ``sync_client.py`` is
+generated from it by ``scripts/gen_sync_client.py`` (``make sync-client``
+fails when it is stale), so the two cannot drift: edit here, then run
+``python scripts/gen_sync_client.py``. The endpoints themselves are
+``calls.py``; what to do after a failure is ``RetryPolicy.step`` in ``base.py``.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
-import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, cast
@@ -19,6 +25,7 @@ from batchyard.client.base import (
     connection_failed,
     decode,
     error_from_response,
+    log_retry,
     request_kwargs,
 )
 from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
@@ -40,8 +47,6 @@ from batchyard.errors import BatchyardError
 
 __all__ = ["AsyncClient"]
 
-log = logging.getLogger("batchyard.client")
-
 
 class AsyncClient:
     """Talks to a batchyard gateway from asyncio code.
@@ -49,7 +54,8 @@ class AsyncClient:
     With a ``pacer``, the calls that count against the requests limit
     (decide, chat) wait for their slot first, and a 429 moves the shared pace
     instead of each caller sleeping on its own, so many tasks sharing one
-    client share one steady rate.
+    client share one steady rate. ``clock`` does the other waits (between
+    retries), so tests can count them instead of sleeping.
     """
 
     def __init__(
@@ -100,12 +106,11 @@ class AsyncClient:
 
     async def send_raw(self, call: Call) -> httpx.Response:
         """Send with pacing and retries; the response of the attempt that succeeded."""
+        pacer = self.pacer if call.paced else None
         attempt = 0
         while True:
-            paced = call.paced and self.pacer is not None
-            if paced:
-                assert self.pacer is not None
-                await self.pacer.wait(call.tokens)
+            if pacer is not None:
+                await pacer.wait(call.tokens)
             try:
                 response = await self._http.request(
                     call.method, call.path, **request_kwargs(self.settings, call)
@@ -115,36 +120,20 @@ class AsyncClient:
                 cause: BaseException | None = exc
             else:
                 if response.is_success:
-                    if paced:
-                        assert self.pacer is not None
-                        self.pacer.answered()
+                    if pacer is not None:
+                        pacer.answered()
                     return response
                 error, cause = error_from_response(response), None
-            delay = self.retry.delay(attempt, error)
-            if delay is None:
+            slot = pacer.interval(call.tokens) if pacer is not None else None
+            step = self.retry.step(attempt, error, slot=slot)
+            if step is None:
                 raise error from cause
-            attempt += 1
-            log.info(
-                "retrying",
-                extra={
-                    "method": call.method,
-                    "path": call.path,
-                    "code": error.code,
-                    "status": error.status,
-                    "attempt": attempt,
-                    "delay_s": round(delay, 3),
-                },
-            )
-            if paced and error.status == 429:
-                assert self.pacer is not None
-                # The next pacer.wait() does the waiting. A wait under half a
-                # slot is timing noise (the server's own work before its limit
-                # check varies by milliseconds), not a sign that someone else
-                # shares the limit: hold the pace, but do not slow it down.
-                noise = delay < self.pacer.interval(call.tokens) / 2
-                self.pacer.push_back(delay, slow=not noise)
+            attempt = step.attempt
+            log_retry(call, error, step)
+            if pacer is not None and step.pacer:
+                pacer.push_back(step.delay, slow=step.slow)
             else:
-                await self._clock.sleep(delay)
+                await self._clock.sleep(step.delay)
 
     async def send(self, call: Call) -> Any:
         return decode(await self.send_raw(call))

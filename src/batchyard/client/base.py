@@ -1,13 +1,16 @@
-"""What the sync and async clients share: settings, the retry policy, error mapping.
+"""What the sync and async clients share: settings, the retry step, error mapping.
 
 Both clients build the same ``Call`` for an endpoint (see ``calls.py``) and
-differ only in how they send it and how they wait. Keeping the policy here
-means a retry rule changes in one place and the two clients cannot drift.
+differ only in how they send it and how they wait; the sync client is even
+generated from the async one. Every decision about a failed attempt (try
+again or not, how long to wait, and whether the wait belongs to the shared
+pacer) is ``RetryPolicy.step`` here, so a retry rule changes in one place.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -22,15 +25,24 @@ from batchyard.errors import BatchyardError, error_class_for_code
 
 __all__ = [
     "DEFAULT_BASE_URL",
+    "DEFAULT_TIMEOUT_S",
     "REPLAYED",
+    "USER_AGENT",
     "Call",
     "ConnectionFailed",
     "RetryPolicy",
+    "RetryStep",
     "Settings",
+    "connection_failed",
+    "decode",
     "error_from_response",
+    "log_retry",
     "new_idempotency_key",
+    "request_kwargs",
     "retry_after_of",
 ]
+
+_log = logging.getLogger("batchyard.client")
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 #: ``error.details[REPLAYED]`` is True when the server replayed a saved failure.
@@ -122,6 +134,55 @@ class RetryPolicy:
         cap = min(self.backoff_max, self.backoff_base * (2**attempt))
         return random.uniform(cap / 2, cap)
 
+    def step(
+        self, attempt: int, error: BatchyardError, *, slot: float | None = None
+    ) -> RetryStep | None:
+        """What to do after failed attempt number ``attempt`` (0 for the first).
+
+        ``slot`` is the pacer's interval for this call when the call is paced,
+        None otherwise. None back means give up and raise ``error``.
+        """
+        delay = self.delay(attempt, error)
+        if delay is None:
+            return None
+        if slot is None or error.status != 429:
+            return RetryStep(attempt + 1, delay, pacer=False, slow=False)
+        # The pacer's next wait() does the waiting, for every worker at once.
+        # A wait under half a slot is timing noise (the server's own work
+        # before its limit check varies by milliseconds), not a sign that
+        # someone else shares the limit: hold the pace, but do not slow it.
+        return RetryStep(attempt + 1, delay, pacer=True, slow=delay >= slot / 2)
+
+
+@dataclass(frozen=True)
+class RetryStep:
+    """One decided retry: which one it is, and who waits how long before it.
+
+    With ``pacer`` set, the client hands the wait to its pacer
+    (``push_back(delay, slow=slow)``) so every worker sharing the pace holds
+    back; otherwise the client sleeps ``delay`` itself.
+    """
+
+    attempt: int
+    delay: float
+    pacer: bool
+    slow: bool
+
+
+def log_retry(call: Call, error: BatchyardError, step: RetryStep) -> None:
+    """One line per retry, in the same shape from both clients."""
+    _log.info(
+        "retrying",
+        extra={
+            "method": call.method,
+            "path": call.path,
+            "code": error.code,
+            "status": error.status,
+            "attempt": step.attempt,
+            "delay_s": round(step.delay, 3),
+        },
+    )
+
 
 def retry_after_of(response: httpx.Response) -> float | None:
     """Retry-After as seconds (the gateway sends whole seconds; dates are not used)."""
@@ -183,6 +244,7 @@ def error_from_response(response: httpx.Response) -> BatchyardError:
 
 
 def connection_failed(exc: httpx.TransportError, base_url: str) -> ConnectionFailed:
+    """No answer at all, as an error a caller can retry with the same key."""
     return ConnectionFailed(f"could not talk to {base_url}: {type(exc).__name__}: {exc}")
 
 
@@ -202,6 +264,7 @@ def request_kwargs(settings: Settings, call: Call) -> dict[str, Any]:
 
 
 def decode(response: httpx.Response) -> Any:
+    """The JSON body, or None for an empty one (a 204, say)."""
     if not response.content:
         return None
     return response.json()

@@ -15,8 +15,29 @@ from batchyard.client.base import Call, new_idempotency_key
 from batchyard.client.types import BatchRequest, DecideInput, Decision
 
 __all__ = [
+    "account",
+    "batch_results",
+    "cancel_batch",
+    "cancel_run",
+    "chat_completion",
+    "confirm_run",
+    "create_batch",
+    "create_project",
+    "create_run",
+    "dataset_rows",
+    "decide",
     "decide_body",
     "decide_input",
+    "estimate",
+    "get_batch",
+    "get_model",
+    "get_project",
+    "get_run",
+    "keep_warm",
+    "list_activity",
+    "list_models",
+    "list_runs",
+    "upload_dataset",
 ]
 
 

@@ -45,7 +45,9 @@ __all__ = [
     "RATE_LIMITED_REQUEUES",
     "Job",
     "Pace",
-    "RunAborted",
+    "ResultHandler",
+    "TextRunAborted",
+    "local_tokens",
     "plan_pace",
     "send_all",
 ]
@@ -78,7 +80,7 @@ FATAL_CODES = frozenset(
 )
 
 
-class RunAborted(Exception):
+class TextRunAborted(Exception):
     """The run stopped early on an error every remaining text would hit."""
 
     def __init__(self, error: BatchyardError) -> None:
@@ -208,4 +210,4 @@ async def send_all(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     if fatal:
-        raise RunAborted(fatal[0])
+        raise TextRunAborted(fatal[0])

@@ -10,11 +10,15 @@ when they wake and queue again behind it.
 The pacer reads time only through a ``PaceClock`` so tests drive it with a
 manual clock; the client may not import the server's clock module, and
 ``batchyard.core.clock.ManualClock`` fits this protocol as it is.
+
+``sync_pacer.py`` is generated from this module for the sync client
+(``scripts/gen_sync_client.py``): edit here, then regenerate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Protocol
 
@@ -93,6 +97,7 @@ class Pacer:
         self._next_at: float | None = None
         self._blocked_until = float("-inf")
         self.push_backs = 0
+        self._lock = threading.Lock()
 
     @property
     def rpm(self) -> float:
@@ -110,18 +115,27 @@ class Pacer:
         return per_request * self._factor + self._margin
 
     async def wait(self, tokens: int = 0) -> None:
-        """Return when this request may go; reservation happens without awaiting."""
+        """Return when this request may go; its slot is taken before any wait."""
         while True:
+            delay, reserved = self._reserve(tokens)
+            if delay > 0:
+                await self.clock.sleep(delay)
+            if reserved and self.clock.time() >= self._blocked_until:
+                return
+
+    def _reserve(self, tokens: int) -> tuple[float, bool]:
+        """Seconds to wait, and whether a slot was taken (not while a push-back holds).
+
+        Under the lock because a pacer may be shared by threads (the sync
+        client's); nothing waits while the lock is held.
+        """
+        with self._lock:
             now = self.clock.time()
             if now < self._blocked_until:
-                await self.clock.sleep(self._blocked_until - now)
-                continue
+                return self._blocked_until - now, False
             slot = now if self._next_at is None else max(now, self._next_at)
             self._next_at = slot + self.interval(tokens)
-            if slot > now:
-                await self.clock.sleep(slot - now)
-            if self.clock.time() >= self._blocked_until:
-                return
+            return slot - now, True
 
     def push_back(self, seconds: float, *, slow: bool = True) -> None:
         """A 429 said to wait ``seconds``: nobody sends before then.
@@ -129,17 +143,19 @@ class Pacer:
         ``slow=False`` is for timing noise (see the class docstring): the
         wait is learned into the margin instead of slowing the pace.
         """
-        self.push_backs += 1
-        wait = max(0.0, seconds)
-        until = self.clock.time() + wait
-        self._blocked_until = max(self._blocked_until, until)
-        self._next_at = max(self._next_at or until, until)
-        if slow:
-            self._factor = min(2.0, self._factor * self._slow_down)
-        else:
-            self._margin = min(self._request_interval, self._margin + self._margin_up)
+        with self._lock:
+            self.push_backs += 1
+            wait = max(0.0, seconds)
+            until = self.clock.time() + wait
+            self._blocked_until = max(self._blocked_until, until)
+            self._next_at = max(self._next_at or until, until)
+            if slow:
+                self._factor = min(2.0, self._factor * self._slow_down)
+            else:
+                self._margin = min(self._request_interval, self._margin + self._margin_up)
 
     def answered(self) -> None:
         """A paced request went through: ease what earlier 429s added."""
-        self._factor = max(1.0, self._factor / self._ease)
-        self._margin = max(0.0, self._margin - self._margin_down)
+        with self._lock:
+            self._factor = max(1.0, self._factor / self._ease)
+            self._margin = max(0.0, self._margin - self._margin_down)

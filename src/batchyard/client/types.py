@@ -11,6 +11,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 __all__ = [
     "Account",
     "Answer",
+    "AutoTopUp",
     "Batch",
     "BatchRequest",
     "BatchResultLine",
@@ -25,7 +26,9 @@ __all__ = [
     "KeepWarm",
     "Model",
     "ModelList",
+    "Organization",
     "Outcome",
+    "Pricing",
     "Usage",
     "Warmth",
 ]

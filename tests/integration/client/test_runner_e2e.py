@@ -24,10 +24,10 @@ from sqlalchemy import select
 from batchyard.cli.text_runner import command as run_command
 from batchyard.client import calls
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.fleet import RunAborted
+from batchyard.client.fleet import TextRunAborted
 from batchyard.client.inputs import TextItem
 from batchyard.client.keys import request_hash, text_key
-from batchyard.client.runner import RunObserver, run_texts
+from batchyard.client.text_runner import TextRunObserver, run_texts
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.money import from_ticks, to_ticks
 from batchyard.errors import BatchyardError
@@ -105,7 +105,7 @@ def ledger_view(gw: LiveGateway) -> dict[str, Any]:
     return gw.service.db.read_sync(read)
 
 
-class StopAfter(RunObserver):
+class StopAfter(TextRunObserver):
     """Counts answers and raises a flag after ``n`` of them, to kill the run there."""
 
     def __init__(self, n: int) -> None:
@@ -303,7 +303,7 @@ async def test_out_of_credit_stops_and_after_buying_credit_the_same_command_fini
     # Enough for a few holds at the quoted maximum, not for twenty texts.
     poor = make_account(gateway.service, "poor", credit=str(Decimal(est["max_cost"]) * 3), tier=1)
     async with AsyncClient(gateway.base_url, poor.key) as client:
-        with pytest.raises(RunAborted) as stopped:
+        with pytest.raises(TextRunAborted) as stopped:
             await run_texts(
                 client, items, DECISIONS, model="kettei-core", output=out, yes=True, concurrency=4
             )

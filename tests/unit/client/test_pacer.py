@@ -1,13 +1,15 @@
-"""The pacer's schedule, driven by a manual clock: even from the first second."""
+"""The pacers' schedule (async and sync), driven by manual clocks: even from the first second."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from batchyard.client.pacer import Pacer
+from batchyard.client.sync_pacer import SyncPacer
 from batchyard.core.clock import ManualClock
 
 
@@ -97,3 +99,66 @@ def test_rejects_nonsense_limits() -> None:
         Pacer(0)
     with pytest.raises(ValueError):
         Pacer(10, tpm=0)
+
+
+# The sync pacer, generated from this one ---------------------------------------
+
+
+class FrozenClock:
+    """A sync clock that never moves: every wait asked for is recorded, none is waited."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def time(self) -> float:
+        return 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+
+class StepClock(FrozenClock):
+    """A sync clock that moves by exactly what is slept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        super().sleep(seconds)
+        self.now += seconds
+
+
+def test_sync_pacer_sends_the_first_at_once_and_the_rest_one_interval_apart() -> None:
+    clock = StepClock()
+    pacer = SyncPacer(60, headroom=1.0, clock=clock)
+    sent = []
+    for _ in range(4):
+        pacer.wait()
+        sent.append(clock.time())
+    assert sent == pytest.approx([0.0, 1.0, 2.0, 3.0])
+
+
+def test_sync_pacer_push_back_holds_the_next_send() -> None:
+    clock = StepClock()
+    pacer = SyncPacer(60, headroom=1.0, slow_down=1.0, clock=clock)
+    pacer.wait()
+    pacer.push_back(5.0)
+    pacer.wait()
+    assert clock.time() == pytest.approx(5.0)
+    assert pacer.push_backs == 1
+
+
+def test_threads_sharing_a_sync_pacer_each_get_a_slot_of_their_own() -> None:
+    # With time frozen, the n-th reservation waits exactly n intervals: a slot
+    # handed out twice would show as a repeated wait.
+    clock = FrozenClock()
+    pacer = SyncPacer(6000, headroom=1.0, clock=clock)
+    threads, each = 8, 50
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: [pacer.wait() for _ in range(each)], range(threads)))
+    expected = [pytest.approx(n * 0.01) for n in range(1, threads * each)]
+    assert sorted(clock.waits) == expected

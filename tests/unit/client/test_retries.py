@@ -8,8 +8,9 @@ import httpx
 import pytest
 
 from batchyard.client import AsyncClient, Client, ConnectionFailed
-from batchyard.client.base import RetryPolicy, error_from_response
+from batchyard.client.base import RetryPolicy, RetryStep, error_from_response
 from batchyard.client.pacer import Pacer
+from batchyard.client.sync_pacer import SyncPacer
 from batchyard.errors import (
     IdempotencyConflict,
     InsufficientCredit,
@@ -23,23 +24,27 @@ from tests.support.fake_gateway import DECISIONS, FakeGateway
 
 
 class Sleeps:
-    """Records the waits a client asks for instead of waiting them."""
+    """A sync client's clock that records the waits asked for instead of waiting them."""
 
     def __init__(self) -> None:
         self.calls: list[float] = []
 
-    def __call__(self, seconds: float) -> None:
-        self.calls.append(seconds)
-
     def time(self) -> float:
         return 0.0
 
-    async def sleep(self, seconds: float) -> None:
+    def sleep(self, seconds: float) -> None:
+        self.calls.append(seconds)
+
+
+class AsyncSleeps(Sleeps):
+    """The same for the async client, whose clock's sleep is awaited."""
+
+    async def sleep(self, seconds: float) -> None:  # type: ignore[override]
         self.calls.append(seconds)
 
 
 def _sync(gw: FakeGateway, sleeps: Sleeps, **kw: object) -> Client:
-    return Client(gw.base_url, gw.api_key, sleep=sleeps, **kw)  # type: ignore[arg-type]
+    return Client(gw.base_url, gw.api_key, clock=sleeps, **kw)  # type: ignore[arg-type]
 
 
 def _decide_sync(client: Client, **kw: object) -> dict:
@@ -123,7 +128,7 @@ def test_generated_keys_differ_between_calls(gateway: FakeGateway) -> None:
 
 def test_bad_key_is_not_retried(gateway: FakeGateway) -> None:
     sleeps = Sleeps()
-    with Client(gateway.base_url, "wrong", sleep=sleeps) as client, pytest.raises(InvalidApiKey):
+    with Client(gateway.base_url, "wrong", clock=sleeps) as client, pytest.raises(InvalidApiKey):
         client.account()
     assert sleeps.calls == []
 
@@ -137,7 +142,7 @@ def _closed_port() -> int:
 def test_connection_errors_back_off_with_jitter_then_raise() -> None:
     sleeps = Sleeps()
     url = f"http://127.0.0.1:{_closed_port()}"
-    with Client(url, "k", sleep=sleeps) as client, pytest.raises(ConnectionFailed) as info:
+    with Client(url, "k", clock=sleeps) as client, pytest.raises(ConnectionFailed) as info:
         client.decide(model="m", decisions=DECISIONS, text="t")  # type: ignore[arg-type]
     assert info.value.retryable is True
     assert len(sleeps.calls) == 2
@@ -145,7 +150,7 @@ def test_connection_errors_back_off_with_jitter_then_raise() -> None:
 
 
 async def test_async_client_retries_with_the_same_key(gateway: FakeGateway) -> None:
-    sleeps = Sleeps()
+    sleeps = AsyncSleeps()
     gateway.fail_next(2, 429, "rate_limited", retry_after=2)
     async with AsyncClient(gateway.base_url, gateway.api_key, clock=sleeps) as client:
         answer = await client.decide(model="kettei-core", decisions=DECISIONS, text="hi")  # type: ignore[arg-type]
@@ -156,7 +161,7 @@ async def test_async_client_retries_with_the_same_key(gateway: FakeGateway) -> N
 
 
 async def test_async_client_raises_typed_error_after_retries(gateway: FakeGateway) -> None:
-    sleeps = Sleeps()
+    sleeps = AsyncSleeps()
     gateway.fail_next(3, 429, "rate_limited", retry_after=1)
     async with AsyncClient(gateway.base_url, gateway.api_key, clock=sleeps) as client:
         with pytest.raises(RateLimited) as info:
@@ -232,3 +237,74 @@ async def test_a_429_on_a_paced_call_moves_the_shared_pace(gateway: FakeGateway)
     assert clock.calls == [pytest.approx(2.0)]
     keys = {r.key for r in gateway.decide_requests()}
     assert len(keys) == 1
+
+
+# The one retry step both clients take -----------------------------------------
+
+
+def test_step_gives_up_on_errors_the_caller_must_fix_and_after_the_last_retry() -> None:
+    policy = RetryPolicy(max_retries=2)
+    assert policy.step(0, InvalidApiKey("x")) is None
+    assert policy.step(2, RateLimited("x", retry_after=1)) is None
+
+
+def test_step_numbers_the_retry_and_lets_an_unpaced_call_sleep_the_wait() -> None:
+    step = RetryPolicy().step(1, RateLimited("x", retry_after=3))
+    assert step == RetryStep(attempt=2, delay=3.0, pacer=False, slow=False)
+
+
+def test_step_hands_a_paced_429_to_the_pacer_and_slows_only_for_a_long_wait() -> None:
+    policy = RetryPolicy()
+    # Half a slot or more: someone else uses the limit, so the pace slows.
+    shared = policy.step(0, RateLimited("x", retry_after=0.5), slot=1.0)
+    assert shared == RetryStep(attempt=1, delay=0.5, pacer=True, slow=True)
+    # Under half a slot: timing noise, held but not slowed.
+    noise = policy.step(0, RateLimited("x", retry_after=0.2), slot=1.0)
+    assert noise == RetryStep(attempt=1, delay=0.2, pacer=True, slow=False)
+
+
+def test_step_sleeps_other_errors_of_a_paced_call_outside_the_pacer() -> None:
+    step = RetryPolicy().step(0, ServiceUnavailable("x", retry_after=2), slot=1.0)
+    assert step is not None and (step.pacer, step.delay) == (False, 2.0)
+
+
+class SyncSkipClock:
+    """SkipClock for the sync client: sleeps pass at once but move its time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.calls.append(seconds)
+        self.now += max(0.0, seconds)
+
+
+def test_a_429_on_a_paced_call_moves_the_shared_pace_of_the_sync_client(
+    gateway: FakeGateway,
+) -> None:
+    clock = SyncSkipClock()
+    pacer = SyncPacer(6000, clock=clock)
+    gateway.fail_next(1, 429, "rate_limited", retry_after=2)
+    with Client(gateway.base_url, gateway.api_key, pacer=pacer) as client:
+        _decide_sync(client, tokens=10)
+        assert pacer.push_backs == 1
+        assert clock.calls == [pytest.approx(2.0)]
+        client.account()  # not a paced call: no wait
+    assert clock.calls == [pytest.approx(2.0)]
+    assert len({r.key for r in gateway.decide_requests()}) == 1
+
+
+def test_with_pacer_shares_the_connection_and_paces_only_the_view(gateway: FakeGateway) -> None:
+    clock = SyncSkipClock()
+    with Client(gateway.base_url, gateway.api_key) as client:
+        paced = client.with_pacer(SyncPacer(60, headroom=1.0, clock=clock))
+        for _ in range(3):
+            _decide_sync(paced)
+        _decide_sync(client)
+    # One second apart from the first send on; the plain client never waited.
+    assert clock.calls == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert client.pacer is None

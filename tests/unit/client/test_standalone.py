@@ -14,7 +14,7 @@ SRC = str(Path(__file__).resolve().parents[3] / "src")
 def test_importing_the_client_and_its_commands_pulls_in_nothing_of_the_server() -> None:
     code = (
         "import sys, json\n"
-        "import batchyard.client, batchyard.client.runner, batchyard.client.check\n"
+        "import batchyard.client, batchyard.client.text_runner, batchyard.client.check\n"
         "import batchyard.cli.text_runner, batchyard.cli.check\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )

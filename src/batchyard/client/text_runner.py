@@ -1,4 +1,8 @@
-"""``run_texts``: score a file of texts, resumable, paced, priced first.
+"""The text runner: ``run_texts`` scores a file of texts, resumable, paced, priced first.
+
+Not to be confused with a batch inference run (seed 002), which the server
+executes over a stored dataset: this one runs on the caller's machine, one
+decide request a text, hence the ``TextRun…`` names.
 
 The order is the seed's advice made mechanical: check every input locally,
 price a sample with the free estimate, refuse when credit will not cover it,
@@ -20,7 +24,7 @@ from typing import Any
 
 from batchyard.client.answers import AnswerFile
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.fleet import Job, Pace, RunAborted, local_tokens, plan_pace, send_all
+from batchyard.client.fleet import Job, Pace, TextRunAborted, local_tokens, plan_pace, send_all
 from batchyard.client.inputs import InputError, TextItem
 from batchyard.client.keys import decision_set_hash, request_hash, resend_key, text_key
 from batchyard.client.pacer import MonotonicClock, PaceClock
@@ -28,26 +32,29 @@ from batchyard.client.types import DecideResponse, Decision
 from batchyard.errors import BatchyardError, InvalidRequest, Unauthorized
 
 __all__ = [
+    "RESENDABLE_CODES",
+    "SAMPLE_SIZE",
     "CreditShortfall",
-    "RunEstimate",
-    "RunObserver",
-    "RunRefused",
-    "RunSummary",
+    "TextRunEstimate",
+    "TextRunObserver",
+    "TextRunRefused",
+    "TextRunSummary",
     "estimate_texts",
     "run_texts",
 ]
 
+#: Texts priced with the free estimate before a run, spread over the whole file.
 SAMPLE_SIZE = 20
 #: Codes that an unpaid 402 or a busy key left behind: the same key can still succeed.
 RESENDABLE_CODES = frozenset({"insufficient_credit", "idempotency_in_progress"})
 
 
-class RunRefused(Exception):
+class TextRunRefused(Exception):
     """The run did not start; nothing was sent or charged."""
 
 
-class CreditShortfall(RunRefused):
-    def __init__(self, estimate: RunEstimate) -> None:
+class CreditShortfall(TextRunRefused):
+    def __init__(self, estimate: TextRunEstimate) -> None:
         super().__init__(
             f"the run may cost up to ${estimate.max_cost} but only ${estimate.credit_available} "
             "is available: buy credit, or pass --yes to start anyway"
@@ -56,7 +63,7 @@ class CreditShortfall(RunRefused):
 
 
 @dataclass(frozen=True)
-class RunEstimate:
+class TextRunEstimate:
     texts: int
     sampled: int
     input_tokens_per_text: float
@@ -79,7 +86,7 @@ class RunEstimate:
 
 
 @dataclass
-class RunSummary:
+class TextRunSummary:
     total: int
     already_done: int = 0
     skipped_failed: int = 0
@@ -92,13 +99,13 @@ class RunSummary:
     output: Path | None = None
     errors_path: Path | None = None
     aborted: str | None = None
-    estimate: RunEstimate | None = None
+    estimate: TextRunEstimate | None = None
 
 
-class RunObserver:
+class TextRunObserver:
     """Hooks for a progress display; every method is optional."""
 
-    def planned(self, estimate: RunEstimate, summary: RunSummary) -> None:
+    def planned(self, estimate: TextRunEstimate, summary: TextRunSummary) -> None:
         """The run will start: the estimate and what is skipped."""
 
     def result(
@@ -124,7 +131,7 @@ async def estimate_texts(
     pace: Pace,
     max_output_tokens: int = 64,
     fallback: str = "base",
-) -> tuple[RunEstimate, float]:
+) -> tuple[TextRunEstimate, float]:
     """Price a sample, scale it to ``items``; also the tokens-per-local-token ratio."""
     sample = _sample(items, SAMPLE_SIZE)
     gate = asyncio.Semaphore(4)
@@ -142,7 +149,9 @@ async def estimate_texts(
             except (Unauthorized, InvalidRequest) as exc:
                 if isinstance(exc, InvalidRequest) and exc.code == "context_window_exceeded":
                     return None  # that text will fail on its own; the rest still run
-                raise RunRefused(f"the server refuses this run: {exc.code}: {exc.message}") from exc
+                raise TextRunRefused(
+                    f"the server refuses this run: {exc.code}: {exc.message}"
+                ) from exc
             except BatchyardError:
                 return None  # no estimate for this one; price from the others
             return item, dict(est)
@@ -158,7 +167,7 @@ async def estimate_texts(
         )
     avg_tokens = sum(math.ceil(local_tokens(i.text) * ratio) for i in items) / max(1, len(items))
     account = pace.account
-    estimate = RunEstimate(
+    estimate = TextRunEstimate(
         texts=len(items),
         sampled=len(priced),
         input_tokens_per_text=avg_tokens,
@@ -197,17 +206,17 @@ async def run_texts(
     resend_fallbacks: bool = False,
     yes: bool = False,
     estimate_only: bool = False,
-    observer: RunObserver | None = None,
+    observer: TextRunObserver | None = None,
     clock: PaceClock | None = None,
-) -> RunSummary:
+) -> TextRunSummary:
     """Answer every text in ``items`` into ``output``; see the module docstring.
 
-    Raises ``InputError`` or ``RunRefused`` before sending anything, and
-    ``RunAborted`` (after writing what was answered) when an error stops all
+    Raises ``InputError`` or ``TextRunRefused`` before sending anything, and
+    ``TextRunAborted`` (after writing what was answered) when an error stops all
     remaining texts alike. ``estimate_only`` stops after pricing what a run
     would send (``summary.estimate``), having sent no decide and written nothing.
     """
-    observer = observer or RunObserver()
+    observer = observer or TextRunObserver()
     clock = clock or MonotonicClock()
     req_hash = request_hash(decisions, model, max_output_tokens, fallback)
     meta = {
@@ -223,7 +232,7 @@ async def run_texts(
     except ValueError as exc:
         raise InputError(str(exc)) from exc
 
-    summary = RunSummary(
+    summary = TextRunSummary(
         total=len(items), output=answers_file.path, errors_path=answers_file.errors_path
     )
     done = answers_file.read_answers()
@@ -321,7 +330,7 @@ async def run_texts(
             fallback=fallback,
             clock=clock,
         )
-    except RunAborted as exc:
+    except TextRunAborted as exc:
         summary.aborted = str(exc)
         exc.summary = summary
         raise

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 from batchyard.client import AsyncClient
-from batchyard.client.fleet import RunAborted
+from batchyard.client.fleet import TextRunAborted
 from batchyard.client.inputs import InputError, TextItem
-from batchyard.client.runner import (
+from batchyard.client.text_runner import (
     CreditShortfall,
-    RunEstimate,
-    RunObserver,
-    RunRefused,
-    RunSummary,
+    TextRunEstimate,
+    TextRunObserver,
+    TextRunRefused,
+    TextRunSummary,
     run_texts,
 )
 from batchyard.errors import BatchyardError
@@ -31,14 +31,14 @@ def texts(n: int, start: int = 0) -> list[TextItem]:
     return [TextItem(f"c{i}", f"comment number {i} sentiment=negative") for i in range(start, n)]
 
 
-class Capture(RunObserver):
+class Capture(TextRunObserver):
     def __init__(self, stop_after: int | None = None) -> None:
-        self.estimate: RunEstimate | None = None
+        self.estimate: TextRunEstimate | None = None
         self.results: list[tuple[str, bool]] = []
         self.reached = asyncio.Event()
         self.stop_after = stop_after
 
-    def planned(self, estimate: RunEstimate, summary: RunSummary) -> None:
+    def planned(self, estimate: TextRunEstimate, summary: TextRunSummary) -> None:
         self.estimate = estimate
 
     def result(self, item_id: str, answer: Any, error: BatchyardError | None) -> None:
@@ -47,7 +47,7 @@ class Capture(RunObserver):
             self.reached.set()
 
 
-async def run(gw: FakeGateway, items: list[TextItem], out: Path, **kw: Any) -> RunSummary:
+async def run(gw: FakeGateway, items: list[TextItem], out: Path, **kw: Any) -> TextRunSummary:
     async with AsyncClient(gw.base_url, gw.api_key) as client:
         return await run_texts(
             client,
@@ -191,7 +191,7 @@ async def test_other_decision_set_stops_before_anything_is_sent(
 async def test_decisions_the_server_refuses_stop_at_the_free_estimate(
     gateway: FakeGateway, tmp_path: Path
 ) -> None:
-    with pytest.raises(RunRefused, match="unknown_model"):
+    with pytest.raises(TextRunRefused, match="unknown_model"):
         await run(gateway, texts(3), tmp_path / "a.jsonl", model="no-such-model")
     assert gateway.decide_requests() == []
 
@@ -207,7 +207,7 @@ async def test_refuses_when_credit_will_not_cover_the_estimate(
     assert gateway.decide_requests() == []
 
     # --yes starts anyway; the 402 stops the run instead of failing every text.
-    with pytest.raises(RunAborted) as stopped:
+    with pytest.raises(TextRunAborted) as stopped:
         await run(gateway, texts(20), out, yes=True, concurrency=1)
     summary = stopped.value.summary
     assert stopped.value.error.code == "insufficient_credit"
