@@ -8,16 +8,14 @@ server would write.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 
-from batchyard.app import build_service
 from batchyard.core.accounts import hash_key
 from batchyard.core.catalog import catalog_from_config
 from batchyard.logs import JsonFormatter
-from batchyard.store import accounts, ledger
+from batchyard.store import accounts
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.server import asgi_client
@@ -34,7 +32,7 @@ def upstream():
 
 
 @pytest.fixture
-async def svc(settings, clock, upstream, monkeypatch):
+def svc(make_service, upstream, monkeypatch):
     monkeypatch.setenv("TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     catalog = catalog_from_config(
         {
@@ -52,14 +50,7 @@ async def svc(settings, clock, upstream, monkeypatch):
             ],
         }
     )
-    service = build_service(dataclasses.replace(settings, catalog=catalog), clock=clock)
-    service.db.migrate()
-    try:
-        yield service
-    finally:
-        problems = service.db.read_sync(ledger.audit)
-        await service.stop()
-        assert problems == [], problems
+    return make_service(catalog=catalog)
 
 
 def _everything_in(record: logging.LogRecord) -> str:

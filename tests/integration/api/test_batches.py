@@ -8,10 +8,8 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from batchyard.app import build_service
 from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
-from batchyard.core.config import load_settings
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.store.batch_tables import batch_items
 from tests.support.accounts import add_key, make_account
@@ -332,40 +330,31 @@ async def test_results_are_purged_24_hours_after_completion(svc, clock):
 
 
 @pytest.mark.postgres
-async def test_postgres_without_a_key_answers_503_and_runs_nothing(pg_url, clock, monkeypatch):
+async def test_postgres_without_a_key_answers_503_and_runs_nothing(make_service, monkeypatch):
     monkeypatch.delenv("BATCHYARD_BATCH_ENCRYPTION_KEY", raising=False)
-    monkeypatch.delenv("BATCHYARD_CONFIG", raising=False)
-    svc = build_service(load_settings(database_url=pg_url), clock=clock)
-    svc.db.migrate()
-    try:
-        acct = make_account(svc)
-        assert not worker(svc).available
-        async with asgi_client(svc) as http:
-            r = await submit(http, acct.headers, batch_body(1))
-        assert r.status_code == 503
-        err = r.json()["error"]
-        assert err["code"] == "batches_unavailable"
-        assert "BATCHYARD_BATCH_ENCRYPTION_KEY" in err["message"]
-        assert (await worker(svc).run_pass()).dispatched == 0
-        assert all_items(svc) == []
-    finally:
-        await svc.stop()
+    svc = make_service(postgres=True, batch_encryption_key=None)
+    acct = make_account(svc)
+    assert not worker(svc).available
+    async with asgi_client(svc) as http:
+        r = await submit(http, acct.headers, batch_body(1))
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "batches_unavailable"
+    assert "BATCHYARD_BATCH_ENCRYPTION_KEY" in err["message"]
+    assert (await worker(svc).run_pass()).dispatched == 0
+    assert all_items(svc) == []
 
 
-async def test_sqlite_default_creates_a_private_key_file_beside_the_database(settings, clock):
+async def test_sqlite_default_creates_a_private_key_file_beside_the_database(make_service):
     import os
     import stat
 
-    svc = build_service(settings, clock=clock)
-    try:
-        key_path = settings.sqlite_path.parent / "batch.key"
-        assert worker(svc).key.created and worker(svc).key.path == str(key_path)
-        assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
-        again = build_service(settings, clock=clock)
-        assert not worker(again).key.created
-        await again.stop()
-    finally:
-        await svc.stop()
+    svc = make_service()
+    key_path = svc.settings.sqlite_path.parent / "batch.key"
+    assert svc.batch_key.created and svc.batch_key.path == str(key_path)
+    assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
+    again = make_service()
+    assert not again.batch_key.created
 
 
 @pytest.mark.model

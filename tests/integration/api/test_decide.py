@@ -16,11 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from batchyard.app import build_service
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
-from batchyard.core.clock import ManualClock
-from batchyard.core.config import Settings
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
 from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
 from batchyard.engines.memory import ScriptedEngine
@@ -31,6 +28,7 @@ from batchyard.work.warmth import serving
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.server import asgi_client
+from tests.support.services import ServiceFactory
 
 TEXT = "The battery died after two days."
 SENTIMENT = {
@@ -349,20 +347,12 @@ async def test_a_newcomers_sequence(service, engine, http):
 
 
 def with_catalog(
-    settings: Settings, clock: ManualClock, models: list[ModelSpec], routes: list[RouteSpec]
+    make_service: ServiceFactory, models: list[ModelSpec], routes: list[RouteSpec]
 ) -> Service:
     """A migrated service whose catalog adds ``models`` and ``routes`` to the defaults."""
     base = default_catalog()
     catalog = Catalog([*base.models.values(), *models], [*base.routes.values(), *routes])
-    svc = build_service(dataclasses.replace(settings, catalog=catalog), clock=clock)
-    svc.db.migrate()
-    return svc
-
-
-async def closed_after_audit(svc: Service) -> None:
-    problems = svc.db.read_sync(ledger.audit)
-    await svc.stop()
-    assert problems == [], problems
+    return make_service(catalog=catalog)
 
 
 @pytest.fixture
@@ -372,7 +362,7 @@ async def upstream() -> AsyncIterator[FakeUpstream]:
 
 
 @pytest.fixture
-async def remote(settings, clock, upstream: FakeUpstream) -> AsyncIterator[Service]:
+def remote(make_service: ServiceFactory, upstream: FakeUpstream) -> Service:
     """kettei-chub on a JSON-schema route and kettei-fat on a free-text one, over HTTP."""
     routes = [
         RouteSpec(
@@ -391,11 +381,7 @@ async def remote(settings, clock, upstream: FakeUpstream) -> AsyncIterator[Servi
             base_url=upstream.base_url,
         ),
     ]
-    svc = with_catalog(settings, clock, [], routes)
-    try:
-        yield svc
-    finally:
-        await closed_after_audit(svc)
+    return with_catalog(make_service, [], routes)
 
 
 async def test_a_json_schema_route_gets_one_enum_per_decision(remote, upstream):
@@ -489,7 +475,7 @@ ONE = {**BODY, "model": VERSION, "decisions": [SENTIMENT]}
 
 
 @pytest.fixture
-async def versioned(settings, clock) -> AsyncIterator[Service]:
+def versioned(make_service: ServiceFactory) -> Service:
     """kettei-core plus a fine-tuned version on its own route that loads in 30 s."""
     version = ModelSpec(
         id=VERSION,
@@ -508,11 +494,7 @@ async def versioned(settings, clock) -> AsyncIterator[Service]:
         upstream_model="acme-ft-1",
         base_url="http://127.0.0.1:9/v1",
     )
-    svc = with_catalog(settings, clock, [version], [route])
-    try:
-        yield svc
-    finally:
-        await closed_after_audit(svc)
+    return with_catalog(make_service, [version], [route])
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ engine answers at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -21,7 +20,6 @@ from typing import Any
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from batchyard.app import build_service
 from batchyard.client.async_client import AsyncClient
 from batchyard.core.clock import SystemClock
 from batchyard.core.config import Settings
@@ -29,9 +27,9 @@ from batchyard.core.tiers import Tier
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.service import Service
-from batchyard.store import ledger
 from tests.support.accounts import Account, make_account
 from tests.support.server import live_server
+from tests.support.services import ServiceFactory
 
 #: The test organisation's requests a minute: 40 a second, one every 25 ms.
 TIER_RPM = 2400
@@ -141,20 +139,13 @@ def _scorer(broken: set[str]) -> Callable[[str, list[dict[str, Any]], list[str]]
 
 
 @pytest.fixture
-async def gateway(settings: Settings) -> AsyncIterator[LiveGateway]:
+async def gateway(settings: Settings, make_service: ServiceFactory) -> AsyncIterator[LiveGateway]:
     """The real app on loopback, real time, a scripted scorer, an org on the test tier."""
-    tiers = (settings.tiers[0], TIER)
-    svc = build_service(dataclasses.replace(settings, tiers=tiers), clock=SystemClock())
-    svc.db.migrate()
+    svc = make_service(tiers=(settings.tiers[0], TIER), clock=SystemClock())
     broken: set[str] = set()
     engine = ScriptedEngine(clock=svc.clock, scorer=_scorer(broken))
     svc.engines.set("embedded", engine)
     account = make_account(svc, "acme", credit="50", tier=TIER.level)
-    try:
-        wire = Wire()
-        async with counted_server(svc, wire) as base:
-            yield LiveGateway(svc, base, account, engine, wire, broken)
-    finally:
-        problems = svc.db.read_sync(ledger.audit)
-        await svc.stop()
-        assert problems == [], problems
+    wire = Wire()
+    async with counted_server(svc, wire) as base:
+        yield LiveGateway(svc, base, account, engine, wire, broken)

@@ -8,13 +8,11 @@ reading the route's penalty and moving the clock, not by sleeping.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from decimal import Decimal
 
 import pytest
 from sqlalchemy import func, select
 
-from batchyard.app import build_service
 from batchyard.core.catalog import catalog_from_config
 from batchyard.core.money import charge_ticks, format_money, token_cost
 from batchyard.store import ledger
@@ -39,7 +37,7 @@ def upstream():
 
 
 @pytest.fixture
-async def svc(settings, clock, upstream):
+def svc(make_service, upstream):
     catalog = catalog_from_config(
         {
             "models": [
@@ -63,14 +61,7 @@ async def svc(settings, clock, upstream):
             ],
         }
     )
-    service = build_service(dataclasses.replace(settings, catalog=catalog), clock=clock)
-    service.db.migrate()
-    try:
-        yield service
-    finally:
-        problems = service.db.read_sync(ledger.audit)
-        await service.stop()
-        assert problems == [], problems
+    return make_service(catalog=catalog)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from tests.support.batches import (
     BlockingEngine,
     all_items,
     batch_body,
+    catalog,
     eventually,
     feed_route,
     fixed_route,
@@ -349,37 +350,27 @@ async def test_the_worker_follows_the_policy_but_never_past_the_rule(market, clo
 
 
 @pytest.mark.postgres
-async def test_on_postgres_with_a_configured_key(pg_url, clock, monkeypatch):
-    from dataclasses import replace
-
-    from batchyard.app import build_service
-    from batchyard.core.config import load_settings
+async def test_on_postgres_with_a_configured_key(make_service):
     from batchyard.core.sealing import generate_key, key_text
-    from tests.support.batches import catalog
 
-    monkeypatch.delenv("BATCHYARD_CONFIG", raising=False)
-    s = replace(
-        load_settings(database_url=pg_url, batch_encryption_key=key_text(generate_key())),
+    svc = make_service(
+        postgres=True,
+        batch_encryption_key=key_text(generate_key()),
         catalog=catalog(feed_route("spot")),
     )
-    svc = build_service(s, clock=clock)
-    svc.db.migrate()
-    try:
-        svc.engines.set("spot", ScriptedEngine("x", clock=clock))
-        acct = make_account(svc)
-        bid = await _submit(svc, acct, batch_body(3))
-        set_price(svc, "spot", *CHEAP)
-        # Two workers on one database: each item is claimed once.
-        book = worker(svc).book
-        a, b = market_worker(svc, book=book), market_worker(svc, book=book)
-        ra, rb = await asyncio.gather(a.run_pass(), b.run_pass())
-        assert ra.dispatched + rb.dispatched == 3
-        assert statuses(svc, bid) == ["succeeded"] * 3
-        assert svc.db.read_sync(ledger.audit) == []
-        acts = svc.db.read_sync(lambda c: list_activity(c, acct.org_id))
-        assert sorted(a["kind"] for a in acts) == ["charge"] * 3 + ["dispatch"] * 3
-    finally:
-        await svc.stop()
+    svc.engines.set("spot", ScriptedEngine("x", clock=svc.clock))
+    acct = make_account(svc)
+    bid = await _submit(svc, acct, batch_body(3))
+    set_price(svc, "spot", *CHEAP)
+    # Two workers on one database: each item is claimed once.
+    book = worker(svc).book
+    a, b = market_worker(svc, book=book), market_worker(svc, book=book)
+    ra, rb = await asyncio.gather(a.run_pass(), b.run_pass())
+    assert ra.dispatched + rb.dispatched == 3
+    assert statuses(svc, bid) == ["succeeded"] * 3
+    assert svc.db.read_sync(ledger.audit) == []
+    acts = svc.db.read_sync(lambda c: list_activity(c, acct.org_id))
+    assert sorted(a["kind"] for a in acts) == ["charge"] * 3 + ["dispatch"] * 3
 
 
 def test_offers_carry_fallbacks_and_survive_cycles(market, clock):
