@@ -478,9 +478,11 @@ async def test_the_same_flow_on_postgresql_with_two_workers_claiming(make_servic
 
 
 @pytest.mark.model
-async def test_two_hundred_rows_on_the_embedded_model_end_to_end(svc):
+async def test_a_run_on_the_embedded_model_end_to_end(svc):
+    # Enough rows to keep both of the engine's contexts busy through several
+    # commits and lease renewals; bench/runs.py measures throughput.
     acct = make_account(svc, credit="5")
-    rows = [{"text": f"Name one colour. Ticket {i}.", "lang": "en"} for i in range(200)]
+    rows = [{"text": f"Name one colour. Ticket {i}.", "lang": "en"} for i in range(48)]
     async with asgi_client(svc, timeout=60) as http:
         api = await Api(http, acct.headers).start()
         ds = await api.upload(rows)
@@ -502,8 +504,8 @@ async def test_two_hundred_rows_on_the_embedded_model_end_to_end(svc):
         out = await api.rows(ds["id"])
     assert "running" in seen
     quote, res = quoted["quote"], cur["results"]
-    assert quote["rows"] == 200 and res["rowsSucceeded"] == 200 and res["rowsFailed"] == 0
-    assert 0 < res["outputTokens"] <= quote["maxOutputTokens"] == 1600
+    assert quote["rows"] == 48 and res["rowsSucceeded"] == 48 and res["rowsFailed"] == 0
+    assert 0 < res["outputTokens"] <= quote["maxOutputTokens"] == 48 * 8
     assert (
         res["inputTokens"] <= quote["inputTokens"]
     )  # the quote counts with the model's own vocabulary
