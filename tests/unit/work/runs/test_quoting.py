@@ -288,3 +288,25 @@ def test_a_model_that_left_the_catalog_fails_the_run(db: Database, clock: Manual
     assert run.status == S.FAILED
     assert run.error is not None and run.error["code"] == "unknown_model"
 
+
+def test_a_worker_that_resumes_after_losing_its_lease_leaves_the_new_owner_s_quote_alone(
+    db: Database, clock: ManualClock
+) -> None:
+    rows = [{"text": f"row {i}"} for i in range(1, 4)]
+    run_id, _ = claimed_run(db, clock, rows)
+    stale = load(db, run_id)  # wkr.a claimed it, then stalled before it began quoting
+
+    clock.advance(LEASE.total_seconds() + 1)
+    now = clock.now()
+    taken = db.transact_sync(
+        lambda c: claim_run(c, "wkr.b", now, now + LEASE, statuses=[S.PREPARING])
+    )
+    assert taken is not None
+    preparer(db, clock, owner="wkr.b").prepare(taken)
+    quoted = load(db, run_id)
+    assert quoted.status == S.AWAITING_CONFIRMATION
+
+    preparer(db, clock).prepare(stale)  # wkr.a wakes up and carries on
+
+    assert [i["row_id"] for i in items(db, run_id)] == [1, 2, 3]
+    assert load(db, run_id) == quoted
