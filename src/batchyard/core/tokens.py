@@ -13,12 +13,16 @@ lives with the engine that reads the same file (``engines.tokenizers``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from batchyard.core.catalog import ModelSpec
 
 __all__ = [
     "IMAGE_TOKENS",
     "FallbackTokenizer",
     "Tokenizer",
+    "TokenizerSource",
     "message_text",
     "text_messages",
 ]
@@ -42,6 +46,13 @@ class Tokenizer(Protocol):
     def count_batch(self, texts: list[str]) -> list[int]: ...
 
     def count_messages(self, messages: list[dict[str, Any]]) -> int: ...
+
+
+@runtime_checkable
+class TokenizerSource(Protocol):
+    """Where the tokenizer of a model comes from (``engines.tokenizers.Tokenizers``)."""
+
+    def for_model(self, model: ModelSpec) -> Tokenizer: ...
 
 
 def message_text(content: Any) -> tuple[str, int]:

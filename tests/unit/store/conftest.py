@@ -1,4 +1,4 @@
-"""An in-memory SQLite store per test: the unit tier's database."""
+"""An in-memory SQLite store per test: the unit tier's database (a copy of one migrated once)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,12 @@ from collections.abc import Iterator
 import pytest
 
 from batchyard.store.database import Database
-
-
-def memory_database() -> Database:
-    db = Database("sqlite://", pool_size=1)
-    db.migrate()
-    return db
+from tests.support.memory_db import memory_copy
 
 
 @pytest.fixture
 def db() -> Iterator[Database]:
-    database = memory_database()
+    database = memory_copy()
     try:
         yield database
     finally:

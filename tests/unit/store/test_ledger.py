@@ -31,7 +31,7 @@ from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, N
 from batchyard.store import accounts, ledger
 from batchyard.store.database import Database
 from batchyard.store.tables import ledger_entries, reservations
-from tests.unit.store.conftest import memory_database
+from tests.support.memory_db import memory_copy
 
 AMOUNT = st.integers(min_value=1, max_value=10**12)
 
@@ -61,7 +61,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @initialize()
     def open_store(self) -> None:
-        self.db = memory_database()
+        self.db = memory_copy()
         self.clock = ManualClock()
         now = self.clock.now()
         self.orgs = [

@@ -34,7 +34,7 @@ from batchyard.core.runs import (
     prompt_text,
     resolve_model,
 )
-from batchyard.engines.tokenizers import Tokenizers
+from batchyard.core.tokens import TokenizerSource
 from batchyard.errors import BatchyardError
 from batchyard.store import projects as pstore
 from batchyard.store import work_items
@@ -56,7 +56,7 @@ class QuotePreparer:
         db: Database,
         clock: Clock,
         catalog: Catalog,
-        tokenizers: Tokenizers,
+        tokenizers: TokenizerSource,
         owner: str,
         settings: RunSettings,
         lease_until: Callable[[], datetime],
@@ -90,7 +90,9 @@ class QuotePreparer:
         # the same for every row, so count them once (never fewer than the
         # template renders: BPE merges across the seam can only save tokens).
         wrap = tok.count_messages([{"role": "user", "content": ""}]) if by_field else 0
-        db.transact_sync(lambda c: work_items.clear_items(c, run.id))
+        if not db.transact_sync(partial(self._start, run.id, self._lease_until())):
+            log.info("quote abandoned", extra={"run_id": run.id})
+            return
         after, rows, tokens = 0, 0, 0
         too_long = json.dumps(
             {
@@ -209,6 +211,21 @@ class QuotePreparer:
                 "expires": isoformat(clock.now() + self.settings.quote_ttl),
             },
         )
+
+    def _start(self, run_id: str, until: datetime, c: Connection) -> bool:
+        """Clear a half-prepared quote's rows, if the run is still ours to quote.
+
+        Guarded by the lease like every other write: a worker that stalled
+        past its lease and then resumes must not wipe the rows that the
+        worker which took the run over has frozen since.
+        """
+        now = self.clock.now()
+        if not update_run(
+            c, run_id, now, expect=[S.PREPARING], owner=self.owner, lease_expires_at=until
+        ):
+            return False
+        work_items.clear_items(c, run_id)
+        return True
 
     def _fail(self, run: Run, code: str, message: str) -> None:
         def tx(c: Connection) -> None:

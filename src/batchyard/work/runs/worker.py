@@ -31,7 +31,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
 from batchyard.core.runs import BlockedReason, RunSettings, RunStatus
 from batchyard.core.tiers import Tier
-from batchyard.engines.tokenizers import Tokenizers
+from batchyard.core.tokens import TokenizerSource
 from batchyard.store import activity, work_items
 from batchyard.store.database import Database
 from batchyard.store.run_leases import HELD, blocked_runs, claim_run, work_waiting
@@ -59,7 +59,7 @@ class RunWorker:
         clock: Clock,
         catalog: Catalog,
         dispatcher: Dispatcher,
-        tokenizers: Tokenizers,
+        tokenizers: TokenizerSource,
         tiers: tuple[Tier, ...],
         settings: RunSettings | None = None,
         billing_review_threshold: Decimal | None = None,
