@@ -23,7 +23,7 @@ import sqlalchemy
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from batchyard.api import account, batches, chat, decide, models, projects, runs
+from batchyard.api import account, batches, chat, decide, files, models, projects, runs
 from batchyard.api.errors import install_error_handlers
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.config import Settings
@@ -42,10 +42,18 @@ from batchyard.work.batches.sealing import BatchKey, resolve_key
 from batchyard.work.batches.worker import MarketSettings, MarketWorker
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
+from batchyard.work.file_batches.worker import FileBatchSettings, FileBatchWorker
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
 
-__all__ = ["build_service", "create_app", "limiter_from_url", "market_worker", "run_worker"]
+__all__ = [
+    "build_service",
+    "create_app",
+    "file_batch_worker",
+    "limiter_from_url",
+    "market_worker",
+    "run_worker",
+]
 
 log = logging.getLogger("batchyard.app")
 
@@ -102,6 +110,7 @@ def build_service(
             "created a batch encryption key",
             extra={"event": "batch_key_created", "path": key.path},
         )
+    market = _market_worker(settings, db, clock, dispatcher, key, policy=policy)
     return Service(
         settings=settings,
         clock=clock,
@@ -111,9 +120,10 @@ def build_service(
         dispatcher=dispatcher,
         tokenizers=tokenizers,
         batch_key=key,
-        market=_market_worker(settings, db, clock, dispatcher, key, policy=policy),
+        market=market,
         runs=_run_worker(settings, db, clock, dispatcher, tokenizers),
         warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher),
+        file_batches=_file_batch_worker(settings, db, clock, dispatcher, key, market.prices),
     )
 
 
@@ -149,6 +159,43 @@ def run_worker(service: Service, *, owner: str | None = None) -> RunWorker:
         service.clock,
         service.dispatcher,
         service.tokenizers,
+        owner=owner,
+    )
+
+
+def file_batch_worker(service: Service, *, owner: str | None = None) -> FileBatchWorker:
+    """Another file-batch worker over ``service``'s parts (a second process, in tests)."""
+    return _file_batch_worker(
+        service.settings,
+        service.db,
+        service.clock,
+        service.dispatcher,
+        service.batch_key,
+        service.market.prices,
+        owner=owner,
+    )
+
+
+def _file_batch_worker(
+    s: Settings,
+    db: Database,
+    clock: Clock,
+    dispatcher: Dispatcher,
+    key: BatchKey,
+    prices: MarketPrices,
+    *,
+    owner: str | None = None,
+) -> FileBatchWorker:
+    """File batches share the market's prices: a batch that waits for a discount reads them."""
+    return FileBatchWorker(
+        db=db,
+        clock=clock,
+        catalog=s.catalog,
+        dispatcher=dispatcher,
+        key=key,
+        prices=prices,
+        settings=FileBatchSettings.from_raw(s.raw.get("file_batches")),
+        embedded_contexts=s.embedded_contexts,
         owner=owner,
     )
 
@@ -233,6 +280,7 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     app.include_router(batches.router)
     app.include_router(chat.router)
     app.include_router(decide.router)
+    app.include_router(files.router)
     app.include_router(models.router)
     app.include_router(projects.router)
     app.include_router(runs.router)

@@ -1,11 +1,17 @@
-"""``/v1/batches``: deferred batches that wait for a discount (seed 003).
+"""``/v1/batches``: one resource, two dialects.
 
-A submission is checked whole first (``service.batch_requests``), then the
-bodies are sealed and the batch and all its items are written in one
-transaction, so a submission that fails anywhere queues nothing. Execution
-is the market worker's (``work.batches``); these handlers only authenticate
-and hand over to ``service.batches``, which the workspace (``web``) calls
-too.
+The body of ``POST /v1/batches`` says which dialect is meant. One that names
+``input_file_id`` or ``endpoint`` is OpenAI's file batch
+(``service.file_batches``: its lines are an uploaded file's, its quote is
+held at once, ``work.file_batches`` runs it). Any other is seed 003's
+deferred batch, exactly as the seed says: inline ``requests`` checked whole
+(``service.batch_requests``), sealed and written in one transaction, a
+required Idempotency-Key, executed by the market worker (``work.batches``).
+Reads, lists and cancels serve both with one object
+(``service.batch_views``); ``/results`` is the seed's NDJSON, and a file
+batch's results are its output and error files.
+
+Scopes: ``full`` and ``inference`` keys create and cancel; every key reads.
 """
 
 from __future__ import annotations
@@ -17,12 +23,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
 from batchyard.core.accounts import Scope
-from batchyard.service import batches
+from batchyard.errors import InvalidRequest
+from batchyard.service import batch_listing, batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 
 __all__ = ["router"]
 
 router = APIRouter()
+
+
+#: Fields only a file batch names: their presence says the body is OpenAI's dialect.
+FILE_DIALECT = {"input_file_id", "endpoint"}
 
 
 @router.post("/v1/batches")
@@ -31,6 +42,15 @@ async def create_batch(request: Request) -> Response:
     svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=MAX_BODY_BYTES)
+    if FILE_DIALECT & raw.keys():
+        parsed = file_batches.parse_create(raw)
+
+        async def create() -> tuple[int, Any]:
+            view = await file_batches.create(svc, principal, parsed)
+            svc.file_batches.notify()
+            return 200, view
+
+        return await idempotent(request, principal, raw, create)
     sub = parse_submission(svc, raw)
 
     async def handler() -> tuple[int, Any]:
@@ -40,15 +60,28 @@ async def create_batch(request: Request) -> Response:
 
 
 @router.get("/v1/batches")
-async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> JSONResponse:
+async def list_batches(request: Request) -> JSONResponse:
     principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
-    limit = max(1, min(limit, 100))
-    data = await batches.list_views(service_of(request), principal, after=after, limit=limit)
+    params = dict(request.query_params)
+    for key in sorted(params.keys() - {"after", "limit"}):
+        raise InvalidRequest(
+            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
+        )
+    raw = params.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise InvalidRequest("limit is an integer from 1 to 100", param="limit")
+    limit = int(raw)
+    data, more = await batch_listing.list_views(
+        service_of(request), principal, after=params.get("after"), limit=limit
+    )
     return json_response(
         {
             "object": "list",
             "data": data,
-            "next_cursor": data[-1]["id"] if len(data) == limit else None,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+            "next_cursor": data[-1]["id"] if more else None,
         }
     )
 
@@ -57,14 +90,19 @@ async def list_batches(request: Request, after: str | None = None, limit: int = 
 async def get_batch(request: Request, batch_id: str) -> JSONResponse:
     principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
     svc = service_of(request)
-    view = await svc.db.read(lambda c: batches.load_view(c, principal.org_id, batch_id))
+    view = await svc.db.read(lambda c: batch_listing.load_view(c, principal.org_id, batch_id))
     return json_response(view)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
     principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
-    return json_response(await batches.cancel(service_of(request), principal, batch_id))
+    svc = service_of(request)
+    if await batch_listing.is_file_batch(svc, principal, batch_id):
+        view = await file_batches.cancel(svc, principal, batch_id)
+        svc.file_batches.notify()
+        return json_response(view)
+    return json_response(await batches.cancel(svc, principal, batch_id))
 
 
 @router.get("/v1/batches/{batch_id}/results")

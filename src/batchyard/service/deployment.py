@@ -2,8 +2,8 @@
 
 A ``Service`` holds what the composition root (``batchyard.app``) built:
 settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
-encryption key, and the three background workers (deferred batches, runs,
-warm state of fine-tuned versions). It builds nothing itself, so a test hands
+encryption key, and the four background workers (deferred batches, runs,
+warm state of fine-tuned versions, file batches). It builds nothing itself, so a test hands
 in a ``ManualClock`` or a scripted engine once, at the root, and every part of
 the system sees the same one; and each worker was given only the parts it
 uses, never the ``Service``.
@@ -32,6 +32,7 @@ from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.batches.worker import MarketWorker
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
+from batchyard.work.file_batches.worker import FileBatchWorker
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
 
@@ -55,6 +56,7 @@ class Service:
     market: MarketWorker
     runs: RunWorker
     warmth: Warmth
+    file_batches: FileBatchWorker
     started: bool = field(default=False, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False, repr=False)
 
@@ -77,6 +79,7 @@ class Service:
             self.market.run,  # deferred batches (seed 003)
             self.runs.run_forever,  # batch inference runs (seed 002)
             self.warmth.loop,  # fine-tuned versions going cold (seed 000)
+            self.file_batches.run_forever,  # OpenAI-dialect file batches
         ]
 
     async def start(self, *, worker: bool = True) -> None:

@@ -69,11 +69,14 @@ __all__ = [
     "live_batch_reads",
     "live_batches",
     "load_batch",
+    "models_of",
+    "out_aad",
     "output_lines",
     "pending_lines",
     "record_results",
     "set_status",
     "totals",
+    "unclaim",
 ]
 
 LINE_STATES = ("pending", "dispatched", "succeeded", "failed", "expired", "canceled", "uncertain")
@@ -207,6 +210,11 @@ class Totals:
     charge: int
     output_bytes: int
     error_bytes: int
+
+
+def out_aad(batch_id: str, line: int) -> bytes:
+    """Associated data of a line's rendered output- or error-file line."""
+    return f"{batch_id}:{line}:out".encode()
 
 
 def _batch(row: Any) -> BatchRow:
@@ -517,3 +525,24 @@ def output_lines(
         .limit(limit)
     ).all()
     return [(r[0], bytes(r[1])) for r in rows]
+
+
+def models_of(conn: Connection, batch_id: str) -> list[str]:
+    fbl = file_batch_lines
+    q = select(fbl.c.model).where(fbl.c.batch_id == batch_id).distinct()
+    return list(conn.execute(q).scalars())
+
+
+def unclaim(conn: Connection, batch_id: str, owner: str, line: int) -> None:
+    """Put a claimed line back to ``pending``: it was never sent (its route stopped qualifying)."""
+    fbl = file_batch_lines
+    conn.execute(
+        update(fbl)
+        .where(
+            fbl.c.batch_id == batch_id,
+            fbl.c.line == line,
+            fbl.c.state == "dispatched",
+            fbl.c.lease_owner == owner,
+        )
+        .values(state="pending", lease_owner=None, lease_expires_at=None)
+    )

@@ -48,6 +48,7 @@ __all__ = [
     "file_lines",
     "files",
     "get_file",
+    "line_aad",
     "line_totals",
     "list_files",
     "mark_deleted",
@@ -124,6 +125,11 @@ class LineRow:
     input_tokens: int
     max_tokens: int
     body: bytes
+
+
+def line_aad(file_id: str, line: int) -> bytes:
+    """Associated data of a stored line: a sealed line opens only as itself."""
+    return f"{file_id}:{line}".encode()
 
 
 def _file(row: Any) -> FileRow:

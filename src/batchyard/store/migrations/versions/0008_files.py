@@ -3,7 +3,6 @@
 import sqlalchemy as sa
 from alembic import op
 
-
 revision = "0008"
 down_revision = "0004"
 branch_labels = None
