@@ -168,6 +168,8 @@ class FileBatchWorker:
                 continue
             if now >= batch.expires_at or not await self._has_pending(batch.id):
                 continue
+            if batch.min_discount and not await self._market_open(batch):
+                continue  # no route meets the discount now; a later round looks again
             self._active[batch.id] = asyncio.create_task(
                 self._execute(batch), name=f"file batch {batch.id}"
             )
@@ -180,6 +182,13 @@ class FileBatchWorker:
                 await self.tick()  # finalize what the last task finished
                 return
             await asyncio.wait(list(self._active.values()), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _market_open(self, batch: store.BatchRow) -> bool:
+        """Whether a route's fresh price meets the batch's discount for any of its models."""
+        models = await self.db.read(lambda c: store.models_of(c, batch.id))
+        discount = Decimal(str(batch.min_discount))
+        now = self.clock.now()
+        return any(plan_for(self.catalog, self.prices, m, discount, now) for m in models)
 
     async def _has_pending(self, batch_id: str) -> bool:
         totals = await self.db.read(lambda c: store.totals(c, [batch_id]))
