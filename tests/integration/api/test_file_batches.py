@@ -9,7 +9,7 @@ from batchyard.core.accounts import Scope
 from batchyard.core.money import from_ticks, parse_money, to_ticks
 from batchyard.store import ledger
 from tests.support.accounts import add_key, make_account
-from tests.support.batches import batch_body, submit
+from tests.support.batches import BlockingEngine, batch_body, eventually, submit
 from tests.support.file_batches import (
     chat_line,
     create,
@@ -201,3 +201,31 @@ async def test_privacy_redacts_a_line_before_it_is_stored(service):
     assert b"jane.doe@example.com" not in stored
     assert b"privacy" not in stored
     assert f["bytes"] == len(stored)
+
+
+async def test_a_crashed_worker_leaves_its_lines_uncertain_never_resent_never_charged(
+    service, clock
+):
+    engine = BlockingEngine("late")
+    service.engines.set("embedded", engine)
+    acct = make_account(service, credit="1")
+    async with asgi_client(service, worker=False) as http:
+        f = (await upload(http, acct.headers, jsonl([chat_line(f"r{i}") for i in range(3)]))).json()
+        batch = (await create(http, acct.headers, f["id"])).json()
+        crashed = worker(service, "wkr.crashed")
+        await crashed.tick()
+        await eventually(lambda: len(engine.calls) == 2)  # the embedded route's two contexts
+        await crashed.stop()  # its calls are abandoned mid-flight, as a kill would
+        clock.advance(61)  # past the lease
+        engine.release.set()
+        await worker(service, "wkr.next").run_until_idle()
+        done = (await http.get(f"/v1/batches/{batch['id']}", headers=acct.headers)).json()
+        errors = await http.get(f"/v1/files/{done['error_file_id']}/content", headers=acct.headers)
+    assert done["status"] == "completed"
+    counts = done["request_counts"]
+    assert (counts["uncertain"], counts["completed"]) == (2, 1)
+    assert len(engine.calls) == 3  # the two uncertain lines were never sent again
+    assert [x["error"]["code"] for x in parse_lines(errors.content)] == ["uncertain"] * 2
+    charged = sum(row.charge or 0 for row in lines_of(service, batch["id"]))
+    bal = balance(service, acct.org_id)
+    assert bal.held == 0 and bal.settled == charged > 0
