@@ -7,8 +7,9 @@ store through the same queries as ``/v1/batches`` and change it only
 through ``service.batches``, the functions the API calls too, so the
 workspace cannot queue, cancel or show anything the API would not.
 
-Sign-in takes an API key once and keeps only a server-side session (see
-``web.sessions``). Forms carry a CSRF token: the sign-in form a
+Sign-in takes an API key once and leaves a sealed, expiring cookie that
+names the key's ID, never the key (``web.sessions``), so it survives a
+restart and works across API processes. Forms carry a CSRF token: the sign-in form a
 double-submit token also set as a cookie, the others the session's token.
 """
 
@@ -88,12 +89,9 @@ _env.filters["percent"] = _percent
 
 
 def _sessions(request: Request) -> Sessions:
-    state = request.app.state
-    sessions: Sessions | None = getattr(state, "workspace_sessions", None)
-    if sessions is None:
-        sessions = Sessions(service_of(request).clock)
-        state.workspace_sessions = sessions
-    return sessions
+    """Sealed cookies under the batch key: 503 ``batches_unavailable`` without one."""
+    svc = service_of(request)
+    return Sessions(svc.clock, svc.batch_key.require())
 
 
 def _page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
@@ -160,7 +158,6 @@ async def _signed_in(request: Request) -> tuple[Session, Principal] | None:
     svc = service_of(request)
     principal = await svc.db.read(lambda c: principal_of(c, session))
     if principal is None:
-        sessions.close(token)
         return None
     return session, principal
 
@@ -232,7 +229,8 @@ async def sign_out(request: Request) -> Response:
     form = await _form(request)
     if not same_token(who[0].csrf, form.get("csrf")):
         return _forbidden("the form did not carry this session's token; reload and retry")
-    _sessions(request).close(request.cookies.get(SESSION_COOKIE))
+    sessions = _sessions(request)
+    await service_of(request).db.transact(lambda c: sessions.close(c, who[0]))
     return _to_signin("out")
 
 
