@@ -35,6 +35,7 @@ from batchyard.engines.base import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.service import Service
 from batchyard.store.database import Database
+from batchyard.web import file_pages
 from batchyard.web import routes as workspace
 from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
@@ -285,4 +286,5 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     app.include_router(projects.router)
     app.include_router(runs.router)
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
+    app.include_router(file_pages.router)  # ... and its file batches
     return app

@@ -72,6 +72,7 @@ __all__ = [
     "models_of",
     "out_aad",
     "output_lines",
+    "page_lines",
     "pending_lines",
     "record_results",
     "set_status",
@@ -546,3 +547,17 @@ def unclaim(conn: Connection, batch_id: str, owner: str, line: int) -> None:
         )
         .values(state="pending", lease_owner=None, lease_expires_at=None)
     )
+
+
+def page_lines(
+    conn: Connection, batch_id: str, *, after: int, limit: int
+) -> list[tuple[int, str, str, bytes | None]]:
+    """``(line, custom_id, state, sealed result line)`` of one page of a batch, by line."""
+    fbl = file_batch_lines
+    rows = conn.execute(
+        select(fbl.c.line, fbl.c.custom_id, fbl.c.state, fbl.c.out)
+        .where(fbl.c.batch_id == batch_id, fbl.c.line > after)
+        .order_by(fbl.c.line)
+        .limit(limit)
+    ).all()
+    return [(r[0], r[1], r[2], bytes(r[3]) if r[3] is not None else None) for r in rows]

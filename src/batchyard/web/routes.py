@@ -35,13 +35,25 @@ from batchyard.errors import BatchyardError, InvalidRequest, NotFound, PayloadTo
 from batchyard.service import batches as service_batches
 from batchyard.service import service_of
 from batchyard.service.batch_requests import MAX_BODY_BYTES
+from batchyard.service.batch_views import file_batch_view
 from batchyard.store import accounts
 from batchyard.store import batches as store
+from batchyard.store import file_batches as file_store
 from batchyard.store.batch_tables import ITEM_STATES
 from batchyard.web.sessions import Session, Sessions, principal_of, same_token
 from batchyard.web.submission import EXAMPLE, submit_text
+from batchyard.work.batches.sealing import result_aad
 
-__all__ = ["router"]
+__all__ = [
+    "SECURITY_HEADERS",
+    "error_of",
+    "forbidden",
+    "form",
+    "page",
+    "redirect",
+    "router",
+    "signed_in_or_redirect",
+]
 
 router = APIRouter(prefix="/workspace", include_in_schema=False)
 log = logging.getLogger("batchyard.web")
@@ -71,6 +83,16 @@ _SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
+
+
+def _answer_text(result: dict[str, Any]) -> str:
+    """A deferred item's answer as the page shows it: the reply, or the error's message."""
+    body = result.get("body") or {}
+    choices = body.get("choices") or []
+    if choices:
+        return str(choices[0].get("message", {}).get("content", ""))
+    error = body.get("error") or {}
+    return f"{error.get('code', 'error')}: {error.get('message', '')}"
 
 
 def _when(value: datetime | None) -> str:
@@ -162,10 +184,27 @@ async def _signed_in(request: Request) -> tuple[Session, Principal] | None:
     return session, principal
 
 
+async def signed_in_or_redirect(request: Request) -> tuple[Session, Principal] | Response:
+    """The signed-in caller, or the redirect to the sign-in page that a page answers instead."""
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin("ended" if request.cookies.get(SESSION_COOKIE) else None)
+    return who
+
+
 def _forbidden(reason: str) -> HTMLResponse:
     log.info("workspace form refused", extra={"event": "workspace_csrf", "reason": reason})
     error = {"code": "csrf_failed", "message": reason, "status": 403}
     return _page("error.html", 403, error=error, signed_in=False)
+
+
+# What the file-batch pages (``web.file_pages``) share with these.
+SECURITY_HEADERS = _SECURITY_HEADERS
+error_of = _error
+forbidden = _forbidden
+form = _form
+page = _page
+redirect = _redirect
 
 
 # --- sign-in ------------------------------------------------------------------------
@@ -253,11 +292,16 @@ async def _list_page(
     svc = service_of(request)
     after = request.query_params.get("after") or None
 
-    def load(conn: Connection) -> tuple[list[store.BatchRow], dict[str, dict[str, int]]]:
+    def load(
+        conn: Connection,
+    ) -> tuple[list[store.BatchRow], dict[str, dict[str, int]], list[dict[str, Any]]]:
         rows = store.list_batches(conn, principal.org_id, after=after, limit=PAGE_SIZE)
-        return rows, store.counts(conn, [b.id for b in rows])
+        filed = file_store.list_batches(conn, principal.org_id, after=None, limit=PAGE_SIZE)
+        totals = file_store.totals(conn, [b.id for b in filed])
+        views = [file_batch_view(b, totals[b.id]) for b in filed]
+        return rows, store.counts(conn, [b.id for b in rows]), views
 
-    rows, per = await svc.db.read(load)
+    rows, per, file_batches = await svc.db.read(load)
     return _page(
         "batches.html",
         status,
@@ -265,6 +309,7 @@ async def _list_page(
         org_name=principal.org_name,
         csrf=session.csrf,
         batches=[(b, per[b.id]) for b in rows],
+        file_batches=file_batches,
         next_after=rows[-1].id if len(rows) == PAGE_SIZE else None,
         body_text=body_text if body_text is not None else json.dumps(EXAMPLE, indent=2),
         idempotency_key=_new_key(),
@@ -333,18 +378,25 @@ async def _batch_page(
 
     def load(
         conn: Connection,
-    ) -> tuple[store.BatchRow, dict[str, int], list[store.ItemRow]] | None:
+    ) -> tuple[store.BatchRow, dict[str, int], list[store.ItemRow], dict[str, bytes]] | None:
         batch = store.get_batch(conn, principal.org_id, batch_id)
         if batch is None:
             return None
-        return batch, store.counts(conn, [batch.id])[batch.id], store.items_of(conn, batch.id)
+        results = {item.id: blob for item, blob in store.results_of(conn, batch.id) if blob}
+        counts = store.counts(conn, [batch.id])[batch.id]
+        return batch, counts, store.items_of(conn, batch.id), results
 
     found = await svc.db.read(load)
     if found is None:
         missing = NotFound(f"batch {batch_id} not found", param="batch_id")
         return _page("error.html", 404, error=_error(missing), signed_in=True, csrf=session.csrf)
-    batch, counts, items = found
+    batch, counts, items, results = found
     live = batch.status in LIVE_STATES
+    sealer = svc.batch_key.require()
+    answers = {
+        item_id: _answer_text(json.loads(sealer.open(blob, result_aad(item_id))))
+        for item_id, blob in results.items()
+    }
     return _page(
         "batch.html",
         status,
@@ -354,6 +406,7 @@ async def _batch_page(
         batch=batch,
         counts=counts,
         items=items,
+        answers=answers,
         states=ITEM_STATES,
         refresh_s=REFRESH_S if live else None,
         can_cancel=batch.status not in ("completed", "expired", "canceled"),
