@@ -18,8 +18,6 @@ import json
 from datetime import timedelta
 from pathlib import Path
 
-import httpx
-
 from batchyard.app import market_worker
 from batchyard.store import ledger
 from tests.support.accounts import make_account
@@ -36,14 +34,15 @@ from tests.support.batches import (
 )
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.processes import Workers, deployment
-from tests.support.server import live_server
+from tests.support.server import asgi_client
+from tests.support.services import ServiceFactory
 
 TEXTS = [f"Summarize public release note number {i}." for i in range(4)]
 ANSWERED_FIRST = 1  # the upstream answers one call, then holds the others open
 
 
 async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(
-    tmp_path: Path, database_url: str, workers: Workers
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
 ) -> None:
     body = {
         "min_discount": 90,
@@ -51,7 +50,7 @@ async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(
     }
     with FakeUpstream() as up:
         up.hold(after=ANSWERED_FIRST)
-        async with deployment(tmp_path, database_url, upstream=up) as dep:
+        async with deployment(make_service, tmp_path, database_url, upstream=up) as dep:
             svc, http = dep.service, dep.http
             acct = make_account(svc, credit="1")
             submitted = await submit(http, acct.headers, body)
@@ -151,7 +150,7 @@ async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(mar
     engine = BlockingEngine("slow but fine")
     svc.engines.set("spot", engine)
     acct = make_account(svc, credit="1")
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
     set_price(svc, "spot", "0.008", "0.03")
     slow = market_worker(svc, lease_s=120, book=worker(svc).book)

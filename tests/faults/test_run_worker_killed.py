@@ -30,6 +30,7 @@ from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.processes import Workers, deployment
 from tests.support.runs import Api
+from tests.support.services import ServiceFactory
 
 ROWS = [{"text": f"row {i}"} for i in range(30)]
 RUN = {
@@ -58,11 +59,16 @@ LEASE_S = 1.5
     indirect=["database_url"],
 )
 async def test_a_killed_worker_leaves_uncertain_rows_and_no_double_charge(
-    tmp_path: Path, database_url: str, workers: Workers, cancel_after_crash: bool
+    tmp_path: Path,
+    database_url: str,
+    workers: Workers,
+    make_service: ServiceFactory,
+    cancel_after_crash: bool,
 ) -> None:
     with FakeUpstream() as up:
         up.hold(after=ANSWERED_FIRST)
         async with deployment(
+            make_service,
             tmp_path,
             database_url,
             upstream=up,

@@ -36,19 +36,19 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from batchyard.app import build_service, create_app
 from batchyard.core.clock import ManualClock, SystemClock
 from batchyard.core.config import load_settings
 from batchyard.service import Service
-from batchyard.store import ledger
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.server import asgi_client
+from tests.support.services import ServiceFactory
 
 __all__ = ["Deployment", "WorkerProcess", "Workers", "deployment", "worker_config"]
 
@@ -134,29 +134,27 @@ class Deployment:
 
 @asynccontextmanager
 async def deployment(
-    tmp_path: Path, database_url: str, *, upstream: FakeUpstream, **config: Any
+    make_service: ServiceFactory,
+    tmp_path: Path,
+    database_url: str,
+    *,
+    upstream: FakeUpstream,
+    **config: Any,
 ) -> AsyncIterator[Deployment]:
     """Write the workers' config (``worker_config(**config)``) and serve the API over it.
 
-    The test's clock is a ``ManualClock`` set to the real time, so what the API
-    writes agrees with what the workers read; the test moves it only to ask
-    "what would another worker do at this instant?". The ledger is audited
-    at the end.
+    The test's service reads the same file as its workers, through the test's
+    ``make_service`` (so its ledger is audited at the end). Its clock is a
+    ``ManualClock`` set to the real time, so what the API writes agrees with
+    what the workers read; the test moves it only to ask "what would another
+    worker do at this instant?".
     """
     path = worker_config(tmp_path / "config.yaml", upstream=upstream.base_url, **config)
+    loaded = load_settings(config_file=path, database_url=database_url)
     clock = ManualClock(SystemClock().now())
-    svc = build_service(load_settings(config_file=path, database_url=database_url), clock=clock)
-    svc.db.migrate()
-    app = create_app(svc, worker=False, close_on_exit=False)
-    try:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://batchyard.test"
-        ) as http:
-            yield Deployment(path, svc, clock, http)
-    finally:
-        problems = svc.db.read_sync(ledger.audit)
-        await svc.stop()
-        assert problems == [], problems
+    svc = make_service(clock=clock, **{f.name: getattr(loaded, f.name) for f in fields(loaded)})
+    async with asgi_client(svc, worker=False) as http:
+        yield Deployment(path, svc, clock, http)
 
 
 @dataclass(eq=False)
