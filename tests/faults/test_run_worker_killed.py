@@ -4,7 +4,8 @@ The run executes on a real ``batchyard worker`` process whose route calls a
 fake upstream over loopback. The upstream answers five rows, then holds the
 next calls open; once two calls are in flight the worker is killed with
 SIGKILL, so no ``finally`` block or cancellation handler runs. A second
-worker process takes the run over when the dead one's lease lapses. Rows
+worker process (or, for a run canceled after the crash, the test's own
+worker) takes the run over when the dead one's lease lapses. Rows
 whose calls reached the upstream but were never answered become
 ``uncertain`` and are never re-sent (the upstream counts every call per
 row); every other row is answered once, and the ledger balances with one
