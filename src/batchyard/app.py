@@ -164,7 +164,9 @@ def _market_worker(
 ) -> MarketWorker:
     book = book if book is not None else PriceBook()
     settings = MarketSettings(
-        interval_s=s.market_interval_s, feed_interval_s=s.price_feed_interval_s
+        interval_s=s.market_interval_s,
+        feed_interval_s=s.price_feed_interval_s,
+        lease_s=s.market_lease_s,
     )
     return MarketWorker(
         db=db,
