@@ -2,7 +2,7 @@
 
 ``build_service`` turns settings into a ``Service``: the store, the limiter
 the settings ask for, the engines, the dispatcher, the batch encryption key
-and the three background workers, each handed only the parts it uses.
+and the four background workers, each handed only the parts it uses.
 ``create_app`` mounts the API's routers and the workspace's pages over that
 service. The CLI (``serve``, ``worker``), the tests and the benchmarks all
 start from these functions, so there is one place to read to see how
@@ -17,14 +17,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
-from batchyard.api import account, batches, chat, decide, files, models, projects, runs
-from batchyard.api.errors import install_error_handlers
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.config import Settings
 from batchyard.core.limits import InMemoryLimiter, Limiter
@@ -35,8 +31,6 @@ from batchyard.engines.base import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.service import Service
 from batchyard.store.database import Database
-from batchyard.web import file_pages
-from batchyard.web import routes as workspace
 from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.sealing import BatchKey, resolve_key
@@ -46,6 +40,9 @@ from batchyard.work.engines import EngineRegistry
 from batchyard.work.file_batches.worker import FileBatchSettings, FileBatchWorker
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = [
     "build_service",
@@ -214,7 +211,9 @@ def _market_worker(
 ) -> MarketWorker:
     book = book if book is not None else PriceBook()
     settings = MarketSettings(
-        interval_s=s.market_interval_s, feed_interval_s=s.price_feed_interval_s
+        interval_s=s.market_interval_s,
+        feed_interval_s=s.price_feed_interval_s,
+        lease_s=s.market_lease_s,
     )
     return MarketWorker(
         db=db,
@@ -254,7 +253,18 @@ def _run_worker(
 
 
 def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = True) -> FastAPI:
-    """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests)."""
+    """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests).
+
+    The doors are imported here, not at the top: a ``batchyard worker`` process
+    builds the service and never serves HTTP, so it starts without them.
+    """
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from batchyard.api import account, batches, chat, decide, files, models, projects, runs
+    from batchyard.api.errors import install_error_handlers
+    from batchyard.web import file_pages
+    from batchyard.web import routes as workspace
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
