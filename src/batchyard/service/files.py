@@ -9,7 +9,7 @@ applied, is counted with its model's tokenizer, sealed, and written in
 batches under a file that stays invisible (``uploading``) until its last line
 is in. The first bad line ends the upload with a coded error naming the line,
 and everything written for it is deleted; a process that dies mid-upload
-leaves an invisible file that ``sweep_uploads`` removes later.
+leaves an invisible file that the file-batch worker removes later.
 
 Limits (OpenAI's by default, ``files:`` in the config to change them):
 200 MB and 50,000 requests per file, 1 MB per line.
@@ -27,7 +27,6 @@ from functools import partial
 from typing import IO, Any
 
 from sqlalchemy import Connection
-from sqlalchemy import delete as delete_rows
 
 from batchyard.core import privacy
 from batchyard.core.accounts import Principal
@@ -57,7 +56,6 @@ __all__ = [
     "list_views",
     "rules_of",
     "settings_of",
-    "sweep_uploads",
 ]
 
 log = logging.getLogger("batchyard.files")
@@ -66,8 +64,6 @@ log = logging.getLogger("batchyard.files")
 PURPOSES = ("batch",)
 #: Lines written per transaction while an upload is taken in.
 WRITE_BATCH = 500
-#: An upload still invisible this long after it began belongs to a dead process.
-STALE_UPLOAD = timedelta(hours=1)
 _LINE_KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -289,7 +285,7 @@ def ingest(
 
         row = svc.db.transact_sync(finish)
     except BaseException:
-        svc.db.transact_sync(lambda c: _forget(c, file_id))
+        svc.db.transact_sync(lambda c: store.forget(c, file_id))
         raise
     log.info(
         "file uploaded",
@@ -306,19 +302,6 @@ def ingest(
 
 def _write(c: Connection, *, file_id: str, lines: list[store.LineRow]) -> None:
     store.write_lines(c, file_id, lines)
-
-
-def _forget(c: Connection, file_id: str) -> None:
-    store.delete_lines(c, file_id)
-    c.execute(delete_rows(store.files).where(store.files.c.id == file_id))
-
-
-def sweep_uploads(c: Connection, now: datetime) -> int:
-    """Delete uploads a dead process left half-written."""
-    stale = store.stale_uploads(c, now - STALE_UPLOAD)
-    for file_id in stale:
-        _forget(c, file_id)
-    return len(stale)
 
 
 def _visible(c: Connection, org_id: str, file_id: str) -> store.FileRow:

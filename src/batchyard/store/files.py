@@ -45,8 +45,10 @@ __all__ = [
     "LineRow",
     "create_file",
     "delete_lines",
+    "expired_files",
     "file_lines",
     "files",
+    "forget",
     "get_file",
     "line_aad",
     "line_totals",
@@ -244,6 +246,25 @@ def stale_uploads(conn: Connection, before: datetime) -> list[str]:
     return list(
         conn.execute(
             select(files.c.id).where(files.c.status == "uploading", files.c.created_at < before)
+        ).scalars()
+    )
+
+
+def forget(conn: Connection, file_id: str) -> None:
+    """Delete a file that never became visible (a failed or abandoned upload), lines and all."""
+    delete_lines(conn, file_id)
+    conn.execute(delete(files).where(files.c.id == file_id))
+
+
+def expired_files(conn: Connection, now: datetime) -> list[str]:
+    """Visible files whose ``expires_after`` has come."""
+    return list(
+        conn.execute(
+            select(files.c.id).where(
+                files.c.expires_at.is_not(None),
+                files.c.expires_at <= now,
+                files.c.deleted_at.is_(None),
+            )
         ).scalars()
     )
 

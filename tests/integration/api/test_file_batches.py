@@ -229,3 +229,23 @@ async def test_a_crashed_worker_leaves_its_lines_uncertain_never_resent_never_ch
     charged = sum(row.charge or 0 for row in lines_of(service, batch["id"]))
     bal = balance(service, acct.org_id)
     assert bal.held == 0 and bal.settled == charged > 0
+
+
+async def test_expired_files_and_abandoned_uploads_are_swept(service, clock):
+    from batchyard.store import files as file_store
+
+    acct = make_account(service, credit="1")
+    now = clock.now()
+    service.db.transact_sync(
+        lambda c: file_store.create_file(
+            c, file_id="file.abandoned", org_id=acct.org_id, purpose="batch", filename="x", now=now
+        )
+    )
+    async with asgi_client(service, worker=False) as http:
+        fields = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+        f = (await upload(http, acct.headers, jsonl([chat_line("a")]), **fields)).json()
+        assert f["expires_at"] == f["created_at"] + 3600
+        clock.advance(3601)
+        assert await worker(service).sweep_files(clock.now()) == (1, 1)
+        gone = await http.get(f"/v1/files/{f['id']}", headers=acct.headers)
+    assert gone.status_code == 404

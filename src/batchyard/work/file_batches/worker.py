@@ -55,6 +55,11 @@ __all__ = ["FileBatchSettings", "FileBatchWorker"]
 
 log = logging.getLogger("batchyard.file_batches")
 
+#: How often uploads abandoned mid-way and files past their expiry are deleted.
+SWEEP_EVERY = timedelta(minutes=1)
+#: An upload still invisible this long after it began belongs to a dead process.
+STALE_UPLOAD = timedelta(hours=1)
+
 
 @dataclass(frozen=True, slots=True)
 class FileBatchSettings:
@@ -111,6 +116,7 @@ class FileBatchWorker:
         self.owner = owner or new_id("wkr", clock.now())
         self._active: dict[str, asyncio.Task[None]] = {}
         self._wake: asyncio.Event | None = None
+        self._swept: datetime | None = None
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -158,6 +164,8 @@ class FileBatchWorker:
                     )
         await self.recover()
         now = self.clock.now()
+        if self._swept is None or now - self._swept >= SWEEP_EVERY:
+            await self.sweep_files(now)
         live = await self.db.read(store.live_batches)
         for batch in live:
             await self._step(batch, now)
@@ -226,6 +234,26 @@ class FileBatchWorker:
         if n:
             log.warning("file batch lines uncertain", extra={"lines": n, "worker": self.owner})
         return n
+
+    async def sweep_files(self, now: datetime) -> tuple[int, int]:
+        """Delete uploads a dead process left half-written, and files past ``expires_after``.
+
+        A file a running batch still reads is kept until the batch ends.
+        """
+        self._swept = now
+
+        def tx(c: Connection) -> tuple[int, int]:
+            stale = file_store.stale_uploads(c, now - STALE_UPLOAD)
+            for file_id in stale:
+                file_store.forget(c, file_id)
+            expired = [
+                f for f in file_store.expired_files(c, now) if not store.live_batch_reads(c, f)
+            ]
+            for file_id in expired:
+                file_store.mark_deleted(c, file_id, now)
+            return len(stale), len(expired)
+
+        return await self.db.transact(tx)
 
     async def _step(self, batch: store.BatchRow, now: datetime) -> None:
         if batch.status == "in_progress":
