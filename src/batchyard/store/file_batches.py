@@ -470,7 +470,9 @@ def pending_lines(conn: Connection, batch_id: str, limit: int) -> list[tuple[int
     return [(r[0], r[1]) for r in conn.execute(q)]
 
 
-def lapsed_lines(conn: Connection, now: datetime, limit: int) -> list[tuple[str, int, str]]:
+def lapsed_lines(
+    conn: Connection, now: datetime, limit: int, *, lock: bool = True
+) -> list[tuple[str, int, str]]:
     """``(batch, line, custom_id)`` of dispatched lines whose worker stopped renewing."""
     fbl = file_batch_lines
     q = (
@@ -478,7 +480,7 @@ def lapsed_lines(conn: Connection, now: datetime, limit: int) -> list[tuple[str,
         .where(fbl.c.state == "dispatched", fbl.c.lease_expires_at < now)
         .limit(limit)
     )
-    if conn.dialect.name == "postgresql":
+    if lock and conn.dialect.name == "postgresql":
         q = q.with_for_update(skip_locked=True)
     return [(r[0], r[1], r[2]) for r in conn.execute(q)]
 

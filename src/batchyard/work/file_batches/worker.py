@@ -169,7 +169,9 @@ class FileBatchWorker:
         live = await self.db.read(store.live_batches)
         for batch in live:
             await self._step(batch, now)
-        for batch in await self.db.read(store.live_batches):
+        if live:
+            live = await self.db.read(store.live_batches)
+        for batch in live:
             if len(self._active) >= self.settings.max_active:
                 break
             if batch.id in self._active or batch.status != "in_progress":
@@ -208,6 +210,9 @@ class FileBatchWorker:
         """Lines whose worker stopped renewing: ``uncertain``, never re-sent, not charged."""
         sealer = self.key.require()
         now = self.clock.now()
+        # A cheap read first, so an idle worker does not queue a write every round.
+        if not await self.db.read(lambda c: store.lapsed_lines(c, now, 1, lock=False)):
+            return 0
 
         def tx(c: Connection) -> int:
             lapsed = store.lapsed_lines(c, now, self.settings.end_chunk)
@@ -288,6 +293,9 @@ class FileBatchWorker:
     async def _finalize(self, batch_id: str) -> str | None:
         """Settle and write the result files once no line is left; the final status."""
         now = self.clock.now()
+        per = (await self.db.read(lambda c: store.totals(c, [batch_id])))[batch_id].per_state
+        if per["pending"] or per["dispatched"]:
+            return None  # a cheap read first: most rounds have lines left
 
         def tx(c: Connection) -> str | None:
             batch = store.load_batch(c, batch_id, lock=True)
