@@ -3,8 +3,8 @@
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0009"
-down_revision = "0008"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
