@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from batchyard.api import account, batches, chat, decide, models, projects, runs
+from batchyard.api.envelope import EnvelopeMiddleware
 from batchyard.api.errors import install_error_handlers
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.config import Settings
@@ -222,6 +223,7 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     app = FastAPI(title="batchyard", version="0.1.0", lifespan=lifespan)
     app.state.service = service
     install_error_handlers(app)
+    app.add_middleware(EnvelopeMiddleware)
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
