@@ -23,7 +23,17 @@ import sqlalchemy
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from batchyard.api import account, batches, chat, decide, models, projects, runs
+from batchyard.api import (
+    account,
+    batches,
+    chat,
+    completions,
+    decide,
+    embeddings,
+    models,
+    projects,
+    runs,
+)
 from batchyard.api.envelope import EnvelopeMiddleware
 from batchyard.api.errors import install_error_handlers
 from batchyard.core.clock import Clock, SystemClock
@@ -234,6 +244,8 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     app.include_router(account.router)
     app.include_router(batches.router)
     app.include_router(chat.router)
+    app.include_router(completions.router)
+    app.include_router(embeddings.router)
     app.include_router(decide.router)
     app.include_router(models.router)
     app.include_router(projects.router)

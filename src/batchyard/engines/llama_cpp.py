@@ -549,9 +549,7 @@ class LlamaCppEngine:
                     )
 
                 loop = asyncio.get_running_loop()
-                self._embedding_model = await loop.run_in_executor(
-                    self._pools[None].executor, load
-                )
+                self._embedding_model = await loop.run_in_executor(self._pools[None].executor, load)
             return self._embedding_model
 
     async def score(
@@ -647,7 +645,5 @@ def _generated_logprobs(
         for alt, alt_logprob in tops[k] if top else []:
             alt_piece, alt_raw = _piece(llama, alt)
             alternatives.append({"token": alt_piece, "logprob": alt_logprob, "bytes": alt_raw})
-        out.append(
-            {"token": piece, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives}
-        )
+        out.append({"token": piece, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
     return out

@@ -87,11 +87,19 @@ async def test_over_the_tier_limit_is_429_with_retry_after_and_nothing_charged(m
     [
         ({}, BODY, 401, "missing_api_key"),
         ({"Authorization": "Bearer by_nope"}, BODY, 401, "invalid_api_key"),
-        (None, {**BODY, "model": "nope"}, 400, "unknown_model"),
+        (None, {**BODY, "model": "nope"}, 404, "model_not_found"),
         (None, {**BODY, "model": "kettei-fat"}, 400, "model_unavailable"),
         (None, {**BODY, "max_tokens": -1}, 400, "invalid_request"),
         (None, {**BODY, "max_tokens": 10_000_000}, 400, "max_tokens_out_of_range"),
-        (None, {**BODY, "stream": True}, 400, "invalid_request"),
+        (None, {**BODY, "stream": 1}, 400, "invalid_request"),
+        (None, {**BODY, "max_tokens": "8"}, 400, "invalid_request"),
+        (None, {**BODY, "temprature": 0.5}, 400, "unknown_field"),
+        (
+            None,
+            {**BODY, "audio": {"voice": "alloy", "format": "mp3"}},
+            400,
+            "capability_unsupported",
+        ),
     ],
 )
 async def test_bad_input_gets_its_own_4xx_and_changes_nothing(
