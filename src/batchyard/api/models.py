@@ -59,10 +59,7 @@ def route_concurrency(svc: Service, m: ModelSpec) -> int | None:
     routes = svc.catalog.routes_for(m.id)
     if not routes:
         return None
-    route = routes[0]
-    if route.concurrency:
-        return route.concurrency
-    return svc.settings.embedded_contexts if route.engine == "llama_cpp" else None
+    return svc.dispatcher.concurrency(routes[0])
 
 
 def model_json(

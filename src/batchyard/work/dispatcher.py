@@ -128,6 +128,17 @@ class Dispatcher:
         if signal is not None:
             await self.limiter.observe(f"route:{route.id}", signal)
 
+    def concurrency(self, route: RouteSpec) -> int | None:
+        """How many calls the route runs at once, where it has a bound.
+
+        The route's own ``concurrency`` setting, else its engine's (the embedded
+        model's contexts); ``None`` for an upstream that says nothing.
+        """
+        if route.concurrency:
+            return route.concurrency
+        contexts = getattr(self.engines.for_route(route), "contexts", None)
+        return contexts if isinstance(contexts, int) and contexts > 0 else None
+
     def can_score(self, route: RouteSpec) -> bool:
         """Whether the route's engine scores candidate replies (decide's per-outcome scoring)."""
         return isinstance(self.engines.for_route(route), ScoringEngine)
