@@ -142,14 +142,21 @@ async def check_tier_limits(
     env = envelope_of(request)
     key = f"org:{principal.org_id}"
     if kind == "estimate":
-        limit = Limit("estimate_tpm", float(tier.estimate_tokens_per_minute))
-        admission = await svc.limiter.try_acquire(key, [(limit, tokens)])
+        # Like the tokens limit: a burst of ``concurrency`` average requests.
+        per_minute = float(tier.estimate_tokens_per_minute)
+        burst = max(1.0, tier.max_in_flight * per_minute / tier.requests_per_minute)
+        limit = Limit("estimate_tpm", per_minute, burst=burst)
+        admission = await svc.limiter.try_acquire(
+            key, [(limit, tokens)], max_delay=svc.settings.limits_queue_s
+        )
         if not admission.allowed:
             raise RateLimited(
                 f"over your tier's estimate budget ({tier.estimate_tokens_per_minute} tokens "
                 "a minute); retry after the delay",
                 retry_after=admission.retry_after,
             )
+        if admission.delay > 0:
+            await svc.clock.sleep(admission.delay)
         return
     queue_s = svc.settings.limits_queue_s
     started = svc.clock.time()

@@ -19,6 +19,7 @@ import pytest
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
+from batchyard.core.tiers import DEFAULT_TIERS
 from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import ModelUnavailable
@@ -293,16 +294,22 @@ async def test_estimate_counts_the_prompt_and_quotes_without_charging(service, e
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "no_decisions"
 
 
-async def test_estimates_have_their_own_token_budget(service, engine, http):
+async def test_estimates_have_their_own_token_budget(make_service):
+    # A tier whose estimate budget is smaller than one estimate's tokens, and no
+    # server-side queue: the second estimate in a row is refused at once.
+    tier = dataclasses.replace(DEFAULT_TIERS[0], estimate_tokens_per_minute=600)
+    service = make_service(tiers=(tier,), limits_queue_s=0)
+    service.engines.set("embedded", ScriptedEngine(clock=service.clock, scorer=text_scorer))
     acct = make_account(service, credit="1")
-    # A decision spends the requests limit; an estimate right after still runs.
-    assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
-    est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
-    assert est.status_code == 200
-    again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
-    assert again.status_code == 429 and "Retry-After" in again.headers
-    service.clock.advance(int(again.headers["Retry-After"]))
-    assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
+    async with asgi_client(service) as http:
+        # A decision spends the requests limit; an estimate right after still runs.
+        assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
+        est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+        assert est.status_code == 200
+        again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+        assert again.status_code == 429 and "Retry-After" in again.headers
+        service.clock.advance(int(again.headers["Retry-After"]))
+        assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
 
 
 async def test_default_max_output_tokens_is_the_longest_answer(service, engine, http):

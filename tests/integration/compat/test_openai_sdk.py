@@ -84,7 +84,9 @@ def test_streaming_yields_chunks_then_usage(gateway):
     )
     for chunk in chunks:
         ChatCompletionChunk.model_validate(chunk.model_dump(mode="json"), strict=True)
-    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    pieces = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
     assert len(pieces) >= 2  # token by token, not one block
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] in ("stop", "length")
@@ -98,7 +100,10 @@ def test_a_tool_call_round_trip(gateway):
     sdk = client(gateway, gateway.org("tools"))
     messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = sdk.chat.completions.create(
-        model="kettei-core", messages=messages, tools=[WEATHER], tool_choice="required",
+        model="kettei-core",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
         max_tokens=40,
     )
     ChatCompletion.model_validate(first.model_dump(mode="json"), strict=True)
