@@ -36,6 +36,7 @@ from batchyard.api import (
 )
 from batchyard.api.envelope import EnvelopeMiddleware
 from batchyard.api.errors import install_error_handlers
+from batchyard.api.openapi import install_openapi
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.config import Settings
 from batchyard.core.limits import InMemoryLimiter, Limiter
@@ -230,7 +231,14 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
             else:
                 await service.stop_workers()
 
-    app = FastAPI(title="batchyard", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own docs pages load their scripts from a CDN; ours load nothing.
+    app = FastAPI(
+        title="batchyard",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.service = service
     install_error_handlers(app)
     app.add_middleware(EnvelopeMiddleware)
@@ -251,4 +259,5 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     app.include_router(projects.router)
     app.include_router(runs.router)
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
+    install_openapi(app)
     return app
