@@ -1,6 +1,7 @@
 """A newcomer's first ``batchyard run``: the shipped example on the embedded model, all answered.
 
-Default settings, a new organisation at tier 0, the real model on this
+Default settings, an organisation at tier 1 (whose pace alone would start twenty
+workers), the real model on this
 machine's CPU, the real CLI. The runner must fit the engine (two contexts, a
 few seconds a text on two cores): no text may fail on the first run, however
 slow the model is, and the plan it prints says how long the run will take.
@@ -39,7 +40,7 @@ def gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gateway
 
 @pytest.mark.timeout(900)
 def test_the_shipped_example_is_answered_whole_on_the_first_run(gateway, tmp_path):
-    key = gateway.org("newcomer", tier=0, credit="5")
+    key = gateway.org("newcomer", tier=1, credit="5")
     out = tmp_path / "answers.jsonl"
     result = CliRunner().invoke(
         run_command,
