@@ -22,6 +22,25 @@ __all__ = ["JsonFormatter", "request_id", "setup_logging"]
 #: The id of the API request being served in this context (``None`` outside one).
 request_id: ContextVar[str | None] = ContextVar("batchyard_request_id", default=None)
 
+_base_factory = logging.getLogRecordFactory()
+
+
+def _stamped_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+    """Every record made while a request is served carries its id.
+
+    Stamped when the record is made, in the request's own context, not when it
+    is formatted: a handler may format later, elsewhere.
+    """
+    record = _base_factory(*args, **kwargs)
+    rid = request_id.get()
+    if rid is not None and not hasattr(record, "request_id"):
+        record.request_id = rid
+    return record
+
+
+if getattr(logging.getLogRecordFactory(), "__name__", "") != "_stamped_record":
+    logging.setLogRecordFactory(_stamped_record)
+
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 _FORBIDDEN = ("key", "secret", "token", "password", "authorization", "content", "text", "messages")
 
@@ -34,9 +53,6 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        rid = request_id.get()
-        if rid is not None:
-            out["request_id"] = rid
         for name, value in vars(record).items():
             if name in _STANDARD or name.startswith("_"):
                 continue

@@ -141,6 +141,10 @@ class EnvelopeMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                log.debug(
+                    "answered",
+                    extra={"status": message["status"], "path": scope.get("path")},
+                )
                 headers = list(message.get("headers") or [])
                 extra = {"x-request-id": env.request_id, **env.extra_headers}
                 standing = env.standing or await _peek(env)
