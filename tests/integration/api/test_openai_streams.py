@@ -172,7 +172,10 @@ async def test_refusals_are_coded_and_cost_nothing(service, engine, path, body, 
 
 async def test_non_finite_numbers_are_not_json(service, engine):
     acct = make_account(service, credit="1")
-    raw = b'{"model": "kettei-core", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    raw = (
+        b'{"model": "kettei-core", "messages": [{"role": "user", "content": "x"}],'
+        b' "temperature": NaN}'
+    )
     async with asgi_client(service) as http:
         r = await http.post(
             "/v1/chat/completions",
