@@ -17,26 +17,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
-from batchyard.api import (
-    account,
-    batches,
-    chat,
-    completions,
-    decide,
-    embeddings,
-    models,
-    projects,
-    runs,
-)
-from batchyard.api.envelope import EnvelopeMiddleware
-from batchyard.api.errors import install_error_handlers
-from batchyard.api.openapi import install_openapi
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.config import Settings
 from batchyard.core.limits import InMemoryLimiter, Limiter
@@ -47,7 +31,6 @@ from batchyard.engines.base import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.service import Service
 from batchyard.store.database import Database
-from batchyard.web import routes as workspace
 from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.sealing import BatchKey, resolve_key
@@ -56,6 +39,9 @@ from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = ["build_service", "create_app", "limiter_from_url", "market_worker", "run_worker"]
 
@@ -178,7 +164,9 @@ def _market_worker(
 ) -> MarketWorker:
     book = book if book is not None else PriceBook()
     settings = MarketSettings(
-        interval_s=s.market_interval_s, feed_interval_s=s.price_feed_interval_s
+        interval_s=s.market_interval_s,
+        feed_interval_s=s.price_feed_interval_s,
+        lease_s=s.market_lease_s,
     )
     return MarketWorker(
         db=db,
@@ -218,7 +206,29 @@ def _run_worker(
 
 
 def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = True) -> FastAPI:
-    """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests)."""
+    """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests).
+
+    The doors are imported here, not at the top: a ``batchyard worker`` process
+    builds the service and never serves HTTP, so it starts without them.
+    """
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from batchyard.api import (
+        account,
+        batches,
+        chat,
+        completions,
+        decide,
+        embeddings,
+        models,
+        projects,
+        runs,
+    )
+    from batchyard.api.envelope import EnvelopeMiddleware
+    from batchyard.api.errors import install_error_handlers
+    from batchyard.api.openapi import install_openapi
+    from batchyard.web import routes as workspace
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
