@@ -253,7 +253,7 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     install_error_handlers(app)
     app.add_middleware(EnvelopeMiddleware)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=None)
     async def healthz() -> JSONResponse:
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
