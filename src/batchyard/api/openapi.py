@@ -251,9 +251,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         extra_body_types=("text/csv", _NDJSON, "application/vnd.apache.parquet"),
     ),
     ("get", "/v1/projects/{project_id}/datasets/{dataset_id}"): Operation(200, _Open, _READ),
-    ("get", "/v1/projects/{project_id}/datasets/{dataset_id}/rows"): Operation(
-        200, ListOf, _READ
-    ),
+    ("get", "/v1/projects/{project_id}/datasets/{dataset_id}/rows"): Operation(200, ListOf, _READ),
     ("patch", "/v1/projects/{project_id}/datasets/{dataset_id}/rows/{row_id}"): Operation(
         200, _Open, _WRITE, _Open
     ),

@@ -373,9 +373,7 @@ async def run_texts(
         first = next(jobs, None)
         if first is not None:
             await send([first])
-            estimate = dataclasses.replace(
-                estimate, measured_latency_s=clock.time() - started
-            )
+            estimate = dataclasses.replace(estimate, measured_latency_s=clock.time() - started)
             summary.estimate = estimate
         observer.planned(estimate, summary)
         for args in deferred:
