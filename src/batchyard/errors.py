@@ -15,6 +15,7 @@ not retryable.
     │   ├── InvalidJson
     │   ├── InvalidIdempotencyKey
     │   ├── UnknownModel
+    │   ├── UnknownField, CapabilityUnsupported
     │   ├── ModelUnavailable
     │   ├── UnsupportedInput
     │   ├── ContextWindowExceeded
@@ -26,7 +27,7 @@ not retryable.
     │   └── InvalidApiKey
     ├── InsufficientCredit (402)
     ├── Forbidden (403) ── InsufficientScope
-    ├── NotFound (404)
+    ├── NotFound (404) ── ModelNotFound
     ├── Conflict (409)
     │   ├── IdempotencyConflict
     │   ├── IdempotencyResponseExpired
@@ -53,6 +54,7 @@ from typing import Any, ClassVar
 __all__ = [
     "BatchUnavailable",
     "BatchyardError",
+    "CapabilityUnsupported",
     "Conflict",
     "ContextWindowExceeded",
     "DuplicateId",
@@ -72,6 +74,7 @@ __all__ = [
     "InvalidRequest",
     "InvalidState",
     "MissingApiKey",
+    "ModelNotFound",
     "ModelOutputInvalid",
     "ModelUnavailable",
     "ModelWarming",
@@ -84,6 +87,7 @@ __all__ = [
     "ServiceUnavailable",
     "TooFewOutcomes",
     "Unauthorized",
+    "UnknownField",
     "UnknownModel",
     "UnsupportedInput",
     "UpstreamError",
@@ -161,6 +165,18 @@ class UnknownModel(InvalidRequest):
     code = "unknown_model"
 
 
+class UnknownField(InvalidRequest):
+    """A body field the endpoint does not know: refused rather than silently ignored."""
+
+    code = "unknown_field"
+
+
+class CapabilityUnsupported(InvalidRequest):
+    """The model (its route) cannot do what the request asks: tools, streaming, embeddings..."""
+
+    code = "capability_unsupported"
+
+
 class ModelUnavailable(InvalidRequest):
     """The model is in the catalog but no route serves it yet."""
 
@@ -232,6 +248,12 @@ class InsufficientScope(Forbidden):
 class NotFound(BatchyardError):
     code = "not_found"
     status = 404
+
+
+class ModelNotFound(NotFound):
+    """OpenAI's answer to an unknown model on its own endpoints."""
+
+    code = "model_not_found"
 
 
 class Conflict(BatchyardError):

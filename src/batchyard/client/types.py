@@ -96,6 +96,8 @@ class EffectiveLimits(TypedDict, total=False):
     requests_per_minute: int
     tokens_per_minute: int
     estimate_tokens_per_minute: int
+    #: Requests the organisation may have in flight at once (all keys together).
+    concurrency: int
 
 
 class AutoTopUp(TypedDict):
@@ -138,6 +140,12 @@ class Model(TypedDict):
     #: None for base models, which are always served.
     warm: Warmth | None
     description: NotRequired[str | None]
+    created: NotRequired[int]
+    owned_by: NotRequired[str]
+    #: What the model's route can do: chat, tools, vision, streaming, completions, ...
+    capabilities: NotRequired[dict[str, bool]]
+    #: Calls its route runs at once, where it has such a bound (the embedded model).
+    concurrency: NotRequired[int | None]
 
 
 class KeepWarm(TypedDict):

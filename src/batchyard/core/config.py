@@ -54,6 +54,12 @@ class Settings:
     embedded_contexts: int = 2
     embedded_n_ctx: int = 2048
     warm_fallback_after_s: float = 10.0
+    # A request over its organisation's limits that would be admitted within this
+    # many seconds waits for its slot on the server instead of answering 429.
+    limits_queue_s: float = 10.0
+    # A concurrency slot's lease, renewed while its request runs: how long a
+    # crashed process can hold slots it never gave back.
+    slot_lease_s: float = 60.0
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -120,6 +126,8 @@ def load_settings(
         embedded_model_path=os.environ.get("BATCHYARD_MODEL_PATH")
         or data.get("embedded_model_path"),
         embedded_contexts=int(data.get("embedded_contexts", 2)),
+        limits_queue_s=float(data.get("limits_queue_s", 10.0)),
+        slot_lease_s=float(data.get("slot_lease_s", 60.0)),
         raw=data,
     )
     return replace(settings, **overrides) if overrides else settings

@@ -19,6 +19,7 @@ import pytest
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
+from batchyard.core.tiers import DEFAULT_TIERS
 from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import ModelUnavailable
@@ -221,21 +222,27 @@ async def test_zero_data_retention_reruns_and_recharges(service, engine, http):
 # -- limits and credit ------------------------------------------------------------
 
 
-async def test_over_the_tier_limit_is_429_with_retry_after_shared_by_every_key(
-    service, engine, http
-):
+async def test_over_the_tier_limit_is_429_with_retry_after_shared_by_every_key(make_service):
+    service = make_service(limits_queue_s=0)
+    engine = ScriptedEngine(clock=service.clock, scorer=text_scorer)
+    service.engines.set("embedded", engine)
     acct = make_account(service, credit="1")
     other_key = make_account(service, "acme", credit="0", scope=Scope.INFERENCE)
-    assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
-    limited = await http.post("/v1/decide", json=BODY, headers=other_key.headers)
-    assert limited.status_code == 429
-    assert limited.json()["error"]["code"] == "rate_limited"
-    assert limited.json()["error"]["retryable"] is True
-    wait = int(limited.headers["Retry-After"])
-    assert wait >= 1
-    assert len(engine.score_calls) == 2
-    service.clock.advance(wait)
-    assert (await http.post("/v1/decide", json=BODY, headers=other_key.headers)).status_code == 200
+    burst = service.tier(0).max_in_flight
+    async with asgi_client(service) as http:
+        for _ in range(burst):
+            r = await http.post("/v1/decide", json=BODY, headers=acct.headers)
+            assert r.status_code == 200
+        limited = await http.post("/v1/decide", json=BODY, headers=other_key.headers)
+        assert limited.status_code == 429
+        assert limited.json()["error"]["code"] == "rate_limited"
+        assert limited.json()["error"]["retryable"] is True
+        wait = int(limited.headers["Retry-After"])
+        assert wait >= 1
+        assert len(engine.score_calls) == 2 * burst
+        service.clock.advance(wait)
+        again = await http.post("/v1/decide", json=BODY, headers=other_key.headers)
+        assert again.status_code == 200
 
 
 async def test_402_when_credit_cannot_cover_the_most_expensive_outcome(service, engine, http):
@@ -287,16 +294,22 @@ async def test_estimate_counts_the_prompt_and_quotes_without_charging(service, e
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "no_decisions"
 
 
-async def test_estimates_have_their_own_token_budget(service, engine, http):
+async def test_estimates_have_their_own_token_budget(make_service):
+    # A tier whose estimate budget is smaller than one estimate's tokens, and no
+    # server-side queue: the second estimate in a row is refused at once.
+    tier = dataclasses.replace(DEFAULT_TIERS[0], estimate_tokens_per_minute=600)
+    service = make_service(tiers=(tier,), limits_queue_s=0)
+    service.engines.set("embedded", ScriptedEngine(clock=service.clock, scorer=text_scorer))
     acct = make_account(service, credit="1")
-    # A decision spends the requests limit; an estimate right after still runs.
-    assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
-    est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
-    assert est.status_code == 200
-    again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
-    assert again.status_code == 429 and "Retry-After" in again.headers
-    service.clock.advance(int(again.headers["Retry-After"]))
-    assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
+    async with asgi_client(service) as http:
+        # A decision spends the requests limit; an estimate right after still runs.
+        assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
+        est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+        assert est.status_code == 200
+        again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+        assert again.status_code == 429 and "Retry-After" in again.headers
+        service.clock.advance(int(again.headers["Retry-After"]))
+        assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
 
 
 async def test_default_max_output_tokens_is_the_longest_answer(service, engine, http):
@@ -312,7 +325,7 @@ async def test_default_max_output_tokens_is_the_longest_answer(service, engine, 
 
 
 async def test_a_newcomers_sequence(service, engine, http):
-    """estimate, decide, replay, change under the same key, exceed the tier, run dry."""
+    """estimate, decide, replay, change under the same key, run dry."""
     acct = make_account(service, "newcomer", credit="0")
     est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
     assert est.status_code == 200
@@ -332,9 +345,6 @@ async def test_a_newcomers_sequence(service, engine, http):
     assert conflict.status_code == 409
     assert conflict.json()["error"]["code"] == "idempotency_conflict"
     h2 = {**acct.headers, "Idempotency-Key": "ticket-2"}
-    limited = await http.post("/v1/decide", json=BODY, headers=h2)
-    assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
-    service.clock.advance(int(limited.headers["Retry-After"]))
     broke = await http.post("/v1/decide", json=BODY, headers=h2)
     assert broke.status_code == 402
     assert broke.json()["error"]["code"] == "insufficient_credit"
