@@ -28,11 +28,11 @@ from batchyard.api.context import (
 )
 from batchyard.api.json_body import parse_strict
 from batchyard.api.openai_door import StreamShape, resolve, sse_response
-from batchyard.api.openai_requests import ChatRequest, parse_chat
 from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.openai_bodies import ChatRequest, parse_chat
 from batchyard.core.prices import Price
 from batchyard.engines.base import Choice, CompletionRequest, Delta
 from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput

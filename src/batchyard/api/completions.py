@@ -15,10 +15,10 @@ from fastapi.responses import Response
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.json_body import parse_strict
 from batchyard.api.openai_door import StreamShape, resolve, sse_response
-from batchyard.api.openai_requests import parse_completion
 from batchyard.core.accounts import Scope
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.openai_bodies import parse_completion
 from batchyard.core.prices import Price
 from batchyard.engines.base import Choice, CompletionRequest, Delta
 from batchyard.errors import CapabilityUnsupported, ContextWindowExceeded, InvalidRequest

@@ -9,8 +9,6 @@ trained embedding model points a route at one (``serves_embeddings: true``).
 
 from __future__ import annotations
 
-import base64
-import struct
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,22 +17,16 @@ from fastapi.responses import Response
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.json_body import parse_strict
 from batchyard.api.openai_door import resolve
-from batchyard.api.openai_requests import parse_embedding
 from batchyard.core.accounts import Scope
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.openai_bodies import embedding_data, parse_embedding
 from batchyard.core.prices import Price
 from batchyard.service.deployment import service_of
 
 __all__ = ["router"]
 
 router = APIRouter()
-
-
-def _encode(vector: list[float], encoding: str) -> list[float] | str:
-    if encoding == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-    return vector
 
 
 @router.post("/v1/embeddings")
@@ -71,10 +63,7 @@ async def embeddings(request: Request) -> Response:
             vectors = [v[: body.dimensions] for v in vectors]
         return 200, {
             "object": "list",
-            "data": [
-                {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-                for i, v in enumerate(vectors)
-            ],
+            "data": embedding_data(vectors, body.encoding_format),
             "model": model.id,
             "usage": {
                 "prompt_tokens": result.usage.input_tokens,

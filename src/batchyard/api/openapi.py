@@ -26,7 +26,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict
 
-from batchyard.api.openai_requests import ChatRequest, CompletionTextRequest, EmbeddingRequest
+from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 
 __all__ = ["OPERATIONS", "Operation", "install_openapi"]
 

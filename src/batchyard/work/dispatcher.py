@@ -314,6 +314,17 @@ class Dispatcher:
                 await asyncio.shield(resolve_partial(reason))
             raise
 
+    async def call_embed(
+        self, *, route: RouteSpec, texts: list[str], input_tokens: int
+    ) -> Embeddings:
+        """Pace and embed on one route, billing left to the caller (as ``call`` does)."""
+        engine = self.engines.for_route(route)
+        if not isinstance(engine, EmbeddingEngine):
+            raise CapabilityUnsupported(f"route {route.id} serves no embeddings", param="model")
+        return await self._paced(
+            route, 0, input_tokens, lambda: engine.embed(route.upstream_model, texts)
+        )
+
     async def embed(
         self,
         *,
@@ -327,14 +338,9 @@ class Dispatcher:
         ref: str | None = None,
     ) -> tuple[Embeddings, int]:
         """Reserve, embed, settle: the vectors and the charge posted."""
-        engine = self.engines.for_route(route)
-        if not isinstance(engine, EmbeddingEngine):
-            raise CapabilityUnsupported(f"route {route.id} serves no embeddings", param="model")
         res = await self.reserve(org_id, max_cost, purpose="embeddings", ref=ref)
         try:
-            result = await self._paced(
-                route, 0, input_tokens, lambda: engine.embed(route.upstream_model, texts)
-            )
+            result = await self.call_embed(route=route, texts=texts, input_tokens=input_tokens)
         except BaseException as exc:
             reason = getattr(exc, "code", type(exc).__name__)
             await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))

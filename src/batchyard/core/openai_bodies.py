@@ -15,6 +15,8 @@ a number and ``1`` is not a boolean.
 
 from __future__ import annotations
 
+import base64
+import struct
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -26,6 +28,7 @@ __all__ = [
     "CompletionTextRequest",
     "EmbeddingRequest",
     "StreamOptions",
+    "embedding_data",
     "parse_chat",
     "parse_completion",
     "parse_embedding",
@@ -366,3 +369,16 @@ def parse_embedding(raw: dict[str, Any]) -> EmbeddingRequest:
         raise validation_error(exc) from None
     req.texts()
     return req
+
+
+def embedding_data(vectors: list[list[float]], encoding: str) -> list[dict[str, Any]]:
+    """OpenAI's ``data`` list of an embeddings answer; base64 is little-endian float32."""
+
+    def encoded(vector: list[float]) -> list[float] | str:
+        if encoding == "base64":
+            return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        return vector
+
+    return [
+        {"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)
+    ]
