@@ -108,6 +108,10 @@ class Settings:
     def resolve(cls, base_url: str | None, api_key: str | None, timeout: float | None) -> Settings:
         url = base_url or os.environ.get("BATCHYARD_BASE_URL") or DEFAULT_BASE_URL
         key = api_key if api_key is not None else os.environ.get("BATCHYARD_API_KEY")
+        if timeout is None and os.environ.get("BATCHYARD_TIMEOUT"):
+            # A read timeout never fails a text (the runner waits for the server's
+            # answer under the same key); it only says how long one wait lasts.
+            timeout = float(os.environ["BATCHYARD_TIMEOUT"])
         return cls(url.rstrip("/"), key or None, timeout or DEFAULT_TIMEOUT_S)
 
     def headers(self, call: Call) -> dict[str, str]:
