@@ -186,6 +186,8 @@ class Operation:
     summary: str = ""
     #: Also answers ``text/event-stream`` (with ``stream: true``).
     streams: bool = False
+    #: Other success statuses with the same body (a dialect that answers differently).
+    also: tuple[int, ...] = ()
     extra_body_types: tuple[str, ...] = field(default=())
 
 
@@ -233,14 +235,33 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/models"): Operation(200, ModelList, (401, 500), summary="The catalog"),
     ("get", "/v1/models/{model_id}"): Operation(200, ModelObject, (401, 404, 500)),
     ("post", "/v1/batches"): Operation(
-        201, _Open, (*_WRITE, 402, 429, 503), _Open, summary="Submit a deferred batch"
+        201,
+        _Open,
+        (*_WRITE, 402, 429, 503),
+        _Open,
+        summary="Submit a batch: deferred (201, seed 003's body) or a file batch (200, OpenAI's)",
+        also=(200,),
     ),
-    ("get", "/v1/batches"): Operation(200, ListOf, _READ, summary="Deferred batches"),
+    ("get", "/v1/batches"): Operation(200, ListOf, _READ, summary="Batches of both dialects"),
     ("get", "/v1/batches/{batch_id}"): Operation(200, _Open, _READ),
     ("post", "/v1/batches/{batch_id}/cancel"): Operation(200, _Open, _WRITE),
     ("get", "/v1/batches/{batch_id}/results"): Operation(
         200, _Open, _READ, media=_NDJSON, summary="Results, one JSON line per request"
     ),
+    ("post", "/v1/files"): Operation(
+        200,
+        _Open,
+        (*_WRITE, 415),
+        None,
+        summary="Upload a batch input file (multipart/form-data: purpose, file)",
+        extra_body_types=("multipart/form-data",),
+    ),
+    ("get", "/v1/files"): Operation(200, ListOf, _READ, summary="Files"),
+    ("get", "/v1/files/{file_id}"): Operation(200, _Open, _READ),
+    ("get", "/v1/files/{file_id}/content"): Operation(
+        200, _Open, _READ, media="application/jsonl", summary="A file's lines"
+    ),
+    ("delete", "/v1/files/{file_id}"): Operation(200, _Open, (*_READ, 409)),
     ("post", "/v1/projects"): Operation(201, _Open, _WRITE, _Open),
     ("get", "/v1/projects/{project_id}"): Operation(200, _Open, _READ),
     ("post", "/v1/projects/{project_id}/datasets"): Operation(
@@ -283,6 +304,7 @@ _REASONS = {
     404: "No such object (or model: model_not_found)",
     409: "Idempotency-Key conflict, in progress, or expired; or the object's state forbids it",
     413: "The request body is too large",
+    415: "The body is not of a media type this operation reads",
     429: "Over a limit; retry-after-ms and Retry-After say when a retry is admitted",
     500: "Internal error (logged with the answer's x-request-id)",
     502: "The model's upstream failed",
@@ -337,10 +359,12 @@ def _document(app: FastAPI) -> dict[str, Any]:
                 continue
             if spec.summary:
                 op["summary"] = spec.summary
+            content: dict[str, Any] = {}
             if spec.body is not None:
-                content: dict[str, Any] = {_JSON: {"schema": _ref(spec.body, schemas)}}
-                for media in spec.extra_body_types:
-                    content[media] = {"schema": {"type": "string", "format": "binary"}}
+                content[_JSON] = {"schema": _ref(spec.body, schemas)}
+            for media in spec.extra_body_types:
+                content[media] = {"schema": {"type": "string", "format": "binary"}}
+            if content:
                 op["requestBody"] = {"required": True, "content": content}
             ok: dict[str, Any] = {}
             if spec.response is not None:
@@ -359,11 +383,12 @@ def _document(app: FastAPI) -> dict[str, Any]:
                     }
                 }
             responses: dict[str, Any] = {
-                str(spec.success): {
-                    "description": _REASONS[spec.success],
+                str(status): {
+                    "description": _REASONS[status],
                     "content": ok,
                     "headers": _RATE_HEADERS,
                 }
+                for status in sorted({spec.success, *spec.also})
             }
             for status in sorted(set(spec.errors)):
                 responses[str(status)] = {
