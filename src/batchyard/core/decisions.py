@@ -273,13 +273,20 @@ def _instructions(decisions: Sequence[Decision], fmt: AnswerFormat) -> str:
 
 
 def build_messages(request: DecideRequest, fmt: AnswerFormat) -> list[dict[str, Any]]:
-    """The one prompt: the text once, then every question, then the answer format."""
-    parts: list[str] = []
+    """The one prompt: every question, then the text once, then the answer format.
+
+    The questions come first because they are the same for every text of a
+    batch (the seed asks for that): an engine that keeps the prompt prefix it
+    last read (the embedded one does) reads them once, and each text then costs
+    only its own tokens and the answer format. The text sits right before the
+    format it is answered in; on tuning tweets this order scored as well as the
+    text first.
+    """
+    parts: list[str] = [f"Questions:\n{_questions(request.decisions)}"]
     if request.input.text is not None:
         parts.append(f"Text:\n{request.input.text}")
     elif request.input.image_url is not None:
         parts.append("The questions are about the image.")
-    parts.append(f"Questions:\n{_questions(request.decisions)}")
     parts.append(_instructions(request.decisions, fmt))
     prompt = "\n\n".join(parts)
     content: str | list[dict[str, Any]] = prompt

@@ -9,6 +9,7 @@ engine answers at once.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +48,7 @@ class Wire:
     statuses: Counter[int] = field(default_factory=Counter)
     decide_statuses: Counter[int] = field(default_factory=Counter)
     replayed: int = 0
+    in_flight: int = 0
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
         async def counted(scope: Scope, receive: Receive, send: Send) -> None:
@@ -64,9 +66,21 @@ class Wire:
                             self.replayed += 1
                 await send(message)
 
-            await app(scope, receive, send_counted)
+            self.in_flight += 1
+            try:
+                await app(scope, receive, send_counted)
+            finally:
+                self.in_flight -= 1
 
         return counted
+
+    async def drained(self, timeout: float = 30.0) -> None:
+        """Wait until no request is being served: a killed client's calls still run to the end."""
+        for _ in range(int(timeout / 0.01)):
+            if self.in_flight == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{self.in_flight} requests still in flight")
 
     def reset(self) -> None:
         self.statuses.clear()
@@ -103,7 +117,7 @@ def _scorer(broken: set[str]) -> Callable[[str, list[dict[str, Any]], list[str]]
         prompt = str(messages[-1]["content"])
         if any(marker in prompt for marker in broken):
             raise UpstreamError("scripted upstream failure", retry_after=0)
-        text = prompt.split("Questions:")[0].lower()
+        text = prompt.split("Text:")[-1].split("Reply with")[0].lower()
         out = []
         for candidate in candidates:
             outcome = candidate.rsplit("\n", 1)[-1].split(": ", 1)[-1].lower()
