@@ -152,7 +152,9 @@ def test_check_shows_what_calibration_bought(
     row = next(line for line in lines if "balanced accuracy" in line)
     # sentiment: raw picks the first outcome (positive) every time; calibrated is right.
     assert "33.3%" in row and "100.0%" in row
-    assert any("negative" in line and "positive:2" in line and "negative:2" in line for line in lines)
+    assert any(
+        "negative" in line and "positive:2" in line and "negative:2" in line for line in lines
+    )
     quality = json.loads(report.read_text())["models"][0]["quality"]["sentiment"]
     assert quality["raw"]["accuracy"] == 0.25 and quality["calibrated"]["accuracy"] == 1.0
     assert quality["raw"]["confusion"]["negative"]["positive"] == 2

@@ -111,7 +111,9 @@ def test_a_set_fingerprint_changes_with_any_wording_order_or_model() -> None:
         cal.set_fingerprint("kettei-fat", base),
         cal.set_fingerprint("kettei-core", [("sentiment", "How so?", base[0][2])]),
         cal.set_fingerprint("kettei-core", [("sentiment", "How?", list(reversed(base[0][2])))]),
-        cal.set_fingerprint("kettei-core", [("sentiment", "How?", [("positive", ""), ("negative", "")])]),
+        cal.set_fingerprint(
+            "kettei-core", [("sentiment", "How?", [("positive", ""), ("negative", "")])]
+        ),
     ]
     assert len({fp, *others}) == 5
 
@@ -122,9 +124,8 @@ def test_batch_calibration_recovers_a_biased_models_accuracy() -> None:
     bias = [8.0, 1.0, 0.5]
     raw_hits = cal_hits = 0
     sums = [0.0, 0.0, 0.0]
-    n = 0
     content_free = [b / sum(bias) for b in bias]
-    for _ in range(600):
+    for n in range(600):
         label = rng.randrange(3)
         posterior = [0.2, 0.2, 0.2]
         posterior[label] = 0.6
@@ -136,6 +137,5 @@ def test_batch_calibration_recovers_a_biased_models_accuracy() -> None:
         raw_hits += max(range(3), key=raw.__getitem__) == label
         cal_hits += max(range(3), key=calibrated.__getitem__) == label
         sums = [s + r for s, r in zip(sums, raw, strict=True)]
-        n += 1
     assert raw_hits / 600 < 0.45
     assert cal_hits / 600 > 0.8
