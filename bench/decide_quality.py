@@ -41,9 +41,12 @@ calibrated call returns; ``calibrated``: its answers):
   is 0.5.
 
 And the cost: the calibrated call's time beside the uncalibrated call's, on
-the same texts in the same run (interleaved), with one context so each call
-has the engine to itself (``--contexts``), the set's first call (which also
-estimates the content-free prior) left out and reported apart. Target ≤ 1.5.
+the same texts in the same run (interleaved, one call at a time), on the
+default two engine contexts (``--contexts``), where the two orders of a
+calibrated call are scored side by side; the set's first call (which also
+estimates the content-free prior) is left out and reported apart. Target
+≤ 1.5. Beside it, the ratio of input tokens: the model work, which two orders
+double whatever the wall time.
 
     PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
     PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
@@ -199,6 +202,10 @@ def balanced(items: list[Item], per_class: int, seed: int) -> list[Item]:
 # -- scoring -----------------------------------------------------------------------
 
 
+# The client and the server share this process: its CPU time per call is the call's work.
+CPU_SPENT: list[float] = []
+
+
 def argmax(p: dict[str, float]) -> str:
     return max(p, key=lambda o: p[o])
 
@@ -242,6 +249,9 @@ class SetResult:
     two_way_call: Variant
     seconds_raw: list[float]
     seconds_calibrated: list[float]
+    # CPU seconds of this process (server and engine threads alike) per call.
+    cpu_raw: list[float]
+    cpu_calibrated: list[float]
     first_call_s: float
     content_free_tokens: int
     usage_ratio: float
@@ -256,9 +266,10 @@ async def decide(
         "decisions": [decision],
         "calibration": mode,
     }
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     r = await http.post("/v1/decide", json=body, headers=headers)
     elapsed = time.perf_counter() - started
+    CPU_SPENT.append(time.process_time() - cpu)
     r.raise_for_status()
     return r.json(), elapsed
 
@@ -277,18 +288,22 @@ async def run_set(
     two_way = Variant("2-way call")
     seconds_raw: list[float] = []
     seconds_cal: list[float] = []
+    cpu_raw: list[float] = []
+    cpu_cal: list[float] = []
     first_s = 0.0
     cf_tokens = 0
     tokens_raw = tokens_cal = 0
     for n, item in enumerate(items):
         # Interleaved, so a busy moment of the machine weighs on both alike.
         body, cal_s = await decide(http, headers, item.text, decision, "batch")
+        cal_cpu = CPU_SPENT[-1]
         if calibrated_only:
-            raw_body, raw_s = body, cal_s
+            raw_body, raw_s, raw_cpu = body, cal_s, cal_cpu
             answer = body["answers"][0]
             variants["raw"].add(item.label, answer["raw_probabilities"])
         else:
             raw_body, raw_s = await decide(http, headers, item.text, decision, "none")
+            raw_cpu = CPU_SPENT[-1]
             variants["raw"].add(item.label, raw_body["answers"][0]["probabilities"])
         answer = body["answers"][0]
         variants["raw, 2 orders"].add(item.label, answer["raw_probabilities"])
@@ -299,6 +314,8 @@ async def run_set(
         else:
             seconds_raw.append(raw_s)
             seconds_cal.append(cal_s)
+            cpu_raw.append(raw_cpu)
+            cpu_cal.append(cal_cpu)
             tokens_raw += raw_body["usage"]["input_tokens"]
             tokens_cal += body["usage"]["input_tokens"]
         if item.label != "neutral" and not calibrated_only:
@@ -314,6 +331,8 @@ async def run_set(
         two_way,
         seconds_raw,
         seconds_cal,
+        cpu_raw,
+        cpu_cal,
         first_s,
         cf_tokens,
         tokens_cal / tokens_raw if tokens_raw else math.nan,
@@ -358,17 +377,20 @@ def cost_table(results: list[SetResult]) -> Table:
         "uncalibrated s",
         "calibrated s",
         "ratio",
+        "CPU s ratio",
         "input tokens ratio",
         "first call",
     ):
         table.add_column(col, justify="left" if col == "set" else "right")
     for res in results:
         raw, calib = statistics.mean(res.seconds_raw), statistics.mean(res.seconds_calibrated)
+        cpu = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
         table.add_row(
             res.name,
             f"{raw:.3f}",
             f"{calib:.3f}",
             f"{calib / raw:.2f}",
+            f"{cpu:.2f}",
             f"{res.usage_ratio:.2f}",
             f"{res.first_call_s:.2f} s, +{res.content_free_tokens} tokens",
         )
@@ -488,6 +510,7 @@ def to_json(results: list[SetResult], half: str) -> dict[str, Any]:
                 "starved": v.starved() if v is not res.two_way_call else None,
                 "texts": len(v.labels),
             }
+        entry["cpu_ratio"] = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
         entry["cost_ratio"] = statistics.mean(res.seconds_calibrated) / statistics.mean(
             res.seconds_raw
         )

@@ -86,8 +86,9 @@ class Plan:
     price: Price
     max_cost: int
     # Calibration as it applies here ("none" where the engine cannot score),
-    # each order's prompt tokens, and what estimating the set's content-free
-    # prior costs; ``input_tokens`` includes the latter once ``prior_pending``.
+    # each order's prompt tokens, and, where this call would estimate the
+    # set's content-free prior (``prior_pending``), what that costs; then
+    # ``input_tokens`` includes it.
     calibration: CalibrationMode = "none"
     prompt_tokens: tuple[int, ...] = ()
     content_free_tokens: int = 0
@@ -143,13 +144,6 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
         tok.count_messages(rules.build_messages(r, fmt))
         for r in scoring_work.order_requests(req, mode)[1:]
     ]
-    content_free = 0
-    if mode != "none":
-        for cf in scoring_work.content_free_requests(req):
-            content_free += sum(
-                tok.count_messages(rules.build_messages(r, fmt))
-                for r in scoring_work.order_requests(cf, mode)
-            )
     input_tokens = sum(orders)
     max_cost = quote_ticks(price.cost(input_tokens, max_out))
     return Plan(
@@ -164,7 +158,6 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
         max_cost,
         mode,
         tuple(orders),
-        content_free,
     )
 
 
@@ -174,10 +167,17 @@ async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan:
         return plan
     if await calibrations_for(svc.dispatcher).prior_known(org_id, plan.model.id, req):
         return plan
-    input_tokens = plan.input_tokens + plan.content_free_tokens
+    count = svc.tokenizer(plan.model).count_messages
+    content_free = sum(
+        count(rules.build_messages(r, plan.fmt))
+        for cf in scoring_work.content_free_requests(req)
+        for r in scoring_work.order_requests(cf, plan.calibration)
+    )
+    input_tokens = plan.input_tokens + content_free
     return dataclasses.replace(
         plan,
         input_tokens=input_tokens,
+        content_free_tokens=content_free,
         max_cost=quote_ticks(plan.price.cost(input_tokens, plan.max_output_tokens)),
         prior_pending=True,
     )

@@ -133,6 +133,7 @@ class Client:
         input: DecideInput | None = None,
         max_output_tokens: int = 64,
         fallback: str = "base",
+        calibration: str | None = None,
         idempotency_key: str | None = None,
     ) -> DecideResponse:
         """Every question about one text in one request."""
@@ -142,6 +143,7 @@ class Client:
             input=calls.decide_input(text, image_url, input),
             max_output_tokens=max_output_tokens,
             fallback=fallback,
+            calibration=calibration,
         )
         return cast(DecideResponse, self.send(calls.decide(body, idempotency_key)))
 
@@ -155,6 +157,7 @@ class Client:
         input: DecideInput | None = None,
         max_output_tokens: int = 64,
         fallback: str = "base",
+        calibration: str | None = None,
     ) -> EstimateResponse:
         body = calls.decide_body(
             model=model,
@@ -162,6 +165,7 @@ class Client:
             input=calls.decide_input(text, image_url, input),
             max_output_tokens=max_output_tokens,
             fallback=fallback,
+            calibration=calibration,
         )
         return cast(EstimateResponse, self.send(calls.estimate(body)))
 
