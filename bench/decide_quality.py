@@ -40,13 +40,14 @@ calibrated call returns; ``calibrated``: its answers):
 - starved: the least (times chosen / times true) over the outcomes; the bar
   is 0.5.
 
-And the cost: the calibrated call's time beside the uncalibrated call's, on
-the same texts in the same run (interleaved, one call at a time), on the
-default two engine contexts (``--contexts``), where the two orders of a
-calibrated call are scored side by side; the set's first call (which also
-estimates the content-free prior) is left out and reported apart. Target
-≤ 1.5. Beside it, the ratio of input tokens: the model work, which two orders
-double whatever the wall time.
+And the cost: after a set's quality calls, its calibrated call's time beside
+the uncalibrated call's, on the same texts in the same run: alternating
+blocks of twelve calls of each mode, one call at a time, on the default two
+engine contexts (``--contexts``), where the two orders of a calibrated call
+are scored side by side (``measure_cost``). Target ≤ 1.5. Beside it, the
+ratio of the process's CPU seconds, and of input tokens: the model work,
+which two orders double whatever the wall time. The set's first call, which
+also estimates the content-free prior, is reported apart.
 
     PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
     PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
@@ -339,6 +340,33 @@ async def run_set(
     )
 
 
+async def measure_cost(
+    items: list[Item],
+    decision: dict[str, Any],
+    http: httpx.AsyncClient,
+    headers: dict[str, str],
+    blocks: int,
+    per_block: int,
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Wall and CPU seconds per call, uncalibrated and calibrated, on the same texts.
+
+    In alternating blocks of one mode each, as a user's stream of one decision
+    set runs (the engine keeps each order's prompt prefix on a context of its
+    own); a block's first call, which finds the other mode's prompt there, is
+    left out. Alternating blocks spread the machine's busy moments over both.
+    """
+    out: dict[str, tuple[list[float], list[float]]] = {"none": ([], []), "batch": ([], [])}
+    for b in range(blocks):
+        chunk = items[(b // 2) * per_block : (b // 2 + 1) * per_block]
+        for mode in ("none", "batch") if b % 2 == 0 else ("batch", "none"):
+            for i, item in enumerate(chunk):
+                _, wall = await decide(http, headers, item.text, decision, mode)
+                if i:
+                    out[mode][0].append(wall)
+                    out[mode][1].append(CPU_SPENT[-1])
+    return out["none"][0], out["batch"][0], out["none"][1], out["batch"][1]
+
+
 # -- reporting --------------------------------------------------------------------
 
 
@@ -435,6 +463,10 @@ async def main() -> None:
     parser.add_argument("--tune", action="store_true", help="run the tuning halves instead")
     parser.add_argument("--generic", action="store_true", help="one generic wording for all sets")
     parser.add_argument("--contexts", type=int, default=2)
+    parser.add_argument(
+        "--cost-blocks", type=int, default=4, help="blocks of 12 calls per mode for the cost"
+    )
+    parser.add_argument("--cost-only", action="store_true", help="skip the quality calls")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     console = Console()
@@ -462,7 +494,7 @@ async def main() -> None:
                 results.append(
                     await run_set(
                         name,
-                        items,
+                        items[:1] if args.cost_only else items,
                         decision,
                         http,
                         acct.headers,
@@ -471,6 +503,14 @@ async def main() -> None:
                     )
                 )
                 content_free[name] = await content_free_prior(service, acct.org_id, decision)
+                if not args.tune:
+                    res = results[-1]
+                    measured = await measure_cost(
+                        items, decision, http, acct.headers, args.cost_blocks, 12
+                    )
+                    res.seconds_raw, res.seconds_calibrated, res.cpu_raw, res.cpu_calibrated = (
+                        measured
+                    )
         await service.stop()
     console.print(quality_table(results, half))
     console.print(cost_table(results))
