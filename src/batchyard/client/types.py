@@ -15,6 +15,7 @@ __all__ = [
     "Batch",
     "BatchRequest",
     "BatchResultLine",
+    "Calibration",
     "ChatCompletion",
     "Credit",
     "DecideInput",
@@ -54,11 +55,21 @@ class Answer(TypedDict):
     decision: str
     outcome: str
     probabilities: NotRequired[dict[str, float]]
+    # The model's own probabilities before calibration, where the server calibrated.
+    raw_probabilities: NotRequired[dict[str, float]]
 
 
 class Usage(TypedDict):
     input_tokens: int
     output_tokens: int
+    calibration_input_tokens: NotRequired[int]
+
+
+class Calibration(TypedDict):
+    mode: str
+    orders: int
+    texts: int
+    content_free_estimated: bool
 
 
 class Fallback(TypedDict):
@@ -73,12 +84,14 @@ class DecideResponse(TypedDict):
     usage: Usage
     charge: str
     fallback: Fallback | None
+    calibration: NotRequired[Calibration | None]
 
 
 class EstimateResponse(TypedDict):
     input_tokens: int
     max_output_tokens: int
     max_cost: str
+    calibration_input_tokens: NotRequired[int]
 
 
 class Organization(TypedDict):

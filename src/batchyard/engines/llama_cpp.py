@@ -65,6 +65,8 @@ class _Model:
         # The token that closes an assistant turn, for scoring a candidate as
         # the complete reply (see ``LlamaCppEngine.score_turn_end``).
         self.turn_end: int = end
+        # The text of the prompt this instance's context holds (see ``_Pool.take``).
+        self.holds: str = ""
 
     def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.template is not None:
@@ -99,6 +101,34 @@ class _Pool:
     @property
     def loaded(self) -> bool:
         return bool(self.models)
+
+    async def take(self, prompt: str | None) -> _Model:
+        """A free instance; of those free now, the one whose context holds most of ``prompt``.
+
+        Scoring reuses the prompt prefix a context already holds. Calibrated
+        decide alternates two prompts that differ early (the outcomes listed
+        in two orders); sending each to the instance that read it last keeps
+        both cached instead of evicting one with the other.
+        """
+        model = await self.free.get()
+        if prompt is None or self.free.empty():
+            return model
+        others = [self.free.get_nowait() for _ in range(self.free.qsize())]
+        best = max([model, *others], key=lambda m: _shared_prefix(m.holds, prompt))
+        for m in [model, *others]:
+            if m is not best:
+                self.free.put_nowait(m)
+        return best
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _log_softmax_at(row: Any, token: int) -> float:
@@ -316,11 +346,13 @@ class LlamaCppEngine:
 
     # -- running ------------------------------------------------------------------
 
-    async def _run(self, version: str | None, work: Callable[[_Model], T]) -> T:
+    async def _run(
+        self, version: str | None, work: Callable[[_Model], T], prompt: str | None = None
+    ) -> T:
         pool = self._pools[version]
         if not pool.loaded:
             await self.load_version(version)
-        model = await pool.free.get()
+        model = await pool.take(prompt)
         future = asyncio.get_running_loop().run_in_executor(pool.executor, work, model)
         try:
             result = await asyncio.shield(future)
@@ -402,6 +434,7 @@ class LlamaCppEngine:
         prep = self._prepared(request)
 
         def work(model: _Model) -> tuple[list[Choice], int, int]:
+            model.holds = ""
             choices: list[Choice] = []
             prompt_tokens = output_tokens = 0
             for i in range(max(1, request.n)):
@@ -568,7 +601,10 @@ class LlamaCppEngine:
         if not candidates:
             return [], Usage(input_tokens=0, output_tokens=0)
 
+        key = "\x00".join(f"{m['role']}\x00{m['content']}" for m in plain)
+
         def work(m: _Model) -> tuple[list[float], Usage]:
+            m.holds = ""
             prompt_text = m.prompt_text(plain)
             tokenize = m.llama.tokenize
             prompt = tokenize(prompt_text.encode("utf-8"), add_bos=False, special=True)
@@ -589,9 +625,10 @@ class LlamaCppEngine:
                     f"exceed the context window of {m.llama.n_ctx()}"
                 )
             scores = [sum(lps) for lps in _continuation_logprobs(m, prompt, conts)]
+            m.holds = key
             return scores, Usage(len(prompt), sum(len(c) for c in conts))
 
-        return await self._run(self.version_for(model), work)
+        return await self._run(self.version_for(model), work, key)
 
     async def aclose(self) -> None:
         if self._embedding_model is not None:
