@@ -19,7 +19,7 @@ def test_0003_creates_batches_and_items_and_downgrades_cleanly(fresh_db):
     }
     with fresh_db.engine.connect() as conn:
         heads = {r[0] for r in conn.execute(text("SELECT version_num FROM alembic_version"))}
-    assert heads == {"0004"}  # the latest; 0003 is under it
+    assert heads == {"0005"}  # the latest; 0003 is under it
     migrations.downgrade(fresh_db, "0001")
     assert not {"batches", "batch_items"} & set(inspect(fresh_db.engine).get_table_names())
     fresh_db.migrate()
