@@ -49,7 +49,7 @@ bench: install
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/pacing.py
 	$(BIN)/python bench/runs.py
-	$(BIN)/python bench/market.py
+	$(BIN)/python -m bench.market
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
