@@ -5,9 +5,8 @@
 dark). ``replay`` runs a policy exactly as ``batchyard.work.market`` does:
 pending items most urgent deadline first, ``choose`` for each until ten are
 chosen in the pass, the market shown to a learning policy at every check,
-quiet or not. One shortcut: ``choose`` is not called for an item with no
-route qualifying at its minimum, since no policy may dispatch it then (the
-rule), and the policies here keep no per-item state.
+quiet or not, every pending item asked in order (a policy may learn the queue
+from who it is asked about, as the worker shows it).
 """
 
 from __future__ import annotations
@@ -187,14 +186,13 @@ def replay(policy: Policy, market: Market, items: Sequence[SimItem], start: int)
             observe(offers, DIRECT, now)
         if not pending:
             continue
-        deepest = market.deepest[k]
         chosen = 0
         keep: list[tuple[float, str, SimItem]] = []
         for entry in pending:
             sim = entry[2]
             if k > sim.last:
                 continue  # expired
-            if chosen >= PER_PASS or deepest < float(sim.item.min_discount) - 1e-9:
+            if chosen >= PER_PASS:
                 keep.append(entry)
                 continue
             offer = policy.choose(sim.item, offers, DIRECT, now)

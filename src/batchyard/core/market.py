@@ -21,6 +21,7 @@ the dearest of it and its fallbacks, because any of them may end up serving.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -280,6 +281,11 @@ class DeadlineAware:
         self._qualifying: dict[
             tuple[int, Decimal], tuple[Sequence[RouteOffer], list[RouteOffer]]
         ] = {}
+        self._taken = 0
+        self._roster: list[_Asked] = []
+        self._roster_before: list[_Asked] = []
+        self._sent: set[str] = set()
+        self._sent_before: set[str] = set()
 
     def safety_window(self, item: Item) -> timedelta:
         """How close to its deadline an item takes any qualifying offer."""
@@ -314,8 +320,12 @@ class DeadlineAware:
         self.observe(offers, direct, now)
         if now >= item.deadline:
             return None
-        if now != self._pass_at:
-            self._pass_at, self._waiting, self._qualifying = now, 0, {}
+        if self._pass_at is None or abs(now - self._pass_at) > _SAME_PASS:
+            self._new_pass(now)
+        market = self._market(offers)
+        minimum = float(item.min_discount)
+        market.asked(minimum, now, self)
+        self._roster.append(_Asked(item.deadline, item.id, minimum, market))
         # Which routes qualify is the same for every item of a pass with this minimum.
         # (The entry holds the offers, so their id cannot be reused while it is kept.)
         key = (id(offers), item.min_discount)
@@ -330,25 +340,86 @@ class DeadlineAware:
             if not payable:
                 return None
             best = payable[0]
-        left = item.deadline - now
-        window = self.safety_window(item)
-        if left <= window:
-            return best
-        minimum = float(item.min_discount)
-        plans = self._market(offers).plans(self, offers, now, minimum)
-        got = (
-            None if plans is None else plans.lookup(minimum, _checks(left), _checks(left - window))
-        )
-        if got is None:
-            return best  # nothing learnt yet: no bet on the deadline
-        value, chances = got
-        if chances < 1 + self.spare + self._waiting // self.per_pass:
-            return best
-        cost_now = 100.0 - float(_offer_discount(best, direct))
-        if cost_now <= value * (1 + self.slack):
+        if self._decide(item, best, market, offers, direct, now):
+            self._taken += 1
+            self._sent.add(item.id)
             return best
         self._waiting += 1
         return None
+
+    def _new_pass(self, now: datetime) -> None:
+        self._pass_at, self._waiting, self._taken, self._qualifying = now, 0, 0, {}
+        self._roster_before, self._roster = self._roster, []
+        self._sent_before, self._sent = self._sent, set()
+
+    def _decide(
+        self,
+        item: Item,
+        best: RouteOffer,
+        market: _MarketPlans,
+        offers: Sequence[RouteOffer],
+        direct: Price,
+        now: datetime,
+    ) -> bool:
+        """Take ``best`` now (True) or wait; see the class docstring."""
+        left = item.deadline - now
+        window = self.safety_window(item)
+        if left <= window:
+            return True
+        minimum = float(item.min_discount)
+        plans = market.plans(self, now, minimum)
+        got = (
+            None if plans is None else plans.lookup(minimum, _checks(left), _checks(left - window))
+        )
+        if plans is None or got is None:
+            return True  # nothing learnt yet: no bet on the deadline
+        value, chances = got
+        if chances < 1 + self.spare + self._waiting // self.per_pass:
+            return True
+        cost_now = 100.0 - float(_offer_discount(best, direct))
+        if cost_now > value * (1 + self.slack):
+            return False
+        return not self._crowds(item, market, plans, offers, direct, now)
+
+    def _crowds(
+        self,
+        item: Item,
+        market: _MarketPlans,
+        plans: Plans,
+        offers: Sequence[RouteOffer],
+        direct: Price,
+        now: datetime,
+    ) -> bool:
+        """Would taking this item leave no room this pass for scarcer items behind it?
+
+        The worker asks in deadline order and stops at ``per_pass`` dispatches.
+        An item that could safely wait should not take the last places of a
+        pass from items later in the order (as the previous pass listed them)
+        for which this price may be the last chance: they have no other.
+        """
+        deepest: float | None = None
+        behind = 0
+        for asked in self._roster_before:
+            if (
+                asked.market is not market
+                or asked.deadline <= item.deadline
+                or asked.deadline <= now
+                or asked.id in self._sent
+                or asked.id in self._sent_before
+            ):
+                continue
+            if deepest is None:
+                deepest = max(
+                    (float(_offer_discount(o, direct)) for o in offers if _payable(o)),
+                    default=-math.inf,
+                )
+            if deepest < asked.minimum:
+                continue
+            left = asked.deadline - now
+            got = plans.lookup(asked.minimum, _checks(left), _checks(left - self.safety))
+            if got is None or got[1] < 1 + self.spare:
+                behind += 1
+        return self._taken + 1 + behind > self.per_pass
 
     def _market(self, offers: Sequence[RouteOffer]) -> _MarketPlans:
         key = market_key(offers)
@@ -356,6 +427,16 @@ class DeadlineAware:
         if got is None:
             got = self._plans[key] = _MarketPlans(sorted(o.route for o in offers))
         return got
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """An item the worker asked about in a pass, in the order it asked."""
+
+    deadline: datetime
+    id: str
+    minimum: float
+    market: _MarketPlans
 
 
 class _MarketPlans:
@@ -369,9 +450,11 @@ class _MarketPlans:
         #: Minima asked about, with the bucket they were last asked in.
         self.minima: dict[float, int] = {}
 
-    def plans(
-        self, policy: DeadlineAware, offers: Sequence[RouteOffer], now: datetime, minimum: float
-    ) -> Plans | None:
+    def asked(self, minimum: float, now: datetime, policy: DeadlineAware) -> None:
+        """Note a minimum asked about, so the next plans are solved for it too."""
+        self.minima[minimum] = slot_index(now) // policy._replan
+
+    def plans(self, policy: DeadlineAware, now: datetime, minimum: float) -> Plans | None:
         bucket = slot_index(now) // policy._replan
         self.minima[minimum] = bucket
         if bucket != self.bucket:
@@ -404,6 +487,11 @@ class _MarketPlans:
             risk=policy.risk,
             regress=policy.regress,
         )
+
+
+#: Items asked about this close together belong to one pass (a caller whose clock
+#: ticks between items still has its burst counted as one).
+_SAME_PASS = timedelta(seconds=1)
 
 
 def _checks(span: timedelta) -> int:

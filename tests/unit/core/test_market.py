@@ -247,6 +247,24 @@ def test_a_burst_beyond_what_the_chances_can_carry_is_dispatched_now() -> None:
     assert waited == [True] * 12 + [False] * 8
 
 
+def test_an_item_that_can_wait_leaves_the_pass_to_one_that_cannot() -> None:
+    # Scenarios: 60 % off all along. An item needing 40 % can always wait for it;
+    # one needing 80 % never sees it again after this pass.
+    source = Fixed([60.0] * 16)
+    policy = DeadlineAware(scenarios=source, per_pass=1)
+    easy = item(40, hours=2, id="easy")
+    hard = item(80, hours=3, id="hard")
+    # A pass at 50 % off: the easy item waits for 60 %, the hard one cannot go.
+    for it in (easy, hard):
+        assert policy.choose(it, [offer("a", "0.5")], DIRECT, T0) is None
+    # Next pass, 85 % off: worth taking for both, but only one place a pass and the
+    # hard item has no other chance, so the easy one (asked first) lets it go first.
+    later = T0 + timedelta(seconds=15)
+    deep = [offer("a", "0.15")]
+    assert policy.choose(easy, deep, DIRECT, later) is None
+    assert policy.choose(hard, deep, DIRECT, later) == deep[0]
+
+
 def test_policy_by_name() -> None:
     assert isinstance(policy_by_name("first_eligible"), FirstEligible)
     assert isinstance(policy_by_name("deadline-aware"), DeadlineAware)
