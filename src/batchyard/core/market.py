@@ -225,7 +225,10 @@ class DeadlineAware:
        than one; ``spare`` more keep a scenario set that barely holds a
        chance from betting a deadline on it.
     4. *Worth.* Taking now costs at most ``1 + slack`` times what the best
-       plan of waiting is expected to cost (``batchyard.core.stopping``).
+       plan of waiting is expected to cost (``batchyard.core.stopping``),
+       unless that would take one of the pass's last places from items later
+       in the order (as the previous pass listed them) for which this price
+       may be the last chance: then it waits a pass and they go first.
 
     The scenarios come from ``scenarios`` when given (the benchmark hands the
     online optimum the law itself this way), else from per-route histories
@@ -259,8 +262,8 @@ class DeadlineAware:
             raise ValueError("slack must be above -1, and penalty cannot be negative")
         if safety < timedelta(0) or memory <= timedelta(0) or replan <= timedelta(0):
             raise ValueError("durations must be positive")
-        if per_pass < 1:
-            raise ValueError("a pass dispatches at least one item")
+        if per_pass < 1 or spare < 0:
+            raise ValueError("a pass dispatches at least one item; spare cannot be negative")
         self.slack = slack
         self.penalty = penalty
         self.risk = risk
