@@ -25,8 +25,8 @@ from bench.market.laws import Family
 from bench.market.trace import CHECK_S, PER_DAY, PER_HOUR, START, Trace, time_of
 
 from batchyard.core.market import Item, Policy, RouteOffer, offer_cost, qualifies
-from batchyard.core.outlook import slot_index
 from batchyard.core.prices import Price
+from batchyard.core.route_history import slot_index
 
 Floats = npt.NDArray[np.float64]
 

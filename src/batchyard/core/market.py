@@ -31,8 +31,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from batchyard.core.outlook import SLOT, HistoryScenarios, ScenarioSource, slot_index
+from batchyard.core.outlook import HistoryScenarios, ScenarioSource
 from batchyard.core.prices import Price, discount_percent
+from batchyard.core.route_history import SLOT, slot_index
 from batchyard.core.stopping import Plans, solve
 
 __all__ = [

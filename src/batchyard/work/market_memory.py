@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from batchyard.core.market import LearningPolicy, Policy
-from batchyard.core.outlook import slot_index
+from batchyard.core.route_history import slot_index
 from batchyard.store import market_history
 
 if TYPE_CHECKING:

@@ -8,15 +8,8 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from batchyard.core.outlook import (
-    SLOT,
-    HistoryScenarios,
-    RouteHistory,
-    depth,
-    discount,
-    fit_route,
-    slot_index,
-)
+from batchyard.core.outlook import HistoryScenarios, depth, discount, fit_route
+from batchyard.core.route_history import SLOT, RouteHistory, slot_index
 from batchyard.core.stopping import COLUMNS
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)
