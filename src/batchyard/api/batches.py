@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.core.accounts import Scope
+from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
 from batchyard.service import batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 
@@ -27,7 +27,7 @@ router = APIRouter()
 
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    principal = await authenticate(request)
     svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=MAX_BODY_BYTES)
@@ -39,10 +39,15 @@ async def create_batch(request: Request) -> Response:
     return await idempotent(request, principal, raw, handler, min_len=8, required=True)
 
 
+def _batch_id(value: str) -> str:
+    return object_id(value, "bat", param="batch_id", what="batch")
+
+
 @router.get("/v1/batches")
-async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
-    limit = max(1, min(limit, 100))
+async def list_batches(request: Request) -> JSONResponse:
+    principal = await authenticate(request)
+    limit = query_limit(request, default=20, most=100)
+    after = query_id_cursor(request, "bat", name="after")
     data = await batches.list_views(service_of(request), principal, after=after, limit=limit)
     return json_response(
         {
@@ -55,20 +60,29 @@ async def list_batches(request: Request, after: str | None = None, limit: int = 
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(request: Request, batch_id: str) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
+    principal = await authenticate(request)
+    _batch_id(batch_id)
     svc = service_of(request)
-    view = await svc.db.read(lambda c: batches.load_view(c, principal.org_id, batch_id))
+    view = await svc.db.read(lambda c: batches.load_view(c, principal, batch_id))
     return json_response(view)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
-    return json_response(await batches.cancel(service_of(request), principal, batch_id))
+async def cancel_batch(request: Request, batch_id: str) -> Response:
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    body = await read_empty(request)
+    svc = service_of(request)
+
+    async def handler() -> tuple[int, Any]:
+        return 200, await batches.cancel(svc, principal, batch_id)
+
+    return await idempotent(request, principal, body, handler)
 
 
 @router.get("/v1/batches/{batch_id}/results")
 async def batch_results(request: Request, batch_id: str) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
+    principal = await authenticate(request)
+    _batch_id(batch_id)
     lines = await batches.result_lines(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-ndjson")

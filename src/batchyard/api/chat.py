@@ -21,7 +21,6 @@ from batchyard.api.context import (
     read_json,
     service_of,
 )
-from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
@@ -92,7 +91,7 @@ def _check_messages(messages: list[dict[str, Any]], reads_images: bool) -> bool:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    principal = await authenticate(request)
     raw = await read_json(request)
     svc = service_of(request)
     try:

@@ -25,18 +25,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from batchyard.api.bodies import DecideBody, KeepWarmBody
 from batchyard.api.context import (
     authenticate,
     check_tier_limits,
     idempotent,
-    json_response,
     read_json,
     service_of,
 )
+from batchyard.api.inputs import strict
 from batchyard.core import decisions as rules
-from batchyard.core.accounts import Scope
 from batchyard.core.catalog import ModelSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
@@ -270,8 +270,9 @@ async def _decide(
 
 @router.post("/v1/decide")
 async def decide(request: Request) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    principal = await authenticate(request)
     raw = await read_json(request)
+    strict(DecideBody, raw)
     svc = service_of(request)
     req, primary, fallback = prepare(svc, raw)
 
@@ -283,28 +284,32 @@ async def decide(request: Request) -> Response:
 
 
 @router.post("/v1/decide/estimate")
-async def estimate(request: Request) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+async def estimate(request: Request) -> Response:
+    principal = await authenticate(request)
     raw = await read_json(request)
+    strict(DecideBody, raw)
     svc = service_of(request)
     _, primary, fallback = prepare(svc, raw)
-    await check_tier_limits(
-        request, principal, requests=1, tokens=primary.input_tokens, kind="estimate"
-    )
-    max_cost = max(primary.max_cost, fallback.max_cost if fallback else 0)
-    return json_response(
-        {
+
+    async def handler() -> tuple[int, Any]:
+        await check_tier_limits(
+            request, principal, requests=1, tokens=primary.input_tokens, kind="estimate"
+        )
+        max_cost = max(primary.max_cost, fallback.max_cost if fallback else 0)
+        return 200, {
             "input_tokens": primary.input_tokens,
             "max_output_tokens": primary.max_output_tokens,
             "max_cost": format_money(max_cost),
         }
-    )
+
+    return await idempotent(request, principal, raw, handler)
 
 
 @router.post("/v1/models/{model_id}/keep-warm")
 async def keep_warm(request: Request, model_id: str) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    principal = await authenticate(request)
     raw = await read_json(request)
+    minutes = strict(KeepWarmBody, raw).minutes
     svc = service_of(request)
     model = svc.catalog.models.get(model_id)
     if model is None:
@@ -316,12 +321,7 @@ async def keep_warm(request: Request, model_id: str) -> Response:
             param="model",
             code="not_a_model_version",
         )
-    minutes = raw.get("minutes")
-    if (
-        isinstance(minutes, bool)
-        or not isinstance(minutes, int | float)
-        or not 0 < minutes <= MAX_KEEP_WARM_MINUTES
-    ):
+    if not 0 < minutes <= MAX_KEEP_WARM_MINUTES:
         raise InvalidRequest(
             f"minutes must be a number above 0 and at most {MAX_KEEP_WARM_MINUTES}",
             param="minutes",
