@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,11 +22,22 @@ __all__ = ["error_response", "install_error_handlers"]
 log = logging.getLogger("batchyard.api")
 
 
+def _encodable(value: Any) -> Any:
+    """A body that always encodes: a message that echoes input may hold a lone surrogate."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
+
+
 def error_response(exc: BatchyardError) -> JSONResponse:
     headers = {}
     if exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    return JSONResponse(exc.to_body(), status_code=exc.status, headers=headers)
+    return JSONResponse(_encodable(exc.to_body()), status_code=exc.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

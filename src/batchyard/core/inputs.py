@@ -30,7 +30,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batchyard.errors import BatchyardError, InvalidJson, InvalidRequest, InvalidType, UnknownField
 
-__all__ = ["MAX_DEPTH", "Shape", "check_document", "check_text", "parse_json", "strict"]
+__all__ = [
+    "MAX_DEPTH",
+    "Shape",
+    "check_document",
+    "check_text",
+    "parse_json",
+    "printable",
+    "strict",
+]
 
 #: Nesting levels a body may have: deep enough for any real request, far from
 #: the recursion limits of the parser and of everything that walks a body.
@@ -64,13 +72,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"the key {key[:60]!r} appears twice in one object")
+            raise ValueError(f"the key {printable(key, 60)!r} appears twice in one object")
         out[key] = value
     return out
 
 
+def printable(text: str, limit: int = 80) -> str:
+    """``text`` safe to echo in an error: no lone surrogates, no control characters, short."""
+    text = text[:limit].encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
 def _path(parts: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in parts) or "body"
+    return ".".join(printable(str(p), 40) for p in parts) or "body"
 
 
 def _walk(value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -147,7 +161,7 @@ def _is_tag(part: Any) -> bool:
 
 def _error_of(exc: ValidationError, prefix: str) -> BatchyardError:
     first = exc.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if not _is_tag(p))
+    loc = ".".join(printable(str(p), 40) for p in first.get("loc", ()) if not _is_tag(p))
     param = ".".join(p for p in (prefix, loc) if p) or None
     kind = str(first.get("type", ""))
     where = param or "the body"
