@@ -19,14 +19,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
-from batchyard.api import account, batches, chat, decide, models, projects, runs
-from batchyard.api.errors import install_error_handlers
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.config import Settings
 from batchyard.core.limits import InMemoryLimiter, Limiter
@@ -40,7 +36,6 @@ from batchyard.service import Service
 from batchyard.service.access import check_complete
 from batchyard.store import health
 from batchyard.store.database import Database
-from batchyard.web import routes as workspace
 from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.sealing import BatchKey, resolve_key
@@ -50,6 +45,9 @@ from batchyard.work.engines import EngineRegistry
 from batchyard.work.holds import HoldSweeper
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = [
     "READINESS",
@@ -182,7 +180,9 @@ def _market_worker(
 ) -> MarketWorker:
     book = book if book is not None else PriceBook()
     settings = MarketSettings(
-        interval_s=s.market_interval_s, feed_interval_s=s.price_feed_interval_s
+        interval_s=s.market_interval_s,
+        feed_interval_s=s.price_feed_interval_s,
+        lease_s=s.market_lease_s,
     )
     return MarketWorker(
         db=db,
@@ -253,7 +253,17 @@ def create_app(
     close_on_exit: bool = True,
     readiness: Sequence[tuple[str, ReadinessCheck]] = READINESS,
 ) -> FastAPI:
-    """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests)."""
+    """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests).
+
+    The doors are imported here, not at the top: a ``batchyard worker`` process
+    builds the service and never serves HTTP, so it starts without them.
+    """
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from batchyard.api import account, batches, chat, decide, models, projects, runs
+    from batchyard.api.errors import install_error_handlers
+    from batchyard.web import routes as workspace
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

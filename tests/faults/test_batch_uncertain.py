@@ -3,16 +3,20 @@
 Nothing is retried and nothing is released, because the provider may have
 run (and billed) the call; the held reservation shows in GET /v1/activity so
 the owner can check before resubmitting.
+
+The deferred pass runs on a real ``batchyard worker`` process, killed with
+SIGKILL while its calls are held open by a fake upstream on loopback: no
+``finally`` block or cancellation handler of the worker runs. The test's own
+market worker then takes over, its clock moved to each side of the dead
+worker's leases.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from datetime import timedelta
-
-import httpx
+from pathlib import Path
 
 from batchyard.app import market_worker
 from batchyard.store import ledger
@@ -20,6 +24,7 @@ from tests.support.accounts import make_account
 from tests.support.batches import (
     BlockingEngine,
     batch_body,
+    chat,
     eventually,
     feed_route,
     item_rows,
@@ -27,65 +32,117 @@ from tests.support.batches import (
     submit,
     worker,
 )
-from tests.support.server import live_server
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.processes import Workers, deployment
+from tests.support.server import asgi_client
+from tests.support.services import ServiceFactory
+
+TEXTS = [f"Summarize public release note number {i}." for i in range(4)]
+ANSWERED_FIRST = 1  # the upstream answers one call, then holds the others open
 
 
-async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(market, clock):
-    svc = market(feed_route("spot"))
-    engine = BlockingEngine()
-    svc.engines.set("spot", engine)
-    acct = make_account(svc, credit="1")
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
-        bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
-        set_price(svc, "spot", "0.008", "0.03")
-
-        doomed = market_worker(svc, lease_s=120, book=worker(svc).book)
-        task = asyncio.create_task(doomed.run_pass())
-        await asyncio.wait_for(engine.entered.wait(), 5)
-        (item,) = item_rows(svc, bid)
-        assert item.status == "dispatched" and item.reservation_id
-        task.cancel()  # the worker dies while the engine call is in flight
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-        # Another worker, before the lease lapses: the item is not touched.
-        survivor = market_worker(svc, book=worker(svc).book)
-        await survivor.run_pass()
-        assert item_rows(svc, bid)[0].status == "dispatched"
-
-        clock.advance(121)
-        report = await survivor.run_pass()
-        assert report.uncertain == 1
-
-        (after,) = item_rows(svc, bid)
-        res = svc.db.transact_sync(lambda c: ledger.get_reservation(c, item.reservation_id))
-        bal = svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id))
-        activity = (await http.get("/v1/activity", headers=acct.headers)).json()["data"]
-        batch = (await http.get(f"/v1/batches/{bid}", headers=acct.headers)).json()
-        lines = (await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)).content
-
-        # More passes later: still no retry.
-        clock.advance(3600)
-        await survivor.run_pass()
-
-    assert after.status == "uncertain" and after.reservation_id == item.reservation_id
-    assert res.state == "held" and bal.held == res.amount > 0
-    assert len(engine.calls) == 1
-    kinds = {a["kind"]: a for a in activity}
-    assert kinds["dispatch"]["reservation_id"] == item.reservation_id
-    assert kinds["uncertain"]["reservation_id"] == item.reservation_id
-    assert kinds["uncertain"]["ref"] == item.id
-    assert batch["requests"] == [
-        {"custom_id": "req-0", "status": "uncertain", "reason": "interrupted"}
-    ]
-    assert batch["status"] == "completed"
-    (line,) = [json.loads(x) for x in lines.splitlines()]
-    assert line == {
-        "custom_id": "req-0",
-        "status": "uncertain",
-        "result": None,
-        "reservation_id": item.reservation_id,
+async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+) -> None:
+    body = {
+        "min_discount": 90,
+        "requests": [{"custom_id": f"req-{i}", "body": chat(t)} for i, t in enumerate(TEXTS)],
     }
+    with FakeUpstream() as up:
+        up.hold(after=ANSWERED_FIRST)
+        async with deployment(make_service, tmp_path, database_url, upstream=up) as dep:
+            svc, http = dep.service, dep.http
+            acct = make_account(svc, credit="1")
+            submitted = await submit(http, acct.headers, body)
+            assert submitted.status_code == 201, submitted.text
+            bid = submitted.json()["id"]
+
+            # The worker's first pass dispatches all four items at once.
+            doomed = workers.start(config=dep.config, database_url=database_url)
+
+            def stuck() -> bool:
+                states = [i.status for i in item_rows(svc, bid)]
+                return (
+                    len(up.arrived) == len(TEXTS)
+                    and up.held == len(TEXTS) - ANSWERED_FIRST
+                    and states.count("succeeded") == ANSWERED_FIRST
+                )
+
+            await workers.until(stuck, "one item is answered and three calls are in flight")
+            before = {i.custom_id: i for i in item_rows(svc, bid)}
+            assert doomed.kill() == -9  # the worker dies while three calls are in flight
+            await workers.until(
+                lambda: up.abandoned == len(TEXTS) - ANSWERED_FIRST,
+                "the upstream sees the callers hang up",
+            )
+            # Judged by what the upstream really received: these calls started
+            # and were never answered, so their outcome is unknown.
+            in_flight = {f"req-{TEXTS.index(t)}" for t in set(up.arrived) - set(up.answered)}
+            assert len(in_flight) == len(TEXTS) - ANSWERED_FIRST
+            up.release()
+            for cid in in_flight:
+                assert before[cid].status == "dispatched" and before[cid].reservation_id
+            leases = [before[cid].lease_until for cid in in_flight]
+
+            # Another worker, before the leases lapse: the items are not touched.
+            survivor = market_worker(svc)
+            dep.clock.set(min(leases) - timedelta(milliseconds=1))
+            assert (await survivor.run_pass()).uncertain == 0
+            after = {i.custom_id: i for i in item_rows(svc, bid)}
+            assert {after[cid].status for cid in in_flight} == {"dispatched"}
+
+            dep.clock.set(max(leases) + timedelta(seconds=1))
+            report = await survivor.run_pass()
+            assert report.uncertain == len(in_flight)
+
+            after = {i.custom_id: i for i in item_rows(svc, bid)}
+            held = {
+                cid: svc.db.read_sync(
+                    lambda c, cid=cid: ledger.get_reservation(c, before[cid].reservation_id)
+                )
+                for cid in in_flight
+            }
+            bal = svc.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+            activity = (await http.get("/v1/activity", headers=acct.headers)).json()["data"]
+            batch = (await http.get(f"/v1/batches/{bid}", headers=acct.headers)).json()
+            lines = (await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)).content
+
+            # More passes later: still no retry.
+            sent = up.arrived
+            dep.clock.advance(3600)
+            await survivor.run_pass()
+            assert up.arrived == sent
+
+    assert sorted(sent) == sorted(TEXTS), "an item was sent twice"
+    (answered,) = set(before) - in_flight
+    assert after[answered].status == "succeeded"
+    for cid in in_flight:
+        assert after[cid].status == "uncertain"
+        assert after[cid].reservation_id == before[cid].reservation_id
+        assert held[cid].state == "held" and held[cid].amount > 0
+    assert bal.held == sum(r.amount for r in held.values())
+
+    for cid in in_flight:
+        rid = before[cid].reservation_id
+        mine = {a["kind"]: a for a in activity if a["reservation_id"] == rid}
+        assert set(mine) == {"dispatch", "uncertain"}
+        assert mine["uncertain"]["ref"] == before[cid].id
+    assert batch["status"] == "completed"
+    statuses = {r["custom_id"]: r for r in batch["requests"]}
+    assert statuses[answered]["status"] == "succeeded"
+    for cid in in_flight:
+        assert statuses[cid] == {"custom_id": cid, "status": "uncertain", "reason": "interrupted"}
+    results = {r["custom_id"]: r for r in map(json.loads, lines.splitlines())}
+    assert results[answered]["status"] == "succeeded"
+    answer = results[answered]["result"]["body"]["choices"][0]["message"]["content"]
+    assert answer == f"echo: {TEXTS[int(answered.removeprefix('req-'))]}"
+    for cid in in_flight:
+        assert results[cid] == {
+            "custom_id": cid,
+            "status": "uncertain",
+            "result": None,
+            "reservation_id": before[cid].reservation_id,
+        }
 
 
 async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(market, clock):
@@ -93,7 +150,7 @@ async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(mar
     engine = BlockingEngine("slow but fine")
     svc.engines.set("spot", engine)
     acct = make_account(svc, credit="1")
-    async with live_server(svc, worker=False) as base, httpx.AsyncClient(base_url=base) as http:
+    async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
     set_price(svc, "spot", "0.008", "0.03")
     slow = market_worker(svc, lease_s=120, book=worker(svc).book)

@@ -14,6 +14,17 @@ Knobs are plain attributes and methods, safe to change while it runs::
 
 Time for the per-second limiter comes from ``time_fn`` (``time.monotonic`` by
 default) so a test can pin the window instead of racing the wall clock.
+
+Fault tests need to know what really reached the provider, and to catch a
+caller with its calls in flight (echo mode): ``hold(after=n)`` answers ``n``
+more calls and then keeps every later one open until ``release()``;
+``arrived`` and ``answered`` list the last user text of each call that got
+past faults and limits, and ``abandoned`` counts held calls whose caller hung
+up (a worker that died mid-call)::
+
+    up.hold(after=5)      # 5 answers, then calls stay in flight
+    ...                   # wait until len(up.arrived) == 7, kill the caller
+    up.release()          # answer whatever is still held; stop holding
 """
 
 from __future__ import annotations
@@ -87,6 +98,18 @@ def _text_of(content: Any) -> str:
             if isinstance(p, dict) and p.get("type") == "text"
         )
     return ""
+
+
+def _last_user_text(request: dict[str, Any]) -> str:
+    messages = request.get("messages") or []
+    return next(
+        (
+            _text_of(m.get("content"))
+            for m in reversed(messages)
+            if isinstance(m, dict) and m.get("role") == "user"
+        ),
+        "",
+    )
 
 
 def _value_for(schema: Any) -> Any:
@@ -219,6 +242,12 @@ class FakeUpstream:
         self.last_request: dict[str, Any] | None = None
         self.last_headers: dict[str, str] = {}
         self._faults: deque[tuple[str, Any, Any]] = deque()
+        self._arrived: list[str] = []
+        self._answered: list[str] = []
+        self._hold_from: int | None = None
+        self._gate: asyncio.Event | None = None
+        self._held = 0
+        self._abandoned = 0
         self._lock = threading.Lock()
         self._window = -1
         self._window_used = 0
@@ -255,6 +284,42 @@ class FakeUpstream:
         """
         with self._lock:
             self._faults.extend(("malformed", kind, None) for _ in range(n))
+
+    def hold(self, after: int = 0) -> None:
+        """Answer ``after`` more calls, then hold every later call open until ``release``."""
+        with self._lock:
+            self._hold_from = len(self._arrived) + after
+
+    def release(self) -> None:
+        """Answer every held call now (to callers still connected) and hold no more."""
+        with self._lock:
+            self._hold_from = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._open_gate)
+
+    @property
+    def arrived(self) -> list[str]:
+        """The last user text of every call that reached the model, in arrival order."""
+        with self._lock:
+            return list(self._arrived)
+
+    @property
+    def answered(self) -> list[str]:
+        """The last user text of every call answered with a completion."""
+        with self._lock:
+            return list(self._answered)
+
+    @property
+    def held(self) -> int:
+        """Calls held open right now."""
+        with self._lock:
+            return self._held
+
+    @property
+    def abandoned(self) -> int:
+        """Held calls whose caller went away before they were answered."""
+        with self._lock:
+            return self._abandoned
 
     def is_warm(self, model: str) -> bool:
         return model in self._warm
@@ -361,9 +426,40 @@ class FakeUpstream:
             self.last_request = request
             self.last_headers = headers
         model = str(request.get("model", ""))
+        if self.mode != "instant":
+            with self._lock:
+                self._arrived.append(_last_user_text(request))
+                held = self._hold_from is not None and len(self._arrived) > self._hold_from
+            if held:
+                return self._held_call(request, model, limit_headers)
         if self.delay_s > 0 or (model in self.warm_delay_s and model not in self._warm):
             return self._slow(request, model, limit_headers)
         return self._answer(request, limit_headers)
+
+    def _open_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.set()
+            self._gate = None
+
+    async def _held_call(
+        self, request: dict[str, Any], model: str, headers: list[tuple[str, str]]
+    ) -> bytes:
+        if self._gate is None:
+            self._gate = asyncio.Event()
+        gate = self._gate
+        with self._lock:
+            self._held += 1
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            # The connection dropped (the caller died) while the call was held.
+            with self._lock:
+                self._abandoned += 1
+            raise
+        finally:
+            with self._lock:
+                self._held -= 1
+        return await self._slow(request, model, headers)
 
     def _count(self, status: int, response: bytes) -> bytes:
         self.statuses[status] += 1
@@ -450,14 +546,9 @@ class FakeUpstream:
         prompt_tokens = sum(
             len(_text_of(m.get("content")).split()) for m in messages if isinstance(m, dict)
         )
-        last_user = next(
-            (
-                _text_of(m.get("content"))
-                for m in reversed(messages)
-                if isinstance(m, dict) and m.get("role") == "user"
-            ),
-            "",
-        )
+        last_user = _last_user_text(request)
+        with self._lock:
+            self._answered.append(last_user)
         max_tokens = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
         fmt = request.get("response_format") or {}
         finish = "stop"

@@ -48,6 +48,8 @@ class Settings:
     price_max_age_s: float = 300.0
     market_policy: str = "first_eligible"
     market_interval_s: float = 15.0
+    # How long a dispatched deferred item's lease lasts without a heartbeat.
+    market_lease_s: float = 120.0
     embedded_model_path: str | None = None
     embedded_contexts: int = 2
     embedded_n_ctx: int = 2048
@@ -115,6 +117,8 @@ def load_settings(
         price_feed_interval_s=float(data.get("price_feed_interval_s", 60.0)),
         price_max_age_s=float(data.get("price_max_age_s", 300.0)),
         market_policy=str(data.get("market_policy", "first_eligible")),
+        market_interval_s=float(data.get("market_interval_s", 15.0)),
+        market_lease_s=float(data.get("market_lease_s", 120.0)),
         embedded_model_path=os.environ.get("BATCHYARD_MODEL_PATH")
         or data.get("embedded_model_path"),
         embedded_contexts=int(data.get("embedded_contexts", 2)),

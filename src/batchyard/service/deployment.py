@@ -22,9 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
-
-from starlette.requests import HTTPConnection
+from typing import TYPE_CHECKING, Any
 
 from batchyard.core.catalog import Catalog, ModelSpec
 from batchyard.core.clock import Clock
@@ -41,6 +39,9 @@ from batchyard.work.engines import EngineRegistry
 from batchyard.work.holds import HoldSweeper
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
+
+if TYPE_CHECKING:
+    from starlette.requests import HTTPConnection
 
 __all__ = ["Service", "service_of"]
 

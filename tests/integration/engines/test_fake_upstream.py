@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -144,3 +145,40 @@ async def test_warming_delays_only_the_first_requests_for_a_model() -> None:
     assert up.is_warm("cold")
     assert waited_then == 3  # each of them waited for it
     assert up.waited_for_load == 3  # the warm call did not
+
+
+def _ask(client: httpx.AsyncClient, up: FakeUpstream, text: str) -> Any:
+    body = {**BODY, "messages": [{"role": "user", "content": text}]}
+    return client.post(f"{up.base_url}/chat/completions", json=body)
+
+
+async def test_hold_keeps_calls_in_flight_until_release_and_counts_each_arrival() -> None:
+    import asyncio
+
+    from tests.support.batches import eventually
+
+    with FakeUpstream() as up:
+        up.hold(after=1)
+        async with httpx.AsyncClient() as client:
+            assert (await _ask(client, up, "one")).status_code == 200
+            pending = [asyncio.create_task(_ask(client, up, t)) for t in ("two", "three")]
+            await eventually(lambda: up.held == 2)
+            assert sorted(up.arrived) == ["one", "three", "two"]
+            assert up.answered == ["one"]
+            assert not any(t.done() for t in pending)
+
+            up.release()
+            answers = [
+                r.json()["choices"][0]["message"]["content"] for r in await asyncio.gather(*pending)
+            ]
+            assert answers == ["echo: two", "echo: three"]
+            assert sorted(up.answered) == ["one", "three", "two"]
+            assert up.held == 0 and up.abandoned == 0
+
+            # Hold again; a caller that hangs up mid-call is counted, never answered.
+            up.hold()
+            gone = asyncio.create_task(_ask(client, up, "four"))
+            await eventually(lambda: up.held == 1)
+            gone.cancel()
+            await eventually(lambda: up.abandoned == 1 and up.held == 0)
+            assert "four" in up.arrived and "four" not in up.answered

@@ -1,0 +1,42 @@
+"""Fault-test fixtures: real worker processes, reaped after every test, shown when one fails."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.processes import Workers
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    """Starts ``batchyard worker`` processes; every one is reaped when the test ends."""
+    started = Workers(tmp_path)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, sqlite_url: str) -> str:
+    """The database the test and its worker processes share: a SQLite file, then PostgreSQL."""
+    if request.param == "postgres":
+        url: str = request.getfixturevalue("pg_url")
+        return url
+    return sqlite_url
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, Any]:
+    """A failed test's report carries the output of every worker process it started."""
+    report = yield
+    started = getattr(item, "funcargs", {}).get("workers")
+    if report.failed and isinstance(started, Workers) and started.started:
+        report.sections.append(("batchyard worker processes", started.report()))
+    return report
