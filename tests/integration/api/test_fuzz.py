@@ -31,8 +31,9 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from sqlalchemy import func, select
 
-import batchyard.store.batches  # noqa: F401 - registers every table on the metadata
-import batchyard.store.market_history  # noqa: F401
+# Every table on the metadata: these modules declare their own.
+import batchyard.store.batches
+import batchyard.store.market_history
 import batchyard.store.work_items  # noqa: F401
 from batchyard.api.bodies import DecideBody, KeepWarmBody, ProjectBody, RowPatchBody, RunBody
 from batchyard.api.chat import ChatBody

@@ -128,9 +128,7 @@ async def test_the_workspace_signs_in_the_scopes_its_row_allows(service):
             key = add_key(service, "acme", scope)
             page = await http.get("/workspace/")
             csrf = re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
-            r = await http.post(
-                "/workspace/sign-in", data={"api_key": key.key, "csrf": csrf}
-            )
+            r = await http.post("/workspace/sign-in", data={"api_key": key.key, "csrf": csrf})
             signed_in = r.status_code == 303 and r.headers["location"] == "/workspace/batches"
             assert signed_in is (scope in rule.scopes), (scope, r.status_code)
             http.cookies.clear()
@@ -155,7 +153,8 @@ async def test_an_inference_key_reads_and_cancels_only_the_batches_it_submitted(
         assert (await http.get(f"/v1/batches/{own}", headers=other.headers)).status_code == 404
         # Read and full keys see the organisation's batches, whoever submitted them.
         for key in (full, reader):
-            ids = {b["id"] for b in (await http.get("/v1/batches", headers=key.headers)).json()["data"]}
+            listing = (await http.get("/v1/batches", headers=key.headers)).json()["data"]
+            ids = {b["id"] for b in listing}
             assert ids == {own, theirs}
         assert (await http.get(f"/v1/batches/{own}", headers=reader.headers)).status_code == 200
         stopped = await http.post(f"/v1/batches/{own}/cancel", headers=mine.headers)

@@ -130,8 +130,13 @@ class RunWorker:
                 except Exception:
                     log.exception("run worker tick failed", extra={"worker": self.owner})
                 # A poll interval, not a time rule: leases and quotes read the clock.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+                # (asyncio.wait, not wait_for: on Python 3.11 a wait_for cancelled
+                # just as its event is set can hang the cancellation forever.)
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=self.settings.poll_s)
+                finally:
+                    waiter.cancel()
                 self._wake.clear()
         finally:
             await self.stop()
