@@ -236,8 +236,14 @@ class Workers:
         name: str | None = None,
         env: dict[str, str] | None = None,
         log_level: str = "info",
+        command: str = "worker",
+        args: tuple[str, ...] = (),
     ) -> WorkerProcess:
-        """Start ``python -m batchyard worker --config CONFIG --database URL``."""
+        """Start ``python -m batchyard worker --config CONFIG --database URL``.
+
+        ``command`` runs another command the same way (``serve``, with ``args``
+        such as ``--port``), so a test can signal a real server too.
+        """
         name = name or f"worker-{len(self.started) + 1}"
         log = self.tmp_path / f"{name}.log"
         child_env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
@@ -251,7 +257,8 @@ class Workers:
             "-c",
             _BOOT,
             str(os.getpid()),
-            "worker",
+            command,
+            *args,
             "--config",
             str(config),
             "--database",
