@@ -238,11 +238,13 @@ class Workers:
         log_level: str = "info",
         command: str = "worker",
         args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ) -> WorkerProcess:
         """Start ``python -m batchyard worker --config CONFIG --database URL``.
 
         ``command`` runs another command the same way (``serve``, with ``args``
-        such as ``--port``), so a test can signal a real server too.
+        such as ``--port``), so a test can signal a real server too; ``prefix``
+        runs it through a wrapper that execs it (``unshare ...``).
         """
         name = name or f"worker-{len(self.started) + 1}"
         log = self.tmp_path / f"{name}.log"
@@ -253,6 +255,7 @@ class Workers:
             **(env or {}),
         )
         argv = [
+            *prefix,
             sys.executable,
             "-c",
             _BOOT,

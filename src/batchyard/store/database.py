@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -130,6 +130,7 @@ class Database:
 
         self._queue: list[tuple[Callable[[Connection], Any], asyncio.Future[Any], Any]] = []
         self._queue_lock = threading.Lock()
+        self._later: set[asyncio.Task[None]] = set()
         self._writer_busy = False
         self.group_limit = 64
         self._executor = ThreadPoolExecutor(
@@ -239,6 +240,55 @@ class Database:
                 self._executor.submit(self._drain)
         return await fut
 
+    async def write_through(self, fn: Callable[[Connection], T], *, patience_s: float = 30.0) -> T:
+        """``write`` for what must not be lost: retried while the store is unavailable.
+
+        A settlement after a model call, or the answer saved under its
+        Idempotency-Key, records something that already happened; giving up
+        at the first full-disk error would strand a hold (and leave the key
+        in progress). Each attempt is still one atomic write; after
+        ``patience_s`` seconds of ``StorageUnavailable`` the last one is raised.
+        """
+        return await self._through(self.write, fn, patience_s)
+
+    async def transact_through(
+        self, fn: Callable[[Connection], T], *, patience_s: float = 30.0
+    ) -> T:
+        """``transact``, retried like ``write_through`` while the store is unavailable."""
+        return await self._through(self.transact, fn, patience_s)
+
+    async def _through(
+        self,
+        run: Callable[[Callable[[Connection], T]], Awaitable[T]],
+        fn: Callable[[Connection], T],
+        patience_s: float,
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience_s
+        pause = 0.05
+        while True:
+            try:
+                return await run(fn)
+            except StorageUnavailable:
+                if loop.time() + pause > deadline:
+                    raise
+                log.warning("store unavailable; retrying a write", extra={"event": "write_retry"})
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+
+    def write_later(self, fn: Callable[[Connection], Any], *, patience_s: float = 600.0) -> None:
+        """``write_through`` in the background: for a write the caller must not wait for."""
+
+        async def attempt() -> None:
+            try:
+                await self.write_through(fn, patience_s=patience_s)
+            except StorageUnavailable:
+                log.error("a deferred write was given up", extra={"event": "write_given_up"})
+
+        task = asyncio.get_running_loop().create_task(attempt())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
     def _drain(self) -> None:
         while True:
             with self._queue_lock:
@@ -278,6 +328,8 @@ class Database:
             conn.execute(text("SELECT 1"))
 
     def close(self) -> None:
+        for task in self._later:
+            task.cancel()
         self._executor.shutdown(wait=True)
         self.engine.dispose()
 

@@ -117,7 +117,7 @@ class Dispatcher:
                 detail={"reason": reason},
             )
 
-        await self.db.write(tx)
+        await self.db.write_through(tx)
 
     async def pace(self, route: RouteSpec, input_tokens: int, max_output_tokens: int) -> None:
         limits: list[tuple[Limit, float]] = []
@@ -242,7 +242,8 @@ class Dispatcher:
             )
             return settled.charged or 0
 
-        charged = await asyncio.shield(self.db.write(tx))
+        # The call happened: its charge must land, even across a short storage outage.
+        charged = await asyncio.shield(self.db.write_through(tx))
         return DispatchResult(completion, charged, res.id, route.id)
 
     async def score(
@@ -308,4 +309,4 @@ class Dispatcher:
             )
             return settled.charged or 0
 
-        return await asyncio.shield(self.db.write(tx))
+        return await asyncio.shield(self.db.write_through(tx))

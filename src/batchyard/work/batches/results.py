@@ -118,7 +118,8 @@ async def record_success(
             reservation_id=job.reservation_id,
         )
 
-    await db.transact(tx)
+    # The call happened: its outcome must land, even across a short storage outage.
+    await db.transact_through(tx)
     log.info(
         "batch item succeeded",
         extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
@@ -156,7 +157,7 @@ async def record_failure(
             reservation_id=job.reservation_id,
         )
 
-    await db.transact(tx)
+    await db.transact_through(tx)
     log.info(
         "batch item failed",
         extra={"event": "batch_item_failed", "item_id": item.id, "code": exc.code},

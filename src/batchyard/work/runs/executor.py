@@ -378,7 +378,9 @@ class RunExecutor:
                 return status, []
             return status, work_items.claim_items(c, run.id, run.dataset_id, free, now)
 
-        return await asyncio.shield(self.db.transact(tx))
+        # Finished rows are answers already paid for upstream: record them through
+        # a short storage outage rather than lose them (and make them uncertain).
+        return await asyncio.shield(self.db.transact_through(tx, patience_s=10.0))
 
     async def _begin_finish(self, run_id: str, *, error: dict[str, Any] | None) -> None:
         """No more calls: unsent rows are canceled and the outputs get written."""
