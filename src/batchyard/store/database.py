@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import InternalError as SqlInternalError
 from sqlalchemy.pool import StaticPool
 
@@ -58,6 +58,8 @@ def storage_failure(exc: BaseException) -> StorageUnavailable | None:
         isinstance(exc, OperationalError | InterfaceError)
         or exc.connection_invalidated
         or (isinstance(exc, SqlInternalError) and state.startswith(_STORAGE_STATES))
+        # SQLite's own "file is not a database", "database disk image is malformed".
+        or type(exc) is DatabaseError
     ):
         return None
     reason = str(exc.orig).strip().splitlines()[0][:200] if exc.orig is not None else "unknown"
