@@ -68,6 +68,10 @@ def _report_batch_key(service: Service) -> None:
         )
     elif key.sealer is None:
         console.print(f"batchyard: {key.reason}")
+        console.print(
+            "batchyard: without a batch encryption key, dataset rows, run answers and saved "
+            "idempotent answers are stored unsealed; set BATCHYARD_BATCH_ENCRYPTION_KEY"
+        )
 
 
 @click.command()
