@@ -2,11 +2,11 @@
 
 ``build_service`` turns settings into a ``Service``: the store, the limiter
 the settings ask for, the engines, the dispatcher, the batch encryption key
-and the three background workers, each handed only the parts it uses.
+and the four background workers, each handed only the parts it uses.
 ``create_app`` mounts the API's routers and the workspace's pages over that
 service, with ``/healthz`` (the process is up) and ``/readyz`` (it can serve:
-each of ``READINESS`` passes). The CLI (``serve``, ``worker``), the tests and the benchmarks all
-start from these functions, so there is one place to read to see how
+each of ``READINESS`` passes). The CLI (``serve``, ``worker``), the tests and
+the benchmarks all start from these functions, so there is one place to read to see how
 batchyard fits together, and a test swaps a clock, an engine or a limiter
 by passing it in here once.
 """
@@ -42,6 +42,7 @@ from batchyard.work.batches.sealing import BatchKey, resolve_key
 from batchyard.work.batches.worker import MarketSettings, MarketWorker
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
+from batchyard.work.file_batches.worker import FileBatchSettings, FileBatchWorker
 from batchyard.work.holds import HoldSweeper
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
@@ -54,6 +55,7 @@ __all__ = [
     "ReadinessCheck",
     "build_service",
     "create_app",
+    "file_batch_worker",
     "limiter_from_url",
     "market_worker",
     "run_worker",
@@ -115,6 +117,7 @@ def build_service(
             "created a batch encryption key",
             extra={"event": "batch_key_created", "path": key.path},
         )
+    market = _market_worker(settings, db, clock, dispatcher, key, policy=policy)
     return Service(
         settings=settings,
         clock=clock,
@@ -124,9 +127,10 @@ def build_service(
         dispatcher=dispatcher,
         tokenizers=tokenizers,
         batch_key=key,
-        market=_market_worker(settings, db, clock, dispatcher, key, policy=policy),
+        market=market,
         runs=_run_worker(settings, db, clock, dispatcher, tokenizers),
         warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher),
+        file_batches=_file_batch_worker(settings, db, clock, dispatcher, key, market.prices),
         holds=HoldSweeper(db=db, clock=clock),
     )
 
@@ -163,6 +167,43 @@ def run_worker(service: Service, *, owner: str | None = None) -> RunWorker:
         service.clock,
         service.dispatcher,
         service.tokenizers,
+        owner=owner,
+    )
+
+
+def file_batch_worker(service: Service, *, owner: str | None = None) -> FileBatchWorker:
+    """Another file-batch worker over ``service``'s parts (a second process, in tests)."""
+    return _file_batch_worker(
+        service.settings,
+        service.db,
+        service.clock,
+        service.dispatcher,
+        service.batch_key,
+        service.market.prices,
+        owner=owner,
+    )
+
+
+def _file_batch_worker(
+    s: Settings,
+    db: Database,
+    clock: Clock,
+    dispatcher: Dispatcher,
+    key: BatchKey,
+    prices: MarketPrices,
+    *,
+    owner: str | None = None,
+) -> FileBatchWorker:
+    """File batches share the market's prices: a batch that waits for a discount reads them."""
+    return FileBatchWorker(
+        db=db,
+        clock=clock,
+        catalog=s.catalog,
+        dispatcher=dispatcher,
+        key=key,
+        prices=prices,
+        settings=FileBatchSettings.from_raw(s.raw.get("file_batches")),
+        embedded_contexts=s.embedded_contexts,
         owner=owner,
     )
 
@@ -261,8 +302,9 @@ def create_app(
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from batchyard.api import account, batches, chat, decide, models, projects, runs
+    from batchyard.api import account, batches, chat, decide, files, models, projects, runs
     from batchyard.api.errors import install_error_handlers
+    from batchyard.web import file_pages
     from batchyard.web import routes as workspace
 
     @asynccontextmanager
@@ -307,9 +349,11 @@ def create_app(
     app.include_router(batches.router)
     app.include_router(chat.router)
     app.include_router(decide.router)
+    app.include_router(files.router)
     app.include_router(models.router)
     app.include_router(projects.router)
     app.include_router(runs.router)
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
+    app.include_router(file_pages.router)  # ... and its file batches
     check_complete(app)  # every route has its row in the scope matrix (service.access)
     return app

@@ -1,11 +1,18 @@
-"""``/v1/batches``: deferred batches that wait for a discount (seed 003).
+"""``/v1/batches``: one resource, two dialects.
 
-A submission is checked whole first (``service.batch_requests``), then the
-bodies are sealed and the batch and all its items are written in one
-transaction, so a submission that fails anywhere queues nothing. Execution
-is the market worker's (``work.batches``); these handlers only authenticate
-and hand over to ``service.batches``, which the workspace (``web``) calls
-too.
+The body of ``POST /v1/batches`` says which dialect is meant. One that names
+``input_file_id`` or ``endpoint`` is OpenAI's file batch
+(``service.file_batches``: its lines are an uploaded file's, its quote is
+held at once, ``work.file_batches`` runs it). Any other is seed 003's
+deferred batch, exactly as the seed says: inline ``requests`` checked whole
+(``service.batch_requests``), sealed and written in one transaction, a
+required Idempotency-Key, executed by the market worker (``work.batches``).
+Reads, lists and cancels serve both with one object
+(``service.batch_views``); ``/results`` is the seed's NDJSON, and a file
+batch's results are its output and error files.
+
+Scopes (``service.access``): ``full`` and ``inference`` keys create and cancel;
+every key reads; an ``inference`` key sees and cancels only its own batches.
 """
 
 from __future__ import annotations
@@ -17,12 +24,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
 from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
-from batchyard.service import batches
+from batchyard.errors import InvalidRequest
+from batchyard.service import batch_listing, batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 
 __all__ = ["router"]
 
 router = APIRouter()
+
+
+#: Fields only a file batch names: their presence says the body is OpenAI's dialect.
+FILE_DIALECT = {"input_file_id", "endpoint"}
 
 
 @router.post("/v1/batches")
@@ -31,6 +43,15 @@ async def create_batch(request: Request) -> Response:
     svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=MAX_BODY_BYTES)
+    if FILE_DIALECT & raw.keys():
+        parsed = file_batches.parse_create(raw)
+
+        async def create() -> tuple[int, Any]:
+            view = await file_batches.create(svc, principal, parsed)
+            svc.file_batches.notify()
+            return 200, view
+
+        return await idempotent(request, principal, raw, create)
     sub = parse_submission(svc, raw)
 
     async def handler() -> tuple[int, Any]:
@@ -46,14 +67,23 @@ def _batch_id(value: str) -> str:
 @router.get("/v1/batches")
 async def list_batches(request: Request) -> JSONResponse:
     principal = await authenticate(request)
+    for key in sorted(request.query_params.keys() - {"after", "limit"}):
+        raise InvalidRequest(
+            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
+        )
     limit = query_limit(request, default=20, most=100)
     after = query_id_cursor(request, "bat", name="after")
-    data = await batches.list_views(service_of(request), principal, after=after, limit=limit)
+    data, more = await batch_listing.list_views(
+        service_of(request), principal, after=after, limit=limit
+    )
     return json_response(
         {
             "object": "list",
             "data": data,
-            "next_cursor": data[-1]["id"] if len(data) == limit else None,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+            "next_cursor": data[-1]["id"] if more else None,
         }
     )
 
@@ -63,7 +93,7 @@ async def get_batch(request: Request, batch_id: str) -> JSONResponse:
     principal = await authenticate(request)
     _batch_id(batch_id)
     svc = service_of(request)
-    view = await svc.db.read(lambda c: batches.load_view(c, principal, batch_id))
+    view = await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
     return json_response(view)
 
 
@@ -75,6 +105,10 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
     svc = service_of(request)
 
     async def handler() -> tuple[int, Any]:
+        if await batch_listing.is_file_batch(svc, principal, batch_id):
+            view = await file_batches.cancel(svc, principal, batch_id)
+            svc.file_batches.notify()
+            return 200, view
         return 200, await batches.cancel(svc, principal, batch_id)
 
     return await idempotent(request, principal, body, handler)

@@ -22,7 +22,14 @@ from typing import Any
 from fastapi import Request
 
 from batchyard.core.ids import is_id
-from batchyard.core.inputs import MAX_DEPTH, Shape, check_document, parse_json, strict
+from batchyard.core.inputs import (
+    MAX_DEPTH,
+    Shape,
+    check_document,
+    parse_json,
+    printable,
+    strict,
+)
 from batchyard.errors import (
     InvalidJson,
     InvalidRequest,
@@ -179,10 +186,10 @@ def query_id_cursor(request: Request, prefix: str, *, name: str = "cursor") -> s
 # -- IDs --------------------------------------------------------------------------
 
 
-def object_id(value: str, prefix: str, *, param: str, what: str) -> str:
+def object_id(value: str, prefix: str, *, param: str, what: str, code: str | None = None) -> str:
     """An ID from a path: the right prefix and a UUIDv7, or 404 (it can name nothing)."""
     if not is_id(value, prefix):
-        raise NotFound(f"{what} {value[:80]!r} not found", param=param)
+        raise NotFound(f"{what} {printable(value)!r} not found", param=param, code=code)
     return value
 
 

@@ -6,10 +6,11 @@ The three scopes mean:
 - ``read``: reads everything (account, activity, models, projects, datasets,
   rows, runs, batches and their results) and never spends or changes anything;
 - ``inference``: calls models on requests it sends itself (chat, decide and its
-  estimate, keep-warm, deferred batches), and reads and cancels only the
-  batches it submitted. It never reads customer data it did not send
-  (projects, datasets, rows, runs) nor the account or its activity, and it
-  cannot create, confirm or cancel runs (they spend over a dataset).
+  estimate, keep-warm, deferred and file batches, the files they read), and
+  reads, cancels or deletes only the batches and files it created. It never
+  reads customer data it did not send (projects, datasets, rows, runs, other
+  keys' files and batches) nor the account or its activity, and it cannot
+  create, confirm or cancel runs (they spend over a dataset).
 
 Keeping the rules in one table (``ACCESS``) rather than in each handler means a
 new route cannot forget its check: ``create_app`` refuses to start while an
@@ -78,6 +79,12 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/v1/batches/{batch_id}"): _key(F, R, INF, own=(INF,)),
     ("GET", "/v1/batches/{batch_id}/results"): _key(F, R, INF, own=(INF,)),
     ("POST", "/v1/batches/{batch_id}/cancel"): _key(F, INF, own=(INF,)),
+    # OpenAI's Files, the input and output of file batches
+    ("POST", "/v1/files"): _key(F, INF),
+    ("GET", "/v1/files"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/files/{file_id}"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/files/{file_id}/content"): _key(F, R, INF, own=(INF,)),
+    ("DELETE", "/v1/files/{file_id}"): _key(F, INF, own=(INF,)),
     # projects, datasets and rows: customer data
     ("POST", "/v1/projects"): _key(F),
     ("GET", _PROJECT): _key(F, R),
@@ -101,6 +108,10 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/workspace/batches/{batch_id}"): SESSION,
     ("POST", "/workspace/batches/{batch_id}/cancel"): SESSION,
     ("GET", "/workspace/batches/{batch_id}/results"): SESSION,
+    ("POST", "/workspace/files"): SESSION,
+    ("GET", "/workspace/files/{file_id}/content"): SESSION,
+    ("GET", "/workspace/file-batches/{batch_id}"): SESSION,
+    ("POST", "/workspace/file-batches/{batch_id}/cancel"): SESSION,
     ("GET", "/workspace/static/workspace.css"): PUBLIC,
 }
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection
@@ -23,6 +22,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.limits import Limit
 from batchyard.errors import InvalidState, NotFound, PendingLimitExceeded, RateLimited
 from batchyard.service.batch_requests import WINDOWS, Submission
+from batchyard.service.batch_views import counts_of, number, ts
 from batchyard.service.deployment import Service
 from batchyard.store import batches as store
 from batchyard.work.batches.housekeeping import RESULTS_KEPT
@@ -45,23 +45,36 @@ MAX_PENDING = 200
 SUBMISSIONS_PER_MINUTE = 10
 
 
-def _number(d: Decimal) -> int | float:
-    return int(d) if d == d.to_integral_value() else float(d)
-
-
 def view_of(
     batch: store.BatchRow, per: dict[str, int], items: list[store.ItemRow] | None
 ) -> dict[str, Any]:
+    """The seed's batch as the one object both dialects share (``service.batch_views``)."""
+    ended = batch.completed_at
     view: dict[str, Any] = {
         "id": batch.id,
         "object": "batch",
-        "status": batch.status,
-        "created_at": isoformat(batch.created_at),
-        "deadline": isoformat(batch.deadline),
-        "completed_at": isoformat(batch.completed_at) if batch.completed_at else None,
-        "min_discount": _number(batch.min_discount),
+        "dialect": "deferred",
+        "endpoint": "/v1/chat/completions",
+        # Its requests came inline; OpenAI's type needs a string here.
+        "input_file_id": "",
         "completion_window": batch.completion_window,
-        "request_counts": {"total": batch.request_count, **per},
+        "status": batch.status,
+        "output_file_id": None,
+        "error_file_id": None,
+        "errors": None,
+        "created_at": ts(batch.created_at),
+        "in_progress_at": ts(batch.created_at),
+        "expires_at": ts(batch.deadline),
+        "finalizing_at": None,
+        "completed_at": ts(ended),
+        "failed_at": None,
+        "expired_at": ts(ended) if batch.status == "expired" else None,
+        "cancelling_at": ts(batch.cancel_requested_at),
+        "cancelled_at": ts(ended) if batch.status == "canceled" else None,
+        "request_counts": {**counts_of(per), "total": batch.request_count},
+        "metadata": None,
+        "deadline": isoformat(batch.deadline),
+        "min_discount": number(batch.min_discount),
         "results_url": f"/v1/batches/{batch.id}/results",
         "results_expire_at": (
             isoformat(batch.completed_at + RESULTS_KEPT) if batch.completed_at else None

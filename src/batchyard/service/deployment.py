@@ -2,8 +2,8 @@
 
 A ``Service`` holds what the composition root (``batchyard.app``) built:
 settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
-encryption key, and the three background workers (deferred batches, runs,
-warm state of fine-tuned versions). It builds nothing itself, so a test hands
+encryption key, and the four background workers (deferred batches, runs,
+warm state of fine-tuned versions, file batches). It builds nothing itself, so a test hands
 in a ``ManualClock`` or a scripted engine once, at the root, and every part of
 the system sees the same one; and each worker was given only the parts it
 uses, never the ``Service``.
@@ -36,6 +36,7 @@ from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.batches.worker import MarketWorker
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
+from batchyard.work.file_batches.worker import FileBatchWorker
 from batchyard.work.holds import HoldSweeper
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
@@ -63,6 +64,7 @@ class Service:
     market: MarketWorker
     runs: RunWorker
     warmth: Warmth
+    file_batches: FileBatchWorker
     holds: HoldSweeper
     started: bool = field(default=False, init=False)
     #: True from the start of ``drain``: ``/readyz`` answers 503 so traffic moves away.
@@ -88,6 +90,7 @@ class Service:
             self.market.run,  # deferred batches (seed 003)
             self.runs.run_forever,  # batch inference runs (seed 002)
             self.warmth.loop,  # fine-tuned versions going cold (seed 000)
+            self.file_batches.run_forever,  # OpenAI-dialect file batches
             self.holds.loop,  # stranded holds shown in their owners' activity
         ]
 
@@ -105,6 +108,7 @@ class Service:
             self.draining = True
             self.market.drain()
             self.runs.drain()
+            self.file_batches.drain()
             log.info("draining", extra={"event": "drain_started"})
 
     async def drain(self, grace_s: float) -> None:
@@ -118,6 +122,7 @@ class Service:
         deadline = loop.time() + grace_s
         idle = await self.market.wait_idle(grace_s)
         idle = await self.runs.wait_idle(max(0.0, deadline - loop.time())) and idle
+        idle = await self.file_batches.wait_idle(max(0.0, deadline - loop.time())) and idle
         log.info("drained", extra={"event": "drain_finished", "cut_off": not idle})
         await self.stop_workers()
 

@@ -10,7 +10,9 @@ has a bound past which it is *stranded*:
 - a deferred item: ``uncertain`` (its call was sent and its outcome is
   unknown), or still ``dispatched`` after its lease lapsed (no worker
   has passed since), or ended or gone with the hold still held;
-- a run: ended with its hold held, or live with its lease long expired.
+- a run: ended with its hold held, or live with its lease long expired;
+- a file batch: ended with its hold held (a live one holds its quote for its
+  whole window, and its lines' own faults are settled with the batch).
 
 ``stranded`` lists them with why and what to do; ``batchyard audit`` reports
 them as findings; the hold sweeper (``work.holds``) writes each once into the
@@ -32,6 +34,8 @@ from batchyard.core.money import format_money
 from batchyard.errors import InvalidState
 from batchyard.store import activity, ledger
 from batchyard.store.batch_tables import batch_items
+from batchyard.store.file_batches import LIVE as FILE_BATCH_LIVE
+from batchyard.store.file_batches import file_batches
 from batchyard.store.runs import runs
 from batchyard.store.tables import activity as activity_table
 from batchyard.store.tables import reservations
@@ -127,9 +131,17 @@ def stranded(conn: Connection, now: datetime, *, org_id: str | None = None) -> l
             )
         )
     }
+    filed = {
+        r.reservation_id: r
+        for r in conn.execute(
+            select(file_batches.c.reservation_id, file_batches.c.id, file_batches.c.status).where(
+                file_batches.c.reservation_id.in_(ids)
+            )
+        )
+    }
     out: list[Stranded] = []
     for r in held:
-        found = _judge(r, items.get(r.id), run_rows.get(r.id), now)
+        found = _judge(r, items.get(r.id), run_rows.get(r.id) or filed.get(r.id), now)
         if found is not None:
             out.append(found)
     return out
@@ -173,6 +185,12 @@ def _judge(r: Any, item: Any, run: Any, now: datetime) -> Stranded | None:
                 return make(why, sent=sent, worker=True)
             return None
         return make(f"its deferred item is {status}", sent=False)
+    if purpose == "file_batch":
+        if run is None:
+            return make("no file batch holds it", sent=False)
+        if run.status not in FILE_BATCH_LIVE:
+            return make(f"its file batch is {run.status}", sent=False)
+        return None
     if purpose == "run":
         if run is None:
             return make("no run holds it", sent=False)

@@ -7,8 +7,9 @@ store through the same queries as ``/v1/batches`` and change it only
 through ``service.batches``, the functions the API calls too, so the
 workspace cannot queue, cancel or show anything the API would not.
 
-Sign-in takes an API key once and keeps only a server-side session (see
-``web.sessions``). Forms carry a CSRF token: the sign-in form a
+Sign-in takes an API key once and leaves a sealed, expiring cookie that
+names the key's ID, never the key (``web.sessions``), so it survives a
+restart and works across API processes. Forms carry a CSRF token: the sign-in form a
 double-submit token also set as a cookie, the others the session's token.
 """
 
@@ -37,13 +38,25 @@ from batchyard.service import batches as service_batches
 from batchyard.service import service_of
 from batchyard.service.access import SESSION
 from batchyard.service.batch_requests import MAX_BODY_BYTES
+from batchyard.service.batch_views import file_batch_view
 from batchyard.store import accounts
 from batchyard.store import batches as store
+from batchyard.store import file_batches as file_store
 from batchyard.store.batch_tables import ITEM_STATES
 from batchyard.web.sessions import Session, Sessions, principal_of, same_token
 from batchyard.web.submission import EXAMPLE, submit_text
+from batchyard.work.batches.sealing import result_aad
 
-__all__ = ["router"]
+__all__ = [
+    "SECURITY_HEADERS",
+    "error_of",
+    "forbidden",
+    "form",
+    "page",
+    "redirect",
+    "router",
+    "signed_in_or_redirect",
+]
 
 router = APIRouter(prefix="/workspace", include_in_schema=False)
 log = logging.getLogger("batchyard.web")
@@ -74,6 +87,16 @@ _SECURITY_HEADERS = {
 }
 
 
+def _answer_text(result: dict[str, Any]) -> str:
+    """A deferred item's answer as the page shows it: the reply, or the error's message."""
+    body = result.get("body") or {}
+    choices = body.get("choices") or []
+    if choices:
+        return str(choices[0].get("message", {}).get("content", ""))
+    error = body.get("error") or {}
+    return f"{error.get('code', 'error')}: {error.get('message', '')}"
+
+
 def _when(value: datetime | None) -> str:
     return isoformat(value) if value is not None else "—"
 
@@ -90,12 +113,9 @@ _env.filters["percent"] = _percent
 
 
 def _sessions(request: Request) -> Sessions:
-    state = request.app.state
-    sessions: Sessions | None = getattr(state, "workspace_sessions", None)
-    if sessions is None:
-        sessions = Sessions(service_of(request).clock)
-        state.workspace_sessions = sessions
-    return sessions
+    """Sealed cookies under the batch key: 503 ``batches_unavailable`` without one."""
+    svc = service_of(request)
+    return Sessions(svc.clock, svc.batch_key.require())
 
 
 def _page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
@@ -162,17 +182,33 @@ async def _signed_in(request: Request) -> tuple[Session, Principal] | None:
     svc = service_of(request)
     principal = await svc.db.read(lambda c: principal_of(c, session))
     if principal is None:
-        sessions.close(token)
         return None
     if principal.scope in SESSION.own_only:
         principal = dataclasses.replace(principal, own_only=True)
     return session, principal
 
 
+async def signed_in_or_redirect(request: Request) -> tuple[Session, Principal] | Response:
+    """The signed-in caller, or the redirect to the sign-in page that a page answers instead."""
+    who = await _signed_in(request)
+    if who is None:
+        return _to_signin("ended" if request.cookies.get(SESSION_COOKIE) else None)
+    return who
+
+
 def _forbidden(reason: str) -> HTMLResponse:
     log.info("workspace form refused", extra={"event": "workspace_csrf", "reason": reason})
     error = {"code": "csrf_failed", "message": reason, "status": 403}
     return _page("error.html", 403, error=error, signed_in=False)
+
+
+# What the file-batch pages (``web.file_pages``) share with these.
+SECURITY_HEADERS = _SECURITY_HEADERS
+error_of = _error
+forbidden = _forbidden
+form = _form
+page = _page
+redirect = _redirect
 
 
 # --- sign-in ------------------------------------------------------------------------
@@ -236,7 +272,8 @@ async def sign_out(request: Request) -> Response:
     form = await _form(request)
     if not same_token(who[0].csrf, form.get("csrf")):
         return _forbidden("the form did not carry this session's token; reload and retry")
-    _sessions(request).close(request.cookies.get(SESSION_COOKIE))
+    sessions = _sessions(request)
+    await service_of(request).db.transact(lambda c: sessions.close(c, who[0]))
     return _to_signin("out")
 
 
@@ -261,12 +298,18 @@ async def _list_page(
     if after is not None and not is_id(after, "bat"):
         after = None  # not a cursor this page gave out: start from the newest
 
-    def load(conn: Connection) -> tuple[list[store.BatchRow], dict[str, dict[str, int]]]:
+    def load(
+        conn: Connection,
+    ) -> tuple[list[store.BatchRow], dict[str, dict[str, int]], list[dict[str, Any]]]:
         own = principal.key_id if principal.own_only else None
-        rows = store.list_batches(conn, principal.org_id, after=after, limit=PAGE_SIZE, key_id=own)
-        return rows, store.counts(conn, [b.id for b in rows])
+        org = principal.org_id
+        rows = store.list_batches(conn, org, after=after, limit=PAGE_SIZE, key_id=own)
+        filed = file_store.list_batches(conn, org, after=None, limit=PAGE_SIZE, key_id=own)
+        totals = file_store.totals(conn, [b.id for b in filed])
+        views = [file_batch_view(b, totals[b.id]) for b in filed]
+        return rows, store.counts(conn, [b.id for b in rows]), views
 
-    rows, per = await svc.db.read(load)
+    rows, per, file_batches = await svc.db.read(load)
     return _page(
         "batches.html",
         status,
@@ -274,6 +317,7 @@ async def _list_page(
         org_name=principal.org_name,
         csrf=session.csrf,
         batches=[(b, per[b.id]) for b in rows],
+        file_batches=file_batches,
         next_after=rows[-1].id if len(rows) == PAGE_SIZE else None,
         body_text=body_text if body_text is not None else json.dumps(EXAMPLE, indent=2),
         idempotency_key=_new_key(),
@@ -342,19 +386,26 @@ async def _batch_page(
 
     def load(
         conn: Connection,
-    ) -> tuple[store.BatchRow, dict[str, int], list[store.ItemRow]] | None:
+    ) -> tuple[store.BatchRow, dict[str, int], list[store.ItemRow], dict[str, bytes]] | None:
         own = principal.key_id if principal.own_only else None
         batch = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
         if batch is None:
             return None
-        return batch, store.counts(conn, [batch.id])[batch.id], store.items_of(conn, batch.id)
+        results = {item.id: blob for item, blob in store.results_of(conn, batch.id) if blob}
+        counts = store.counts(conn, [batch.id])[batch.id]
+        return batch, counts, store.items_of(conn, batch.id), results
 
     found = await svc.db.read(load) if is_id(batch_id, "bat") else None
     if found is None:
         missing = NotFound(f"batch {batch_id} not found", param="batch_id")
         return _page("error.html", 404, error=_error(missing), signed_in=True, csrf=session.csrf)
-    batch, counts, items = found
+    batch, counts, items, results = found
     live = batch.status in LIVE_STATES
+    sealer = svc.batch_key.require()
+    answers = {
+        item_id: _answer_text(json.loads(sealer.open(blob, result_aad(item_id))))
+        for item_id, blob in results.items()
+    }
     return _page(
         "batch.html",
         status,
@@ -364,6 +415,7 @@ async def _batch_page(
         batch=batch,
         counts=counts,
         items=items,
+        answers=answers,
         states=ITEM_STATES,
         refresh_s=REFRESH_S if live else None,
         can_cancel=batch.status not in ("completed", "expired", "canceled"),

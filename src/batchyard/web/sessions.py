@@ -1,25 +1,28 @@
-"""Workspace sign-in sessions: a random cookie that maps to a key *id* in memory.
+"""Workspace sign-in sessions: a sealed, expiring cookie that names a key *id*, never a key.
 
 The browser never holds the API key after sign-in, and the server keeps no
-copy of it either: the session remembers which key signed in (its ID), and
-every page checks in the store that this key is still active, so revoking
-the key ends its workspace sessions on the next click just as it ends its
-API calls. The organisation (tier, zero data retention) is re-read each time
-for the same reason.
+copy of it either. The cookie is the session: its key ID, organisation,
+scope, CSRF token and expiry, sealed (AES-GCM, ``core.sealing``) under the
+deployment's batch encryption key, bound by its associated data to this use
+alone. Sealing signs it (a changed cookie does not open) and hides it (its
+CSRF token cannot be read from it). Every process that shares the batch key opens every cookie, so a
+sign-in survives a server restart and works across several API processes
+with no shared session store and no sticky sessions.
 
-Sessions live in this process's memory, keyed by a SHA-256 of the cookie so
-a memory dump yields no usable cookie. A restart signs everyone out; several
-server processes behind one address need sticky sessions for the workspace
-(the API itself is stateless). Each session also holds the CSRF token its
-forms must echo.
+Every page still checks in the store that the key is active, so revoking
+the key ends its workspace sessions on the next click just as it ends its
+API calls; the organisation (tier, zero data retention) is re-read each time
+for the same reason. A session ends ``IDLE_TIMEOUT`` after sign-in; signing
+out lists the session's ID in the store (``store.signouts``), so every
+process refuses the cookie from then on, even a copy made before.
 """
 
 from __future__ import annotations
 
-import hashlib
+import base64
 import hmac
+import json
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -27,28 +30,32 @@ from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal, Scope
 from batchyard.core.clock import Clock
+from batchyard.core.sealing import Sealer, SealError
 from batchyard.errors import NotFound
-from batchyard.store import accounts
+from batchyard.store import accounts, signouts
 
-__all__ = ["IDLE_TIMEOUT", "MAX_SESSIONS", "Session", "Sessions", "principal_of", "same_token"]
+__all__ = [
+    "IDLE_TIMEOUT",
+    "Session",
+    "Sessions",
+    "principal_of",
+    "same_token",
+]
 
-#: A session unused this long is gone; each page view extends it.
+#: How long a sign-in lasts.
 IDLE_TIMEOUT = timedelta(hours=12)
-#: Memory bound: past this many, the least recently used session is dropped.
-MAX_SESSIONS = 10_000
+#: Associated data of a sealed cookie: it opens as nothing else, and nothing else opens as it.
+_AAD = b"batchyard-workspace-session-v1"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Session:
+    id: str
     key_id: str
     org_id: str
     scope: Scope
     csrf: str
     expires_at: datetime
-
-
-def _digest(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
 def same_token(expected: str, presented: str | None) -> bool:
@@ -59,57 +66,65 @@ def same_token(expected: str, presented: str | None) -> bool:
 
 
 class Sessions:
-    """The signed-in browsers of one app; times come from the service's clock."""
+    """Opens and reads sealed session cookies; times come from the service's clock."""
 
-    def __init__(
-        self, clock: Clock, *, idle: timedelta = IDLE_TIMEOUT, limit: int = MAX_SESSIONS
-    ) -> None:
+    def __init__(self, clock: Clock, sealer: Sealer, *, idle: timedelta = IDLE_TIMEOUT) -> None:
         self._clock = clock
+        self._sealer = sealer
         self._idle = idle
-        self._limit = limit
-        self._by_digest: OrderedDict[str, Session] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._by_digest)
 
     def open(self, principal: Principal) -> tuple[str, Session]:
         """A new session for ``principal``: (cookie value, session)."""
-        token = secrets.token_urlsafe(32)
         session = Session(
+            id=secrets.token_urlsafe(16),
             key_id=principal.key_id,
             org_id=principal.org_id,
             scope=principal.scope,
             csrf=secrets.token_urlsafe(32),
             expires_at=self._clock.now() + self._idle,
         )
-        self._by_digest[_digest(token)] = session
-        while len(self._by_digest) > self._limit:
-            self._by_digest.popitem(last=False)
-        return token, session
+        payload = {
+            "i": session.id,
+            "k": session.key_id,
+            "o": session.org_id,
+            "s": session.scope.value,
+            "c": session.csrf,
+            "e": session.expires_at.timestamp(),
+        }
+        sealed = self._sealer.seal(json.dumps(payload, separators=(",", ":")).encode(), _AAD)
+        return base64.urlsafe_b64encode(sealed).decode().rstrip("="), session
 
     def get(self, token: str | None) -> Session | None:
-        """The live session behind a cookie, its idle timer restarted; None when gone."""
-        if not token:
+        """The live session a cookie holds; None when it is missing, altered or expired."""
+        if not token or len(token) > 4096:
             return None
-        digest = _digest(token)
-        session = self._by_digest.get(digest)
-        if session is None:
+        try:
+            sealed = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            data = json.loads(self._sealer.open(sealed, _AAD))
+            expires_at = datetime.fromtimestamp(float(data["e"]), tz=self._clock.now().tzinfo)
+            session = Session(
+                id=str(data["i"]),
+                key_id=str(data["k"]),
+                org_id=str(data["o"]),
+                scope=Scope(data["s"]),
+                csrf=str(data["c"]),
+                expires_at=expires_at,
+            )
+        except (SealError, ValueError, KeyError, TypeError):
             return None
-        now = self._clock.now()
-        if now >= session.expires_at:
-            del self._by_digest[digest]
+        if self._clock.now() >= session.expires_at:
             return None
-        session.expires_at = now + self._idle
-        self._by_digest.move_to_end(digest)
         return session
 
-    def close(self, token: str | None) -> None:
-        if token:
-            self._by_digest.pop(_digest(token), None)
+    def close(self, conn: Connection, session: Session) -> None:
+        """Sign out: every process refuses the session from now on (``store.signouts``)."""
+        signouts.record_sign_out(conn, session.id, session.expires_at, self._clock.now())
 
 
 def principal_of(conn: Connection, session: Session) -> Principal | None:
-    """The session's caller as the store knows it now; None once the key is revoked."""
+    """The session's caller as the store knows it now; None once signed out or revoked."""
+    if signouts.is_signed_out(conn, session.id):
+        return None
     if not accounts.key_is_active(conn, session.key_id):
         return None
     try:

@@ -32,6 +32,7 @@ PARAMS = {
     "dataset_id": new_id("ds", NOW),
     "run_id": new_id("bir", NOW),
     "batch_id": new_id("bat", NOW),
+    "file_id": new_id("file", NOW),
     "model_id": "kettei-core",
     "row_id": "1",
 }

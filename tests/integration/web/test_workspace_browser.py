@@ -136,3 +136,48 @@ async def test_sign_in_submit_complete_cancel_in_chromium(service, tmp_path):
     finally:
         await asyncio.to_thread(driver.quit)
     assert SCREENSHOT.stat().st_size > 0
+
+
+async def test_a_sign_in_survives_a_restart_and_works_on_another_process(
+    make_service, settings, tmp_path
+):
+    """Chromium signs in on one server; a second server over the same store (another
+    process, or the same one restarted) takes the same cookie, and a sign-out on either
+    ends it on both."""
+    from selenium.webdriver.common.by import By
+
+    first = make_service()
+    answer_with(first)
+    acct = make_account(first, credit="1")
+    driver = await asyncio.to_thread(_driver, tmp_path / "profile")
+    try:
+        async with live_server(first, worker=False) as base:
+
+            def sign_in() -> dict[str, Any]:
+                driver.get(f"{base}/workspace/")
+                driver.find_element(By.ID, "api_key").send_keys(acct.key)
+                _click_and_load(driver, driver.find_element(By.ID, "sign-in"))
+                assert driver.current_url == f"{base}/workspace/batches"
+                return driver.get_cookie("by_workspace")
+
+            cookie = await asyncio.to_thread(sign_in)
+        assert acct.key not in cookie["value"]
+        # The first server is gone; a new one (a restart, or another process) serves the store.
+        second = make_service()
+        answer_with(second)
+        async with live_server(second, worker=False) as other:
+
+            def still_signed_in() -> None:
+                # Cookies belong to the host, not the port: the browser sends it here too.
+                driver.get(f"{other}/workspace/batches")
+                assert driver.current_url == f"{other}/workspace/batches"
+                assert driver.find_element(By.ID, "upload")
+                _click_and_load(driver, driver.find_element(By.CSS_SELECTOR, "button.link"))
+                assert "note=out" in driver.current_url
+
+            await asyncio.to_thread(still_signed_in)
+            async with httpx.AsyncClient(cookies={"by_workspace": cookie["value"]}) as http:
+                replayed = await http.get(f"{other}/workspace/batches", follow_redirects=False)
+            assert replayed.status_code == 303  # signed out everywhere, copies included
+    finally:
+        await asyncio.to_thread(driver.quit)

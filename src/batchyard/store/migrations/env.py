@@ -6,8 +6,6 @@ from alembic import context
 
 # Every module that puts tables on the shared metadata, so that autogenerate
 # and the schema test see them all.
-import batchyard.store.batches
-import batchyard.store.runs  # noqa: F401  (projects, datasets, runs and their rows)
 from batchyard.store.tables import metadata
 
 connection = context.config.attributes["connection"]

@@ -1,10 +1,10 @@
-"""calls marked sent, runs that know their key, uploads that appear whole, a write probe"""
+"""calls marked sent, runs and files that know their key, uploads that appear whole, a probe"""
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
@@ -15,8 +15,13 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("sent_at", sa.DateTime(timezone=True), nullable=True))
     with op.batch_alter_table("batch_inference_run_items", schema=None) as batch_op:
         batch_op.add_column(sa.Column("sent_at", sa.DateTime(timezone=True), nullable=True))
+    with op.batch_alter_table("file_batch_lines", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("sent_at", sa.DateTime(timezone=True), nullable=True))
     # The key that started a run: revoking it stops the run.
     with op.batch_alter_table("batch_inference_runs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("key_id", sa.String(length=64), nullable=True))
+    # The key that uploaded a file (or whose batch wrote it): an inference key sees its own.
+    with op.batch_alter_table("files", schema=None) as batch_op:
         batch_op.add_column(sa.Column("key_id", sa.String(length=64), nullable=True))
     # An upload is invisible until its last row is in: a failed one leaves no half dataset.
     with op.batch_alter_table("datasets", schema=None) as batch_op:
@@ -41,8 +46,12 @@ def downgrade() -> None:
         batch_op.drop_index("ix_activity_reservation")
     with op.batch_alter_table("datasets", schema=None) as batch_op:
         batch_op.drop_column("ready")
+    with op.batch_alter_table("files", schema=None) as batch_op:
+        batch_op.drop_column("key_id")
     with op.batch_alter_table("batch_inference_runs", schema=None) as batch_op:
         batch_op.drop_column("key_id")
+    with op.batch_alter_table("file_batch_lines", schema=None) as batch_op:
+        batch_op.drop_column("sent_at")
     with op.batch_alter_table("batch_inference_run_items", schema=None) as batch_op:
         batch_op.drop_column("sent_at")
     with op.batch_alter_table("batch_items", schema=None) as batch_op:

@@ -1,0 +1,195 @@
+"""``/v1/files``: OpenAI's Files, for batch inputs and the outputs batchyard writes.
+
+``POST /v1/files`` takes ``multipart/form-data`` as the ``openai`` SDK's
+``files.create`` sends it (``file``, ``purpose=batch``, and optionally
+``expires_after[anchor]``/``expires_after[seconds]``). The file part streams
+to disk (``service.uploads``) and is then checked and stored line by line
+on a thread (``service.files.ingest``); a bad file answers a coded error
+naming its line and leaves nothing behind. Every ID is checked against the
+caller's organisation: another organisation's file is 404.
+
+Scopes (``service.access``): ``full`` and ``inference`` keys upload and
+delete; every key lists, shows and downloads; an ``inference`` key sees only
+the files it uploaded and the output files of its own batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.api.inputs import object_id, query_id_cursor, query_limit
+from batchyard.errors import InvalidRequest, PayloadTooLarge
+from batchyard.service import files
+from batchyard.service.uploads import read_multipart
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+#: OpenAI's other purposes: named so the refusal can say what is wrong.
+OTHER_PURPOSES = (
+    "assistants",
+    "assistants_output",
+    "batch_output",
+    "fine-tune",
+    "fine-tune-results",
+    "vision",
+    "user_data",
+    "evals",
+)
+_FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
+#: Multipart framing around the file part, allowed on top of the file limit.
+_SLACK = 64 * 1024
+
+
+def _purpose(given: str | None) -> str:
+    if given is None:
+        raise InvalidRequest("purpose is required: batch", param="purpose")
+    if given in files.PURPOSES:
+        return given
+    why = (
+        "batch_output files are written by batchyard when a batch ends"
+        if given == "batch_output"
+        else f"purpose {given!r} is not served here"
+        if given in OTHER_PURPOSES
+        else f"purpose {given!r} is not a file purpose"
+    )
+    raise InvalidRequest(
+        f"{why}; upload with purpose batch", param="purpose", code="invalid_purpose"
+    )
+
+
+def _expires_after(fields: dict[str, str]) -> int | None:
+    anchor = fields.get("expires_after[anchor]")
+    seconds = fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at" or seconds is None or not seconds.isdigit():
+        raise InvalidRequest(
+            "expires_after is anchor created_at and seconds from 3600 to 2592000",
+            param="expires_after",
+        )
+    value = int(seconds)
+    if not 3600 <= value <= 2_592_000:
+        raise InvalidRequest(
+            "expires_after.seconds is from 3600 (1 hour) to 2592000 (30 days)",
+            param="expires_after.seconds",
+        )
+    return value
+
+
+@router.post("/v1/files")
+async def create_file(request: Request) -> JSONResponse:
+    principal = await authenticate(request)
+    svc = service_of(request)
+    svc.batch_key.require()  # 503 before the body is read when batches are off
+    limits = files.settings_of(svc)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
+        raise PayloadTooLarge(
+            f"the file is over {limits.max_bytes} bytes", param="file", code="file_too_large"
+        )
+    upload = await read_multipart(
+        request.stream(),
+        request.headers.get("content-type"),
+        file_field="file",
+        fields=_FIELDS,
+        max_file_bytes=limits.max_bytes,
+    )
+    try:
+        purpose = _purpose(upload.fields.get("purpose"))
+        expires = _expires_after(upload.fields)
+        if upload.file is None:
+            raise InvalidRequest("the upload has no file part", param="file")
+        view = await asyncio.to_thread(
+            files.ingest,
+            svc,
+            principal,
+            upload.file,
+            filename=(upload.filename or "upload.jsonl")[:255],
+            purpose=purpose,
+            expires_after_s=expires,
+        )
+    finally:
+        upload.close()
+    return json_response(view)
+
+
+def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
+    params = dict(request.query_params)
+    for key in sorted(params.keys() - set(allowed)):
+        raise InvalidRequest(
+            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
+        )
+    return params
+
+
+def _file_id(value: str) -> str:
+    return object_id(value, "file", param="file_id", what="file", code="file_not_found")
+
+
+@router.get("/v1/files")
+async def list_files(request: Request) -> JSONResponse:
+    principal = await authenticate(request)
+    q = _query(request, ("after", "limit", "order", "purpose"))
+    limit = query_limit(request, default=10_000, most=10_000)
+    after = query_id_cursor(request, "file", name="after")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order is asc or desc", param="order")
+    purpose = q.get("purpose")
+    if purpose is not None and purpose not in (*files.PURPOSES, "batch_output"):
+        raise InvalidRequest(
+            f"purpose {purpose!r} is not a file purpose here",
+            param="purpose",
+            code="invalid_purpose",
+        )
+    data, more = await files.list_views(
+        service_of(request),
+        principal,
+        after=after,
+        limit=limit,
+        purpose=purpose,
+        newest_first=order == "desc",
+    )
+    return json_response(_page(data, more))
+
+
+def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(request: Request, file_id: str) -> JSONResponse:
+    principal = await authenticate(request)
+    _query(request, ())
+    _file_id(file_id)
+    return json_response(await files.get(service_of(request), principal, file_id))
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(request: Request, file_id: str) -> Response:
+    principal = await authenticate(request)
+    _query(request, ())
+    _file_id(file_id)
+    lines = await files.content(service_of(request), principal, file_id)
+    return StreamingResponse(lines, media_type="application/jsonl")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(request: Request, file_id: str) -> JSONResponse:
+    principal = await authenticate(request)
+    _query(request, ())
+    _file_id(file_id)
+    return json_response(await files.delete(service_of(request), principal, file_id))

@@ -1,0 +1,108 @@
+"""One batch object for both dialects of ``/v1/batches``.
+
+Every batch, deferred (seed 003) or from a file (OpenAI's), is shown with
+OpenAI's Batch fields and the seed's fields together, so the ``openai`` SDK
+can retrieve and list every batch and a seed client reads its own as the seed
+documents it. Where the two name the same thing, one field serves both:
+
+- ``created_at``, ``completed_at`` and the other ``*_at`` are Unix seconds
+  (OpenAI's type); the seed's ``deadline`` stays an ISO 8601 string and says
+  the same instant as OpenAI's ``expires_at``.
+- ``request_counts`` holds OpenAI's ``total``, ``completed`` (answered) and
+  ``failed`` (calls that failed) beside the seed's count per request state
+  (``waiting``, ``dispatched``, ``succeeded``, ``failed``, ``expired``,
+  ``canceled``, ``uncertain``); ``failed`` means the same in both.
+- ``status`` is the dialect's own word: OpenAI's for file batches, the seed's
+  for deferred ones (which differ only in ``canceling``/``canceled``).
+
+Fields one dialect lacks are present and null (or the seed's
+``input_file_id`` of a deferred batch: ``""``, since its requests came inline
+and OpenAI's type requires a string). ``dialect`` says which one a batch is.
+docs/explanation/batch-dialects.md gives the reasons.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from batchyard.core.clock import isoformat
+from batchyard.core.money import format_money
+from batchyard.store import file_batches as fstore
+
+__all__ = ["counts_of", "file_batch_view", "number", "ts"]
+
+
+def ts(when: datetime | None) -> int | None:
+    """Unix seconds, OpenAI's timestamps."""
+    return int(when.timestamp()) if when is not None else None
+
+
+def number(d: Decimal) -> int | float:
+    return int(d) if d == d.to_integral_value() else float(d)
+
+
+def counts_of(per_state: dict[str, int]) -> dict[str, int]:
+    """Both dialects' request counts from the count of requests in each state."""
+    per = dict(per_state)
+    if "pending" in per:  # a file batch's not-yet-sent lines are the seed's "waiting"
+        per["waiting"] = per.pop("pending")
+    return {
+        "total": sum(per.values()),
+        "completed": per.get("succeeded", 0),
+        **per,
+    }
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def file_batch_view(row: fstore.BatchRow, totals: fstore.Totals | None) -> dict[str, Any]:
+    per = totals.per_state if totals is not None else dict.fromkeys(fstore.LINE_STATES, 0)
+    counts = counts_of(per)
+    counts["total"] = row.request_count
+    errors = json.loads(row.errors) if row.errors else None
+    charge = row.charge if row.charge is not None else (totals.charge if totals else 0)
+    return {
+        "id": row.id,
+        "object": "batch",
+        "dialect": "file",
+        "endpoint": row.endpoint,
+        "input_file_id": row.input_file_id,
+        "completion_window": row.completion_window,
+        "status": row.status,
+        "output_file_id": row.output_file_id,
+        "error_file_id": row.error_file_id,
+        "errors": {"object": "list", "data": errors} if errors else None,
+        "created_at": ts(row.created_at),
+        "in_progress_at": ts(row.in_progress_at),
+        "expires_at": ts(row.expires_at),
+        "finalizing_at": ts(row.finalizing_at),
+        "completed_at": ts(row.completed_at),
+        "failed_at": ts(row.failed_at),
+        "expired_at": ts(row.expired_at),
+        "cancelling_at": ts(row.cancelling_at),
+        "cancelled_at": ts(row.cancelled_at),
+        "request_counts": counts,
+        "metadata": json.loads(row.metadata) if row.metadata else None,
+        "usage": _usage(totals.input_tokens, totals.output_tokens) if totals else None,
+        # The seed's fields.
+        "deadline": isoformat(row.expires_at),
+        "min_discount": number(Decimal(row.min_discount)) if row.min_discount else None,
+        "results_url": None,
+        "results_expire_at": None,
+        "results_purged": False,
+        # batchyard's: the quote held, and what was charged so far.
+        "max_cost": format_money(row.max_cost),
+        "charge": format_money(charge),
+        "reservation_id": row.reservation_id,
+    }

@@ -1,0 +1,291 @@
+"""File batches (OpenAI's dialect of ``/v1/batches``): create, show, cancel.
+
+Creating one is where batchyard's promises begin. The input file was checked
+line by line when it was uploaded, so here the batch only has to agree with
+it (the endpoint its lines name, models still served), and then the whole
+file is priced: each model's prompt tokens (counted with its own tokenizer at
+upload) at its input price plus the most output tokens at its output price,
+the most the batch can cost. That amount is held in one reservation in the
+same transaction that writes the batch and its lines, so nothing is
+dispatched without its money. Without the credit the batch is written
+``failed`` with an ``insufficient_credit`` error at once, in the answer to
+the create call itself, and nothing is held or charged.
+
+Execution is ``work.file_batches``. The object a batch shows is one for both
+dialects (``service.batch_views``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from sqlalchemy import Connection
+
+from batchyard.core.accounts import Principal
+from batchyard.core.ids import new_id
+from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.prices import Price
+from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
+from batchyard.service.batch_requests import WINDOWS
+from batchyard.service.batch_views import file_batch_view
+from batchyard.service.deployment import Service
+from batchyard.service.openai_requests import ENDPOINTS, EXECUTABLE
+from batchyard.store import file_batches as store
+from batchyard.store import files as file_store
+from batchyard.store import ledger
+
+__all__ = ["BODY_KEYS", "cancel", "create", "load_view", "parse_create"]
+
+log = logging.getLogger("batchyard.file_batches")
+
+#: OpenAI's documented fields of a batch creation.
+BODY_KEYS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
+MAX_METADATA = 16
+
+
+def _bad(message: str, param: str, code: str = "invalid_request") -> InvalidRequest:
+    return InvalidRequest(message, param=param, code=code)
+
+
+def _metadata(raw: Any) -> tuple[dict[str, str] | None, Decimal | None]:
+    """OpenAI's metadata (16 string pairs), and batchyard's ``min_discount`` among them."""
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict):
+        raise _bad("metadata must be an object of string values", "metadata")
+    if len(raw) > MAX_METADATA:
+        raise _bad(f"metadata holds at most {MAX_METADATA} pairs", "metadata")
+    for k, v in raw.items():
+        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+            raise _bad(
+                "metadata keys are at most 64 characters and values strings of at most 512",
+                f"metadata.{k}",
+            )
+    given = raw.get("min_discount")
+    if given is None:
+        return dict(raw), None
+    try:
+        d = Decimal(given.strip())
+    except InvalidOperation:
+        d = Decimal("NaN")
+    if not d.is_finite() or not Decimal(0) <= d <= Decimal(100):
+        raise _bad(
+            f"metadata.min_discount is a percentage from 0 to 100, not {given!r}",
+            "metadata.min_discount",
+            "min_discount_out_of_range",
+        )
+    return dict(raw), d
+
+
+def parse_create(raw: dict[str, Any]) -> dict[str, Any]:
+    """The file dialect's body checked (no store reads): what ``create`` needs."""
+    for key in sorted(raw.keys() - BODY_KEYS):
+        raise _bad(f"{key} is not a field of a file batch", key, "unsupported_parameter")
+    file_id = raw.get("input_file_id")
+    if not isinstance(file_id, str) or not file_id:
+        raise _bad("input_file_id must name an uploaded file", "input_file_id")
+    endpoint = raw.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise _bad(f"endpoint is one of {', '.join(ENDPOINTS)}", "endpoint", "unsupported_endpoint")
+    if endpoint not in EXECUTABLE:
+        raise _bad(
+            f"{endpoint} lines are validated but not yet answered by this gateway; "
+            f"use {', '.join(EXECUTABLE)}",
+            "endpoint",
+            "unsupported_endpoint",
+        )
+    window = raw.get("completion_window")
+    if window not in WINDOWS:
+        raise _bad(
+            "completion_window is 24h (OpenAI's), 1h or 6h",
+            "completion_window",
+            "invalid_completion_window",
+        )
+    meta, min_discount = _metadata(raw.get("metadata"))
+    expiry = raw.get("output_expires_after")
+    if expiry is not None:
+        seconds = expiry.get("seconds") if isinstance(expiry, dict) else None
+        if (
+            not isinstance(expiry, dict)
+            or expiry.keys() != {"anchor", "seconds"}
+            or expiry.get("anchor") != "created_at"
+            or isinstance(seconds, bool)
+            or not isinstance(seconds, int)
+            or not 3600 <= seconds <= 2_592_000
+        ):
+            raise _bad(
+                "output_expires_after is {anchor: created_at, seconds: 3600 to 2592000}",
+                "output_expires_after",
+            )
+    return {
+        "input_file_id": file_id,
+        "endpoint": endpoint,
+        "window": window,
+        "metadata": meta,
+        "min_discount": min_discount,
+    }
+
+
+async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> dict[str, Any]:
+    """Write the batch and hold its quote, or write it failed for want of credit."""
+    svc.batch_key.require()
+    now = svc.clock.now()
+    batch_id = new_id("bat", now)
+    catalog = svc.catalog
+    file_id = parsed["input_file_id"]
+
+    def tx(conn: Connection) -> dict[str, Any]:
+        own = principal.key_id if principal.own_only else None
+        f = file_store.get_file(conn, principal.org_id, file_id, key_id=own)
+        if f is None:
+            raise NotFound(
+                f"file {file_id} not found", param="input_file_id", code="file_not_found"
+            )
+        if f.deleted_at is not None:
+            raise NotFound(
+                f"file {file_id} was deleted; upload it again",
+                param="input_file_id",
+                code="file_deleted",
+            )
+        if f.purpose != "batch":
+            raise _bad(
+                f"file {file_id} has purpose {f.purpose}; a batch reads a file uploaded with "
+                "purpose batch",
+                "input_file_id",
+                "invalid_file_purpose",
+            )
+        totals = list(file_store.line_totals(conn, f.id))
+        first = min(t[4] for t in totals)
+        if f.endpoint != parsed["endpoint"]:
+            raise InvalidRequest(
+                f"line {first}: url {f.endpoint!r} does not match the batch's endpoint "
+                f"{parsed['endpoint']!r}",
+                param=f"line {first}: url",
+                code="endpoint_mismatch",
+                details={"line": first},
+            )
+        cost = Decimal(0)
+        for model_id, _, tokens_in, tokens_out, line in totals:
+            model = catalog.models.get(model_id)
+            if model is None or not catalog.is_available(model_id):
+                raise InvalidRequest(
+                    f"line {line}: model {model_id!r} is no longer served here",
+                    param=f"line {line}: body.model",
+                    code="model_unavailable",
+                    details={"line": line},
+                )
+            cost += Price(model.input_per_mtok, model.output_per_mtok).cost(tokens_in, tokens_out)
+        max_cost = quote_ticks(cost)
+        row = store.BatchRow(
+            id=batch_id,
+            org_id=principal.org_id,
+            key_id=principal.key_id,
+            status="in_progress",
+            endpoint=parsed["endpoint"],
+            input_file_id=f.id,
+            completion_window=parsed["window"],
+            metadata=json.dumps(parsed["metadata"]) if parsed["metadata"] is not None else None,
+            min_discount=(
+                str(parsed["min_discount"]) if parsed["min_discount"] is not None else None
+            ),
+            errors=None,
+            request_count=f.line_count,
+            max_cost=max_cost,
+            reservation_id=None,
+            charge=None,
+            output_file_id=None,
+            error_file_id=None,
+            created_at=now,
+            expires_at=now + WINDOWS[parsed["window"]],
+            in_progress_at=now,
+            finalizing_at=None,
+            completed_at=None,
+            failed_at=None,
+            expired_at=None,
+            cancelling_at=None,
+            cancelled_at=None,
+        )
+        try:
+            with conn.begin_nested():
+                res = ledger.reserve(
+                    conn,
+                    principal.org_id,
+                    max_cost,
+                    now,
+                    purpose="file_batch",
+                    ref=batch_id,
+                    tiers=svc.settings.tiers,
+                )
+        except InsufficientCredit as exc:
+            error = {
+                "code": exc.code,
+                "message": (
+                    f"the batch can cost up to ${format_money(max_cost)} ({f.line_count} "
+                    f"requests priced with each model's tokenizer) and the credit available is "
+                    f"${exc.details.get('available')}; top up and create it again. Nothing was "
+                    "held or charged."
+                ),
+                "param": None,
+                "line": None,
+            }
+            row = _replace(
+                row, status="failed", errors=json.dumps([error]), failed_at=now, in_progress_at=None
+            )
+            store.create_batch(conn, row)
+        else:
+            store.create_batch(conn, _replace(row, reservation_id=res.id))
+        return load_view(conn, principal.org_id, batch_id)
+
+    view = await svc.db.transact(tx)
+    log.info(
+        "file batch created",
+        extra={
+            "event": "file_batch_created",
+            "batch_id": batch_id,
+            "org_id": principal.org_id,
+            "status": view["status"],
+            "requests": view["request_counts"]["total"],
+        },
+    )
+    return view
+
+
+def _replace(row: store.BatchRow, **values: Any) -> store.BatchRow:
+    return dataclasses.replace(row, **values)
+
+
+def load_view(
+    conn: Connection, org_id: str, batch_id: str, *, key_id: str | None = None
+) -> dict[str, Any]:
+    row = store.get_batch(conn, org_id, batch_id, key_id=key_id)
+    if row is None:
+        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    return file_batch_view(row, store.totals(conn, [row.id])[row.id])
+
+
+async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str, Any]:
+    """Stop a batch: lines not yet sent are canceled, calls in flight may finish."""
+    now = svc.clock.now()
+
+    own = principal.key_id if principal.own_only else None
+
+    def tx(conn: Connection) -> dict[str, Any]:
+        row = store.get_batch(conn, principal.org_id, batch_id, lock=True, key_id=own)
+        if row is None:
+            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        if row.status in ("completed", "failed", "expired", "cancelled", "finalizing"):
+            raise InvalidState(
+                f"batch {batch_id} is already {row.status}; nothing to cancel",
+                code="batch_not_cancellable",
+            )
+        if row.status != "cancelling":
+            store.set_status(conn, row.id, "cancelling", expect=("in_progress",), cancelling_at=now)
+        return load_view(conn, principal.org_id, batch_id)
+
+    view = await svc.db.transact(tx)
+    log.info("file batch cancelling", extra={"event": "file_batch_cancel", "batch_id": batch_id})
+    return view

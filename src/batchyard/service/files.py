@@ -1,0 +1,410 @@
+"""Files as both front doors use them: take in an upload, show, list, read, delete.
+
+An upload arrives on disk (the API streams the multipart part to a temporary
+file; the workspace does the same). ``ingest`` then reads it line by line,
+on a thread, in bounded memory: each line is parsed, checked whole
+(``custom_id`` unique, ``method`` POST, one ``url`` for the file, the body a
+valid request for it through ``service.openai_requests``), has privacy
+applied, is counted with its model's tokenizer, sealed, and written in
+batches under a file that stays invisible (``uploading``) until its last line
+is in. The first bad line ends the upload with a coded error naming the line,
+and everything written for it is deleted; a process that dies mid-upload
+leaves an invisible file that the file-batch worker removes later.
+
+Limits (OpenAI's by default, ``files:`` in the config to change them):
+200 MB and 50,000 requests per file, 1 MB per line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import partial
+from typing import IO, Any
+
+from sqlalchemy import Connection
+
+from batchyard.core import privacy
+from batchyard.core.accounts import Principal
+from batchyard.core.ids import new_id
+from batchyard.core.inputs import parse_json
+from batchyard.errors import (
+    BatchyardError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+)
+from batchyard.service.deployment import Service
+from batchyard.service.openai_requests import Rules, validate_line
+from batchyard.store import file_batches as batch_store
+from batchyard.store import files as store
+from batchyard.store.file_batches import out_aad
+from batchyard.store.files import line_aad
+
+__all__ = [
+    "PURPOSES",
+    "FileSettings",
+    "content",
+    "delete",
+    "file_view",
+    "get",
+    "ingest",
+    "list_views",
+    "rules_of",
+    "settings_of",
+]
+
+log = logging.getLogger("batchyard.files")
+
+#: What a caller may upload; ``batch_output`` files are batchyard's own.
+PURPOSES = ("batch",)
+#: Lines written per transaction while an upload is taken in.
+WRITE_BATCH = 500
+_LINE_KEYS = {"custom_id", "method", "url", "body"}
+
+
+@dataclass(frozen=True, slots=True)
+class FileSettings:
+    max_bytes: int = 200 * 1024 * 1024
+    max_lines: int = 50_000
+    max_line_bytes: int = 1024 * 1024
+    max_custom_id: int = 512
+
+    @classmethod
+    def from_raw(cls, raw: Any) -> FileSettings:
+        given = {k: int(v) for k, v in (raw or {}).items() if k in cls.__dataclass_fields__}
+        return cls(**given)
+
+
+def settings_of(svc: Service) -> FileSettings:
+    return FileSettings.from_raw(svc.settings.raw.get("files"))
+
+
+def rules_of(svc: Service) -> Rules:
+    """The line rules of this deployment: its catalog, tokenizers and privacy default."""
+    default = svc.settings.raw.get("privacy_default", "off")
+    try:
+        mode = privacy.PrivacyMode(str(default))
+    except ValueError:
+        mode = privacy.PrivacyMode.OFF
+    return Rules(
+        catalog=svc.catalog,
+        tokenizers=svc.tokenizers,
+        default_max_tokens=svc.settings.default_max_tokens,
+        privacy_default=mode,
+    )
+
+
+def _ts(when: datetime | None) -> int | None:
+    return int(when.timestamp()) if when is not None else None
+
+
+def file_view(f: store.FileRow) -> dict[str, Any]:
+    """OpenAI's File object (``status`` is its deprecated field, always ``processed``)."""
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": int(f.created_at.timestamp()),
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": _ts(f.expires_at),
+        # batchyard's own: what the file holds.
+        "lines": f.line_count,
+        "endpoint": f.endpoint,
+    }
+
+
+def _at_line(n: int, exc: BatchyardError) -> BatchyardError:
+    """The same error, its message and param naming the line of the file."""
+    param = f"line {n}" + (f": {exc.param}" if exc.param else "")
+    return type(exc)(
+        f"line {n}: {exc.message}",
+        param=param,
+        code=exc.code,
+        status=exc.status,
+        details={**exc.details, "line": n},
+    )
+
+
+def _bad(n: int, message: str, code: str, param: str | None = None) -> InvalidRequest:
+    return InvalidRequest(
+        f"line {n}: {message}",
+        param=f"line {n}" + (f": {param}" if param else ""),
+        code=code,
+        details={"line": n},
+    )
+
+
+def _lines(f: IO[bytes], limits: FileSettings) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of every non-blank line, each read with a bounded buffer."""
+    n = 0
+    while True:
+        raw = f.readline(limits.max_line_bytes + 2)
+        if not raw:
+            return
+        n += 1
+        if len(raw) > limits.max_line_bytes and not raw.endswith(b"\n"):
+            raise PayloadTooLarge(
+                f"line {n} is over {limits.max_line_bytes} bytes",
+                code="line_too_large",
+                details={"line": n},
+            )
+        line = raw.rstrip(b"\r\n")
+        if line.strip():
+            yield n, line
+
+
+def _check(
+    n: int, raw: bytes, rules: Rules, limits: FileSettings, seen: set[bytes], endpoint: str | None
+) -> tuple[str, str, Any, bytes]:
+    """One line checked: (custom_id, url, checked body, the line as it will be stored)."""
+    try:
+        # Strict JSON, as every body: no NaN, lone surrogate, NUL or deep nesting.
+        obj = parse_json(raw, "the line")
+    except BatchyardError as exc:
+        raise _bad(n, exc.message, exc.code) from None
+    if not isinstance(obj, dict):
+        raise _bad(n, "each line must be a JSON object", "invalid_json")
+    for key in sorted(obj.keys() - _LINE_KEYS):
+        raise _bad(n, f"{key} is not a field of a batch line", "unsupported_parameter", param=key)
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid or len(cid) > limits.max_custom_id:
+        raise _bad(
+            n,
+            f"custom_id must be a string of 1 to {limits.max_custom_id} characters",
+            "invalid_custom_id",
+            param="custom_id",
+        )
+    digest = hashlib.blake2b(cid.encode(), digest_size=16).digest()
+    if digest in seen:
+        raise _bad(
+            n, f"custom_id {cid!r} appears more than once", "duplicate_custom_id", "custom_id"
+        )
+    seen.add(digest)
+    if obj.get("method") != "POST":
+        raise _bad(n, "method must be POST", "invalid_method", param="method")
+    url = obj.get("url")
+    if not isinstance(url, str):
+        raise _bad(n, "url must be an endpoint path", "unsupported_endpoint", param="url")
+    if endpoint is not None and url != endpoint:
+        raise _bad(
+            n,
+            f"url {url!r} differs from {endpoint!r} on the lines before it; a batch file "
+            "names one endpoint",
+            "mixed_endpoints",
+            param="url",
+        )
+    try:
+        checked = validate_line(url, obj.get("body"), rules)
+    except BatchyardError as exc:
+        raise _at_line(n, exc) from None
+    body = obj["body"]
+    if checked.body == body:
+        stored = raw  # unchanged: kept byte for byte
+    else:
+        obj["body"] = checked.body
+        stored = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return cid, url, checked, stored
+
+
+def ingest(
+    svc: Service,
+    principal: Principal,
+    f: IO[bytes],
+    *,
+    filename: str,
+    purpose: str,
+    expires_after_s: int | None = None,
+) -> dict[str, Any]:
+    """Take in an uploaded batch file whole, or nothing of it (runs on a thread)."""
+    sealer = svc.batch_key.require()
+    limits = settings_of(svc)
+    rules = rules_of(svc)
+    now = svc.clock.now()
+    file_id = new_id("file", now)
+    expires_at = now + timedelta(seconds=expires_after_s) if expires_after_s else None
+    svc.db.transact_sync(
+        lambda c: store.create_file(
+            c,
+            file_id=file_id,
+            org_id=principal.org_id,
+            purpose=purpose,
+            filename=filename,
+            now=now,
+            expires_at=expires_at,
+            key_id=principal.key_id,
+        )
+    )
+    seen: set[bytes] = set()
+    endpoint: str | None = None
+    count = size = redactions = 0
+    pending: list[store.LineRow] = []
+    try:
+        for n, raw in _lines(f, limits):
+            count += 1
+            if count > limits.max_lines:
+                raise InvalidRequest(
+                    f"a batch file holds at most {limits.max_lines} requests; line {n} is "
+                    f"request {count}",
+                    code="too_many_lines",
+                    details={"line": n, "limit": limits.max_lines},
+                )
+            cid, url, checked, stored = _check(n, raw, rules, limits, seen, endpoint)
+            endpoint = url
+            redactions += checked.redactions
+            size += len(stored) + 1
+            pending.append(
+                store.LineRow(
+                    n,
+                    cid,
+                    checked.model.id,
+                    checked.input_tokens,
+                    checked.max_output_tokens,
+                    sealer.seal(stored, line_aad(file_id, n)),
+                )
+            )
+            if len(pending) >= WRITE_BATCH:
+                svc.db.transact_sync(partial(_write, file_id=file_id, lines=pending))
+                pending = []
+        if count == 0:
+            raise InvalidRequest(
+                "the file holds no requests; send one JSON object a line", code="empty_file"
+            )
+
+        def finish(c: Connection) -> store.FileRow:
+            store.write_lines(c, file_id, pending)
+            store.mark_processed(c, file_id, size=size, line_count=count, endpoint=endpoint)
+            row = store.get_file(c, principal.org_id, file_id)
+            assert row is not None
+            return row
+
+        row = svc.db.transact_sync(finish)
+    except BaseException:
+        svc.db.transact_sync(lambda c: store.forget(c, file_id))
+        raise
+    log.info(
+        "file uploaded",
+        extra={
+            "event": "file_uploaded",
+            "file_id": file_id,
+            "org_id": principal.org_id,
+            "lines": count,
+            "privacy_redactions": redactions,
+        },
+    )
+    return file_view(row)
+
+
+def _write(c: Connection, *, file_id: str, lines: list[store.LineRow]) -> None:
+    store.write_lines(c, file_id, lines)
+
+
+def _own(principal: Principal) -> str | None:
+    """The key whose files alone this caller sees (an inference key), or None for all."""
+    return principal.key_id if principal.own_only else None
+
+
+def _visible(c: Connection, principal: Principal, file_id: str) -> store.FileRow:
+    row = store.get_file(c, principal.org_id, file_id, key_id=_own(principal))
+    if row is None or row.deleted_at is not None:
+        raise NotFound(f"file {file_id} not found", param="file_id", code="file_not_found")
+    return row
+
+
+async def get(svc: Service, principal: Principal, file_id: str) -> dict[str, Any]:
+    row = await svc.db.read(lambda c: _visible(c, principal, file_id))
+    return file_view(row)
+
+
+async def list_views(
+    svc: Service,
+    principal: Principal,
+    *,
+    after: str | None,
+    limit: int,
+    purpose: str | None,
+    newest_first: bool,
+) -> tuple[list[dict[str, Any]], bool]:
+    """One page of the caller's files and whether more follow."""
+
+    def load(c: Connection) -> list[store.FileRow]:
+        return store.list_files(
+            c,
+            principal.org_id,
+            after=after,
+            limit=limit + 1,
+            purpose=purpose,
+            newest_first=newest_first,
+            key_id=_own(principal),
+        )
+
+    rows = await svc.db.read(load)
+    return [file_view(r) for r in rows[:limit]], len(rows) > limit
+
+
+async def delete(svc: Service, principal: Principal, file_id: str) -> dict[str, Any]:
+    """Delete a file and its stored lines; refused while a live batch reads it."""
+    now = svc.clock.now()
+
+    def tx(c: Connection) -> None:
+        row = _visible(c, principal, file_id)
+        readers = batch_store.live_batch_reads(c, row.id)
+        if readers:
+            raise Conflict(
+                f"file {file_id} is the input of batch {readers[0]}, which is still running; "
+                "cancel it or wait until it ends",
+                param="file_id",
+                code="file_in_use",
+            )
+        store.mark_deleted(c, row.id, now)
+
+    await svc.db.transact(tx)
+    log.info("file deleted", extra={"event": "file_deleted", "file_id": file_id})
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+async def content(svc: Service, principal: Principal, file_id: str) -> AsyncIterator[bytes]:
+    """The file's lines in order; errors are raised before the first byte."""
+    sealer = svc.batch_key.require()
+    row = await svc.db.read(lambda c: _visible(c, principal, file_id))
+    page = 1000
+
+    async def input_lines() -> AsyncIterator[bytes]:
+        after = 0
+        while True:
+            got = await svc.db.read(
+                partial(store.read_lines, file_id=row.id, after=after, limit=page)
+            )
+            if not got:
+                return
+            yield b"".join(sealer.open(ln.body, line_aad(row.id, ln.line)) + b"\n" for ln in got)
+            after = got[-1].line
+
+    async def output_lines() -> AsyncIterator[bytes]:
+        assert row.batch_id is not None
+        after = 0
+        errors = row.kind == "error"
+        while True:
+            got = await svc.db.read(
+                partial(
+                    batch_store.output_lines,
+                    batch_id=str(row.batch_id),
+                    errors=errors,
+                    after=after,
+                    limit=page,
+                )
+            )
+            if not got:
+                return
+            yield b"".join(sealer.open(out, out_aad(str(row.batch_id), n)) for n, out in got)
+            after = got[-1][0]
+
+    return output_lines() if row.batch_id else input_lines()

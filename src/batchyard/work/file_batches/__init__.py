@@ -1,0 +1,1 @@
+"""OpenAI-dialect file batches: lines claimed under leases, answered and settled."""

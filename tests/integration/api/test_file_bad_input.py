@@ -1,0 +1,165 @@
+"""Bad files and bad batches: each a coded 4xx that changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from sqlalchemy import func, select
+
+from batchyard.store import file_batches as fstore
+from batchyard.store import files as file_store
+from batchyard.store import ledger
+from tests.support.accounts import make_account
+from tests.support.file_batches import chat_line, create, jsonl, upload, worker
+from tests.support.server import asgi_client
+from tests.support.workspace import answer_with
+
+
+def stored(service):
+    def count(c):
+        return tuple(
+            c.execute(select(func.count()).select_from(t)).scalar_one()
+            for t in (file_store.files, file_store.file_lines, fstore.file_batches)
+        )
+
+    return service.db.read_sync(count)
+
+
+def error_of(r):
+    return r.status_code, r.json()["error"]["code"]
+
+
+BAD_FILES = [
+    ("invalid_json", [json.dumps(chat_line("a")), "{not json"], 400, "invalid_json", 2),
+    ("duplicate", [chat_line("a"), chat_line("b"), chat_line("a")], 400, "duplicate_custom_id", 3),
+    ("method", [{**chat_line("a"), "method": "GET"}], 400, "invalid_method", 1),
+    (
+        "mixed",
+        [chat_line("a"), {**chat_line("b"), "url": "/v1/embeddings"}],
+        400,
+        "mixed_endpoints",
+        2,
+    ),
+    ("unknown_model", [chat_line("a", model="gpt-9")], 400, "unknown_model", 1),
+    ("max_tokens", [chat_line("a", max_tokens=100_000)], 400, "max_tokens_out_of_range", 1),
+    ("max_tokens_str", [chat_line("a", max_tokens="5")], 400, "invalid_request", 1),
+    ("stream", [chat_line("a", stream=True)], 400, "streaming_unsupported", 1),
+    ("tools", [chat_line("a", tools=[])], 400, "tools_unsupported", 1),
+    ("unknown_field", [chat_line("a", bogus=1)], 400, "unsupported_parameter", 1),
+    ("line_field", [{**chat_line("a"), "extra": 1}], 400, "unsupported_parameter", 1),
+    ("custom_id", [{**chat_line("a"), "custom_id": ""}], 400, "invalid_custom_id", 1),
+    ("url", [{**chat_line("a"), "url": "/v1/images"}], 400, "unsupported_endpoint", 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("lines", "status", "code", "line"),
+    [b[1:] for b in BAD_FILES],
+    ids=[b[0] for b in BAD_FILES],
+)
+async def test_a_bad_line_is_named_and_leaves_nothing(service, lines, status, code, line):
+    acct = make_account(service)
+    async with asgi_client(service, worker=False) as http:
+        r = await upload(http, acct.headers, jsonl(lines))
+        listed = (await http.get("/v1/files", headers=acct.headers)).json()
+    assert error_of(r) == (status, code), r.text
+    assert r.json()["error"]["message"].startswith(f"line {line}:")
+    assert listed["data"] == [] and stored(service) == (0, 0, 0)
+
+
+async def test_purpose_size_and_line_limits(make_service):
+    service = make_service(raw={"files": {"max_bytes": 2000, "max_lines": 3}})
+    acct = make_account(service)
+    async with asgi_client(service, worker=False) as http:
+        purpose = await upload(http, acct.headers, jsonl([chat_line("a")]), purpose="fine-tune")
+        output = await upload(http, acct.headers, jsonl([chat_line("a")]), purpose="batch_output")
+        unknown = await upload(http, acct.headers, jsonl([chat_line("a")]), purpose="x")
+        big = await upload(http, acct.headers, jsonl([chat_line("a", "word " * 500)]))
+        many = await upload(http, acct.headers, jsonl([chat_line(str(i)) for i in range(4)]))
+        empty = await upload(http, acct.headers, b"\n\n")
+        not_multipart = await http.post(
+            "/v1/files", headers=acct.headers, content=b"{}", params={"purpose": "batch"}
+        )
+        extra = await upload(http, acct.headers, jsonl([chat_line("a")]), color="red")
+    assert error_of(purpose) == (400, "invalid_purpose")
+    assert error_of(output) == (400, "invalid_purpose")
+    assert error_of(unknown) == (400, "invalid_purpose")
+    assert error_of(big) == (413, "file_too_large")
+    assert error_of(many) == (400, "too_many_lines")
+    assert "line 4" in many.json()["error"]["message"]
+    assert error_of(empty) == (400, "empty_file")
+    assert error_of(not_multipart) == (415, "unsupported_media_type")
+    assert error_of(extra) == (400, "unsupported_parameter")
+    assert stored(service) == (0, 0, 0)
+
+
+async def test_bad_batches_change_nothing(service, clock):
+    answer_with(service)
+    acct = make_account(service, credit="1")
+    other = make_account(service, "globex", credit="1")
+    async with asgi_client(service, worker=False) as http:
+        f = (await upload(http, acct.headers, jsonl([chat_line("a")]))).json()
+        gone = (await upload(http, acct.headers, jsonl([chat_line("b")]))).json()
+        assert (await http.delete(f"/v1/files/{gone['id']}", headers=acct.headers)).json() == {
+            "id": gone["id"],
+            "object": "file",
+            "deleted": True,
+        }
+        before = stored(service)
+        theirs = await create(http, other.headers, f["id"])
+        deleted = await create(http, acct.headers, gone["id"])
+        mismatch = await create(http, acct.headers, f["id"], endpoint="/v1/embeddings")
+        window = await create(http, acct.headers, f["id"], window="48h")
+        unknown = await create(http, acct.headers, f["id"], colour="red")
+        meta = await create(http, acct.headers, f["id"], metadata={"min_discount": "150"})
+        after = stored(service)
+        batch = (await create(http, acct.headers, f["id"])).json()
+        in_use = await http.delete(f"/v1/files/{f['id']}", headers=acct.headers)
+        their_file = await http.get(f"/v1/files/{f['id']}", headers=other.headers)
+        their_content = await http.get(f"/v1/files/{f['id']}/content", headers=other.headers)
+        their_batch = await http.get(f"/v1/batches/{batch['id']}", headers=other.headers)
+        their_cancel = await http.post(f"/v1/batches/{batch['id']}/cancel", headers=other.headers)
+        bad_limit = await http.get("/v1/batches?limit=0", headers=acct.headers)
+        bad_order = await http.get("/v1/files?order=up", headers=acct.headers)
+        await worker(service).run_until_idle()
+        freed = await http.delete(f"/v1/files/{f['id']}", headers=acct.headers)
+    assert error_of(theirs) == (404, "file_not_found")
+    assert error_of(deleted) == (404, "file_deleted")
+    assert error_of(mismatch)[0] == 400
+    assert error_of(window) == (400, "invalid_completion_window")
+    assert error_of(unknown) == (400, "unsupported_parameter")
+    assert error_of(meta) == (400, "min_discount_out_of_range")
+    assert before == after
+    assert error_of(in_use) == (409, "file_in_use")
+    assert [x.status_code for x in (their_file, their_content, their_batch, their_cancel)] == [
+        404
+    ] * 4
+    assert error_of(bad_limit) == (400, "invalid_limit")
+    assert error_of(bad_order) == (400, "invalid_request")
+    assert freed.status_code == 200
+    bal = service.db.read_sync(lambda c: ledger.balance(c, other.org_id))
+    assert bal.held == 0 and bal.settled == 0
+
+
+async def test_a_file_whose_url_differs_from_the_batch_endpoint_is_refused_naming_a_line(
+    make_service,
+):
+    service = make_service()
+    acct = make_account(service)
+    line = {
+        "custom_id": "e",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": "kettei-core", "input": "hello"},
+    }
+    async with asgi_client(service, worker=False) as http:
+        f = (await upload(http, acct.headers, jsonl([line]))).json()
+        r = await create(http, acct.headers, f["id"])
+    assert error_of(r) == (400, "endpoint_mismatch")
+    assert r.json()["error"]["message"].startswith("line 1:")
+    assert (
+        dataclasses.asdict(service.db.read_sync(lambda c: ledger.balance(c, acct.org_id)))["held"]
+        == 0
+    )

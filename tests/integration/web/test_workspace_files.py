@@ -1,0 +1,68 @@
+"""File batches in the workspace: upload a file, follow it, read its answers, download its files."""
+
+from __future__ import annotations
+
+import re
+
+from tests.support.accounts import make_account
+from tests.support.batches import batch_body, worker
+from tests.support.file_batches import chat_line, jsonl
+from tests.support.file_batches import worker as file_worker
+from tests.support.server import asgi_app
+from tests.support.workspace import answer_with, csrf_of, signed_in, submit_form
+
+
+async def test_upload_follow_read_answers_and_download(service):
+    answer_with(service, "a short answer")
+    acct = make_account(service, credit="1")
+    content = jsonl([chat_line(f"row-{i}", f"Question {i}?") for i in range(3)])
+    async with asgi_app(service, worker=False) as client, client() as http:
+        page = await signed_in(http, acct.key)
+        r = await http.post(
+            "/workspace/files",
+            data={"csrf": csrf_of(page), "completion_window": "6h"},
+            files={"file": ("questions.jsonl", content, "application/jsonl")},
+        )
+        assert r.status_code == 303, r.text
+        url = r.headers["location"]
+        assert url.startswith("/workspace/file-batches/bat.")
+        running = (await http.get(url)).text
+        assert 'id="status">in_progress<' in running and "0 of 3" in running
+        assert '<meta http-equiv="refresh"' in running
+        await file_worker(service).run_until_idle()
+        done = (await http.get(url)).text
+        listing = (await http.get("/workspace/batches")).text
+        (output,) = re.findall(r'id="download-output" href="([^"]+)"', done)
+        downloaded = await http.get(output)
+        forged = await http.post(
+            "/workspace/files",
+            data={"csrf": "forged"},
+            files={"file": ("x.jsonl", content, "application/jsonl")},
+        )
+        bad = await http.post(
+            "/workspace/files",
+            data={"csrf": csrf_of(page)},
+            files={"file": ("x.jsonl", b"{oops\n", "application/jsonl")},
+        )
+    assert 'id="status">completed<' in done and "3 of 3" in done
+    assert done.count("a short answer") == 3 and "row-2" in done
+    assert 'id="charge">$0.' in done
+    assert url.rsplit("/", 1)[1] in listing and 'id="file-batches"' in listing
+    assert downloaded.headers["content-disposition"].startswith("attachment;")
+    assert [ln for ln in downloaded.text.splitlines() if '"custom_id":"row-0"' in ln]
+    assert forged.status_code == 403
+    assert bad.status_code == 400 and "line 1" in bad.text and "invalid_json" in bad.text
+
+
+async def test_a_deferred_batch_page_shows_its_answers(service):
+    answer_with(service, "the release summary")
+    acct = make_account(service, credit="1")
+    async with asgi_app(service, worker=False) as client, client() as http:
+        await signed_in(http, acct.key)
+        import json
+
+        r = await submit_form(http, json.dumps(batch_body(1)))
+        assert r.status_code == 303, r.text
+        await worker(service).run_pass()
+        page = (await http.get(r.headers["location"])).text
+    assert "the release summary" in page
