@@ -46,6 +46,8 @@ from batchyard.service.batch_requests import BatchBody
 from batchyard.store.tables import metadata
 from tests.support.accounts import Account, make_account
 from tests.support.batches import batch_body, chat
+from tests.support.file_batches import chat_line, upload
+from tests.support.file_batches import jsonl as file_jsonl
 from tests.support.fuzz import MALFORMED, encode, from_model, mutations
 from tests.support.runs import jsonl
 from tests.support.server import asgi_app
@@ -165,6 +167,17 @@ ENDPOINTS = [
     Endpoint("POST", "/v1/decide/estimate", DecideBody, lambda _: DECIDE),
     Endpoint("POST", "/v1/models/kettei-core/keep-warm", KeepWarmBody, lambda _: {"minutes": 5}),
     Endpoint("POST", "/v1/batches", BatchBody, lambda _: batch_body(2), key_min=8),
+    Endpoint(
+        "POST",
+        "/v1/batches",
+        None,
+        lambda ids: {
+            "input_file_id": ids["file"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": {"team": "support"},
+        },
+    ),
     Endpoint("POST", "/v1/batches/{batch}/cancel", None, lambda _: {}),
     Endpoint("POST", "/v1/chat/completions", ChatBody, lambda _: chat(max_tokens=8)),
 ]
@@ -196,12 +209,16 @@ async def world(request, make_service, clock: ManualClock) -> AsyncIterator[Worl
         batch = await http.post(
             "/v1/batches", json=batch_body(1), headers={**h, "Idempotency-Key": "the-batch"}
         )
+        lines = file_jsonl([chat_line(f"line-{i}", f"text {i}") for i in range(3)])
+        uploaded = await upload(http, h, lines)
         assert (ds.status_code, run.status_code, batch.status_code) == (201, 201, 201)
+        assert uploaded.status_code == 200, uploaded.text
         ids = {
             "project": project,
             "dataset": dataset,
             "run": run.json()["id"],
             "batch": batch.json()["id"],
+            "file": uploaded.json()["id"],
         }
         yield World(svc, http, acct, ids)
 
@@ -251,6 +268,7 @@ ODD = ["0", "-1", "100000", "١", "²", "1.5", "abc", "", "9" * 30, "\x00", "%00
 PAGED = [
     ("/v1/activity", ("limit", "after")),
     ("/v1/batches", ("limit", "after")),
+    ("/v1/files", ("limit", "after")),
     (RUNS, ("limit", "cursor", "status")),
     (PROJECT + "/datasets/{dataset}/rows", ("limit", "cursor")),
     (RUNS + "/{run}/failures", ("limit", "cursor")),
@@ -300,6 +318,7 @@ async def test_odd_ids_in_every_path_are_404_and_never_reach_the_store(world: Wo
         "dataset": ("ds", [PROJECT + "/datasets/{dataset}", PROJECT + "/datasets/{dataset}/rows"]),
         "run": ("bir", [RUNS + "/{run}", RUNS + "/{run}/failures"]),
         "batch": ("bat", ["/v1/batches/{batch}", "/v1/batches/{batch}/results"]),
+        "file": ("file", ["/v1/files/{file}", "/v1/files/{file}/content"]),
     }
     for name, (prefix, paths) in templates.items():
         for path in paths:
@@ -342,3 +361,40 @@ async def test_the_workspace_form_takes_malformed_json_without_a_5xx(world: Worl
     for bad in ["\x00", "١", "bat.\x00", "9" * 30]:
         r = await http.get("/workspace/batches", params={"after": bad})
         assert r.status_code == 200, (bad, r.status_code)
+
+
+FILE_BODIES = {
+    "nan": b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": NaN}\n',
+    "surrogate": b'{"custom_id": "\\ud800", "method": "POST", "url": "/v1/chat/completions"}\n',
+    "nul": b'{"custom_id": "a\\u0000", "method": "POST", "url": "/v1/chat/completions"}\n',
+    "deep": b"[" * 50_000 + b"\n",
+    "not json": b"hello\n",
+    "not utf-8": b'{"custom_id": "\xff"}\n',
+    "empty": b"",
+    "wrong types": file_jsonl([{**chat_line("a"), "body": {"model": ["x"], "messages": 1}}]),
+    "huge int": file_jsonl([chat_line("a", max_tokens=10**30)]),
+}
+
+
+async def test_file_uploads_refuse_malformed_files_and_bodies(world: World) -> None:
+    for name, content in FILE_BODIES.items():
+        before = world.counts()
+        r = await upload(world.http, world.account.headers, content)
+        assert r.status_code < 500, (name, r.text)
+        if r.status_code >= 400:
+            assert isinstance(r.json()["error"]["code"], str), name
+            assert world.counts() == before, f"a refused upload changed the store: {name}"
+        else:
+            raise AssertionError(f"{name} was accepted: {r.text}")
+    for ctype in ("application/json", "text/plain", None):
+        headers = {k: v for k, v in {"Content-Type": ctype}.items() if v}
+        r = await world.send("POST", "/v1/files", content=b"{}", headers=headers, what=ctype or "")
+        assert r.status_code in (400, 415), (ctype, r.text)
+    r = await world.send(
+        "POST",
+        "/v1/files",
+        content=b"--x\r\nContent-Disposition: form-data; name=file\r\n\r\nxx",
+        headers={"Content-Type": "multipart/form-data; boundary=x"},
+        what="truncated multipart",
+    )
+    assert 400 <= r.status_code < 500
