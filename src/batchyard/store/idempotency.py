@@ -23,7 +23,7 @@ from batchyard.store.at_rest import open_text, seal_text
 from batchyard.store.holds import SYNC_HOLD_LIMIT
 from batchyard.store.tables import idempotency_keys as ik
 
-__all__ = ["begin", "finish", "forget", "purge"]
+__all__ = ["answer_aad", "begin", "finish", "forget", "purge"]
 
 # A claim older than this belongs to a request that died mid-way; by then the
 # hold sweeper has put its hold (if it made one) in the activity log.
@@ -91,11 +91,12 @@ def begin(
         raise IdempotencyInProgress(
             "a request with this Idempotency-Key is in progress; retry shortly", retry_after=1
         )
-    body = open_text(conn, str(row.response), _aad(org_id, key))
+    body = open_text(conn, str(row.response), answer_aad(org_id, key))
     return SavedResponse(status_code=int(row.status_code), body=body)
 
 
-def _aad(org_id: str, key: str) -> str:
+def answer_aad(org_id: str, key: str) -> str:
+    """What a saved answer's sealed text is bound to: its organisation and key."""
     return f"idempotency:{org_id}:{key}"
 
 
@@ -105,7 +106,9 @@ def finish(conn: Connection, org_id: str, key: str, status_code: int, body: str)
         update(ik)
         .where(ik.c.org_id == org_id, ik.c.key == key)
         .values(
-            state="done", status_code=status_code, response=seal_text(conn, body, _aad(org_id, key))
+            state="done",
+            status_code=status_code,
+            response=seal_text(conn, body, answer_aad(org_id, key)),
         )
     )
 
