@@ -20,6 +20,8 @@ still read.
 from __future__ import annotations
 
 import base64
+import binascii
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Connection
@@ -27,7 +29,7 @@ from sqlalchemy import Connection
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.errors import InternalError
 
-__all__ = ["PREFIX", "open_text", "seal_text", "sealer_of"]
+__all__ = ["PREFIX", "open_text", "opener", "seal_text", "sealer_of"]
 
 PREFIX = "sealed:1:"
 
@@ -47,19 +49,28 @@ def seal_text(conn: Connection, text: str, aad: str) -> str:
     return PREFIX + base64.b64encode(blob).decode("ascii")
 
 
+def opener(conn: Connection) -> Callable[[str, str], str]:
+    """``open(stored, aad)`` for many values read on one connection (a scan of rows)."""
+    sealer = sealer_of(conn)
+    start = len(PREFIX)
+
+    def open_one(stored: str, aad: str) -> str:
+        if not stored.startswith(PREFIX):
+            return stored
+        if sealer is None:
+            raise InternalError(
+                "stored data is sealed and this process has no batch encryption key to open it",
+                retryable=False,
+            )
+        try:
+            blob = binascii.a2b_base64(stored[start:])
+            return sealer.open(blob, aad.encode("utf-8")).decode("utf-8")
+        except (SealError, ValueError) as exc:
+            raise InternalError(f"stored data does not open: {exc}", retryable=False) from None
+
+    return open_one
+
+
 def open_text(conn: Connection, stored: str, aad: str) -> str:
     """What ``seal_text`` sealed (plain text passes through)."""
-    if not stored.startswith(PREFIX):
-        return stored
-    sealer = sealer_of(conn)
-    if sealer is None:
-        raise InternalError(
-            "stored data is sealed and this process has no batch encryption key to open it",
-            retryable=False,
-        )
-    try:
-        return sealer.open(base64.b64decode(stored[len(PREFIX) :]), aad.encode("utf-8")).decode(
-            "utf-8"
-        )
-    except (SealError, ValueError) as exc:
-        raise InternalError(f"stored data does not open: {exc}", retryable=False) from None
+    return opener(conn)(stored, aad)

@@ -597,20 +597,21 @@ def requeue_unsent(
     return int(done.rowcount or 0)
 
 
-def mark_line_sent(conn: Connection, batch_id: str, line: int, owner: str, now: datetime) -> bool:
-    """Record that a line's call is about to start; False if the line is no longer ours."""
+def mark_lines_sent(
+    conn: Connection, batch_id: str, lines: Sequence[int], owner: str, now: datetime
+) -> set[int]:
+    """Record that these lines' calls are about to start; the lines that are still ours."""
     fbl = file_batch_lines
-    done = conn.execute(
-        update(fbl)
-        .where(
-            fbl.c.batch_id == batch_id,
-            fbl.c.line == line,
-            fbl.c.state == "dispatched",
-            fbl.c.lease_owner == owner,
-        )
-        .values(sent_at=now)
-    ).rowcount
-    return bool(done)
+    mine = and_(
+        fbl.c.batch_id == batch_id,
+        fbl.c.line.in_(list(lines)),
+        fbl.c.state == "dispatched",
+        fbl.c.lease_owner == owner,
+    )
+    done = conn.execute(update(fbl).where(mine).values(sent_at=now)).rowcount
+    if done == len(lines):
+        return set(lines)
+    return {r[0] for r in conn.execute(select(fbl.c.line).where(mine))}
 
 
 def unclaim(conn: Connection, batch_id: str, owner: str, line: int) -> None:

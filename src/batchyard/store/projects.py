@@ -42,7 +42,7 @@ from sqlalchemy import (
 
 from batchyard.core.ids import new_id
 from batchyard.errors import NotFound
-from batchyard.store.at_rest import open_text, seal_text
+from batchyard.store.at_rest import open_text, opener, seal_text
 from batchyard.store.tables import UtcDateTime, metadata
 
 __all__ = [
@@ -359,7 +359,8 @@ def current_rows(
         .order_by(dataset_rows.c.row_id)
         .limit(limit)
     )
-    return [(r[0], r[1], row_text(conn, dataset_id, r[0], r[1], r[2])) for r in conn.execute(q)]
+    open_one = opener(conn)
+    return [(r[0], r[1], open_one(r[2], row_aad(dataset_id, r[0], r[1]))) for r in conn.execute(q)]
 
 
 def get_row(conn: Connection, dataset_id: str, row_id: int) -> Row:

@@ -51,7 +51,7 @@ __all__ = [
     "claim_items",
     "clear_items",
     "list_failures",
-    "mark_row_sent",
+    "mark_rows_sent",
     "mark_uncertain",
     "mark_written",
     "record_results",
@@ -250,20 +250,21 @@ def _set_state(
     return ids
 
 
-def mark_row_sent(conn: Connection, run_id: str, row_id: int, owner: str, now: datetime) -> bool:
-    """Record that a row's call is about to start; False if the run or row is no longer ours."""
+def mark_rows_sent(
+    conn: Connection, run_id: str, row_ids: Sequence[int], owner: str, now: datetime
+) -> set[int]:
+    """Record that these rows' calls are about to start; the rows that are still ours."""
     ours = select(runs.c.id).where(runs.c.id == run_id, runs.c.lease_owner == owner)
-    done = conn.execute(
-        update(run_items)
-        .where(
-            run_items.c.run_id == run_id,
-            run_items.c.row_id == row_id,
-            run_items.c.state == ItemState.DISPATCHED,
-            run_items.c.run_id.in_(ours),
-        )
-        .values(sent_at=now)
-    ).rowcount
-    return bool(done)
+    mine = and_(
+        run_items.c.run_id == run_id,
+        run_items.c.row_id.in_(list(row_ids)),
+        run_items.c.state == ItemState.DISPATCHED,
+        run_items.c.run_id.in_(ours),
+    )
+    done = conn.execute(update(run_items).where(mine).values(sent_at=now)).rowcount
+    if done == len(row_ids):
+        return set(row_ids)
+    return {r[0] for r in conn.execute(select(run_items.c.row_id).where(mine))}
 
 
 def recover_dispatched(conn: Connection, run_id: str, now: datetime) -> tuple[list[int], int]:

@@ -56,6 +56,7 @@ from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.file_batches.lines import NotSent, Plan, answer, never_answered, plan_for
+from batchyard.work.sending import SentMarks
 
 __all__ = ["FileBatchSettings", "FileBatchWorker"]
 
@@ -451,14 +452,14 @@ class FileBatchWorker:
         asked, last = 0, float("-inf")
         interval = self.settings.flush_s
         owner = self.owner
+        marks: SentMarks[int] = SentMarks(
+            self.db,
+            self.clock,
+            lambda c, keys, now: store.mark_lines_sent(c, batch.id, keys, owner, now),
+        )
 
         async def on_send(line: int) -> None:
-            if stop or self.draining:
-                raise NotSent
-            now = self.clock.now()
-            if not await self.db.write(
-                lambda c: store.mark_line_sent(c, batch.id, line, owner, now)
-            ):
+            if stop or self.draining or not await marks.mark(line):
                 raise NotSent
 
         try:

@@ -53,6 +53,7 @@ from batchyard.store.runs import Run, load_run, update_run
 from batchyard.store.work_items import ItemResult, WorkItem
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.runs.outputs import write_outputs
+from batchyard.work.sending import SentMarks
 
 __all__ = ["RunExecutor"]
 
@@ -134,7 +135,7 @@ class RunExecutor:
 
     async def _answer(
         self,
-        run_id: str,
+        marks: SentMarks[int],
         plan: _Plan,
         item: WorkItem,
         data: dict[str, Any] | None,
@@ -159,12 +160,7 @@ class RunExecutor:
 
         async def on_send() -> None:
             nonlocal sent
-            if stopping():
-                raise _NotSent
-            now = self.clock.now()
-            if not await self.db.write(
-                lambda c: work_items.mark_row_sent(c, run_id, item.row_id, self.owner, now)
-            ):
+            if stopping() or not await marks.mark(item.row_id):
                 raise _NotSent
             sent = True
 
@@ -254,6 +250,13 @@ class RunExecutor:
         def stopping() -> bool:
             return stop or self._draining()
 
+        owner = self.owner
+        marks: SentMarks[int] = SentMarks(
+            self.db,
+            self.clock,
+            lambda c, keys, now: work_items.mark_rows_sent(c, run.id, keys, owner, now),
+        )
+
         try:
             while True:
                 idle = stopping() or exhausted
@@ -284,7 +287,7 @@ class RunExecutor:
                         exhausted = exhausted or (asked > 0 and len(claimed) < asked)
                         for item, data in claimed:
                             answer = asyncio.create_task(
-                                self._answer(run.id, plan, item, data, stopping)
+                                self._answer(marks, plan, item, data, stopping)
                             )
                             flying[answer] = item.row_id
                         continue
