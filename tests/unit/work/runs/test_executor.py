@@ -400,3 +400,39 @@ async def test_a_payment_retry_that_finds_the_hold_already_resolved_posts_nothin
     ]
     assert charges(db, org) == []
     assert balance(db, org) == ledger.Balance(CREDIT, 0, 0)
+
+
+async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
+    db: Database, clock: SleepWatchingClock
+) -> None:
+    """The sent row becomes uncertain; the rows still waiting for their turn wait again."""
+    from tests.support.batches import BlockingEngine
+
+    _, run_id = running_run(db, clock, [{"text": f"row {i}"} for i in range(5)])
+    engine = BlockingEngine()
+    stopping = [False]
+    ex = RunExecutor(
+        db=db,
+        clock=clock,
+        catalog=catalog(rpm=60),
+        dispatcher=make_dispatcher(db, clock, engine),
+        owner=OWNER,
+        settings=RunSettings(default_concurrency=3),
+        lease_until=lambda: clock.now() + LEASE,
+        draining=lambda: stopping[0],
+    )
+    task = asyncio.create_task(ex.execute(load(db, run_id)))
+    await asyncio.wait_for(engine.entered.wait(), 5)  # row 1's call is in flight
+    await clock.next_sleep()  # rows 2 and 3 wait for the route's pace
+    stopping[0] = True  # SIGTERM, and then the grace period ends
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    assert len(engine.calls) == 1
+    assert states(db, run_id) == [ItemState.UNCERTAIN] + [ItemState.PENDING] * 4
+    run = load(db, run_id)
+    assert (run.status, run.rows_uncertain, run.lease_owner) == (S.RUNNING, 1, None)
+    acts = db.read_sync(lambda c: activity.list_activity(c, run.org_id))
+    [event] = [a for a in acts if a["kind"] == "uncertain"]
+    assert event["detail"]["count"] == 1
