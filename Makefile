@@ -53,7 +53,8 @@ bench: install
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/pacing.py
 	$(BIN)/python bench/runs.py
-	$(BIN)/python bench/market.py
+	$(BIN)/python -m bench.market
+	$(BIN)/python bench/decide_quality.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

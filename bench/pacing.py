@@ -10,9 +10,13 @@ each starts with an idle limit:
 - a naive ``asyncio.gather`` over every text with a semaphore, raw httpx,
   sleeping the ``Retry-After`` header on each 429 and trying again;
 - the same naive loop through the SDK without a pacer, whose retries wait the
-  exact ``retry_after`` of the error body (twice; then once more by hand).
+  exact ``retry_after`` of the error body (twice; then once more by hand);
+- the official ``openai`` SDK with its default settings (two retries that honour
+  ``retry-after-ms``), ``asyncio.gather`` over ``--burst`` chat completions at once;
+- the same ``gather`` with raw httpx and no retries at all, to show what the
+  server admits by itself (its burst, its concurrency and its short queue).
 
-    python bench/pacing.py [--rpm 1200] [--texts 600] [--concurrency N]
+    python bench/pacing.py [--rpm 1200] [--texts 600] [--burst 200] [--concurrency N]
 
 Every response is counted at the client's transport (an httpx event hook),
 so the SDK's own retries of a 429 are counted too. The sustained rate is the
@@ -60,7 +64,7 @@ DECISIONS: list[dict[str, Any]] = [
         "outcomes": [{"id": "battery"}, {"id": "screen"}, {"id": "price"}],
     },
 ]
-ORGS = ("runner", "naive-httpx", "naive-sdk")
+ORGS = ("runner", "naive-httpx", "naive-sdk", "openai-sdk", "gather-httpx")
 WORDS = [
     "battery",
     "screen",
@@ -161,9 +165,12 @@ class Tally:
     answered_at: list[float] = field(default_factory=list)
     started: float = 0.0
     ended: float = 0.0
+    path: str = "/v1/decide"
+    sent: int = 0
+    failed: int = 0
 
     async def hook(self, response: httpx.Response) -> None:
-        if response.request.url.path != "/v1/decide":
+        if response.request.url.path != self.path:
             return
         self.statuses[response.status_code] += 1
         if response.status_code == 200:
@@ -255,17 +262,74 @@ async def bench_naive_sdk(base: str, key: str, items: list[TextItem], workers: i
     return tally
 
 
-async def measure(base: str, keys: dict[str, str], n: int, workers: int | None, tmp: Path) -> Any:
+CHAT = {
+    "model": "kettei-core",
+    "messages": [{"role": "user", "content": "Say hi"}],
+    "max_tokens": 4,
+}
+
+
+async def bench_openai_sdk(base: str, key: str, n: int) -> Tally:
+    """The official SDK, default settings (only a counting hook on its HTTP client)."""
+    import openai
+
+    tally = Tally(path="/v1/chat/completions", sent=n)
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [tally.hook]})
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, http_client=http) as sdk:
+
+        async def one() -> None:
+            try:
+                await sdk.chat.completions.create(**CHAT)  # type: ignore[call-overload]
+            except openai.APIError:
+                tally.failed += 1
+
+        tally.started = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(n)))
+        tally.ended = time.monotonic()
+    return tally
+
+
+async def bench_gather_httpx(base: str, key: str, n: int) -> Tally:
+    """Every request at once, no retries: what the server admits by itself."""
+    tally = Tally(path="/v1/chat/completions", sent=n)
+    async with tally.counted_http(base) as http:
+
+        async def one() -> None:
+            r = await http.post(
+                "/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"}
+            )
+            if r.status_code != 200:
+                tally.failed += 1
+
+        tally.started = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(n)))
+        tally.ended = time.monotonic()
+    return tally
+
+
+async def measure(
+    base: str, keys: dict[str, str], n: int, workers: int | None, tmp: Path, burst: int
+) -> Any:
     async with AsyncClient(base, keys["runner"]) as client:
         pace = await plan_pace(client)
     workers = workers or pace.concurrency
     runner = await bench_runner(base, keys["runner"], texts(n, "r"), tmp / "answers.jsonl")
     naive = await bench_naive_httpx(base, keys["naive-httpx"], texts(n, "h"), workers)
     sdk = await bench_naive_sdk(base, keys["naive-sdk"], texts(n, "s"), workers)
+    for tally in (runner, naive, sdk):
+        tally.sent = n
+    official = await bench_openai_sdk(base, keys["openai-sdk"], burst)
+    at_once = await bench_gather_httpx(base, keys["gather-httpx"], burst)
     return (
         pace,
         workers,
-        {"runner (run_texts)": runner, "gather + httpx": naive, "gather + SDK": sdk},
+        {
+            "runner (run_texts)": runner,
+            "gather + httpx": naive,
+            "gather + SDK": sdk,
+            f"openai SDK defaults, gather {burst}": official,
+            f"gather {burst}, httpx, no retry": at_once,
+        },
     )
 
 
@@ -273,6 +337,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rpm", type=int, default=1200, help="the tier's requests a minute")
     parser.add_argument("--texts", type=int, default=600)
+    parser.add_argument(
+        "--burst", type=int, default=200, help="requests the gather contenders send at once"
+    )
     parser.add_argument(
         "--concurrency", type=int, help="naive loops' semaphore (default: the runner's workers)"
     )
@@ -287,7 +354,7 @@ def main() -> None:
         proc, base, keys = start_server(Path(tmp), args.rpm)
         try:
             pace, workers, results = asyncio.run(
-                measure(base, keys, args.texts, args.concurrency, Path(tmp))
+                measure(base, keys, args.texts, args.concurrency, Path(tmp), args.burst)
             )
         finally:
             proc.terminate()
@@ -296,11 +363,15 @@ def main() -> None:
         title=f"{args.texts} texts against a tier of {args.rpm} requests a minute "
         f"(runner: {pace.concurrency} workers; naive: semaphore of {workers})"
     )
-    for col in ("contender", "sustained rpm", "share of limit", "429s", "wall time"):
+    cols = ("contender", "sent", "answered", "failed", "sustained rpm", "share of limit", "429s")
+    for col in (*cols, "wall time"):
         table.add_column(col, justify="left" if col == "contender" else "right")
     for name, t in results.items():
         table.add_row(
             name,
+            f"{t.sent:,}",
+            f"{t.statuses[200]:,}",
+            f"{t.failed:,}",
             f"{t.sustained_rpm:,.0f}",
             f"{t.sustained_rpm / args.rpm:.3f}",
             f"{t.statuses[429]:,}",

@@ -302,8 +302,21 @@ def create_app(
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from batchyard.api import account, batches, chat, decide, files, models, projects, runs
+    from batchyard.api import (
+        account,
+        batches,
+        chat,
+        completions,
+        decide,
+        embeddings,
+        files,
+        models,
+        projects,
+        runs,
+    )
+    from batchyard.api.envelope import EnvelopeMiddleware
     from batchyard.api.errors import install_error_handlers
+    from batchyard.api.openapi import install_openapi
     from batchyard.web import file_pages
     from batchyard.web import routes as workspace
 
@@ -319,11 +332,19 @@ def create_app(
             else:
                 await service.stop_workers()
 
-    app = FastAPI(title="batchyard", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own docs pages load their scripts from a CDN; ours load nothing.
+    app = FastAPI(
+        title="batchyard",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.service = service
     install_error_handlers(app)
+    app.add_middleware(EnvelopeMiddleware)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=None)
     async def healthz() -> JSONResponse:
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
@@ -348,6 +369,8 @@ def create_app(
     app.include_router(account.router)
     app.include_router(batches.router)
     app.include_router(chat.router)
+    app.include_router(completions.router)
+    app.include_router(embeddings.router)
     app.include_router(decide.router)
     app.include_router(files.router)
     app.include_router(models.router)
@@ -355,5 +378,6 @@ def create_app(
     app.include_router(runs.router)
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
     app.include_router(file_pages.router)  # ... and its file batches
+    install_openapi(app)
     check_complete(app)  # every route has its row in the scope matrix (service.access)
     return app

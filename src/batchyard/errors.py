@@ -13,9 +13,10 @@ not retryable.
     BatchyardError
     ├── InvalidRequest (400)
     │   ├── InvalidJson
-    │   ├── UnknownField, InvalidType
+    │   ├── InvalidType
     │   ├── InvalidIdempotencyKey
     │   ├── UnknownModel
+    │   ├── UnknownField, CapabilityUnsupported
     │   ├── ModelUnavailable
     │   ├── UnsupportedInput
     │   ├── ContextWindowExceeded
@@ -27,7 +28,7 @@ not retryable.
     │   └── InvalidApiKey
     ├── InsufficientCredit (402)
     ├── Forbidden (403) ── InsufficientScope
-    ├── NotFound (404)
+    ├── NotFound (404) ── ModelNotFound
     ├── Conflict (409)
     │   ├── IdempotencyConflict
     │   ├── IdempotencyResponseExpired
@@ -56,6 +57,7 @@ from typing import Any, ClassVar
 __all__ = [
     "BatchUnavailable",
     "BatchyardError",
+    "CapabilityUnsupported",
     "Conflict",
     "ContextWindowExceeded",
     "DuplicateId",
@@ -76,6 +78,7 @@ __all__ = [
     "InvalidState",
     "InvalidType",
     "MissingApiKey",
+    "ModelNotFound",
     "ModelOutputInvalid",
     "ModelUnavailable",
     "ModelWarming",
@@ -160,12 +163,6 @@ class InvalidJson(InvalidRequest):
     code = "invalid_json"
 
 
-class UnknownField(InvalidRequest):
-    """A body names a field the call does not take: a typo must not silently do nothing."""
-
-    code = "unknown_field"
-
-
 class InvalidType(InvalidRequest):
     """A field has the wrong JSON type; nothing is coerced (``true`` is not 1, ``"5"`` not 5)."""
 
@@ -178,6 +175,18 @@ class InvalidIdempotencyKey(InvalidRequest):
 
 class UnknownModel(InvalidRequest):
     code = "unknown_model"
+
+
+class UnknownField(InvalidRequest):
+    """A body field the endpoint does not know: refused rather than silently ignored."""
+
+    code = "unknown_field"
+
+
+class CapabilityUnsupported(InvalidRequest):
+    """The model (its route) cannot do what the request asks: tools, streaming, embeddings..."""
+
+    code = "capability_unsupported"
 
 
 class ModelUnavailable(InvalidRequest):
@@ -251,6 +260,12 @@ class InsufficientScope(Forbidden):
 class NotFound(BatchyardError):
     code = "not_found"
     status = 404
+
+
+class ModelNotFound(NotFound):
+    """OpenAI's answer to an unknown model on its own endpoints."""
+
+    code = "model_not_found"
 
 
 class Conflict(BatchyardError):

@@ -2,6 +2,10 @@
 
 Keys and request text never reach a log: handlers log codes, ids and counts,
 and this formatter drops any field whose name suggests a secret or content.
+
+Every record logged while the API serves a request carries that request's
+``request_id``, the id its answer sent back as ``x-request-id``, so a user who
+quotes the id points at every line the request wrote.
 """
 
 from __future__ import annotations
@@ -9,10 +13,33 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["JsonFormatter", "setup_logging"]
+__all__ = ["JsonFormatter", "request_id", "setup_logging"]
+
+#: The id of the API request being served in this context (``None`` outside one).
+request_id: ContextVar[str | None] = ContextVar("batchyard_request_id", default=None)
+
+_base_factory = logging.getLogRecordFactory()
+
+
+def _stamped_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+    """Every record made while a request is served carries its id.
+
+    Stamped when the record is made, in the request's own context, not when it
+    is formatted: a handler may format later, elsewhere.
+    """
+    record = _base_factory(*args, **kwargs)
+    rid = request_id.get()
+    if rid is not None and not hasattr(record, "request_id"):
+        record.request_id = rid
+    return record
+
+
+if getattr(logging.getLogRecordFactory(), "__name__", "") != "_stamped_record":
+    logging.setLogRecordFactory(_stamped_record)
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 _FORBIDDEN = ("key", "secret", "token", "password", "authorization", "content", "text", "messages")

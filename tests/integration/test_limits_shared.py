@@ -224,6 +224,71 @@ async def test_concurrent_tasks_share_one_limit(limiter, clock, ns) -> None:
 
 @pytest.mark.redis
 @pytest.mark.postgres
+async def test_max_delay_admits_into_a_later_slot_in_order(limiter, clock, ns) -> None:
+    """A request that would be admitted soon takes its place in the schedule now."""
+    key = f"{ns}org:q"
+    assert (await limiter.try_acquire(key, [(RPM, 1)], max_delay=5)).delay == 0
+    delays = [(await limiter.try_acquire(key, [(RPM, 1)], max_delay=5)).delay for _ in range(5)]
+    assert delays == pytest.approx([1, 2, 3, 4, 5])
+    late = await limiter.try_acquire(key, [(RPM, 1)], max_delay=5)
+    assert late == Admission(False, pytest.approx(6.0), "rpm")
+
+
+async def test_standing_says_what_is_left_and_when_it_resets(limiter, clock, ns) -> None:
+    burst5 = Limit("rpm", per_minute=60, burst=5)
+    key = f"{ns}org:s"
+    first = await limiter.try_acquire(key, [(burst5, 1), (TPM, 50)])
+    rpm, tpm = first.standing
+    assert (rpm.name, rpm.limit, rpm.remaining) == ("rpm", 60, 4)
+    assert rpm.reset_s == pytest.approx(1.0)
+    assert (tpm.name, tpm.remaining) == ("tpm", 50)
+    assert tpm.reset_s == pytest.approx(0.5)
+    # A look that costs nothing sees the same standing and spends nothing.
+    peek = await limiter.try_acquire(key, [(burst5, 0), (TPM, 0)])
+    assert peek.standing == first.standing
+    for _ in range(4):
+        assert (await limiter.try_acquire(key, [(burst5, 1)])).allowed
+    refused = await limiter.try_acquire(key, [(burst5, 1)])
+    assert not refused.allowed and refused.standing[0].remaining == 0
+    assert refused.standing[0].reset_s == pytest.approx(5.0)
+
+
+async def test_slots_admit_up_to_capacity_and_free_on_release(limiter, clock, ns) -> None:
+    key = f"{ns}org:c"
+    grants = [await limiter.take_slot(key, 3, 60) for _ in range(4)]
+    assert [g.token is not None for g in grants] == [True, True, True, False]
+    assert [g.in_use for g in grants] == [1, 2, 3, 3]
+    await limiter.free_slot(key, grants[0].token)
+    assert (await limiter.take_slot(key, 3, 60)).token is not None
+    assert (await limiter.take_slot(f"{ns}org:other", 3, 60)).token is not None
+
+
+async def test_a_dead_holders_slot_frees_when_its_lease_runs_out(limiter, clock, ns) -> None:
+    """A process that crashed holding slots cannot leak them for longer than a lease."""
+    key = f"{ns}org:l"
+    kept = await limiter.take_slot(key, 2, 60)
+    await limiter.take_slot(key, 2, 60)  # its holder dies and never frees it
+    assert (await limiter.take_slot(key, 2, 60)).token is None
+    clock.advance(40)
+    await limiter.renew_slot(key, kept.token, 60)
+    clock.advance(21)
+    again = await limiter.take_slot(key, 2, 60)
+    assert again.token is not None and again.in_use == 2  # the renewed one is still held
+
+
+async def test_occupy_waits_for_a_slot_freed_in_this_process(limiter, clock, ns) -> None:
+    key = f"{ns}org:w"
+    held = await limiter.take_slot(key, 1, 60)
+    waiter = asyncio.create_task(limiter.occupy(key, 1, 60, max_wait=30))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await limiter.free_slot(key, held.token)
+    grant = await asyncio.wait_for(waiter, 5)
+    assert grant.token is not None
+    refused = await limiter.occupy(key, 1, 60, max_wait=0)
+    assert refused.token is None and refused.in_use == 1
+
+
 async def test_limiter_from_url_builds_the_shared_ones(clock, pg_engine) -> None:
     redis_limiter = limiter_from_url(REDIS_URL, clock, pg_engine)
     assert isinstance(redis_limiter, RedisLimiter)

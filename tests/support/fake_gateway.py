@@ -145,6 +145,8 @@ class FakeGateway:
         for name, value in self._initial.items():
             setattr(self, name, value)
         self.dumb_models = {"kettei-dumb"}
+        # Models that calibrate: their raw probabilities favour the first outcome.
+        self.calibrating: set[str] = set()
         self.warming: set[str] = set()
         self.fail_texts: dict[str, tuple[int, str, bool]] = {}
         self.requests: list[Recorded] = []
@@ -227,7 +229,13 @@ class FakeGateway:
             else:
                 pick = ids[int(hashlib.sha256(text.encode()).hexdigest(), 16) % len(ids)]
             probs = {o: (0.9 if o == pick else round(0.1 / (len(ids) - 1), 4)) for o in ids}
-            answers.append({"decision": d["id"], "outcome": pick, "probabilities": probs})
+            answer: dict[str, Any] = {"decision": d["id"], "outcome": pick, "probabilities": probs}
+            if model in self.calibrating:
+                raw = {o: round(0.1 / len(ids), 4) for o in ids}
+                raw[ids[0]] += 0.6
+                raw[pick] += 0.3
+                answer["raw_probabilities"] = raw
+            answers.append(answer)
         usage = {"input_tokens": _tokens(body), "output_tokens": 3 * len(body["decisions"])}
         charge = usage["input_tokens"] * IN_PRICE + usage["output_tokens"] * OUT_PRICE
         fallback = None

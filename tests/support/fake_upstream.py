@@ -70,10 +70,15 @@ _INSTANT_BODY = json.dumps(
 ).encode()
 
 
-def _response(status: int, body: bytes, headers: list[tuple[str, str]] | None = None) -> bytes:
+def _response(
+    status: int,
+    body: bytes,
+    headers: list[tuple[str, str]] | None = None,
+    content_type: str = "application/json",
+) -> bytes:
     head = [
         f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}",
-        "content-type: application/json",
+        f"content-type: {content_type}",
         f"content-length: {len(body)}",
     ]
     if headers:
@@ -396,6 +401,8 @@ class FakeUpstream:
             return self._count(401, _response(401, _error_body("bad key", "invalid_api_key")))
         if method == "GET" and path.endswith("/models"):
             return self._count(200, _response(200, b'{"object":"list","data":[]}'))
+        if method == "POST" and path.endswith("/embeddings"):
+            return self._embeddings(body)
         if method != "POST" or not path.endswith("/chat/completions"):
             return self._count(404, _response(404, _error_body("no such route", "not_found")))
         if self._faults:
@@ -562,11 +569,28 @@ class FakeUpstream:
                 words, finish = words[:max_tokens], "length"
             text = " ".join(words)
         n = int(request.get("n") or 1)
+        calls = None
+        tools = request.get("tools") or []
+        if tools and request.get("tool_choice") != "none":
+            fn = tools[0]["function"]
+            args = json.dumps(_value_for(fn.get("parameters")))
+            calls = [
+                {
+                    "id": "call_fake_1",
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": args},
+                }
+            ]
+            text, finish = "", "tool_calls"
+        if request.get("stream"):
+            return self._stream(request, text, finish, calls, prompt_tokens, headers)
         choices = []
         for index in range(n):
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": text or None, "tool_calls": calls}
+                if calls
+                else {"role": "assistant", "content": text},
                 "finish_reason": finish,
             }
             if request.get("logprobs"):
@@ -590,3 +614,63 @@ class FakeUpstream:
             },
         }
         return self._count(200, _response(200, json.dumps(body).encode(), headers))
+
+    def _stream(
+        self,
+        request: dict[str, Any],
+        text: str,
+        finish: str,
+        calls: list[dict[str, Any]] | None,
+        prompt_tokens: int,
+        headers: list[tuple[str, str]],
+    ) -> bytes:
+        """The answer as OpenAI's server-sent events: a word a chunk, then the usage."""
+
+        def event(choices: list[dict[str, Any]], usage: Any = None) -> str:
+            body = {
+                "id": f"chatcmpl-{self.requests}",
+                "object": "chat.completion.chunk",
+                "model": request.get("model", "fake"),
+                "choices": choices,
+            }
+            if usage is not None:
+                body["usage"] = usage
+            return "data: " + json.dumps(body) + "\n\n"
+
+        parts = [event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])]
+        for k, word in enumerate(text.split()):
+            piece = word if k == 0 else " " + word
+            parts.append(event([{"index": 0, "delta": {"content": piece}, "finish_reason": None}]))
+        if calls:
+            fragment = [{**calls[0], "index": 0}]
+            parts.append(
+                event([{"index": 0, "delta": {"tool_calls": fragment}, "finish_reason": None}])
+            )
+        parts.append(event([{"index": 0, "delta": {}, "finish_reason": finish}]))
+        if (request.get("stream_options") or {}).get("include_usage"):
+            out = len(text.split())
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": out,
+                "total_tokens": prompt_tokens + out,
+            }
+            parts.append(event([], usage))
+        parts.append("data: [DONE]\n\n")
+        body = "".join(parts).encode()
+        return self._count(200, _response(200, body, headers, "text/event-stream"))
+
+    def _embeddings(self, body: bytes) -> bytes:
+        request = json.loads(body)
+        texts = request["input"] if isinstance(request["input"], list) else [request["input"]]
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(len(t)), 1.0, 0.0]}
+            for i, t in enumerate(texts)
+        ]
+        tokens = sum(len(t.split()) for t in texts)
+        answer = {
+            "object": "list",
+            "data": data,
+            "model": request.get("model"),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return self._count(200, _response(200, json.dumps(answer).encode()))

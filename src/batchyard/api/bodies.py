@@ -54,6 +54,7 @@ class DecideBody(Shape):
     decisions: list[DecideQuestion] | None = None
     max_output_tokens: int | None = None
     fallback: str | None = None
+    calibration: str | None = None
 
 
 class KeepWarmBody(Shape):

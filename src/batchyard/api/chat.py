@@ -1,18 +1,23 @@
 """``POST /v1/chat/completions``: OpenAI's shape in and out, billed and limited.
 
-The request is checked, counted with the model's tokenizer, held against the
-caller's credit at its most expensive (every prompt token plus ``max_tokens``
-for each of ``n`` samples), dispatched, and settled to the real usage. The
-response is OpenAI's, with the settled ``charge`` added as a decimal string.
+The request is checked strictly (``openai_requests.parse_chat``), counted with
+the model's tokenizer, held against the caller's credit at its most expensive
+(every prompt token plus ``max_tokens`` for each of ``n`` samples),
+dispatched, and settled to the real usage. The response is OpenAI's, with the
+settled ``charge`` added as a decimal string.
+
+``stream: true`` answers server-sent events in OpenAI's chunk shape (see
+``openai_door``); tools pass through to routes whose catalog entry supports
+them, and the embedded model answers them under a grammar.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batchyard.api.context import (
     authenticate,
@@ -21,72 +26,78 @@ from batchyard.api.context import (
     read_json,
     service_of,
 )
+from batchyard.api.openai_door import StreamShape, resolve, sse_response
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.openai_bodies import ChatRequest, parse_chat
 from batchyard.core.prices import Price
-from batchyard.engines.base import CompletionRequest
+from batchyard.engines.base import Choice, CompletionRequest, Delta
 from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
+from batchyard.work.dispatcher import DispatchResult
 
-__all__ = ["ChatBody", "router", "validation_error"]
+__all__ = ["chat_choice", "router"]
 
 router = APIRouter()
 
 
-class ChatBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str = Field(min_length=1)
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-
-
-def validation_error(exc: ValidationError) -> InvalidRequest:
-    first = exc.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()))
-    return InvalidRequest(f"{loc}: {first.get('msg')}", param=loc or None)
-
-
-def _check_messages(messages: list[dict[str, Any]], reads_images: bool) -> bool:
-    has_image = False
-    for i, m in enumerate(messages):
-        if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
-            raise InvalidRequest(
-                f"messages[{i}].role is not a chat role", param=f"messages.{i}.role"
-            )
-        content = m.get("content")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise InvalidRequest(
-                f"messages[{i}].content must be a string or a list of parts",
-                param=f"messages.{i}.content",
-            )
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url":
-                has_image = True
-            elif kind != "text":
-                raise InvalidRequest(
-                    f"messages[{i}] has a content part of unknown type {kind!r}",
-                    param=f"messages.{i}.content",
-                )
+def _check_images(req: ChatRequest, reads_images: bool) -> None:
+    has_image = any(
+        isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+        for m in req.messages
+    )
     if has_image and not reads_images:
         raise UnsupportedInput(
             "this model reads text only; send images to kettei-chub or kettei-fat"
         )
-    return has_image
+
+
+def _logprobs(ch: Choice, wanted: bool) -> dict[str, Any] | None:
+    if not wanted or ch.logprobs is None:
+        return None
+    content = [{**lp, "top_logprobs": lp.get("top_logprobs") or []} for lp in ch.logprobs]
+    return {"content": content, "refusal": None}
+
+
+def _tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {
+                "name": c["function"]["name"],
+                "arguments": c["function"].get("arguments") or "",
+            },
+        }
+        for c in calls
+    ]
+
+
+def chat_choice(i: int, ch: Choice, logprobs: bool) -> dict[str, Any]:
+    """One choice of a ``chat.completion``, OpenAI's shape."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": ch.text if (ch.text or not ch.tool_calls) else None,
+        "refusal": None,
+    }
+    if ch.tool_calls:
+        message["tool_calls"] = _tool_calls(ch.tool_calls)
+    return {
+        "index": i,
+        "message": message,
+        "finish_reason": ch.finish_reason,
+        "logprobs": _logprobs(ch, logprobs),
+    }
+
+
+def _usage(result: DispatchResult) -> dict[str, int]:
+    u = result.completion.usage
+    return {
+        "prompt_tokens": u.input_tokens,
+        "completion_tokens": u.output_tokens,
+        "total_tokens": u.total_tokens,
+    }
 
 
 @router.post("/v1/chat/completions")
@@ -94,17 +105,14 @@ async def chat_completions(request: Request) -> Response:
     principal = await authenticate(request)
     raw = await read_json(request)
     svc = service_of(request)
-    try:
-        body = ChatBody.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    body = parse_chat(raw)
+    needs = ["chat"]
     if body.stream:
-        raise InvalidRequest("streaming is not supported; send stream: false", param="stream")
-    if body.tools:
-        raise InvalidRequest("tools are not supported by this gateway", param="tools")
-    model = svc.catalog.model(body.model)
-    route = svc.catalog.route_for(model.id)
-    _check_messages(body.messages, model.reads_images)
+        needs.append("stream")
+    if body.tools and body.tool_choice != "none":
+        needs.append("tools")
+    model, route = resolve(svc, body.model, *needs)
+    _check_images(body, model.reads_images)
     max_tokens = (
         body.max_completion_tokens
         or body.max_tokens
@@ -116,7 +124,8 @@ async def chat_completions(request: Request) -> Response:
             param="max_tokens",
             code="max_tokens_out_of_range",
         )
-    input_tokens = svc.tokenizer(model).count_messages(body.messages)
+    tok = svc.tokenizer(model)
+    input_tokens = tok.count_messages(body.messages)
     if input_tokens + max_tokens > model.context_window:
         raise ContextWindowExceeded(
             f"{input_tokens} prompt tokens + max_tokens {max_tokens} exceed the "
@@ -125,25 +134,83 @@ async def chat_completions(request: Request) -> Response:
         )
     price = Price(model.input_per_mtok, model.output_per_mtok)
     max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n))
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    req = CompletionRequest(
+        model=route.upstream_model,
+        messages=body.messages,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        n=body.n,
+        stop=body.stop_list(),
+        seed=body.seed,
+        response_format=body.response_format,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs,
+        tools=body.tools if body.tool_choice != "none" else None,
+        tool_choice=body.tool_choice if body.tool_choice != "none" else None,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+    )
+    now = svc.clock.now()
+    call_id = new_id("chatcmpl", now)
+    created = int(now.timestamp())
+
+    def whole(result: DispatchResult) -> dict[str, Any]:
+        return {
+            "id": call_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model.id,
+            "system_fingerprint": None,
+            "choices": [
+                chat_choice(i, ch, bool(body.logprobs))
+                for i, ch in enumerate(result.completion.choices)
+            ],
+            "usage": _usage(result),
+            "charge": format_money(result.charge),
+            "reservation_id": result.reservation_id,
+            "created_at": isoformat(now),
+        }
+
+    async def limits() -> None:
+        await check_tier_limits(request, principal, requests=1, tokens=input_tokens)
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await sse_response(
+            request,
+            svc,
+            principal,
+            raw,
+            call_id=call_id,
+            created=created,
+            model=model.id,
+            n=body.n,
+            include_usage=include_usage,
+            shape=StreamShape(
+                object="chat.completion.chunk",
+                first=_first_chunk,
+                piece=lambda d: _piece(d, bool(body.logprobs)),
+                replay=_replay_choices,
+                whole=whole,
+            ),
+            start=lambda: svc.dispatcher.stream(
+                org_id=principal.org_id,
+                model=model,
+                route=route,
+                request=req,
+                input_tokens=input_tokens,
+                max_cost=max_cost,
+                price=price,
+                purpose="chat",
+                count_tokens=tok.count,
+                ref=call_id,
+            ),
+            before=limits,
+        )
 
     async def handler() -> tuple[int, Any]:
-        await check_tier_limits(request, principal, requests=1, tokens=input_tokens)
-        req = CompletionRequest(
-            model=route.upstream_model,
-            messages=body.messages,
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            n=body.n,
-            stop=stop,
-            seed=body.seed,
-            response_format=body.response_format,
-            logprobs=body.logprobs,
-            top_logprobs=body.top_logprobs,
-        )
-        now = svc.clock.now()
-        call_id = new_id("chatcmpl", now)
+        await limits()
         result = await svc.dispatcher.execute(
             org_id=principal.org_id,
             model=model,
@@ -155,29 +222,54 @@ async def chat_completions(request: Request) -> Response:
             purpose="chat",
             ref=call_id,
         )
-        c = result.completion
-        return 200, {
-            "id": call_id,
-            "object": "chat.completion",
-            "created": int(now.timestamp()),
-            "model": model.id,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": ch.text},
-                    "finish_reason": ch.finish_reason,
-                    **({"logprobs": {"content": ch.logprobs}} if ch.logprobs is not None else {}),
-                }
-                for i, ch in enumerate(c.choices)
-            ],
-            "usage": {
-                "prompt_tokens": c.usage.input_tokens,
-                "completion_tokens": c.usage.output_tokens,
-                "total_tokens": c.usage.total_tokens,
-            },
-            "charge": format_money(result.charge),
-            "reservation_id": result.reservation_id,
-            "created_at": isoformat(now),
-        }
+        return 200, whole(result)
 
     return await idempotent(request, principal, raw, handler)
+
+
+def _first_chunk(i: int) -> dict[str, Any]:
+    return {
+        "index": i,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+
+
+def _piece(d: Delta, logprobs: bool) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if d.text:
+        delta["content"] = d.text
+    if d.tool_calls:
+        if all("index" in call for call in d.tool_calls):
+            delta["tool_calls"] = d.tool_calls  # an upstream's own fragments, as they came
+        else:
+            calls = _tool_calls(d.tool_calls)
+            delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(calls)]
+    lp = None
+    if logprobs and d.logprobs is not None:
+        lp = {
+            "content": [{**x, "top_logprobs": x.get("top_logprobs") or []} for x in d.logprobs],
+            "refusal": None,
+        }
+    return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+
+
+def _replay_choices(whole: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for ch in whole.get("choices", []):
+        message = ch.get("message") or {}
+        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [
+                {**call, "index": k} for k, call in enumerate(message["tool_calls"])
+            ]
+        out.append(
+            {
+                "index": ch.get("index", 0),
+                "delta": delta,
+                "logprobs": ch.get("logprobs"),
+                "finish_reason": ch.get("finish_reason"),
+            }
+        )
+    return out

@@ -17,10 +17,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
+from batchyard.api.envelope import HeldSlot, envelope_of
 from batchyard.api.inputs import read_json
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
 from batchyard.core.limits import Limit
+from batchyard.core.tiers import Tier
 from batchyard.errors import (
     InsufficientScope,
     InvalidApiKey,
@@ -76,6 +78,9 @@ async def authenticate(request: Request) -> Principal:
     if principal.scope in rule.own_only:
         principal = dataclasses.replace(principal, own_only=True)
     request.state.principal = principal
+    tier = svc.tier(principal.tier)
+    limits = [limit for limit, _ in tier_limits(tier, 0.0)]
+    envelope_of(request).peek = (svc.limiter, f"org:{principal.org_id}", limits)
     return principal
 
 
@@ -83,32 +88,87 @@ def json_response(body: Any, status_code: int = 200) -> JSONResponse:
     return JSONResponse(body, status_code=status_code)
 
 
+def tier_limits(tier: Tier, tokens: float) -> list[tuple[Limit, float]]:
+    """A tier's requests and tokens limits, for one request of ``tokens`` input tokens.
+
+    Both tolerate a burst of the tier's concurrency: that many requests may
+    start at once (and that many average-sized requests' tokens), so a client
+    that keeps at most ``concurrency`` calls in flight and stays under the
+    rates over the minute is never refused.
+    """
+    burst = float(tier.max_in_flight)
+    rpm, tpm = float(tier.requests_per_minute), float(tier.tokens_per_minute)
+    return [
+        (Limit("rpm", rpm, burst=burst), 1.0),
+        (Limit("tpm", tpm, burst=max(1.0, burst * tpm / rpm)), tokens),
+    ]
+
+
 async def check_tier_limits(
     request: Request, principal: Principal, *, requests: float, tokens: float, kind: str = "decide"
 ) -> None:
-    """The organisation's tier limits, shared by all its keys: 429 when over."""
+    """The organisation's tier limits, shared by all its keys: 429 when over.
+
+    A model call takes one of the tier's concurrency slots (held until its
+    answer is sent, see ``api.envelope``) and its place in the requests and
+    tokens schedules. A call that would be admitted within the deployment's
+    ``limits_queue_s`` waits for its turn here instead of being refused; past
+    that it is a 429 whose ``retry_after`` is when it would be admitted.
+    """
     svc = service_of(request)
     tier = svc.tier(principal.tier)
+    env = envelope_of(request)
+    key = f"org:{principal.org_id}"
     if kind == "estimate":
-        limits = [(Limit("estimate_tpm", float(tier.estimate_tokens_per_minute)), tokens)]
-    else:
-        rpm = float(tier.requests_per_minute)
-        limits = [
-            # A tenth of a second of tolerance: a client pacing evenly at the
-            # limit still arrives with a few ms of jitter (the server's own work
-            # before this check varies), and a zero-tolerance cell turns that
-            # jitter into 429s. Over any minute the slack is rpm/600 requests.
-            (Limit("rpm", rpm, burst=1.0 + 0.1 * rpm / 60.0), requests),
-            (Limit("tpm", float(tier.tokens_per_minute)), tokens),
-        ]
-    admission = await svc.limiter.try_acquire(f"org:{principal.org_id}", limits)
+        # Like the tokens limit: a burst of ``concurrency`` average requests.
+        per_minute = float(tier.estimate_tokens_per_minute)
+        burst = max(1.0, tier.max_in_flight * per_minute / tier.requests_per_minute)
+        limit = Limit("estimate_tpm", per_minute, burst=burst)
+        admission = await svc.limiter.try_acquire(
+            key, [(limit, tokens)], max_delay=svc.settings.limits_queue_s
+        )
+        if not admission.allowed:
+            raise RateLimited(
+                f"over your tier's estimate budget ({tier.estimate_tokens_per_minute} tokens "
+                "a minute); retry after the delay",
+                retry_after=admission.retry_after,
+            )
+        if admission.delay > 0:
+            await svc.clock.sleep(admission.delay)
+        return
+    queue_s = svc.settings.limits_queue_s
+    started = svc.clock.time()
+    grant = await svc.limiter.occupy(
+        key, tier.max_in_flight, svc.settings.slot_lease_s, max_wait=queue_s
+    )
+    if grant.token is None:
+        raise RateLimited(
+            f"{grant.in_use} requests of your organisation are in flight, the most tier "
+            f"{tier.level} allows at once ({tier.max_in_flight}); send the next when one "
+            "finishes",
+            retry_after=1.0,
+            details={"limit": "concurrency"},
+        )
+    env.slot = HeldSlot(svc.limiter, svc.clock, key, grant.token, svc.settings.slot_lease_s)
+    left = max(0.0, queue_s - (svc.clock.time() - started))
+    limits = tier_limits(tier, tokens)
+    limits[0] = (limits[0][0], requests)
+    admission = await svc.limiter.try_acquire(key, limits, max_delay=left)
+    env.standing = admission.standing
     if not admission.allowed:
+        await env.release()
         raise RateLimited(
             f"over your tier's limits (tier {tier.level}: {tier.requests_per_minute} requests "
             f"and {tier.tokens_per_minute} input tokens a minute); retry after the delay "
             "or move up a tier",
             retry_after=admission.retry_after,
+            details={
+                "limit": {"rpm": "requests", "tpm": "tokens"}.get(str(admission.limit))
+                or "upstream"
+            },
         )
+    if admission.delay > 0:
+        await svc.clock.sleep(admission.delay)
 
 
 async def idempotent(

@@ -20,7 +20,9 @@ fine-tuned version loaded for a while.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,8 @@ from batchyard.api.context import (
 )
 from batchyard.api.inputs import strict
 from batchyard.core import decisions as rules
-from batchyard.core.catalog import ModelSpec
+from batchyard.core.calibration import CalibrationMode
+from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
 from batchyard.core.prices import Price
@@ -51,9 +54,11 @@ from batchyard.errors import (
     UnsupportedInput,
 )
 from batchyard.service import Service
+from batchyard.work import decide_scoring as scoring_work
+from batchyard.work.decide_scoring import CalibrationInfo, calibrations_for
 from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
 
-__all__ = ["LOAD_WAIT_BOUND_S", "Plan", "prepare", "router"]
+__all__ = ["LOAD_WAIT_BOUND_S", "Plan", "can_score", "prepare", "priced", "router"]
 
 router = APIRouter()
 log = logging.getLogger("batchyard.decide")
@@ -80,6 +85,23 @@ class Plan:
     max_output_tokens: int
     price: Price
     max_cost: int
+    # Calibration as it applies here ("none" where the engine cannot score),
+    # each order's prompt tokens, and, where this call would estimate the
+    # set's content-free prior (``prior_pending``), what that costs; then
+    # ``input_tokens`` includes it.
+    calibration: CalibrationMode = "none"
+    prompt_tokens: tuple[int, ...] = ()
+    content_free_tokens: int = 0
+    prior_pending: bool = False
+
+    @property
+    def calibration_input_tokens(self) -> int:
+        return self.input_tokens - (self.prompt_tokens[0] if self.prompt_tokens else 0)
+
+
+def can_score(svc: Service, route: RouteSpec) -> bool:
+    """Whether the route's engine scores candidate replies (decide's scoring path)."""
+    return svc.dispatcher.can_score(route)
 
 
 def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
@@ -89,7 +111,7 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
             param="input.image_url",
         )
     where = serving(svc.catalog, model)
-    scoring = svc.dispatcher.can_score(where.route) and req.input.image_url is None
+    scoring = req.input.image_url is None and can_score(svc, where.route)
     fmt: rules.AnswerFormat = (
         "json" if not scoring and where.route.supports_json_schema else "lines"
     )
@@ -108,17 +130,67 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
             param="max_output_tokens",
             code="max_output_tokens_out_of_range",
         )
-    input_tokens = tok.count_messages(messages)
-    if input_tokens + max_out > model.context_window:
+    prompt_tokens = tok.count_messages(messages)
+    if prompt_tokens + max_out > model.context_window:
         raise ContextWindowExceeded(
-            f"the prompt is {input_tokens} tokens and the answers need up to {max_out}: "
+            f"the prompt is {prompt_tokens} tokens and the answers need up to {max_out}: "
             f"over the {model.context_window}-token context window of {model.id}; "
             "shorten the text",
             param="input.text",
         )
     price = Price(model.input_per_mtok, model.output_per_mtok)
+    mode: CalibrationMode = req.calibration if scoring else "none"
+    orders = [prompt_tokens] + [
+        tok.count_messages(rules.build_messages(r, fmt))
+        for r in scoring_work.order_requests(req, mode)[1:]
+    ]
+    input_tokens = sum(orders)
     max_cost = quote_ticks(price.cost(input_tokens, max_out))
-    return Plan(model, where, scoring, fmt, messages, input_tokens, max_out, price, max_cost)
+    return Plan(
+        model,
+        where,
+        scoring,
+        fmt,
+        messages,
+        input_tokens,
+        max_out,
+        price,
+        max_cost,
+        mode,
+        tuple(orders),
+    )
+
+
+async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan: Plan) -> Plan:
+    """The plan, priced with the content-free estimate where this call would make it."""
+    if plan.calibration == "none" or plan.prior_pending:
+        return plan
+    if await calibrations_for(svc.dispatcher).prior_known(org_id, plan.model.id, req):
+        return plan
+    count = svc.tokenizer(plan.model).count_messages
+    content_free = sum(
+        count(rules.build_messages(r, plan.fmt))
+        for cf in scoring_work.content_free_requests(req)
+        for r in scoring_work.order_requests(cf, plan.calibration)
+    )
+    input_tokens = plan.input_tokens + content_free
+    return dataclasses.replace(
+        plan,
+        input_tokens=input_tokens,
+        content_free_tokens=content_free,
+        max_cost=quote_ticks(plan.price.cost(input_tokens, plan.max_output_tokens)),
+        prior_pending=True,
+    )
+
+
+async def priced(
+    svc: Service, org_id: str, req: rules.DecideRequest, primary: Plan, fallback: Plan | None
+) -> tuple[Plan, Plan | None]:
+    """``prepare``'s plans with what calibration will cost this organisation now."""
+    primary = await _with_prior(svc, org_id, req, primary)
+    if fallback is not None:
+        fallback = await _with_prior(svc, org_id, req, fallback)
+    return primary, fallback
 
 
 def prepare(svc: Service, raw: dict[str, Any]) -> tuple[rules.DecideRequest, Plan, Plan | None]:
@@ -139,37 +211,50 @@ def prepare(svc: Service, raw: dict[str, Any]) -> tuple[rules.DecideRequest, Pla
 @dataclass(frozen=True, slots=True)
 class _Scored:
     chosen: list[str]
-    probabilities: list[dict[str, float] | None]
+    probabilities: Sequence[dict[str, float] | None]
     usage: Usage
+    raw: list[dict[str, float]] | None = None
+    calibration_input_tokens: int = 0
+    calibration: CalibrationInfo | None = None
 
 
-async def _score(svc: Service, plan: Plan, req: rules.DecideRequest) -> _Scored:
-    chosen: list[str] = []
-    probabilities: list[dict[str, float] | None] = []
-    input_tokens: int | None = None
-    for k, decision in enumerate(req.decisions):
-        scores, usage = await svc.dispatcher.score(
-            route=plan.serving.route,
-            model=plan.serving.upstream_model,
-            messages=plan.messages,
-            candidates=rules.scoring_candidates(req.decisions, k, chosen),
-            input_tokens=plan.input_tokens,
-        )
-        # Every decision reads the same prompt; it is paid once.
-        input_tokens = usage.input_tokens if input_tokens is None else input_tokens
-        probs = rules.softmax(scores)
-        best = max(range(len(probs)), key=probs.__getitem__)
-        chosen.append(decision.outcomes[best].id)
-        probabilities.append(dict(zip(decision.outcome_ids, probs, strict=True)))
-    answer = rules.answer_text(req.decisions, chosen, "lines")
-    output_tokens = svc.tokenizer(plan.model).count(answer)
-    return _Scored(chosen, probabilities, Usage(input_tokens or 0, output_tokens))
+@dataclass(frozen=True, slots=True)
+class _Caller:
+    org_id: str
+    # False for zero data retention: its texts never join the running mean.
+    retain: bool
 
 
-async def _engine(svc: Service, plan: Plan, req: rules.DecideRequest) -> _Scored | Completion:
+async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Caller) -> _Scored:
+    tok = svc.tokenizer(plan.model)
+    got = await calibrations_for(svc.dispatcher).score(
+        org_id=caller.org_id,
+        model_id=plan.model.id,
+        route=plan.serving.route,
+        upstream_model=plan.serving.upstream_model,
+        req=req,
+        mode=plan.calibration,
+        prompt_tokens=plan.prompt_tokens,
+        count=tok.count_messages,
+        count_text=tok.count,
+        retain=caller.retain,
+    )
+    return _Scored(
+        got.chosen,
+        got.probabilities,
+        got.usage,
+        got.raw,
+        got.calibration_input_tokens,
+        got.calibration,
+    )
+
+
+async def _engine(
+    svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Caller
+) -> _Scored | Completion:
     """The model's work, unbilled: billing wraps it, and a load given up on bills no one."""
     if plan.scoring:
-        return await _score(svc, plan, req)
+        return await _score(svc, plan, req, caller)
     request = CompletionRequest(
         model=plan.serving.upstream_model,
         messages=plan.messages,
@@ -194,23 +279,23 @@ def _read(plan: Plan, req: rules.DecideRequest, result: _Scored | Completion) ->
 
 
 async def _answer(
-    svc: Service, req: rules.DecideRequest, primary: Plan, fallback: Plan | None
+    svc: Service, req: rules.DecideRequest, primary: Plan, fallback: Plan | None, caller: _Caller
 ) -> tuple[Plan, _Scored | Completion]:
     """Who answers: the model asked for, or its base while a cold version loads."""
     if primary.model.type != "version":
-        return primary, await _engine(svc, primary, req)
+        return primary, await _engine(svc, primary, req, caller)
     warmth = svc.warmth
     wait_s = svc.settings.warm_fallback_after_s
     if fallback is None:
         wait_s = max(wait_s, LOAD_WAIT_BOUND_S)
     ok, result = await warmth.run(
-        primary.model.id, primary.serving, lambda: _engine(svc, primary, req), wait_s=wait_s
+        primary.model.id, primary.serving, lambda: _engine(svc, primary, req, caller), wait_s=wait_s
     )
     if ok and result is not None:
         return primary, result
     if fallback is not None:
         log.info("fell back to the base model", extra={"model": primary.model.id})
-        return fallback, await _engine(svc, fallback, req)
+        return fallback, await _engine(svc, fallback, req, caller)
     raise ModelWarming(
         f"{primary.model.id} is still loading after {wait_s:g} s; send the request again "
         "with the same idempotency key, or keep the model warm first",
@@ -220,17 +305,18 @@ async def _answer(
 
 async def _decide(
     svc: Service,
-    org_id: str,
+    caller: _Caller,
     req: rules.DecideRequest,
     primary: Plan,
     fallback: Plan | None,
 ) -> dict[str, Any]:
+    org_id = caller.org_id
     now = svc.clock.now()
     decision_id = new_id("dec", now)
     hold = max(primary.max_cost, fallback.max_cost if fallback else 0)
     res = await svc.dispatcher.reserve(org_id, hold, purpose="decide", ref=decision_id)
     try:
-        used, result = await _answer(svc, req, primary, fallback)
+        used, result = await _answer(svc, req, primary, fallback, caller)
         answered = _read(used, req, result)
     except BaseException as exc:
         reason = str(getattr(exc, "code", type(exc).__name__))
@@ -246,7 +332,10 @@ async def _decide(
         usage=usage,
         purpose="decide",
         ref=decision_id,
-        detail={"decisions": len(req.decisions)},
+        detail={
+            "decisions": len(req.decisions),
+            "calibration_input_tokens": answered.calibration_input_tokens,
+        },
     )
     fell_back = used is not primary
     log.info(
@@ -261,10 +350,17 @@ async def _decide(
     return {
         "id": decision_id,
         "model": primary.model.id,
-        "answers": rules.answers_json(req.decisions, answered.chosen, answered.probabilities),
-        "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+        "answers": rules.answers_json(
+            req.decisions, answered.chosen, answered.probabilities, answered.raw
+        ),
+        "usage": {
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "calibration_input_tokens": answered.calibration_input_tokens,
+        },
         "charge": format_money(charged),
         "fallback": {"reason": "model_warming", "model": used.model.id} if fell_back else None,
+        "calibration": answered.calibration.to_json() if answered.calibration else None,
     }
 
 
@@ -277,8 +373,10 @@ async def decide(request: Request) -> Response:
     req, primary, fallback = prepare(svc, raw)
 
     async def handler() -> tuple[int, Any]:
-        await check_tier_limits(request, principal, requests=1, tokens=primary.input_tokens)
-        return 200, await _decide(svc, principal.org_id, req, primary, fallback)
+        first, base = await priced(svc, principal.org_id, req, primary, fallback)
+        await check_tier_limits(request, principal, requests=1, tokens=first.input_tokens)
+        caller = _Caller(principal.org_id, retain=not principal.zero_data_retention)
+        return 200, await _decide(svc, caller, req, first, base)
 
     return await idempotent(request, principal, raw, handler)
 
@@ -289,17 +387,21 @@ async def estimate(request: Request) -> Response:
     raw = await read_json(request)
     strict(DecideBody, raw)
     svc = service_of(request)
-    _, primary, fallback = prepare(svc, raw)
+    req, first_plan, fallback_plan = prepare(svc, raw)
 
     async def handler() -> tuple[int, Any]:
+        primary, fallback = await priced(svc, principal.org_id, req, first_plan, fallback_plan)
         await check_tier_limits(
             request, principal, requests=1, tokens=primary.input_tokens, kind="estimate"
         )
         max_cost = max(primary.max_cost, fallback.max_cost if fallback else 0)
-        return 200, {
-            "input_tokens": primary.input_tokens,
+        return 200, {            "input_tokens": primary.input_tokens,
             "max_output_tokens": primary.max_output_tokens,
             "max_cost": format_money(max_cost),
+            "calibration_input_tokens": primary.calibration_input_tokens,
+            "content_free_input_tokens": (
+                primary.content_free_tokens if primary.prior_pending else 0
+            ),
         }
 
     return await idempotent(request, principal, raw, handler)

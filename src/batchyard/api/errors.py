@@ -2,6 +2,13 @@
 
 FastAPI's own 422 for a malformed body and Starlette's 404/405 are mapped to
 the same shape, so a client branches on ``code`` and never on prose.
+
+Every error also says ``x-should-retry``: the OpenAI SDKs (and the clients
+built on them) retry 408, 409, 429 and 5xx by status unless this header says
+otherwise, so a 409 ``idempotency_conflict`` would be sent twice more for
+nothing. It is ``true`` exactly where sending the same request again soon can
+succeed. A wait is sent as ``retry-after-ms`` (exact) beside ``Retry-After``
+(whole seconds, rounded up so it is never early).
 """
 
 from __future__ import annotations
@@ -33,11 +40,28 @@ def _encodable(value: Any) -> Any:
     return value
 
 
-def error_response(exc: BatchyardError) -> JSONResponse:
-    headers = {}
+def should_retry(exc: BatchyardError) -> bool:
+    """Whether an immediate retry of the same request can succeed.
+
+    A 402 is retryable in the seed's sense (after buying credit, the same key
+    succeeds) but not soon: an SDK's automatic retries would only be refused again.
+    """
+    return exc.retryable and exc.status != 402
+
+
+def error_headers(exc: BatchyardError) -> dict[str, str]:
+    headers = {"x-should-retry": "true" if should_retry(exc) else "false"}
     if exc.retry_after is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    return JSONResponse(_encodable(exc.to_body()), status_code=exc.status, headers=headers)
+        wait = max(0.0, exc.retry_after)
+        headers["Retry-After"] = str(max(1, math.ceil(wait)))
+        headers["retry-after-ms"] = str(math.ceil(wait * 1000))
+    return headers
+
+
+def error_response(exc: BatchyardError) -> JSONResponse:
+    return JSONResponse(
+        _encodable(exc.to_body()), status_code=exc.status, headers=error_headers(exc)
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -57,13 +81,13 @@ def install_error_handlers(app: FastAPI) -> None:
                 "param": loc or None,
             }
         }
-        return JSONResponse(body, status_code=400)
+        return JSONResponse(body, status_code=400, headers={"x-should-retry": "false"})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         body = {"error": {"code": code, "message": str(exc.detail), "retryable": False}}
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers={"x-should-retry": "false"})
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -13,12 +13,12 @@ from rich.table import Table
 
 from batchyard.cli.text_runner import client_options, pace_options
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.check import CheckReport, ModelScore, check_models
+from batchyard.client.check import CheckReport, DecisionQuality, ModelScore, check_models
 from batchyard.client.fleet import TextRunAborted
 from batchyard.client.inputs import InputError, load_decisions, read_labels
 from batchyard.errors import BatchyardError
 
-__all__ = ["command", "report_table"]
+__all__ = ["command", "quality_table", "report_table"]
 
 
 def _cell(score: ModelScore, decision: str | None) -> str:
@@ -31,6 +31,37 @@ def _cell(score: ModelScore, decision: str | None) -> str:
             score.correct.get(decision, 0),
         )
     return "-" if acc is None else f"{acc:.1%} ({hit}/{n})"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _ece(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def quality_table(score: ModelScore, decision: str, quality: DecisionQuality) -> Table:
+    """Raw beside calibrated for one model and decision, then both confusion matrices."""
+    table = Table(title=f"{score.model} · {decision}: raw beside calibrated")
+    table.add_column("")
+    table.add_column("raw", justify="right")
+    table.add_column("calibrated", justify="right")
+    raw, cal = quality.raw, quality.calibrated
+    table.add_row("accuracy", _pct(raw.accuracy), _pct(cal.accuracy))
+    table.add_row("balanced accuracy", _pct(raw.balanced_accuracy), _pct(cal.balanced_accuracy))
+    table.add_row("expected calibration error", _ece(raw.ece), _ece(cal.ece), end_section=True)
+    outcomes = cal.outcomes
+    table.add_row("[bold]label ↓ / answer →[/]", "raw", "calibrated")
+    for i, label in enumerate(outcomes):
+        if not any(cal.matrix[i]) and not any(raw.matrix[i]):
+            continue
+        table.add_row(
+            label,
+            " ".join(f"{o}:{n}" for o, n in zip(outcomes, raw.matrix[i], strict=True) if n),
+            " ".join(f"{o}:{n}" for o, n in zip(outcomes, cal.matrix[i], strict=True) if n),
+        )
+    return table
 
 
 def report_table(report: CheckReport) -> Table:
@@ -114,6 +145,10 @@ def command(
     except BatchyardError as exc:
         raise click.ClickException(f"{exc.code}: {exc.message}") from exc
     console.print(report_table(report))
+    for score in report.models:
+        for decision in report.decisions:
+            if decision in score.quality:
+                console.print(quality_table(score, decision, score.quality[decision]))
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
         console.print(f"Report written to {json_path}")

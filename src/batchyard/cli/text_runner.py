@@ -162,10 +162,19 @@ def print_plan(c: Console, estimate: TextRunEstimate, summary: TextRunSummary) -
         else "unknown (key cannot read the account)"
     )
     c.print(f"Credit available: {credit}")
+    took = (
+        f", first text answered in {estimate.measured_latency_s:.1f} s"
+        if estimate.measured_latency_s is not None
+        else ""
+    )
     c.print(
         f"Pace: {estimate.rpm:g} requests/min ({estimate.pace_source}), "
-        f"{estimate.concurrency} workers, about {duration(estimate.seconds)}"
+        f"{estimate.concurrency} workers ({estimate.concurrency_source}){took}"
     )
+    if estimate.measured_latency_s is None:
+        c.print(f"Time: at least {duration(estimate.seconds)} (the limits' pace)")
+    else:
+        c.print(f"Time: about {duration(estimate.seconds)} (set by {estimate.bound_by})")
     if estimate.zero_data_retention:
         c.print("[yellow]Zero data retention: answers are not saved, so a rerun charges again.[/]")
 

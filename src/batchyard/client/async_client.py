@@ -150,6 +150,7 @@ class AsyncClient:
         input: DecideInput | None = None,
         max_output_tokens: int = 64,
         fallback: str = "base",
+        calibration: str | None = None,
         idempotency_key: str | None = None,
         tokens: int = 0,
     ) -> DecideResponse:
@@ -160,6 +161,7 @@ class AsyncClient:
             input=calls.decide_input(text, image_url, input),
             max_output_tokens=max_output_tokens,
             fallback=fallback,
+            calibration=calibration,
         )
         return cast(DecideResponse, await self.send(calls.decide(body, idempotency_key, tokens)))
 
@@ -173,6 +175,7 @@ class AsyncClient:
         input: DecideInput | None = None,
         max_output_tokens: int = 64,
         fallback: str = "base",
+        calibration: str | None = None,
     ) -> EstimateResponse:
         body = calls.decide_body(
             model=model,
@@ -180,6 +183,7 @@ class AsyncClient:
             input=calls.decide_input(text, image_url, input),
             max_output_tokens=max_output_tokens,
             fallback=fallback,
+            calibration=calibration,
         )
         return cast(EstimateResponse, await self.send(calls.estimate(body)))
 

@@ -30,6 +30,7 @@ __all__ = [
     "USER_AGENT",
     "Call",
     "ConnectionFailed",
+    "ReadTimedOut",
     "RetryPolicy",
     "RetryStep",
     "Settings",
@@ -61,6 +62,17 @@ class ConnectionFailed(BatchyardError):
     code = "connection_error"
     status = 0
     retryable = True
+
+
+class ReadTimedOut(ConnectionFailed):
+    """The request went out but no answer came within the client's timeout.
+
+    Unlike a refused connection, the server may well be working on it: sent
+    again with the same idempotency key, it answers the saved result or 409
+    ``idempotency_in_progress`` until the first attempt finishes.
+    """
+
+    code = "read_timeout"
 
 
 def new_idempotency_key() -> str:
@@ -96,6 +108,10 @@ class Settings:
     def resolve(cls, base_url: str | None, api_key: str | None, timeout: float | None) -> Settings:
         url = base_url or os.environ.get("BATCHYARD_BASE_URL") or DEFAULT_BASE_URL
         key = api_key if api_key is not None else os.environ.get("BATCHYARD_API_KEY")
+        if timeout is None and os.environ.get("BATCHYARD_TIMEOUT"):
+            # A read timeout never fails a text (the runner waits for the server's
+            # answer under the same key); it only says how long one wait lasts.
+            timeout = float(os.environ["BATCHYARD_TIMEOUT"])
         return cls(url.rstrip("/"), key or None, timeout or DEFAULT_TIMEOUT_S)
 
     def headers(self, call: Call) -> dict[str, str]:
@@ -245,6 +261,8 @@ def error_from_response(response: httpx.Response) -> BatchyardError:
 
 def connection_failed(exc: httpx.TransportError, base_url: str) -> ConnectionFailed:
     """No answer at all, as an error a caller can retry with the same key."""
+    if isinstance(exc, httpx.ReadTimeout):
+        return ReadTimedOut(f"no answer from {base_url} in time: {type(exc).__name__}")
     return ConnectionFailed(f"could not talk to {base_url}: {type(exc).__name__}: {exc}")
 
 

@@ -67,14 +67,19 @@ def decide_body(
     input: DecideInput,
     max_output_tokens: int = 64,
     fallback: str = "base",
+    calibration: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "model": model,
         "input": dict(input),
         "decisions": [dict(d) for d in decisions],
         "max_output_tokens": max_output_tokens,
         "fallback": fallback,
     }
+    # Left out unless chosen, so bodies (and idempotency keys) stay as before.
+    if calibration is not None:
+        body["calibration"] = calibration
+    return body
 
 
 def decide(body: dict[str, Any], key: str | None, tokens: int = 0) -> Call:

@@ -6,6 +6,12 @@ per-text idempotency keys, so checking twice costs nothing the second time)
 and counts, per model and decision, how often the answer matches the label.
 A text that failed counts in ``failed``, not as a wrong answer: accuracy is
 over the texts a model actually answered.
+
+Beside accuracy, each model and decision gets balanced accuracy, the
+confusion matrix and the expected calibration error (``client.metrics``),
+for the answers as given (calibrated, where the server calibrates) and for
+the raw probabilities the server returns beside them (``raw_probabilities``):
+the argmax of the model's own scores, before its bias was removed.
 """
 
 from __future__ import annotations
@@ -19,11 +25,34 @@ from batchyard.client.async_client import AsyncClient
 from batchyard.client.fleet import Job, local_tokens, plan_pace, send_all
 from batchyard.client.inputs import LabelledText
 from batchyard.client.keys import request_hash, text_key
+from batchyard.client.metrics import Quality
 from batchyard.client.pacer import PaceClock
 from batchyard.client.types import Answer, DecideResponse, Decision
 from batchyard.errors import BatchyardError
 
-__all__ = ["CheckReport", "ModelScore", "check_models", "score_model"]
+__all__ = [
+    "NO_ANSWER",
+    "CheckReport",
+    "DecisionQuality",
+    "ModelScore",
+    "check_models",
+    "score_model",
+]
+
+
+@dataclass
+class DecisionQuality:
+    """One decision's answers against the labels, as given and from the raw probabilities."""
+
+    calibrated: Quality
+    raw: Quality
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "outcomes": self.calibrated.outcomes,
+            "calibrated": self.calibrated.to_json(),
+            "raw": self.raw.to_json(),
+        }
 
 
 @dataclass
@@ -36,6 +65,7 @@ class ModelScore:
     fallbacks: int = 0
     cost: Decimal = Decimal(0)
     errors: dict[str, int] = field(default_factory=dict)
+    quality: dict[str, DecisionQuality] = field(default_factory=dict)
 
     def accuracy(self, decision: str) -> float | None:
         n = self.labelled.get(decision, 0)
@@ -59,25 +89,56 @@ class ModelScore:
             "errors": self.errors,
             "fallbacks": self.fallbacks,
             "cost": str(self.cost),
+            "quality": {d: q.to_json() for d, q in self.quality.items()},
         }
+
+
+NO_ANSWER = "(none)"
+
+
+def _raw_choice(answer: Answer) -> tuple[str, Mapping[str, float] | None]:
+    """The outcome the raw probabilities pick; the answer itself where none were sent."""
+    raw = answer.get("raw_probabilities")
+    if raw:
+        return max(raw, key=lambda o: raw[o]), raw
+    return answer["outcome"], answer.get("probabilities")
 
 
 def score_model(
     model: str,
     labelled: Sequence[LabelledText],
     answers: Mapping[str, Sequence[Answer]],
+    decisions: Sequence[Decision] = (),
 ) -> ModelScore:
-    """Accuracy of one model's ``answers`` (by text id) against the labels."""
+    """Accuracy and calibration of one model's ``answers`` (by text id) against the labels."""
     score = ModelScore(model)
+    listed = {d["id"]: [o["id"] for o in d["outcomes"]] for d in decisions}
+
+    def quality(decision: str) -> DecisionQuality:
+        if decision not in score.quality:
+            outcomes = listed.get(decision, [])
+            score.quality[decision] = DecisionQuality(
+                Quality(list(outcomes)), Quality(list(outcomes))
+            )
+        return score.quality[decision]
+
     for text in labelled:
         got = answers.get(text.id)
         if got is None:
             continue
-        chosen = {a["decision"]: a["outcome"] for a in got}
+        by_decision = {a["decision"]: a for a in got}
         for decision, expected in text.labels.items():
             score.labelled[decision] = score.labelled.get(decision, 0) + 1
-            hit = int(chosen.get(decision) == expected)
+            answer = by_decision.get(decision)
+            hit = int(answer is not None and answer["outcome"] == expected)
             score.correct[decision] = score.correct.get(decision, 0) + hit
+            q = quality(decision)
+            if answer is None:
+                q.calibrated.add(expected, NO_ANSWER, None)
+                q.raw.add(expected, NO_ANSWER, None)
+                continue
+            q.calibrated.add(expected, answer["outcome"], answer.get("probabilities"))
+            q.raw.add(expected, *_raw_choice(answer))
     return score
 
 
@@ -146,7 +207,7 @@ async def check_models(
     )
     scores = []
     for model in models:
-        score = score_model(model, labelled, answers[model])
+        score = score_model(model, labelled, answers[model], decisions)
         score.answered = len(answers[model])
         score.failed = len(errors[model])
         score.cost = costs[model]

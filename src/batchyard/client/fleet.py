@@ -9,6 +9,17 @@ An error that would fail every remaining text alike (a bad key, no credit,
 an unknown model, the gateway gone) stops the run instead of being written
 once per text: those texts stay unsent and the next run sends them.
 
+A request the server is still working on is never a failed text: a client
+timeout (``read_timeout``) sends it again under the same key, and the server's
+409 ``idempotency_in_progress`` means "the first attempt is still running", so
+the worker waits and asks again until that attempt's answer is there (for up
+to ``IN_PROGRESS_PATIENCE_S``, past the server's own stale-claim limit).
+
+Concurrency comes from the tier (``effective_limits.concurrency``) and from the
+model's own route (``concurrency`` in ``GET /v1/models/{id}``: the embedded
+model's contexts), whichever is lower: more workers than the engine runs at once
+only queue inside the server, where their clocks keep running.
+
 A 429 that outlasts the SDK's retries is not a failure of the text either: it
 says "not yet". Such a job goes back into the queue, behind the pacer's
 push-back, up to ``RATE_LIMITED_REQUEUES`` times, rather than being written
@@ -42,7 +53,9 @@ from batchyard.errors import BatchyardError, Forbidden
 __all__ = [
     "DEFAULT_RPM",
     "FATAL_CODES",
+    "IN_PROGRESS_PATIENCE_S",
     "RATE_LIMITED_REQUEUES",
+    "WAITING_CODES",
     "Job",
     "Pace",
     "ResultHandler",
@@ -60,6 +73,10 @@ _LATENCY_ALLOWANCE_S = 4.0
 RATE_LIMITED_REQUEUES = 5
 #: How many new keys one text may try past 402s that earlier runs left saved.
 _REKEYS = 20
+#: How long one text waits for a first attempt the server is still working on.
+IN_PROGRESS_PATIENCE_S = 15 * 60
+#: Answers that say "the server is (maybe) still working on it": wait, same key.
+WAITING_CODES = frozenset({"idempotency_in_progress", "read_timeout"})
 
 FATAL_CODES = frozenset(
     {
@@ -107,17 +124,23 @@ class Pace:
     account: Account | None
     #: Where the rate came from, for the plan the user sees.
     source: str
+    #: Why this many workers (the tier, the model's route, a flag).
+    concurrency_source: str = "default"
 
 
 async def plan_pace(
-    client: AsyncClient, *, rpm: float | None = None, concurrency: int | None = None
+    client: AsyncClient,
+    *,
+    rpm: float | None = None,
+    concurrency: int | None = None,
+    model: str | None = None,
 ) -> Pace:
-    """Limits from the account where readable; flags override; defaults last."""
+    """Limits from the account where readable; the model's own concurrency; flags override."""
     account: Account | None = None
     # An inference key cannot read its account: then go by flags and defaults.
     with contextlib.suppress(Forbidden):
         account = await client.account()
-    limits = account["effective_limits"] if account else {}
+    limits: dict[str, Any] = dict(account["effective_limits"]) if account else {}
     tpm = limits.get("tokens_per_minute")
     if rpm is not None:
         source = "--rpm"
@@ -125,8 +148,22 @@ async def plan_pace(
         rpm, source = float(limits["requests_per_minute"]), "account limits"
     else:
         rpm, source = float(DEFAULT_RPM), "tier-0 default"
-    workers = concurrency or max(2, min(64, math.ceil(rpm / 60 * _LATENCY_ALLOWANCE_S)))
-    return Pace(rpm, float(tpm) if tpm else None, workers, account, source)
+    route_limit: int | None = None
+    if model is not None:
+        # An unknown model fails the run later, with its own error.
+        with contextlib.suppress(BatchyardError):
+            route_limit = (await client.get_model(model)).get("concurrency")
+    if concurrency:
+        workers, why = concurrency, "--concurrency"
+    else:
+        workers = max(2, min(64, math.ceil(rpm / 60 * _LATENCY_ALLOWANCE_S)))
+        why = "the pace"
+        tier_limit = limits.get("concurrency")
+        if isinstance(tier_limit, int) and tier_limit < workers:
+            workers, why = tier_limit, "your tier's concurrency"
+        if isinstance(route_limit, int) and route_limit > 0 and route_limit < workers:
+            workers, why = route_limit, f"{model}'s concurrency"
+    return Pace(rpm, float(tpm) if tpm else None, max(1, workers), account, source, why)
 
 
 def local_tokens(text: str) -> int:
@@ -155,6 +192,8 @@ async def send_all(
     again: deque[Job] = deque()
     requeued: Counter[str] = Counter()
     rekeyed: Counter[str] = Counter()
+    waiting_since: dict[str, float] = {}
+    wait_clock = pacer.clock
     fatal: list[BatchyardError] = []
 
     def next_job() -> Job | None:
@@ -186,6 +225,15 @@ async def send_all(
                     rekeyed[job.id] += 1
                     again.appendleft(dataclasses.replace(job, key=resend_key(job.key)))
                     continue
+                if exc.code in WAITING_CODES:
+                    now = wait_clock.time()
+                    since = waiting_since.setdefault(job.key, now)
+                    if now - since < IN_PROGRESS_PATIENCE_S:
+                        # The first attempt is (maybe) still running: its answer
+                        # will be saved under this key; ask for it again shortly.
+                        await wait_clock.sleep(exc.retry_after or 1.0)
+                        again.appendleft(job)
+                        continue
                 if exc.code in FATAL_CODES:
                     fatal.append(exc)
                     return

@@ -151,6 +151,7 @@ class Client:
         input: DecideInput | None = None,
         max_output_tokens: int = 64,
         fallback: str = "base",
+        calibration: str | None = None,
         idempotency_key: str | None = None,
         tokens: int = 0,
     ) -> DecideResponse:
@@ -161,6 +162,7 @@ class Client:
             input=calls.decide_input(text, image_url, input),
             max_output_tokens=max_output_tokens,
             fallback=fallback,
+            calibration=calibration,
         )
         return cast(DecideResponse, self.send(calls.decide(body, idempotency_key, tokens)))
 
@@ -174,6 +176,7 @@ class Client:
         input: DecideInput | None = None,
         max_output_tokens: int = 64,
         fallback: str = "base",
+        calibration: str | None = None,
     ) -> EstimateResponse:
         body = calls.decide_body(
             model=model,
@@ -181,6 +184,7 @@ class Client:
             input=calls.decide_input(text, image_url, input),
             max_output_tokens=max_output_tokens,
             fallback=fallback,
+            calibration=calibration,
         )
         return cast(EstimateResponse, self.send(calls.estimate(body)))
 

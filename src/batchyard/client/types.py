@@ -15,6 +15,7 @@ __all__ = [
     "Batch",
     "BatchRequest",
     "BatchResultLine",
+    "Calibration",
     "ChatCompletion",
     "Credit",
     "DecideInput",
@@ -54,11 +55,21 @@ class Answer(TypedDict):
     decision: str
     outcome: str
     probabilities: NotRequired[dict[str, float]]
+    # The model's own probabilities before calibration, where the server calibrated.
+    raw_probabilities: NotRequired[dict[str, float]]
 
 
 class Usage(TypedDict):
     input_tokens: int
     output_tokens: int
+    calibration_input_tokens: NotRequired[int]
+
+
+class Calibration(TypedDict):
+    mode: str
+    orders: int
+    texts: int
+    content_free_estimated: bool
 
 
 class Fallback(TypedDict):
@@ -73,12 +84,14 @@ class DecideResponse(TypedDict):
     usage: Usage
     charge: str
     fallback: Fallback | None
+    calibration: NotRequired[Calibration | None]
 
 
 class EstimateResponse(TypedDict):
     input_tokens: int
     max_output_tokens: int
     max_cost: str
+    calibration_input_tokens: NotRequired[int]
 
 
 class Organization(TypedDict):
@@ -96,6 +109,8 @@ class EffectiveLimits(TypedDict, total=False):
     requests_per_minute: int
     tokens_per_minute: int
     estimate_tokens_per_minute: int
+    #: Requests the organisation may have in flight at once (all keys together).
+    concurrency: int
 
 
 class AutoTopUp(TypedDict):
@@ -138,6 +153,12 @@ class Model(TypedDict):
     #: None for base models, which are always served.
     warm: Warmth | None
     description: NotRequired[str | None]
+    created: NotRequired[int]
+    owned_by: NotRequired[str]
+    #: What the model's route can do: chat, tools, vision, streaming, completions, ...
+    capabilities: NotRequired[dict[str, bool]]
+    #: Calls its route runs at once, where it has such a bound (the embedded model).
+    concurrency: NotRequired[int | None]
 
 
 class KeepWarm(TypedDict):

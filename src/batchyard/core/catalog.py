@@ -17,7 +17,12 @@ from typing import Any, Literal
 
 from batchyard.errors import InvalidRequest, ModelUnavailable, UnknownModel
 
-__all__ = ["Catalog", "ModelSpec", "RouteSpec", "default_catalog"]
+__all__ = ["CATALOG_CREATED", "Catalog", "ModelSpec", "RouteSpec", "default_catalog"]
+
+#: The ``created`` of models that name none (Unix seconds, 2025-01-01): OpenAI's
+#: model objects carry one, and a stable value keeps ``/v1/models`` the same on
+#: every call.
+CATALOG_CREATED = 1_735_689_600
 
 Modality = Literal["text", "image"]
 
@@ -34,6 +39,8 @@ class ModelSpec:
     base_model: str | None = None
     max_output_tokens: int = 4096
     description: str = ""
+    created: int = CATALOG_CREATED
+    owned_by: str = "batchyard"
 
     @property
     def reads_images(self) -> bool:
@@ -61,8 +68,28 @@ class RouteSpec:
     timeout_s: float = 120.0
     fallbacks: tuple[str, ...] = ()
     supports_json_schema: bool = False
+    # What the route's engine can do beyond plain chat. ``None`` means the
+    # engine's default: the embedded engine does tools (under a grammar) and
+    # embeddings (from the chat model itself); an HTTP upstream is only trusted
+    # with what its entry says.
+    supports_tools: bool | None = None
+    supports_streaming: bool = True
+    serves_completions: bool = True
+    serves_embeddings: bool | None = None
     # Fine-tuned versions served by this route: version model id -> engine extras.
     version: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tools(self) -> bool:
+        return (
+            self.supports_tools if self.supports_tools is not None else self.engine == "llama_cpp"
+        )
+
+    @property
+    def embeddings(self) -> bool:
+        if self.serves_embeddings is not None:
+            return self.serves_embeddings
+        return self.engine == "llama_cpp"
 
 
 class Catalog:
@@ -179,6 +206,10 @@ def _decimal(value: Any, where: str) -> Decimal:
     return d
 
 
+def _flag(raw: Mapping[str, Any], name: str) -> bool | None:
+    return bool(raw[name]) if raw.get(name) is not None else None
+
+
 def catalog_from_config(data: Mapping[str, Any]) -> Catalog:
     """Build a catalog from the ``models:`` and ``routes:`` sections of a config file.
 
@@ -208,6 +239,8 @@ def catalog_from_config(data: Mapping[str, Any]) -> Catalog:
                 raw.get("max_output_tokens", prev.max_output_tokens if prev else 4096)
             ),
             description=str(raw.get("description", prev.description if prev else "")),
+            created=int(raw.get("created", prev.created if prev else CATALOG_CREATED)),
+            owned_by=str(raw.get("owned_by", prev.owned_by if prev else "batchyard")),
         )
     if "routes" in data:
         routes = []
@@ -236,6 +269,10 @@ def catalog_from_config(data: Mapping[str, Any]) -> Catalog:
                     timeout_s=float(raw.get("timeout_s", 120.0)),
                     fallbacks=tuple(raw.get("fallbacks", ())),
                     supports_json_schema=bool(raw.get("supports_json_schema", False)),
+                    supports_tools=_flag(raw, "supports_tools"),
+                    supports_streaming=bool(raw.get("supports_streaming", True)),
+                    serves_completions=bool(raw.get("serves_completions", True)),
+                    serves_embeddings=_flag(raw, "serves_embeddings"),
                     version=dict(raw.get("version", {}) or {}),
                 )
             )

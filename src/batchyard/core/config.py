@@ -56,6 +56,12 @@ class Settings:
     warm_fallback_after_s: float = 10.0
     #: On SIGTERM, how long calls in flight may take to land before they are cut off.
     shutdown_grace_s: float = 30.0
+    # A request over its organisation's limits that would be admitted within this
+    # many seconds waits for its slot on the server instead of answering 429.
+    limits_queue_s: float = 10.0
+    # A concurrency slot's lease, renewed while its request runs: how long a
+    # crashed process can hold slots it never gave back.
+    slot_lease_s: float = 60.0
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -125,6 +131,8 @@ def load_settings(
         shutdown_grace_s=float(
             os.environ.get("BATCHYARD_SHUTDOWN_GRACE_S") or data.get("shutdown_grace_s", 30.0)
         ),
+        limits_queue_s=float(data.get("limits_queue_s", 10.0)),
+        slot_lease_s=float(data.get("slot_lease_s", 60.0)),
         raw=data,
     )
     return replace(settings, **overrides) if overrides else settings

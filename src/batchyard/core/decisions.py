@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from batchyard.core.calibration import CalibrationMode
 from batchyard.errors import (
     DuplicateId,
     EmptyText,
@@ -49,6 +50,7 @@ __all__ = [
     "needed_output_tokens",
     "parse_output",
     "parse_request",
+    "reorder_outcomes",
     "response_format",
     "scoring_candidates",
     "softmax",
@@ -56,6 +58,7 @@ __all__ = [
 
 AnswerFormat = Literal["lines", "json"]
 Fallback = Literal["base", "none"]
+CALIBRATIONS: tuple[CalibrationMode, ...] = ("batch", "content_free", "none")
 
 MAX_ID_CHARS = 64
 # Ids appear inside answer lines (``id: outcome``) and JSON keys, so the
@@ -99,6 +102,8 @@ class DecideRequest:
     decisions: tuple[Decision, ...]
     max_output_tokens: int | None
     fallback: Fallback
+    # How the scoring engine's probabilities are calibrated (core.calibration).
+    calibration: CalibrationMode = "batch"
 
 
 # -- validation ---------------------------------------------------------------
@@ -219,7 +224,30 @@ def parse_request(raw: Mapping[str, Any]) -> DecideRequest:
     fallback = raw.get("fallback", "base")
     if fallback not in ("base", "none"):
         raise InvalidRequest('fallback must be "base" or "none"', param="fallback")
-    return DecideRequest(model, inp, tuple(decisions), max_out, fallback)
+    calibration = raw.get("calibration", "batch")
+    if calibration not in CALIBRATIONS:
+        raise InvalidRequest(
+            'calibration must be "batch", "content_free" or "none"', param="calibration"
+        )
+    return DecideRequest(model, inp, tuple(decisions), max_out, fallback, calibration)
+
+
+def reorder_outcomes(
+    request: DecideRequest, order: Callable[[int], Sequence[int]]
+) -> DecideRequest:
+    """``request`` with each decision's outcomes listed in ``order(len(outcomes))``."""
+    decisions = tuple(
+        Decision(d.id, d.question, tuple(d.outcomes[i] for i in order(len(d.outcomes))))
+        for d in request.decisions
+    )
+    return DecideRequest(
+        request.model,
+        request.input,
+        decisions,
+        request.max_output_tokens,
+        request.fallback,
+        request.calibration,
+    )
 
 
 # -- the prompt ---------------------------------------------------------------
@@ -245,13 +273,20 @@ def _instructions(decisions: Sequence[Decision], fmt: AnswerFormat) -> str:
 
 
 def build_messages(request: DecideRequest, fmt: AnswerFormat) -> list[dict[str, Any]]:
-    """The one prompt: the text once, then every question, then the answer format."""
-    parts: list[str] = []
+    """The one prompt: every question, then the text once, then the answer format.
+
+    The questions come first because they are the same for every text of a
+    batch (the seed asks for that): an engine that keeps the prompt prefix it
+    last read (the embedded one does) reads them once, and each text then costs
+    only its own tokens and the answer format. The text sits right before the
+    format it is answered in; on tuning tweets this order scored as well as the
+    text first.
+    """
+    parts: list[str] = [f"Questions:\n{_questions(request.decisions)}"]
     if request.input.text is not None:
         parts.append(f"Text:\n{request.input.text}")
     elif request.input.image_url is not None:
         parts.append("The questions are about the image.")
-    parts.append(f"Questions:\n{_questions(request.decisions)}")
     parts.append(_instructions(request.decisions, fmt))
     prompt = "\n\n".join(parts)
     content: str | list[dict[str, Any]] = prompt
@@ -457,11 +492,16 @@ def answers_json(
     decisions: Sequence[Decision],
     chosen: Sequence[str],
     probabilities: Sequence[Mapping[str, float] | None],
+    raw: Sequence[Mapping[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
+    """Answers on the wire; ``raw`` (the uncalibrated probabilities) where calibration ran."""
     out: list[dict[str, Any]] = []
-    for d, c, p in zip(decisions, chosen, probabilities, strict=True):
+    raws: Sequence[Mapping[str, float] | None] = raw if raw is not None else [None] * len(chosen)
+    for d, c, p, r in zip(decisions, chosen, probabilities, raws, strict=True):
         answer: dict[str, Any] = {"decision": d.id, "outcome": c}
         if p is not None:
             answer["probabilities"] = {o: round(p[o], 6) for o in d.outcome_ids}
+        if r is not None:
+            answer["raw_probabilities"] = {o: round(r[o], 6) for o in d.outcome_ids}
         out.append(answer)
     return out

@@ -18,11 +18,13 @@ hold all three to the same behaviour. See docs/explanation/limits.md.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from batchyard.core.clock import Clock
@@ -38,12 +40,17 @@ __all__ = [
     "Limiter",
     "LimiterBase",
     "RateLimitSignal",
+    "SlotGrant",
+    "Standing",
     "cell_for",
     "gcra",
     "gcra_adjust",
     "gcra_many",
     "gcra_penalize",
+    "new_slot_token",
     "penalty_until",
+    "settle",
+    "standing_of",
     "storage_keys",
 ]
 
@@ -107,17 +114,38 @@ class Limit:
         return 60.0 / self.per_minute
 
 
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """Where one limit stands for a key after a check: OpenAI's ``x-ratelimit-*`` trio.
+
+    ``remaining`` is how many more units of cost would be admitted right now
+    without waiting; ``reset_s`` is how long until the limit is idle again
+    (its whole burst available).
+    """
+
+    name: str
+    limit: float
+    remaining: float
+    reset_s: float
+
+
 @dataclass(frozen=True)
 class Admission:
     """The limiter's verdict: admitted, or how long until the same request would be.
 
     ``limit`` names the limit that bound (``PENALTY`` for an upstream's back-off)
     so an API answer can say which one; it is ``None`` when admitted.
+    ``delay`` is set when a check asked for ``max_delay``: the request was
+    admitted into a slot that starts that many seconds from now (its place in
+    the schedule is already taken, so it goes first when the time comes).
+    ``standing`` says where each limit stands after the check.
     """
 
     allowed: bool
     retry_after: float
     limit: str | None = None
+    delay: float = field(default=0.0, compare=False)
+    standing: tuple[Standing, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +226,41 @@ def binding_name(limits: Sequence[tuple[Limit, float]], index: int) -> str | Non
     return PENALTY if index == 0 else limits[index - 1][0].name
 
 
+def standing_of(
+    limits: Sequence[tuple[Limit, float]], tats: Sequence[float], now: float
+) -> tuple[Standing, ...]:
+    """Each limit's standing from its TAT (``tats`` in ``storage_keys`` order, penalty first)."""
+    out = []
+    for (limit, _), tat in zip(limits, tats[1:], strict=True):
+        ahead = max(0.0, tat - now)
+        remaining = max(0.0, (limit.burst * limit.interval - ahead) / limit.interval)
+        out.append(Standing(limit.name, limit.per_minute, math.floor(remaining + EPSILON), ahead))
+    return tuple(out)
+
+
+def settle(
+    limits: Sequence[tuple[Limit, float]],
+    cells: Sequence[Cell],
+    tats: Sequence[float],
+    now: float,
+    max_delay: float,
+) -> tuple[Admission, list[float] | None]:
+    """The verdict on one check over current ``tats``, and the TATs to write if admitted.
+
+    Shared by every backend that computes in Python (Redis repeats it in Lua).
+    A wait up to ``max_delay`` admits into a future slot: the TATs move as for
+    any admission, and the caller waits ``delay`` before going on.
+    """
+    wait, binding, new_tats = gcra_many(tats, now, cells)
+    if wait > max_delay + EPSILON:
+        return Admission(
+            False, wait, binding_name(limits, binding), 0.0, standing_of(limits, tats, now)
+        ), None
+    written = [n if c.increment > 0 else t for t, c, n in zip(tats, cells, new_tats, strict=True)]
+    delay = wait if wait > EPSILON else 0.0
+    return Admission(True, 0.0, None, delay, standing_of(limits, written, now)), written
+
+
 def penalty_until(
     signal: RateLimitSignal, now: float, *, default_reset_s: float = 1.0
 ) -> float | None:
@@ -220,12 +283,31 @@ def penalty_until(
     return until
 
 
+@dataclass(frozen=True, slots=True)
+class SlotGrant:
+    """A concurrency check: the lease's token when a slot was free, and how many are taken."""
+
+    token: str | None
+    in_use: int
+
+
+#: Between two looks at a shared slot count while waiting for one; a slot freed in
+#: this process wakes its waiters at once.
+SLOT_POLL_S = 0.05
+
+
 @runtime_checkable
 class Limiter(Protocol):
     """What the API and the dispatcher hold; in-process or shared alike."""
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
-        """Admit ``cost`` against every limit under ``key``, or none of them."""
+    async def try_acquire(
+        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+    ) -> Admission:
+        """Admit ``cost`` against every limit under ``key``, or none of them.
+
+        A request that would be admitted within ``max_delay`` seconds is admitted
+        now into that later slot (``Admission.delay``); the caller waits it out.
+        """
         ...
 
     async def acquire(
@@ -246,20 +328,80 @@ class Limiter(Protocol):
         """Feed an upstream's ``x-ratelimit-*`` signal into ``penalize``."""
         ...
 
+    async def take_slot(self, key: str, capacity: int, lease_s: float) -> SlotGrant:
+        """Take one of ``capacity`` concurrency slots under ``key`` for ``lease_s`` seconds.
+
+        Slots are leases: one whose holder died (a crashed process) frees itself
+        when its lease runs out, so nothing leaks slots forever.
+        """
+        ...
+
+    async def renew_slot(self, key: str, token: str, lease_s: float) -> None:
+        """Extend a held slot's lease to ``lease_s`` from now."""
+        ...
+
+    async def free_slot(self, key: str, token: str) -> None:
+        """Give a slot back."""
+        ...
+
+    async def occupy(
+        self, key: str, capacity: int, lease_s: float, *, max_wait: float = 0.0
+    ) -> SlotGrant:
+        """``take_slot``, waiting up to ``max_wait`` seconds for one to free up."""
+        ...
+
     async def close(self) -> None: ...
 
 
 class LimiterBase:
-    """Waiting and signal handling, written once over ``try_acquire``."""
+    """Waiting, slot queues and signal handling, written once over the backend's steps."""
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
+        self._slot_freed: dict[str, asyncio.Event] = {}
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
+    async def try_acquire(
+        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+    ) -> Admission:
         raise NotImplementedError
 
     async def penalize(self, key: str, until: float) -> None:
         raise NotImplementedError
+
+    async def take_slot(self, key: str, capacity: int, lease_s: float) -> SlotGrant:
+        raise NotImplementedError
+
+    async def renew_slot(self, key: str, token: str, lease_s: float) -> None:
+        raise NotImplementedError
+
+    async def _free_slot(self, key: str, token: str) -> None:
+        raise NotImplementedError
+
+    async def free_slot(self, key: str, token: str) -> None:
+        await self._free_slot(key, token)
+        event = self._slot_freed.pop(key, None)
+        if event is not None:
+            event.set()
+
+    async def occupy(
+        self, key: str, capacity: int, lease_s: float, *, max_wait: float = 0.0
+    ) -> SlotGrant:
+        # A slot freed in this process wakes the waiters at once; one freed by
+        # another process (or by a lease running out) is seen at the next poll.
+        deadline = self._clock.time() + max_wait
+        while True:
+            grant = await self.take_slot(key, capacity, lease_s)
+            left = deadline - self._clock.time()
+            if grant.token is not None or left <= EPSILON:
+                return grant
+            event = self._slot_freed.setdefault(key, asyncio.Event())
+            waiter = asyncio.ensure_future(event.wait())
+            sleeper = asyncio.ensure_future(self._clock.sleep(min(SLOT_POLL_S, left)))
+            try:
+                await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                sleeper.cancel()
 
     async def acquire(
         self, key: str, limits: Sequence[tuple[Limit, float]], *, max_wait: float | None = None
@@ -290,6 +432,10 @@ class LimiterBase:
         return None
 
 
+def new_slot_token() -> str:
+    return uuid.uuid4().hex
+
+
 def log_penalty(key: str, until: float, now: float) -> None:
     logger.info(
         "rate limit penalty",
@@ -311,23 +457,51 @@ class InMemoryLimiter(LimiterBase):
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
         self._tats: dict[str, float] = {}
+        self._slots: dict[str, dict[str, float]] = {}
         self._lock = threading.Lock()
         self._ops = 0
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
+    async def try_acquire(
+        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+    ) -> Admission:
         keys = storage_keys(key, limits)
         cells = request_cells(limits)
         now = self._clock.time()
         with self._lock:
             self._maybe_sweep(now)
             tats = [self._tats.get(k, 0.0) for k in keys]
-            wait, binding, new_tats = gcra_many(tats, now, cells)
-            if wait > EPSILON:
-                return Admission(False, wait, binding_name(limits, binding))
-            for k, cell, new_tat in zip(keys, cells, new_tats, strict=True):
-                if cell.increment > 0:
-                    self._tats[k] = new_tat
-        return Admission(True, 0.0)
+            admission, written = settle(limits, cells, tats, now, max_delay)
+            if written is not None:
+                for k, cell, new_tat in zip(keys, cells, written, strict=True):
+                    if cell.increment > 0:
+                        self._tats[k] = new_tat
+        return admission
+
+    async def take_slot(self, key: str, capacity: int, lease_s: float) -> SlotGrant:
+        now = self._clock.time()
+        with self._lock:
+            leases = self._slots.setdefault(key, {})
+            for token in [t for t, until in leases.items() if until <= now]:
+                del leases[token]
+            if len(leases) >= capacity:
+                return SlotGrant(None, len(leases))
+            token = new_slot_token()
+            leases[token] = now + lease_s
+            return SlotGrant(token, len(leases))
+
+    async def renew_slot(self, key: str, token: str, lease_s: float) -> None:
+        with self._lock:
+            leases = self._slots.get(key)
+            if leases is not None and token in leases:
+                leases[token] = self._clock.time() + lease_s
+
+    async def _free_slot(self, key: str, token: str) -> None:
+        with self._lock:
+            leases = self._slots.get(key)
+            if leases is not None:
+                leases.pop(token, None)
+                if not leases:
+                    del self._slots[key]
 
     async def adjust(self, key: str, limit: Limit, delta: float) -> None:
         k = f"{key}:{limit.name}"

@@ -21,14 +21,20 @@ the dearest of it and its fallbacks, because any of them may end up serving.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Protocol, runtime_checkable
 
-from batchyard.core.outlook import Analogues, MarketHistory
+import numpy as np
+import numpy.typing as npt
+
+from batchyard.core.outlook import HistoryScenarios, ScenarioSource
 from batchyard.core.prices import Price, discount_percent
+from batchyard.core.route_history import SLOT, slot_index
+from batchyard.core.stopping import Plans, solve
 
 __all__ = [
     "DeadlineAware",
@@ -170,7 +176,7 @@ class Policy(Protocol):
 @runtime_checkable
 class LearningPolicy(Policy, Protocol):
     """A policy that learns from the market: the worker shows it quiet passes
-    too, and saves and restores what it learnt (``work.market_memory``)."""
+    too, and saves and restores what it learnt (``work.batches.memory``)."""
 
     memory: timedelta
 
@@ -202,93 +208,114 @@ class FirstEligible:
 
 
 class DeadlineAware:
-    """Waits for a deeper discount than the minimum, but never past the last safe chance.
+    """Waits for a deeper discount while the market's own past says it pays and is safe.
 
-    For an item with at least one offer qualifying at its own minimum now, it
-    dispatches on the cheapest such offer when the first of these holds, and
-    otherwise waits:
+    For an item with an offer qualifying at its minimum now, it dispatches on
+    the cheapest such offer when the first of these holds, and otherwise waits:
 
     1. *Safety window.* Less than the larger of ``safety_share`` of the
        item's window and ``safety`` is left: take what qualifies.
-    2. *Risk.* Fewer than ``assurance`` of the market's analogues (the past
-       moments that looked most like now, see ``batchyard.core.outlook``)
-       went on to offer any qualifying price in the time left: take it while
-       it is there.
-    3. *Worth.* Taking now costs no more than ``1 + slack`` times what the
-       best plan of waiting cost on the analogues' futures (a future where
-       nothing qualified by the deadline counting ``analogues.penalty``
-       points of the direct price). ``slack`` pays for the optimism of picking the best
-       plan on the same few futures it is judged by.
+    2. *No opinion.* The scenarios (``batchyard.core.outlook``) have too little
+       history behind them: act as ``FirstEligible``. A cold worker therefore
+       bets no deadline until it has watched the market for a day.
+    3. *Risk.* Fewer than ``1 + spare + waiting // per_pass`` qualifying
+       chances lie between now and the safety window in the worst ``risk``
+       share of the scenarios, where ``waiting`` counts the more urgent items
+       this pass already told to wait: a burst competes for the worker's ten
+       dispatches a pass, so the later items of a burst need more chances
+       than one; ``spare`` more keep a scenario set that barely holds a
+       chance from betting a deadline on it.
+    4. *Worth.* Taking now costs at most ``1 + slack`` times what the best
+       plan of waiting is expected to cost (``batchyard.core.stopping``),
+       unless that would take one of the pass's last places from items later
+       in the order (as the previous pass listed them) for which this price
+       may be the last chance: then it waits a pass and they go first.
 
-    Until a market's history spans ``min_memory`` (a fresh worker with
-    nothing restored), or while it holds too few analogues, it knows nothing
-    that would justify betting a deadline, and takes the first qualifying
-    offer as ``FirstEligible`` does.
-
-    History only ever makes the policy dispatch sooner among offers that
-    qualify now on fresh prices; it never authorises a spend. The history
-    lives in this object; the market worker saves it and restores it on
-    start (``saved``/``restore``). Defaults were chosen with
-    ``bench/market.py``; see docs/explanation/market.md for what they achieve.
+    The scenarios come from ``scenarios`` when given (the benchmark hands the
+    online optimum the law itself this way), else from per-route histories
+    the policy keeps from what the worker shows it, saves and restores. They
+    only ever make it dispatch later among offers that qualify now on fresh
+    prices; they never authorise a spend. Defaults were chosen on the
+    training families of ``bench/market``; see docs/explanation/market.md.
     """
 
     def __init__(
         self,
         *,
-        assurance: float = 0.97,
-        slack: float = 0.1,
-        analogues: Analogues | None = None,
+        scenarios: ScenarioSource | None = None,
+        slack: float = 0.0,
+        penalty: float = 300.0,
+        risk: float = 0.0,
         safety: timedelta = timedelta(minutes=5),
         safety_share: Decimal = Decimal("0.02"),
         memory: timedelta = timedelta(days=7),
-        min_memory: timedelta = timedelta(hours=12),
+        per_pass: int = 10,
+        spare: int = 2,
+        replan: timedelta = timedelta(minutes=4),
+        regress: bool = True,
         name: str = "deadline-aware",
     ) -> None:
-        if not 0 <= assurance <= 1:
-            raise ValueError("assurance is a share from 0 to 1")
+        if not 0 <= risk < 1:
+            raise ValueError("risk is a share from 0 to 1")
         if not Decimal(0) <= safety_share < 1:
             raise ValueError("safety_share is a share from 0 to 1")
-        if slack < 0:
-            raise ValueError("slack cannot be negative")
-        if safety < timedelta(0) or min_memory < timedelta(0) or memory <= timedelta(0):
-            raise ValueError("durations cannot be negative")
-        self.assurance = assurance
+        if slack <= -1 or penalty < 0:
+            raise ValueError("slack must be above -1, and penalty cannot be negative")
+        if safety < timedelta(0) or memory <= timedelta(0) or replan <= timedelta(0):
+            raise ValueError("durations must be positive")
+        if per_pass < 1 or spare < 0:
+            raise ValueError("a pass dispatches at least one item; spare cannot be negative")
         self.slack = slack
-        self.analogues = analogues or Analogues()
+        self.penalty = penalty
+        self.risk = risk
         self.safety = safety
         self.safety_share = safety_share
         self.memory = memory
-        self.min_memory = min_memory
+        self.per_pass = per_pass
+        self.spare = spare
+        self.regress = regress
         self.name = name
-        self._markets: dict[str, MarketHistory] = {}
+        self._replan = max(1, int(replan / SLOT))
+        self.histories = HistoryScenarios(memory=memory)
+        self.source: ScenarioSource = scenarios if scenarios is not None else self.histories
+        self._plans: dict[str, _MarketPlans] = {}
+        self._seen: tuple[datetime, Sequence[RouteOffer]] | None = None
+        self._pass_at: datetime | None = None
+        self._waiting = 0
+        self._qualifying: dict[
+            tuple[int, Decimal], tuple[Sequence[RouteOffer], list[RouteOffer]]
+        ] = {}
+        self._taken = 0
+        self._roster: list[_Asked] = []
+        self._roster_before: list[_Asked] = []
+        self._sent: set[str] = set()
+        self._sent_before: set[str] = set()
 
     def safety_window(self, item: Item) -> timedelta:
         """How close to its deadline an item takes any qualifying offer."""
         return max(self.safety, (item.deadline - item.submitted_at) * float(self.safety_share))
 
-    def history(self, market: str) -> MarketHistory:
-        """The history kept for ``market`` (``market_key`` of its offers)."""
-        history = self._markets.get(market)
-        if history is None:
-            history = self._markets[market] = MarketHistory(self.memory, analogues=self.analogues)
-        return history
-
     def observe(self, offers: Sequence[RouteOffer], direct: Price, now: datetime) -> None:
-        """Record the market as it stands; ``choose`` calls this itself.
+        """Record each route's guaranteed discount now; ``choose`` calls this itself.
 
         A worker also calls it on passes with nothing waiting, so that the
         first item after a quiet spell does not meet a blank history.
         """
-        self.history(market_key(offers)).add(now, _best_discount(offers, direct))
+        if self._seen is not None and self._seen[0] == now and self._seen[1] is offers:
+            return  # every item of a pass shows the same market
+        self._seen = (now, offers)
+        slot = slot_index(now)
+        for offer in offers:
+            self.histories.history(offer.route).put(slot, _payable_discount(offer, direct))
 
     def saved(self, since: int | None = None) -> dict[str, list[tuple[int, float | None]]]:
-        """Every market's history from bin ``since`` on, for the worker to store."""
-        return {market: history.saved(since) for market, history in self._markets.items()}
+        """Every route's slots from ``since`` on, for the worker to store."""
+        return {route: h.saved(since) for route, h in self.histories.histories.items()}
 
     def restore(self, markets: dict[str, list[tuple[int, float | None]]]) -> None:
-        """Histories a previous worker stored: a restart does not start blind."""
-        for market, bins in markets.items():
-            self.history(market).restore(bins)
+        """Routes' histories a previous worker stored: a restart does not start blind."""
+        for route, slots in markets.items():
+            self.histories.history(route).restore(slots)
 
     def choose(
         self, item: Item, offers: Sequence[RouteOffer], direct: Price, now: datetime
@@ -297,41 +324,203 @@ class DeadlineAware:
         self.observe(offers, direct, now)
         if now >= item.deadline:
             return None
-        best = _cheapest(item, offers, direct, item.min_discount)
+        if self._pass_at is None or abs(now - self._pass_at) > _SAME_PASS:
+            self._new_pass(now)
+        market = self._market(offers)
+        minimum = float(item.min_discount)
+        market.asked(minimum, now, self)
+        self._roster.append(_Asked(item.deadline, item.id, minimum, market))
+        # Which routes qualify is the same for every item of a pass with this minimum.
+        # (The entry holds the offers, so their id cannot be reused while it is kept.)
+        key = (id(offers), item.min_discount)
+        cached = self._qualifying.get(key)
+        if cached is None or cached[0] is not offers:
+            payable = [o for o in offers if _qualifies(o, direct, item.min_discount)]
+            self._qualifying[key] = (offers, payable)
+        else:
+            payable = cached[1]
+        best = _cheapest(item, payable, direct, Decimal(0)) if len(payable) > 1 else None
         if best is None:
-            return None
+            if not payable:
+                return None
+            best = payable[0]
+        if self._decide(item, best, market, offers, direct, now):
+            self._taken += 1
+            self._sent.add(item.id)
+            return best
+        self._waiting += 1
+        return None
+
+    def _new_pass(self, now: datetime) -> None:
+        self._pass_at, self._waiting, self._taken, self._qualifying = now, 0, 0, {}
+        self._roster_before, self._roster = self._roster, []
+        self._sent_before, self._sent = self._sent, set()
+
+    def _decide(
+        self,
+        item: Item,
+        best: RouteOffer,
+        market: _MarketPlans,
+        offers: Sequence[RouteOffer],
+        direct: Price,
+        now: datetime,
+    ) -> bool:
+        """Take ``best`` now (True) or wait; see the class docstring."""
         left = item.deadline - now
-        if left <= self.safety_window(item):
-            return best
-        history = self.history(market_key(offers))
-        view = None
-        if history.span() >= self.min_memory:
-            waiting = left - self.safety_window(item)
-            bins = int(waiting.total_seconds() // history.bin_s)
-            view = history.outlook(now).waiting(bins, float(item.min_discount))
-        if view is None:
-            return best  # nothing learnt yet: no bet on the deadline
-        chance, wait_cost = view
-        if chance < self.assurance:
-            return best
+        window = self.safety_window(item)
+        if left <= window:
+            return True
+        minimum = float(item.min_discount)
+        plans = market.plans(self, now, minimum)
+        got = (
+            None if plans is None else plans.lookup(minimum, _checks(left), _checks(left - window))
+        )
+        if plans is None or got is None:
+            return True  # nothing learnt yet: no bet on the deadline
+        value, chances = got
+        if chances < 1 + self.spare + self._waiting // self.per_pass:
+            return True
         cost_now = 100.0 - float(_offer_discount(best, direct))
-        return best if cost_now <= wait_cost * (1 + self.slack) else None
+        if cost_now > value * (1 + self.slack):
+            return False
+        return not self._crowds(item, market, plans, offers, direct, now)
+
+    def _crowds(
+        self,
+        item: Item,
+        market: _MarketPlans,
+        plans: Plans,
+        offers: Sequence[RouteOffer],
+        direct: Price,
+        now: datetime,
+    ) -> bool:
+        """Would taking this item leave no room this pass for scarcer items behind it?
+
+        The worker asks in deadline order and stops at ``per_pass`` dispatches.
+        An item that could safely wait should not take the last places of a
+        pass from items later in the order (as the previous pass listed them)
+        for which this price may be the last chance: they have no other.
+        """
+        deepest: float | None = None
+        behind = 0
+        for asked in self._roster_before:
+            if (
+                asked.market is not market
+                or asked.deadline <= item.deadline
+                or asked.deadline <= now
+                or asked.id in self._sent
+                or asked.id in self._sent_before
+            ):
+                continue
+            if deepest is None:
+                deepest = max(
+                    (float(_offer_discount(o, direct)) for o in offers if _payable(o)),
+                    default=-math.inf,
+                )
+            if deepest < asked.minimum:
+                continue
+            left = asked.deadline - now
+            got = plans.lookup(asked.minimum, _checks(left), _checks(left - self.safety))
+            if got is None or got[1] < 1 + self.spare:
+                behind += 1
+        return self._taken + 1 + behind > self.per_pass
+
+    def _market(self, offers: Sequence[RouteOffer]) -> _MarketPlans:
+        key = market_key(offers)
+        got = self._plans.get(key)
+        if got is None:
+            got = self._plans[key] = _MarketPlans(sorted(o.route for o in offers))
+        return got
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """An item the worker asked about in a pass, in the order it asked."""
+
+    deadline: datetime
+    id: str
+    minimum: float
+    market: _MarketPlans
+
+
+class _MarketPlans:
+    """One market's scenarios and plans, rebuilt every ``replan`` slots."""
+
+    def __init__(self, routes: list[str]) -> None:
+        self.routes = routes
+        self.bucket: int | None = None
+        self.scenarios: tuple[npt.NDArray[np.float64], int] | None = None
+        self.solved: list[Plans] = []
+        #: Minima asked about, with the bucket they were last asked in.
+        self.minima: dict[float, int] = {}
+
+    def asked(self, minimum: float, now: datetime, policy: DeadlineAware) -> None:
+        """Note a minimum asked about, so the next plans are solved for it too."""
+        self.minima[minimum] = slot_index(now) // policy._replan
+
+    def plans(self, policy: DeadlineAware, now: datetime, minimum: float) -> Plans | None:
+        bucket = slot_index(now) // policy._replan
+        self.minima[minimum] = bucket
+        if bucket != self.bucket:
+            self.bucket = bucket
+            self.scenarios = policy.source.scenarios(self.routes, now)
+            self.solved = []
+            # Solve for every minimum asked about lately at once: items come back each pass.
+            for m, last in list(self.minima.items()):
+                if bucket - last > 30:
+                    del self.minima[m]
+            if self.scenarios is not None:
+                self.solved.append(self._solve(policy, sorted(self.minima)))
+        if self.scenarios is None:
+            return None
+        for plans in self.solved:
+            if minimum in plans.minima:
+                return plans
+        plans = self._solve(policy, [minimum])
+        self.solved.append(plans)
+        return plans
+
+    def _solve(self, policy: DeadlineAware, minima: list[float]) -> Plans:
+        assert self.scenarios is not None
+        discounts, cover = self.scenarios
+        return solve(
+            discounts,
+            minima,
+            cover,
+            penalty=policy.penalty,
+            risk=policy.risk,
+            regress=policy.regress,
+        )
+
+
+#: Items asked about this close together belong to one pass (a caller whose clock
+#: ticks between items still has its burst counted as one).
+_SAME_PASS = timedelta(seconds=1)
+
+
+def _checks(span: timedelta) -> int:
+    """Checks still to come within ``span`` (the next one is a slot away)."""
+    return max(0, int(span / SLOT))
+
+
+def _payable_discount(offer: RouteOffer, direct: Price) -> float | None:
+    """The discount a route guarantees now, or None if it cannot be paid at any price."""
+    if not _payable(offer):
+        return None
+    return float(_offer_discount(offer, direct))
+
+
+def _payable(offer: RouteOffer) -> bool:
+    return (
+        offer.price is not None
+        and offer.hard_price_caps
+        and all(_payable(fb) for fb in offer.fallbacks)
+    )
 
 
 def market_key(offers: Sequence[RouteOffer]) -> str:
     """The name a market's history is kept under: the routes it offers, sorted."""
     return ",".join(sorted(offer.route for offer in offers))
-
-
-def _best_discount(offers: Sequence[RouteOffer], direct: Price) -> float | None:
-    """The deepest discount any payable route offers now (None: nothing payable)."""
-    best: Decimal | None = None
-    for offer in offers:
-        if _qualifies(offer, direct, Decimal(0)):
-            discount = _offer_discount(offer, direct)
-            if best is None or discount > best:
-                best = discount
-    return None if best is None else float(best)
 
 
 def _offer_discount(offer: RouteOffer, direct: Price) -> Decimal:

@@ -1,30 +1,29 @@
-"""What followed moments like this one, in a market's own past.
+"""What a market may offer next, read from each route's own past.
 
 ``DeadlineAware`` (``batchyard.core.market``) must decide, for an item that
-could be dispatched now, whether waiting for a deeper discount is worth it
-and whether it is safe. Prices that swing daily, drift or dip are not a run
-of independent draws: what comes next depends on where the market is and
-where it is heading. So the answer is read from *analogues* (Lorenz's method
-of analogues): the moments in the recent past whose last few hours looked
-most like the last few hours now, and what each of them went on to offer.
+could be dispatched now, whether a deeper discount is likely enough before its
+deadline to be worth the wait. That needs *scenarios*: plausible futures of
+every route the item could use, starting from where the market stands now.
+They are built from each route's history, with as few assumptions as the data
+allows:
 
-* ``MarketHistory`` keeps, per market, the deepest discount on offer in each
-  2-minute bin over a trailing ``memory`` (seven days by default), ``-inf``
-  where no route had a fresh payable price. It can be saved and restored, so
-  a restarted worker does not start blind.
-* ``Outlook`` is one snapshot of it. For an item needing ``minimum`` with
-  ``bins`` left, ``waiting`` takes the ``k`` analogues whose own future is at
-  least that long, and simulates every simple plan "take the first price at
-  least as deep as tau, else whatever qualifies at the end" on each of their
-  futures. It returns the share of futures that held any qualifying price
-  (``chance``) and the expected cost of the best plan (``cost``, in points of
-  the direct price; a future with nothing at the end costs ``penalty``).
-
-Each analogue's future is shifted by the small difference between its level
-and the level now (at most ``shift`` points), so that a neighbour matched a
-little higher or lower does not pass its luck on. The shift is capped: a
-neighbour in another regime (the base price when the market is in a dip)
-must not have its whole future lifted by the dip.
+* ``RouteHistory`` (``batchyard.core.route_history``) keeps each route's
+  guaranteed discount at every 15-second slot.
+* ``RouteFit`` splits a route's past, on the scale of ``-log(price)``
+  (``depth``: prices move by multiples), into a daily cycle (up to three
+  harmonics of 24 h, as many as predict a day left out, once the history
+  spans a day and a half) and a residual, and measures how much of today's
+  residual survives ``h`` checks later (``rho``: the regression of the
+  residual then on a two-minute mean of the residual now). Nothing else is
+  assumed: no distribution, no process, no period but the day.
+* ``HistoryScenarios`` takes the past moments whose state (each route's
+  residual level and its trend over the last half hour, and whether it was
+  payable) was closest to now, and replays what each route did after them,
+  shifted by the gap between then and now times ``rho`` (a gap that the
+  residual's own memory says fades, fades), on top of the cycle at the
+  future's own time of day. That is the method of analogues with the
+  predictable part taken out first, so that a week of history holds many
+  usable analogues instead of a handful at the same hour.
 
 Discounts here are floats: they only rank and estimate, never authorise a
 spend or count money (``qualifies`` does that, exactly, on fresh prices).
@@ -33,275 +32,371 @@ spend or count money (``qualifies`` does that, exactly, on fresh prices).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BIN", "Analogues", "MarketHistory", "Outlook", "bin_index"]
+from batchyard.core.route_history import SLOT, RouteHistory, slot_index
+from batchyard.core.stopping import COLUMNS, Columns
 
-_NOTHING = -math.inf
-#: The width of a history bin: a few worker passes, short enough for a 5-minute dip.
-BIN = timedelta(minutes=2)
+__all__ = [
+    "HistoryScenarios",
+    "RouteFit",
+    "ScenarioSource",
+    "depth",
+    "discount",
+    "fit_route",
+]
+
 Floats = npt.NDArray[np.float64]
 
-#: How far back an analogue's shape is compared, in bins (2 min each): now,
-#: 10 and 30 minutes, 1, 2 and 4 hours ago. Enough to tell the falling side of
-#: a daily swing from the rising side, the start of a dip from its end.
-LAGS = (0, 5, 15, 30, 60, 120)
-#: Where no price was ever seen, a shape counts this level (below any payable one).
-_UNSEEN = -10.0
+_DAY_SLOTS = int(timedelta(days=1) / SLOT)
+#: The state an analogue is matched on: a 2-minute mean, and its change over 30 minutes.
+_MEAN_SLOTS = 8
+_TREND_SLOTS = 120
+_HARMONICS = 3
+_ALIGN = int(COLUMNS.widths.max())
+
+
+def depth(discounts: Floats) -> Floats:
+    """Discounts (points) as ``-log(price / direct)``, the scale the model works in.
+
+    Prices move by multiples, not by points: a cycle or a noise that moves a
+    dear price by ten points moves a price at 90 % off by one. Unpayable
+    (``-inf``) and unknown (``nan``) stay as they are.
+    """
+    share = np.maximum(1.0 - np.asarray(discounts) / 100.0, 1e-4)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isneginf(discounts), -math.inf, -np.log(share))
+
+
+def discount(depths: Floats) -> Floats:
+    """The inverse of ``depth``."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(np.isneginf(depths), -math.inf, -100.0 * np.expm1(-depths))
 
 
 @dataclass(frozen=True, slots=True)
-class Analogues:
-    """How analogues are found and judged; defaults chosen with ``bench/market.py``."""
+class RouteFit:
+    """A route's daily cycle and the memory of its residual, fitted at slot ``at``."""
 
-    #: How many analogues a forecast rests on.
-    k: int = 30
-    #: The least distance between two analogues, in bins: neighbouring bins share
-    #: almost all their future, and thirty of them are one future counted thirty times.
-    spacing: int = 5
-    #: The most an analogue's future is shifted towards the level now, in points.
-    shift: float = 3.0
-    #: The root-mean-square difference of shape, in points, beyond which a past
-    #: moment is no analogue at all (a young history has few that qualify).
-    unlike: float = 20.0
-    #: The bins before the deadline whose price a plan falls back on.
-    tail: int = 3
-    #: What a future with nothing qualifying at the end costs, in points of the
-    #: direct price (100: paying it in full; 300: a miss is three times worse).
-    penalty: float = 300.0
+    at: int
+    #: Coefficients of (sin, cos) for 1..3 cycles a day; zeros where no cycle is kept.
+    harmonics: Floats
+    #: ``rho(lag)`` on ``lags``: the share of a residual gap still there ``lag`` checks on.
+    lags: Floats
+    rho: Floats
+    #: Spread of the 2-minute residual mean, which analogues are compared in.
+    scale: float
+    #: The cycle at each slot of the day.
+    profile: Floats
 
-    def __post_init__(self) -> None:
-        if self.k < 3 or self.spacing < 1 or self.tail < 1:
-            raise ValueError("analogues need k >= 3, spacing >= 1 and tail >= 1")
-        if self.shift < 0 or self.penalty < 0 or self.unlike <= 0:
-            raise ValueError("shift and penalty cannot be negative, unlike must be positive")
+    def cycle(self, slots: Floats) -> Floats:
+        """The daily cycle at ``slots``, in points of discount."""
+        return self.profile[(np.asarray(slots) % _DAY_SLOTS).astype(np.int64)]
+
+    def memory(self, lag: Floats) -> Floats:
+        return np.interp(lag, self.lags, self.rho)
 
 
-class Outlook:
-    """Analogues of the present, found once per bin and shared by every item."""
-
-    def __init__(self, bins: Sequence[float], analogues: Analogues | None = None) -> None:
-        self.settings = settings = analogues or Analogues()
-        values = np.asarray(bins, dtype=np.float64)
-        self._values = values
-        self._filled = _carry_forward(values)
-        n = len(values)
-        self._now = n - 1
-        self._level = float(self._filled[-1]) if n else _UNSEEN
-        lags = np.asarray(LAGS)
-        # Every past moment with a full shape and at least one bin of future.
-        starts = np.arange(int(lags[-1]), n - 1)
-        if len(starts):
-            shapes = self._filled[starts[:, None] - lags[None, :]]
-            here = self._filled[self._now - lags]
-            distance = ((shapes - here) ** 2).mean(axis=1)
-            # A moment that does not look like now is no analogue of it,
-            # however few better ones there are.
-            alike = distance <= settings.unlike**2
-            self._ranked = starts[alike][np.argsort(distance[alike], kind="stable")]
-        else:
-            self._ranked = starts
-        self._outages = _outages(values)
-        self._futures: dict[tuple[int, float], _Futures | None] = {}
-        self._answers: dict[tuple[int, float], tuple[float, float] | None] = {}
-
-    def waiting(self, bins: int, minimum: float) -> tuple[float, float] | None:
-        """(chance, cost) of waiting ``bins`` more bins; None without enough analogues."""
-        if bins < 1:
-            return None
-        key = (bins, minimum)
-        if key in self._answers:
-            return self._answers[key]
-        plans = (_horizon(bins), minimum)
-        if plans not in self._futures:
-            self._futures[plans] = self._plans(*plans)
-        futures = self._futures[plans]
-        answer = None if futures is None else futures.at(min(bins, futures.horizon))
-        self._answers[key] = answer
-        return answer
-
-    def _apart(self, ranked: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """The ``k`` best analogues at least ``spacing`` bins from each other.
-
-        Neighbouring bins share almost all their future: thirty of them are
-        one future counted thirty times, and would make a rare outcome look
-        certain.
-        """
-        taken: list[int] = []
-        for start in ranked.tolist():
-            if all(abs(start - other) >= self.settings.spacing for other in taken):
-                taken.append(start)
-                if len(taken) == self.settings.k:
-                    break
-        return np.asarray(taken, dtype=np.int64)
-
-    def _plans(self, horizon: int, minimum: float) -> _Futures | None:
-        # Only analogues whose future is known for the whole horizon. A future
-        # cut short by "now" would pass its last bin off as the deadline, where
-        # something usually still qualifies: too short a history is no history.
-        whole = self._ranked[self._now - self._ranked > horizon]
-        chosen = self._apart(whole)
-        if len(chosen) < self.settings.k:
-            return None
-        rows = self._values[chosen[:, None] + 1 + np.arange(horizon)[None, :]]
-        shift = self.settings.shift
-        lift = np.clip(self._level - self._filled[chosen], -shift, shift)
-        return _Futures(rows + lift[:, None], minimum, self.settings, self._outages)
+def _design(slots: Floats) -> Floats:
+    angle = 2 * math.pi * (slots % _DAY_SLOTS) / _DAY_SLOTS
+    cols = []
+    for k in range(1, _HARMONICS + 1):
+        cols += [np.sin(k * angle), np.cos(k * angle)]
+    return np.stack(cols, axis=1)
 
 
-class _Futures:
-    """The analogues' futures for one minimum, and every threshold plan on them."""
-
-    def __init__(self, rows: Floats, minimum: float, settings: Analogues, outages: Floats) -> None:
-        tail = settings.tail
-        self.outages = outages
-        self.horizon = rows.shape[1]
-        self.minimum = minimum
-        self.penalty = settings.penalty
-        self.best = np.maximum.accumulate(rows, axis=1)  # the deepest seen so far
-        # The fallback of every plan: the deepest price in the last ``tail`` bins.
-        end = rows.copy()
-        for back in range(1, tail):
-            end[:, back:] = np.maximum(end[:, back:], rows[:, :-back])
-        self.end = end
-        # Plans: take the first bin at least tau deep, tau from the minimum up.
-        self.taus = np.arange(minimum, 100.0 + 1e-9, 2.0)
-        # The running best is sorted, so the first bin reaching tau is a search.
-        self.first = np.stack([np.searchsorted(row, self.taus) for row in self.best])
-        last = self.horizon - 1
-        self.got = np.take_along_axis(self.best, np.minimum(self.first, last), axis=1)
-
-    def at(self, bins: int) -> tuple[float, float]:
-        last = bins - 1
-        chance = float((self.best[:, last] >= self.minimum).mean())
-        end = self.end[:, last]
-        fallback = np.where(end >= self.minimum, 100.0 - end, self.penalty)
-        # Thirty futures rarely show the feed going dark at the very end; the
-        # whole history knows how often it does, and for how long.
-        dark = float(self.outages[min(last, len(self.outages) - 1)])
-        fallback = (1 - dark) * fallback + dark * self.penalty
-        cost = np.where(self.first <= last, 100.0 - self.got, fallback[:, None])
-        return chance, float(cost.mean(axis=0).min())
+#: Lags (checks) at which the residual's memory is measured; interpolated between.
+_LAGS = np.unique(np.round(np.geomspace(1, 6144, 24))).astype(np.float64)
 
 
-class MarketHistory:
-    """The best discount a market offered in each bin, over a trailing ``memory``.
+def fit_route(values: Floats, first: int) -> RouteFit:
+    """Fit ``values`` (one route, slots ``first`` on); see ``RouteFit``.
 
-    Bins with no observation at all (the worker was idle) count as nothing
-    on offer: unknown is treated as unavailable, which only makes the policy
-    more careful.
+    The cycle is fitted with one level per day beside it, so a regime shift
+    moves a day's level and not the cycle. How many harmonics it keeps (none
+    to three) is chosen by leaving each day out in turn and predicting its
+    shape from the others: a slow wander that happens to look daily over a
+    few days does not predict the day it was not fitted on, and is left to
+    the residual where it belongs.
     """
-
-    def __init__(
-        self,
-        memory: timedelta = timedelta(days=7),
-        bin_width: timedelta = BIN,
-        analogues: Analogues | None = None,
-    ) -> None:
-        self.bin_s = bin_width.total_seconds()
-        self._keep = int(memory.total_seconds() // self.bin_s)
-        self._first: int | None = None  # bin index of self._bins[0]
-        self._bins: list[float] = []
-        self._last_at: datetime | None = None
-        self._analogues = analogues or Analogues()
-        self._outlook: Outlook | None = None
-        self._outlook_bin: int | None = None
-
-    def index(self, now: datetime) -> int:
-        return bin_index(now, self.bin_s)
-
-    def add(self, now: datetime, discount: float | None) -> None:
-        if self._last_at is not None and now <= self._last_at:
-            return  # several items ask in one pass; one sample is enough
-        self._last_at = now
-        self._put(self.index(now), _NOTHING if discount is None else discount)
-
-    def _put(self, index: int, value: float) -> None:
-        if self._first is None:
-            self._first = index
-        pos = index - self._first
-        if pos < 0:
-            return  # older than what is kept
-        if pos >= len(self._bins):
-            self._bins.extend([_NOTHING] * (pos + 1 - len(self._bins)))
-        self._bins[pos] = max(self._bins[pos], value)
-        extra = len(self._bins) - self._keep
-        if extra > self._keep // 8:  # trim in chunks, not on every bin
-            del self._bins[:extra]
-            self._first += extra
-
-    def span(self) -> timedelta:
-        return timedelta(seconds=len(self._bins) * self.bin_s)
-
-    def saved(self, since: int | None = None) -> list[tuple[int, float | None]]:
-        """(bin index, best discount or None) per bin from ``since``, as ``restore`` takes them."""
-        first = self._first or 0
-        skip = 0 if since is None else max(0, since - first)
-        return [
-            (first + i, None if v == _NOTHING else v)
-            for i, v in enumerate(self._bins[skip:], start=skip)
-        ]
-
-    def restore(self, bins: Iterable[tuple[int, float | None]]) -> None:
-        """Merge saved bins in (a restarted worker picks up where it left off)."""
-        for index, value in sorted(bins):
-            self._put(index, _NOTHING if value is None else value)
-        self._outlook = None
-
-    def outlook(self, now: datetime) -> Outlook:
-        """Analogues of ``now``, recomputed once per bin."""
-        index = self.index(now)
-        if self._outlook is None or self._outlook_bin != index:
-            self._outlook = Outlook(self._bins, self._analogues)
-            self._outlook_bin = index
-        return self._outlook
+    n = len(values)
+    slots = first + np.arange(n, dtype=np.float64)
+    harmonics = np.zeros(2 * _HARMONICS)
+    ok = np.isfinite(values)
+    if ok.sum() > _DAY_SLOTS and n >= _DAY_SLOTS * 3 // 2:
+        x = slots[ok]
+        day = ((x - x[0]) // _DAY_SLOTS).astype(np.int64)
+        harmonics = _cycle(_design(x), values[ok], day)
+    profile = _design(np.arange(_DAY_SLOTS, dtype=np.float64)) @ harmonics
+    resid = values - profile[(slots % _DAY_SLOTS).astype(np.int64)]
+    level = _mean_level(resid)
+    scale = float(np.nanstd(level)) if np.isfinite(level).sum() > 1 else 1.0
+    rho = np.array([_memory(resid, level, int(lag)) for lag in _LAGS])
+    rho = np.minimum.accumulate(np.clip(np.nan_to_num(rho, nan=0.0), 0.0, 1.0))
+    return RouteFit(
+        at=first + n - 1,
+        harmonics=harmonics,
+        lags=_LAGS,
+        rho=rho,
+        scale=max(scale, 1e-3),
+        profile=profile,
+    )
 
 
-def bin_index(at: datetime, width_s: float = BIN.total_seconds()) -> int:
-    """The bin ``at`` falls in: the same numbering for every worker and every restart."""
-    return int(at.timestamp() // width_s)
+def _cycle(design: Floats, y: Floats, day: npt.NDArray[np.int64]) -> Floats:
+    """Harmonic coefficients, the count chosen by leave-one-day-out error.
 
-
-def _horizon(bins: int) -> int:
-    # Items' windows are 1 h, 6 h or 24 h: analogues are chosen per class of
-    # horizon, so a 1 h item still learns from the last day's moments.
-    for step in (32, 192, 736):
-        if bins <= step:
-            return step
-    return bins
-
-
-def _outages(values: Floats, longest: int = 800) -> Floats:
-    """P(the last bins of a window of n bins fall in an outage that began inside it), per n.
-
-    An outage is a run of bins with nothing on offer after one with a price.
-    Outages start at rate h per bin with durations D, so the chance is
-    h x sum over s < n of P(D > s) (capped at 1).
+    Works on each day's centred sums (a level per day), so every fold is a
+    6 x 6 solve whatever the history's length. Rare dips are clipped first
+    (to five median absolute deviations), so a few deep minutes that happened
+    to fall at similar hours do not pass for a cycle, and each harmonic pair
+    must cut the error by 1 % to be kept.
     """
-    seen = values > _NOTHING
-    starts = np.flatnonzero(seen[:-1] & ~seen[1:]) + 1
-    if not len(starts) or not len(values):
-        return np.zeros(longest)
-    ends = np.append(np.flatnonzero(~seen[:-1] & seen[1:]) + 1, len(values))
-    # Each outage ends at the first recovery after it began (or is still on).
-    durations = ends[np.searchsorted(ends, starts, side="right")] - starts
-    rate = len(starts) / len(values)
-    survive = (durations[None, :] > np.arange(longest)[:, None]).mean(axis=1)
-    return np.minimum(1.0, rate * np.cumsum(survive))
+    centre = float(np.median(y))
+    spread = 5 * 1.4826 * float(np.median(np.abs(y - centre)))
+    y = np.clip(y, centre - spread, centre + spread)
+    days = int(day.max()) + 1
+    k = design.shape[1]
+    hh = np.zeros((days, k, k))
+    hy = np.zeros((days, k))
+    yy = np.zeros(days)
+    for d in range(days):
+        rows = day == d
+        if rows.sum() < 2:
+            continue
+        h = design[rows] - design[rows].mean(axis=0)
+        v = y[rows] - y[rows].mean()
+        hh[d], hy[d], yy[d] = h.T @ h, h.T @ v, v @ v
+    full = np.zeros(k)
+    if (yy > 0).sum() < 2:
+        return full
+    best_error, best = float(yy.sum()), 0
+    for used in range(2, k + 1, 2):
+        error = 0.0
+        for d in range(days):
+            rest = np.arange(days) != d
+            a = hh[rest, :used, :used].sum(axis=0) + 1e-9 * np.eye(used)
+            beta = np.linalg.solve(a, hy[rest, :used].sum(axis=0))
+            error += yy[d] - 2 * beta @ hy[d, :used] + beta @ hh[d, :used, :used] @ beta
+        if error < 0.99 * best_error:
+            best_error, best = error, used
+    if best:
+        a = hh[:, :best, :best].sum(axis=0) + 1e-9 * np.eye(best)
+        full[:best] = np.linalg.solve(a, hy[:, :best].sum(axis=0))
+    return full
+
+
+def _memory(resid: Floats, level: Floats, lag: int) -> float:
+    """Slope of the residual ``lag`` checks on against the 2-minute mean now."""
+    if lag >= len(resid):
+        return math.nan
+    now, then = level[:-lag], resid[lag:]
+    ok = np.isfinite(now) & np.isfinite(then)
+    if ok.sum() < 30:
+        return math.nan
+    a, b = now[ok] - now[ok].mean(), then[ok] - then[ok].mean()
+    var = float((a * a).sum())
+    return float((a * b).sum() / var) if var > 0 else 0.0
+
+
+def _mean_level(resid: Floats) -> Floats:
+    """The mean of the payable slots among the last ``_MEAN_SLOTS``: ``nan`` where none was."""
+    ok = np.isfinite(resid)
+    vals = np.where(ok, resid, 0.0)
+    csum = np.concatenate([[0.0], np.cumsum(vals)])
+    ccnt = np.concatenate([[0], np.cumsum(ok)])
+    lo = np.maximum(np.arange(len(resid)) + 1 - _MEAN_SLOTS, 0)
+    hi = np.arange(len(resid)) + 1
+    count = ccnt[hi] - ccnt[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, (csum[hi] - csum[lo]) / np.maximum(count, 1), np.nan)
 
 
 def _carry_forward(values: Floats) -> Floats:
-    """The last price seen at each bin: a feed outage hides the level, it does not end it."""
-    seen = values > _NOTHING
-    if not seen.any():
-        return np.full(len(values), _UNSEEN)
-    last = np.where(seen, np.arange(len(values)), 0)
-    np.maximum.accumulate(last, out=last)
-    filled = values[last]
-    filled[~seen & (np.cumsum(seen) == 0)] = _UNSEEN
-    return filled
+    """The last known value at each slot (an outage hides the level, it does not end it)."""
+    ok = np.isfinite(values)
+    idx = np.where(ok, np.arange(len(values)), -1)
+    np.maximum.accumulate(idx, out=idx)
+    out = np.where(idx >= 0, values[np.maximum(idx, 0)], np.nan)
+    return out
+
+
+class ScenarioSource(Protocol):
+    """Where a policy's futures come from: the past (``HistoryScenarios``) or, in the
+    benchmark, the law that made the prices."""
+
+    def scenarios(self, routes: Sequence[str], now: datetime) -> tuple[Floats, int] | None:
+        """(discounts[scenario, column], checks covered) for the market of ``routes``.
+
+        Column ``c`` holds the deepest discount any of the routes offers over
+        checks ``COLUMNS.offsets[c]`` to ``COLUMNS.ends[c] - 1`` after the next
+        (``-inf``: nothing payable). Columns past the cover are meaningless.
+        None: no opinion (too little known to bet a deadline on).
+        """
+        ...
+
+
+@dataclass
+class _Past:
+    """One route's past as analogues read it, computed at a refit and reused until the next.
+
+    Arrays are indexed by slot from ``base`` (a multiple of the widest column,
+    so that pooling a column is a reshape) to ``until``.
+    """
+
+    fit: RouteFit
+    base: int
+    until: int
+    level: Floats  # 2-minute residual mean, carried over outages
+    trend: Floats  # its change over the last half hour
+    payable: Floats  # 1 or 0, carried over unknown slots
+    pooled: dict[int, Floats]  # per column width: the deepest residual in each block
+
+    @classmethod
+    def of(cls, history: RouteHistory, now_slot: int, keep: int) -> _Past | None:
+        if history.first is None:
+            return None
+        first = max(history.first, now_slot + 1 - keep)
+        values = depth(history.window(first, now_slot + 1))
+        fit = fit_route(values, first)
+        base = first // _ALIGN * _ALIGN
+        values = np.concatenate([np.full(first - base, np.nan), values])
+        resid = values - fit.cycle(base + np.arange(len(values), dtype=np.float64))
+        level = _carry_forward(_mean_level(resid))
+        trend = np.full_like(level, np.nan)
+        trend[_TREND_SLOTS:] = level[_TREND_SLOTS:] - level[:-_TREND_SLOTS]
+        seen = ~np.isnan(resid)
+        payable = _carry_forward(np.where(seen, np.isfinite(resid) * 1.0, np.nan))
+        # Unknown slots count as unpayable: a policy that waits on what nobody saw
+        # bets a deadline on it.
+        clean = np.where(np.isnan(resid), -math.inf, resid)
+        pooled = {}
+        for width in np.unique(COLUMNS.widths).tolist():
+            usable = len(clean) // width * width
+            pooled[width] = clean[:usable].reshape(-1, width).max(axis=1)
+        return cls(fit, base, now_slot, level, trend, payable, pooled)
+
+    def state(self, history: RouteHistory, now_slot: int) -> tuple[float, float, float]:
+        """(level, trend, payable) now, from the slots since the refit."""
+        lo = now_slot + 1 - (_TREND_SLOTS + _MEAN_SLOTS)
+        recent = depth(history.window(lo, now_slot + 1))
+        resid = recent - self.fit.cycle(lo + np.arange(len(recent), dtype=np.float64))
+        level = _mean_level(resid)
+        before = self.level[min(len(self.level) - 1, now_slot - self.base)]
+        level = _carry_forward(np.concatenate([[before], level]))[1:]
+        seen = ~np.isnan(resid)
+        status = np.where(seen, np.isfinite(resid) * 1.0, np.nan)
+        pay = _carry_forward(np.concatenate([[self.payable[-1]], status]))[-1]
+        return float(level[-1]), float(level[-1] - level[-1 - _TREND_SLOTS]), float(pay)
+
+
+@dataclass
+class HistoryScenarios:
+    """Scenarios replayed from route histories; see the module docstring."""
+
+    memory: timedelta = timedelta(days=7)
+    #: How many analogues; fewer than ``min_analogues`` with any future means no opinion.
+    analogues: int = 64
+    min_analogues: int = 24
+    #: The least future an analogue must have shown, in checks (an hour).
+    min_cover: int = 240
+    #: No opinion before the history spans a day (every hour of the day seen once):
+    #: a worker that has seen a morning of falling prices has not seen them rise again.
+    min_span: int = _DAY_SLOTS
+    #: Analogues are drawn from at least this many slots (half a day) of starts, so a
+    #: young history does not lend one stretch of itself to every scenario.
+    min_starts: int = _DAY_SLOTS // 2
+    #: How long a fit is reused, in slots (an hour; a young history refits every 15 minutes).
+    refit: int = 240
+    columns: Columns = COLUMNS
+    histories: dict[str, RouteHistory] = field(default_factory=dict)
+    _pasts: dict[str, _Past | None] = field(default_factory=dict)
+
+    def history(self, route: str) -> RouteHistory:
+        got = self.histories.get(route)
+        if got is None:
+            keep = int(self.memory / SLOT)
+            got = self.histories[route] = RouteHistory(keep)
+        return got
+
+    def past(self, route: str, now_slot: int) -> _Past | None:
+        """The route's past as of its last refit, refitted when stale."""
+        history = self.history(route)
+        got = self._pasts.get(route)
+        young = history.span() < _DAY_SLOTS * 3 // 2
+        every = self.refit // 4 if young else self.refit
+        if got is None or now_slot - got.until >= every or now_slot < got.until:
+            got = self._pasts[route] = _Past.of(history, now_slot, history.keep)
+        return got
+
+    def scenarios(self, routes: Sequence[str], now: datetime) -> tuple[Floats, int] | None:
+        now_slot = slot_index(now)
+        # A route too young to replay, or never payable, is left out: without it the
+        # scenarios only look dearer and hold fewer chances, which errs towards now.
+        usable: list[tuple[_Past, float, float, float]] = []
+        for route in routes:
+            history = self.history(route)
+            if history.first is None or now_slot - history.first < self.min_span:
+                continue
+            past = self.past(route, now_slot)
+            if past is None:
+                continue
+            level, trend, pay = past.state(history, now_slot)
+            if math.isfinite(level):
+                usable.append((past, level, trend, pay))
+        if not usable:
+            return None
+        # Candidate analogues: slots whose next one starts an aligned column layout,
+        # with a half-hour behind them and at least ``min_cover`` known after.
+        lo = max(p.base for p, *_ in usable) + _TREND_SLOTS
+        hi = min(p.until for p, *_ in usable)
+        first = (lo + 1 + _ALIGN - 1) // _ALIGN * _ALIGN - 1
+        starts = np.arange(first, hi - self.min_cover + 1, _ALIGN, dtype=np.int64)
+        if len(starts) < self.min_analogues:
+            return None
+        room = hi - starts
+        ends = self.columns.ends
+        longest = hi - lo - self.min_starts
+        fits = [
+            int(e) for e in ends if e <= longest and int((room >= e).sum()) >= self.min_analogues
+        ]
+        if not fits:
+            return None
+        cover = max(fits)
+        starts = starts[room >= cover]
+        dist = np.zeros(len(starts))
+        for past, level, trend, pay in usable:
+            at = starts - past.base
+            d_level = (past.level[at] - level) / past.fit.scale
+            d_trend = (past.trend[at] - (trend if math.isfinite(trend) else 0.0)) / past.fit.scale
+            d_pay = past.payable[at] - pay
+            dist += np.nan_to_num(d_level**2 + 0.5 * d_trend**2 + 9.0 * d_pay**2, nan=1e6)
+        chosen = starts[np.argsort(dist, kind="stable")[: self.analogues]]
+
+        cols = self.columns
+        mids = cols.offsets + (cols.widths - 1) / 2
+        out = np.full((len(chosen), len(cols.widths)), -math.inf)
+        future = now_slot + 1 + mids
+        for past, level, _, pay in usable:
+            at = chosen - past.base
+            ahead = np.empty_like(out)
+            for width, pooled in past.pooled.items():
+                which = cols.widths == width
+                block = (at[:, None] + 1 + cols.offsets[which][None, :]) // width
+                ahead[:, which] = pooled[np.minimum(block, len(pooled) - 1)]
+            gap = np.nan_to_num(level - past.level[at])
+            ahead += gap[:, None] * past.fit.memory(mids + 1)[None, :]
+            ahead += past.fit.cycle(future)[None, :]
+            if pay < 0.5:
+                # Unpayable now: count on it only where its analogue was unpayable too,
+                # and so shows how long such an outage lasted.
+                ahead[past.payable[at] >= 0.5, :] = -math.inf
+            np.maximum(out, np.nan_to_num(ahead, nan=-math.inf), out=out)
+        out[:, cols.ends > cover] = -math.inf
+        return discount(out), cover

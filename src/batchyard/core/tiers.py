@@ -4,16 +4,37 @@ Seed 000: a new organisation starts at tier 0, whose requests limit is 30 a
 minute (1,800 texts an hour), and buying credit moves it to a higher tier. The
 thresholds are cumulative credit bought, so a refund-free ledger decides the
 tier by itself and nobody has to remember to promote anyone.
+
+Each tier also has a *concurrency*: how many requests the organisation may have
+in flight at once, across all its keys and processes. It is also the burst the
+requests limit tolerates, so a client that starts that many calls together is
+admitted at once rather than one per interval (see docs/explanation/limits.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["DEFAULT_TIERS", "Tier", "tier_for_purchases", "tiers_from_config"]
+__all__ = [
+    "DEFAULT_TIERS",
+    "Tier",
+    "default_concurrency",
+    "tier_for_purchases",
+    "tiers_from_config",
+]
+
+
+def default_concurrency(requests_per_minute: int) -> int:
+    """A tier's in-flight allowance when the config names none: five seconds of its rate.
+
+    At least 2, so two calls may always overlap; at most 100, so one
+    organisation cannot hold every connection of a replica.
+    """
+    return max(2, min(100, math.ceil(requests_per_minute / 12)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,20 +45,27 @@ class Tier:
     estimate_tokens_per_minute: int
     # Cumulative credit bought (US dollars) that unlocks this tier.
     min_purchased: Decimal
+    # Requests in flight at once per organisation; 0 means ``default_concurrency``.
+    concurrency: int = 0
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.concurrency or default_concurrency(self.requests_per_minute)
 
     def effective_limits(self) -> dict[str, int]:
         return {
             "requests_per_minute": self.requests_per_minute,
             "tokens_per_minute": self.tokens_per_minute,
             "estimate_tokens_per_minute": self.estimate_tokens_per_minute,
+            "concurrency": self.max_in_flight,
         }
 
 
 DEFAULT_TIERS: tuple[Tier, ...] = (
-    Tier(0, 30, 40_000, 400_000, Decimal("0")),
-    Tier(1, 300, 400_000, 4_000_000, Decimal("50")),
-    Tier(2, 1_000, 2_000_000, 20_000_000, Decimal("500")),
-    Tier(3, 5_000, 10_000_000, 100_000_000, Decimal("5000")),
+    Tier(0, 30, 40_000, 400_000, Decimal("0"), concurrency=5),
+    Tier(1, 300, 400_000, 4_000_000, Decimal("50"), concurrency=25),
+    Tier(2, 1_000, 2_000_000, 20_000_000, Decimal("500"), concurrency=50),
+    Tier(3, 5_000, 10_000_000, 100_000_000, Decimal("5000"), concurrency=100),
 )
 
 
@@ -62,6 +90,7 @@ def tiers_from_config(raw: Iterable[Mapping[str, Any]] | None) -> tuple[Tier, ..
                 t.get("estimate_tokens_per_minute", 10 * int(t["tokens_per_minute"]))
             ),
             min_purchased=Decimal(str(t.get("min_purchased", "0"))),
+            concurrency=int(t.get("concurrency", 0)),
         )
         for t in raw
     )

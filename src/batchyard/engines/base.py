@@ -8,6 +8,7 @@ dispatcher can pace by them instead of guessing.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,9 +18,13 @@ __all__ = [
     "Choice",
     "Completion",
     "CompletionRequest",
+    "Delta",
+    "EmbeddingEngine",
+    "Embeddings",
     "Engine",
     "RateLimitSignal",
     "ScoringEngine",
+    "StreamingEngine",
     "Usage",
 ]
 
@@ -45,6 +50,17 @@ class CompletionRequest:
     response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI's tools, passed through untouched; the embedded engine answers them
+    # under a grammar built from their JSON schemas.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # A text completion (``/v1/completions``): the prompt is sent as it is, with
+    # no chat template, and ``messages`` only carry it for counting.
+    prompt: str | None = None
+    #: Ask an HTTP upstream to report usage at the end of a stream.
+    stream_usage: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,29 @@ class Choice:
     finish_reason: str = "stop"
     # Token log-probabilities, OpenAI's ``logprobs.content`` list, where given.
     logprobs: list[dict[str, Any]] | None = None
+    # OpenAI's ``message.tool_calls`` where the model called tools.
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One piece of a streamed answer: new text (or tool-call pieces) of one choice.
+
+    ``tool_calls`` is OpenAI's ``delta.tool_calls`` list; ``finish_reason`` is
+    set on the last piece of a choice.
+    """
+
+    index: int = 0
+    text: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    vectors: list[list[float]]
+    usage: Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +126,26 @@ class Engine(Protocol):
     async def complete(self, request: CompletionRequest) -> Completion: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine that answers piece by piece.
+
+    ``stream`` yields ``Delta`` pieces and ends with exactly one ``Completion``
+    (the whole answer and its usage). Closing the iterator early stops the
+    generation; the engine then knows nothing more, and the caller bills what
+    it saw.
+    """
+
+    def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]: ...
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    """An engine that turns texts into vectors (``/v1/embeddings``)."""
+
+    async def embed(self, model: str, texts: list[str]) -> Embeddings: ...
 
 
 @runtime_checkable

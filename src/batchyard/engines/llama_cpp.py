@@ -17,8 +17,9 @@ import asyncio
 import atexit
 import logging
 import os
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ import numpy as np
 
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.tokens import text_messages
-from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
+from batchyard.engines import tool_calls
+from batchyard.engines.base import Choice, Completion, CompletionRequest, Delta, Embeddings, Usage
 from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import ContextWindowExceeded, UnsupportedInput, UpstreamError
 
@@ -63,6 +65,8 @@ class _Model:
         # The token that closes an assistant turn, for scoring a candidate as
         # the complete reply (see ``LlamaCppEngine.score_turn_end``).
         self.turn_end: int = end
+        # The text of the prompt this instance's context holds (see ``_Pool.take``).
+        self.holds: str = ""
 
     def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.template is not None:
@@ -98,6 +102,34 @@ class _Pool:
     def loaded(self) -> bool:
         return bool(self.models)
 
+    async def take(self, prompt: str | None) -> _Model:
+        """A free instance; of those free now, the one whose context holds most of ``prompt``.
+
+        Scoring reuses the prompt prefix a context already holds. Calibrated
+        decide alternates two prompts that differ early (the outcomes listed
+        in two orders); sending each to the instance that read it last keeps
+        both cached instead of evicting one with the other.
+        """
+        model = await self.free.get()
+        if prompt is None or self.free.empty():
+            return model
+        others = [self.free.get_nowait() for _ in range(self.free.qsize())]
+        best = max([model, *others], key=lambda m: _shared_prefix(m.holds, prompt))
+        for m in [model, *others]:
+            if m is not best:
+                self.free.put_nowait(m)
+        return best
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
 
 def _log_softmax_at(row: Any, token: int) -> float:
     row64 = row.astype(np.float64)
@@ -105,10 +137,28 @@ def _log_softmax_at(row: Any, token: int) -> float:
     return float(row64[token] - peak - np.log(np.exp(row64 - peak).sum()))
 
 
+def _top_of(row: Any, top: int) -> list[tuple[int, float]]:
+    """The ``top`` most likely tokens of a logits row, with their log-probabilities."""
+    row64 = row.astype(np.float64)
+    peak = float(row64.max())
+    norm = peak + float(np.log(np.exp(row64 - peak).sum()))
+    best = np.argpartition(-row64, top - 1)[:top]
+    best = best[np.argsort(-row64[best])]
+    return [(int(t), float(row64[t] - norm)) for t in best]
+
+
 def _continuation_logprobs(
-    model: _Model, prompt: list[int], conts: list[list[int]]
+    model: _Model,
+    prompt: list[int],
+    conts: list[list[int]],
+    *,
+    top: int = 0,
+    tops: list[list[tuple[int, float]]] | None = None,
 ) -> list[list[float]]:
     """Per-token log-probabilities of each continuation after ``prompt`` (in a worker thread).
+
+    With ``top`` and ``tops``, the ``top`` likeliest tokens at each position of
+    the (single) continuation are appended to ``tops``.
 
     The context's cached tokens are kept where they match the prompt, and the
     context is left holding exactly the prompt, so a following generation or
@@ -129,6 +179,8 @@ def _continuation_logprobs(
     try:
         for tokens in conts:
             per_token = [_log_softmax_at(last, tokens[0])]
+            if top and tops is not None:
+                tops.append(_top_of(last, top))
             feed = tokens[:-1]
             for start in range(0, len(feed), n_batch):
                 chunk = feed[start : start + n_batch]
@@ -138,6 +190,8 @@ def _continuation_logprobs(
                 rows = np.ctypeslib.as_array(ctx.get_logits(), shape=(len(chunk), n_vocab))
                 for j in range(len(chunk)):
                     per_token.append(_log_softmax_at(rows[j], tokens[start + j + 1]))
+                    if top and tops is not None:
+                        tops.append(_top_of(rows[j], top))
             out.append(per_token)
     finally:
         # Leave the context holding just the prompt; its logits are stale now.
@@ -197,6 +251,8 @@ class LlamaCppEngine:
         self.versions: dict[str, VersionSpec] = dict(versions or {})
         self.last_load_seconds: float | None = None
         self._pools: dict[str | None, _Pool] = {None: self._pool(None)}
+        self._embedding_model: Any = None
+        self._embed_lock = asyncio.Lock()
         for version in self.versions:
             self._pools[version] = self._pool(version)
 
@@ -290,11 +346,13 @@ class LlamaCppEngine:
 
     # -- running ------------------------------------------------------------------
 
-    async def _run(self, version: str | None, work: Callable[[_Model], T]) -> T:
+    async def _run(
+        self, version: str | None, work: Callable[[_Model], T], prompt: str | None = None
+    ) -> T:
         pool = self._pools[version]
         if not pool.loaded:
             await self.load_version(version)
-        model = await pool.free.get()
+        model = await pool.take(prompt)
         future = asyncio.get_running_loop().run_in_executor(pool.executor, work, model)
         try:
             result = await asyncio.shield(future)
@@ -313,45 +371,77 @@ class LlamaCppEngine:
         pool.free.put_nowait(model)
         return result
 
-    async def complete(self, request: CompletionRequest) -> Completion:
-        plain, images = text_messages(request.messages)
+    def _prepared(self, request: CompletionRequest) -> _Prepared:
+        """What llama-cpp is asked: the messages as text, the sampling, any tool grammar."""
+        plain, images = text_messages(tool_calls.plain_messages(request.messages))
         if images:
             raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")
-        kwargs: dict[str, Any] = {"messages": plain, "max_tokens": request.max_tokens}
-        if request.temperature is not None:
-            kwargs["temperature"] = request.temperature
-        if request.top_p is not None:
-            kwargs["top_p"] = request.top_p
+        kwargs: dict[str, Any] = {"max_tokens": request.max_tokens}
+        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+            value = getattr(request, name)
+            if value is not None:
+                kwargs[name] = value
         if request.stop:
             kwargs["stop"] = request.stop
-        response_format = _response_format(request.response_format)
-        if response_format is not None:
-            kwargs["response_format"] = response_format
+        schema = None
+        if request.prompt is None:
+            schema = tool_calls.answer_schema(request.tools or [], request.tool_choice)
+            if schema is not None:
+                guide = tool_calls.tools_prompt(request.tools or [], request.tool_choice)
+                plain = [{"role": "system", "content": guide}, *plain]
+                kwargs["response_format"] = {"type": "json_object", "schema": schema}
+            else:
+                response_format = _response_format(request.response_format)
+                if response_format is not None:
+                    kwargs["response_format"] = response_format
+        return _Prepared(plain, kwargs, tools=schema is not None)
+
+    def _generate(
+        self, model: _Model, request: CompletionRequest, prep: _Prepared, seed: int | None
+    ) -> tuple[Choice, int, int]:
+        """One sample, in a worker thread: the choice, prompt tokens, output tokens."""
+        try:
+            if request.prompt is not None:
+                answer = model.llama.create_completion(
+                    prompt=request.prompt, **prep.kwargs, seed=seed
+                )
+                raw = answer["choices"][0]
+                text = raw.get("text") or ""
+            else:
+                answer = model.llama.create_chat_completion(
+                    messages=prep.plain, **prep.kwargs, seed=seed
+                )
+                raw = answer["choices"][0]
+                text = raw["message"].get("content") or ""
+        except ValueError as exc:
+            if "context window" in str(exc) or "exceed context" in str(exc):
+                raise ContextWindowExceeded(str(exc)) from None
+            raise
+        usage = answer["usage"]
+        finish = raw.get("finish_reason") or "stop"
+        calls = None
+        if prep.tools:
+            text, calls = tool_calls.parse_answer(text, finish_reason=finish)
+            finish = "tool_calls" if calls else "stop"
+        logprobs = None
+        if request.logprobs and calls is None:
+            prompt = _prompt_tokens(model, request, prep.plain)
+            logprobs = _generated_logprobs(model, prompt, text, request.top_logprobs or 0)
+        choice = Choice(text=text, finish_reason=finish, logprobs=logprobs, tool_calls=calls)
+        return choice, int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        prep = self._prepared(request)
 
         def work(model: _Model) -> tuple[list[Choice], int, int]:
+            model.holds = ""
             choices: list[Choice] = []
             prompt_tokens = output_tokens = 0
             for i in range(max(1, request.n)):
                 seed = None if request.seed is None else request.seed + i
-                try:
-                    answer = model.llama.create_chat_completion(**kwargs, seed=seed)
-                except ValueError as exc:
-                    if "context window" in str(exc):
-                        raise ContextWindowExceeded(str(exc)) from None
-                    raise
-                raw = answer["choices"][0]
-                text = raw["message"].get("content") or ""
-                usage = answer["usage"]
-                prompt_tokens = int(usage["prompt_tokens"])
-                output_tokens += int(usage["completion_tokens"])
-                logprobs = _generated_logprobs(model, plain, text) if request.logprobs else None
-                choices.append(
-                    Choice(
-                        text=text,
-                        finish_reason=raw.get("finish_reason") or "stop",
-                        logprobs=logprobs,
-                    )
-                )
+                choice, prompt_tokens, used = self._generate(model, request, prep, seed)
+                output_tokens += used
+                choices.append(choice)
             return choices, prompt_tokens, output_tokens
 
         choices, prompt_tokens, output_tokens = await self._run(
@@ -362,6 +452,138 @@ class LlamaCppEngine:
             choices=choices,
             usage=Usage(input_tokens=prompt_tokens, output_tokens=output_tokens),
         )
+
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]:
+        """Token by token, from a worker thread; closing the iterator stops the generation.
+
+        Tool calls and several samples are produced whole (a tool call is one
+        grammar-checked object) and sent as one piece each.
+        """
+        prep = self._prepared(request)
+        if prep.tools or request.n > 1 or request.logprobs:
+            done = await self.complete(request)
+            for i, choice in enumerate(done.choices):
+                yield Delta(
+                    i, choice.text, choice.tool_calls, choice.logprobs, choice.finish_reason
+                )
+            yield done
+            return
+        version = self.version_for(request.model)
+        pool = self._pools[version]
+        if not pool.loaded:
+            await self.load_version(version)
+        model = await pool.free.get()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        stop = threading.Event()
+
+        def put(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+        def work() -> None:
+            try:
+                if request.prompt is not None:
+                    pieces = model.llama.create_completion(
+                        prompt=request.prompt, **prep.kwargs, seed=request.seed, stream=True
+                    )
+                else:
+                    pieces = model.llama.create_chat_completion(
+                        messages=prep.plain, **prep.kwargs, seed=request.seed, stream=True
+                    )
+                text: list[str] = []
+                finish = "stop"
+                for chunk in pieces:
+                    if stop.is_set():
+                        pieces.close()
+                        break
+                    raw = chunk["choices"][0]
+                    piece = raw.get("text") if request.prompt is not None else None
+                    if request.prompt is None:
+                        piece = (raw.get("delta") or {}).get("content")
+                    if piece:
+                        text.append(piece)
+                        put("delta", piece)
+                    if raw.get("finish_reason"):
+                        finish = raw["finish_reason"]
+                reply = "".join(text)
+                prompt = _prompt_tokens(model, request, prep.plain)
+                out = len(model.llama.tokenize(reply.encode("utf-8"), False, False))
+                put("done", (reply, finish, len(prompt), out))
+            except ValueError as exc:
+                if "context window" in str(exc) or "exceed context" in str(exc):
+                    put("error", ContextWindowExceeded(str(exc)))
+                else:
+                    put("error", exc)
+            except BaseException as exc:
+                put("error", exc)
+
+        future = loop.run_in_executor(pool.executor, work)
+        future.add_done_callback(lambda _: pool.free.put_nowait(model))
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "delta":
+                    yield Delta(0, value)
+                elif kind == "error":
+                    raise value
+                else:
+                    reply, finish, prompt_tokens, out = value
+                    yield Delta(0, "", finish_reason=finish)
+                    yield Completion(
+                        model=request.model,
+                        choices=[Choice(text=reply, finish_reason=finish)],
+                        usage=Usage(prompt_tokens, out),
+                    )
+                    return
+        finally:
+            stop.set()
+
+    async def embed(self, model: str, texts: list[str]) -> Embeddings:
+        """Mean-pooled, unit-length vectors from the model's own hidden states.
+
+        The embedded default has no embedding model of its own: these come from
+        SmolLM2 itself, fine for trying the endpoint and for rough similarity,
+        not a replacement for a trained embedding model on a route of its own.
+        """
+        embedder = await self._embedder()
+
+        def work() -> Embeddings:
+            tokenize = embedder.tokenize
+            counts = [len(tokenize(t.encode("utf-8"), True, False)) for t in texts]
+            if max(counts) > embedder.n_ctx():
+                raise ContextWindowExceeded(
+                    f"an input is {max(counts)} tokens, over the {embedder.n_ctx()}-token "
+                    "window of the embedding model",
+                    param="input",
+                )
+            vectors = [list(map(float, embedder.embed(t, normalize=True))) for t in texts]
+            return Embeddings(vectors, Usage(sum(counts), 0))
+
+        async with self._embed_lock:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pools[None].executor, work
+            )
+
+    async def _embedder(self) -> Any:
+        async with self._embed_lock:
+            if self._embedding_model is None:
+                import llama_cpp
+
+                def load() -> Any:
+                    return llama_cpp.Llama(
+                        str(self.model_path),
+                        n_ctx=self.n_ctx,
+                        n_batch=self.n_ctx,
+                        n_ubatch=self.n_ctx,
+                        n_threads=self.n_threads,
+                        embedding=True,
+                        pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                        verbose=False,
+                    )
+
+                loop = asyncio.get_running_loop()
+                self._embedding_model = await loop.run_in_executor(self._pools[None].executor, load)
+            return self._embedding_model
 
     async def score(
         self, model: str, messages: list[dict[str, Any]], candidates: list[str]
@@ -379,7 +601,10 @@ class LlamaCppEngine:
         if not candidates:
             return [], Usage(input_tokens=0, output_tokens=0)
 
+        key = "\x00".join(f"{m['role']}\x00{m['content']}" for m in plain)
+
         def work(m: _Model) -> tuple[list[float], Usage]:
+            m.holds = ""
             prompt_text = m.prompt_text(plain)
             tokenize = m.llama.tokenize
             prompt = tokenize(prompt_text.encode("utf-8"), add_bos=False, special=True)
@@ -400,39 +625,62 @@ class LlamaCppEngine:
                     f"exceed the context window of {m.llama.n_ctx()}"
                 )
             scores = [sum(lps) for lps in _continuation_logprobs(m, prompt, conts)]
+            m.holds = key
             return scores, Usage(len(prompt), sum(len(c) for c in conts))
 
-        return await self._run(self.version_for(model), work)
+        return await self._run(self.version_for(model), work, key)
 
     async def aclose(self) -> None:
+        if self._embedding_model is not None:
+            self._embedding_model.close()
+            self._embedding_model = None
         for version, pool in self._pools.items():
             if pool.loaded:
                 await self.unload_version(version)
             pool.executor.shutdown(wait=False)
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    plain: list[dict[str, Any]]
+    kwargs: dict[str, Any]
+    tools: bool
+
+
+def _prompt_tokens(model: _Model, request: CompletionRequest, plain: list[dict[str, Any]]) -> Any:
+    if request.prompt is not None:
+        return model.llama.tokenize(request.prompt.encode("utf-8"), add_bos=True, special=False)
+    return model.llama.tokenize(
+        model.prompt_text(plain).encode("utf-8"), add_bos=False, special=True
+    )
+
+
+def _piece(llama: Any, token: int) -> tuple[str, list[int]]:
+    raw = llama.detokenize([token])
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
 def _generated_logprobs(
-    model: _Model, plain: list[dict[str, Any]], text: str
+    model: _Model, prompt: list[int], text: str, top: int
 ) -> list[dict[str, Any]]:
     """OpenAI-shaped ``logprobs.content`` for generated text, by re-reading it.
 
     Contexts keep only the last token's logits (all-token logits would cost
-    hundreds of MB each), so the reply is read back in one decode afterwards.
+    hundreds of MB each), so the reply is read back in one decode afterwards;
+    ``top`` alternatives per position come from the same rows.
     """
     llama = model.llama
-    prompt = llama.tokenize(model.prompt_text(plain).encode("utf-8"), add_bos=False, special=True)
     tokens = llama.tokenize(text.encode("utf-8"), add_bos=False, special=False)
     out: list[dict[str, Any]] = []
     if not tokens:
         return out
-    logprobs = _continuation_logprobs(model, prompt, [tokens])[0]
-    for token, logprob in zip(tokens, logprobs, strict=True):
-        piece = llama.detokenize([token])
-        out.append(
-            {
-                "token": piece.decode("utf-8", errors="replace"),
-                "logprob": logprob,
-                "bytes": list(piece),
-            }
-        )
+    tops: list[list[tuple[int, float]]] = []
+    logprobs = _continuation_logprobs(model, prompt, [tokens], top=top, tops=tops)[0]
+    for k, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+        piece, raw = _piece(llama, token)
+        alternatives = []
+        for alt, alt_logprob in tops[k] if top else []:
+            alt_piece, alt_raw = _piece(llama, alt)
+            alternatives.append({"token": alt_piece, "logprob": alt_logprob, "bytes": alt_raw})
+        out.append({"token": piece, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
     return out

@@ -9,9 +9,10 @@ without a model.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ from batchyard.engines.base import (
     Choice,
     Completion,
     CompletionRequest,
+    Delta,
+    Embeddings,
     RateLimitSignal,
     Usage,
 )
@@ -87,6 +90,8 @@ class ScriptedEngine:
         self._failures: deque[BaseException | None] = deque(failures)
         self.calls: list[CompletionRequest] = []
         self.score_calls: list[ScoreCall] = []
+        self.embed_calls: list[list[str]] = []
+        self.stream_delay_s = 0.0
         self.in_flight = 0
         self.max_in_flight = 0
         self.closed = False
@@ -140,6 +145,33 @@ class ScriptedEngine:
             return Completion(
                 model=request.model, choices=choices, usage=usage, rate_limit=self.rate_limit
             )
+        finally:
+            self.in_flight -= 1
+
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]:
+        """The scripted answer word by word (``stream_delay_s`` of clock time between words)."""
+        done = await self.complete(request)
+        for i, choice in enumerate(done.choices):
+            words = choice.text.split(" ")
+            for k, word in enumerate(words):
+                if self.stream_delay_s > 0 and k:
+                    await self.clock.sleep(self.stream_delay_s)
+                yield Delta(i, word if k == 0 else " " + word)
+            yield Delta(i, "", choice.tool_calls, None, choice.finish_reason)
+        yield done
+
+    async def embed(self, model: str, texts: list[str]) -> Embeddings:
+        """Eight numbers a text, from its hash: the same text always gets the same vector."""
+        self.embed_calls.append(list(texts))
+        await self._enter()
+        try:
+            vectors = []
+            for text in texts:
+                digest = hashlib.sha256(text.encode()).digest()
+                raw = [b / 255.0 - 0.5 for b in digest[:8]]
+                norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+                vectors.append([x / norm for x in raw])
+            return Embeddings(vectors, Usage(sum(word_count(t) for t in texts), 0))
         finally:
             self.in_flight -= 1
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -28,6 +28,8 @@ from batchyard.engines.base import (
     Choice,
     Completion,
     CompletionRequest,
+    Delta,
+    Embeddings,
     RateLimitSignal,
     Usage,
 )
@@ -169,6 +171,8 @@ class OpenAIHttpEngine:
         self.name = name
         self.base_url = base_url.rstrip("/")
         self._url = f"{self.base_url}/chat/completions"
+        self._text_url = f"{self.base_url}/completions"
+        self._embeddings_url = f"{self.base_url}/embeddings"
         self._clock: Clock = clock or SystemClock()
         self._headers = {"content-type": "application/json", "accept": "application/json"}
         if api_key:
@@ -191,11 +195,11 @@ class OpenAIHttpEngine:
     @staticmethod
     def body_for(request: CompletionRequest) -> dict[str, Any]:
         """OpenAI's request body; messages go through untouched, image parts included."""
-        body: dict[str, Any] = {
-            "model": request.model,
-            "messages": request.messages,
-            "max_tokens": request.max_tokens,
-        }
+        body: dict[str, Any] = {"model": request.model, "max_tokens": request.max_tokens}
+        if request.prompt is not None:
+            body["prompt"] = request.prompt
+        else:
+            body["messages"] = request.messages
         if request.n != 1:
             body["n"] = request.n
         if request.temperature is not None:
@@ -209,16 +213,30 @@ class OpenAIHttpEngine:
         if request.response_format is not None:
             body["response_format"] = request.response_format
         if request.logprobs:
-            body["logprobs"] = True
-            if request.top_logprobs is not None:
-                body["top_logprobs"] = request.top_logprobs
+            if request.prompt is not None:
+                body["logprobs"] = request.top_logprobs or 0
+            else:
+                body["logprobs"] = True
+                if request.top_logprobs is not None:
+                    body["top_logprobs"] = request.top_logprobs
+        if request.tools:
+            body["tools"] = request.tools
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
+        if request.frequency_penalty is not None:
+            body["frequency_penalty"] = request.frequency_penalty
+        if request.presence_penalty is not None:
+            body["presence_penalty"] = request.presence_penalty
         return body
+
+    def _url_for(self, request: CompletionRequest) -> str:
+        return self._text_url if request.prompt is not None else self._url
 
     async def complete(self, request: CompletionRequest) -> Completion:
         payload = json.dumps(self.body_for(request), separators=(",", ":")).encode()
         try:
             async with self._client().post(
-                self._url, data=payload, headers=self._headers, timeout=self._timeout
+                self._url_for(request), data=payload, headers=self._headers, timeout=self._timeout
             ) as response:
                 status = response.status
                 headers = response.headers
@@ -294,11 +312,13 @@ class OpenAIHttpEngine:
             for raw in raw_choices:
                 message = raw.get("message") or {}
                 logprobs = raw.get("logprobs")
+                text = raw.get("text") if request.prompt is not None else message.get("content")
                 choices.append(
                     Choice(
-                        text=message.get("content") or "",
+                        text=text or "",
                         finish_reason=raw.get("finish_reason") or "stop",
                         logprobs=logprobs.get("content") if isinstance(logprobs, dict) else None,
+                        tool_calls=message.get("tool_calls") or None,
                     )
                 )
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -311,7 +331,131 @@ class OpenAIHttpEngine:
             raw=data,
         )
 
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]:
+        """The upstream's own stream, piece by piece, then the whole answer and its usage.
+
+        Usage is asked for (``stream_options.include_usage``); an upstream that
+        sends none ends with a ``Completion`` whose ``raw`` says
+        ``usage_missing``, and the dispatcher counts the text itself.
+        """
+        body = self.body_for(request)
+        body["stream"] = True
+        if request.stream_usage:
+            body["stream_options"] = {"include_usage": True}
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        texts: dict[int, list[str]] = {}
+        finishes: dict[int, str] = {}
+        calls: dict[int, list[dict[str, Any]]] = {}
+        usage: dict[str, Any] | None = None
+        headers = {**self._headers, "accept": "text/event-stream"}
+        try:
+            async with self._client().post(
+                self._url_for(request), data=payload, headers=headers, timeout=self._timeout
+            ) as response:
+                signal = parse_rate_limit(response.headers)
+                if response.status != 200:
+                    content = await response.read()
+                    raise self._error_for(
+                        response.status, response.headers, content, response.reason, signal
+                    )
+                async for line in response.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        raise _malformed("a stream event is not JSON") from None
+                    if isinstance(chunk.get("usage"), dict):
+                        usage = chunk["usage"]
+                    for raw in chunk.get("choices") or []:
+                        index = int(raw.get("index", 0))
+                        delta = raw.get("delta") or {}
+                        piece = raw.get("text") if request.prompt is not None else None
+                        if request.prompt is None:
+                            piece = delta.get("content")
+                        if piece:
+                            texts.setdefault(index, []).append(piece)
+                        if delta.get("tool_calls"):
+                            calls.setdefault(index, []).extend(delta["tool_calls"])
+                        if raw.get("finish_reason"):
+                            finishes[index] = raw["finish_reason"]
+                        logprobs = raw.get("logprobs")
+                        yield Delta(
+                            index,
+                            piece or "",
+                            delta.get("tool_calls") or None,
+                            logprobs.get("content") if isinstance(logprobs, dict) else None,
+                            raw.get("finish_reason"),
+                        )
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"upstream timed out ({type(exc).__name__})") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"upstream unreachable ({type(exc).__name__})") from None
+        indexes = sorted(set(texts) | set(finishes) | set(calls)) or [0]
+        choices = [
+            Choice(
+                text="".join(texts.get(i, [])),
+                finish_reason=finishes.get(i, "stop"),
+                tool_calls=_merge_tool_calls(calls[i]) if i in calls else None,
+            )
+            for i in indexes
+        ]
+        raw_info: dict[str, Any] = {}
+        if usage is None:
+            raw_info["usage_missing"] = True
+            used = Usage(0, 0)
+        else:
+            used = Usage(
+                int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+            )
+        yield Completion(request.model, choices, used, rate_limit=signal, raw=raw_info)
+
+    async def embed(self, model: str, texts: list[str]) -> Embeddings:
+        payload = json.dumps({"model": model, "input": texts}).encode()
+        try:
+            async with self._client().post(
+                self._embeddings_url, data=payload, headers=self._headers, timeout=self._timeout
+            ) as response:
+                status, headers = response.status, response.headers
+                content = await response.read()
+                reason = response.reason
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"upstream timed out ({type(exc).__name__})") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"upstream unreachable ({type(exc).__name__})") from None
+        if status != 200:
+            raise self._error_for(status, headers, content, reason, parse_rate_limit(headers))
+        try:
+            data = json.loads(content)
+            rows = sorted(data["data"], key=lambda r: r.get("index", 0))
+            vectors = [[float(x) for x in r["embedding"]] for r in rows]
+            tokens = int((data.get("usage") or {}).get("prompt_tokens") or 0)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise _malformed("not an embeddings list") from None
+        if len(vectors) != len(texts):
+            raise _malformed("a different number of embeddings than inputs")
+        return Embeddings(vectors, Usage(tokens, 0))
+
     async def aclose(self) -> None:
         if self._owns_session and self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _merge_tool_calls(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Whole tool calls from a stream's pieces (arguments arrive in fragments, by index)."""
+    merged: dict[int, dict[str, Any]] = {}
+    for piece in pieces:
+        index = int(piece.get("index", 0))
+        call = merged.setdefault(
+            index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if piece.get("id"):
+            call["id"] = piece["id"]
+        fn = piece.get("function") or {}
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+    return [merged[i] for i in sorted(merged)]

@@ -5,8 +5,9 @@ The three scopes mean:
 - ``full``: everything the organisation can do;
 - ``read``: reads everything (account, activity, models, projects, datasets,
   rows, runs, batches and their results) and never spends or changes anything;
-- ``inference``: calls models on requests it sends itself (chat, decide and its
-  estimate, keep-warm, deferred and file batches, the files they read), and
+- ``inference``: calls models on requests it sends itself (chat and text
+  completions, embeddings, decide and its estimate, keep-warm, deferred and
+  file batches, the files they read), and
   reads, cancels or deletes only the batches and files it created. It never
   reads customer data it did not send (projects, datasets, rows, runs, other
   keys' files and batches) nor the account or its activity, and it cannot
@@ -71,6 +72,8 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("POST", "/v1/models/{model_id}/keep-warm"): _key(F, INF),
     # calling models on requests the caller sends
     ("POST", "/v1/chat/completions"): _key(F, INF),
+    ("POST", "/v1/completions"): _key(F, INF),
+    ("POST", "/v1/embeddings"): _key(F, INF),
     ("POST", "/v1/decide"): _key(F, INF),
     ("POST", "/v1/decide/estimate"): _key(F, INF),
     # deferred batches: an inference key sees and cancels its own

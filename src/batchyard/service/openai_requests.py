@@ -1,4 +1,4 @@
-"""The one seam that says whether a request body is valid for an OpenAI endpoint.
+"""The one seam that says whether a request body is valid for an OpenAI endpoint, in a batch.
 
 A batch input line (``{custom_id, method, url, body}``) is checked here,
 body and all, before the file it belongs to is kept: ``validate_line`` takes
@@ -7,21 +7,13 @@ the endpoint and the body and returns the body as it will be stored and sent
 tokenizer, and the most output tokens it may be billed for. Anything wrong
 is a coded ``InvalidRequest`` whose ``param`` names the field.
 
-LEAD: the per-endpoint validators below (``_chat``, ``_completions``,
-``_embeddings``) are this module's own, strict and small, written to the
-rules ``api/chat.py``'s ``ChatBody`` applies today (the service layer may not
-import the API). When issue 12's per-endpoint validation functions land, point
-``VALIDATORS`` at them (keeping the privacy step and the token counting here)
-and delete the three pydantic models. ``EXECUTABLE`` lists the endpoints
-whose lines the dispatcher can answer today: chat completions only; issue 12
-adds the engine calls for ``/v1/completions`` and ``/v1/embeddings``, and
-``work.file_batches.lines`` is where their calls get wired.
-
-Strictness, as issue 11 asks of every endpoint: no coercion (``"5"`` is not
-a number), unknown fields refused, and OpenAI's documented fields that this
-gateway cannot honour (penalties, logit bias, tools until issue 12) refused
-by name rather than silently ignored; ``user``, ``metadata``, ``store`` and
-``service_tier`` change nothing about an answer and are accepted.
+The body is checked by the same function as a request on the wire
+(``core.openai_bodies``), so a line is accepted exactly when the same body
+sent to the endpoint would be, with what a batch adds and takes away:
+batchyard's ``privacy`` field (redaction before the line is stored), no
+streaming, no tools (a batch has no one to run them), and OpenAI's sampling
+penalties refused by name rather than silently dropped, since a line is
+answered later by a worker that sends only what it stores.
 """
 
 from __future__ import annotations
@@ -30,16 +22,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batchyard.core import privacy
 from batchyard.core.catalog import Catalog, ModelSpec
+from batchyard.core.openai_bodies import parse_chat, parse_completion, parse_embedding
 from batchyard.core.tokens import TokenizerSource
-from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
+from batchyard.errors import (
+    CapabilityUnsupported,
+    ContextWindowExceeded,
+    InvalidRequest,
+    UnsupportedInput,
+)
 
 __all__ = [
     "ENDPOINTS",
-    "EXECUTABLE",
     "VALIDATORS",
     "CheckedBody",
     "Rules",
@@ -51,23 +48,6 @@ COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 #: Endpoints a batch line may name.
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
-#: Endpoints whose lines the dispatcher answers today (see the module docstring).
-EXECUTABLE = (CHAT,)
-
-_TOOLS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
-_UNHONOURED = (
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "modalities",
-    "audio",
-    "prediction",
-    "web_search_options",
-    "reasoning_effort",
-    "verbosity",
-    "prompt_cache_key",
-    "safety_identifier",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,100 +71,67 @@ class CheckedBody:
     redactions: int
 
 
-class _Strict(BaseModel):
+class _Privacy(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-
-class _Privacy(_Strict):
     mode: Literal["off", "redact", "reject"] = "off"
 
 
-class _ChatLine(_Strict):
-    model: str = Field(min_length=1)
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    privacy: _Privacy | None = None
+#: OpenAI fields the wire accepts that a batch line may not carry, and why.
+_NOT_IN_BATCHES = {
+    "stream": (
+        "batch requests do not stream; send stream: false or leave it out",
+        "streaming_unsupported",
+    ),
+    "stream_options": ("batch requests do not stream", "streaming_unsupported"),
+    "tools": ("tools are not supported in batch requests", "tools_unsupported"),
+    "tool_choice": ("tools are not supported in batch requests", "tools_unsupported"),
+    "parallel_tool_calls": ("tools are not supported in batch requests", "tools_unsupported"),
+    "frequency_penalty": (
+        "frequency_penalty is not honoured in batch requests",
+        "unsupported_parameter",
+    ),
+    "presence_penalty": (
+        "presence_penalty is not honoured in batch requests",
+        "unsupported_parameter",
+    ),
+    "logit_bias": ("logit_bias is not honoured in batch requests", "unsupported_parameter"),
+}
 
 
-class _CompletionLine(_Strict):
-    model: str = Field(min_length=1)
-    prompt: str | list[str]
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    echo: Literal[False] = False
-    best_of: Literal[1] = 1
-    user: str | None = None
-    privacy: _Privacy | None = None
+def _split(body: dict[str, Any], rules: Rules) -> tuple[dict[str, Any], privacy.PrivacyMode]:
+    """The body without batchyard's ``privacy`` field, and the privacy mode it asks for."""
+    rest = dict(body)
+    raw = rest.pop("privacy", None)
+    if raw is None:
+        return rest, rules.privacy_default
+    try:
+        given = _Privacy.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(["privacy", *(str(p) for p in first.get("loc", ()))])
+        raise InvalidRequest(f"{loc}: {first.get('msg')}", param=loc) from None
+    return rest, privacy.PrivacyMode(given.mode)
 
 
-class _EmbeddingLine(_Strict):
-    model: str = Field(min_length=1)
-    input: str | list[str]
-    encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
-    privacy: _Privacy | None = None
+def _batchable(body: dict[str, Any]) -> None:
+    for name, (message, code) in _NOT_IN_BATCHES.items():
+        if body.get(name) not in (None, False):
+            raise InvalidRequest(message, param=name, code=code)
 
 
-def _invalid(exc: ValidationError) -> InvalidRequest:
-    first = exc.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()))
-    kind = first.get("type", "")
-    if kind == "extra_forbidden":
-        return InvalidRequest(
-            f"{loc} is not a field of this request", param=loc, code="unsupported_parameter"
-        )
-    return InvalidRequest(f"{loc}: {first.get('msg')}", param=loc or None)
-
-
-def _refuse_unhonoured(body: dict[str, Any]) -> None:
-    if body.get("stream") is True:
-        raise InvalidRequest(
-            "batch requests do not stream; send stream: false or leave it out",
-            param="stream",
-            code="streaming_unsupported",
-        )
-    for key in _TOOLS:
-        if key in body:
-            raise InvalidRequest(
-                "tools are not supported in batch requests", param=key, code="tools_unsupported"
-            )
-    for key in _UNHONOURED:
-        if key in body:
-            raise InvalidRequest(
-                f"{key} is an OpenAI field this gateway does not honour; leave it out",
-                param=key,
-                code="unsupported_parameter",
-            )
-
-
-def _model(rules: Rules, model_id: str) -> ModelSpec:
+def _model(rules: Rules, model_id: str, need: str = "chat") -> ModelSpec:
+    """The model, refused up front when its route cannot answer this endpoint."""
     model = rules.catalog.model(model_id)
-    rules.catalog.route_for(model.id)
+    route = rules.catalog.route_for(model.id)
+    able = {"completions": route.serves_completions, "embeddings": route.embeddings}
+    if not able.get(need, True):
+        raise CapabilityUnsupported(
+            f"{model.id} (route {route.id}) does not serve {need}; "
+            "GET /v1/models lists each model's capabilities",
+            param="model",
+        )
     return model
-
-
-def _mode(given: _Privacy | None, rules: Rules) -> privacy.PrivacyMode:
-    return privacy.PrivacyMode(given.mode) if given is not None else rules.privacy_default
 
 
 def _private_texts(
@@ -203,34 +150,19 @@ def _private_texts(
     return texts, 0
 
 
-def _check_messages(messages: list[dict[str, Any]], model: ModelSpec) -> None:
+def _check_images(messages: list[dict[str, Any]], model: ModelSpec) -> None:
     for i, m in enumerate(messages):
-        role = m.get("role")
-        if role == "tool" or "tool_calls" in m or "function_call" in m:
-            raise InvalidRequest(
-                "tools are not supported in batch requests",
-                param=f"messages.{i}",
-                code="tools_unsupported",
-            )
-        if role not in ("system", "developer", "user", "assistant"):
-            raise InvalidRequest(
-                f"messages[{i}].role is not a chat role", param=f"messages.{i}.role"
-            )
         content = m.get("content")
-        if isinstance(content, str):
-            continue
         if not isinstance(content, list):
-            raise InvalidRequest(
-                f"messages[{i}].content must be a string or a list of parts",
-                param=f"messages.{i}.content",
-            )
+            continue
         for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url" and model.reads_images:
-                continue
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if (
+                isinstance(part, dict)
+                and part.get("type") == "image_url"
+                and not model.reads_images
+            ):
                 raise UnsupportedInput(
-                    f"messages[{i}] has a content part this model cannot read ({kind!r})",
+                    f"messages[{i}] has an image, which {model.id} cannot read",
                     param=f"messages.{i}.content",
                 )
 
@@ -256,15 +188,12 @@ def _fits(model: ModelSpec, prompt_tokens: int, max_tokens: int, param: str) -> 
 
 
 def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
-    _refuse_unhonoured(body)
-    try:
-        req = _ChatLine.model_validate(body)
-    except ValidationError as exc:
-        raise _invalid(exc) from None
+    rest, mode = _split(body, rules)
+    req = parse_chat(rest)
+    _batchable(rest)
     model = _model(rules, req.model)
-    _check_messages(req.messages, model)
+    _check_images(req.messages, model)
     mt = _max_tokens(req.max_completion_tokens or req.max_tokens, rules, model)
-    mode = _mode(req.privacy, rules)
     messages, found = req.messages, 0
     if mode is privacy.PrivacyMode.REDACT:
         messages, found = privacy.redact_messages(messages)
@@ -275,54 +204,46 @@ def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
             raise InvalidRequest(exc.message, param="messages", code=exc.code) from None
     tokens = rules.tokenizers.for_model(model).count_messages(messages)
     _fits(model, tokens, mt, "messages")
-    stored = {k: v for k, v in body.items() if k != "privacy"}
-    stored["messages"] = messages
-    return CheckedBody(model, stored, tokens, mt * req.n, found)
+    rest["messages"] = messages
+    return CheckedBody(model, rest, tokens, mt * req.n, found)
 
 
 def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:
-    _refuse_unhonoured(body)
-    try:
-        req = _CompletionLine.model_validate(body)
-    except ValidationError as exc:
-        raise _invalid(exc) from None
-    model = _model(rules, req.model)
+    rest, mode = _split(body, rules)
+    req = parse_completion(rest)
+    _batchable(rest)
+    model = _model(rules, req.model, "completions")
     mt = _max_tokens(req.max_tokens, rules, model)
-    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-    if not prompts:
-        raise InvalidRequest("prompt must not be an empty list", param="prompt")
-    prompts, found = _private_texts(prompts, _mode(req.privacy, rules), "prompt")
-    tok = rules.tokenizers.for_model(model)
-    counts = tok.count_batch(prompts)
+    if len(req.prompts()) != 1:
+        raise InvalidRequest(
+            "send one prompt per request line, as on /v1/completions", param="prompt"
+        )
+    prompts, found = _private_texts(req.prompts(), mode, "prompt")
+    # As /v1/completions counts: the raw prompt and the start-of-text token before it.
+    counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(prompts)]
     _fits(model, max(counts), mt, "prompt")
-    stored = {k: v for k, v in body.items() if k != "privacy"}
-    stored["prompt"] = prompts[0] if isinstance(req.prompt, str) else prompts
-    return CheckedBody(model, stored, sum(counts), mt * req.n * len(prompts), found)
+    rest["prompt"] = prompts[0] if isinstance(req.prompt, str) else prompts
+    return CheckedBody(model, rest, sum(counts), mt * req.n * len(prompts), found)
 
 
 def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
-    try:
-        req = _EmbeddingLine.model_validate(body)
-    except ValidationError as exc:
-        raise _invalid(exc) from None
-    model = _model(rules, req.model)
-    inputs = [req.input] if isinstance(req.input, str) else list(req.input)
-    if not inputs or not all(inputs):
-        raise InvalidRequest("input must be a non-empty string or list of them", param="input")
-    inputs, found = _private_texts(inputs, _mode(req.privacy, rules), "input")
-    counts = rules.tokenizers.for_model(model).count_batch(inputs)
+    rest, mode = _split(body, rules)
+    req = parse_embedding(rest)
+    model = _model(rules, req.model, "embeddings")
+    inputs, found = _private_texts(req.texts(), mode, "input")
+    # As /v1/embeddings counts: each input and the start-of-text token before it.
+    counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(inputs)]
     if max(counts) > model.context_window:
         raise ContextWindowExceeded(
             f"an input of {max(counts)} tokens exceeds the {model.context_window}-token "
             f"context window of {model.id}",
             param="input",
         )
-    stored = {k: v for k, v in body.items() if k != "privacy"}
-    stored["input"] = inputs[0] if isinstance(req.input, str) else inputs
-    return CheckedBody(model, stored, sum(counts), 0, found)
+    rest["input"] = inputs[0] if isinstance(req.input, str) else inputs
+    return CheckedBody(model, rest, sum(counts), 0, found)
 
 
-#: One validator per endpoint (LEAD: re-point at issue 12's; see the module docstring).
+#: One validator per endpoint.
 VALIDATORS: dict[str, Callable[[dict[str, Any], Rules], CheckedBody]] = {
     CHAT: _chat,
     COMPLETIONS: _completions,

@@ -1,10 +1,11 @@
-"""What the market worker saw, kept so that a restart does not start blind.
+"""What the market worker saw, per route, kept so that a restart does not start blind.
 
-``DeadlineAware`` decides from analogues in a market's recent past (see
+``DeadlineAware`` builds its scenarios from each route's own past (see
 ``batchyard.core.outlook``); a worker that forgot that past at every deploy
-would spend its first day dispatching on the cold-start schedule. One row per
-market and 2-minute bin: the deepest discount on offer then (NULL: nothing
-payable). A week of one market is about 5,000 small rows.
+would bet no deadline for its first day. One row per route and 15-second slot
+(a worker pass): the discount the route guaranteed then, NULL where it had no
+fresh payable price. Slots nobody observed have no row. A week of one route is
+about 40,000 small rows.
 """
 
 from __future__ import annotations
@@ -19,46 +20,46 @@ __all__ = ["load_history", "market_history", "save_history"]
 market_history = Table(
     "market_history",
     metadata,
-    Column("market", String(400), primary_key=True),
-    Column("bin", BigInteger, primary_key=True),
-    Column("best", Float, nullable=True),
+    Column("route", String(200), primary_key=True),
+    Column("slot", BigInteger, primary_key=True),
+    Column("discount", Float, nullable=True),
 )
 
 
 def save_history(
     conn: Connection,
-    markets: dict[str, list[tuple[int, float | None]]],
+    routes: dict[str, list[tuple[int, float | None]]],
     *,
     keep_from: int | None = None,
 ) -> int:
-    """Upsert each market's bins; drop bins older than ``keep_from``. Returns rows written."""
+    """Upsert each route's slots; drop slots older than ``keep_from``. Returns rows written."""
     rows = [
-        {"market": market, "bin": index, "best": best}
-        for market, bins in markets.items()
-        for index, best in bins
+        {"route": route, "slot": slot, "discount": discount}
+        for route, slots in routes.items()
+        for slot, discount in slots
     ]
     if rows:
         insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
         stmt = insert(market_history)
         conn.execute(
             stmt.on_conflict_do_update(
-                index_elements=["market", "bin"], set_={"best": stmt.excluded.best}
+                index_elements=["route", "slot"], set_={"discount": stmt.excluded.discount}
             ),
             rows,
         )
     if keep_from is not None:
-        conn.execute(delete(market_history).where(market_history.c.bin < keep_from))
+        conn.execute(delete(market_history).where(market_history.c.slot < keep_from))
     return len(rows)
 
 
 def load_history(conn: Connection, since: int) -> dict[str, list[tuple[int, float | None]]]:
-    """Every market's bins from ``since`` on, in order."""
+    """Every route's slots from ``since`` on, in order."""
     out: dict[str, list[tuple[int, float | None]]] = {}
     query = (
-        select(market_history.c.market, market_history.c.bin, market_history.c.best)
-        .where(market_history.c.bin >= since)
-        .order_by(market_history.c.market, market_history.c.bin)
+        select(market_history.c.route, market_history.c.slot, market_history.c.discount)
+        .where(market_history.c.slot >= since)
+        .order_by(market_history.c.route, market_history.c.slot)
     )
-    for market, index, best in conn.execute(query):
-        out.setdefault(market, []).append((int(index), None if best is None else float(best)))
+    for route, slot, discount in conn.execute(query):
+        out.setdefault(route, []).append((int(slot), None if discount is None else float(discount)))
     return out

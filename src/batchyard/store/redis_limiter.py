@@ -26,9 +26,12 @@ from batchyard.core.limits import (
     Admission,
     Limit,
     LimiterBase,
+    SlotGrant,
     binding_name,
     log_penalty,
+    new_slot_token,
     request_cells,
+    standing_of,
     storage_keys,
 )
 
@@ -41,27 +44,62 @@ __all__ = ["RedisLimiter"]
 _ACQUIRE = """
 local now = tonumber(ARGV[1])
 local eps = tonumber(ARGV[2])
+local max_delay = tonumber(ARGV[3])
 local wait, binding = 0, -1
-local new_tats = {}
+local tats, new_tats = {}, {}
 for i = 1, #KEYS do
   local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
-  local inc = tonumber(ARGV[1 + 2 * i])
-  local tol = tonumber(ARGV[2 + 2 * i])
+  local inc = tonumber(ARGV[2 + 2 * i])
+  local tol = tonumber(ARGV[3 + 2 * i])
   local new_tat = math.max(tat, now) + inc
   local w = new_tat - tol - now
+  tats[i] = string.format('%.17g', tat)
   new_tats[i] = new_tat
   if w > wait then wait, binding = w, i - 1 end
 end
-if wait > eps then
-  return {0, string.format('%.17g', wait), binding}
+if wait > max_delay + eps then
+  return {0, string.format('%.17g', wait), binding, tats}
 end
+local written = {}
 for i = 1, #KEYS do
-  if tonumber(ARGV[1 + 2 * i]) > 0 then
+  if tonumber(ARGV[2 + 2 * i]) > 0 then
     local ttl = math.ceil((new_tats[i] - now) * 1000) + 1000
     redis.call('SET', KEYS[i], string.format('%.17g', new_tats[i]), 'PX', string.format('%d', ttl))
+    written[i] = string.format('%.17g', new_tats[i])
+  else
+    written[i] = tats[i]
   end
 end
-return {1, '0', -1}
+return {1, string.format('%.17g', wait), -1, written}
+"""
+
+# Concurrency slots: a sorted set of lease tokens scored by when each lease runs
+# out. A check drops the expired ones first, so a crashed holder's slot frees
+# itself; the set expires once its last lease would have.
+_TAKE_SLOT = """
+local now = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local untl = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.17g', now))
+local n = redis.call('ZCARD', KEYS[1])
+if n >= cap then
+  return {0, n}
+end
+redis.call('ZADD', KEYS[1], string.format('%.17g', untl), ARGV[4])
+local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil((last - now) * 1000) + 1000)
+return {1, n + 1}
+"""
+
+_RENEW_SLOT = """
+local now = tonumber(ARGV[1])
+local untl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], 'XX', string.format('%.17g', untl), ARGV[3])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if #last > 0 then
+  redis.call('PEXPIRE', KEYS[1], math.ceil((tonumber(last[2]) - now) * 1000) + 1000)
+end
+return 1
 """
 
 _ADJUST = """
@@ -101,21 +139,50 @@ class RedisLimiter(LimiterBase):
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._adjust = self._redis.register_script(_ADJUST)
         self._penalize = self._redis.register_script(_PENALIZE)
+        self._take_slot = self._redis.register_script(_TAKE_SLOT)
+        self._renew_slot = self._redis.register_script(_RENEW_SLOT)
 
     def _key(self, storage_key: str) -> str:
         # storage_key is "<key>:<name>"; the limit name never holds a colon.
         caller_key, _, name = storage_key.rpartition(":")
         return f"{self._prefix}{{{caller_key}}}:{name}"
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
+    async def try_acquire(
+        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+    ) -> Admission:
         keys = [self._key(k) for k in storage_keys(key, limits)]
-        args: list[str | float] = [repr(self._clock.time()), repr(EPSILON)]
+        now = self._clock.time()
+        args: list[str | float] = [repr(now), repr(EPSILON), repr(max(0.0, max_delay))]
         for cell in request_cells(limits):
             args += [repr(cell.increment), repr(cell.tolerance)]
-        allowed, wait, binding = await self._acquire(keys=keys, args=args)
+        allowed, wait, binding, raw_tats = await self._acquire(keys=keys, args=args)
+        tats = [float(t) for t in raw_tats]
+        standing = standing_of(limits, tats, now)
         if int(allowed):
-            return Admission(True, 0.0)
-        return Admission(False, float(wait), binding_name(limits, int(binding)))
+            delay = float(wait)
+            return Admission(True, 0.0, None, delay if delay > EPSILON else 0.0, standing)
+        return Admission(False, float(wait), binding_name(limits, int(binding)), 0.0, standing)
+
+    def _slots_key(self, key: str) -> str:
+        return f"{self._prefix}{{{key}}}:!slots"
+
+    async def take_slot(self, key: str, capacity: int, lease_s: float) -> SlotGrant:
+        now = self._clock.time()
+        token = new_slot_token()
+        ok, n = await self._take_slot(
+            keys=[self._slots_key(key)],
+            args=[repr(now), str(capacity), repr(now + lease_s), token],
+        )
+        return SlotGrant(token if int(ok) else None, int(n))
+
+    async def renew_slot(self, key: str, token: str, lease_s: float) -> None:
+        now = self._clock.time()
+        await self._renew_slot(
+            keys=[self._slots_key(key)], args=[repr(now), repr(now + lease_s), token]
+        )
+
+    async def _free_slot(self, key: str, token: str) -> None:
+        await self._redis.zrem(self._slots_key(key), token)
 
     async def adjust(self, key: str, limit: Limit, delta: float) -> None:
         await self._adjust(

@@ -22,17 +22,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from batchyard.core.clock import Clock
 from batchyard.core.limits import (
-    EPSILON,
     PENALTY,
     Admission,
     Limit,
     LimiterBase,
-    binding_name,
+    SlotGrant,
     gcra_adjust,
-    gcra_many,
     gcra_penalize,
     log_penalty,
+    new_slot_token,
     request_cells,
+    settle,
     storage_keys,
 )
 from batchyard.store.tables import rate_limits
@@ -51,7 +51,9 @@ class SqlLimiter(LimiterBase):
             )
         self._engine = engine
 
-    async def try_acquire(self, key: str, limits: Sequence[tuple[Limit, float]]) -> Admission:
+    async def try_acquire(
+        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+    ) -> Admission:
         keys = storage_keys(key, limits)
         cells = request_cells(limits)
         now = self._clock.time()
@@ -59,18 +61,64 @@ class SqlLimiter(LimiterBase):
         def run() -> Admission:
             with self._engine.begin() as conn:
                 locked = self._lock_rows(conn, keys)
-                wait, binding, new_tats = gcra_many([locked[k] for k in keys], now, cells)
-                if wait > EPSILON:
-                    return Admission(False, wait, binding_name(limits, binding))
-                writes = [
-                    {"k": k, "t": t}
-                    for k, cell, t in zip(keys, cells, new_tats, strict=True)
-                    if cell.increment > 0
-                ]
-                self._write(conn, writes)
-            return Admission(True, 0.0)
+                tats = [locked[k] for k in keys]
+                admission, written = settle(limits, cells, tats, now, max_delay)
+                if written is not None:
+                    writes = [
+                        {"k": k, "t": t}
+                        for k, cell, t in zip(keys, cells, written, strict=True)
+                        if cell.increment > 0
+                    ]
+                    self._write(conn, writes)
+            return admission
 
         return await asyncio.to_thread(run)
+
+    # Concurrency slots are rows of the same table: ``<key>:!slots`` is the row a
+    # check locks (so two checks never both see a free slot), and each lease is a
+    # row ``<key>:!slot:<token>`` whose ``tat`` is when the lease runs out. An
+    # expired lease is deleted by the next check of its key (or by ``prune``).
+
+    async def take_slot(self, key: str, capacity: int, lease_s: float) -> SlotGrant:
+        anchor, prefix = f"{key}:!slots", f"{key}:!slot:"
+        now = self._clock.time()
+
+        def run() -> SlotGrant:
+            with self._engine.begin() as conn:
+                self._lock_rows(conn, [anchor])
+                mine = sa.func.substr(rate_limits.c.key, 1, len(prefix)) == prefix
+                conn.execute(sa.delete(rate_limits).where(mine, rate_limits.c.tat <= now))
+                in_use = conn.execute(
+                    sa.select(sa.func.count()).select_from(rate_limits).where(mine)
+                ).scalar_one()
+                if in_use >= capacity:
+                    return SlotGrant(None, int(in_use))
+                token = new_slot_token()
+                conn.execute(sa.insert(rate_limits).values(key=prefix + token, tat=now + lease_s))
+                return SlotGrant(token, int(in_use) + 1)
+
+        return await asyncio.to_thread(run)
+
+    async def renew_slot(self, key: str, token: str, lease_s: float) -> None:
+        until = self._clock.time() + lease_s
+
+        def run() -> None:
+            with self._engine.begin() as conn:
+                conn.execute(
+                    sa.update(rate_limits)
+                    .where(rate_limits.c.key == f"{key}:!slot:{token}")
+                    .values(tat=until)
+                )
+
+        await asyncio.to_thread(run)
+
+    async def _free_slot(self, key: str, token: str) -> None:
+        def run() -> None:
+            with self._engine.begin() as conn:
+                lease = rate_limits.c.key == f"{key}:!slot:{token}"
+                conn.execute(sa.delete(rate_limits).where(lease))
+
+        await asyncio.to_thread(run)
 
     async def adjust(self, key: str, limit: Limit, delta: float) -> None:
         k = f"{key}:{limit.name}"

@@ -23,8 +23,9 @@ of becoming ``uncertain``. If ``on_send`` raises, the call is not made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,11 +40,15 @@ from batchyard.core.tiers import Tier
 from batchyard.engines.base import (
     Completion,
     CompletionRequest,
+    Delta,
+    EmbeddingEngine,
+    Embeddings,
     RateLimitSignal,
     ScoringEngine,
+    StreamingEngine,
     Usage,
 )
-from batchyard.errors import UpstreamRateLimited
+from batchyard.errors import CapabilityUnsupported, UpstreamRateLimited
 from batchyard.store import activity, ledger
 from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
@@ -133,6 +138,17 @@ class Dispatcher:
         if signal is not None:
             await self.limiter.observe(f"route:{route.id}", signal)
 
+    def concurrency(self, route: RouteSpec) -> int | None:
+        """How many calls the route runs at once, where it has a bound.
+
+        The route's own ``concurrency`` setting, else its engine's (the embedded
+        model's contexts); ``None`` for an upstream that says nothing.
+        """
+        if route.concurrency:
+            return route.concurrency
+        contexts = getattr(self.engines.for_route(route), "contexts", None)
+        return contexts if isinstance(contexts, int) and contexts > 0 else None
+
     def can_score(self, route: RouteSpec) -> bool:
         """Whether the route's engine scores candidate replies (decide's per-outcome scoring)."""
         return isinstance(self.engines.for_route(route), ScoringEngine)
@@ -217,34 +233,155 @@ class Dispatcher:
             reason = getattr(exc, "code", type(exc).__name__)
             await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))
             raise
-        charge = charge_ticks(
-            price.cost(completion.usage.input_tokens, completion.usage.output_tokens)
+        charged = await self.settle(
+            org_id=org_id,
+            reservation_id=res.id,
+            charge=charge_ticks(
+                price.cost(completion.usage.input_tokens, completion.usage.output_tokens)
+            ),
+            model=model.id,
+            route=route.id,
+            usage=completion.usage,
+            purpose=purpose,
+            ref=ref,
         )
-        now = self.clock.now()
-
-        def tx(c: Connection) -> int:
-            settled = ledger.settle(c, res.id, charge, now)
-            activity.record(
-                c,
-                org_id,
-                "charge",
-                now,
-                ref=ref,
-                reservation_id=res.id,
-                amount=settled.charged,
-                detail={
-                    "purpose": purpose,
-                    "model": model.id,
-                    "route": route.id,
-                    "input_tokens": completion.usage.input_tokens,
-                    "output_tokens": completion.usage.output_tokens,
-                },
-            )
-            return settled.charged or 0
-
-        # The call happened: its charge must land, even across a short storage outage.
-        charged = await asyncio.shield(self.db.write_through(tx))
         return DispatchResult(completion, charged, res.id, route.id)
+
+    async def stream(
+        self,
+        *,
+        org_id: str,
+        model: ModelSpec,
+        route: RouteSpec,
+        request: CompletionRequest,
+        input_tokens: int,
+        max_cost: int,
+        price: Price,
+        purpose: str,
+        count_tokens: Callable[[str], int],
+        ref: str | None = None,
+    ) -> AsyncIterator[Delta | DispatchResult]:
+        """Reserve, then the engine's pieces as they come, then the settled result, last.
+
+        The charge is the tokens really produced. A stream that stops early (the
+        client hung up, an error half-way) is settled to what was produced until
+        then, counted with ``count_tokens``; one that produced nothing is
+        released. Either way the reservation resolves exactly once.
+        """
+        engine = self.engines.for_route(route)
+        if not isinstance(engine, StreamingEngine):
+            raise CapabilityUnsupported(f"route {route.id} cannot stream", param="stream")
+        res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
+        seen: dict[int, list[str]] = {}
+        resolved = False
+
+        async def resolve_partial(reason: str) -> None:
+            text = "".join("".join(parts) for parts in seen.values())
+            if not text:
+                await self.release(res.id, org_id=org_id, reason=reason)
+                return
+            usage = Usage(input_tokens, count_tokens(text))
+            await self.settle(
+                org_id=org_id,
+                reservation_id=res.id,
+                charge=charge_ticks(price.cost(usage.input_tokens, usage.output_tokens)),
+                model=model.id,
+                route=route.id,
+                usage=usage,
+                purpose=purpose,
+                ref=ref,
+                detail={"stopped": reason},
+            )
+
+        sem = self._semaphore(route)
+        try:
+            await self.pace(route, input_tokens, request.max_tokens * max(1, request.n))
+            async with sem if sem is not None else contextlib.nullcontext():
+                pieces = engine.stream(request)
+                try:
+                    async for piece in pieces:
+                        if isinstance(piece, Completion):
+                            done = piece
+                            if done.raw.get("usage_missing"):
+                                out = sum(count_tokens(c.text) for c in done.choices)
+                                done = Completion(
+                                    done.model, done.choices, Usage(input_tokens, out)
+                                )
+                            await self._observe(route, done.rate_limit)
+                            resolved = True
+                            charged = await self.settle(
+                                org_id=org_id,
+                                reservation_id=res.id,
+                                charge=charge_ticks(
+                                    price.cost(done.usage.input_tokens, done.usage.output_tokens)
+                                ),
+                                model=model.id,
+                                route=route.id,
+                                usage=done.usage,
+                                purpose=purpose,
+                                ref=ref,
+                            )
+                            yield DispatchResult(done, charged, res.id, route.id)
+                            return
+                        seen.setdefault(piece.index, []).append(piece.text)
+                        yield piece
+                finally:
+                    await pieces.aclose()  # type: ignore[attr-defined]
+        except BaseException as exc:
+            if not resolved:
+                resolved = True
+                reason = str(getattr(exc, "code", type(exc).__name__))
+                await asyncio.shield(resolve_partial(reason))
+            raise
+
+    async def call_embed(
+        self,
+        *,
+        route: RouteSpec,
+        texts: list[str],
+        input_tokens: int,
+        on_send: OnSend | None = None,
+    ) -> Embeddings:
+        """Pace and embed on one route, billing left to the caller (as ``call`` does)."""
+        engine = self.engines.for_route(route)
+        if not isinstance(engine, EmbeddingEngine):
+            raise CapabilityUnsupported(f"route {route.id} serves no embeddings", param="model")
+        return await self._paced(
+            route, 0, input_tokens, lambda: engine.embed(route.upstream_model, texts), on_send
+        )
+
+    async def embed(
+        self,
+        *,
+        org_id: str,
+        model: ModelSpec,
+        route: RouteSpec,
+        texts: list[str],
+        input_tokens: int,
+        max_cost: int,
+        price: Price,
+        ref: str | None = None,
+    ) -> tuple[Embeddings, int]:
+        """Reserve, embed, settle: the vectors and the charge posted."""
+        res = await self.reserve(org_id, max_cost, purpose="embeddings", ref=ref)
+        try:
+            result = await self.call_embed(route=route, texts=texts, input_tokens=input_tokens)
+        except BaseException as exc:
+            reason = getattr(exc, "code", type(exc).__name__)
+            await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))
+            raise
+        used = result.usage.input_tokens or input_tokens
+        charged = await self.settle(
+            org_id=org_id,
+            reservation_id=res.id,
+            charge=charge_ticks(price.cost(used, 0)),
+            model=model.id,
+            route=route.id,
+            usage=Usage(used, 0),
+            purpose="embeddings",
+            ref=ref,
+        )
+        return Embeddings(result.vectors, Usage(used, 0)), charged
 
     async def score(
         self,

@@ -53,22 +53,33 @@ async def test_replay_with_same_key_is_not_charged_twice(service, engine):
     assert len(engine.calls) == 1
 
 
-async def test_over_the_tier_limit_is_429_with_retry_after_and_nothing_charged(service, engine):
+async def test_over_the_tier_limit_is_429_with_retry_after_and_nothing_charged(make_service):
+    # No server-side queue, so the first request past the burst is refused at once.
+    service = make_service(limits_queue_s=0)
+    engine = ScriptedEngine("hello there", clock=service.clock)
+    service.engines.set("embedded", engine)
     acct = make_account(service, credit="1")
+    burst = service.tier(0).max_in_flight
     async with asgi_client(service) as http:
         codes = [
             (await http.post("/v1/chat/completions", json=BODY, headers=acct.headers))
-            for _ in range(3)
+            for _ in range(burst + 1)
         ]
-    limited = [r for r in codes if r.status_code == 429]
-    assert limited, [r.status_code for r in codes]
-    assert limited[0].json()["error"] == {
-        **limited[0].json()["error"],
+    assert [r.status_code for r in codes] == [200] * burst + [429]
+    limited = codes[-1]
+    assert limited.json()["error"] == {
+        **limited.json()["error"],
         "code": "rate_limited",
         "retryable": True,
+        "limit": "requests",
     }
-    assert int(limited[0].headers["Retry-After"]) >= 1
-    assert len(engine.calls) == len(codes) - len(limited)
+    # Tier 0 admits one request every 2 s once the burst is spent: the exact wait
+    # in milliseconds, and whole seconds rounded up, never early.
+    assert limited.headers["retry-after-ms"] == "2000"
+    assert limited.headers["Retry-After"] == "2"
+    assert limited.headers["x-should-retry"] == "true"
+    assert limited.headers["x-ratelimit-remaining-requests"] == "0"
+    assert len(engine.calls) == burst
 
 
 @pytest.mark.parametrize(
@@ -76,11 +87,19 @@ async def test_over_the_tier_limit_is_429_with_retry_after_and_nothing_charged(s
     [
         ({}, BODY, 401, "missing_api_key"),
         ({"Authorization": "Bearer by_nope"}, BODY, 401, "invalid_api_key"),
-        (None, {**BODY, "model": "nope"}, 400, "unknown_model"),
+        (None, {**BODY, "model": "nope"}, 404, "model_not_found"),
         (None, {**BODY, "model": "kettei-fat"}, 400, "model_unavailable"),
         (None, {**BODY, "max_tokens": -1}, 400, "invalid_request"),
         (None, {**BODY, "max_tokens": 10_000_000}, 400, "max_tokens_out_of_range"),
-        (None, {**BODY, "stream": True}, 400, "invalid_request"),
+        (None, {**BODY, "stream": 1}, 400, "invalid_request"),
+        (None, {**BODY, "max_tokens": "8"}, 400, "invalid_request"),
+        (None, {**BODY, "temprature": 0.5}, 400, "unknown_field"),
+        (
+            None,
+            {**BODY, "audio": {"voice": "alloy", "format": "mp3"}},
+            400,
+            "capability_unsupported",
+        ),
     ],
 )
 async def test_bad_input_gets_its_own_4xx_and_changes_nothing(

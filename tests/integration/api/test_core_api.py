@@ -90,6 +90,7 @@ async def test_account_needs_full_or_read_scope(svc, http):
             "requests_per_minute": 30,
             "tokens_per_minute": 40_000,
             "estimate_tokens_per_minute": 400_000,
+            "concurrency": 5,
         }
         assert body["zero_data_retention"] is False and body["auto_top_up"] is None
     r = await http.get("/v1/account", headers=inference.headers)
@@ -115,7 +116,7 @@ async def test_models_list_the_catalog_with_prices_and_availability(svc, http):
     one = await http.get("/v1/models/kettei-core", headers=acct.headers)
     assert one.json() == models["kettei-core"]
     missing = await http.get("/v1/models/nope", headers=acct.headers)
-    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "not_found")
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
 
 
 async def test_malformed_json_is_400_invalid_json(svc, http, engine):

@@ -19,6 +19,7 @@ import pytest
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
+from batchyard.core.tiers import DEFAULT_TIERS
 from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import ModelUnavailable
@@ -58,12 +59,24 @@ VERSION_PRICE = (Decimal("0.30"), Decimal("1.20"))
 
 def text_scorer(model: str, messages: list[dict[str, Any]], candidates: list[str]) -> list[float]:
     """Favour the outcome named in the text ("battery"; "died" reads as negative)."""
-    text = str(messages[-1]["content"]).split("Questions:")[0].lower().replace("died", "negative")
+    prompt = str(messages[-1]["content"])
+    text = prompt.split("Text:")[-1].split("Reply with")[0].lower().replace("died", "negative")
     scores = []
     for candidate in candidates:
         outcome = candidate.rsplit("\n", 1)[-1].split(": ", 1)[-1]
         scores.append(math.log(0.9) if outcome in text else math.log(0.05))
     return scores
+
+
+def runs(engine: ScriptedEngine, body: dict[str, Any] = BODY) -> int:
+    """How often the model answered ``body``'s text: each decision scored under two orders."""
+    text = body["input"]["text"]
+    scored = [c for c in engine.score_calls if text in str(c.messages)]
+    return len(scored) // (2 * len(body["decisions"]))
+
+
+def words(messages: list[dict[str, Any]]) -> int:
+    return sum(len(str(m["content"]).split()) for m in messages)
 
 
 def cost(prices: tuple[Decimal, Decimal], usage: dict[str, int]) -> str:
@@ -115,13 +128,34 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
         probs = answer["probabilities"]
         assert math.isclose(sum(probs.values()), 1.0, abs_tol=1e-5)
         assert max(probs, key=probs.get) == answer["outcome"]
-    # One prompt, read once per decision by the scorer, billed once.
-    prompts = [c.messages for c in engine.score_calls]
-    assert len(prompts) == 2 and prompts[0] == prompts[1]
-    assert str(prompts[0]).count(TEXT) == 1
-    assert engine.score_calls[1].candidates[0].startswith("sentiment: negative\ntopic: ")
-    words = sum(len(str(m["content"]).split()) for m in prompts[0])
-    assert body["usage"]["input_tokens"] == words
+    # Calibration: first the set's content-free prior (three texts that say
+    # nothing, both orders, every decision), then the text, every decision
+    # scored under the outcomes as listed and reversed.
+    calls = engine.score_calls
+    assert len(calls) == 3 * 2 * 2 + 2 * 2
+    content_free, real = calls[:12], calls[12:]
+    assert all(TEXT not in str(c.messages) for c in content_free)
+    as_listed, reversed_ = real[0].messages, real[1].messages
+    assert real[2].messages == as_listed and real[3].messages == reversed_
+    assert str(as_listed).count(TEXT) == 1 and str(reversed_).count(TEXT) == 1
+    assert "- positive: pleased\n  - negative: unhappy" in as_listed[-1]["content"]
+    assert "- neutral: neither\n  - negative: unhappy" in reversed_[-1]["content"]
+    # Decision 2 is scored after decision 1's (calibrated) answer.
+    assert real[2].candidates[0].startswith("sentiment: negative\ntopic: ")
+    # Each prompt is paid once however many decisions read it; calibration's are said apart.
+    cf_prompts = {str(c.messages): words(c.messages) for c in content_free}
+    assert len(cf_prompts) == 6
+    extra = words(reversed_) + sum(cf_prompts.values())
+    assert body["usage"]["input_tokens"] == words(as_listed) + extra
+    assert body["usage"]["calibration_input_tokens"] == extra
+    assert body["calibration"] == {
+        "mode": "batch",
+        "orders": 2,
+        "texts": 0,
+        "content_free_estimated": True,
+    }
+    for answer in body["answers"]:
+        assert math.isclose(sum(answer["raw_probabilities"].values()), 1.0, abs_tol=1e-5)
     assert 0 < body["usage"]["output_tokens"] <= 64
     assert body["charge"] == cost(CORE, body["usage"])
     bal = balance(service, acct.org_id)
@@ -129,6 +163,14 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
     acts = service.db.transact_sync(lambda c: activity.list_activity(c, acct.org_id))
     charge = next(a for a in acts if a["kind"] == "charge" and a["ref"] == body["id"])
     assert charge["detail"]["purpose"] == "decide" and charge["detail"]["decisions"] == 2
+    assert charge["detail"]["calibration_input_tokens"] == extra
+    # The next text of the set pays for its two orders only, and is calibrated by the first.
+    service.clock.advance(2)
+    again = (await http.post("/v1/decide", json=BODY, headers=acct.headers)).json()
+    assert len(engine.score_calls) == 16 + 4
+    assert again["usage"]["input_tokens"] == words(as_listed) + words(reversed_)
+    assert again["calibration"]["texts"] == 1
+    assert again["calibration"]["content_free_estimated"] is False
 
 
 async def test_a_read_key_cannot_decide(service, engine, http):
@@ -187,7 +229,7 @@ async def test_replay_returns_the_saved_answer_uncharged_for_24_hours(service, e
     again = await http.post("/v1/decide", json=BODY, headers=headers)
     assert again.json() == first.json()
     assert again.headers["Idempotent-Replayed"] == "true"
-    assert len(engine.score_calls) == 2 and balance(service, acct.org_id).settled == settled
+    assert runs(engine) == 1 and balance(service, acct.org_id).settled == settled
     changed = {**BODY, "decisions": [SENTIMENT]}
     conflict = await http.post("/v1/decide", json=changed, headers=headers)
     assert conflict.status_code == 409
@@ -200,7 +242,7 @@ async def test_replay_returns_the_saved_answer_uncharged_for_24_hours(service, e
         "code": "idempotency_response_expired",
         "retryable": False,
     }
-    assert len(engine.score_calls) == 2 and balance(service, acct.org_id).settled == settled
+    assert runs(engine) == 1 and balance(service, acct.org_id).settled == settled
 
 
 async def test_zero_data_retention_reruns_and_recharges(service, engine, http):
@@ -213,29 +255,39 @@ async def test_zero_data_retention_reruns_and_recharges(service, engine, http):
     assert first.status_code == second.status_code == 200
     assert second.headers.get("Idempotent-Replayed") is None
     assert first.json()["id"] != second.json()["id"]
-    assert len(engine.score_calls) == 4
-    expected = 2 * to_ticks(Decimal(first.json()["charge"]))
+    assert runs(engine) == 2
+    expected = to_ticks(Decimal(first.json()["charge"])) + to_ticks(
+        Decimal(second.json()["charge"])
+    )
     assert balance(service, acct.org_id).settled == expected
+    # Nothing of its texts is kept, not even in the running mean: both saw none before.
+    assert first.json()["calibration"]["texts"] == second.json()["calibration"]["texts"] == 0
 
 
 # -- limits and credit ------------------------------------------------------------
 
 
-async def test_over_the_tier_limit_is_429_with_retry_after_shared_by_every_key(
-    service, engine, http
-):
+async def test_over_the_tier_limit_is_429_with_retry_after_shared_by_every_key(make_service):
+    service = make_service(limits_queue_s=0)
+    engine = ScriptedEngine(clock=service.clock, scorer=text_scorer)
+    service.engines.set("embedded", engine)
     acct = make_account(service, credit="1")
     other_key = make_account(service, "acme", credit="0", scope=Scope.INFERENCE)
-    assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
-    limited = await http.post("/v1/decide", json=BODY, headers=other_key.headers)
-    assert limited.status_code == 429
-    assert limited.json()["error"]["code"] == "rate_limited"
-    assert limited.json()["error"]["retryable"] is True
-    wait = int(limited.headers["Retry-After"])
-    assert wait >= 1
-    assert len(engine.score_calls) == 2
-    service.clock.advance(wait)
-    assert (await http.post("/v1/decide", json=BODY, headers=other_key.headers)).status_code == 200
+    burst = service.tier(0).max_in_flight
+    async with asgi_client(service) as http:
+        for _ in range(burst):
+            r = await http.post("/v1/decide", json=BODY, headers=acct.headers)
+            assert r.status_code == 200
+        limited = await http.post("/v1/decide", json=BODY, headers=other_key.headers)
+        assert limited.status_code == 429
+        assert limited.json()["error"]["code"] == "rate_limited"
+        assert limited.json()["error"]["retryable"] is True
+        wait = int(limited.headers["Retry-After"])
+        assert wait >= 1
+        assert runs(engine) == burst
+        service.clock.advance(wait)
+        again = await http.post("/v1/decide", json=BODY, headers=other_key.headers)
+        assert again.status_code == 200
 
 
 async def test_402_when_credit_cannot_cover_the_most_expensive_outcome(service, engine, http):
@@ -271,11 +323,24 @@ async def test_estimate_counts_the_prompt_and_quotes_without_charging(service, e
     r = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
     assert r.status_code == 200, r.text
     est = r.json()
-    from batchyard.core.decisions import build_messages, parse_request
+    from batchyard.core.decisions import build_messages, parse_request, reorder_outcomes
+    from batchyard.work.decide_scoring import content_free_requests
 
     model = service.catalog.model("kettei-core")
-    messages = build_messages(parse_request(BODY), "lines")
-    assert est["input_tokens"] == service.tokenizer(model).count_messages(messages)
+    count = service.tokenizer(model).count_messages
+    req = parse_request(BODY)
+    as_listed = count(build_messages(req, "lines"))
+
+    def both_orders(r: Any) -> int:
+        flipped = reorder_outcomes(r, lambda n: list(range(n - 1, -1, -1)))
+        return count(build_messages(r, "lines")) + count(build_messages(flipped, "lines"))
+
+    # The exact prompts decide would send: the text under two orders of the
+    # outcomes and, since nothing of this set is known yet, the content-free ones.
+    content_free = sum(both_orders(r) for r in content_free_requests(req))
+    assert est["input_tokens"] == both_orders(req) + content_free
+    assert est["calibration_input_tokens"] == est["input_tokens"] - as_listed
+    assert est["content_free_input_tokens"] == content_free
     assert est["max_output_tokens"] == 64
     quote = token_cost(est["input_tokens"], 64, *CORE)
     assert Decimal(est["max_cost"]) >= quote
@@ -287,16 +352,22 @@ async def test_estimate_counts_the_prompt_and_quotes_without_charging(service, e
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "no_decisions"
 
 
-async def test_estimates_have_their_own_token_budget(service, engine, http):
+async def test_estimates_have_their_own_token_budget(make_service):
+    # A tier whose estimate budget is smaller than one estimate's tokens, and no
+    # server-side queue: the second estimate in a row is refused at once.
+    tier = dataclasses.replace(DEFAULT_TIERS[0], estimate_tokens_per_minute=600)
+    service = make_service(tiers=(tier,), limits_queue_s=0)
+    service.engines.set("embedded", ScriptedEngine(clock=service.clock, scorer=text_scorer))
     acct = make_account(service, credit="1")
-    # A decision spends the requests limit; an estimate right after still runs.
-    assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
-    est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
-    assert est.status_code == 200
-    again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
-    assert again.status_code == 429 and "Retry-After" in again.headers
-    service.clock.advance(int(again.headers["Retry-After"]))
-    assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
+    async with asgi_client(service) as http:
+        # A decision spends the requests limit; an estimate right after still runs.
+        assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
+        est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+        assert est.status_code == 200
+        again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+        assert again.status_code == 429 and "Retry-After" in again.headers
+        service.clock.advance(int(again.headers["Retry-After"]))
+        assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
 
 
 async def test_default_max_output_tokens_is_the_longest_answer(service, engine, http):
@@ -312,9 +383,12 @@ async def test_default_max_output_tokens_is_the_longest_answer(service, engine, 
 
 
 async def test_a_newcomers_sequence(service, engine, http):
-    """estimate, decide, replay, change under the same key, exceed the tier, run dry."""
+    """estimate, decide, replay, change under the same key, run dry."""
+    # Uncalibrated: the scripted engine counts words where the quote counts
+    # bytes, which would leave the first call's content-free share unspent.
+    body = {**BODY, "calibration": "none"}
     acct = make_account(service, "newcomer", credit="0")
-    est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
+    est = await http.post("/v1/decide/estimate", json=body, headers=acct.headers)
     assert est.status_code == 200
     max_cost = Decimal(est.json()["max_cost"])
     # Credit for exactly one call at its most expensive.
@@ -322,20 +396,17 @@ async def test_a_newcomers_sequence(service, engine, http):
         lambda c: ledger.top_up(c, acct.org_id, to_ticks(max_cost), service.clock.now())
     )
     h1 = {**acct.headers, "Idempotency-Key": "ticket-1"}
-    first = await http.post("/v1/decide", json=BODY, headers=h1)
+    first = await http.post("/v1/decide", json=body, headers=h1)
     assert first.status_code == 200, first.text
     assert Decimal(first.json()["charge"]) <= max_cost
-    replay = await http.post("/v1/decide", json=BODY, headers=h1)
+    replay = await http.post("/v1/decide", json=body, headers=h1)
     assert replay.status_code == 200 and replay.json() == first.json()
-    changed = {**BODY, "decisions": [TOPIC]}
+    changed = {**body, "decisions": [TOPIC]}
     conflict = await http.post("/v1/decide", json=changed, headers=h1)
     assert conflict.status_code == 409
     assert conflict.json()["error"]["code"] == "idempotency_conflict"
     h2 = {**acct.headers, "Idempotency-Key": "ticket-2"}
-    limited = await http.post("/v1/decide", json=BODY, headers=h2)
-    assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
-    service.clock.advance(int(limited.headers["Retry-After"]))
-    broke = await http.post("/v1/decide", json=BODY, headers=h2)
+    broke = await http.post("/v1/decide", json=body, headers=h2)
     assert broke.status_code == 402
     assert broke.json()["error"]["code"] == "insufficient_credit"
     bal = balance(service, acct.org_id)
@@ -466,12 +537,20 @@ async def test_probabilities_come_from_the_routes_top_logprobs(remote):
             "probabilities": {"positive": 0.2, "negative": 0.7, "neutral": 0.1},
         }
     ]
-    assert r.json()["usage"] == {"input_tokens": 40, "output_tokens": 3}
+    assert r.json()["usage"] == {
+        "input_tokens": 40,
+        "output_tokens": 3,
+        "calibration_input_tokens": 0,
+    }
+    # A generation route is not calibrated: its probabilities are the route's own.
+    assert r.json()["calibration"] is None
 
 
 # -- fine-tuned versions: cold until loaded, the 10-second fallback, keep-warm ----------
 
-ONE = {**BODY, "model": VERSION, "decisions": [SENTIMENT]}
+# Uncalibrated: these tests time a version's load by its scripted calls, and
+# calibration's own calls are tested above.
+ONE = {**BODY, "model": VERSION, "decisions": [SENTIMENT], "calibration": "none"}
 
 
 @pytest.fixture

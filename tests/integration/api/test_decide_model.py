@@ -58,3 +58,87 @@ async def test_decide_on_the_embedded_model(service) -> None:
     assert 0 < float(body["charge"]) <= float(est.json()["max_cost"])
     bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.held == 0 and bal.settled > 0
+
+
+SENTIMENT = {
+    "id": "sentiment",
+    "question": "How does the writer feel?",
+    "outcomes": [
+        {"id": "positive", "description": "pleased"},
+        {"id": "negative", "description": "unhappy"},
+        {"id": "neutral", "description": "neither"},
+    ],
+}
+
+
+def _body(text: str, **extra: object) -> dict[str, object]:
+    return {"model": "kettei-core", "input": {"text": text}, "decisions": [SENTIMENT], **extra}
+
+
+async def test_calibrated_answers_carry_the_raw_ones_and_pay_for_the_extra_prompts(service) -> None:
+    from decimal import Decimal
+
+    from batchyard.core.money import charge_ticks, format_money, token_cost
+
+    acct = make_account(service, credit="1")
+    model = service.catalog.model("kettei-core")
+    prices = (model.input_per_mtok, model.output_per_mtok)
+    texts = ["I love it, best purchase all year!", "Broken on arrival. Awful.", "It is blue."]
+    async with asgi_client(service, timeout=300) as http:
+        est = (
+            await http.post("/v1/decide/estimate", json=_body(texts[0]), headers=acct.headers)
+        ).json()
+        bodies = []
+        for text in texts:
+            service.clock.advance(2)
+            raw = await http.post(
+                "/v1/decide", json=_body(text, calibration="none"), headers=acct.headers
+            )
+            service.clock.advance(2)
+            r = await http.post("/v1/decide", json=_body(text), headers=acct.headers)
+            assert r.status_code == 200 and raw.status_code == 200, r.text
+            bodies.append((raw.json(), r.json()))
+        service.clock.advance(2)
+        est_after = (
+            await http.post("/v1/decide/estimate", json=_body(texts[0]), headers=acct.headers)
+        ).json()
+    prompt = bodies[0][0]["usage"]["input_tokens"]
+    for n, (uncalibrated, calibrated) in enumerate(bodies):
+        # calibration "none": the model's own softmax, one prompt, as before.
+        assert uncalibrated["calibration"] is None
+        assert "raw_probabilities" not in uncalibrated["answers"][0]
+        assert uncalibrated["usage"]["calibration_input_tokens"] == 0
+        answer = calibrated["answers"][0]
+        probs, raw = answer["probabilities"], answer["raw_probabilities"]
+        assert list(probs) == list(raw) == ["positive", "negative", "neutral"]
+        assert math.isclose(sum(probs.values()), 1.0, abs_tol=1e-4)
+        assert math.isclose(sum(raw.values()), 1.0, abs_tol=1e-4)
+        assert answer["outcome"] == max(probs, key=probs.get)
+        assert probs != raw
+        info = calibrated["calibration"]
+        assert info["mode"] == "batch" and info["orders"] == 2
+        # Only the texts before this one inform its prior.
+        assert info["texts"] == n
+        usage = calibrated["usage"]
+        assert calibrated["charge"] == format_money(
+            charge_ticks(token_cost(usage["input_tokens"], usage["output_tokens"], *prices))
+        )
+        assert Decimal(calibrated["charge"]) > Decimal(uncalibrated["charge"])
+    first, second = bodies[0][1], bodies[1][1]
+    # The first call also estimated the set's content-free prior, and paid for it.
+    assert first["calibration"]["content_free_estimated"] is True
+    assert second["calibration"]["content_free_estimated"] is False
+    # Every later call reads its prompt twice (the outcomes in two orders): paid twice.
+    reversed_prompt = second["usage"]["calibration_input_tokens"]
+    assert (
+        second["usage"]["input_tokens"] == bodies[1][0]["usage"]["input_tokens"] + reversed_prompt
+    )
+    assert abs(reversed_prompt - bodies[1][0]["usage"]["input_tokens"]) <= 2
+    assert first["usage"]["calibration_input_tokens"] > 3 * reversed_prompt
+    # The estimate quoted the content-free prompts before, and only the two orders after.
+    assert est["input_tokens"] == first["usage"]["input_tokens"]
+    assert est["calibration_input_tokens"] == first["usage"]["calibration_input_tokens"]
+    assert est_after["input_tokens"] - est_after["calibration_input_tokens"] == prompt
+    assert abs(est_after["calibration_input_tokens"] - prompt) <= 2
+    bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.held == 0

@@ -47,7 +47,7 @@ BAD_FILES = [
     ("max_tokens_str", [chat_line("a", max_tokens="5")], 400, "invalid_request", 1),
     ("stream", [chat_line("a", stream=True)], 400, "streaming_unsupported", 1),
     ("tools", [chat_line("a", tools=[])], 400, "tools_unsupported", 1),
-    ("unknown_field", [chat_line("a", bogus=1)], 400, "unsupported_parameter", 1),
+    ("unknown_field", [chat_line("a", bogus=1)], 400, "unknown_field", 1),
     ("line_field", [{**chat_line("a"), "extra": 1}], 400, "unsupported_parameter", 1),
     ("custom_id", [{**chat_line("a"), "custom_id": ""}], 400, "invalid_custom_id", 1),
     ("url", [{**chat_line("a"), "url": "/v1/images"}], 400, "unsupported_endpoint", 1),

@@ -249,3 +249,56 @@ async def test_expired_files_and_abandoned_uploads_are_swept(service, clock):
         assert await worker(service).sweep_files(clock.now()) == (1, 1)
         gone = await http.get(f"/v1/files/{f['id']}", headers=acct.headers)
     assert gone.status_code == 404
+
+
+async def test_completions_and_embeddings_lines_run_and_answer_in_their_endpoint_s_shape(service):
+    engine = answer_with(service, "a reply")
+    acct = make_account(service, credit="1")
+    completions = [
+        {
+            "custom_id": f"c-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "kettei-core", "prompt": f"Once upon a time {i}", "max_tokens": 6},
+        }
+        for i in range(3)
+    ]
+    embeddings = [
+        {
+            "custom_id": f"e-{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "kettei-core", "input": [f"text {i}", "more"]},
+        }
+        for i in range(2)
+    ]
+    async with asgi_client(service, worker=False) as http:
+        results = {}
+        for endpoint, lines in (("/v1/completions", completions), ("/v1/embeddings", embeddings)):
+            f = (await upload(http, acct.headers, jsonl(lines))).json()
+            r = await create(http, acct.headers, f["id"], endpoint=endpoint)
+            assert r.status_code == 200, r.text
+            await worker(service).run_until_idle()
+            done = (await http.get(f"/v1/batches/{r.json()['id']}", headers=acct.headers)).json()
+            assert done["status"] == "completed" and done["request_counts"]["failed"] == 0, done
+            out = await http.get(
+                f"/v1/files/{done['output_file_id']}/content", headers=acct.headers
+            )
+            results[endpoint] = (done, parse_lines(out.content))
+    done, lines = results["/v1/completions"]
+    assert [x["custom_id"] for x in lines] == ["c-0", "c-1", "c-2"]
+    for x in lines:
+        body = x["response"]["body"]
+        assert body["object"] == "text_completion" and body["choices"][0]["text"] == "a reply"
+        assert body["id"] == x["response"]["request_id"]
+    # A text completion reaches the engine as a raw prompt, without a chat template.
+    assert [c.prompt for c in engine.calls] == [f"Once upon a time {i}" for i in range(3)]
+    done, lines = results["/v1/embeddings"]
+    for x in lines:
+        body = x["response"]["body"]
+        assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1]
+        assert all(len(d["embedding"]) == 8 for d in body["data"])
+        assert body["usage"]["prompt_tokens"] > 0
+    assert engine.embed_calls == [["text 0", "more"], ["text 1", "more"]]
+    bal = balance(service, acct.org_id)
+    assert bal.held == 0 and bal.settled > 0

@@ -20,8 +20,9 @@ def test_0003_creates_batches_and_items_and_downgrades_cleanly(fresh_db):
     }
     with fresh_db.engine.connect() as conn:
         heads = {r[0] for r in conn.execute(text("SELECT version_num FROM alembic_version"))}
-    # The latest revision, whichever it is now; 0003 is under it.
+    # The latest (0003 is under it): whichever revision is the scripts' one head.
     assert heads == set(ScriptDirectory.from_config(migrations.alembic_config()).get_heads())
+    assert len(heads) == 1
     migrations.downgrade(fresh_db.engine, "0001")
     assert not {"batches", "batch_items"} & set(inspect(fresh_db.engine).get_table_names())
     fresh_db.migrate()

@@ -58,15 +58,33 @@ def _driver(profile: Path) -> Any:
     return webdriver.Chrome(service=DriverService(CHROMEDRIVER), options=options)
 
 
-def _click_and_load(driver: Any, element: Any) -> None:
-    """Click, then wait until the next page has replaced this one and finished loading."""
+def _click_and_load(driver: Any, by: str, value: str) -> None:
+    """Find, click, then wait until the next page has replaced this one and finished loading.
+
+    The element is found by its locator at the moment of the click, from a page that
+    has finished loading: a live batch's page reloads itself (``<meta refresh>``), and an
+    element found before such a reload belongs to a document that is gone (chromedriver:
+    "Node ... does not belong to the document"). A click that failed that way did not
+    happen, so it is tried again on the new page.
+    """
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    old = driver.find_element(By.TAG_NAME, "html")
-    element.click()
     wait = WebDriverWait(driver, 15)
+    for attempt in range(3):
+        wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+        old = driver.find_element(By.TAG_NAME, "html")
+        try:
+            driver.find_element(by, value).click()
+        except StaleElementReferenceException:
+            continue
+        except WebDriverException as exc:
+            if "does not belong to the document" not in str(exc) or attempt == 2:
+                raise
+            continue
+        break
     wait.until(ec.staleness_of(old))
     wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
 
@@ -83,10 +101,10 @@ async def test_sign_in_submit_complete_cancel_in_chromium(service, tmp_path):
             def sign_in_and_submit() -> str:
                 driver.get(f"{base}/workspace/")
                 driver.find_element(By.ID, "api_key").send_keys(acct.key)
-                _click_and_load(driver, driver.find_element(By.ID, "sign-in"))
+                _click_and_load(driver, By.ID, "sign-in")
                 assert driver.current_url == f"{base}/workspace/batches"
                 assert '"kettei-core"' in driver.find_element(By.ID, "body").get_attribute("value")
-                _click_and_load(driver, driver.find_element(By.ID, "submit"))
+                _click_and_load(driver, By.ID, "submit")
                 assert "/workspace/batches/bat." in driver.current_url
                 assert driver.find_element(By.ID, "status").text == "in_progress"
                 return str(driver.current_url).rsplit("/", 1)[1]
@@ -95,8 +113,8 @@ async def test_sign_in_submit_complete_cancel_in_chromium(service, tmp_path):
 
             def listed_then_opened() -> None:
                 driver.get(f"{base}/workspace/batches")
-                table = driver.find_element(By.ID, "batches")
-                _click_and_load(driver, table.find_element(By.LINK_TEXT, batch_id))
+                assert driver.find_element(By.ID, "batches")
+                _click_and_load(driver, By.LINK_TEXT, batch_id)
                 assert driver.current_url == f"{base}/workspace/batches/{batch_id}"
 
             await asyncio.to_thread(listed_then_opened)
@@ -124,9 +142,9 @@ async def test_sign_in_submit_complete_cancel_in_chromium(service, tmp_path):
 
             def submit_and_cancel() -> str:
                 driver.get(f"{base}/workspace/batches")
-                _click_and_load(driver, driver.find_element(By.ID, "submit"))
+                _click_and_load(driver, By.ID, "submit")
                 second = str(driver.current_url).rsplit("/", 1)[1]
-                _click_and_load(driver, driver.find_element(By.ID, "cancel"))
+                _click_and_load(driver, By.ID, "cancel")
                 assert driver.find_element(By.ID, "status").text == "canceled"
                 return second
 
@@ -156,7 +174,7 @@ async def test_a_sign_in_survives_a_restart_and_works_on_another_process(
             def sign_in() -> dict[str, Any]:
                 driver.get(f"{base}/workspace/")
                 driver.find_element(By.ID, "api_key").send_keys(acct.key)
-                _click_and_load(driver, driver.find_element(By.ID, "sign-in"))
+                _click_and_load(driver, By.ID, "sign-in")
                 assert driver.current_url == f"{base}/workspace/batches"
                 return driver.get_cookie("by_workspace")
 
@@ -172,7 +190,7 @@ async def test_a_sign_in_survives_a_restart_and_works_on_another_process(
                 driver.get(f"{other}/workspace/batches")
                 assert driver.current_url == f"{other}/workspace/batches"
                 assert driver.find_element(By.ID, "upload")
-                _click_and_load(driver, driver.find_element(By.CSS_SELECTOR, "button.link"))
+                _click_and_load(driver, By.CSS_SELECTOR, "button.link")
                 assert "note=out" in driver.current_url
 
             await asyncio.to_thread(still_signed_in)

@@ -82,3 +82,73 @@ async def test_check_compares_models_over_http(gateway: FakeGateway, tmp_path: P
     async with AsyncClient(gateway.base_url, gateway.api_key) as client:
         await check_models(client, labelled, DECISIONS, ["kettei-core"])  # type: ignore[arg-type]
     assert gateway.credit == spent and isinstance(spent, Decimal)
+
+
+def test_raw_beside_calibrated_per_decision() -> None:
+    """Balanced accuracy, the confusion matrix and ECE, for the answers and the raw argmax."""
+    decisions = [
+        {
+            "id": "sentiment",
+            "question": "?",
+            "outcomes": [{"id": "positive"}, {"id": "negative"}, {"id": "neutral"}],
+        }
+    ]
+    labelled = [
+        LabelledText(str(i), "t", {"sentiment": label})
+        for i, label in enumerate(["positive"] * 4 + ["negative"] * 4 + ["neutral"] * 2)
+    ]
+
+    def answer(outcome: str, confidence: float) -> list[dict[str, object]]:
+        rest = (1 - confidence) / 2
+        probs = {
+            o: (confidence if o == outcome else rest) for o in ("positive", "negative", "neutral")
+        }
+        # The raw model says positive to everything.
+        raw = {"positive": 0.8, "negative": 0.15, "neutral": 0.05}
+        return [
+            {
+                "decision": "sentiment",
+                "outcome": outcome,
+                "probabilities": probs,
+                "raw_probabilities": raw,
+            }
+        ]
+
+    picks = ["positive"] * 4 + ["negative"] * 3 + ["positive"] + ["neutral", "negative"]
+    answers = {str(i): answer(p, 0.9 if i < 8 else 0.5) for i, p in enumerate(picks)}
+    score = score_model("m", labelled, answers, decisions)  # type: ignore[arg-type]
+    q = score.quality["sentiment"]
+    assert q.calibrated.outcomes == ["positive", "negative", "neutral"]
+    assert q.calibrated.matrix == [[4, 0, 0], [1, 3, 0], [0, 1, 1]]
+    assert q.calibrated.accuracy == pytest.approx(8 / 10)
+    assert q.calibrated.balanced_accuracy == pytest.approx((1 + 3 / 4 + 1 / 2) / 3)
+    # Raw: always positive: right on the positives only.
+    assert q.raw.matrix == [[4, 0, 0], [4, 0, 0], [2, 0, 0]]
+    assert q.raw.accuracy == pytest.approx(0.4)
+    assert q.raw.balanced_accuracy == pytest.approx(1 / 3)
+    # ECE: eight answers at 0.9 with 7 right, two at 0.5 with 1 right.
+    assert q.calibrated.ece == pytest.approx(0.8 * abs(0.9 - 7 / 8) + 0.2 * abs(0.5 - 0.5))
+    assert q.raw.ece == pytest.approx(abs(0.8 - 0.4))
+    body = score.to_json()["quality"]["sentiment"]
+    assert body["raw"]["confusion"]["negative"] == {"positive": 4, "negative": 0, "neutral": 0}
+    assert body["calibrated"]["balanced_accuracy"] == pytest.approx(0.75)
+
+
+def test_without_raw_probabilities_raw_is_the_answer_itself() -> None:
+    labelled = [LabelledText("a", "t", {"spam": "yes"})]
+    score = score_model("m", labelled, {"a": _answers(spam="no")})  # type: ignore[arg-type]
+    q = score.quality["spam"]
+    assert q.raw.matrix == q.calibrated.matrix
+    # No probabilities were sent: no calibration error can be stated.
+    assert q.calibrated.ece is None and q.calibrated.accuracy == 0.0
+
+
+def test_expected_calibration_error_by_hand() -> None:
+    from batchyard.client.metrics import balanced_accuracy, expected_calibration_error
+
+    assert expected_calibration_error([], []) is None
+    assert expected_calibration_error([1.0, 1.0], [True, True]) == 0.0
+    assert expected_calibration_error([0.95, 0.15], [False, True]) == pytest.approx(
+        0.5 * 0.95 + 0.5 * 0.85
+    )
+    assert balanced_accuracy([[0, 0], [0, 0]]) is None

@@ -126,6 +126,35 @@ def test_check_prints_the_table_and_writes_the_report(
     )
     assert result.exit_code == 0, result.output
     assert "100.0% (4/4)" in result.output
+    # Raw beside calibrated, per model and decision.
+    assert "kettei-core · sentiment: raw beside calibrated" in result.output
+    assert "kettei-dumb · spam: raw beside calibrated" in result.output
+    assert "balanced accuracy" in result.output and "expected calibration error" in result.output
     body = json.loads(report.read_text())
     assert [m["model"] for m in body["models"]] == ["kettei-core", "kettei-dumb"]
     assert body["models"][1]["accuracy"] == {"sentiment": 0.5, "spam": 0.5}
+
+
+def test_check_shows_what_calibration_bought(
+    gateway: FakeGateway, tmp_path: Path, decisions_file: Path
+) -> None:
+    gateway.calibrating = {"kettei-core"}
+    rows = [
+        {"id": str(i), "text": f"sentiment={s} spam=no", "labels": {"sentiment": s, "spam": "no"}}
+        for i, s in enumerate(["positive", "negative", "neutral", "negative"])
+    ]
+    labels = write_jsonl(tmp_path / "labels.jsonl", rows)
+    report = tmp_path / "report.json"
+    args = ["--labels", str(labels), "--decisions", str(decisions_file), "--model", "kettei-core"]
+    result = CliRunner().invoke(check_command, [*args, "--json", str(report)], env=_env(gateway))
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    row = next(line for line in lines if "balanced accuracy" in line)
+    # sentiment: raw picks the first outcome (positive) every time; calibrated is right.
+    assert "33.3%" in row and "100.0%" in row
+    assert any(
+        "negative" in line and "positive:2" in line and "negative:2" in line for line in lines
+    )
+    quality = json.loads(report.read_text())["models"][0]["quality"]["sentiment"]
+    assert quality["raw"]["accuracy"] == 0.25 and quality["calibrated"]["accuracy"] == 1.0
+    assert quality["raw"]["confusion"]["negative"]["positive"] == 2

@@ -96,3 +96,12 @@ async def test_async_methods_match_the_sync_ones(gateway: FakeGateway) -> None:
     assert models["object"] == "list"
     for r in gateway.requests:
         assert r.headers.get("authorization") == f"Bearer {gateway.api_key}"
+
+
+def test_decide_sends_calibration_only_when_chosen() -> None:
+    from batchyard.client import calls
+
+    base = {"model": "kettei-core", "decisions": DECISIONS, "input": {"text": "t"}}
+    assert "calibration" not in calls.decide_body(**base)  # type: ignore[arg-type]
+    chosen = calls.decide_body(**base, calibration="content_free")  # type: ignore[arg-type]
+    assert chosen["calibration"] == "content_free"

@@ -105,6 +105,45 @@ def test_the_prompt_holds_the_text_once_and_every_decision() -> None:
     assert "JSON" in d.build_messages(req, "json")[-1]["content"]
 
 
+def test_the_questions_come_first_so_texts_of_one_batch_share_the_prompts_start() -> None:
+    one = d.build_messages(parsed(), "lines")[-1]["content"]
+    other = d.build_messages(parsed(input={"text": "Fine screen."}), "lines")[-1]["content"]
+    shared = one[: one.index("Text:")]
+    assert shared.startswith("Questions:") and other.startswith(shared)
+    assert one.index("Text:") < one.index("Reply with")
+
+
+def test_calibration_is_batch_unless_asked_and_checked() -> None:
+    assert parsed().calibration == "batch"
+    assert parsed(calibration="none").calibration == "none"
+    assert parsed(calibration="content_free").calibration == "content_free"
+    assert code_of({**BODY, "calibration": "always"}) == "invalid_request"
+
+
+def test_outcomes_can_be_listed_in_another_order() -> None:
+    req = parsed()
+    flipped = d.reorder_outcomes(req, lambda n: list(range(n - 1, -1, -1)))
+    assert flipped.decisions[0].outcome_ids == tuple(reversed(req.decisions[0].outcome_ids))
+    assert [x.id for x in flipped.decisions] == [x.id for x in req.decisions]
+    assert flipped.input == req.input and flipped.calibration == req.calibration
+
+
+def test_raw_probabilities_go_beside_the_calibrated_ones() -> None:
+    req = parsed()
+    probs = [{"positive": 0.2, "negative": 0.7, "neutral": 0.1}, None]
+    raw = [{"positive": 0.6, "negative": 0.3, "neutral": 0.1}, {"battery": 1.0}]
+    out = d.answers_json(req.decisions[:1], ["negative"], probs[:1], raw[:1])
+    assert out == [
+        {
+            "decision": "sentiment",
+            "outcome": "negative",
+            "probabilities": probs[0],
+            "raw_probabilities": raw[0],
+        }
+    ]
+    assert "raw_probabilities" not in d.answers_json(req.decisions[:1], ["negative"], probs[:1])[0]
+
+
 def test_scoring_candidates_carry_the_answers_so_far() -> None:
     req = parsed()
     assert d.scoring_candidates(req.decisions, 0, []) == [

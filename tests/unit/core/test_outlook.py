@@ -1,4 +1,4 @@
-"""Analogues: what followed moments like now, read from a market's own past."""
+"""Per-route histories and the scenarios read from them."""
 
 from __future__ import annotations
 
@@ -8,137 +8,102 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from batchyard.core.outlook import BIN, Analogues, MarketHistory, Outlook, _outages, bin_index
+from batchyard.core.outlook import HistoryScenarios, depth, discount, fit_route
+from batchyard.core.route_history import SLOT, RouteHistory, slot_index
+from batchyard.core.stopping import COLUMNS
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)
-NOTHING = -math.inf
+DAY = 5760  # slots
 
 
-def triangle(days: int, low: float = 20.0, high: float = 80.0, half: int = 180) -> list[float]:
-    """A discount that deepens for ``half`` bins (6 h), then eases as long, over and over."""
-    period = 2 * half
-    out = []
-    for i in range(days * 720):
-        phase = i % period
-        up = phase if phase < half else period - phase
-        out.append(low + (high - low) * up / half)
-    return out
+def test_a_history_keeps_the_deeper_of_two_looks_and_tells_unseen_from_unpayable() -> None:
+    history = RouteHistory(keep=100)
+    history.put(10, 40.0)
+    history.put(10, 35.0)  # a second pass in the same slot saw less: the deeper stays
+    history.put(12, None)  # looked, nothing payable
+    window = history.window(9, 14)
+    assert window[1] == 40.0 and math.isinf(window[3]) and window[3] < 0
+    assert np.isnan(window[[0, 2, 4]]).all()  # nobody looked
+    assert history.saved() == [(10, 40.0), (12, None)]
+    assert history.saved(since=11) == [(12, None)]
+    again = RouteHistory(keep=100)
+    again.restore(history.saved())
+    assert again.saved() == history.saved()
 
 
-def test_on_the_deepening_side_waiting_beats_taking_now() -> None:
-    bins = triangle(3)
-    bins = bins[: 5 * 360 + 91]  # stop half-way up a deepening stretch
-    now = bins[-1]
-    chance, cost = Outlook(bins).waiting(150, 30.0) or (0.0, 0.0)
-    assert chance == 1.0
-    assert cost < 100 - now - 10  # the analogues went on deepening
+def test_a_history_forgets_what_is_older_than_it_keeps() -> None:
+    history = RouteHistory(keep=100)
+    for slot in range(1000):
+        history.put(slot, float(slot % 7))
+    assert history.first is not None and history.last == 999
+    assert 100 <= history.span() <= 100 + 100 // 8 + 1
+    history.put(5, 1.0)  # far too old: ignored
+    assert history.first > 5
+    # A slot older than the first, still within reach of the last, is kept (a restore).
+    young = RouteHistory(keep=100)
+    young.put(50, 1.0)
+    young.put(40, 3.0)
+    assert young.first == 40 and young.saved() == [(40, 3.0), (50, 1.0)]
 
 
-def test_on_the_easing_side_taking_now_is_as_good_as_waiting() -> None:
-    bins = triangle(3)
-    bins = bins[: 5 * 360 + 191]  # just past the deepest point, easing
-    now = bins[-1]
-    _, cost = Outlook(bins).waiting(60, 30.0) or (0.0, 0.0)
-    assert cost >= 100 - now - 2
+def test_depth_and_discount_are_inverse_and_keep_unpayable() -> None:
+    points = np.array([-20.0, 0.0, 50.0, 95.0, -math.inf])
+    back = discount(depth(points))
+    assert back[:4] == pytest.approx(points[:4])
+    assert math.isinf(back[4]) and back[4] < 0
 
 
-def test_chance_counts_futures_that_held_a_qualifying_price() -> None:
-    # Qualifying (60) for one bin in 60, else 10: a short wait rarely sees it.
-    bins = [60.0 if i % 60 == 0 else 10.0 for i in range(3 * 720)]
-    short = Outlook(bins).waiting(5, 50.0)
-    long = Outlook(bins).waiting(100, 50.0)
-    assert short is not None and long is not None
-    assert short[0] < 0.5
-    assert long[0] == 1.0
+def _series(days: int, cycle: float, noise: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    slots = np.arange(days * DAY)
+    log_price = math.log(0.5) + cycle * np.cos(2 * math.pi * slots / DAY)
+    log_price = log_price + rng.normal(0, noise, len(slots))
+    return np.asarray(100 * (1 - np.exp(log_price)))
 
 
-def test_a_missed_future_costs_the_penalty() -> None:
-    # Nothing ever qualifies at 90: every plan falls back to nothing.
-    bins = [40.0] * 2000
-    view = Outlook(bins, Analogues(penalty=500.0)).waiting(30, 90.0)
-    assert view == (0.0, 500.0)
+def test_a_daily_cycle_is_found_when_there_is_one_and_only_then() -> None:
+    cyclic = fit_route(depth(_series(3, 0.4, 0.05)), 0)
+    flat = fit_route(depth(_series(3, 0.0, 0.05)), 0)
+    peak_to_trough = np.ptp(cyclic.profile)
+    assert peak_to_trough == pytest.approx(0.8, rel=0.1)  # 2 x 0.4 in log price
+    assert not flat.profile.any()
+    # Noise fresh at every check leaves no memory; a slow wander does.
+    assert flat.memory(np.array([8.0]))[0] < 0.2
+    rng = np.random.default_rng(1)
+    wander = np.zeros(2 * DAY)
+    for k in range(1, len(wander)):
+        wander[k] = 0.995 * wander[k - 1] + rng.normal(0, 0.02)
+    slow = fit_route(wander, 0)
+    assert slow.memory(np.array([8.0]))[0] > 0.8
 
 
-def test_analogues_are_kept_apart_and_need_a_history() -> None:
-    outlook = Outlook([50.0] * 1000, Analogues(k=10, spacing=20))
-    picked = outlook._apart(np.arange(100, 400, dtype=np.int64))
-    assert len(picked) == 10
-    assert np.diff(np.sort(picked)).min() >= 20
-    assert Outlook([50.0] * 50).waiting(10, 30.0) is None  # too short for a shape
-    assert Outlook([50.0] * 1000).waiting(0, 30.0) is None
+def _watched(days: float, cycle: float) -> HistoryScenarios:
+    source = HistoryScenarios()
+    first = slot_index(T0)
+    values = _series(math.ceil(days), cycle, 0.03)[: int(days * DAY)]
+    history = source.history("a")
+    history.restore((first + k, float(v)) for k, v in enumerate(values))
+    return source
 
 
-def test_a_moment_unlike_any_in_the_past_has_no_analogues() -> None:
-    # A calm market at 30 that suddenly sits at 90: nothing in its past looks
-    # like the last hours, so there is nothing to learn from, only to take.
-    bins = [30.0] * 2000 + [90.0] * 200
-    assert Outlook(bins).waiting(20, 50.0) is None
-    assert Outlook(bins, Analogues(unlike=100.0)).waiting(20, 50.0) is not None
+def test_no_opinion_before_a_day_has_been_seen() -> None:
+    source = _watched(0.9, 0.4)
+    assert source.scenarios(["a"], T0 + 0.9 * DAY * SLOT) is None
+    assert source.scenarios(["never-seen"], T0 + DAY * SLOT) is None
 
 
-def test_a_feed_outage_hides_the_level_but_does_not_end_it() -> None:
-    # The same market with and without a gap: the shape now is read through it.
-    bins = triangle(3)
-    gapped = list(bins)
-    gapped[-20:-5] = [NOTHING] * 15
-    a = Outlook(bins).waiting(60, 30.0)
-    b = Outlook(gapped).waiting(60, 30.0)
-    assert a is not None and b is not None
-    assert b[1] == pytest.approx(a[1], abs=5)
-
-
-def test_outages_are_learnt_from_the_whole_history() -> None:
-    # One 10-bin outage every 100 bins: rate 1/100, so the chance that a
-    # window's end lies in one that began inside it grows to 10 % and stops.
-    values = np.array([NOTHING if i % 100 >= 90 else 50.0 for i in range(2000)])
-    dark = _outages(values)
-    assert dark[0] == pytest.approx(0.01)
-    assert dark[4] == pytest.approx(0.05)
-    assert dark[50] == pytest.approx(0.10)
-    assert not _outages(np.array([50.0] * 100)).any()  # a feed that never went dark
-
-
-def test_a_feed_that_goes_dark_makes_waiting_dearer() -> None:
-    # The same flat market, with and without outages: waiting for more than
-    # is on offer now is worth less when the fallback may find nothing.
-    flat = [60.0 if i % 10 else 70.0 for i in range(3000)]
-    dark = [NOTHING if i % 120 >= 100 else v for i, v in enumerate(flat)]
-    dark[-5:] = flat[-5:]
-    lit = Outlook(flat).waiting(20, 50.0)
-    unlit = Outlook(dark).waiting(20, 50.0)
-    assert lit is not None and unlit is not None
-    assert unlit[1] > lit[1]
-
-
-def test_analogue_settings_are_checked() -> None:
-    with pytest.raises(ValueError):
-        Analogues(k=2)
-    with pytest.raises(ValueError):
-        Analogues(penalty=-1)
-
-
-def test_history_bins_passes_and_counts_idle_bins_as_nothing() -> None:
-    history = MarketHistory(memory=timedelta(hours=1))
-    history.add(T0, 40.0)
-    history.add(T0 + timedelta(seconds=15), 45.0)  # same bin: the deepest stays
-    history.add(T0 + timedelta(seconds=15), 90.0)  # same pass again: ignored
-    history.add(T0 + 3 * BIN, None)
-    saved = history.saved()
-    first = bin_index(T0)
-    assert saved == [(first, 45.0), (first + 1, None), (first + 2, None), (first + 3, None)]
-    assert history.span() == 4 * BIN
-
-
-def test_history_keeps_only_its_memory_and_restores_what_was_saved() -> None:
-    history = MarketHistory(memory=timedelta(hours=1))
-    for i in range(120):
-        history.add(T0 + i * BIN, float(i))
-    assert history.span() <= timedelta(hours=1) * 1.2
-    other = MarketHistory(memory=timedelta(hours=1))
-    other.restore(history.saved())
-    assert other.saved() == history.saved()
-    assert history.saved(since=bin_index(T0 + 119 * BIN)) == [(bin_index(T0 + 119 * BIN), 119.0)]
-    # The outlook is computed once per bin and shared by every item in it.
-    here = history.outlook(T0 + 119 * BIN)
-    assert history.outlook(T0 + 119 * BIN + timedelta(seconds=30)) is here
-    assert history.outlook(T0 + 120 * BIN) is not here
+def test_scenarios_see_the_cycle_coming() -> None:
+    # Two days of a cycle whose price peaks at midnight: at midnight every scenario
+    # should find it far cheaper at noon.
+    source = _watched(2.0, 0.4)
+    now = T0 + timedelta(days=2) - SLOT
+    got = source.scenarios(["a"], now)
+    assert got is not None
+    discounts, cover = got
+    assert discounts.shape == (64, len(COLUMNS.widths))
+    assert cover >= 12 * 240
+    mids = COLUMNS.offsets + COLUMNS.widths // 2
+    noon = int(np.argmin(abs(mids - 12 * 240)))
+    assert (discounts[:, noon] > discounts[:, 0] + 25).all()
+    expected = 100 * (1 - 0.5 * math.exp(0.4))
+    assert float(np.median(discounts[:, 0])) == pytest.approx(expected, abs=3)

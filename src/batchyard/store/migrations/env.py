@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from alembic import context
 
-# Every module that puts tables on the shared metadata, so that autogenerate
-# and the schema test see them all.
+# Upgrades run the scripts and need no metadata. Autogenerate (the schema test)
+# needs every table: it imports each store module first, since importing them
+# here would tie this package to the modules that migrate through it.
 from batchyard.store.tables import metadata
 
 connection = context.config.attributes["connection"]

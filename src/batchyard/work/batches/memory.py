@@ -1,10 +1,10 @@
 """The market worker's memory of prices, for a policy that learns from them.
 
-``DeadlineAware`` judges a wait by what followed moments like now in the last
-week of its market. Kept only in the worker, that week would be lost at every
-deploy and the policy would act as first-eligible for a day and more; so each
-pass saves the bins seen since the last save, and a starting worker restores
-them (``store.market_history``). A policy that learns nothing is left alone.
+``DeadlineAware`` builds its scenarios from each route's past week. Kept only
+in the worker, that week would be lost at every deploy and the policy would
+bet no deadline for a day; so each pass saves the slots seen since the last
+save, and a starting worker restores them (``store.market_history``). A
+policy that learns nothing is left alone.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ import logging
 
 from batchyard.core.clock import Clock
 from batchyard.core.market import LearningPolicy, Policy
-from batchyard.core.outlook import bin_index
+from batchyard.core.route_history import slot_index
 from batchyard.store import market_history
 from batchyard.store.database import Database
 
 __all__ = ["MarketMemory"]
 
 log = logging.getLogger("batchyard.market")
+
+#: Prune old slots once in this many slots (an hour), not on every pass.
+_PRUNE_EVERY = 240
 
 
 class MarketMemory:
@@ -30,34 +33,37 @@ class MarketMemory:
         self.clock = clock
         self.policy = policy if isinstance(policy, LearningPolicy) else None
         self._saved_from: int | None = None
+        self._pruned_at: int | None = None
 
     async def restore(self) -> int:
-        """Give the policy what earlier workers saw; returns the bins restored."""
+        """Give the policy what earlier workers saw; returns the slots restored."""
         policy = self.policy
         if policy is None:
             return 0
-        since = bin_index(self.clock.now() - policy.memory)
-        markets = await self.db.read(lambda c: market_history.load_history(c, since))
-        policy.restore(markets)
-        return sum(len(bins) for bins in markets.values())
+        since = slot_index(self.clock.now() - policy.memory)
+        routes = await self.db.read(lambda c: market_history.load_history(c, since))
+        policy.restore(routes)
+        return sum(len(slots) for slots in routes.values())
 
     async def save(self) -> None:
-        """Store the bins seen since the last save (the last one may still move)."""
+        """Store the slots seen since the last save (the last one may still move)."""
         policy = self.policy
         if policy is None:
             return
         now = self.clock.now()
-        markets = policy.saved(self._saved_from)
-        here = bin_index(now)
-        # Prune once per bin, not on every pass.
-        keep_from = bin_index(now - policy.memory) if here != self._saved_from else None
+        routes = policy.saved(self._saved_from)
+        here = slot_index(now)
+        prune = self._pruned_at is None or here - self._pruned_at >= _PRUNE_EVERY
+        keep_from = slot_index(now - policy.memory) if prune else None
         try:
             await self.db.write(
-                lambda c: market_history.save_history(c, markets, keep_from=keep_from)
+                lambda c: market_history.save_history(c, routes, keep_from=keep_from)
             )
         except Exception:
             # The history only sharpens the policy; a pass must not fail for it.
-            # The next pass saves from the same bin again.
+            # The next pass saves from the same slot again.
             log.warning("market history not saved", extra={"event": "market_history_error"})
             return
         self._saved_from = here
+        if prune:
+            self._pruned_at = here

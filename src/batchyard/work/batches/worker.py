@@ -62,6 +62,7 @@ from batchyard.errors import (
     BatchyardError,
     InsufficientCredit,
     InternalError,
+    StorageUnavailable,
     UpstreamError,
 )
 from batchyard.store import accounts, activity, ledger
@@ -479,9 +480,9 @@ class MarketWorker:
                 await asyncio.shield(self._cut_off(job, sent=False, why=str(exc)))
                 return None
             except Exception as exc:
-                if not sent:
-                    # Nothing reached the engine (the store failed to record the send, say):
-                    # the item waits again rather than failing for a call never made.
+                if not sent and isinstance(exc, StorageUnavailable):
+                    # The store refused the mark: nothing reached the engine, so the
+                    # item waits again rather than failing for a call never made.
                     await asyncio.shield(self._cut_off(job, sent=False, why=type(exc).__name__))
                     return None
                 err = (

@@ -12,9 +12,9 @@ line that was never answered (``batch_expired``, ``batch_cancelled``,
 ``uncertain``) has ``response`` null and ``error`` ``{code, message}``. vLLM's
 ``run_batch`` writes the same shape.
 
-LEAD: ``answer`` calls the dispatcher for ``/v1/chat/completions`` lines; when
-issue 12 gives the dispatcher completions and embeddings calls, add them here
-and to ``service.openai_requests.EXECUTABLE``.
+A line is answered as its endpoint would answer it on the wire: a chat
+completion, a text completion or embeddings, with the same body shape; its
+charge is its share of the batch's one hold, summed when the batch settles.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.market import offer_cost, qualifies
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
+from batchyard.core.openai_bodies import embedding_data
 from batchyard.core.prices import Price
 from batchyard.core.sealing import Sealer, SealError
-from batchyard.engines.base import CompletionRequest
-from batchyard.errors import BatchyardError, InternalError, UpstreamError
+from batchyard.engines.base import CompletionRequest, Usage
+from batchyard.errors import BatchyardError, InternalError, StorageUnavailable, UpstreamError
 from batchyard.store.file_batches import Claimed, Ended, out_aad
 from batchyard.store.files import line_aad
 from batchyard.work.batches.prices import MarketPrices
@@ -45,6 +46,9 @@ __all__ = ["NotSent", "Plan", "answer", "never_answered", "plan_for"]
 class NotSent(Exception):
     """Raised by an ``on_send`` that refuses the call: the line waits again."""
 
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -136,27 +140,113 @@ def never_answered(
     return Ended(line, state, out, size)
 
 
-def _chat_request(body: dict[str, Any], route: RouteSpec, max_tokens: int) -> CompletionRequest:
+def _request(
+    endpoint: str, body: dict[str, Any], route: RouteSpec, max_tokens: int
+) -> CompletionRequest:
     stop = body.get("stop")
+    text_prompt = endpoint == COMPLETIONS
+    prompt = (
+        str(body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][0])
+        if text_prompt
+        else None
+    )
     return CompletionRequest(
         model=route.upstream_model,
-        messages=body["messages"],
+        messages=[{"role": "user", "content": prompt}] if text_prompt else body["messages"],
+        prompt=prompt,
         max_tokens=max_tokens,
         temperature=body.get("temperature"),
         top_p=body.get("top_p"),
         n=int(body.get("n", 1)),
         stop=[stop] if isinstance(stop, str) else stop,
         seed=body.get("seed"),
-        response_format=body.get("response_format"),
-        logprobs=bool(body.get("logprobs", False)),
-        top_logprobs=body.get("top_logprobs"),
+        response_format=None if text_prompt else body.get("response_format"),
+        logprobs=False if text_prompt else bool(body.get("logprobs", False)),
+        top_logprobs=None if text_prompt else body.get("top_logprobs"),
     )
+
+
+async def _call(
+    dispatcher: Dispatcher,
+    endpoint: str,
+    body: dict[str, Any],
+    plan: Plan,
+    claimed: Claimed,
+    on_send: OnSend,
+) -> tuple[Usage, Any]:
+    """The line's call: its usage, and what the body of its answer is built from."""
+    if endpoint == EMBEDDINGS:
+        texts = [body["input"]] if isinstance(body["input"], str) else list(body["input"])
+        result = await dispatcher.call_embed(
+            route=plan.route, texts=texts, input_tokens=claimed.input_tokens, on_send=on_send
+        )
+        used = result.usage.input_tokens or claimed.input_tokens
+        return Usage(used, 0), result
+    n = max(1, int(body.get("n", 1)))
+    request = _request(endpoint, body, plan.route, claimed.max_tokens // n)
+    completion = await dispatcher.call(
+        route=plan.route, request=request, input_tokens=claimed.input_tokens, on_send=on_send
+    )
+    return completion.usage, completion
+
+
+def _answer_body(
+    endpoint: str,
+    body: dict[str, Any],
+    answered: Any,
+    usage: Usage,
+    request_id: str,
+    now: datetime,
+    plan: Plan,
+) -> dict[str, Any]:
+    """The answer in the shape the endpoint gives on the wire."""
+    usage_json = {
+        "prompt_tokens": usage.input_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+    if endpoint == EMBEDDINGS:
+        return {
+            "object": "list",
+            "data": embedding_data(answered.vectors, str(body.get("encoding_format", "float"))),
+            "model": plan.model.id,
+            "usage": {"prompt_tokens": usage.input_tokens, "total_tokens": usage.input_tokens},
+        }
+    if endpoint == COMPLETIONS:
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(now.timestamp()),
+            "model": plan.model.id,
+            "choices": [
+                {"index": i, "text": ch.text, "finish_reason": ch.finish_reason, "logprobs": None}
+                for i, ch in enumerate(answered.choices)
+            ],
+            "usage": usage_json,
+        }
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(now.timestamp()),
+        "model": plan.model.id,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": ch.text},
+                "finish_reason": ch.finish_reason,
+                "logprobs": {"content": ch.logprobs} if ch.logprobs is not None else None,
+            }
+            for i, ch in enumerate(answered.choices)
+        ],
+        "usage": usage_json,
+    }
 
 
 async def answer(
     *,
     dispatcher: Dispatcher,
     sealer: Sealer,
+    endpoint: str,
     batch_id: str,
     input_file_id: str,
     claimed: Claimed,
@@ -171,11 +261,10 @@ async def answer(
     """
     request_id: str | None = None
     err: BatchyardError | None = None
+    body: dict[str, Any] = {}
     try:
         stored = json.loads(sealer.open(claimed.body, line_aad(input_file_id, claimed.line)))
         body = stored["body"]
-        n = max(1, int(body.get("n", 1)))
-        request = _chat_request(body, plan.route, claimed.max_tokens // n)
     except (SealError, ValueError, KeyError, TypeError):
         err = InternalError("the stored request cannot be read", retryable=False)
     if err is None:
@@ -188,19 +277,19 @@ async def answer(
             sent = True
 
         try:
-            completion = await dispatcher.call(
-                route=plan.route, request=request, input_tokens=claimed.input_tokens, on_send=mark
-            )
+            usage, answered = await _call(dispatcher, endpoint, body, plan, claimed, mark)
         except NotSent:
             return None
-        except BatchyardError as exc:
+        except (KeyError, TypeError, ValueError):
+            err = InternalError("the stored request cannot be read", retryable=False)
+        except StorageUnavailable:
             if not sent:
-                return None  # nothing reached the engine (the store refused the mark)
+                return None  # the store refused the mark: nothing reached the engine
+            raise
+        except BatchyardError as exc:
             err = exc
         except Exception as exc:
             log.warning("batch line failed", extra={"error_type": type(exc).__name__})
-            if not sent:
-                return None
             err = UpstreamError(f"the engine failed ({type(exc).__name__})")
     if err is not None:
         now = now_of()
@@ -221,32 +310,14 @@ async def answer(
         )
         return Ended(claimed.line, "failed", out, size, route=plan.route.id)
     now = now_of()
-    usage = completion.usage
     cap = quote_ticks(plan.direct.cost(claimed.input_tokens, claimed.max_tokens))
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
-    request_id = new_id("chatcmpl", now)
-    result = {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(now.timestamp()),
-        "model": plan.model.id,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": ch.text},
-                "finish_reason": ch.finish_reason,
-                "logprobs": {"content": ch.logprobs} if ch.logprobs is not None else None,
-            }
-            for i, ch in enumerate(completion.choices)
-        ],
-        "usage": {
-            "prompt_tokens": usage.input_tokens,
-            "completion_tokens": usage.output_tokens,
-            "total_tokens": usage.total_tokens,
-        },
-        "charge": format_money(charge),
-        "route": plan.route.id,
-    }
+    request_id = new_id("cmpl" if endpoint == COMPLETIONS else "chatcmpl", now)
+    if endpoint == EMBEDDINGS:
+        request_id = new_id("emb", now)
+    result = _answer_body(endpoint, body, answered, usage, request_id, now, plan)
+    result["charge"] = format_money(charge)
+    result["route"] = plan.route.id
     out, size = _seal(
         sealer,
         batch_id,

@@ -506,6 +506,7 @@ class FileBatchWorker:
                                 answer(
                                     dispatcher=self.dispatcher,
                                     sealer=sealer,
+                                    endpoint=batch.endpoint,
                                     batch_id=batch.id,
                                     input_file_id=batch.input_file_id,
                                     claimed=line,

@@ -45,7 +45,7 @@ from batchyard.core.runs import (
     resolve_model,
 )
 from batchyard.engines.base import CompletionRequest
-from batchyard.errors import BatchyardError
+from batchyard.errors import BatchyardError, StorageUnavailable
 from batchyard.store import activity, ledger, work_items
 from batchyard.store.database import Database
 from batchyard.store.run_leases import heartbeat, release_lease
@@ -171,15 +171,14 @@ class RunExecutor:
         except _NotSent:
             return ItemResult(item.row_id, ItemState.PENDING)
         except BatchyardError as exc:
-            if not sent:  # nothing reached the engine: the row waits again
+            if not sent and isinstance(exc, StorageUnavailable):
+                # The store refused the mark: nothing reached the engine, the row waits again.
                 return ItemResult(item.row_id, ItemState.PENDING)
             return ItemResult(
                 item.row_id, ItemState.FAILED, error={"code": exc.code, "message": exc.message}
             )
         except Exception as exc:
             log.exception("row call failed", extra={"row_id": item.row_id})
-            if not sent:
-                return ItemResult(item.row_id, ItemState.PENDING)
             return ItemResult(
                 item.row_id,
                 ItemState.FAILED,

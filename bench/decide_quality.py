@@ -1,0 +1,563 @@
+"""How right are decide's answers on the embedded model, raw and calibrated?
+
+Public human-labelled sentiment sets, each split once (fixed seed) into a
+tuning half and a held-out half. Calibration's one tuned constant
+(``core.calibration.BATCH_PSEUDO_TEXTS``) was chosen with ``--tune`` on the
+tuning halves; the numbers to quote are the held-out halves', which the
+tuning never saw. Every text is one ``POST /v1/decide`` over real HTTP to a
+real server on the embedded SmolLM2-135M, as seed 000's users send them:
+one text per call, in a shuffled order, so the running batch mean only ever
+knows the texts that came before the one being answered.
+
+The data: ``vaderSentiment==3.3.2`` (MIT licence, C.J. Hutto) ships in its
+source distribution on PyPI the data of Hutto & Gilbert, "VADER: A
+Parsimonious Rule-based Model for Sentiment Analysis of Social Media Text",
+ICWSM 2014 (``additional_resources/hutto_ICWSM_2014.tar.gz``): texts with
+the mean of at least 20 trained human raters' sentiment on a scale of −4 to
++4. The bench downloads that file with pip from the package index on first
+use (the wheel does not carry it) and reads it in place. Two of its sets:
+
+- ``tweets``: 4,200 tweet-like texts (4,000 modelled on public tweets);
+- ``amazon``: 3,708 sentence snippets of 309 customer reviews of five
+  products (the reviews of Hu & Liu, KDD 2004).
+
+(``movies`` — snippets of the Pang & Lee 2004 reviews — and ``nyt`` —
+editorial snippets — are there too, with ``--sets``.)
+
+Labels: a mean rating above +0.5 is ``positive``, below −0.5 ``negative``,
+and ``neutral`` in between. Each half is sampled balanced (``--per-class``
+texts of each label).
+
+Reported per set and variant (``raw``: one order, no calibration, the
+``calibration: "none"`` call; ``raw, 2 orders``: the raw probabilities the
+calibrated call returns; ``calibrated``: its answers):
+
+- three-way accuracy and balanced accuracy;
+- two-way accuracy: on the positive and negative texts, whether the
+  three-way probabilities put the label above the other polar outcome; and
+  ``2-way call``: a separate decision with only those two outcomes;
+- the expected calibration error of the three-way answers;
+- starved: the least (times chosen / times true) over the outcomes; the bar
+  is 0.5.
+
+And the cost: after a set's quality calls, its calibrated call's time beside
+the uncalibrated call's, on the same texts in the same run: alternating
+blocks of twelve calls of each mode, one call at a time, on the default two
+engine contexts (``--contexts``), where the two orders of a calibrated call
+are scored side by side (``measure_cost``). Target ≤ 1.5. Beside it, the
+ratio of the process's CPU seconds, and of input tokens: the model work,
+which two orders double whatever the wall time. The set's first call, which
+also estimates the content-free prior, is reported apart.
+
+    PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
+    PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from batchyard.app import build_service  # noqa: E402
+from batchyard.client.metrics import Quality  # noqa: E402
+from batchyard.core import calibration as cal  # noqa: E402
+from batchyard.core.clock import SystemClock  # noqa: E402
+from batchyard.core.config import load_settings  # noqa: E402
+from batchyard.service import Service  # noqa: E402
+from tests.support.accounts import make_account  # noqa: E402
+from tests.support.server import live_server  # noqa: E402
+
+# The version pinned in the dev dependencies; its sdist holds the data.
+VERSION = "3.3.2"
+PACKAGE = f"vaderSentiment=={VERSION}"
+SDIST = f"vaderSentiment-{VERSION}.tar.gz"
+INNER = f"vaderSentiment-{VERSION}/additional_resources/hutto_ICWSM_2014.tar.gz"
+FILES = {
+    "tweets": "tweets_GroundTruth.txt",
+    "amazon": "amazonReviewSnippets_GroundTruth.txt",
+    "movies": "movieReviewSnippets_GroundTruth.txt",
+    "nyt": "nytEditorialSnippets_GroundTruth.txt",
+}
+SPLIT_SEED = 16
+NEUTRAL_BAND = 0.5
+LABELS = ("positive", "negative", "neutral")
+
+# One wording per set, so the numbers are not one prompt's luck.
+THREE_WAY = {
+    "tweets": {
+        "id": "sentiment",
+        "question": "How does the writer feel?",
+        "outcomes": [
+            {"id": "positive", "description": "pleased"},
+            {"id": "negative", "description": "unhappy"},
+            {"id": "neutral", "description": "neither"},
+        ],
+    },
+    "amazon": {
+        "id": "sentiment",
+        "question": "How does the reviewer feel about the product?",
+        "outcomes": [
+            {"id": "positive", "description": "likes it, praises it"},
+            {"id": "negative", "description": "dislikes it, complains"},
+            {"id": "neutral", "description": "a plain fact, no opinion"},
+        ],
+    },
+}
+GENERIC = {
+    "id": "sentiment",
+    "question": "What is the sentiment of the text?",
+    "outcomes": [{"id": "positive"}, {"id": "negative"}, {"id": "neutral"}],
+}
+TWO_WAY = {
+    "id": "polarity",
+    "question": "Is the text positive or negative?",
+    "outcomes": [{"id": "positive"}, {"id": "negative"}],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    id: str
+    rating: float
+    text: str
+
+    @property
+    def label(self) -> str:
+        if self.rating > NEUTRAL_BAND:
+            return "positive"
+        return "negative" if self.rating < -NEUTRAL_BAND else "neutral"
+
+
+def sdist_path() -> Path:
+    """The package's source distribution, fetched with pip from the index on first use."""
+    folder = Path(sys.prefix) / "share" / "batchyard-bench"
+    path = folder / SDIST
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                *(sys.executable, "-m", "pip", "download", "-q", "--no-deps"),
+                *("--no-binary", ":all:", "-d", str(folder), PACKAGE),
+            ],
+            check=True,
+        )
+    return path
+
+
+def load_sets(names: list[str]) -> dict[str, list[Item]]:
+    with tarfile.open(sdist_path()) as outer:
+        member = outer.extractfile(INNER)
+        assert member is not None
+        inner_bytes = member.read()
+    out: dict[str, list[Item]] = {}
+    with tarfile.open(fileobj=io.BytesIO(inner_bytes)) as inner:
+        for name in names:
+            f = inner.extractfile(f"hutto_ICWSM_2014/{FILES[name]}")
+            assert f is not None
+            items = []
+            for line in f.read().decode("utf-8", errors="replace").splitlines():
+                parts = line.split("\t")
+                if len(parts) >= 3 and parts[2].strip():
+                    items.append(Item(parts[0], float(parts[1]), "\t".join(parts[2:]).strip()))
+            out[name] = items
+    return out
+
+
+def halves(items: list[Item]) -> tuple[list[Item], list[Item]]:
+    """The tuning half and the held-out half: a fixed shuffle of the ids, cut in two."""
+    ids = sorted(i.id for i in items)
+    random.Random(SPLIT_SEED).shuffle(ids)
+    tune = set(ids[: len(ids) // 2])
+    return [i for i in items if i.id in tune], [i for i in items if i.id not in tune]
+
+
+def balanced(items: list[Item], per_class: int, seed: int) -> list[Item]:
+    rng = random.Random(seed)
+    chosen: list[Item] = []
+    for label in LABELS:
+        pool = sorted((i for i in items if i.label == label), key=lambda i: i.id)
+        chosen.extend(rng.sample(pool, min(per_class, len(pool))))
+    rng.shuffle(chosen)
+    return chosen
+
+
+# -- scoring -----------------------------------------------------------------------
+
+
+# The client and the server share this process: its CPU time per call is the call's work.
+CPU_SPENT: list[float] = []
+
+
+def argmax(p: dict[str, float]) -> str:
+    return max(p, key=lambda o: p[o])
+
+
+@dataclass
+class Variant:
+    """One way of answering (raw, raw over two orders, calibrated) over one set's texts."""
+
+    name: str
+    labels: list[str] = field(default_factory=list)
+    probs: list[dict[str, float]] = field(default_factory=list)
+
+    def add(self, label: str, probs: dict[str, float]) -> None:
+        self.labels.append(label)
+        self.probs.append(probs)
+
+    def quality(self) -> Quality:
+        q = Quality(list(LABELS))
+        for label, p in zip(self.labels, self.probs, strict=True):
+            q.add(label, argmax(p), p)
+        return q
+
+    def two_way(self) -> float | None:
+        hits = [
+            p[label] > p["negative" if label == "positive" else "positive"]
+            for label, p in zip(self.labels, self.probs, strict=True)
+            if label != "neutral"
+        ]
+        return sum(hits) / len(hits) if hits else None
+
+    def starved(self) -> float:
+        """The least ratio of times chosen to times true, over the outcomes."""
+        chosen = [argmax(p) for p in self.probs]
+        return min(chosen.count(o) / self.labels.count(o) for o in LABELS if self.labels.count(o))
+
+
+@dataclass
+class SetResult:
+    name: str
+    variants: dict[str, Variant]
+    two_way_call: Variant
+    seconds_raw: list[float]
+    seconds_calibrated: list[float]
+    # CPU seconds of this process (server and engine threads alike) per call.
+    cpu_raw: list[float]
+    cpu_calibrated: list[float]
+    first_call_s: float
+    content_free_tokens: int
+    usage_ratio: float
+
+
+async def decide(
+    http: httpx.AsyncClient, headers: dict[str, str], text: str, decision: dict[str, Any], mode: str
+) -> tuple[dict[str, Any], float]:
+    body = {
+        "model": "kettei-core",
+        "input": {"text": text},
+        "decisions": [decision],
+        "calibration": mode,
+    }
+    started, cpu = time.perf_counter(), time.process_time()
+    r = await http.post("/v1/decide", json=body, headers=headers)
+    elapsed = time.perf_counter() - started
+    CPU_SPENT.append(time.process_time() - cpu)
+    r.raise_for_status()
+    return r.json(), elapsed
+
+
+async def run_set(
+    name: str,
+    items: list[Item],
+    decision: dict[str, Any],
+    http: httpx.AsyncClient,
+    headers: dict[str, str],
+    progress: Console,
+    *,
+    calibrated_only: bool = False,
+) -> SetResult:
+    variants = {v: Variant(v) for v in ("raw", "raw, 2 orders", "calibrated")}
+    two_way = Variant("2-way call")
+    seconds_raw: list[float] = []
+    seconds_cal: list[float] = []
+    cpu_raw: list[float] = []
+    cpu_cal: list[float] = []
+    first_s = 0.0
+    cf_tokens = 0
+    tokens_raw = tokens_cal = 0
+    for n, item in enumerate(items):
+        # Interleaved, so a busy moment of the machine weighs on both alike.
+        body, cal_s = await decide(http, headers, item.text, decision, "batch")
+        cal_cpu = CPU_SPENT[-1]
+        if calibrated_only:
+            raw_body, raw_s, raw_cpu = body, cal_s, cal_cpu
+            answer = body["answers"][0]
+            variants["raw"].add(item.label, answer["raw_probabilities"])
+        else:
+            raw_body, raw_s = await decide(http, headers, item.text, decision, "none")
+            raw_cpu = CPU_SPENT[-1]
+            variants["raw"].add(item.label, raw_body["answers"][0]["probabilities"])
+        answer = body["answers"][0]
+        variants["raw, 2 orders"].add(item.label, answer["raw_probabilities"])
+        variants["calibrated"].add(item.label, answer["probabilities"])
+        if body["calibration"]["content_free_estimated"]:
+            first_s = cal_s
+            cf_tokens = body["usage"]["calibration_input_tokens"]
+        else:
+            seconds_raw.append(raw_s)
+            seconds_cal.append(cal_s)
+            cpu_raw.append(raw_cpu)
+            cpu_cal.append(cal_cpu)
+            tokens_raw += raw_body["usage"]["input_tokens"]
+            tokens_cal += body["usage"]["input_tokens"]
+        if item.label != "neutral" and not calibrated_only:
+            got, _ = await decide(http, headers, item.text, TWO_WAY, "batch")
+            probs = dict(got["answers"][0]["probabilities"])
+            probs.setdefault("neutral", 0.0)
+            two_way.add(item.label, probs)
+        if (n + 1) % 25 == 0:
+            progress.print(f"  {name}: {n + 1}/{len(items)}")
+    return SetResult(
+        name,
+        variants,
+        two_way,
+        seconds_raw,
+        seconds_cal,
+        cpu_raw,
+        cpu_cal,
+        first_s,
+        cf_tokens,
+        tokens_cal / tokens_raw if tokens_raw else math.nan,
+    )
+
+
+async def measure_cost(
+    items: list[Item],
+    decision: dict[str, Any],
+    http: httpx.AsyncClient,
+    headers: dict[str, str],
+    blocks: int,
+    per_block: int,
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Wall and CPU seconds per call, uncalibrated and calibrated, on the same texts.
+
+    In alternating blocks of one mode each, as a user's stream of one decision
+    set runs (the engine keeps each order's prompt prefix on a context of its
+    own); a block's first call, which finds the other mode's prompt there, is
+    left out. Alternating blocks spread the machine's busy moments over both.
+    """
+    out: dict[str, tuple[list[float], list[float]]] = {"none": ([], []), "batch": ([], [])}
+    for b in range(blocks):
+        chunk = items[(b // 2) * per_block : (b // 2 + 1) * per_block]
+        for mode in ("none", "batch") if b % 2 == 0 else ("batch", "none"):
+            for i, item in enumerate(chunk):
+                _, wall = await decide(http, headers, item.text, decision, mode)
+                if i:
+                    out[mode][0].append(wall)
+                    out[mode][1].append(CPU_SPENT[-1])
+    return out["none"][0], out["batch"][0], out["none"][1], out["batch"][1]
+
+
+# -- reporting --------------------------------------------------------------------
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def quality_table(results: list[SetResult], half: str) -> Table:
+    table = Table(title=f"decide on the embedded SmolLM2-135M: the {half} halves")
+    for col in ("set", "variant", "3-way acc", "3-way bal. acc", "2-way acc", "ECE", "starved"):
+        table.add_column(col, justify="left" if col in ("set", "variant") else "right")
+    for res in results:
+        for v in res.variants.values():
+            q = v.quality()
+            ece = q.ece
+            table.add_row(
+                res.name,
+                v.name,
+                pct(q.accuracy),
+                pct(q.balanced_accuracy),
+                pct(v.two_way()),
+                "-" if ece is None else f"{ece:.3f}",
+                f"{v.starved():.2f}",
+            )
+        q = res.two_way_call.quality()
+        table.add_row(
+            res.name, "2-way call, calibrated", "", "", pct(q.accuracy), "", "", end_section=True
+        )
+    return table
+
+
+def cost_table(results: list[SetResult]) -> Table:
+    table = Table(title="the cost of calibration per decide call (same texts, same run)")
+    for col in (
+        "set",
+        "uncalibrated s",
+        "calibrated s",
+        "ratio",
+        "CPU s ratio",
+        "input tokens ratio",
+        "first call",
+    ):
+        table.add_column(col, justify="left" if col == "set" else "right")
+    for res in results:
+        raw, calib = statistics.mean(res.seconds_raw), statistics.mean(res.seconds_calibrated)
+        cpu = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
+        table.add_row(
+            res.name,
+            f"{raw:.3f}",
+            f"{calib:.3f}",
+            f"{calib / raw:.2f}",
+            f"{cpu:.2f}",
+            f"{res.usage_ratio:.2f}",
+            f"{res.first_call_s:.2f} s, +{res.content_free_tokens} tokens",
+        )
+    return table
+
+
+def sweep(results: list[SetResult], content_free: dict[str, list[float]]) -> Table:
+    """Balanced accuracy had the running mean been blended with other pseudo-counts."""
+    table = Table(
+        title="tuning: 3-way balanced / 2-way accuracy by BATCH_PSEUDO_TEXTS c (inf: content-free)"
+    )
+    grid = [0.0, 1.0, 3.0, 10.0, 30.0, 100.0, math.inf]
+    table.add_column("set")
+    for c in grid:
+        table.add_column(f"c={c:g}", justify="right")
+    for res in results:
+        raw = res.variants["raw, 2 orders"]
+        cf = content_free[res.name]
+        cells = []
+        for c in grid:
+            sums = [0.0] * len(LABELS)
+            v = Variant(f"c={c}")
+            for n, (label, p) in enumerate(zip(raw.labels, raw.probs, strict=True)):
+                vec = [p[o] for o in LABELS]
+                if math.isinf(c):
+                    prior = cf
+                elif c == 0 and n == 0:
+                    prior = [1.0 / len(LABELS)] * len(LABELS)
+                else:
+                    prior = cal.blend_prior(cf, sums, n, c)
+                v.add(label, dict(zip(LABELS, cal.calibrate(vec, prior), strict=True)))
+                sums = [s + x for s, x in zip(sums, vec, strict=True)]
+            cells.append(f"{pct(v.quality().balanced_accuracy)} / {pct(v.two_way())}")
+        table.add_row(res.name, *cells)
+    return table
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sets", default="tweets,amazon")
+    parser.add_argument("--per-class", type=int, default=50)
+    parser.add_argument("--tune", action="store_true", help="run the tuning halves instead")
+    parser.add_argument("--generic", action="store_true", help="one generic wording for all sets")
+    parser.add_argument("--contexts", type=int, default=2)
+    parser.add_argument(
+        "--cost-blocks", type=int, default=4, help="blocks of 12 calls per mode for the cost"
+    )
+    parser.add_argument("--cost-only", action="store_true", help="skip the quality calls")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    console = Console()
+    names = [s.strip() for s in args.sets.split(",") if s.strip()]
+    data = load_sets(names)
+    half = "tuning" if args.tune else "held-out"
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = load_settings(
+            database_url=f"sqlite:///{Path(tmp) / 'bench.db'}", embedded_contexts=args.contexts
+        )
+        service = build_service(settings, clock=SystemClock())
+        service.db.migrate()
+        acct = make_account(service, "bench", credit="1000", tier=3)
+        results: list[SetResult] = []
+        content_free: dict[str, list[float]] = {}
+        async with (
+            live_server(service) as base,
+            httpx.AsyncClient(base_url=base, timeout=600) as http,
+        ):
+            for name in names:
+                tune, held_out = halves(data[name])
+                items = balanced(tune if args.tune else held_out, args.per_class, seed=1)
+                decision = GENERIC if args.generic else THREE_WAY.get(name, GENERIC)
+                console.print(f"{name}: {len(items)} texts of the {half} half")
+                results.append(
+                    await run_set(
+                        name,
+                        items[:1] if args.cost_only else items,
+                        decision,
+                        http,
+                        acct.headers,
+                        console,
+                        calibrated_only=args.tune,
+                    )
+                )
+                content_free[name] = await content_free_prior(service, acct.org_id, decision)
+                if not args.tune:
+                    res = results[-1]
+                    measured = await measure_cost(
+                        items, decision, http, acct.headers, args.cost_blocks, 12
+                    )
+                    res.seconds_raw, res.seconds_calibrated, res.cpu_raw, res.cpu_calibrated = (
+                        measured
+                    )
+        await service.stop()
+    console.print(quality_table(results, half))
+    console.print(cost_table(results))
+    if args.tune:
+        console.print(sweep(results, content_free))
+    if args.json:
+        args.json.write_text(json.dumps(to_json(results, half), indent=2) + "\n")
+
+
+async def content_free_prior(
+    service: Service, org_id: str, decision: dict[str, Any]
+) -> list[float]:
+    from batchyard.core import decisions as rules
+    from batchyard.store import calibration as store
+    from batchyard.work.decide_scoring import fingerprint
+
+    req = rules.parse_request(
+        {"model": "kettei-core", "input": {"text": "x"}, "decisions": [decision]}
+    )
+    key = fingerprint("kettei-core", req)
+    state = await service.db.read(lambda c: store.load_state(c, org_id, key))
+    assert state is not None
+    return state.content_free[0]
+
+
+def to_json(results: list[SetResult], half: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"half": half, "sets": {}}
+    for res in results:
+        entry: dict[str, Any] = {}
+        for v in [*res.variants.values(), res.two_way_call]:
+            q = v.quality()
+            entry[v.name] = {
+                "accuracy": q.accuracy,
+                "balanced_accuracy": q.balanced_accuracy,
+                "two_way_accuracy": v.two_way(),
+                "ece": q.ece,
+                "starved": v.starved() if v is not res.two_way_call else None,
+                "texts": len(v.labels),
+            }
+        entry["cpu_ratio"] = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
+        entry["cost_ratio"] = statistics.mean(res.seconds_calibrated) / statistics.mean(
+            res.seconds_raw
+        )
+        out["sets"][res.name] = entry
+    return out
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

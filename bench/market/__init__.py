@@ -1,0 +1,1 @@
+"""The market bench: price laws, the worker replayed, the online optimum; see ``__main__``."""

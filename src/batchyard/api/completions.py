@@ -1,0 +1,177 @@
+"""``POST /v1/completions``: OpenAI's (legacy) text completions, billed and limited like chat.
+
+The prompt goes to the model as it is, with no chat template. One prompt per
+request (a list of prompts is a batch: send each, or use the batch door);
+``n`` samples of it are answered and billed like chat's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
+from batchyard.api.openai_door import StreamShape, resolve, sse_response
+from batchyard.core.ids import new_id
+from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.openai_bodies import parse_completion
+from batchyard.core.prices import Price
+from batchyard.engines.base import Choice, CompletionRequest, Delta
+from batchyard.errors import CapabilityUnsupported, ContextWindowExceeded, InvalidRequest
+from batchyard.service.deployment import service_of
+from batchyard.work.dispatcher import DispatchResult
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+def _logprobs(ch: Choice, wanted: bool) -> dict[str, Any] | None:
+    if not wanted or ch.logprobs is None:
+        return None
+    return {
+        "tokens": [lp["token"] for lp in ch.logprobs],
+        "token_logprobs": [lp["logprob"] for lp in ch.logprobs],
+        "top_logprobs": [
+            {alt["token"]: alt["logprob"] for alt in lp.get("top_logprobs") or []}
+            for lp in ch.logprobs
+        ],
+        "text_offset": [],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    principal = await authenticate(request)
+    raw = await read_json(request)
+    svc = service_of(request)
+    body = parse_completion(raw)
+    prompts = body.prompts()
+    if len(prompts) != 1:
+        raise CapabilityUnsupported(
+            "send one prompt per request (or a batch through /v1/batches)", param="prompt"
+        )
+    prompt = prompts[0]
+    model, route = resolve(svc, body.model, "completions", *(["stream"] if body.stream else []))
+    max_tokens = body.max_tokens or 16
+    if max_tokens > model.max_output_tokens:
+        raise InvalidRequest(
+            f"max_tokens can be at most {model.max_output_tokens} for {model.id}",
+            param="max_tokens",
+            code="max_tokens_out_of_range",
+        )
+    tok = svc.tokenizer(model)
+    input_tokens = tok.count(prompt) + 1  # the start-of-text token the model reads first
+    if input_tokens + max_tokens > model.context_window:
+        raise ContextWindowExceeded(
+            f"{input_tokens} prompt tokens + max_tokens {max_tokens} exceed the "
+            f"{model.context_window}-token context window of {model.id}",
+            param="prompt",
+        )
+    price = Price(model.input_per_mtok, model.output_per_mtok)
+    max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n))
+    wants_logprobs = body.logprobs is not None
+    req = CompletionRequest(
+        model=route.upstream_model,
+        messages=[{"role": "user", "content": prompt}],
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        n=body.n,
+        stop=body.stop_list(),
+        seed=body.seed,
+        logprobs=wants_logprobs,
+        top_logprobs=body.logprobs,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+    )
+    now = svc.clock.now()
+    call_id = new_id("cmpl", now)
+    created = int(now.timestamp())
+    echo = prompt if body.echo else ""
+
+    def whole(result: DispatchResult) -> dict[str, Any]:
+        u = result.completion.usage
+        return {
+            "id": call_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model.id,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": i,
+                    "text": echo + ch.text,
+                    "finish_reason": ch.finish_reason,
+                    "logprobs": _logprobs(ch, wants_logprobs),
+                }
+                for i, ch in enumerate(result.completion.choices)
+            ],
+            "usage": {
+                "prompt_tokens": u.input_tokens,
+                "completion_tokens": u.output_tokens,
+                "total_tokens": u.total_tokens,
+            },
+            "charge": format_money(result.charge),
+            "reservation_id": result.reservation_id,
+        }
+
+    async def limits() -> None:
+        await check_tier_limits(request, principal, requests=1, tokens=input_tokens)
+
+    if body.stream:
+        return await sse_response(
+            request,
+            svc,
+            principal,
+            raw,
+            call_id=call_id,
+            created=created,
+            model=model.id,
+            n=body.n,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            shape=StreamShape(
+                object="text_completion",
+                first=lambda i: _text_piece(Delta(i, echo)),
+                piece=_text_piece,
+                replay=lambda saved: [{**c, "logprobs": None} for c in saved.get("choices", [])],
+                whole=whole,
+            ),
+            start=lambda: svc.dispatcher.stream(
+                org_id=principal.org_id,
+                model=model,
+                route=route,
+                request=req,
+                input_tokens=input_tokens,
+                max_cost=max_cost,
+                price=price,
+                purpose="completions",
+                count_tokens=tok.count,
+                ref=call_id,
+            ),
+            before=limits,
+        )
+
+    async def handler() -> tuple[int, Any]:
+        await limits()
+        result = await svc.dispatcher.execute(
+            org_id=principal.org_id,
+            model=model,
+            route=route,
+            request=req,
+            input_tokens=input_tokens,
+            max_cost=max_cost,
+            price=price,
+            purpose="completions",
+            ref=call_id,
+        )
+        return 200, whole(result)
+
+    return await idempotent(request, principal, raw, handler)
+
+
+def _text_piece(d: Delta) -> dict[str, Any]:
+    return {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}

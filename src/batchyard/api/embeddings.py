@@ -1,0 +1,73 @@
+"""``POST /v1/embeddings``: vectors for texts, billed and limited like chat.
+
+Served by the model's route when its catalog entry says it serves embeddings.
+The embedded default serves them from its chat model's own hidden states
+(mean-pooled, unit length): real vectors from the shipped model, good enough
+to try the endpoint and for rough similarity; a deployment that needs a
+trained embedding model points a route at one (``serves_embeddings: true``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
+from batchyard.api.openai_door import resolve
+from batchyard.core.ids import new_id
+from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.openai_bodies import embedding_data, parse_embedding
+from batchyard.core.prices import Price
+from batchyard.service.deployment import service_of
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    principal = await authenticate(request)
+    raw = await read_json(request)
+    svc = service_of(request)
+    body = parse_embedding(raw)
+    texts = body.texts()
+    model, route = resolve(svc, body.model, "embeddings")
+    tok = svc.tokenizer(model)
+    input_tokens = sum(tok.count_batch(texts)) + len(texts)
+    price = Price(model.input_per_mtok, model.output_per_mtok)
+    max_cost = quote_ticks(price.cost(input_tokens, 0))
+    now = svc.clock.now()
+    ref = new_id("emb", now)
+
+    async def handler() -> tuple[int, Any]:
+        await check_tier_limits(request, principal, requests=1, tokens=input_tokens)
+        result, charged = await svc.dispatcher.embed(
+            org_id=principal.org_id,
+            model=model,
+            route=route,
+            texts=texts,
+            input_tokens=input_tokens,
+            max_cost=max_cost,
+            price=price,
+            ref=ref,
+        )
+        vectors = result.vectors
+        if body.dimensions is not None:
+            # The first N numbers; a model with fewer gives all it has (the call
+            # has run and been paid for by now, so it is not refused after the fact).
+            vectors = [v[: body.dimensions] for v in vectors]
+        return 200, {
+            "object": "list",
+            "data": embedding_data(vectors, body.encoding_format),
+            "model": model.id,
+            "usage": {
+                "prompt_tokens": result.usage.input_tokens,
+                "total_tokens": result.usage.input_tokens,
+            },
+            "charge": format_money(charged),
+        }
+
+    return await idempotent(request, principal, raw, handler)
