@@ -395,7 +395,8 @@ async def estimate(request: Request) -> Response:
             request, principal, requests=1, tokens=primary.input_tokens, kind="estimate"
         )
         max_cost = max(primary.max_cost, fallback.max_cost if fallback else 0)
-        return 200, {            "input_tokens": primary.input_tokens,
+        return 200, {
+            "input_tokens": primary.input_tokens,
             "max_output_tokens": primary.max_output_tokens,
             "max_cost": format_money(max_cost),
             "calibration_input_tokens": primary.calibration_input_tokens,

@@ -36,9 +36,9 @@ import batchyard.store.batches
 import batchyard.store.market_history
 import batchyard.store.work_items  # noqa: F401
 from batchyard.api.bodies import DecideBody, KeepWarmBody, ProjectBody, RowPatchBody, RunBody
-from batchyard.api.chat import ChatBody
 from batchyard.core.clock import ManualClock
 from batchyard.core.ids import new_id
+from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.core.sealing import generate_key, key_text
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.service import Service
@@ -179,7 +179,19 @@ ENDPOINTS = [
         },
     ),
     Endpoint("POST", "/v1/batches/{batch}/cancel", None, lambda _: {}),
-    Endpoint("POST", "/v1/chat/completions", ChatBody, lambda _: chat(max_tokens=8)),
+    Endpoint("POST", "/v1/chat/completions", ChatRequest, lambda _: chat(max_tokens=8)),
+    Endpoint(
+        "POST",
+        "/v1/completions",
+        CompletionTextRequest,
+        lambda _: {"model": "kettei-core", "prompt": "Say hi", "max_tokens": 8},
+    ),
+    Endpoint(
+        "POST",
+        "/v1/embeddings",
+        EmbeddingRequest,
+        lambda _: {"model": "kettei-core", "input": ["one", "two"]},
+    ),
 ]
 
 

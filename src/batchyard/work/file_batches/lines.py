@@ -46,6 +46,7 @@ __all__ = ["NotSent", "Plan", "answer", "never_answered", "plan_for"]
 class NotSent(Exception):
     """Raised by an ``on_send`` that refuses the call: the line waits again."""
 
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
