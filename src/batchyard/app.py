@@ -349,7 +349,7 @@ def create_app(
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_model=None)
     async def readyz() -> JSONResponse:
         """200 when every check passes; 503 with each failing check's reason otherwise."""
         if not service.started or service.draining:

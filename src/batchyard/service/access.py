@@ -61,8 +61,6 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/readyz"): PUBLIC,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
-    ("GET", "/docs/oauth2-redirect"): PUBLIC,
-    ("GET", "/redoc"): PUBLIC,
     # the account (seed 000: an inference key cannot read it)
     ("GET", "/v1/account"): _key(F, R),
     ("GET", "/v1/activity"): _key(F, R),
