@@ -4,17 +4,19 @@
 the settings ask for, the engines, the dispatcher, the batch encryption key
 and the four background workers, each handed only the parts it uses.
 ``create_app`` mounts the API's routers and the workspace's pages over that
-service. The CLI (``serve``, ``worker``), the tests and the benchmarks all
-start from these functions, so there is one place to read to see how
+service, with ``/healthz`` (the process is up) and ``/readyz`` (it can serve:
+each of ``READINESS`` passes). The CLI (``serve``, ``worker``), the tests and
+the benchmarks all start from these functions, so there is one place to read to see how
 batchyard fits together, and a test swaps a clock, an engine or a limiter
 by passing it in here once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -29,7 +31,10 @@ from batchyard.core.prices import PriceBook
 from batchyard.core.runs import RunSettings
 from batchyard.engines.base import Engine
 from batchyard.engines.tokenizers import Tokenizers
+from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
+from batchyard.service.access import check_complete
+from batchyard.store import health
 from batchyard.store.database import Database
 from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
@@ -38,6 +43,7 @@ from batchyard.work.batches.worker import MarketSettings, MarketWorker
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.file_batches.worker import FileBatchSettings, FileBatchWorker
+from batchyard.work.holds import HoldSweeper
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
 
@@ -45,12 +51,15 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 __all__ = [
+    "READINESS",
+    "ReadinessCheck",
     "build_service",
     "create_app",
     "file_batch_worker",
     "limiter_from_url",
     "market_worker",
     "run_worker",
+    "store_writable",
 ]
 
 log = logging.getLogger("batchyard.app")
@@ -90,7 +99,8 @@ def build_service(
     other routes get theirs from the catalog on first use.
     """
     clock = clock or SystemClock()
-    db = Database(settings.database_url)
+    key = resolve_key(settings)
+    db = Database(settings.database_url, sealer=key.sealer)
     limiter = limiter or limiter_from_url(settings.limiter_url, clock, db.engine)
     registry = EngineRegistry(
         embedded_model_path=settings.embedded_model_path,
@@ -102,7 +112,6 @@ def build_service(
         db=db, clock=clock, limiter=limiter, engines=registry, tiers=settings.tiers
     )
     tokenizers = Tokenizers(settings.embedded_model_path)
-    key = resolve_key(settings)
     if key.created:
         log.info(
             "created a batch encryption key",
@@ -122,6 +131,7 @@ def build_service(
         runs=_run_worker(settings, db, clock, dispatcher, tokenizers),
         warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher),
         file_batches=_file_batch_worker(settings, db, clock, dispatcher, key, market.prices),
+        holds=HoldSweeper(db=db, clock=clock),
     )
 
 
@@ -252,7 +262,38 @@ def _run_worker(
     )
 
 
-def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = True) -> FastAPI:
+#: One readiness check: why the deployment cannot serve right now, or None when it can.
+ReadinessCheck = Callable[[Service], Awaitable[str | None]]
+
+#: How long ``/readyz`` waits for the store to take its probe write.
+PROBE_TIMEOUT_S = 5.0
+
+
+async def store_writable(service: Service) -> str | None:
+    """The store takes a write (a full disk or a read-only file fails here, reads do not)."""
+    now = service.clock.now()
+    try:
+        await asyncio.wait_for(
+            service.db.transact(lambda c: health.probe(c, "readyz", now)), PROBE_TIMEOUT_S
+        )
+    except StorageUnavailable as exc:
+        return exc.message
+    except TimeoutError:
+        return f"the store did not take a write within {PROBE_TIMEOUT_S:g} s"
+    return None
+
+
+#: What ``/readyz`` checks, by name; a deployment (or another part) adds its own.
+READINESS: tuple[tuple[str, ReadinessCheck], ...] = (("store", store_writable),)
+
+
+def create_app(
+    service: Service,
+    *,
+    worker: bool = True,
+    close_on_exit: bool = True,
+    readiness: Sequence[tuple[str, ReadinessCheck]] = READINESS,
+) -> FastAPI:
     """The HTTP app; ``close_on_exit=False`` leaves closing the service to its owner (tests).
 
     The doors are imported here, not at the top: a ``batchyard worker`` process
@@ -286,7 +327,8 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
             yield
         finally:
             if close_on_exit:
-                await service.stop()
+                # The server stopped taking requests: drain the workers, then close.
+                await service.stop(grace_s=service.settings.shutdown_grace_s)
             else:
                 await service.stop_workers()
 
@@ -307,6 +349,22 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
+    @app.get("/readyz", response_model=None)
+    async def readyz() -> JSONResponse:
+        """200 when every check passes; 503 with each failing check's reason otherwise."""
+        if not service.started or service.draining:
+            status = "draining" if service.draining else "starting"
+            return JSONResponse({"status": status, "checks": {}}, status_code=503)
+        checks: dict[str, dict[str, Any]] = {}
+        for name, check in readiness:
+            reason = await check(service)
+            checks[name] = {"ok": True} if reason is None else {"ok": False, "reason": reason}
+        ready = all(c["ok"] for c in checks.values())
+        return JSONResponse(
+            {"status": "ready" if ready else "unready", "checks": checks},
+            status_code=200 if ready else 503,
+        )
+
     # One router per front door; each door adds its own line.
     app.include_router(account.router)
     app.include_router(batches.router)
@@ -321,4 +379,5 @@ def create_app(service: Service, *, worker: bool = True, close_on_exit: bool = T
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
     app.include_router(file_pages.router)  # ... and its file batches
     install_openapi(app)
+    check_complete(app)  # every route has its row in the scope matrix (service.access)
     return app

@@ -13,6 +13,7 @@ not retryable.
     BatchyardError
     ├── InvalidRequest (400)
     │   ├── InvalidJson
+    │   ├── InvalidType
     │   ├── InvalidIdempotencyKey
     │   ├── UnknownModel
     │   ├── UnknownField, CapabilityUnsupported
@@ -35,6 +36,7 @@ not retryable.
     │   ├── InvalidState
     │   └── QuoteExpired
     ├── PayloadTooLarge (413)
+    ├── UnsupportedMediaType (415)
     ├── RateLimited (429)
     ├── PendingLimitExceeded (429)
     ├── UpstreamError (502)
@@ -43,7 +45,8 @@ not retryable.
     │   └── ModelOutputInvalid (502)
     ├── ModelWarming (503)
     ├── ServiceUnavailable (503)
-    │   └── BatchUnavailable
+    │   ├── BatchUnavailable
+    │   └── StorageUnavailable
     └── InternalError (500)
 """
 
@@ -73,6 +76,7 @@ __all__ = [
     "InvalidJson",
     "InvalidRequest",
     "InvalidState",
+    "InvalidType",
     "MissingApiKey",
     "ModelNotFound",
     "ModelOutputInvalid",
@@ -85,11 +89,13 @@ __all__ = [
     "QuoteExpired",
     "RateLimited",
     "ServiceUnavailable",
+    "StorageUnavailable",
     "TooFewOutcomes",
     "Unauthorized",
     "UnknownField",
     "UnknownModel",
     "UnsupportedInput",
+    "UnsupportedMediaType",
     "UpstreamError",
     "UpstreamRateLimited",
     "UpstreamTimeout",
@@ -155,6 +161,12 @@ class InvalidRequest(BatchyardError):
 
 class InvalidJson(InvalidRequest):
     code = "invalid_json"
+
+
+class InvalidType(InvalidRequest):
+    """A field has the wrong JSON type; nothing is coerced (``true`` is not 1, ``"5"`` not 5)."""
+
+    code = "invalid_type"
 
 
 class InvalidIdempotencyKey(InvalidRequest):
@@ -289,6 +301,13 @@ class PayloadTooLarge(BatchyardError):
     status = 413
 
 
+class UnsupportedMediaType(BatchyardError):
+    """A JSON body sent without ``Content-Type: application/json``."""
+
+    code = "unsupported_media_type"
+    status = 415
+
+
 class RateLimited(BatchyardError):
     code = "rate_limited"
     status = 429
@@ -343,6 +362,16 @@ class BatchUnavailable(ServiceUnavailable):
 
     code = "batches_unavailable"
     retryable = False
+
+
+class StorageUnavailable(ServiceUnavailable):
+    """The store cannot be reached or cannot write (disk full, read-only, down).
+
+    Each write is one transaction, so a failed one left nothing behind; the
+    same request (same Idempotency-Key) can be sent again once the store is back.
+    """
+
+    code = "storage_unavailable"
 
 
 class InternalError(BatchyardError):

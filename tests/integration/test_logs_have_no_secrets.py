@@ -89,7 +89,8 @@ async def test_no_key_and_no_text_in_any_log(svc, upstream, clock, caplog):
         wrong = {"Authorization": f"Bearer {acct.key}x"}
         assert (await http.post(CHAT, json=body, headers=wrong)).status_code == 401
         broken = (f'{{"model": "m", "messages": [{{"content": "{TEXT}"').encode()
-        assert (await http.post(CHAT, content=broken, headers=acct.headers)).status_code == 400
+        as_json = {**acct.headers, "Content-Type": "application/json"}
+        assert (await http.post(CHAT, content=broken, headers=as_json)).status_code == 400
         bad = {**body, "messages": [{"role": "wizard", "content": TEXT}]}
         assert (await http.post(CHAT, json=bad, headers=acct.headers)).status_code == 400
         now = clock.now()

@@ -12,8 +12,10 @@ import json
 import logging
 import re
 
+from batchyard.app import run_worker
 from batchyard.core.tokens import message_text
 from batchyard.engines.memory import ScriptedEngine
+from batchyard.store import activity
 from tests.support.accounts import make_account
 from tests.support.batches import (
     all_items,
@@ -22,7 +24,9 @@ from tests.support.batches import (
     submit,
     worker,
 )
+from tests.support.runs import Api, runs_raw
 from tests.support.server import asgi_client
+from tests.support.workspace import signed_in, submit_form
 
 EMAIL = "alice.smith@example.com"
 PHONE = "+44 20 7946 0958"
@@ -154,3 +158,92 @@ async def test_reject_mode_refuses_the_whole_submission_and_stores_nothing(
         assert planted.encode() not in raw
         assert planted not in r.text
         assert planted not in caplog.text
+
+
+# --- every front door, privacy mode off: sealing alone keeps the text unreadable ---------
+
+
+def _db_bytes(path) -> bytes:
+    parts = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+    return b"".join(p.read_bytes() for p in parts if p.exists())
+
+
+def _echo_all(request) -> str:
+    """An engine that repeats the prompt: personal data in, personal data out."""
+    return "You said: " + _echo(request)
+
+
+async def test_no_front_door_leaves_personal_data_readable_at_rest(
+    make_service, clock, caplog, tmp_path
+):
+    caplog.set_level(logging.DEBUG)
+    path = tmp_path / "fresh" / "store.db"  # created by the service itself
+    svc = make_service(database_url=f"sqlite:///{path}", raw=runs_raw())
+    engine = ScriptedEngine(_echo_all, clock=clock)
+    svc.engines.set("embedded", engine)
+    acct = make_account(svc, credit="50", tier=3)
+    h = acct.headers
+    chat_body = {"model": "kettei-core", "messages": [{"role": "user", "content": TEXT}]}
+    decide_body = {
+        "model": "kettei-core",
+        "input": {"text": TEXT},
+        "decisions": [
+            {"id": "urgent", "question": "Is it urgent?", "outcomes": [{"id": "yes"}, {"id": "no"}]}
+        ],
+    }
+    async with asgi_client(svc, worker=False) as http:
+        # OpenAI-compatible chat and decide, each with its answer saved under a key.
+        r = await http.post(
+            "/v1/chat/completions", json=chat_body, headers={**h, "Idempotency-Key": "chat"}
+        )
+        assert r.status_code == 200 and EMAIL in r.text  # the echo carries it back
+        clock.advance(1)
+        r = await http.post("/v1/decide", json=decide_body, headers={**h, "Idempotency-Key": "d"})
+        assert r.status_code == 200, r.text
+        clock.advance(1)
+        assert (await http.post("/v1/decide/estimate", json=decide_body, headers=h)).is_success
+        # A deferred batch, privacy off, through the API and through the workspace form.
+        r = await submit(http, h, _body("off"))
+        assert r.status_code == 201, r.text
+        clock.advance(10)
+        await signed_in(http, acct.key)
+        form = await submit_form(http, json.dumps(_body("off")))
+        assert form.status_code == 303, form.text
+        await worker(svc).run_pass()
+        # Datasets, a row edit, and a run that writes the model's answers back.
+        api = await Api(http, h).start()
+        ds = await api.upload([{"text": TEXT}, {"text": "nothing personal"}])
+        patch = await http.patch(
+            f"/v1/projects/{api.project}/datasets/{ds['id']}/rows/2",
+            json={"data": {"note": f"call {PHONE}"}},
+            headers=h,
+        )
+        assert patch.status_code == 200, patch.text
+        run_body = {
+            "datasetId": ds["id"],
+            "model": {"type": "base", "id": "kettei-core"},
+            "input": {"type": "field", "field": "text"},
+            "output": {"type": "dataset", "name": "answers"},
+            "sampling": {"maxOutputTokens": 64},
+        }
+        run_id = (await api.create(run_body)).json()["id"]
+        await run_worker(svc).run_until_idle()
+        assert (await api.post(run_id, "confirm")).status_code == 200
+        await run_worker(svc).run_until_idle()
+        done = await api.get(run_id)
+        assert done["status"] == "completed", done
+        rows = await api.rows(done["output"]["datasetId"])
+        assert any(EMAIL in json.dumps(r) for r in rows)  # readable through the API
+        acts = svc.db.read_sync(lambda c: activity.list_activity(c, acct.org_id))
+    stored = _db_bytes(path)
+
+    assert {a["kind"] for a in acts} >= {"charge"}
+    assert sum(1 for c in engine.calls if EMAIL in _echo(c)) >= 5  # every door reached it
+    logs = caplog.text + "\n".join(repr(vars(rec)) for rec in caplog.records)
+    for planted in PLANTED:
+        assert planted.encode() not in stored, planted
+        assert planted not in logs, planted
+    assert CODEWORD.encode() not in stored
+    for part in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if part.exists():
+            assert oct(part.stat().st_mode & 0o777) == "0o600", part

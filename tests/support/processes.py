@@ -236,8 +236,16 @@ class Workers:
         name: str | None = None,
         env: dict[str, str] | None = None,
         log_level: str = "info",
+        command: str = "worker",
+        args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ) -> WorkerProcess:
-        """Start ``python -m batchyard worker --config CONFIG --database URL``."""
+        """Start ``python -m batchyard worker --config CONFIG --database URL``.
+
+        ``command`` runs another command the same way (``serve``, with ``args``
+        such as ``--port``), so a test can signal a real server too; ``prefix``
+        runs it through a wrapper that execs it (``unshare ...``).
+        """
         name = name or f"worker-{len(self.started) + 1}"
         log = self.tmp_path / f"{name}.log"
         child_env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
@@ -247,11 +255,13 @@ class Workers:
             **(env or {}),
         )
         argv = [
+            *prefix,
             sys.executable,
             "-c",
             _BOOT,
             str(os.getpid()),
-            "worker",
+            command,
+            *args,
             "--config",
             str(config),
             "--database",

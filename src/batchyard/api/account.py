@@ -7,7 +7,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Connection
 
 from batchyard.api.context import authenticate, json_response, service_of
-from batchyard.core.accounts import Organisation, Scope
+from batchyard.api.inputs import query_id_cursor, query_limit
+from batchyard.core.accounts import Organisation
 from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
 from batchyard.store import accounts, activity, ledger
@@ -19,7 +20,7 @@ router = APIRouter()
 
 @router.get("/v1/account")
 async def get_account(request: Request) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.READ)
+    principal = await authenticate(request)
     svc = service_of(request)
 
     def load(conn: Connection) -> tuple[Organisation, ledger.Balance]:
@@ -50,12 +51,11 @@ async def get_account(request: Request) -> JSONResponse:
 
 
 @router.get("/v1/activity")
-async def get_activity(
-    request: Request, after: str | None = None, limit: int = 100
-) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.READ)
+async def get_activity(request: Request) -> JSONResponse:
+    principal = await authenticate(request)
     svc = service_of(request)
-    limit = max(1, min(limit, 1000))
+    limit = query_limit(request, default=100, most=1000)
+    after = query_id_cursor(request, "act", name="after")
     rows = await svc.db.read(
         lambda c: activity.list_activity(c, principal.org_id, after=after, limit=limit)
     )

@@ -11,7 +11,8 @@ Reads, lists and cancels serve both with one object
 (``service.batch_views``); ``/results`` is the seed's NDJSON, and a file
 batch's results are its output and error files.
 
-Scopes: ``full`` and ``inference`` keys create and cancel; every key reads.
+Scopes (``service.access``): ``full`` and ``inference`` keys create and cancel;
+every key reads; an ``inference`` key sees and cancels only its own batches.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.core.accounts import Scope
+from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
 from batchyard.errors import InvalidRequest
 from batchyard.service import batch_listing, batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
@@ -38,7 +39,7 @@ FILE_DIALECT = {"input_file_id", "endpoint"}
 
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    principal = await authenticate(request)
     svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=MAX_BODY_BYTES)
@@ -59,20 +60,21 @@ async def create_batch(request: Request) -> Response:
     return await idempotent(request, principal, raw, handler, min_len=8, required=True)
 
 
+def _batch_id(value: str) -> str:
+    return object_id(value, "bat", param="batch_id", what="batch")
+
+
 @router.get("/v1/batches")
 async def list_batches(request: Request) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
-    params = dict(request.query_params)
-    for key in sorted(params.keys() - {"after", "limit"}):
+    principal = await authenticate(request)
+    for key in sorted(request.query_params.keys() - {"after", "limit"}):
         raise InvalidRequest(
             f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
         )
-    raw = params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise InvalidRequest("limit is an integer from 1 to 100", param="limit")
-    limit = int(raw)
+    limit = query_limit(request, default=20, most=100)
+    after = query_id_cursor(request, "bat", name="after")
     data, more = await batch_listing.list_views(
-        service_of(request), principal, after=params.get("after"), limit=limit
+        service_of(request), principal, after=after, limit=limit
     )
     return json_response(
         {
@@ -88,25 +90,33 @@ async def list_batches(request: Request) -> JSONResponse:
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(request: Request, batch_id: str) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
+    principal = await authenticate(request)
+    _batch_id(batch_id)
     svc = service_of(request)
-    view = await svc.db.read(lambda c: batch_listing.load_view(c, principal.org_id, batch_id))
+    view = await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
     return json_response(view)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+async def cancel_batch(request: Request, batch_id: str) -> Response:
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    body = await read_empty(request)
     svc = service_of(request)
-    if await batch_listing.is_file_batch(svc, principal, batch_id):
-        view = await file_batches.cancel(svc, principal, batch_id)
-        svc.file_batches.notify()
-        return json_response(view)
-    return json_response(await batches.cancel(svc, principal, batch_id))
+
+    async def handler() -> tuple[int, Any]:
+        if await batch_listing.is_file_batch(svc, principal, batch_id):
+            view = await file_batches.cancel(svc, principal, batch_id)
+            svc.file_batches.notify()
+            return 200, view
+        return 200, await batches.cancel(svc, principal, batch_id)
+
+    return await idempotent(request, principal, body, handler)
 
 
 @router.get("/v1/batches/{batch_id}/results")
 async def batch_results(request: Request, batch_id: str) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.READ, Scope.INFERENCE)
+    principal = await authenticate(request)
+    _batch_id(batch_id)
     lines = await batches.result_lines(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-ndjson")

@@ -13,9 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
-from batchyard.api.json_body import parse_strict
 from batchyard.api.openai_door import StreamShape, resolve, sse_response
-from batchyard.core.accounts import Scope
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.openai_bodies import parse_completion
@@ -46,8 +44,8 @@ def _logprobs(ch: Choice, wanted: bool) -> dict[str, Any] | None:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
-    raw = await read_json(request, parse=parse_strict)
+    principal = await authenticate(request)
+    raw = await read_json(request)
     svc = service_of(request)
     body = parse_completion(raw)
     prompts = body.prompts()

@@ -1,13 +1,15 @@
 """What every handler needs: the service, the caller, the body, its key.
 
 Authentication accepts ``Authorization: Bearer <key>`` and seed 002's
-``Authorization: ApiKey <key>``. Bodies are read with a size cap before they
-are parsed, so a 50 MB upload is refused with 413 without being held whole.
+``Authorization: ApiKey <key>``; what each scope may call is the one table in
+``service.access``, looked up by the route that matched. Bodies are read with a
+size cap and parsed strictly (``api.inputs``), so a 50 MB upload is refused
+with 413 without being held whole and a NaN never reaches the store.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,19 +18,19 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
 from batchyard.api.envelope import HeldSlot, envelope_of
+from batchyard.api.inputs import read_json
 from batchyard.core import idempotency as idem_rules
-from batchyard.core.accounts import Principal, Scope
+from batchyard.core.accounts import Principal
 from batchyard.core.limits import Limit
 from batchyard.core.tiers import Tier
 from batchyard.errors import (
     InsufficientScope,
     InvalidApiKey,
-    InvalidJson,
     InvalidRequest,
     MissingApiKey,
-    PayloadTooLarge,
     RateLimited,
 )
+from batchyard.service.access import access_for
 from batchyard.service.deployment import service_of
 from batchyard.service.idempotency import run_once
 from batchyard.store import accounts
@@ -53,8 +55,12 @@ def _presented_key(request: Request) -> str:
     return value.strip()
 
 
-async def authenticate(request: Request, *scopes: Scope) -> Principal:
-    """The caller, checked against ``scopes``; 401 or 403 otherwise."""
+async def authenticate(request: Request) -> Principal:
+    """The caller, checked against the route's row of ``service.access.ACCESS``; 401 or 403."""
+    route = request.scope.get("route")
+    rule = access_for(request.method, getattr(route, "path", ""))
+    if rule is None or rule.kind != "key":
+        raise RuntimeError(f"{request.method} {getattr(route, 'path', '?')} has no key rule")
     svc = service_of(request)
     secret = _presented_key(request)
 
@@ -64,46 +70,18 @@ async def authenticate(request: Request, *scopes: Scope) -> Principal:
     principal = await svc.db.read(lookup)
     if principal is None:
         raise InvalidApiKey("the API key is not valid (unknown or revoked)")
-    if scopes and principal.scope not in scopes:
-        names = ", ".join(s.value for s in scopes)
+    if principal.scope not in rule.scopes:
+        names = ", ".join(sorted(s.value for s in rule.scopes))
         raise InsufficientScope(
             f"this call needs a key with scope {names}; this key has scope {principal.scope.value}"
         )
+    if principal.scope in rule.own_only:
+        principal = dataclasses.replace(principal, own_only=True)
     request.state.principal = principal
     tier = svc.tier(principal.tier)
     limits = [limit for limit, _ in tier_limits(tier, 0.0)]
     envelope_of(request).peek = (svc.limiter, f"org:{principal.org_id}", limits)
     return principal
-
-
-async def read_json(
-    request: Request, *, limit: int | None = None, parse: Callable[[bytes], Any] | None = None
-) -> Any:
-    """The body as a JSON object, read under the size cap; ``parse`` replaces the lenient parser."""
-    svc = service_of(request)
-    cap = limit or svc.settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > cap:
-        raise PayloadTooLarge(f"the request body is over {cap} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise PayloadTooLarge(f"the request body is over {cap} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if parse is not None:
-        return parse(raw)
-    if not raw.strip():
-        raise InvalidJson("the request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidJson(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidJson("the request body must be a JSON object")
-    return body
 
 
 def json_response(body: Any, status_code: int = 200) -> JSONResponse:

@@ -27,18 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from batchyard.api.bodies import DecideBody, KeepWarmBody
 from batchyard.api.context import (
     authenticate,
     check_tier_limits,
     idempotent,
-    json_response,
     read_json,
     service_of,
 )
+from batchyard.api.inputs import strict
 from batchyard.core import decisions as rules
-from batchyard.core.accounts import Scope
 from batchyard.core.calibration import CalibrationMode
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
@@ -366,8 +366,9 @@ async def _decide(
 
 @router.post("/v1/decide")
 async def decide(request: Request) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    principal = await authenticate(request)
     raw = await read_json(request)
+    strict(DecideBody, raw)
     svc = service_of(request)
     req, primary, fallback = prepare(svc, raw)
 
@@ -381,18 +382,20 @@ async def decide(request: Request) -> Response:
 
 
 @router.post("/v1/decide/estimate")
-async def estimate(request: Request) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+async def estimate(request: Request) -> Response:
+    principal = await authenticate(request)
     raw = await read_json(request)
+    strict(DecideBody, raw)
     svc = service_of(request)
-    req, primary, fallback = prepare(svc, raw)
-    primary, fallback = await priced(svc, principal.org_id, req, primary, fallback)
-    await check_tier_limits(
-        request, principal, requests=1, tokens=primary.input_tokens, kind="estimate"
-    )
-    max_cost = max(primary.max_cost, fallback.max_cost if fallback else 0)
-    return json_response(
-        {
+    req, first_plan, fallback_plan = prepare(svc, raw)
+
+    async def handler() -> tuple[int, Any]:
+        primary, fallback = await priced(svc, principal.org_id, req, first_plan, fallback_plan)
+        await check_tier_limits(
+            request, principal, requests=1, tokens=primary.input_tokens, kind="estimate"
+        )
+        max_cost = max(primary.max_cost, fallback.max_cost if fallback else 0)
+        return 200, {
             "input_tokens": primary.input_tokens,
             "max_output_tokens": primary.max_output_tokens,
             "max_cost": format_money(max_cost),
@@ -401,13 +404,15 @@ async def estimate(request: Request) -> JSONResponse:
                 primary.content_free_tokens if primary.prior_pending else 0
             ),
         }
-    )
+
+    return await idempotent(request, principal, raw, handler)
 
 
 @router.post("/v1/models/{model_id}/keep-warm")
 async def keep_warm(request: Request, model_id: str) -> Response:
-    principal = await authenticate(request, Scope.FULL, Scope.INFERENCE)
+    principal = await authenticate(request)
     raw = await read_json(request)
+    minutes = strict(KeepWarmBody, raw).minutes
     svc = service_of(request)
     model = svc.catalog.models.get(model_id)
     if model is None:
@@ -419,12 +424,7 @@ async def keep_warm(request: Request, model_id: str) -> Response:
             param="model",
             code="not_a_model_version",
         )
-    minutes = raw.get("minutes")
-    if (
-        isinstance(minutes, bool)
-        or not isinstance(minutes, int | float)
-        or not 0 < minutes <= MAX_KEEP_WARM_MINUTES
-    ):
+    if not 0 < minutes <= MAX_KEEP_WARM_MINUTES:
         raise InvalidRequest(
             f"minutes must be a number above 0 and at most {MAX_KEEP_WARM_MINUTES}",
             param="minutes",

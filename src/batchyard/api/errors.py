@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,17 @@ from batchyard.errors import BatchyardError, InternalError
 __all__ = ["error_response", "install_error_handlers"]
 
 log = logging.getLogger("batchyard.api")
+
+
+def _encodable(value: Any) -> Any:
+    """A body that always encodes: a message that echoes input may hold a lone surrogate."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
 
 
 def should_retry(exc: BatchyardError) -> bool:
@@ -47,7 +59,9 @@ def error_headers(exc: BatchyardError) -> dict[str, str]:
 
 
 def error_response(exc: BatchyardError) -> JSONResponse:
-    return JSONResponse(exc.to_body(), status_code=exc.status, headers=error_headers(exc))
+    return JSONResponse(
+        _encodable(exc.to_body()), status_code=exc.status, headers=error_headers(exc)
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

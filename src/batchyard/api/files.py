@@ -8,8 +8,9 @@ on a thread (``service.files.ingest``); a bad file answers a coded error
 naming its line and leaves nothing behind. Every ID is checked against the
 caller's organisation: another organisation's file is 404.
 
-Scopes: ``full`` and ``inference`` keys upload and delete; ``read`` keys
-(and the others) list, show and download.
+Scopes (``service.access``): ``full`` and ``inference`` keys upload and
+delete; every key lists, shows and downloads; an ``inference`` key sees only
+the files it uploaded and the output files of its own batches.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import authenticate, json_response, service_of
-from batchyard.core.accounts import Scope
+from batchyard.api.inputs import object_id, query_id_cursor, query_limit
 from batchyard.errors import InvalidRequest, PayloadTooLarge
 from batchyard.service import files
 from batchyard.service.uploads import read_multipart
@@ -30,8 +31,6 @@ __all__ = ["router"]
 
 router = APIRouter()
 
-READ = (Scope.FULL, Scope.READ, Scope.INFERENCE)
-WRITE = (Scope.FULL, Scope.INFERENCE)
 #: OpenAI's other purposes: named so the refusal can say what is wrong.
 OTHER_PURPOSES = (
     "assistants",
@@ -86,7 +85,7 @@ def _expires_after(fields: dict[str, str]) -> int | None:
 
 @router.post("/v1/files")
 async def create_file(request: Request) -> JSONResponse:
-    principal = await authenticate(request, *WRITE)
+    principal = await authenticate(request)
     svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     limits = files.settings_of(svc)
@@ -130,19 +129,16 @@ def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
     return params
 
 
-def _limit(raw: str | None, default: int, most: int) -> int:
-    if raw is None:
-        return default
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise InvalidRequest(f"limit is an integer from 1 to {most}", param="limit")
-    return int(raw)
+def _file_id(value: str) -> str:
+    return object_id(value, "file", param="file_id", what="file", code="file_not_found")
 
 
 @router.get("/v1/files")
 async def list_files(request: Request) -> JSONResponse:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
     q = _query(request, ("after", "limit", "order", "purpose"))
-    limit = _limit(q.get("limit"), 10_000, 10_000)
+    limit = query_limit(request, default=10_000, most=10_000)
+    after = query_id_cursor(request, "file", name="after")
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("order is asc or desc", param="order")
@@ -156,7 +152,7 @@ async def list_files(request: Request) -> JSONResponse:
     data, more = await files.list_views(
         service_of(request),
         principal,
-        after=q.get("after"),
+        after=after,
         limit=limit,
         purpose=purpose,
         newest_first=order == "desc",
@@ -176,21 +172,24 @@ def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
 
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> JSONResponse:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
     _query(request, ())
+    _file_id(file_id)
     return json_response(await files.get(service_of(request), principal, file_id))
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> Response:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
     _query(request, ())
+    _file_id(file_id)
     lines = await files.content(service_of(request), principal, file_id)
     return StreamingResponse(lines, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str) -> JSONResponse:
-    principal = await authenticate(request, *WRITE)
+    principal = await authenticate(request)
     _query(request, ())
+    _file_id(file_id)
     return json_response(await files.delete(service_of(request), principal, file_id))

@@ -169,6 +169,11 @@ class Health(BaseModel):
     status: str
 
 
+class Readiness(BaseModel):
+    status: str
+    checks: dict[str, dict[str, Any]]
+
+
 _JSON = "application/json"
 _SSE = "text/event-stream"
 _NDJSON = "application/x-ndjson"
@@ -191,14 +196,18 @@ class Operation:
     extra_body_types: tuple[str, ...] = field(default=())
 
 
-# Error statuses by kind of operation.
-_READ = (400, 401, 403, 404, 500)
-_WRITE = (400, 401, 403, 404, 409, 413, 500)
-_MODEL_CALL = (400, 401, 402, 403, 404, 409, 413, 429, 500, 502, 503, 504)
+# Error statuses by kind of operation. 503: the store cannot take the request now
+# (storage_unavailable); 415: a JSON body without Content-Type: application/json.
+_READ = (400, 401, 403, 404, 500, 503)
+_WRITE = (400, 401, 403, 404, 409, 413, 415, 500, 503)
+_MODEL_CALL = (400, 401, 402, 403, 404, 409, 413, 415, 429, 500, 502, 503, 504)
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("get", "/healthz"): Operation(200, Health, (503,), summary="Liveness and readiness"),
-    ("get", "/v1/account"): Operation(200, Account, (401, 403, 500), summary="Your account"),
+    ("get", "/healthz"): Operation(200, Health, (503,), summary="Liveness: the process is up"),
+    ("get", "/readyz"): Operation(
+        200, Readiness, (503,), summary="Readiness: every check passes (the store takes a write)"
+    ),
+    ("get", "/v1/account"): Operation(200, Account, (401, 403, 500, 503), summary="Your account"),
     ("get", "/v1/activity"): Operation(200, ListOf, _READ, summary="Credit activity"),
     ("post", "/v1/chat/completions"): Operation(
         200,
@@ -225,15 +234,15 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/decide/estimate"): Operation(
         200,
         Estimate,
-        (400, 401, 403, 404, 413, 429, 500),
+        (400, 401, 403, 404, 409, 413, 415, 429, 500, 503),
         DecideRequest,
         summary="Price a decide call without running it",
     ),
     ("post", "/v1/models/{model_id}/keep-warm"): Operation(
         200, ModelObject, _WRITE, _Open, summary="Keep a fine-tuned version loaded"
     ),
-    ("get", "/v1/models"): Operation(200, ModelList, (401, 500), summary="The catalog"),
-    ("get", "/v1/models/{model_id}"): Operation(200, ModelObject, (401, 404, 500)),
+    ("get", "/v1/models"): Operation(200, ModelList, (401, 500, 503), summary="The catalog"),
+    ("get", "/v1/models/{model_id}"): Operation(200, ModelObject, (401, 404, 500, 503)),
     ("post", "/v1/batches"): Operation(
         201,
         _Open,
@@ -308,7 +317,8 @@ _REASONS = {
     429: "Over a limit; retry-after-ms and Retry-After say when a retry is admitted",
     500: "Internal error (logged with the answer's x-request-id)",
     502: "The model's upstream failed",
-    503: "A model warming up, an upstream rate limit, or the service not ready",
+    503: "A model warming up, an upstream rate limit, the service not ready, or a store that "
+    "cannot take the request now (storage_unavailable, retryable)",
     504: "The model's upstream timed out",
 }
 

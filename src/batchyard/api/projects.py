@@ -8,28 +8,48 @@ it is parsed incrementally and inserted in batches, so a large file never sits
 in memory whole. An upload that fails part-way leaves no dataset behind.
 
 Every ID is checked against the caller's organisation; another
-organisation's project, dataset or row is 404, never 403.
+organisation's project, dataset or row is 404, never 403. Every POST and the
+row PATCH honour ``Idempotency-Key`` (an upload is fingerprinted by a hash of
+its bytes), so a retried create never makes a second project or dataset.
+Uploaded rows obey the same strict JSON as request bodies (``core.inputs``):
+a ``NaN`` in a file is refused with the line it is on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import csv
+import hashlib
 import json
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
-from batchyard.api.context import authenticate, json_response, read_json, service_of
-from batchyard.core.accounts import Scope
+from batchyard.api.bodies import DatasetBody, ProjectBody, RowPatchBody
+from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
+from batchyard.api.inputs import (
+    object_id,
+    parse_json,
+    query_cursor,
+    query_limit,
+    strict,
+)
+from batchyard.api.inputs import row_id as parse_row_id
 from batchyard.core.clock import isoformat
+from batchyard.core.inputs import check_document
 from batchyard.core.runs import prompt_messages
-from batchyard.errors import InvalidRequest, NotFound, PayloadTooLarge
+from batchyard.errors import (
+    BatchyardError,
+    InvalidRequest,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from batchyard.store import projects as store
 from batchyard.store import row_versions
 
@@ -37,7 +57,6 @@ __all__ = ["dataset_json", "router"]
 
 router = APIRouter()
 
-READ = (Scope.FULL, Scope.READ, Scope.INFERENCE)
 KINDS = ("text", "chat-sft")
 BATCH = 1000
 _FORMATS = {
@@ -87,29 +106,35 @@ def _name(value: Any, param: str = "name") -> str:
     return value.strip()
 
 
-def _limit(request: Request, default: int = 100, most: int = 1000) -> int:
-    raw = request.query_params.get("limit")
-    if raw is None:
-        return default
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise InvalidRequest(f"limit must be an integer from 1 to {most}", param="limit")
-    return int(raw)
+def _project_id(value: str) -> str:
+    return object_id(value, "pp", param="projectId", what="project")
+
+
+def _dataset_id(value: str) -> str:
+    return object_id(value, "ds", param="datasetId", what="dataset")
 
 
 @router.post("/v1/projects")
-async def create_project(request: Request) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL)
+async def create_project(request: Request) -> Response:
+    principal = await authenticate(request)
     body = await read_json(request)
-    name = _name(body.get("name"))
+    name = _name(strict(ProjectBody, body).name)
     svc = service_of(request)
-    now = svc.clock.now()
-    project = await svc.db.transact(lambda c: store.create_project(c, principal.org_id, name, now))
-    return json_response(project_json(project), 201)
+
+    async def handler() -> tuple[int, Any]:
+        now = svc.clock.now()
+        project = await svc.db.transact(
+            lambda c: store.create_project(c, principal.org_id, name, now)
+        )
+        return 201, project_json(project)
+
+    return await idempotent(request, principal, body, handler)
 
 
 @router.get("/v1/projects/{project_id}")
 async def get_project(request: Request, project_id: str) -> JSONResponse:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
+    _project_id(project_id)
     svc = service_of(request)
     project = await svc.db.read(lambda c: store.get_project(c, principal.org_id, project_id))
     return json_response(project_json(project))
@@ -131,23 +156,29 @@ def _check_row(row: Any, kind: str, where: str) -> dict[str, Any]:
     return row
 
 
+def _file_error(where: str, exc: BatchyardError) -> InvalidRequest:
+    return InvalidRequest(f"{where}: {exc.message}", code="invalid_dataset_file")
+
+
 def _jsonl(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     for n, line in enumerate(f, 1):
         if not line.strip():
             continue
         try:
-            yield f"line {n}", json.loads(line)
-        except ValueError as exc:
-            raise InvalidRequest(
-                f"line {n} is not valid JSON: {exc}", code="invalid_dataset_file"
-            ) from None
+            yield f"line {n}", parse_json(line, f"line {n}")
+        except BatchyardError as exc:
+            raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
 
 
 def _csv(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     text = codecs.getreader("utf-8-sig")(f)
     try:
         for n, record in enumerate(csv.DictReader(text), 2):
-            yield f"line {n}", {k: v for k, v in record.items() if k is not None}
+            row = {k: v for k, v in record.items() if k is not None}
+            try:
+                yield f"line {n}", check_document(row, f"line {n}")
+            except BatchyardError as exc:
+                raise _file_error(f"line {n}", exc) from None
     except (csv.Error, UnicodeDecodeError) as exc:
         raise InvalidRequest(
             f"the CSV file is not valid: {exc}", code="invalid_dataset_file"
@@ -164,8 +195,12 @@ def _parquet(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
         for batch in pf.iter_batches(batch_size=BATCH):
             for row in batch.to_pylist():
                 n += 1
-                # Timestamps, decimals and bytes become strings: rows are JSON.
-                yield f"row {n}", json.loads(json.dumps(row, default=str))
+                # Timestamps, decimals and bytes become strings: rows are JSON,
+                # and strict JSON (a float NaN is refused, not stored).
+                try:
+                    yield f"row {n}", parse_json(json.dumps(row, default=str), f"row {n}")
+                except BatchyardError as exc:
+                    raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
     except (pa.ArrowException, OSError) as exc:
         raise InvalidRequest(
             f"the Parquet file is not valid: {exc}", code="invalid_dataset_file"
@@ -185,7 +220,7 @@ def _import(
         kind = "chat-sft" if isinstance(first[1], dict) and "messages" in first[1] else "text"
     now = svc.clock.now()
     ds = svc.db.transact_sync(
-        lambda c: store.create_dataset(c, org_id, project_id, name, kind, now)
+        lambda c: store.create_dataset(c, org_id, project_id, name, kind, now, ready=False)
     )
     try:
         batch = [_check_row(first[1], kind, first[0])]
@@ -194,20 +229,33 @@ def _import(
             if len(batch) >= BATCH:
                 svc.db.transact_sync(lambda c, b=batch: store.append_rows(c, ds.id, b, now))
                 batch = []
-        if batch:
-            svc.db.transact_sync(lambda c, b=batch: store.append_rows(c, ds.id, b, now))
+
+        def last(c: Connection) -> store.Dataset:
+            store.append_rows(c, ds.id, batch, now)
+            store.mark_ready(c, ds.id, now)
+            return store.get_dataset(c, org_id, ds.id)
+
+        done: store.Dataset = svc.db.transact_sync(last)
+        return done
     except BaseException:
-        svc.db.transact_sync(lambda c: store.delete_dataset(c, ds.id))
+        # Best effort: if the store cannot even delete (disk full), the dataset stays
+        # invisible (not ready) and the run worker's housekeeping purges it later.
+        with contextlib.suppress(Exception):
+            svc.db.transact_sync(lambda c: store.delete_dataset(c, ds.id))
         raise
-    result: store.Dataset = svc.db.read_sync(lambda c: store.get_dataset(c, org_id, ds.id))
-    return result
 
 
 def _format(request: Request) -> str:
     fmt = request.query_params.get("format")
     if fmt is None:
-        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
-        fmt = _FORMATS.get(ctype.lower())
+        header = request.headers.get("content-type")
+        if header is None:
+            raise UnsupportedMediaType(
+                "send a JSON body {name, kind} with Content-Type: application/json, or a "
+                "JSONL, CSV or Parquet file with its Content-Type",
+                param="Content-Type",
+            )
+        fmt = _FORMATS.get(header.split(";")[0].strip().lower())
     if fmt not in ("json", "jsonl", "csv", "parquet"):
         raise InvalidRequest(
             "send a JSON body {name, kind} for an empty dataset, or a JSONL, CSV or Parquet "
@@ -220,23 +268,29 @@ def _format(request: Request) -> str:
 
 
 @router.post("/v1/projects/{project_id}/datasets")
-async def create_dataset(request: Request, project_id: str) -> JSONResponse:
-    principal = await authenticate(request, Scope.FULL)
+async def create_dataset(request: Request, project_id: str) -> Response:
+    principal = await authenticate(request)
+    _project_id(project_id)
     svc = service_of(request)
     org = principal.org_id
     await svc.db.read(lambda c: store.get_project(c, org, project_id))
     fmt = _format(request)
     if fmt == "json":
         body = await read_json(request)
-        name = _name(body.get("name"))
-        kind = body.get("kind", "text")
+        shape = strict(DatasetBody, body)
+        name = _name(shape.name)
+        kind = "text" if shape.kind is None else shape.kind
         if kind not in KINDS:
             raise InvalidRequest("kind must be text or chat-sft", param="kind")
-        now = svc.clock.now()
-        ds = await svc.db.transact(
-            lambda c: store.create_dataset(c, org, project_id, name, kind, now)
-        )
-        return json_response(dataset_json(ds), 201)
+
+        async def create() -> tuple[int, Any]:
+            now = svc.clock.now()
+            ds = await svc.db.transact(
+                lambda c: store.create_dataset(c, org, project_id, name, kind, now)
+            )
+            return 201, dataset_json(ds)
+
+        return await idempotent(request, principal, body, create)
     name = _name(request.query_params.get("name"), "name")
     kind_param = request.query_params.get("kind")
     if kind_param is not None and kind_param not in KINDS:
@@ -244,22 +298,32 @@ async def create_dataset(request: Request, project_id: str) -> JSONResponse:
     cap = int(svc.settings.raw.get("max_upload_bytes", 2 * 1024**3))
     with tempfile.TemporaryFile(prefix="batchyard-upload-") as f:
         size = 0
+        digest = hashlib.sha256()
         async for chunk in request.stream():
             size += len(chunk)
             if size > cap:
                 raise PayloadTooLarge(f"the upload is over {cap} bytes")
+            digest.update(chunk)
             f.write(chunk)
         f.seek(0)
-        loop = asyncio.get_running_loop()
-        ds = await loop.run_in_executor(
-            None, _import, svc, f, fmt, org, project_id, name, kind_param
-        )
-    return json_response(dataset_json(ds), 201)
+
+        async def upload() -> tuple[int, Any]:
+            loop = asyncio.get_running_loop()
+            ds = await loop.run_in_executor(
+                None, _import, svc, f, fmt, org, project_id, name, kind_param
+            )
+            return 201, dataset_json(ds)
+
+        # The fingerprint of an upload: its bytes (hashed) and what the query asked.
+        what = {"sha256": digest.hexdigest(), "name": name, "kind": kind_param, "format": fmt}
+        return await idempotent(request, principal, what, upload)
 
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}")
 async def get_dataset(request: Request, project_id: str, dataset_id: str) -> JSONResponse:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
+    _project_id(project_id)
+    _dataset_id(dataset_id)
     svc = service_of(request)
     ds = await svc.db.read(lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id))
     return json_response(dataset_json(ds))
@@ -267,13 +331,12 @@ async def get_dataset(request: Request, project_id: str, dataset_id: str) -> JSO
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}/rows")
 async def list_rows(request: Request, project_id: str, dataset_id: str) -> JSONResponse:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
+    _project_id(project_id)
+    _dataset_id(dataset_id)
     svc = service_of(request)
-    limit = _limit(request)
-    cursor = request.query_params.get("cursor") or None
-    if cursor is not None and not cursor.isdigit():
-        raise InvalidRequest("cursor is not one this API gave out", param="cursor")
-    after = int(cursor) if cursor else None
+    limit = query_limit(request, default=100, most=1000)
+    after = query_cursor(request)
 
     def tx(c: Connection) -> list[store.Row]:
         store.get_dataset(c, principal.org_id, dataset_id, project_id)
@@ -292,25 +355,28 @@ async def list_rows(request: Request, project_id: str, dataset_id: str) -> JSONR
 
 
 @router.patch("/v1/projects/{project_id}/datasets/{dataset_id}/rows/{row_id}")
-async def patch_row(
-    request: Request, project_id: str, dataset_id: str, row_id: str
-) -> JSONResponse:
+async def patch_row(request: Request, project_id: str, dataset_id: str, row_id: str) -> Response:
     """Merge ``{"data": {...}}`` into a row as a new version; ``null`` removes a field."""
-    principal = await authenticate(request, Scope.FULL)
+    principal = await authenticate(request)
+    _project_id(project_id)
+    _dataset_id(dataset_id)
+    rid = parse_row_id(row_id)
     svc = service_of(request)
     body = await read_json(request)
-    changes = body.get("data")
-    if not isinstance(changes, dict) or not changes:
+    changes = strict(RowPatchBody, body).data
+    if not changes:
         raise InvalidRequest("data must be an object of the fields to change", param="data")
-    if not row_id.isdigit():
-        raise NotFound(f"row {row_id} not found", param="rowId")
-    now = svc.clock.now()
 
-    def tx(c: Connection) -> store.Row:
-        ds = store.get_dataset(c, principal.org_id, dataset_id, project_id)
-        if ds.kind == "chat-sft":
-            merged = {**store.get_row(c, dataset_id, int(row_id)).data, **changes}
-            _check_row(merged, ds.kind, "data")
-        return row_versions.patch_row(c, dataset_id, int(row_id), changes, now)
+    async def handler() -> tuple[int, Any]:
+        now = svc.clock.now()
 
-    return json_response(row_json(await svc.db.transact(tx)))
+        def tx(c: Connection) -> store.Row:
+            ds = store.get_dataset(c, principal.org_id, dataset_id, project_id)
+            if ds.kind == "chat-sft":
+                merged = {**store.get_row(c, dataset_id, rid).data, **changes}
+                _check_row(merged, ds.kind, "data")
+            return row_versions.patch_row(c, dataset_id, rid, changes, now)
+
+        return 200, row_json(await svc.db.transact(tx))
+
+    return await idempotent(request, principal, body, handler)

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
+from batchyard.api.bodies import RunBody
 from batchyard.api.context import (
     authenticate,
     idempotent,
@@ -23,32 +24,39 @@ from batchyard.api.context import (
     read_json,
     service_of,
 )
+from batchyard.api.inputs import (
+    object_id,
+    query_cursor,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+    strict,
+)
 from batchyard.api.run_requests import any_row_matches, validate_run_request
-from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
 from batchyard.core.filters import compile_filter
-from batchyard.core.ids import new_id
+from batchyard.core.ids import is_id, new_id
 from batchyard.core.money import format_money
-from batchyard.core.runs import (
-    TERMINAL,
-    BlockedReason,
-    RunStatus,
-    check_transition,
-    message_for,
-)
+from batchyard.core.runs import TERMINAL, RunStatus, message_for
 from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, QuoteExpired
-from batchyard.store import activity, ledger, work_items
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
+from batchyard.store import work_items
+from batchyard.work.runs.canceling import stop_run
 from batchyard.work.runs.funding import fund
 
 __all__ = ["router", "run_json"]
 
 router = APIRouter()
 BASE = "/v1/projects/{project_id}/batch-inference-runs"
-READ = (Scope.FULL, Scope.READ, Scope.INFERENCE)
-WRITE = (Scope.FULL, Scope.INFERENCE)
 S = RunStatus
+
+
+def _ids(project_id: str, run_id: str | None = None) -> None:
+    """Path IDs that cannot name anything are 404 before the store is asked."""
+    object_id(project_id, "pp", param="projectId", what="project")
+    if run_id is not None:
+        object_id(run_id, "bir", param="runId", what="batch inference run")
 
 
 def _output(run: rstore.Run) -> dict[str, Any]:
@@ -130,12 +138,13 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
 
 @router.post(BASE)
 async def create_run(request: Request, project_id: str) -> Response:
-    principal = await authenticate(request, *WRITE)
+    principal = await authenticate(request)
+    _ids(project_id)
     svc = service_of(request)
     raw = await read_json(request)
-    dataset_id = raw.get("datasetId")
-    if not isinstance(dataset_id, str) or not dataset_id:
-        raise InvalidRequest("datasetId must be a dataset ID (ds.…)", param="datasetId")
+    dataset_id = strict(RunBody, raw).datasetId
+    if not is_id(dataset_id, "ds"):
+        raise InvalidRequest("datasetId must be a dataset ID (ds.<uuid>)", param="datasetId")
     org = principal.org_id
 
     def lookup(c: Connection) -> pstore.Dataset:
@@ -146,14 +155,15 @@ async def create_run(request: Request, project_id: str) -> Response:
     spec = validate_run_request(svc, raw, ds)
     keep = compile_filter(spec["filter"])
 
+    # Checked before the key is claimed: a request refused for its content leaves nothing.
+    loop = asyncio.get_running_loop()
+    found = await loop.run_in_executor(None, any_row_matches, svc, ds.id, keep, spec["input"])
+    if not found:
+        raise EmptyFilterResult(
+            "no row of the dataset matches the filter with a prompt to send", param="filter"
+        )
+
     async def handler() -> tuple[int, Any]:
-        loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(None, any_row_matches, svc, ds.id, keep, spec["input"])
-        if not found:
-            raise EmptyFilterResult(
-                "no row of the dataset matches the filter with a prompt to send",
-                param="filter",
-            )
         now = svc.clock.now()
         run_id = new_id("bir", now)
 
@@ -166,6 +176,7 @@ async def create_run(request: Request, project_id: str) -> Response:
                 dataset_id=ds.id,
                 spec=spec,
                 now=now,
+                key_id=principal.key_id,
             )
             return rstore.load_run(c, run_id)
 
@@ -178,16 +189,14 @@ async def create_run(request: Request, project_id: str) -> Response:
 
 @router.get(BASE)
 async def list_runs(request: Request, project_id: str) -> JSONResponse:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
+    _ids(project_id)
     svc = service_of(request)
     status = request.query_params.get("status") or None
     if status is not None and status not in set(S):
-        raise InvalidRequest(f"status {status!r} is not a run status", param="status")
-    raw_limit = request.query_params.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
-        raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
-    limit = int(raw_limit)
-    cursor = request.query_params.get("cursor") or None
+        raise InvalidRequest(f"status {status[:40]!r} is not a run status", param="status")
+    limit = query_limit(request, default=20, most=100)
+    cursor = query_id_cursor(request, "bir")
 
     def tx(c: Connection) -> list[rstore.Run]:
         pstore.get_project(c, principal.org_id, project_id)
@@ -209,114 +218,91 @@ async def list_runs(request: Request, project_id: str) -> JSONResponse:
 
 @router.get(BASE + "/{run_id}")
 async def get_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
+    _ids(project_id, run_id)
     svc = service_of(request)
     run = await svc.db.read(lambda c: rstore.get_run(c, principal.org_id, run_id, project_id))
     return json_response(run_json(run))
 
 
 @router.post(BASE + "/{run_id}/confirm")
-async def confirm_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
+async def confirm_run(request: Request, project_id: str, run_id: str) -> Response:
     """Reserve the quote and queue the run, or block it (funds, billing review)."""
-    principal = await authenticate(request, *WRITE)
+    principal = await authenticate(request)
+    _ids(project_id, run_id)
+    body = await read_empty(request)
     svc = service_of(request)
-    now = svc.clock.now()
 
-    def tx(c: Connection) -> rstore.Run:
-        run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
-        if run.status != S.AWAITING_CONFIRMATION:
-            raise InvalidState(
-                f"run {run_id} is {run.status}; only a run awaiting confirmation can be confirmed",
-                details={"status": run.status},
-            )
-        assert run.quote_expires_at is not None
-        if now > run.quote_expires_at:
-            raise QuoteExpired(
-                f"the quote expired at {isoformat(run.quote_expires_at)}; create the run again "
-                "for a fresh quote",
-                details={"status": run.status},
-            )
-        fund(
-            c,
-            run,
-            now,
-            threshold=svc.settings.billing_review_threshold,
-            tiers=svc.settings.tiers,
-        )
-        return rstore.load_run(c, run_id)
+    async def handler() -> tuple[int, Any]:
+        now = svc.clock.now()
 
-    run = await svc.db.transact(tx)
-    svc.runs.notify()
-    return json_response(run_json(run))
+        def tx(c: Connection) -> rstore.Run:
+            run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
+            if run.status != S.AWAITING_CONFIRMATION:
+                raise InvalidState(
+                    f"run {run_id} is {run.status}; only a run awaiting confirmation can be "
+                    "confirmed",
+                    details={"status": run.status},
+                )
+            assert run.quote_expires_at is not None
+            if now > run.quote_expires_at:
+                raise QuoteExpired(
+                    f"the quote expired at {isoformat(run.quote_expires_at)}; create the run "
+                    "again for a fresh quote",
+                    details={"status": run.status},
+                )
+            # The key that confirms starts the spending: revoking it stops the run.
+            rstore.update_run(c, run_id, now, key_id=principal.key_id)
+            fund(
+                c,
+                rstore.load_run(c, run_id),
+                now,
+                threshold=svc.settings.billing_review_threshold,
+                tiers=svc.settings.tiers,
+            )
+            return rstore.load_run(c, run_id)
+
+        run = await svc.db.transact(tx)
+        svc.runs.notify()
+        return 200, run_json(run)
+
+    return await idempotent(request, principal, body, handler)
 
 
 @router.post(BASE + "/{run_id}/cancel")
-async def cancel_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
+async def cancel_run(request: Request, project_id: str, run_id: str) -> Response:
     """Stop a run: answered rows are kept and charged, the rest is released."""
-    principal = await authenticate(request, *WRITE)
+    principal = await authenticate(request)
+    _ids(project_id, run_id)
+    body = await read_empty(request)
     svc = service_of(request)
-    now = svc.clock.now()
 
-    def tx(c: Connection) -> rstore.Run:
-        run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
-        if run.status == S.STOPPING:
-            return run
-        if run.status in TERMINAL:
-            check_transition(run.status, S.CANCELED, run_id=run_id)
-        held = run.status in (S.RUNNING, S.WRITING_OUTPUTS)
-        if held or (run.status == S.BLOCKED and run.blocked_reason == BlockedReason.PAYMENT):
-            # A worker finishes it: in-flight calls land, outputs are written, usage settled.
-            lease = {} if held else {"lease_owner": None, "lease_expires_at": None}
-            rstore.update_run(c, run_id, now, status=S.STOPPING, **lease)
-        else:
-            if run.reservation_id is not None:
-                res = ledger.release(c, run.reservation_id, now)
-                activity.record(
-                    c,
-                    run.org_id,
-                    "release",
-                    now,
-                    ref=run.id,
-                    reservation_id=res.id,
-                    amount=res.amount,
-                    detail={"reason": "canceled"},
-                )
-            work_items.cancel_pending(c, run_id, now)
-            rstore.update_run(
-                c,
-                run_id,
-                now,
-                status=S.CANCELED,
-                blocked_reason=None,
-                charge=0 if run.reservation_id else None,
-                lease_owner=None,
-                lease_expires_at=None,
-            )
-        return rstore.load_run(c, run_id)
+    async def handler() -> tuple[int, Any]:
+        now = svc.clock.now()
 
-    run = await svc.db.transact(tx)
-    svc.runs.notify()
-    return json_response(run_json(run))
+        def tx(c: Connection) -> rstore.Run:
+            run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
+            return stop_run(c, run, now)
+
+        run = await svc.db.transact(tx)
+        svc.runs.notify()
+        return 200, run_json(run)
+
+    return await idempotent(request, principal, body, handler)
 
 
 @router.get(BASE + "/{run_id}/failures")
 async def list_failures(request: Request, project_id: str, run_id: str) -> JSONResponse:
     """Rows that failed, and rows left ``uncertain`` by a worker that died mid-call."""
-    principal = await authenticate(request, *READ)
+    principal = await authenticate(request)
+    _ids(project_id, run_id)
     svc = service_of(request)
-    cursor = request.query_params.get("cursor") or None
-    if cursor is not None and not cursor.isdigit():
-        raise InvalidRequest("cursor is not one this API gave out", param="cursor")
-    raw_limit = request.query_params.get("limit", "100")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
-        raise InvalidRequest("limit must be an integer from 1 to 1000", param="limit")
-    limit = int(raw_limit)
+    cursor = query_cursor(request)
+    limit = query_limit(request, default=100, most=1000)
 
     def tx(c: Connection) -> list[dict[str, Any]]:
         rstore.get_run(c, principal.org_id, run_id, project_id)
-        return work_items.list_failures(
-            c, run_id, after=int(cursor) if cursor else None, limit=limit + 1
-        )
+        return work_items.list_failures(c, run_id, after=cursor, limit=limit + 1)
 
     rows = await svc.db.read(tx)
     more = len(rows) > limit

@@ -3,7 +3,8 @@
 They work on the database directly (migrating it first), so an operator can
 create the first key before any server is running. Server modules are
 imported inside the commands, so the client-only install can still load the
-CLI for ``batchyard run``.
+CLI for ``batchyard run``. A database that cannot be opened or written is one
+line on stderr and exit status 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ console = Console(stderr=True)
 
 
 def open_database(config_file: str | None, database_url: str | None) -> Database:
+    from batchyard.errors import StorageUnavailable
     from batchyard.store.database import Database
 
     settings = settings_from(config_file, database_url)
-    db = Database(settings.database_url, pool_size=2)
-    db.migrate()
+    try:
+        db = Database(settings.database_url, pool_size=2)
+        db.migrate()
+    except StorageUnavailable as exc:
+        raise click.ClickException(f"the database cannot be used: {exc.message}") from None
+    except OSError as exc:
+        raise click.ClickException(f"the database cannot be opened: {exc}") from None
     return db
 
 
@@ -115,19 +122,33 @@ def keys_list(org_name: str, config_file: str | None, database_url: str | None) 
 @click.argument("key_id")
 @database_options
 def keys_revoke(key_id: str, config_file: str | None, database_url: str | None) -> None:
-    """Revoke a key at once; its undispatched deferred work is canceled."""
+    """Revoke a key at once; what it started and was not sent yet is canceled."""
+    from sqlalchemy import Connection
+
+    from batchyard.core.accounts import ApiKey
     from batchyard.core.clock import SystemClock
     from batchyard.store import accounts
+    from batchyard.store import batches as batch_store
+    from batchyard.work.runs.canceling import stop_runs_of_revoked_keys
 
     db = open_database(config_file, database_url)
     now = SystemClock().now()
+
+    def tx(c: Connection) -> tuple[ApiKey, int, list[str]]:
+        key = accounts.revoke_key(c, key_id, now)
+        # The same transaction stops its work; workers would also find it on their next round.
+        return key, batch_store.cancel_for_revoked_keys(c, now), stop_runs_of_revoked_keys(c, now)
+
     try:
-        key = db.transact_sync(lambda c: accounts.revoke_key(c, key_id, now))
+        key, items, runs = db.transact_sync(tx)
     except Exception as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         db.close()
-    console.print(f"revoked {key.id}")
+    console.print(
+        f"revoked {key.id}; canceled {items} waiting deferred item(s) and stopped "
+        f"{len(runs)} run(s) it started"
+    )
 
 
 @click.group()
@@ -207,19 +228,28 @@ def credit_auto_topup(
 @click.command()
 @database_options
 def audit(config_file: str | None, database_url: str | None) -> None:
-    """Check every ledger invariant; exit 0 only when all hold."""
-    from batchyard.store import ledger
+    """Check every ledger invariant and look for stranded holds; exit 0 only when all is well."""
+    from batchyard.core.clock import SystemClock
+    from batchyard.store import holds, ledger
 
     db = open_database(config_file, database_url)
+    now = SystemClock().now()
     try:
         problems = db.read_sync(ledger.audit)
+        stranded = db.read_sync(lambda c: holds.stranded(c, now))
     finally:
         db.close()
-    if problems:
-        for p in problems:
-            console.print(f"[red]✗[/] {p}")
-        console.print(f"[red]{len(problems)} ledger invariant(s) broken[/]")
+    for p in problems:
+        console.print(f"[red]✗[/] {p}")
+    for s in stranded:
+        console.print(f"[red]✗[/] stranded hold {s.describe()}")
+    if problems or stranded:
+        console.print(
+            f"[red]{len(problems)} ledger invariant(s) broken, {len(stranded)} stranded "
+            "hold(s)[/] (see docs/how-to/operate.md#holds)"
+        )
         sys.exit(1)
     console.print(
-        "[green]✓[/] ledger sound: balance = top-ups − settled charges − held reservations"
+        "[green]✓[/] ledger sound: balance = top-ups − settled charges − held reservations; "
+        "no stranded holds"
     )

@@ -8,6 +8,7 @@ from batchyard.cli.admin import audit, credit, keys
 from batchyard.cli.batches import batches
 from batchyard.cli.check import command as check_command
 from batchyard.cli.demo import demo
+from batchyard.cli.holds import holds
 from batchyard.cli.runs import runs
 from batchyard.cli.serve import serve, worker
 from batchyard.cli.text_runner import command as run_command
@@ -21,7 +22,7 @@ def cli() -> None:
     """batchyard: a self-hostable batch inference gateway for LLMs."""
 
 
-for command in (serve, worker, keys, credit, audit, runs, batches, demo):
+for command in (serve, worker, keys, credit, audit, holds, runs, batches, demo):
     cli.add_command(command)
 
 cli.add_command(run_command, "run")

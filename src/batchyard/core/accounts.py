@@ -70,6 +70,8 @@ class Principal:
     scope: Scope
     tier: int
     zero_data_retention: bool
+    #: Sees only what this key itself created (an inference key's own batches).
+    own_only: bool = False
 
     def may(self, *scopes: Scope) -> bool:
         return self.scope in scopes

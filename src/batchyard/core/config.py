@@ -54,6 +54,8 @@ class Settings:
     embedded_contexts: int = 2
     embedded_n_ctx: int = 2048
     warm_fallback_after_s: float = 10.0
+    #: On SIGTERM, how long calls in flight may take to land before they are cut off.
+    shutdown_grace_s: float = 30.0
     # A request over its organisation's limits that would be admitted within this
     # many seconds waits for its slot on the server instead of answering 429.
     limits_queue_s: float = 10.0
@@ -126,6 +128,9 @@ def load_settings(
         embedded_model_path=os.environ.get("BATCHYARD_MODEL_PATH")
         or data.get("embedded_model_path"),
         embedded_contexts=int(data.get("embedded_contexts", 2)),
+        shutdown_grace_s=float(
+            os.environ.get("BATCHYARD_SHUTDOWN_GRACE_S") or data.get("shutdown_grace_s", 30.0)
+        ),
         limits_queue_s=float(data.get("limits_queue_s", 10.0)),
         slot_lease_s=float(data.get("slot_lease_s", 60.0)),
         raw=data,

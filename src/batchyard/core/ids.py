@@ -14,7 +14,7 @@ from datetime import datetime
 __all__ = ["ID_PATTERN", "is_id", "new_id", "uuid7"]
 
 _UUID7 = r"[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
-ID_PATTERN = re.compile(rf"^(?P<prefix>[a-z]+)\.(?P<uuid>{_UUID7})$")
+ID_PATTERN = re.compile(rf"(?P<prefix>[a-z]+)\.(?P<uuid>{_UUID7})")
 
 
 def uuid7(at: datetime) -> uuid.UUID:
@@ -32,5 +32,5 @@ def new_id(prefix: str, at: datetime) -> str:
 
 
 def is_id(value: str, prefix: str) -> bool:
-    m = ID_PATTERN.match(value)
+    m = ID_PATTERN.fullmatch(value)
     return m is not None and m.group("prefix") == prefix

@@ -11,7 +11,9 @@ Each row of a run is a work item: ``pending → dispatched → succeeded |
 failed | uncertain``. ``uncertain`` is a row whose call was in flight when
 its worker died: it may have been answered and billed upstream, so it is
 never sent again silently; the user decides (see docs/reference/runs.md).
-Rows not yet sent when a run stops are ``canceled``.
+A dispatched row whose call never started (its worker stopped while it
+waited for its turn) goes back to ``pending``. Rows not yet sent when a run
+stops are ``canceled``.
 
 Keeping the rules here, apart from the store, lets one table answer "may this
 move happen?" for the API, the worker and the operator CLI alike.
@@ -97,7 +99,10 @@ TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
 
 ITEM_TRANSITIONS: dict[ItemState, frozenset[ItemState]] = {
     ItemState.PENDING: frozenset({ItemState.DISPATCHED, ItemState.FAILED, ItemState.CANCELED}),
-    ItemState.DISPATCHED: frozenset({ItemState.SUCCEEDED, ItemState.FAILED, ItemState.UNCERTAIN}),
+    # dispatched → pending: the call was never sent (its worker stopped first).
+    ItemState.DISPATCHED: frozenset(
+        {ItemState.PENDING, ItemState.SUCCEEDED, ItemState.FAILED, ItemState.UNCERTAIN}
+    ),
     ItemState.SUCCEEDED: frozenset(),
     ItemState.FAILED: frozenset(),
     ItemState.UNCERTAIN: frozenset(),

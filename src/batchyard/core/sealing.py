@@ -83,7 +83,7 @@ def ensure_key_file(path: str | os.PathLike[str]) -> tuple[bytes, bool]:
         return parse_key(target.read_text(encoding="ascii")), False
     except FileNotFoundError:
         pass
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = generate_key()
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

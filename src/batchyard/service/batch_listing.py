@@ -24,17 +24,24 @@ from batchyard.store import file_batches as file_store
 __all__ = ["is_file_batch", "list_views", "load_view"]
 
 
-def load_view(conn: Connection, org_id: str, batch_id: str) -> dict[str, Any]:
-    """The caller's batch of either dialect; another organisation's is 404."""
-    if file_store.get_batch(conn, org_id, batch_id) is not None:
-        return file_batches.load_view(conn, org_id, batch_id)
-    if deferred_store.get_batch(conn, org_id, batch_id) is not None:
-        return deferred.load_view(conn, org_id, batch_id)
+def _own(principal: Principal) -> str | None:
+    """The key whose batches alone this caller sees (an inference key), or None for all."""
+    return principal.key_id if principal.own_only else None
+
+
+def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
+    """The caller's batch of either dialect; another organisation's (or key's) is 404."""
+    org, own = principal.org_id, _own(principal)
+    if file_store.get_batch(conn, org, batch_id, key_id=own) is not None:
+        return file_batches.load_view(conn, org, batch_id, key_id=own)
+    if deferred_store.get_batch(conn, org, batch_id, key_id=own) is not None:
+        return deferred.load_view(conn, principal, batch_id)
     raise NotFound(f"batch {batch_id} not found", param="batch_id")
 
 
 async def is_file_batch(svc: Service, principal: Principal, batch_id: str) -> bool:
-    found = await svc.db.read(lambda c: file_store.get_batch(c, principal.org_id, batch_id))
+    org, own = principal.org_id, _own(principal)
+    found = await svc.db.read(lambda c: file_store.get_batch(c, org, batch_id, key_id=own))
     return found is not None
 
 
@@ -44,10 +51,10 @@ async def list_views(
     """One page of the caller's batches of both dialects, newest first; and whether more follow."""
 
     def load(conn: Connection) -> list[tuple[str, dict[str, Any]]]:
-        org = principal.org_id
-        seed_rows = deferred_store.list_batches(conn, org, after=after, limit=limit + 1)
+        org, own = principal.org_id, _own(principal)
+        seed_rows = deferred_store.list_batches(conn, org, after=after, limit=limit + 1, key_id=own)
         seed_counts = deferred_store.counts(conn, [b.id for b in seed_rows])
-        file_rows = file_store.list_batches(conn, org, after=after, limit=limit + 1)
+        file_rows = file_store.list_batches(conn, org, after=after, limit=limit + 1, key_id=own)
         file_totals = file_store.totals(conn, [b.id for b in file_rows])
         views = [(b.id, deferred.view_of(b, seed_counts[b.id], None)) for b in seed_rows]
         views += [(b.id, file_batch_view(b, file_totals[b.id])) for b in file_rows]

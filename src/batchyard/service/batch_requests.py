@@ -16,6 +16,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from batchyard.core import privacy
+from batchyard.core.inputs import Shape, strict
 from batchyard.core.market import effective_min_discount
 from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
 from batchyard.service.deployment import Service
@@ -24,6 +25,9 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_REQUESTS",
     "WINDOWS",
+    "BatchBody",
+    "BatchRequestBody",
+    "ChatRequestBody",
     "ParsedRequest",
     "Submission",
     "parse_submission",
@@ -57,6 +61,44 @@ _TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_to
 _ROLES = {"system", "developer", "user", "assistant"}
 
 
+class PrivacyBody(Shape):
+    mode: str
+
+
+class ChatRequestBody(Shape):
+    """The ``body`` of one deferred request: the chat completion fields a batch may carry."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    response_format: dict[str, Any] | None = None
+    privacy: PrivacyBody | None = None
+    n: int | None = None
+    stream: bool | None = None
+    user: str | None = None
+
+
+class BatchRequestBody(Shape):
+    """One entry of ``requests``."""
+
+    custom_id: str
+    body: ChatRequestBody
+    min_discount: float | None = None
+
+
+class BatchBody(Shape):
+    """``POST /v1/batches``: the shape only; the rules are ``parse_submission``'s."""
+
+    min_discount: float | None = None
+    completion_window: str | None = None
+    requests: list[BatchRequestBody]
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """One request of a submission, checked; ``stored`` is what gets sealed."""
@@ -84,10 +126,10 @@ def _bad(message: str, param: str, code: str) -> InvalidRequest:
 
 
 def _discount(value: Any, param: str) -> Decimal:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(f"{param} must be a number from 0 to 100", param, "invalid_min_discount")
     try:
-        d = Decimal(str(value).strip())
+        d = Decimal(str(value))
     except InvalidOperation:
         raise _bad(
             f"{param} must be a number from 0 to 100", param, "invalid_min_discount"
@@ -111,7 +153,7 @@ def _check_messages(messages: Any, param: str) -> None:
         role = m.get("role")
         if role == "tool" or "tool_calls" in m or "function_call" in m:
             raise _bad("tools are not supported in deferred batches", where, "tools_unsupported")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise _bad(f"{where}.role is not a chat role", f"{where}.role", "invalid_request")
         content = m.get("content")
         if isinstance(content, str):
@@ -224,8 +266,10 @@ def _parse_request(
             f"{bp}.{key}",
             "unsupported_parameter",
         )
-    n = body.get("n", 1)
-    if n != 1:
+    # Every key is known now: the types of each, strictly (nothing coerced).
+    strict(ChatRequestBody, body, prefix=bp)
+    n = body.get("n")
+    if n is not None and n != 1:
         raise _bad("deferred batches take n = 1", f"{bp}.n", "unsupported_parameter")
     model = svc.catalog.model(body.get("model"))
     svc.catalog.route_for(model.id)
@@ -241,8 +285,8 @@ def _parse_request(
             "max_tokens_out_of_range",
         )
     options = _check_options(body, bp)
-    raw_privacy = body.get("privacy") or {}
-    mode_name = raw_privacy.get("mode", "off") if isinstance(raw_privacy, dict) else None
+    raw_privacy = body.get("privacy")
+    mode_name = "off" if raw_privacy is None else raw_privacy["mode"]
     try:
         mode = privacy.PrivacyMode(str(mode_name))
     except ValueError:
@@ -264,7 +308,9 @@ def parse_submission(svc: Service, raw: dict[str, Any]) -> Submission:
             "min_discount_required",
         )
     batch_min = _discount(raw["min_discount"], "min_discount")
-    window = raw.get("completion_window", "24h")
+    strict(BatchBody, {**raw, "requests": []})  # the top level's types; requests come next
+    window = raw.get("completion_window")
+    window = "24h" if window is None else window
     if window not in WINDOWS:
         raise _bad(
             "completion_window is 1h, 6h or 24h", "completion_window", "invalid_completion_window"

@@ -90,8 +90,13 @@ def view_of(
     return view
 
 
-def load_view(conn: Connection, org_id: str, batch_id: str) -> dict[str, Any]:
-    batch = store.get_batch(conn, org_id, batch_id)
+def _own(principal: Principal) -> str | None:
+    """The key whose batches alone this caller sees (an inference key), or None for all."""
+    return principal.key_id if principal.own_only else None
+
+
+def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
+    batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
     if batch is None:
         raise NotFound(f"batch {batch_id} not found", param="batch_id")
     per = store.counts(conn, [batch.id])[batch.id]
@@ -156,7 +161,7 @@ async def submit(svc: Service, principal: Principal, sub: Submission) -> dict[st
             deadline=now + WINDOWS[sub.window],
             items=items,
         )
-        return load_view(conn, principal.org_id, batch_id)
+        return load_view(conn, principal, batch_id)
 
     view = await svc.db.transact(tx)
     log.info(
@@ -177,7 +182,7 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
     now = svc.clock.now()
 
     def tx(conn: Connection) -> dict[str, Any]:
-        batch = store.get_batch(conn, principal.org_id, batch_id)
+        batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
         if batch is None:
             raise NotFound(f"batch {batch_id} not found", param="batch_id")
         if batch.status in ("completed", "expired"):
@@ -187,7 +192,7 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
             "batch canceled",
             extra={"event": "batch_canceled", "batch_id": batch.id, "stopped": stopped},
         )
-        return load_view(conn, principal.org_id, batch.id)
+        return load_view(conn, principal, batch.id)
 
     return await svc.db.transact(tx)
 
@@ -201,7 +206,7 @@ async def result_lines(svc: Service, principal: Principal, batch_id: str) -> Asy
     sealer = svc.batch_key.require()
 
     def load(conn: Connection) -> list[tuple[store.ItemRow, bytes | None]]:
-        batch = store.get_batch(conn, principal.org_id, batch_id)
+        batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
         if batch is None:
             raise NotFound(f"batch {batch_id} not found", param="batch_id")
         if batch.purged_at is not None:
@@ -236,7 +241,9 @@ async def list_views(
     """One page of the caller's batches, newest first, without their per-request lists."""
 
     def load(conn: Connection) -> list[dict[str, Any]]:
-        rows = store.list_batches(conn, principal.org_id, after=after, limit=limit)
+        rows = store.list_batches(
+            conn, principal.org_id, after=after, limit=limit, key_id=_own(principal)
+        )
         per = store.counts(conn, [b.id for b in rows])
         return [view_of(b, per[b.id], None) for b in rows]
 

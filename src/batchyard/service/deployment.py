@@ -7,6 +7,12 @@ warm state of fine-tuned versions, file batches). It builds nothing itself, so a
 in a ``ManualClock`` or a scripted engine once, at the root, and every part of
 the system sees the same one; and each worker was given only the parts it
 uses, never the ``Service``.
+
+Stopping comes in two kinds. ``stop`` is abrupt, as a crash would be: work in
+flight is abandoned and its leases lapse. ``drain`` is the graceful stop a
+SIGTERM asks for: nothing more is claimed or sent, calls in flight get
+``grace_s`` seconds to land, and only those still in flight then are cut off
+(``uncertain``); claimed work that was never sent goes back to waiting.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from batchyard.work.batches.worker import MarketWorker
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.file_batches.worker import FileBatchWorker
+from batchyard.work.holds import HoldSweeper
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
 
@@ -58,7 +65,10 @@ class Service:
     runs: RunWorker
     warmth: Warmth
     file_batches: FileBatchWorker
+    holds: HoldSweeper
     started: bool = field(default=False, init=False)
+    #: True from the start of ``drain``: ``/readyz`` answers 503 so traffic moves away.
+    draining: bool = field(default=False, init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False, repr=False)
 
     @property
@@ -81,6 +91,7 @@ class Service:
             self.runs.run_forever,  # batch inference runs (seed 002)
             self.warmth.loop,  # fine-tuned versions going cold (seed 000)
             self.file_batches.run_forever,  # OpenAI-dialect file batches
+            self.holds.loop,  # stranded holds shown in their owners' activity
         ]
 
     async def start(self, *, worker: bool = True) -> None:
@@ -91,8 +102,34 @@ class Service:
                 self._tasks.append(asyncio.create_task(work()))
         self.started = True
 
-    async def stop(self) -> None:
-        """Stop background work and close every resource."""
+    def begin_drain(self) -> None:
+        """Claim and send nothing more (a SIGTERM's first step); in-flight calls go on."""
+        if not self.draining:
+            self.draining = True
+            self.market.drain()
+            self.runs.drain()
+            self.file_batches.drain()
+            log.info("draining", extra={"event": "drain_started"})
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop gracefully: let calls in flight land for up to ``grace_s`` seconds, then stop.
+
+        Only calls still in flight when the grace period ends are cut off (and
+        become ``uncertain``); claimed work never sent goes back to waiting.
+        """
+        self.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        idle = await self.market.wait_idle(grace_s)
+        idle = await self.runs.wait_idle(max(0.0, deadline - loop.time())) and idle
+        idle = await self.file_batches.wait_idle(max(0.0, deadline - loop.time())) and idle
+        log.info("drained", extra={"event": "drain_finished", "cut_off": not idle})
+        await self.stop_workers()
+
+    async def stop(self, *, grace_s: float | None = None) -> None:
+        """Stop background work (draining for ``grace_s`` seconds first) and close everything."""
+        if grace_s is not None:
+            await self.drain(grace_s)
         await self.stop_workers()
         await self.engines.aclose()
         await self.limiter.close()

@@ -132,7 +132,8 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
     file_id = parsed["input_file_id"]
 
     def tx(conn: Connection) -> dict[str, Any]:
-        f = file_store.get_file(conn, principal.org_id, file_id)
+        own = principal.key_id if principal.own_only else None
+        f = file_store.get_file(conn, principal.org_id, file_id, key_id=own)
         if f is None:
             raise NotFound(
                 f"file {file_id} not found", param="input_file_id", code="file_not_found"
@@ -250,8 +251,10 @@ def _replace(row: store.BatchRow, **values: Any) -> store.BatchRow:
     return dataclasses.replace(row, **values)
 
 
-def load_view(conn: Connection, org_id: str, batch_id: str) -> dict[str, Any]:
-    row = store.get_batch(conn, org_id, batch_id)
+def load_view(
+    conn: Connection, org_id: str, batch_id: str, *, key_id: str | None = None
+) -> dict[str, Any]:
+    row = store.get_batch(conn, org_id, batch_id, key_id=key_id)
     if row is None:
         raise NotFound(f"batch {batch_id} not found", param="batch_id")
     return file_batch_view(row, store.totals(conn, [row.id])[row.id])
@@ -261,8 +264,10 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
     """Stop a batch: lines not yet sent are canceled, calls in flight may finish."""
     now = svc.clock.now()
 
+    own = principal.key_id if principal.own_only else None
+
     def tx(conn: Connection) -> dict[str, Any]:
-        row = store.get_batch(conn, principal.org_id, batch_id, lock=True)
+        row = store.get_batch(conn, principal.org_id, batch_id, lock=True, key_id=own)
         if row is None:
             raise NotFound(f"batch {batch_id} not found", param="batch_id")
         if row.status in ("completed", "failed", "expired", "cancelled", "finalizing"):

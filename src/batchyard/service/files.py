@@ -31,6 +31,7 @@ from sqlalchemy import Connection
 from batchyard.core import privacy
 from batchyard.core.accounts import Principal
 from batchyard.core.ids import new_id
+from batchyard.core.inputs import parse_json
 from batchyard.errors import (
     BatchyardError,
     Conflict,
@@ -166,9 +167,10 @@ def _check(
 ) -> tuple[str, str, Any, bytes]:
     """One line checked: (custom_id, url, checked body, the line as it will be stored)."""
     try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(n, f"not valid JSON ({exc})", "invalid_json") from None
+        # Strict JSON, as every body: no NaN, lone surrogate, NUL or deep nesting.
+        obj = parse_json(raw, "the line")
+    except BatchyardError as exc:
+        raise _bad(n, exc.message, exc.code) from None
     if not isinstance(obj, dict):
         raise _bad(n, "each line must be a JSON object", "invalid_json")
     for key in sorted(obj.keys() - _LINE_KEYS):
@@ -238,6 +240,7 @@ def ingest(
             filename=filename,
             now=now,
             expires_at=expires_at,
+            key_id=principal.key_id,
         )
     )
     seen: set[bytes] = set()
@@ -304,15 +307,20 @@ def _write(c: Connection, *, file_id: str, lines: list[store.LineRow]) -> None:
     store.write_lines(c, file_id, lines)
 
 
-def _visible(c: Connection, org_id: str, file_id: str) -> store.FileRow:
-    row = store.get_file(c, org_id, file_id)
+def _own(principal: Principal) -> str | None:
+    """The key whose files alone this caller sees (an inference key), or None for all."""
+    return principal.key_id if principal.own_only else None
+
+
+def _visible(c: Connection, principal: Principal, file_id: str) -> store.FileRow:
+    row = store.get_file(c, principal.org_id, file_id, key_id=_own(principal))
     if row is None or row.deleted_at is not None:
         raise NotFound(f"file {file_id} not found", param="file_id", code="file_not_found")
     return row
 
 
 async def get(svc: Service, principal: Principal, file_id: str) -> dict[str, Any]:
-    row = await svc.db.read(lambda c: _visible(c, principal.org_id, file_id))
+    row = await svc.db.read(lambda c: _visible(c, principal, file_id))
     return file_view(row)
 
 
@@ -335,6 +343,7 @@ async def list_views(
             limit=limit + 1,
             purpose=purpose,
             newest_first=newest_first,
+            key_id=_own(principal),
         )
 
     rows = await svc.db.read(load)
@@ -346,7 +355,7 @@ async def delete(svc: Service, principal: Principal, file_id: str) -> dict[str, 
     now = svc.clock.now()
 
     def tx(c: Connection) -> None:
-        row = _visible(c, principal.org_id, file_id)
+        row = _visible(c, principal, file_id)
         readers = batch_store.live_batch_reads(c, row.id)
         if readers:
             raise Conflict(
@@ -365,7 +374,7 @@ async def delete(svc: Service, principal: Principal, file_id: str) -> dict[str, 
 async def content(svc: Service, principal: Principal, file_id: str) -> AsyncIterator[bytes]:
     """The file's lines in order; errors are raised before the first byte."""
     sealer = svc.batch_key.require()
-    row = await svc.db.read(lambda c: _visible(c, principal.org_id, file_id))
+    row = await svc.db.read(lambda c: _visible(c, principal, file_id))
     page = 1000
 
     async def input_lines() -> AsyncIterator[bytes]:

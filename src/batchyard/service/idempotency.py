@@ -17,7 +17,7 @@ from sqlalchemy import Connection
 
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
-from batchyard.errors import BatchyardError
+from batchyard.errors import BatchyardError, StorageUnavailable
 from batchyard.service.deployment import Service
 from batchyard.store import idempotency as idem_store
 
@@ -31,6 +31,18 @@ class Answer:
     status: int
     text: str
     replayed: bool = False
+
+
+async def _forget(svc: Service, org: str, key: str) -> None:
+    """Free the key for a retry; if the store is down, keep trying in the background.
+
+    The caller hears of its failure at once; until the store is back, a retry
+    of the key is told ``idempotency_in_progress`` (retryable), never run twice.
+    """
+    try:
+        await svc.db.write(lambda c: idem_store.forget(c, org, key))
+    except StorageUnavailable:
+        svc.db.write_later(lambda c: idem_store.forget(c, org, key))
 
 
 async def run_once(
@@ -65,17 +77,21 @@ async def run_once(
         status, payload = await handler()
     except BatchyardError as exc:
         if exc.retryable or not keep:
-            await svc.db.write(lambda c: idem_store.forget(c, org, key))
+            await _forget(svc, org, key)
         else:
             text, failed_status = json.dumps(exc.to_body()), exc.status
-            await svc.db.write(lambda c: idem_store.finish(c, org, key, failed_status, text))
+            await svc.db.write_through(
+                lambda c: idem_store.finish(c, org, key, failed_status, text)
+            )
         raise
     except BaseException:
-        await svc.db.write(lambda c: idem_store.forget(c, org, key))
+        await _forget(svc, org, key)
         raise
     text = json.dumps(payload)
+    # The call ran (and was charged): its answer must be kept, even across a short
+    # storage outage, or a retry of the key would find it "in progress".
     if keep:
-        await svc.db.write(lambda c: idem_store.finish(c, org, key, status, text))
+        await svc.db.write_through(lambda c: idem_store.finish(c, org, key, status, text))
     else:
-        await svc.db.write(lambda c: idem_store.forget(c, org, key))
+        await svc.db.write_through(lambda c: idem_store.forget(c, org, key))
     return Answer(status, text)

@@ -18,7 +18,7 @@ from typing import IO, Any
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from batchyard.errors import InvalidRequest, PayloadTooLarge
+from batchyard.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 
 __all__ = ["Upload", "read_multipart"]
 
@@ -128,11 +128,7 @@ async def read_multipart(
     kind, params = parse_options_header(content_type or "")
     boundary = params.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
-        raise InvalidRequest(
-            "send the upload as multipart/form-data",
-            code="unsupported_media_type",
-            status=415,
-        )
+        raise UnsupportedMediaType("send the upload as multipart/form-data", param="Content-Type")
     reader = _Reader(file_field, set(fields), max_file_bytes)
     parser = MultipartParser(boundary, reader.callbacks())  # type: ignore[arg-type]
     try:

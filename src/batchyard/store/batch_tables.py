@@ -84,6 +84,9 @@ batch_items = Table(
     Column("reservation_id", String(64), nullable=True),
     Column("lease_until", UtcDateTime(), nullable=True),
     Column("dispatched_at", UtcDateTime(), nullable=True),
+    # Written durably just before the engine call: a dispatched item without it
+    # was never sent, so a crash returns it to waiting instead of uncertain.
+    Column("sent_at", UtcDateTime(), nullable=True),
     Column("finished_at", UtcDateTime(), nullable=True),
     Column("result_status", Integer, nullable=True),
     Column("result", LargeBinary, nullable=True),

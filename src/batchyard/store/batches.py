@@ -2,7 +2,9 @@
 
 The tables and item states are ``store.batch_tables``. Item states:
 ``waiting → dispatched → succeeded | failed``; ``waiting → expired |
-canceled``; ``dispatched`` whose lease lapsed ``→ uncertain``. The worker
+canceled``; ``dispatched`` whose lease lapsed ``→ uncertain`` if its call was
+sent (``sent_at``, written just before the engine call), or back ``→ waiting``
+(its hold released) if it never was. The worker
 claims a waiting item by locking its row (``FOR UPDATE SKIP LOCKED``
 on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already makes the writer alone)
 and marking it dispatched in the transaction that reserves its credit.
@@ -30,6 +32,7 @@ __all__ = [
     "claim",
     "counts",
     "create_batch",
+    "dispatched_item",
     "expire_due",
     "extend_lease",
     "finish_item",
@@ -39,11 +42,13 @@ __all__ = [
     "list_batches",
     "lock_org",
     "mark_dispatched",
+    "mark_sent",
     "mark_uncertain",
     "pending_count",
     "purge_due",
     "refresh_batch",
     "results_of",
+    "return_to_waiting",
     "waiting_candidates",
 ]
 
@@ -96,6 +101,7 @@ class ItemRow:
     reservation_id: str | None
     lease_until: datetime | None
     result_status: int | None
+    sent_at: datetime | None = None
 
 
 _ITEM_COLUMNS = [batch_items.c[f.name] for f in fields(ItemRow)]
@@ -187,19 +193,29 @@ def create_batch(
 # --- reading --------------------------------------------------------------------
 
 
-def get_batch(conn: Connection, org_id: str, batch_id: str) -> BatchRow | None:
-    """The batch if ``org_id`` owns it; another organisation's batch is None."""
-    row = conn.execute(
-        select(batches).where(batches.c.id == batch_id, batches.c.org_id == org_id)
-    ).first()
+def get_batch(
+    conn: Connection, org_id: str, batch_id: str, *, key_id: str | None = None
+) -> BatchRow | None:
+    """The batch if ``org_id`` owns it (and ``key_id`` submitted it, when given); else None."""
+    q = select(batches).where(batches.c.id == batch_id, batches.c.org_id == org_id)
+    if key_id is not None:
+        q = q.where(batches.c.key_id == key_id)
+    row = conn.execute(q).first()
     return _batch(row) if row is not None else None
 
 
 def list_batches(
-    conn: Connection, org_id: str, *, after: str | None = None, limit: int = 20
+    conn: Connection,
+    org_id: str,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    key_id: str | None = None,
 ) -> list[BatchRow]:
-    """Newest first; ``after`` is the last ID of the previous page."""
+    """Newest first; ``after`` is the last ID of the previous page; ``key_id``: its own only."""
     q = select(batches).where(batches.c.org_id == org_id)
+    if key_id is not None:
+        q = q.where(batches.c.key_id == key_id)
     if after:
         q = q.where(batches.c.id < after)
     rows = conn.execute(q.order_by(batches.c.id.desc()).limit(limit)).all()
@@ -258,10 +274,13 @@ def refresh_batch(conn: Connection, batch_id: str, now: datetime) -> str:
         status = "canceling" if row.cancel_requested_at is not None else "in_progress"
         completed_at = None
     else:
+        total = sum(per.values())
         if row.cancel_requested_at is not None:
             status = "canceled"
-        elif per["expired"] and per["expired"] == sum(per.values()):
+        elif per["expired"] and per["expired"] == total:
             status = "expired"
+        elif per["canceled"] and per["canceled"] == total:
+            status = "canceled"  # every item canceled (its key revoked): nothing ran
         else:
             status = "completed"
         completed_at = row.completed_at or now
@@ -342,13 +361,70 @@ def lapsed_leases(conn: Connection, now: datetime) -> list[ItemRow]:
     return [_item(r) for r in conn.execute(q).all()]
 
 
-def mark_uncertain(conn: Connection, item: ItemRow, now: datetime) -> None:
-    conn.execute(
+def mark_uncertain(
+    conn: Connection, item: ItemRow, now: datetime, reason: str = "interrupted"
+) -> bool:
+    """A sent call whose outcome is unknown: ``uncertain``, hold kept, body dropped."""
+    done = conn.execute(
         update(batch_items)
-        .where(batch_items.c.id == item.id, batch_items.c.status == "dispatched")
-        .values(status="uncertain", reason="interrupted", finished_at=now, lease_until=None)
+        .where(
+            batch_items.c.id == item.id,
+            batch_items.c.status == "dispatched",
+            batch_items.c.reservation_id == item.reservation_id,
+        )
+        .values(status="uncertain", reason=reason, finished_at=now, lease_until=None, body=None)
+    ).rowcount
+    if done:
+        refresh_batch(conn, item.batch_id, now)
+    return bool(done)
+
+
+def return_to_waiting(conn: Connection, item: ItemRow, now: datetime) -> bool:
+    """A dispatched item whose call never started goes back to waiting (the caller releases)."""
+    done = conn.execute(
+        update(batch_items)
+        .where(
+            batch_items.c.id == item.id,
+            batch_items.c.status == "dispatched",
+            batch_items.c.reservation_id == item.reservation_id,
+            batch_items.c.sent_at.is_(None),
+        )
+        .values(
+            status="waiting",
+            route=None,
+            reservation_id=None,
+            lease_until=None,
+            dispatched_at=None,
+        )
+    ).rowcount
+    return bool(done)
+
+
+def dispatched_item(conn: Connection, item_id: str, reservation_id: str) -> ItemRow | None:
+    """The item if it is still dispatched under ``reservation_id`` (locked on PostgreSQL)."""
+    q = select(*_ITEM_COLUMNS).where(
+        batch_items.c.id == item_id,
+        batch_items.c.status == "dispatched",
+        batch_items.c.reservation_id == reservation_id,
     )
-    refresh_batch(conn, item.batch_id, now)
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update()
+    row = conn.execute(q).first()
+    return _item(row) if row is not None else None
+
+
+def mark_sent(conn: Connection, item_id: str, reservation_id: str, now: datetime) -> bool:
+    """Record that the item's call is about to start; False if the item is no longer ours."""
+    done = conn.execute(
+        update(batch_items)
+        .where(
+            batch_items.c.id == item_id,
+            batch_items.c.status == "dispatched",
+            batch_items.c.reservation_id == reservation_id,
+        )
+        .values(sent_at=now)
+    ).rowcount
+    return bool(done)
 
 
 def purge_due(conn: Connection, before: datetime, now: datetime) -> list[str]:
@@ -442,14 +518,22 @@ def finish_item(
     result_status: int | None = None,
     result: bytes | None = None,
     from_states: Sequence[str] = ("waiting", "dispatched", "uncertain"),
+    reservation_id: str | None = None,
 ) -> bool:
-    """End an item with its result; False when it had already left ``from_states``."""
+    """End an item with its result; False when it had already left ``from_states``.
+
+    With ``reservation_id``, only the dispatch under that hold is ended: an item
+    that went back to waiting and was claimed again is not finished by the old one.
+    """
     if status not in TERMINAL:
         raise ValueError(f"{status!r} is not a final item state")
+    q = update(batch_items).where(
+        batch_items.c.id == item.id, batch_items.c.status.in_(from_states)
+    )
+    if reservation_id is not None:
+        q = q.where(batch_items.c.reservation_id == reservation_id)
     done = conn.execute(
-        update(batch_items)
-        .where(batch_items.c.id == item.id, batch_items.c.status.in_(from_states))
-        .values(
+        q.values(
             status=status,
             reason=reason,
             finished_at=now,

@@ -8,39 +8,97 @@ queries themselves (``FOR UPDATE``).
 
 Blocking database work runs on a small thread pool so the event loop keeps
 serving while a transaction commits.
+
+A store that cannot write (a full disk, a read-only file, PostgreSQL down or
+out of space) surfaces as ``StorageUnavailable``: 503 with ``retryable: true``
+at the door, never a 500. Every write is one transaction, so a failed one left
+nothing behind and the same request can be sent again. A new SQLite file is
+created with mode 0600 (SQLite gives its ``-wal`` and ``-shm`` files the
+database file's mode): the store holds money and, sealed, customers' text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.exc import DatabaseError, DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import InternalError as SqlInternalError
 from sqlalchemy.pool import StaticPool
 
-__all__ = ["Database"]
+from batchyard.core.sealing import Sealer
+from batchyard.errors import StorageUnavailable
+
+__all__ = ["Database", "storage_failure"]
 
 log = logging.getLogger("batchyard.store")
 T = TypeVar("T")
 
+# PostgreSQL states that mean "the store cannot take writes now", not "this
+# statement is wrong": read-only transactions (25006) and insufficient
+# resources such as a full disk (class 53).
+_STORAGE_STATES = ("25006", "53")
+
+
+def storage_failure(exc: BaseException) -> StorageUnavailable | None:
+    """The 503 a driver error stands for, or None when it is not the store's condition."""
+    if not isinstance(exc, DBAPIError):
+        return None
+    state = str(getattr(exc.orig, "sqlstate", "") or "")
+    if not (
+        isinstance(exc, OperationalError | InterfaceError)
+        or exc.connection_invalidated
+        or (isinstance(exc, SqlInternalError) and state.startswith(_STORAGE_STATES))
+        # SQLite's own "file is not a database", "database disk image is malformed".
+        or type(exc) is DatabaseError
+    ):
+        return None
+    reason = str(exc.orig).strip().splitlines()[0][:200] if exc.orig is not None else "unknown"
+    failure = StorageUnavailable(
+        f"the store cannot be used right now ({reason}); nothing was written: "
+        "send the same request again (same Idempotency-Key) shortly",
+        retry_after=5,
+    )
+    failure.__cause__ = exc
+    return failure
+
+
+def _create_private(path: Path) -> None:
+    """Create the SQLite file 0600 before SQLite does (it would use 0644 & ~umask)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            log.warning(
+                "the database file is readable by others",
+                extra={"event": "database_file_mode", "mode": oct(mode)},
+            )
+        return
+    os.close(fd)
+
 
 class Database:
-    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+    def __init__(self, url: str, *, pool_size: int = 8, sealer: Sealer | None = None) -> None:
         self.url = url
+        self.sealer = sealer
         self.is_sqlite = url.startswith("sqlite")
         self._lock: threading.Lock | None = None
         self._writer: threading.RLock | None = None
         if self.is_sqlite:
             memory = url in ("sqlite://", "sqlite:///:memory:")
             if not memory:
-                path = Path(url.split("///", 1)[1])
-                path.parent.mkdir(parents=True, exist_ok=True)
+                _create_private(Path(url.split("///", 1)[1]))
             kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
             if memory:
                 # One shared connection; a lock keeps threads from interleaving on it.
@@ -65,8 +123,16 @@ class Database:
                 pool_pre_ping=True,
                 hide_parameters=True,
             )
+
+        # Customer text is sealed by the queries themselves (``store.at_rest``),
+        # with the sealer every connection carries.
+        @event.listens_for(self.engine, "connect")
+        def _carry_sealer(_dbapi_conn: Any, record: Any) -> None:
+            record.info["sealer"] = sealer
+
         self._queue: list[tuple[Callable[[Connection], Any], asyncio.Future[Any], Any]] = []
         self._queue_lock = threading.Lock()
+        self._later: set[asyncio.Task[None]] = set()
         self._writer_busy = False
         self.group_limit = 64
         self._executor = ThreadPoolExecutor(
@@ -93,7 +159,22 @@ class Database:
 
     @contextmanager
     def transaction(self, *, readonly: bool = False) -> Iterator[Connection]:
-        """A transaction that commits on success and rolls back on any error."""
+        """A transaction that commits on success and rolls back on any error.
+
+        A driver error that means the store cannot be used (see ``storage_failure``)
+        leaves as ``StorageUnavailable``.
+        """
+        try:
+            with self._transaction(readonly) as conn:
+                yield conn
+        except DBAPIError as exc:
+            failure = storage_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
+
+    @contextmanager
+    def _transaction(self, readonly: bool) -> Iterator[Connection]:
         if self._lock is not None:
             with self._lock, self._begin(readonly) as conn:
                 yield conn
@@ -161,6 +242,55 @@ class Database:
                 self._executor.submit(self._drain)
         return await fut
 
+    async def write_through(self, fn: Callable[[Connection], T], *, patience_s: float = 30.0) -> T:
+        """``write`` for what must not be lost: retried while the store is unavailable.
+
+        A settlement after a model call, or the answer saved under its
+        Idempotency-Key, records something that already happened; giving up
+        at the first full-disk error would strand a hold (and leave the key
+        in progress). Each attempt is still one atomic write; after
+        ``patience_s`` seconds of ``StorageUnavailable`` the last one is raised.
+        """
+        return await self._through(self.write, fn, patience_s)
+
+    async def transact_through(
+        self, fn: Callable[[Connection], T], *, patience_s: float = 30.0
+    ) -> T:
+        """``transact``, retried like ``write_through`` while the store is unavailable."""
+        return await self._through(self.transact, fn, patience_s)
+
+    async def _through(
+        self,
+        run: Callable[[Callable[[Connection], T]], Awaitable[T]],
+        fn: Callable[[Connection], T],
+        patience_s: float,
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience_s
+        pause = 0.05
+        while True:
+            try:
+                return await run(fn)
+            except StorageUnavailable:
+                if loop.time() + pause > deadline:
+                    raise
+                log.warning("store unavailable; retrying a write", extra={"event": "write_retry"})
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+
+    def write_later(self, fn: Callable[[Connection], Any], *, patience_s: float = 600.0) -> None:
+        """``write_through`` in the background: for a write the caller must not wait for."""
+
+        async def attempt() -> None:
+            try:
+                await self.write_through(fn, patience_s=patience_s)
+            except StorageUnavailable:
+                log.error("a deferred write was given up", extra={"event": "write_given_up"})
+
+        task = asyncio.get_running_loop().create_task(attempt())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
     def _drain(self) -> None:
         while True:
             with self._queue_lock:
@@ -177,22 +307,31 @@ class Database:
                             with conn.begin_nested():
                                 results.append((True, fn(conn)))
                         except BaseException as exc:  # handed to its own caller
-                            results.append((False, exc))
+                            results.append((False, storage_failure(exc) or exc))
             except BaseException as exc:  # the commit failed: nothing is durable
                 results = [(False, exc)] * len(batch)
             for (_, fut, loop), (ok, value) in zip(batch, results, strict=True):
                 loop.call_soon_threadsafe(_resolve, fut, ok, value)
 
     def migrate(self) -> None:
+        """Bring the schema to head; ``StorageUnavailable`` if the store cannot be written."""
         from batchyard.store.migrations import upgrade
 
-        upgrade(self.engine)
+        try:
+            upgrade(self.engine)
+        except DBAPIError as exc:
+            failure = storage_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
 
     def ping(self) -> None:
         with self.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
 
     def close(self) -> None:
+        for task in self._later:
+            task.cancel()
         self._executor.shutdown(wait=True)
         self.engine.dispose()
 

@@ -141,6 +141,8 @@ file_batch_lines = Table(
     Column("out", LargeBinary, nullable=True),
     Column("out_bytes", Integer, nullable=True),
     Column("updated_at", UtcDateTime(), nullable=True),
+    # Written durably just before the line's engine call: an unsent line is never uncertain.
+    Column("sent_at", UtcDateTime(), nullable=True),
     Index("ix_fbl_state", "batch_id", "state", "line"),
     Index("ix_fbl_lease", "state", "lease_expires_at"),
 )
@@ -247,9 +249,17 @@ def create_batch(conn: Connection, batch: BatchRow) -> None:
 
 
 def get_batch(
-    conn: Connection, org_id: str, batch_id: str, *, lock: bool = False
+    conn: Connection,
+    org_id: str,
+    batch_id: str,
+    *,
+    lock: bool = False,
+    key_id: str | None = None,
 ) -> BatchRow | None:
+    """The organisation's batch (``key_id``'s own, when given), or None."""
     q = select(file_batches).where(file_batches.c.id == batch_id, file_batches.c.org_id == org_id)
+    if key_id is not None:
+        q = q.where(file_batches.c.key_id == key_id)
     if lock and conn.dialect.name == "postgresql":
         q = q.with_for_update()
     row = conn.execute(q).first()
@@ -264,9 +274,18 @@ def load_batch(conn: Connection, batch_id: str, *, lock: bool = False) -> BatchR
     return _batch(row) if row is not None else None
 
 
-def list_batches(conn: Connection, org_id: str, *, after: str | None, limit: int) -> list[BatchRow]:
-    """Newest first; ``after`` is the last ID of the previous page."""
+def list_batches(
+    conn: Connection,
+    org_id: str,
+    *,
+    after: str | None,
+    limit: int,
+    key_id: str | None = None,
+) -> list[BatchRow]:
+    """Newest first; ``after`` is the last ID of the previous page; ``key_id``: its own only."""
     q = select(file_batches).where(file_batches.c.org_id == org_id)
+    if key_id is not None:
+        q = q.where(file_batches.c.key_id == key_id)
     if after:
         q = q.where(file_batches.c.id < after)
     return [_batch(r) for r in conn.execute(q.order_by(file_batches.c.id.desc()).limit(limit))]
@@ -367,7 +386,13 @@ def claim_lines(
     conn.execute(
         update(fbl)
         .where(fbl.c.batch_id == batch.id, fbl.c.state == "pending", fbl.c.line.in_(picked))
-        .values(state="dispatched", lease_owner=owner, lease_expires_at=lease_until, updated_at=now)
+        .values(
+            state="dispatched",
+            lease_owner=owner,
+            lease_expires_at=lease_until,
+            updated_at=now,
+            sent_at=None,
+        )
     )
     rows = conn.execute(
         select(
@@ -473,11 +498,18 @@ def pending_lines(conn: Connection, batch_id: str, limit: int) -> list[tuple[int
 def lapsed_lines(
     conn: Connection, now: datetime, limit: int, *, lock: bool = True
 ) -> list[tuple[str, int, str]]:
-    """``(batch, line, custom_id)`` of dispatched lines whose worker stopped renewing."""
+    """``(batch, line, custom_id)`` of sent lines whose worker stopped renewing.
+
+    A lapsed line that was never sent is not here: ``requeue_unsent`` puts it back.
+    """
     fbl = file_batch_lines
     q = (
         select(fbl.c.batch_id, fbl.c.line, fbl.c.custom_id)
-        .where(fbl.c.state == "dispatched", fbl.c.lease_expires_at < now)
+        .where(
+            fbl.c.state == "dispatched",
+            fbl.c.lease_expires_at < now,
+            fbl.c.sent_at.is_not(None),
+        )
         .limit(limit)
     )
     if lock and conn.dialect.name == "postgresql":
@@ -534,6 +566,52 @@ def models_of(conn: Connection, batch_id: str) -> list[str]:
     fbl = file_batch_lines
     q = select(fbl.c.model).where(fbl.c.batch_id == batch_id).distinct()
     return list(conn.execute(q).scalars())
+
+
+def has_unsent_lapsed(conn: Connection, now: datetime) -> bool:
+    """Whether a lapsed dispatched line was never sent (a cheap read first)."""
+    fbl = file_batch_lines
+    q = select(fbl.c.line).where(
+        fbl.c.state == "dispatched", fbl.c.lease_expires_at < now, fbl.c.sent_at.is_(None)
+    )
+    return conn.execute(q.limit(1)).first() is not None
+
+
+def requeue_unsent(
+    conn: Connection, now: datetime, *, batch_id: str | None = None, owner: str | None = None
+) -> int:
+    """Dispatched lines that never reached the engine go back to ``pending``.
+
+    Those of a worker whose lease lapsed (``now``), or, with ``owner``, those a
+    worker that is stopping still holds.
+    """
+    fbl = file_batch_lines
+    q = update(fbl).where(fbl.c.state == "dispatched", fbl.c.sent_at.is_(None))
+    if owner is not None:
+        q = q.where(fbl.c.lease_owner == owner)
+    else:
+        q = q.where(fbl.c.lease_expires_at < now)
+    if batch_id is not None:
+        q = q.where(fbl.c.batch_id == batch_id)
+    done = conn.execute(q.values(state="pending", lease_owner=None, lease_expires_at=None))
+    return int(done.rowcount or 0)
+
+
+def mark_lines_sent(
+    conn: Connection, batch_id: str, lines: Sequence[int], owner: str, now: datetime
+) -> set[int]:
+    """Record that these lines' calls are about to start; the lines that are still ours."""
+    fbl = file_batch_lines
+    mine = and_(
+        fbl.c.batch_id == batch_id,
+        fbl.c.line.in_(list(lines)),
+        fbl.c.state == "dispatched",
+        fbl.c.lease_owner == owner,
+    )
+    done = conn.execute(update(fbl).where(mine).values(sent_at=now)).rowcount
+    if done == len(lines):
+        return set(lines)
+    return {r[0] for r in conn.execute(select(fbl.c.line).where(mine))}
 
 
 def unclaim(conn: Connection, batch_id: str, owner: str, line: int) -> None:

@@ -80,6 +80,8 @@ files = Table(
     Column("created_at", UtcDateTime(), nullable=False),
     Column("expires_at", UtcDateTime(), nullable=True),
     Column("deleted_at", UtcDateTime(), nullable=True),
+    # The key that uploaded it, or whose batch wrote it: an inference key sees its own.
+    Column("key_id", String(64), nullable=True),
     Index("ix_files_org", "org_id", "id"),
     Index("ix_files_status", "status", "created_at"),
 )
@@ -115,6 +117,7 @@ class FileRow:
     created_at: datetime
     expires_at: datetime | None
     deleted_at: datetime | None
+    key_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +156,11 @@ def create_file(
     batch_id: str | None = None,
     kind: str | None = None,
     expires_at: datetime | None = None,
+    key_id: str | None = None,
 ) -> None:
     conn.execute(
         insert(files).values(
+            key_id=key_id,
             id=file_id,
             org_id=org_id,
             purpose=purpose,
@@ -202,13 +207,16 @@ def mark_processed(
     )
 
 
-def get_file(conn: Connection, org_id: str, file_id: str) -> FileRow | None:
-    """The organisation's visible file, deleted ones included (callers tell them apart)."""
-    row = conn.execute(
-        select(files).where(
-            files.c.id == file_id, files.c.org_id == org_id, files.c.status == "processed"
-        )
-    ).first()
+def get_file(
+    conn: Connection, org_id: str, file_id: str, *, key_id: str | None = None
+) -> FileRow | None:
+    """The organisation's visible file (``key_id``'s own, when given), deleted ones included."""
+    q = select(files).where(
+        files.c.id == file_id, files.c.org_id == org_id, files.c.status == "processed"
+    )
+    if key_id is not None:
+        q = q.where(files.c.key_id == key_id)
+    row = conn.execute(q).first()
     return _file(row) if row is not None else None
 
 
@@ -220,10 +228,13 @@ def list_files(
     limit: int,
     purpose: str | None = None,
     newest_first: bool = True,
+    key_id: str | None = None,
 ) -> list[FileRow]:
     q = select(files).where(
         files.c.org_id == org_id, files.c.status == "processed", files.c.deleted_at.is_(None)
     )
+    if key_id is not None:
+        q = q.where(files.c.key_id == key_id)
     if purpose is not None:
         q = q.where(files.c.purpose == purpose)
     if after:

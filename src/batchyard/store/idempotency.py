@@ -1,4 +1,9 @@
-"""Queries behind idempotency keys (rules in ``core.idempotency``)."""
+"""Queries behind idempotency keys (rules in ``core.idempotency``).
+
+A saved answer can carry a model's output (which can echo the prompt), so it
+is sealed at rest like every other customer text (``store.at_rest``), bound to
+its organisation and key.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +19,15 @@ from batchyard.errors import (
     IdempotencyInProgress,
     IdempotencyResponseExpired,
 )
+from batchyard.store.at_rest import open_text, seal_text
+from batchyard.store.holds import SYNC_HOLD_LIMIT
 from batchyard.store.tables import idempotency_keys as ik
 
-__all__ = ["begin", "finish", "forget", "purge"]
+__all__ = ["answer_aad", "begin", "finish", "forget", "purge"]
 
-# A claim older than this belongs to a request that died mid-way.
-STALE_CLAIM = timedelta(minutes=10)
+# A claim older than this belongs to a request that died mid-way; by then the
+# hold sweeper has put its hold (if it made one) in the activity log.
+STALE_CLAIM = SYNC_HOLD_LIMIT
 
 
 def begin(
@@ -73,21 +81,35 @@ def begin(
             # charged, so running it again could charge twice: never do that.
             raise Conflict(
                 "the request under this Idempotency-Key was interrupted and its outcome is "
-                "uncertain; check GET /v1/activity before sending it again with a new key",
+                f"uncertain; GET /v1/activity shows any hold it left (kind hold_unresolved, "
+                f"held since about {row.created_at:%Y-%m-%dT%H:%M}Z) with what to do; check it "
+                "before sending the request again with a new key",
                 param="Idempotency-Key",
                 code="idempotency_interrupted",
+                details={"started_at": row.created_at.isoformat().replace("+00:00", "Z")},
             )
         raise IdempotencyInProgress(
             "a request with this Idempotency-Key is in progress; retry shortly", retry_after=1
         )
-    return SavedResponse(status_code=int(row.status_code), body=str(row.response))
+    body = open_text(conn, str(row.response), answer_aad(org_id, key))
+    return SavedResponse(status_code=int(row.status_code), body=body)
+
+
+def answer_aad(org_id: str, key: str) -> str:
+    """What a saved answer's sealed text is bound to: its organisation and key."""
+    return f"idempotency:{org_id}:{key}"
 
 
 def finish(conn: Connection, org_id: str, key: str, status_code: int, body: str) -> None:
+    """Save the answer (sealed) for replays until the key expires."""
     conn.execute(
         update(ik)
         .where(ik.c.org_id == org_id, ik.c.key == key)
-        .values(state="done", status_code=status_code, response=body)
+        .values(
+            state="done",
+            status_code=status_code,
+            response=seal_text(conn, body, answer_aad(org_id, key)),
+        )
     )
 
 

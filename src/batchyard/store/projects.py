@@ -8,6 +8,10 @@ quote.
 
 Every lookup takes the caller's organisation: an ID of another organisation is
 "not found", so the API never confirms that someone else's object exists.
+
+A row's data is customer text: it is sealed at rest (``store.at_rest``),
+bound to its dataset, row and version, and opened only here, so every reader
+below gets plain JSON.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from sqlalchemy import (
     delete,
     insert,
     select,
+    true,
     tuple_,
     update,
 )
 
 from batchyard.core.ids import new_id
 from batchyard.errors import NotFound
+from batchyard.store.at_rest import open_text, opener, seal_text
 from batchyard.store.tables import UtcDateTime, metadata
 
 __all__ = [
@@ -55,9 +61,12 @@ __all__ = [
     "get_project",
     "get_row",
     "list_rows",
+    "mark_ready",
     "projects",
+    "purge_unready",
     "rows_at",
     "set_fields",
+    "unready_before",
 ]
 
 MAX_FIELDS = 500
@@ -86,6 +95,8 @@ datasets = Table(
     Column("source_run_id", String(64), nullable=True),
     Column("created_at", UtcDateTime(), nullable=False),
     Column("updated_at", UtcDateTime(), nullable=False),
+    # False while an upload is being inserted: the dataset appears whole or not at all.
+    Column("ready", Boolean, nullable=False, default=True, server_default=true()),
     Index("ix_datasets_project", "project_id", "id"),
 )
 
@@ -137,6 +148,21 @@ def _dumps(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
+def row_aad(dataset_id: str, row_id: int, version: int) -> str:
+    """What a row version's sealed data is bound to."""
+    return f"row:{dataset_id}:{row_id}:{version}"
+
+
+def seal_row(conn: Connection, dataset_id: str, row_id: int, version: int, data: Any) -> str:
+    """A row version's data as stored: JSON, sealed."""
+    return seal_text(conn, _dumps(data), row_aad(dataset_id, row_id, version))
+
+
+def row_text(conn: Connection, dataset_id: str, row_id: int, version: int, stored: str) -> str:
+    """A row version's data as JSON text, opened."""
+    return open_text(conn, stored, row_aad(dataset_id, row_id, version))
+
+
 def create_project(conn: Connection, org_id: str, name: str, now: datetime) -> Project:
     pid = new_id("pp", now)
     conn.execute(
@@ -179,7 +205,9 @@ def create_dataset(
     *,
     source_run_id: str | None = None,
     fields: Sequence[str] = (),
+    ready: bool = True,
 ) -> Dataset:
+    """A new empty dataset; ``ready=False`` keeps it invisible until ``mark_ready`` (uploads)."""
     get_project(conn, org_id, project_id)
     did = new_id("ds", now)
     conn.execute(
@@ -194,6 +222,7 @@ def create_dataset(
             source_run_id=source_run_id,
             created_at=now,
             updated_at=now,
+            ready=ready,
         )
     )
     return Dataset(did, org_id, project_id, name, kind, 0, tuple(fields), source_run_id, now, now)
@@ -202,7 +231,9 @@ def create_dataset(
 def get_dataset(
     conn: Connection, org_id: str, dataset_id: str, project_id: str | None = None
 ) -> Dataset:
-    q = select(datasets).where(datasets.c.id == dataset_id, datasets.c.org_id == org_id)
+    q = select(datasets).where(
+        datasets.c.id == dataset_id, datasets.c.org_id == org_id, datasets.c.ready.is_(True)
+    )
     if project_id is not None:
         q = q.where(datasets.c.project_id == project_id)
     row = conn.execute(q).first()
@@ -246,7 +277,7 @@ def append_rows(
                 "row_id": count + i + 1,
                 "version": 1,
                 "current": True,
-                "data": _dumps(r),
+                "data": seal_row(conn, dataset_id, count + i + 1, 1, r),
                 "created_at": now,
             }
             for i, r in enumerate(rows)
@@ -269,8 +300,38 @@ def delete_dataset(conn: Connection, dataset_id: str) -> None:
     conn.execute(delete(datasets).where(datasets.c.id == dataset_id))
 
 
-def _row(r: Any) -> Row:
-    return Row(r.row_id, r.version, json.loads(r.data), r.created_at)
+def mark_ready(conn: Connection, dataset_id: str, now: datetime) -> None:
+    """An upload's last row is in: the dataset appears, whole."""
+    conn.execute(
+        update(datasets).where(datasets.c.id == dataset_id).values(ready=True, updated_at=now)
+    )
+
+
+def unready_before(conn: Connection, before: datetime) -> bool:
+    """Whether an upload stopped part-way before ``before`` (a cheap read first)."""
+    q = select(datasets.c.id).where(datasets.c.ready.is_(False), datasets.c.updated_at < before)
+    return conn.execute(q.limit(1)).first() is not None
+
+
+def purge_unready(conn: Connection, before: datetime, *, limit: int = 10) -> int:
+    """Drop uploads that stopped part-way (untouched since ``before``): they never appeared."""
+    ids = (
+        conn.execute(
+            select(datasets.c.id)
+            .where(datasets.c.ready.is_(False), datasets.c.updated_at < before)
+            .limit(limit)
+        )
+        .scalars()
+        .all()
+    )
+    for dataset_id in ids:
+        delete_dataset(conn, dataset_id)
+    return len(ids)
+
+
+def _row(conn: Connection, r: Any) -> Row:
+    data = json.loads(row_text(conn, r.dataset_id, r.row_id, r.version, r.data))
+    return Row(r.row_id, r.version, data, r.created_at)
 
 
 def list_rows(
@@ -281,7 +342,7 @@ def list_rows(
     )
     if after is not None:
         q = q.where(dataset_rows.c.row_id > after)
-    return [_row(r) for r in conn.execute(q.order_by(dataset_rows.c.row_id).limit(limit))]
+    return [_row(conn, r) for r in conn.execute(q.order_by(dataset_rows.c.row_id).limit(limit))]
 
 
 def current_rows(
@@ -298,7 +359,8 @@ def current_rows(
         .order_by(dataset_rows.c.row_id)
         .limit(limit)
     )
-    return [(r[0], r[1], r[2]) for r in conn.execute(q)]
+    open_one = opener(conn)
+    return [(r[0], r[1], open_one(r[2], row_aad(dataset_id, r[0], r[1]))) for r in conn.execute(q)]
 
 
 def get_row(conn: Connection, dataset_id: str, row_id: int) -> Row:
@@ -311,7 +373,7 @@ def get_row(conn: Connection, dataset_id: str, row_id: int) -> Row:
     ).first()
     if r is None:
         raise NotFound(f"row {row_id} not found in dataset {dataset_id}", param="rowId")
-    return _row(r)
+    return _row(conn, r)
 
 
 def rows_at(
@@ -320,8 +382,8 @@ def rows_at(
     """The frozen data of ``(row id, version)`` pairs, by row id."""
     if not refs:
         return {}
-    q = select(dataset_rows.c.row_id, dataset_rows.c.data).where(
+    q = select(dataset_rows.c.row_id, dataset_rows.c.version, dataset_rows.c.data).where(
         dataset_rows.c.dataset_id == dataset_id,
         tuple_(dataset_rows.c.row_id, dataset_rows.c.version).in_(list(refs)),
     )
-    return {r[0]: json.loads(r[1]) for r in conn.execute(q)}
+    return {r[0]: json.loads(row_text(conn, dataset_id, r[0], r[1], r[2])) for r in conn.execute(q)}

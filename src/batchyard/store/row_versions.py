@@ -15,13 +15,17 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, insert, select, update
 
-from batchyard.store.projects import Row, dataset_rows, datasets, get_row, set_fields
+from batchyard.store.projects import (
+    Row,
+    dataset_rows,
+    datasets,
+    get_row,
+    row_text,
+    seal_row,
+    set_fields,
+)
 
 __all__ = ["patch_row", "write_field"]
-
-
-def _dumps(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def _new_versions(
@@ -39,7 +43,7 @@ def _new_versions(
     ).all()
     out: dict[int, Row] = {}
     for row_id, version, text in current:
-        data = json.loads(text)
+        data = json.loads(row_text(conn, dataset_id, row_id, version, text))
         for key, value in changes[row_id].items():
             if value is None:
                 data.pop(key, None)
@@ -66,7 +70,7 @@ def _new_versions(
                 "row_id": r.id,
                 "version": r.version,
                 "current": True,
-                "data": _dumps(r.data),
+                "data": seal_row(conn, dataset_id, r.id, r.version, r.data),
                 "created_at": now,
             }
             for r in out.values()

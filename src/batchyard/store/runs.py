@@ -87,6 +87,8 @@ runs = Table(
     Column("lease_expires_at", UtcDateTime(), nullable=True),
     Column("created_at", UtcDateTime(), nullable=False),
     Column("updated_at", UtcDateTime(), nullable=False),
+    # The key that started the run (created it, then confirmed it): revoking it stops the run.
+    Column("key_id", String(64), nullable=True),
     Index("ix_bir_project", "project_id", "id"),
     Index("ix_bir_status", "status", "lease_expires_at"),
 )
@@ -106,6 +108,8 @@ run_items = Table(
     Column("error", Text, nullable=True),
     Column("written", Boolean, nullable=False, default=False),
     Column("updated_at", UtcDateTime(), nullable=True),
+    # Written durably just before the row's engine call (see ``store.work_items``).
+    Column("sent_at", UtcDateTime(), nullable=True),
     Index("ix_bir_items_state", "run_id", "state", "row_id"),
 )
 
@@ -143,6 +147,7 @@ class Run:
     lease_expires_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    key_id: str | None = None
 
 
 def run_of(row: Any) -> Run:
@@ -163,6 +168,7 @@ def create_run(
     dataset_id: str,
     spec: dict[str, Any],
     now: datetime,
+    key_id: str | None = None,
 ) -> str:
     """A new run in ``preparing``, every counter at zero: the quote fills them."""
     conn.execute(
@@ -185,6 +191,7 @@ def create_run(
             approved=False,
             created_at=now,
             updated_at=now,
+            key_id=key_id,
         )
     )
     return run_id

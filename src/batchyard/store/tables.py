@@ -142,6 +142,15 @@ activity = Table(
     Column("detail", Text, nullable=True),
     Column("created_at", UtcDateTime(), nullable=False),
     Index("ix_activity_org", "org_id", "id"),
+    Index("ix_activity_reservation", "reservation_id"),
+)
+
+# One row per probe: ``/readyz`` rewrites its row to learn whether the store can write.
+store_probes = Table(
+    "store_probes",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("at", UtcDateTime(), nullable=False),
 )
 
 rate_limits = Table(

@@ -2,8 +2,10 @@
 
 A row is frozen as ``(row id, version)`` when the run is quoted, so the run
 answers exactly the text it priced. Its state moves ``pending`` →
-``dispatched`` → ``succeeded`` | ``failed``; a row whose call was in flight
-when its worker died becomes ``uncertain`` and is never sent again. Each
+``dispatched`` → ``succeeded`` | ``failed``. Just before its engine call a
+row is marked sent (``sent_at``, durably): a dispatched row whose worker died
+or was stopped becomes ``uncertain`` (never sent again) only if it was sent,
+and goes back to ``pending`` if it was still waiting for its turn. Each
 change to the rows updates the run's counters in the same transaction.
 """
 
@@ -27,8 +29,19 @@ from sqlalchemy import (
 )
 
 from batchyard.core.runs import ItemState
+from batchyard.store.at_rest import open_text, seal_text
 from batchyard.store.projects import dataset_rows as dr
+from batchyard.store.projects import row_aad
 from batchyard.store.runs import run_items, runs
+
+#: The error an uncertain row carries.
+UNCERTAIN_ERROR = json.dumps(
+    {
+        "code": "uncertain",
+        "message": "the worker stopped while this row's call was in flight; it may have "
+        "been answered upstream, so it was not sent again",
+    }
+)
 
 __all__ = [
     "ItemResult",
@@ -38,10 +51,12 @@ __all__ = [
     "claim_items",
     "clear_items",
     "list_failures",
+    "mark_rows_sent",
     "mark_uncertain",
     "mark_written",
     "record_results",
     "recount",
+    "recover_dispatched",
     "succeeded_unwritten",
 ]
 
@@ -123,11 +138,21 @@ def claim_items(
                 run_items.c.state == ItemState.PENDING,
                 run_items.c.row_id.in_([r[0] for r in rows]),
             )
-            .values(state=ItemState.DISPATCHED, updated_at=now)
+            .values(state=ItemState.DISPATCHED, updated_at=now, sent_at=None)
         )
     return [
-        (WorkItem(r[0], r[1], r[2]), json.loads(r[3]) if r[3] is not None else None) for r in rows
+        (
+            WorkItem(r[0], r[1], r[2]),
+            json.loads(open_text(conn, r[3], row_aad(dataset_id, r[0], r[1])))
+            if r[3] is not None
+            else None,
+        )
+        for r in rows
     ]
+
+
+def _outputs_aad(run_id: str, row_id: int) -> str:
+    return f"run-outputs:{run_id}:{row_id}"
 
 
 def record_results(
@@ -136,15 +161,34 @@ def record_results(
     """Write finished rows and their usage, and add them to the run's counters.
 
     Only rows still ``dispatched`` are written, so a row is recorded (and its
-    usage counted) once, even if a result arrives after a takeover.
+    usage counted) once, even if a result arrives after a takeover. A result
+    in state ``pending`` is a row whose call was never made: it waits again.
     """
+    unsent = [r.row_id for r in results if r.state == ItemState.PENDING]
+    if unsent:
+        conn.execute(
+            update(run_items)
+            .where(
+                run_items.c.run_id == run_id,
+                run_items.c.row_id.in_(unsent),
+                run_items.c.state == ItemState.DISPATCHED,
+                run_items.c.sent_at.is_(None),
+            )
+            .values(state=ItemState.PENDING, updated_at=now)
+        )
+        results = [r for r in results if r.state != ItemState.PENDING]
     if not results:
         return
     params = [
         {
             "rid": r.row_id,
             "st": r.state,
-            "out": json.dumps(r.outputs, ensure_ascii=False) if r.outputs is not None else None,
+            # A model's answers wait here until they are written: sealed, like the rows.
+            "out": seal_text(
+                conn, json.dumps(r.outputs, ensure_ascii=False), _outputs_aad(run_id, r.row_id)
+            )
+            if r.outputs is not None
+            else None,
             "ui": r.usage_input,
             "uo": r.usage_output,
             "ch": r.charge,
@@ -206,16 +250,60 @@ def _set_state(
     return ids
 
 
-def mark_uncertain(conn: Connection, run_id: str, now: datetime) -> list[int]:
-    """Rows whose call was in flight when their worker died: never sent again."""
-    error = json.dumps(
-        {
-            "code": "uncertain",
-            "message": "the worker stopped while this row's call was in flight; it may have "
-            "been answered upstream, so it was not sent again",
-        }
+def mark_rows_sent(
+    conn: Connection, run_id: str, row_ids: Sequence[int], owner: str, now: datetime
+) -> set[int]:
+    """Record that these rows' calls are about to start; the rows that are still ours."""
+    ours = select(runs.c.id).where(runs.c.id == run_id, runs.c.lease_owner == owner)
+    mine = and_(
+        run_items.c.run_id == run_id,
+        run_items.c.row_id.in_(list(row_ids)),
+        run_items.c.state == ItemState.DISPATCHED,
+        run_items.c.run_id.in_(ours),
     )
-    return _set_state(conn, run_id, ItemState.DISPATCHED, ItemState.UNCERTAIN, now, error)
+    done = conn.execute(update(run_items).where(mine).values(sent_at=now)).rowcount
+    if done == len(row_ids):
+        return set(row_ids)
+    return {r[0] for r in conn.execute(select(run_items.c.row_id).where(mine))}
+
+
+def recover_dispatched(conn: Connection, run_id: str, now: datetime) -> tuple[list[int], int]:
+    """Dispatched rows of a worker that stopped: (sent ones made uncertain, unsent ones re-queued).
+
+    A sent row may have been answered upstream, so it is never sent again; a
+    row that never reached the engine simply waits for the next worker.
+    """
+    returned = conn.execute(
+        update(run_items)
+        .where(
+            run_items.c.run_id == run_id,
+            run_items.c.state == ItemState.DISPATCHED,
+            run_items.c.sent_at.is_(None),
+        )
+        .values(state=ItemState.PENDING, updated_at=now)
+    ).rowcount
+    return mark_uncertain(conn, run_id, now), int(returned or 0)
+
+
+def mark_uncertain(conn: Connection, run_id: str, now: datetime) -> list[int]:
+    """Rows whose call was sent when their worker stopped: never sent again."""
+    ids = [
+        r[0]
+        for r in conn.execute(
+            select(run_items.c.row_id).where(
+                run_items.c.run_id == run_id,
+                run_items.c.state == ItemState.DISPATCHED,
+                run_items.c.sent_at.is_not(None),
+            )
+        )
+    ]
+    if ids:
+        conn.execute(
+            update(run_items)
+            .where(run_items.c.run_id == run_id, run_items.c.row_id.in_(ids))
+            .values(state=ItemState.UNCERTAIN, updated_at=now, error=UNCERTAIN_ERROR)
+        )
+    return ids
 
 
 def cancel_pending(conn: Connection, run_id: str, now: datetime) -> list[int]:
@@ -271,7 +359,10 @@ def succeeded_unwritten(
         .order_by(run_items.c.row_id)
         .limit(limit)
     ).all()
-    return [(r[0], r[1], json.loads(r[2]) if r[2] else []) for r in rows]
+    return [
+        (r[0], r[1], json.loads(open_text(conn, r[2], _outputs_aad(run_id, r[0]))) if r[2] else [])
+        for r in rows
+    ]
 
 
 def mark_written(conn: Connection, run_id: str, row_ids: Sequence[int], now: datetime) -> None:
@@ -279,7 +370,7 @@ def mark_written(conn: Connection, run_id: str, row_ids: Sequence[int], now: dat
         conn.execute(
             update(run_items)
             .where(run_items.c.run_id == run_id, run_items.c.row_id.in_(list(row_ids)))
-            .values(written=True)
+            .values(written=True, outputs=None)  # in the dataset now; no second copy
         )
         conn.execute(
             update(runs)

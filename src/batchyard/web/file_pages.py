@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
+from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound
 from batchyard.service import file_batches, files, service_of
 from batchyard.service.uploads import read_multipart
@@ -126,15 +127,18 @@ async def _batch_page(
 ) -> HTMLResponse:
     svc = service_of(request)
     raw_after = request.query_params.get("after", "0")
-    after = int(raw_after) if raw_after.isdigit() else 0
+    after = int(raw_after) if raw_after.isascii() and raw_after.isdigit() else 0
+    after = min(after, 2**31 - 1)
+    own = principal.key_id if principal.own_only else None
 
     def load(c: Connection) -> tuple[dict[str, Any], list[Any]] | None:
-        if fstore.get_batch(c, principal.org_id, batch_id) is None:
+        if fstore.get_batch(c, principal.org_id, batch_id, key_id=own) is None:
             return None
-        view = file_batches.load_view(c, principal.org_id, batch_id)
+        view = file_batches.load_view(c, principal.org_id, batch_id, key_id=own)
         return view, fstore.page_lines(c, batch_id, after=after, limit=LINES_PER_PAGE)
 
-    found = await svc.db.read(load)
+    # An ID that can name nothing is not looked up (a NUL would trouble PostgreSQL).
+    found = await svc.db.read(load) if is_id(batch_id, "bat") else None
     if found is None:
         missing = NotFound(f"batch {batch_id} not found", param="batch_id")
         return page("error.html", 404, error=error_of(missing), signed_in=True, csrf=session.csrf)
@@ -172,6 +176,8 @@ async def cancel_file_batch(request: Request, batch_id: str) -> Response:
         return forbidden("the form did not carry this session's token; reload and retry")
     svc = service_of(request)
     try:
+        if not is_id(batch_id, "bat"):
+            raise NotFound(f"batch {batch_id!r} not found", param="batch_id")
         await file_batches.cancel(svc, principal, batch_id)
     except BatchyardError as exc:
         return _failed(request, session, exc)
@@ -187,6 +193,8 @@ async def download_file(request: Request, file_id: str) -> Response:
     session, principal = who
     svc = service_of(request)
     try:
+        if not is_id(file_id, "file"):
+            raise NotFound(f"file {file_id!r} not found", param="file_id", code="file_not_found")
         meta = await files.get(svc, principal, file_id)
         chunks = await files.content(svc, principal, file_id)
     except BatchyardError as exc:

@@ -15,6 +15,7 @@ double-submit token also set as a cookie, the others the session's token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -29,11 +30,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from sqlalchemy import Connection
 
-from batchyard.core.accounts import Principal, Scope
+from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
+from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound, PayloadTooLarge
 from batchyard.service import batches as service_batches
 from batchyard.service import service_of
+from batchyard.service.access import SESSION
 from batchyard.service.batch_requests import MAX_BODY_BYTES
 from batchyard.service.batch_views import file_batch_view
 from batchyard.store import accounts
@@ -65,7 +68,6 @@ COOKIE_PATH = "/workspace"
 FORM_LIMIT = 3 * MAX_BODY_BYTES + 4096
 PAGE_SIZE = 50
 REFRESH_S = 15
-SCOPES = (Scope.FULL, Scope.INFERENCE)
 LIVE_STATES = ("in_progress", "canceling")
 
 _HERE = Path(__file__).parent
@@ -181,6 +183,8 @@ async def _signed_in(request: Request) -> tuple[Session, Principal] | None:
     principal = await svc.db.read(lambda c: principal_of(c, session))
     if principal is None:
         return None
+    if principal.scope in SESSION.own_only:
+        principal = dataclasses.replace(principal, own_only=True)
     return session, principal
 
 
@@ -237,7 +241,7 @@ async def sign_in(request: Request) -> Response:
     if principal is None:
         error = {"code": "invalid_api_key", "message": "the API key is not valid", "status": 401}
         return _signin_page(request, status=401, error=error)
-    if principal.scope not in SCOPES:
+    if principal.scope not in SESSION.scopes:
         error = {
             "code": "insufficient_scope",
             "message": f"the workspace needs a key with scope full or inference; "
@@ -291,12 +295,16 @@ async def _list_page(
 ) -> HTMLResponse:
     svc = service_of(request)
     after = request.query_params.get("after") or None
+    if after is not None and not is_id(after, "bat"):
+        after = None  # not a cursor this page gave out: start from the newest
 
     def load(
         conn: Connection,
     ) -> tuple[list[store.BatchRow], dict[str, dict[str, int]], list[dict[str, Any]]]:
-        rows = store.list_batches(conn, principal.org_id, after=after, limit=PAGE_SIZE)
-        filed = file_store.list_batches(conn, principal.org_id, after=None, limit=PAGE_SIZE)
+        own = principal.key_id if principal.own_only else None
+        org = principal.org_id
+        rows = store.list_batches(conn, org, after=after, limit=PAGE_SIZE, key_id=own)
+        filed = file_store.list_batches(conn, org, after=None, limit=PAGE_SIZE, key_id=own)
         totals = file_store.totals(conn, [b.id for b in filed])
         views = [file_batch_view(b, totals[b.id]) for b in filed]
         return rows, store.counts(conn, [b.id for b in rows]), views
@@ -379,14 +387,15 @@ async def _batch_page(
     def load(
         conn: Connection,
     ) -> tuple[store.BatchRow, dict[str, int], list[store.ItemRow], dict[str, bytes]] | None:
-        batch = store.get_batch(conn, principal.org_id, batch_id)
+        own = principal.key_id if principal.own_only else None
+        batch = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
         if batch is None:
             return None
         results = {item.id: blob for item, blob in store.results_of(conn, batch.id) if blob}
         counts = store.counts(conn, [batch.id])[batch.id]
         return batch, counts, store.items_of(conn, batch.id), results
 
-    found = await svc.db.read(load)
+    found = await svc.db.read(load) if is_id(batch_id, "bat") else None
     if found is None:
         missing = NotFound(f"batch {batch_id} not found", param="batch_id")
         return _page("error.html", 404, error=_error(missing), signed_in=True, csrf=session.csrf)

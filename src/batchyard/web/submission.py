@@ -18,6 +18,7 @@ from typing import Any
 
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
+from batchyard.core.inputs import parse_json
 from batchyard.errors import InvalidJson, PayloadTooLarge
 from batchyard.service import Service, batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
@@ -58,14 +59,11 @@ class Outcome:
 
 
 def _parse_json(text: str) -> dict[str, Any]:
-    if len(text.encode("utf-8")) > MAX_BODY_BYTES:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_BODY_BYTES:
         raise PayloadTooLarge(f"the batch JSON is over {MAX_BODY_BYTES} bytes")
     if not text.strip():
         raise InvalidJson("the batch JSON is empty; paste a JSON object")
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise InvalidJson(f"the batch JSON is not valid JSON: {exc}") from None
+    raw = parse_json(text, "the batch JSON")
     if not isinstance(raw, dict):
         raise InvalidJson("the batch JSON must be a JSON object")
     return raw

@@ -11,6 +11,13 @@ A call that fails is released: nothing is charged. An upstream 429 was not
 processed, so it is waited out and tried again on the same reservation; no
 other failure is retried here, because only the caller knows whether a retry
 is safe (deferred items never retry a dispatched failure).
+
+A caller that must know whether a call really started (a worker, whose crash
+leaves claimed work behind) passes ``on_send``: it is awaited after the pace
+and the concurrency slot are granted, immediately before the engine is
+called, and records "sent" durably. Work claimed but still waiting for its
+turn when a worker dies was never sent, so it can go back to waiting instead
+of becoming ``uncertain``. If ``on_send`` raises, the call is not made.
 """
 
 from __future__ import annotations
@@ -46,10 +53,13 @@ from batchyard.store import activity, ledger
 from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
 
-__all__ = ["DispatchResult", "Dispatcher"]
+__all__ = ["DispatchResult", "Dispatcher", "OnSend"]
 
 log = logging.getLogger("batchyard.dispatch")
 T = TypeVar("T")
+
+#: Awaited just before the engine is called (see the module docstring).
+OnSend = Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +122,7 @@ class Dispatcher:
                 detail={"reason": reason},
             )
 
-        await self.db.write(tx)
+        await self.db.write_through(tx)
 
     async def pace(self, route: RouteSpec, input_tokens: int, max_output_tokens: int) -> None:
         limits: list[tuple[Limit, float]] = []
@@ -149,22 +159,30 @@ class Dispatcher:
         cost_tokens: int,
         input_tokens: int,
         send: Callable[[], Awaitable[T]],
+        on_send: OnSend | None = None,
     ) -> T:
         """Pace the route, then ``send``; an upstream 429 is waited out and sent again.
 
         A 429 means the upstream did not process the call, so sending it again
         cannot charge twice. Its Retry-After becomes a penalty on the route
         that every caller of the route waits out, not only this one.
+        ``on_send`` runs right before each ``send``, inside the concurrency slot.
         """
         sem = self._semaphore(route)
         attempt = 0
+
+        async def go() -> T:
+            if on_send is not None:
+                await on_send()
+            return await send()
+
         while True:
             await self.pace(route, input_tokens, cost_tokens)
             try:
                 if sem is None:
-                    return await send()
+                    return await go()
                 async with sem:
-                    return await send()
+                    return await go()
             except UpstreamRateLimited as exc:
                 attempt += 1
                 wait = exc.retry_after if exc.retry_after is not None else 1.0
@@ -179,6 +197,7 @@ class Dispatcher:
         route: RouteSpec,
         request: CompletionRequest,
         input_tokens: int,
+        on_send: OnSend | None = None,
     ) -> Completion:
         """Pace and call one route; an upstream 429 is waited out and retried."""
         engine = self.engines.for_route(route)
@@ -187,6 +206,7 @@ class Dispatcher:
             request.max_tokens * max(1, request.n),
             input_tokens,
             lambda: engine.complete(request),
+            on_send,
         )
         await self._observe(route, completion.rate_limit)
         return completion
@@ -315,14 +335,19 @@ class Dispatcher:
             raise
 
     async def call_embed(
-        self, *, route: RouteSpec, texts: list[str], input_tokens: int
+        self,
+        *,
+        route: RouteSpec,
+        texts: list[str],
+        input_tokens: int,
+        on_send: OnSend | None = None,
     ) -> Embeddings:
         """Pace and embed on one route, billing left to the caller (as ``call`` does)."""
         engine = self.engines.for_route(route)
         if not isinstance(engine, EmbeddingEngine):
             raise CapabilityUnsupported(f"route {route.id} serves no embeddings", param="model")
         return await self._paced(
-            route, 0, input_tokens, lambda: engine.embed(route.upstream_model, texts)
+            route, 0, input_tokens, lambda: engine.embed(route.upstream_model, texts), on_send
         )
 
     async def embed(
@@ -421,4 +446,4 @@ class Dispatcher:
             )
             return settled.charged or 0
 
-        return await asyncio.shield(self.db.write(tx))
+        return await asyncio.shield(self.db.write_through(tx))

@@ -142,7 +142,8 @@ async def test_an_oversized_body_is_413_with_or_without_a_length(svc, http, engi
         for _ in range(8):
             yield b" " * 512
 
-    r = await http.post(CHAT, content=chunks(), headers=acct.headers)
+    json_type = {**acct.headers, "Content-Type": "application/json"}
+    r = await http.post(CHAT, content=chunks(), headers=json_type)
     assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
     assert engine.calls == []
 

@@ -730,7 +730,7 @@ def isoformat_after(start: Any, seconds: float) -> str:
     ("model", "body", "scope", "status", "code"),
     [
         (VERSION, {"minutes": 0}, Scope.FULL, 400, "minutes_out_of_range"),
-        (VERSION, {"minutes": "ten"}, Scope.FULL, 400, "minutes_out_of_range"),
+        (VERSION, {"minutes": "ten"}, Scope.FULL, 400, "invalid_type"),
         (VERSION, {"minutes": 10}, Scope.READ, 403, "insufficient_scope"),
         ("kettei-core", {"minutes": 10}, Scope.FULL, 400, "not_a_model_version"),
         ("kettei-nope", {"minutes": 10}, Scope.FULL, 404, "not_found"),

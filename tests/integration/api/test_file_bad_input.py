@@ -136,7 +136,7 @@ async def test_bad_batches_change_nothing(service, clock):
     assert [x.status_code for x in (their_file, their_content, their_batch, their_cancel)] == [
         404
     ] * 4
-    assert error_of(bad_limit) == (400, "invalid_request")
+    assert error_of(bad_limit) == (400, "invalid_limit")
     assert error_of(bad_order) == (400, "invalid_request")
     assert freed.status_code == 200
     bal = service.db.read_sync(lambda c: ledger.balance(c, other.org_id))

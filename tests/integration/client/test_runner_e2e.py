@@ -33,6 +33,8 @@ from batchyard.core.money import from_ticks, to_ticks
 from batchyard.errors import BatchyardError
 from batchyard.store import idempotency as idem_store
 from batchyard.store import ledger
+from batchyard.store.at_rest import open_text
+from batchyard.store.idempotency import answer_aad
 from batchyard.store.tables import activity, idempotency_keys, ledger_entries
 from tests.integration.client.conftest import TIER_RPM, LiveGateway
 from tests.support.accounts import make_account
@@ -85,7 +87,8 @@ def ledger_view(gw: LiveGateway) -> dict[str, Any]:
             )
         )
         saved = {
-            r.key: json.loads(r.response)
+            # Saved answers are sealed at rest; the store opens them.
+            r.key: json.loads(open_text(conn, r.response, answer_aad(org, r.key)))
             for r in conn.execute(
                 select(idempotency_keys.c.key, idempotency_keys.c.response).where(
                     idempotency_keys.c.org_id == org, idempotency_keys.c.state == "done"

@@ -1,10 +1,13 @@
 """Recovery and housekeeping of deferred batch items, run at the top of every market pass.
 
 *Recovery*: a dispatched item whose lease lapsed belonged to a worker that
-stopped mid-call. Whether the call ran is unknown, so it becomes
-``uncertain`` with its reservation still held and an activity record that
-names it. Nothing is retried and nothing is released: that would risk paying
-twice or losing a charge the provider made.
+stopped. If its call was sent (``sent_at``, written just before the engine
+call), whether it ran is unknown, so it becomes ``uncertain`` with its
+reservation still held and an activity record that names it and says what
+the owner can do. Nothing is retried and nothing is released: that would
+risk paying twice or losing a charge the provider made. If it was never
+sent (it was still waiting for the route's pace or a concurrency slot), its
+hold is released and it goes back to waiting: nothing happened to it.
 
 *Housekeeping*: waiting items past their deadline expire; waiting items
 whose submitting key was revoked are canceled; results of batches completed
@@ -14,7 +17,7 @@ more than ``RESULTS_KEPT`` ago are purged (their metadata stays).
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from sqlalchemy import Connection
@@ -24,12 +27,87 @@ from batchyard.store import activity, ledger
 from batchyard.store import batches as store
 from batchyard.store.database import Database
 
-__all__ = ["RESULTS_KEPT", "Swept", "housekeep", "recover_lapsed"]
+__all__ = [
+    "RESULTS_KEPT",
+    "UNCERTAIN_ACTION",
+    "Swept",
+    "housekeep",
+    "recover_lapsed",
+    "settle_as_uncertain",
+    "unwind_unsent",
+]
 
 log = logging.getLogger("batchyard.market")
 
 #: Results are kept this long after their batch completes, then purged.
 RESULTS_KEPT = timedelta(hours=24)
+
+#: What the owner of an uncertain item can do, shown with it in the activity log.
+UNCERTAIN_ACTION = (
+    "the call was sent and its outcome is unknown, so it was not retried and its hold "
+    "stays; check with the provider (or your logs) whether it ran, resubmit it under a new "
+    "custom_id if not, and ask the operator to resolve the hold (batchyard holds release "
+    "or settle)"
+)
+
+
+def settle_as_uncertain(conn: Connection, item: store.ItemRow, now: datetime, why: str) -> bool:
+    """A sent call cut off (crash, shutdown): ``uncertain``, hold kept, and shown in activity."""
+    if not store.mark_uncertain(conn, item, now):
+        return False
+    held = ledger.get_reservation(conn, item.reservation_id).amount if item.reservation_id else None
+    activity.record(
+        conn,
+        item.org_id,
+        "uncertain",
+        now,
+        ref=item.id,
+        reservation_id=item.reservation_id,
+        amount=held,
+        detail={
+            "purpose": "batch",
+            "batch_id": item.batch_id,
+            "custom_id": item.custom_id,
+            "route": item.route,
+            "reason": why,
+            "action": UNCERTAIN_ACTION,
+        },
+    )
+    log.warning(
+        "batch item uncertain",
+        extra={
+            "event": "batch_item_uncertain",
+            "item_id": item.id,
+            "reservation_id": item.reservation_id,
+        },
+    )
+    return True
+
+
+def unwind_unsent(conn: Connection, item: store.ItemRow, now: datetime, why: str) -> bool:
+    """A claimed item whose call never started: its hold released, back to waiting."""
+    if item.reservation_id is None or not store.return_to_waiting(conn, item, now):
+        return False
+    res = ledger.get_reservation(conn, item.reservation_id, lock=True)
+    if res.state == "held":
+        ledger.release(conn, item.reservation_id, now)
+        activity.record(
+            conn,
+            item.org_id,
+            "release",
+            now,
+            ref=item.id,
+            reservation_id=item.reservation_id,
+            amount=res.amount,
+            detail={
+                "purpose": "batch",
+                "batch_id": item.batch_id,
+                "custom_id": item.custom_id,
+                "reason": "not_sent",
+                "note": f"{why}; the call never started, so the item waits again",
+            },
+        )
+    return True
 
 
 class Swept(NamedTuple):
@@ -40,44 +118,19 @@ class Swept(NamedTuple):
     purged: int
 
 
-async def recover_lapsed(db: Database, clock: Clock) -> int:
-    """Dispatched items whose lease lapsed become ``uncertain``, reservation held."""
+async def recover_lapsed(db: Database, clock: Clock) -> tuple[int, int]:
+    """Dispatched items whose lease lapsed: (became uncertain, went back to waiting)."""
     now = clock.now()
 
-    def tx(conn: Connection) -> int:
-        lapsed = store.lapsed_leases(conn, now)
-        for item in lapsed:
-            store.mark_uncertain(conn, item, now)
-            held = (
-                ledger.get_reservation(conn, item.reservation_id).amount
-                if item.reservation_id
-                else None
-            )
-            activity.record(
-                conn,
-                item.org_id,
-                "uncertain",
-                now,
-                ref=item.id,
-                reservation_id=item.reservation_id,
-                amount=held,
-                detail={
-                    "purpose": "batch",
-                    "batch_id": item.batch_id,
-                    "custom_id": item.custom_id,
-                    "route": item.route,
-                    "reason": "the worker stopped during the call; its outcome is unknown",
-                },
-            )
-            log.warning(
-                "batch item uncertain",
-                extra={
-                    "event": "batch_item_uncertain",
-                    "item_id": item.id,
-                    "reservation_id": item.reservation_id,
-                },
-            )
-        return len(lapsed)
+    def tx(conn: Connection) -> tuple[int, int]:
+        uncertain = waiting = 0
+        for item in store.lapsed_leases(conn, now):
+            if item.sent_at is not None:
+                why = "the worker stopped during the call; its outcome is unknown"
+                uncertain += settle_as_uncertain(conn, item, now, why)
+            else:
+                waiting += unwind_unsent(conn, item, now, "the worker stopped before the call")
+        return uncertain, waiting
 
     return await db.transact(tx)
 

@@ -54,6 +54,7 @@ def finish_failed(
     exc: BatchyardError,
     now: datetime,
     from_states: Sequence[str] = ("waiting",),
+    reservation_id: str | None = None,
 ) -> None:
     """End an item as failed; its result has a success's shape with the error body."""
     body = {"status_code": exc.status, "body": exc.to_body()}
@@ -66,6 +67,7 @@ def finish_failed(
         result_status=exc.status,
         result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
         from_states=from_states,
+        reservation_id=reservation_id,
     )
 
 
@@ -113,9 +115,11 @@ async def record_success(
             result_status=200,
             result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
             from_states=("dispatched", "uncertain"),
+            reservation_id=job.reservation_id,
         )
 
-    await db.transact(tx)
+    # The call happened: its outcome must land, even across a short storage outage.
+    await db.transact_through(tx)
     log.info(
         "batch item succeeded",
         extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
@@ -143,9 +147,17 @@ async def record_failure(
                 amount=held.amount,
                 detail={"purpose": "batch", "reason": exc.code, "route": job.route.id},
             )
-        finish_failed(conn, sealer, item, exc, now, from_states=("dispatched", "uncertain"))
+        finish_failed(
+            conn,
+            sealer,
+            item,
+            exc,
+            now,
+            from_states=("dispatched", "uncertain"),
+            reservation_id=job.reservation_id,
+        )
 
-    await db.transact(tx)
+    await db.transact_through(tx)
     log.info(
         "batch item failed",
         extra={"event": "batch_item_failed", "item_id": item.id, "code": exc.code},

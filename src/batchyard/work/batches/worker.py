@@ -3,8 +3,9 @@
 Each pass, in order:
 
 1. *Recover.* A dispatched item whose lease lapsed becomes ``uncertain``,
-   its reservation still held; nothing is retried or released
-   (``work.batches.housekeeping``).
+   its reservation still held, if its call was sent; nothing is retried or
+   released. One that was never sent goes back to waiting and its hold is
+   released (``work.batches.housekeeping``).
 2. *Housekeep.* Overdue waiting items expire, those of revoked keys are
    canceled, and results of batches completed 24 hours ago are purged.
 3. *Choose.* For each waiting item (most urgent first), the policy picks a
@@ -17,15 +18,19 @@ Each pass, in order:
    and a lease, all before the engine is called. No qualifying route, no
    reservation: funds are never held while waiting.
 5. *Execute.* Up to ten items, concurrently, through the dispatcher's pacing.
-   The lease is renewed while the call runs. The result is settled to real
-   usage at the route's offered price in one transaction with the item's
-   result and its activity record; a failure is released and recorded, and
-   never retried (``work.batches.results``).
+   The item is marked sent durably just before its engine call. The lease is
+   renewed while the call runs. The result is settled to real usage at the
+   route's offered price in one transaction with the item's result and its
+   activity record; a failure is released and recorded, and never retried
+   (``work.batches.results``).
 
-Cancelling the worker mid-call (shutdown, crash) leaves the item
-``dispatched``; the lease lapses and the next pass of any worker makes it
-``uncertain``. Without a batch encryption key (``work.batches.sealing``) the
-worker does nothing and the door answers 503.
+A crash mid-call leaves the item ``dispatched``; the lease lapses and the
+next pass of any worker makes it ``uncertain`` (sent) or waiting again (not
+sent). A graceful stop (``drain``) claims nothing more and sends nothing
+more: items still waiting for their turn go back to waiting at once, calls
+in flight may finish until the grace period ends, and only those cut off
+then become ``uncertain``. Without a batch encryption key
+(``work.batches.sealing``) the worker does nothing and the door answers 503.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from batchyard.errors import (
     BatchyardError,
     InsufficientCredit,
     InternalError,
+    StorageUnavailable,
     UpstreamError,
 )
 from batchyard.store import accounts, activity, ledger
@@ -96,6 +102,8 @@ class PassReport:
     """What one pass did, for logs and tests."""
 
     uncertain: int = 0
+    #: Dispatched items never sent, back to waiting with their holds released.
+    returned: int = 0
     expired: int = 0
     canceled: int = 0
     purged: int = 0
@@ -103,6 +111,10 @@ class PassReport:
     succeeded: int = 0
     failed: int = 0
     waiting: int = 0
+
+
+class _NotSent(Exception):
+    """The call was not made: the item goes back to waiting."""
 
 
 class MarketWorker:
@@ -143,6 +155,9 @@ class MarketWorker:
         self.lease = timedelta(seconds=self.settings.lease_s)
         self.scan_limit = self.settings.scan_limit
         self.memory = MarketMemory(db, clock, policy)
+        #: Set by ``drain``: claim nothing more, send nothing more.
+        self.draining = False
+        self._jobs: set[asyncio.Task[bool | None]] = set()
 
     # --- availability -------------------------------------------------------------
 
@@ -170,7 +185,7 @@ class MarketWorker:
             await self.feed.refresh()
             feed_task = asyncio.create_task(self._feed_loop())
         try:
-            while True:
+            while not self.draining:
                 report: PassReport | None = None
                 try:
                     report = await self.run_pass()
@@ -179,7 +194,7 @@ class MarketWorker:
                 except Exception:
                     log.exception("market pass failed", extra={"event": "market_pass_error"})
                 # A full pass suggests more work is ready; otherwise wait for the market.
-                if report is None or report.dispatched < self.per_pass:
+                if not self.draining and (report is None or report.dispatched < self.per_pass):
                     await clock.sleep(self.settings.interval_s)
         finally:
             if feed_task is not None:
@@ -194,25 +209,48 @@ class MarketWorker:
             await self.clock.sleep(interval)
             await self.feed.refresh()
 
+    def drain(self) -> None:
+        """Stop claiming and sending; calls already sent go on (see ``wait_idle``)."""
+        self.draining = True
+
+    async def wait_idle(self, grace_s: float) -> bool:
+        """Wait up to ``grace_s`` seconds for the calls in flight; True if none is left."""
+        jobs = [j for j in self._jobs if not j.done()]
+        if jobs:
+            await asyncio.wait(jobs, timeout=grace_s)
+        return all(j.done() for j in self._jobs)
+
     async def run_pass(self) -> PassReport:
         report = PassReport()
         if not self.available:
             return report
         await self.recover(report)
         await self.housekeep(report)
+        if self.draining:
+            return report
         chosen = await self._choose(report)
         await self.memory.save()
         claimed: list[Claimed] = []
         for candidate, offer in chosen:
+            if self.draining:
+                break
             got = await self._claim(candidate, offer, report)
             if got is not None:
                 claimed.append(got)
         report.dispatched = len(claimed)
         if claimed:
-            outcomes = await asyncio.gather(*(self._execute(c) for c in claimed))
-            report.succeeded = sum(1 for ok in outcomes if ok)
-            report.failed += sum(1 for ok in outcomes if not ok)
-        if any((report.dispatched, report.expired, report.canceled, report.uncertain)):
+            jobs = [asyncio.create_task(self._execute(c)) for c in claimed]
+            self._jobs.update(jobs)
+            try:
+                outcomes = await asyncio.gather(*jobs)
+            finally:
+                self._jobs.difference_update(jobs)
+            report.succeeded = sum(1 for ok in outcomes if ok is True)
+            report.failed += sum(1 for ok in outcomes if ok is False)
+            report.returned += sum(1 for ok in outcomes if ok is None)
+        if any(
+            (report.dispatched, report.expired, report.canceled, report.uncertain, report.returned)
+        ):
             log.info(
                 "market pass",
                 extra={
@@ -223,6 +261,7 @@ class MarketWorker:
                     "expired": report.expired,
                     "canceled": report.canceled,
                     "uncertain": report.uncertain,
+                    "returned": report.returned,
                 },
             )
         return report
@@ -230,11 +269,12 @@ class MarketWorker:
     # --- recovery and housekeeping -------------------------------------------------------
 
     async def recover(self, report: PassReport | None = None) -> int:
-        """Dispatched items whose lease lapsed become ``uncertain``, reservation held."""
-        n = await housekeeping.recover_lapsed(self.db, self.clock)
+        """Lapsed dispatches: sent ones ``uncertain`` (hold kept), unsent ones waiting again."""
+        uncertain, returned = await housekeeping.recover_lapsed(self.db, self.clock)
         if report is not None:
-            report.uncertain += n
-        return n
+            report.uncertain += uncertain
+            report.returned += returned
+        return uncertain
 
     async def housekeep(self, report: PassReport | None = None) -> None:
         """Expire, cancel for revoked keys, and purge old results."""
@@ -401,19 +441,50 @@ class MarketWorker:
             await clock.sleep(lease.total_seconds() / 3)
             await db.transact(renew)
 
-    async def _execute(self, job: Claimed) -> bool:
-        """Call, then settle or release with the item's result; True on success."""
+    async def _execute(self, job: Claimed) -> bool | None:
+        """Call, then settle or release with the item's result.
+
+        True on success, False on a failure, None when the call was never sent
+        (the worker is draining, or the item is no longer ours).
+        """
         heartbeat = asyncio.create_task(self._heartbeat(job.item.id))
+        sent = False
+
+        async def on_send() -> None:
+            nonlocal sent
+            if self.draining:
+                raise _NotSent("the worker is stopping")
+            now = self.clock.now()
+            ours = await self.db.write(
+                lambda c: store.mark_sent(c, job.item.id, job.reservation_id, now)
+            )
+            if not ours:
+                raise _NotSent("the item is no longer this worker's")
+            sent = True
+
         try:
             try:
                 completion = await self.dispatcher.call(
-                    route=job.route, request=job.request, input_tokens=job.item.input_tokens
+                    route=job.route,
+                    request=job.request,
+                    input_tokens=job.item.input_tokens,
+                    on_send=on_send,
                 )
             except asyncio.CancelledError:
-                # Interrupted: the outcome is unknown. The lease lapses and a
-                # later pass marks the item uncertain; nothing is released.
+                if self.draining:
+                    # The grace period ended with this call in flight (or not yet sent).
+                    await asyncio.shield(self._cut_off(job, sent=sent))
+                # Otherwise a crash-like stop: the lease lapses and recovery decides.
                 raise
+            except _NotSent as exc:
+                await asyncio.shield(self._cut_off(job, sent=False, why=str(exc)))
+                return None
             except Exception as exc:
+                if not sent and isinstance(exc, StorageUnavailable):
+                    # The store refused the mark: nothing reached the engine, so the
+                    # item waits again rather than failing for a call never made.
+                    await asyncio.shield(self._cut_off(job, sent=False, why=type(exc).__name__))
+                    return None
                 err = (
                     exc
                     if isinstance(exc, BatchyardError)
@@ -427,6 +498,27 @@ class MarketWorker:
                 await heartbeat
         await asyncio.shield(self._succeed(job, completion))
         return True
+
+    async def _cut_off(self, job: Claimed, *, sent: bool, why: str = "the worker stopped") -> None:
+        """End a dispatch that did not finish: uncertain if sent, else waiting again."""
+        now = self.clock.now()
+
+        def tx(conn: Connection) -> None:
+            item = store.dispatched_item(conn, job.item.id, job.reservation_id)
+            if item is None:
+                return  # already settled, failed or recovered by someone else
+            if sent or item.sent_at is not None:
+                housekeeping.settle_as_uncertain(
+                    conn, item, now, f"{why} during the call; its outcome is unknown"
+                )
+            else:
+                housekeeping.unwind_unsent(conn, item, now, why)
+
+        try:
+            await self.db.transact(tx)
+        except BatchyardError:
+            # The store is down: the lease lapses and the next pass decides the same way.
+            log.warning("could not end a cut-off dispatch", extra={"event": "batch_cut_off_failed"})
 
     async def _succeed(self, job: Claimed, completion: Completion) -> None:
         await record_success(self.db, self.clock, self.sealer(), job, completion)

@@ -34,17 +34,22 @@ from batchyard.core.openai_bodies import embedding_data
 from batchyard.core.prices import Price
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.base import CompletionRequest, Usage
-from batchyard.errors import BatchyardError, InternalError, UpstreamError
+from batchyard.errors import BatchyardError, InternalError, StorageUnavailable, UpstreamError
 from batchyard.store.file_batches import Claimed, Ended, out_aad
 from batchyard.store.files import line_aad
 from batchyard.work.batches.prices import MarketPrices
-from batchyard.work.dispatcher import Dispatcher
+from batchyard.work.dispatcher import Dispatcher, OnSend
+
+__all__ = ["NotSent", "Plan", "answer", "never_answered", "plan_for"]
+
+
+class NotSent(Exception):
+    """Raised by an ``on_send`` that refuses the call: the line waits again."""
+
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
-
-__all__ = ["Plan", "answer", "never_answered", "plan_for"]
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -163,20 +168,25 @@ def _request(
 
 
 async def _call(
-    dispatcher: Dispatcher, endpoint: str, body: dict[str, Any], plan: Plan, claimed: Claimed
+    dispatcher: Dispatcher,
+    endpoint: str,
+    body: dict[str, Any],
+    plan: Plan,
+    claimed: Claimed,
+    on_send: OnSend,
 ) -> tuple[Usage, Any]:
     """The line's call: its usage, and what the body of its answer is built from."""
     if endpoint == EMBEDDINGS:
         texts = [body["input"]] if isinstance(body["input"], str) else list(body["input"])
         result = await dispatcher.call_embed(
-            route=plan.route, texts=texts, input_tokens=claimed.input_tokens
+            route=plan.route, texts=texts, input_tokens=claimed.input_tokens, on_send=on_send
         )
         used = result.usage.input_tokens or claimed.input_tokens
         return Usage(used, 0), result
     n = max(1, int(body.get("n", 1)))
     request = _request(endpoint, body, plan.route, claimed.max_tokens // n)
     completion = await dispatcher.call(
-        route=plan.route, request=request, input_tokens=claimed.input_tokens
+        route=plan.route, request=request, input_tokens=claimed.input_tokens, on_send=on_send
     )
     return completion.usage, completion
 
@@ -243,8 +253,13 @@ async def answer(
     claimed: Claimed,
     plan: Plan,
     now_of: Any,
-) -> Ended:
-    """Call one line and render its result; never raises (a failure is a result too)."""
+    on_send: OnSend | None = None,
+) -> Ended | None:
+    """Call one line and render its result; never raises (a failure is a result too).
+
+    None when the call was never made (``on_send`` refused: the worker is
+    stopping, or the line is no longer its own): the line waits again.
+    """
     request_id: str | None = None
     err: BatchyardError | None = None
     body: dict[str, Any] = {}
@@ -254,10 +269,24 @@ async def answer(
     except (SealError, ValueError, KeyError, TypeError):
         err = InternalError("the stored request cannot be read", retryable=False)
     if err is None:
+        sent = False
+
+        async def mark() -> None:
+            nonlocal sent
+            if on_send is not None:
+                await on_send()
+            sent = True
+
         try:
-            usage, answered = await _call(dispatcher, endpoint, body, plan, claimed)
+            usage, answered = await _call(dispatcher, endpoint, body, plan, claimed, mark)
+        except NotSent:
+            return None
         except (KeyError, TypeError, ValueError):
             err = InternalError("the stored request cannot be read", retryable=False)
+        except StorageUnavailable:
+            if not sent:
+                return None  # the store refused the mark: nothing reached the engine
+            raise
         except BatchyardError as exc:
             err = exc
         except Exception as exc:

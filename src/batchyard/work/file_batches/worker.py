@@ -3,8 +3,10 @@
 Each round, in order:
 
 1. *Recover.* A dispatched line whose lease lapsed (its worker died mid-call)
-   becomes ``uncertain`` with its error-file line; it is never sent again and
-   never charged, and an activity record names it.
+   becomes ``uncertain`` with its error-file line if its call was sent (each
+   line is marked sent, durably, just before its engine call); it is never
+   sent again and never charged, and an activity record names it. A lapsed
+   line that was never sent goes back to pending.
 2. *Step the batches.* A cancelled batch's unsent lines are ``canceled``; past
    its window, an unfinished batch's unsent lines are ``expired`` with
    OpenAI's ``batch_expired``; a batch whose creating key was revoked is
@@ -24,6 +26,9 @@ Each round, in order:
 
 A batch that waits for a discount (``metadata.min_discount``) claims lines
 only while a route's fresh price meets it (``lines.plan_for``).
+
+``drain`` is the graceful stop: nothing more is claimed or sent, lines in
+flight land, and lines claimed but not sent go back to pending at once.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
+from batchyard.errors import BatchyardError
 from batchyard.store import accounts, activity, ledger
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
@@ -49,7 +55,8 @@ from batchyard.store.database import Database
 from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.dispatcher import Dispatcher
-from batchyard.work.file_batches.lines import Plan, answer, never_answered, plan_for
+from batchyard.work.file_batches.lines import NotSent, Plan, answer, never_answered, plan_for
+from batchyard.work.sending import SentMarks
 
 __all__ = ["FileBatchSettings", "FileBatchWorker"]
 
@@ -117,6 +124,8 @@ class FileBatchWorker:
         self._active: dict[str, asyncio.Task[None]] = {}
         self._wake: asyncio.Event | None = None
         self._swept: datetime | None = None
+        #: Set by ``drain``: claim nothing more, send nothing more.
+        self.draining = False
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -136,11 +145,28 @@ class FileBatchWorker:
                 except Exception:
                     log.exception("file batch round failed", extra={"worker": self.owner})
                 # A poll interval, not a time rule: deadlines and leases read the clock.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+                # (asyncio.wait, not wait_for: on Python 3.11 a wait_for cancelled
+                # just as its event is set can hang the cancellation forever.)
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=self.settings.poll_s)
+                finally:
+                    waiter.cancel()
                 self._wake.clear()
         finally:
             await self.stop()
+
+    def drain(self) -> None:
+        """Stop claiming and sending; lines in flight go on (see ``wait_idle``)."""
+        self.draining = True
+        self.notify()
+
+    async def wait_idle(self, grace_s: float) -> bool:
+        """Wait up to ``grace_s`` seconds for the batches in hand; True if none is left."""
+        tasks = [t for t in self._active.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        return all(t.done() for t in self._active.values())
 
     async def stop(self) -> None:
         """Abandon the batches in hand as a crash would: their leases lapse."""
@@ -163,6 +189,8 @@ class FileBatchWorker:
                         extra={"batch_id": batch_id, "error": repr(task.exception())},
                     )
         await self.recover()
+        if self.draining:
+            return len(self._active)
         now = self.clock.now()
         if self._swept is None or now - self._swept >= SWEEP_EVERY:
             await self.sweep_files(now)
@@ -212,6 +240,8 @@ class FileBatchWorker:
         now = self.clock.now()
         # A cheap read first, so an idle worker does not queue a write every round.
         if not await self.db.read(lambda c: store.lapsed_lines(c, now, 1, lock=False)):
+            if await self.db.read(lambda c: store.has_unsent_lapsed(c, now)):
+                await self.db.transact(lambda c: store.requeue_unsent(c, now))
             return 0
 
         def tx(c: Connection) -> int:
@@ -220,6 +250,7 @@ class FileBatchWorker:
             for batch_id, line, custom_id in lapsed:
                 ended = never_answered(sealer, batch_id, line, custom_id, "uncertain", now)
                 by_batch.setdefault(batch_id, []).append(ended)
+            store.requeue_unsent(c, now)  # lapsed but never sent: they wait again
             for batch_id, ends in by_batch.items():
                 store.end_lines(c, batch_id, "dispatched", ends, now)
                 batch = store.load_batch(c, batch_id)
@@ -352,6 +383,7 @@ class FileBatchWorker:
                     endpoint=batch.endpoint,
                     batch_id=batch_id,
                     kind=kind,
+                    key_id=batch.key_id,
                 )
                 files[f"{kind}_file_id"] = file_id
             if batch.status == "cancelling":
@@ -411,15 +443,28 @@ class FileBatchWorker:
             return  # no route meets the discount now; a later round looks again
         width = max(widths)
         loop = asyncio.get_running_loop()
-        flying: set[asyncio.Task[store.Ended]] = set()
+        flying: set[asyncio.Task[store.Ended | None]] = set()
+        line_of: dict[asyncio.Task[store.Ended | None], int] = {}
+        requeue: list[int] = []
         stepping: asyncio.Task[tuple[str | None, list[store.Claimed]]] | None = None
         done: list[store.Ended] = []
         stop = exhausted = False
         asked, last = 0, float("-inf")
         interval = self.settings.flush_s
+        owner = self.owner
+        marks: SentMarks[int] = SentMarks(
+            self.db,
+            self.clock,
+            lambda c, keys, now: store.mark_lines_sent(c, batch.id, keys, owner, now),
+        )
+
+        async def on_send(line: int) -> None:
+            if stop or self.draining or not await marks.mark(line):
+                raise NotSent
+
         try:
             while True:
-                idle = stop or exhausted
+                idle = stop or exhausted or self.draining
                 if stepping is None:
                     due = loop.time() - last >= interval
                     claim = not idle and len(flying) <= width - max(1, width // 4)
@@ -457,28 +502,54 @@ class FileBatchWorker:
                                 )
                                 stop = True
                                 continue
-                            flying.add(
-                                asyncio.create_task(
-                                    answer(
-                                        dispatcher=self.dispatcher,
-                                        sealer=sealer,
-                                        endpoint=batch.endpoint,
-                                        batch_id=batch.id,
-                                        input_file_id=batch.input_file_id,
-                                        claimed=line,
-                                        plan=p,
-                                        now_of=self.clock.now,
-                                    )
+                            job = asyncio.create_task(
+                                answer(
+                                    dispatcher=self.dispatcher,
+                                    sealer=sealer,
+                                    endpoint=batch.endpoint,
+                                    batch_id=batch.id,
+                                    input_file_id=batch.input_file_id,
+                                    claimed=line,
+                                    plan=p,
+                                    now_of=self.clock.now,
+                                    on_send=partial(on_send, line.line),
                                 )
                             )
+                            flying.add(job)
+                            line_of[job] = line.line
                         continue
                     flying.discard(task)
-                    done.append(task.result())
+                    ended = task.result()
+                    if ended is None:  # never sent: it waits again
+                        requeue.append(line_of[task])
+                        exhausted = False
+                    else:
+                        done.append(ended)
+                if requeue:
+                    lines, requeue = requeue, []
+                    await self.db.transact(partial(_unclaim_all, batch.id, owner, lines))
+        except asyncio.CancelledError:
+            if self.draining:
+                # Cut off by the end of a drain's grace period: what never reached the
+                # engine waits again now; what did becomes uncertain when its lease lapses.
+                with contextlib.suppress(BatchyardError):
+                    await asyncio.shield(
+                        self.db.transact(
+                            lambda c: store.requeue_unsent(
+                                c, self.clock.now(), batch_id=batch.id, owner=owner
+                            )
+                        )
+                    )
+            raise
         finally:
             for task in flying:
                 task.cancel()
             if stepping is not None:
                 stepping.cancel()
+        if self.draining and not exhausted:
+            if done:
+                await self._round(batch, done, 0)  # record what landed; the rest is pending
+            return
         await self._finalize(batch.id)
 
     async def _round(
@@ -496,6 +567,12 @@ class FileBatchWorker:
             return status, store.claim_lines(c, batch, owner, free, now, until)
 
         return await asyncio.shield(self.db.transact(tx))
+
+
+def _unclaim_all(batch_id: str, owner: str, lines: list[int], c: Connection) -> None:
+    """Claimed lines that were never sent go back to pending."""
+    for line in lines:
+        store.unclaim(c, batch_id=batch_id, owner=owner, line=line)
 
 
 def _reload(c: Connection, *, batch: store.BatchRow) -> store.BatchRow:

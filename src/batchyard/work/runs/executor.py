@@ -11,11 +11,19 @@ rows, and the run stops instead of burning through every row.
 The run's one reservation pays for every row; it is settled once, at the end,
 with the sum of the rows' charges. A settlement that fails leaves the run
 ``blocked`` on ``payment``, and a worker retries it later.
+
+Each row is marked sent (durably, through the dispatcher's ``on_send``) just
+before its engine call. A row that was claimed but never sent (the run was
+stopping, the worker draining, the store refused the mark) is not failed:
+it waits again. When a drain's grace period ends with calls in flight, the
+run is handed back in one transaction: answered rows recorded, sent rows
+``uncertain``, unsent rows pending, lease released.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,16 +45,22 @@ from batchyard.core.runs import (
     resolve_model,
 )
 from batchyard.engines.base import CompletionRequest
-from batchyard.errors import BatchyardError
+from batchyard.errors import BatchyardError, StorageUnavailable
 from batchyard.store import activity, ledger, work_items
 from batchyard.store.database import Database
-from batchyard.store.run_leases import heartbeat
+from batchyard.store.run_leases import heartbeat, release_lease
 from batchyard.store.runs import Run, load_run, update_run
 from batchyard.store.work_items import ItemResult, WorkItem
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.runs.outputs import write_outputs
+from batchyard.work.sending import SentMarks
 
 __all__ = ["RunExecutor"]
+
+
+class _NotSent(Exception):
+    """The row's call was not made: it waits again."""
+
 
 log = logging.getLogger("batchyard.runs")
 S = RunStatus
@@ -100,8 +114,10 @@ class RunExecutor:
         settings: RunSettings,
         lease_until: Callable[[], datetime],
         embedded_contexts: int = 1,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.db = db
+        self._draining = draining
         self.clock = clock
         self.catalog = catalog
         self.dispatcher = dispatcher
@@ -117,7 +133,14 @@ class RunExecutor:
             return max(1, self.embedded_contexts)
         return self.settings.default_concurrency
 
-    async def _answer(self, plan: _Plan, item: WorkItem, data: dict[str, Any] | None) -> ItemResult:
+    async def _answer(
+        self,
+        marks: SentMarks[int],
+        plan: _Plan,
+        item: WorkItem,
+        data: dict[str, Any] | None,
+        stopping: Callable[[], bool],
+    ) -> ItemResult:
         messages = prompt_messages(data or {}, plan.source)
         if messages is None:
             return ItemResult(
@@ -133,11 +156,24 @@ class RunExecutor:
             top_p=plan.top_p,
             n=plan.samples,
         )
+        sent = False
+
+        async def on_send() -> None:
+            nonlocal sent
+            if stopping() or not await marks.mark(item.row_id):
+                raise _NotSent
+            sent = True
+
         try:
             c = await self.dispatcher.call(
-                route=plan.route, request=request, input_tokens=item.input_tokens
+                route=plan.route, request=request, input_tokens=item.input_tokens, on_send=on_send
             )
+        except _NotSent:
+            return ItemResult(item.row_id, ItemState.PENDING)
         except BatchyardError as exc:
+            if not sent and isinstance(exc, StorageUnavailable):
+                # The store refused the mark: nothing reached the engine, the row waits again.
+                return ItemResult(item.row_id, ItemState.PENDING)
             return ItemResult(
                 item.row_id, ItemState.FAILED, error={"code": exc.code, "message": exc.message}
             )
@@ -160,6 +196,20 @@ class RunExecutor:
 
     async def execute(self, run: Run) -> None:
         """Answer a claimed run's rows (unless it is past that), write its outputs, settle it."""
+        try:
+            await self._execute(run)
+        except asyncio.CancelledError:
+            if self._draining():
+                # Cut off by the end of a drain's grace period: let another worker
+                # take the run now rather than when the lease expires.
+                await asyncio.shield(self._release(run.id))
+            raise
+
+    async def _release(self, run_id: str) -> None:
+        with contextlib.suppress(BatchyardError):
+            await self.db.transact(lambda c: release_lease(c, run_id, self.owner))
+
+    async def _execute(self, run: Run) -> None:
         if run.status in (S.RUNNING, S.STOPPING):
             try:
                 plan = _plan(self.catalog, run)
@@ -195,9 +245,20 @@ class RunExecutor:
         stop = exhausted = False
         streak, last_step = 0, float("-inf")
         error: dict[str, Any] | None = None
+
+        def stopping() -> bool:
+            return stop or self._draining()
+
+        owner = self.owner
+        marks: SentMarks[int] = SentMarks(
+            self.db,
+            self.clock,
+            lambda c, keys, now: work_items.mark_rows_sent(c, run.id, keys, owner, now),
+        )
+
         try:
             while True:
-                idle = stop or exhausted
+                idle = stopping() or exhausted
                 if stepping is None:
                     due = loop.time() - last_step >= interval
                     claim = not idle and len(flying) <= width - max(1, width // 4)
@@ -224,13 +285,18 @@ class RunExecutor:
                         stop = stop or status == S.STOPPING
                         exhausted = exhausted or (asked > 0 and len(claimed) < asked)
                         for item, data in claimed:
-                            answer = asyncio.create_task(self._answer(plan, item, data))
+                            answer = asyncio.create_task(
+                                self._answer(marks, plan, item, data, stopping)
+                            )
                             flying[answer] = item.row_id
                         continue
                     del flying[task]
                     result = task.result()
                     done.append(result)
-                    streak = 0 if result.state == ItemState.SUCCEEDED else streak + 1
+                    if result.state == ItemState.PENDING:
+                        exhausted = False  # it waits again: the run is not done with it
+                    else:
+                        streak = 0 if result.state == ItemState.SUCCEEDED else streak + 1
                 if streak >= self.settings.failure_streak and error is None:
                     last = done[-1].error if done else None
                     error = {
@@ -240,13 +306,64 @@ class RunExecutor:
                         "stopped",
                     }
                     stop = True
+        except asyncio.CancelledError:
+            if self._draining():
+                done += [
+                    t.result()
+                    for t in flying
+                    if t.done() and not t.cancelled() and t.exception() is None
+                ]
+                for task in flying:
+                    task.cancel()
+                if stepping is not None:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(stepping)
+                    stepping = None
+                await asyncio.shield(self._hand_over(run.id, done))
+            raise
         finally:
             for task in flying:
                 task.cancel()
             if stepping is not None:
                 stepping.cancel()
+        if self._draining() and not stop and not exhausted:
+            # Every call in flight landed: hand the run over with its rows recorded.
+            await self._hand_over(run.id, done)
+            return False
         await self._begin_finish(run.id, error=error)
         return True
+
+    async def _hand_over(self, run_id: str, results: list[ItemResult]) -> None:
+        """Record what landed, settle what did not (sent: uncertain; unsent: pending), let go."""
+        now = self.clock.now()
+
+        def tx(c: Connection) -> None:
+            if heartbeat(c, run_id, self.owner, now) is None:
+                return  # no longer ours: its new owner decides
+            work_items.record_results(c, run_id, results, now)
+            uncertain, _ = work_items.recover_dispatched(c, run_id, now)
+            run = load_run(c, run_id)
+            if uncertain:
+                activity.record(
+                    c,
+                    run.org_id,
+                    "uncertain",
+                    now,
+                    ref=run_id,
+                    reservation_id=run.reservation_id,
+                    detail={
+                        "rows": uncertain[:100],
+                        "count": len(uncertain),
+                        "reason": "the worker stopped (its grace period ended) during the calls",
+                    },
+                )
+            work_items.recount(c, run_id, now)
+            release_lease(c, run_id, self.owner)
+
+        try:
+            await self.db.transact(tx)
+        except BatchyardError:
+            log.warning("could not hand a run over", extra={"run_id": run_id})
 
     async def _step(
         self, run: Run, results: list[ItemResult], free: int
@@ -263,7 +380,9 @@ class RunExecutor:
                 return status, []
             return status, work_items.claim_items(c, run.id, run.dataset_id, free, now)
 
-        return await asyncio.shield(self.db.transact(tx))
+        # Finished rows are answers already paid for upstream: record them through
+        # a short storage outage rather than lose them (and make them uncertain).
+        return await asyncio.shield(self.db.transact_through(tx, patience_s=10.0))
 
     async def _begin_finish(self, run_id: str, *, error: dict[str, Any] | None) -> None:
         """No more calls: unsent rows are canceled and the outputs get written."""

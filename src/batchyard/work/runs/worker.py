@@ -12,7 +12,14 @@ one's runs are taken over once its lease expires:
 
 Confirming a run funds it (``work.runs.funding``): its whole quote is
 reserved, or it is blocked. A row whose call was in flight when its worker
-died becomes ``uncertain`` on takeover and is never sent again.
+died becomes ``uncertain`` on takeover and is never sent again; a row it had
+claimed but not yet sent waits again. Every round also stops the live runs
+of revoked keys (``work.runs.canceling``).
+
+``drain`` is the graceful stop: no run or row is claimed and no call is sent
+any more; calls in flight land and are recorded, then each run is handed back
+(its lease released) for another worker to continue at once. Only calls still
+in flight when the grace period ends become ``uncertain``.
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ from batchyard.core.runs import BlockedReason, RunSettings, RunStatus
 from batchyard.core.tiers import Tier
 from batchyard.core.tokens import TokenizerSource
 from batchyard.store import activity, work_items
+from batchyard.store import projects as pstore
 from batchyard.store.database import Database
 from batchyard.store.run_leases import HELD, blocked_runs, claim_run, work_waiting
 from batchyard.store.runs import Run, load_run, update_run
 from batchyard.work.dispatcher import Dispatcher
+from batchyard.work.runs.canceling import revoked_runs_exist, stop_runs_of_revoked_keys
 from batchyard.work.runs.executor import RunExecutor
 from batchyard.work.runs.funding import fund
 from batchyard.work.runs.quoting import QuotePreparer
@@ -47,6 +56,8 @@ log = logging.getLogger("batchyard.runs")
 S = RunStatus
 # Statuses a worker takes runs in (held ones only once their lease expired).
 CLAIMABLE = (S.PREPARING, S.QUEUED, *HELD)
+#: An upload untouched this long stopped part-way; its hidden rows are purged.
+STALE_UPLOAD = timedelta(hours=1)
 
 
 class RunWorker:
@@ -78,6 +89,8 @@ class RunWorker:
         self._wake: asyncio.Event | None = None
         # Tells a quote being prepared on a thread to give up (the loop stopped).
         self._stopping = False
+        #: Set by ``drain``: claim nothing more, send nothing more.
+        self.draining = False
         self._quotes = QuotePreparer(
             db=db,
             clock=clock,
@@ -97,6 +110,7 @@ class RunWorker:
             settings=self.settings,
             lease_until=self._lease_until,
             embedded_contexts=embedded_contexts,
+            draining=lambda: self.draining,
         )
 
     # -- the loop ----------------------------------------------------------------
@@ -116,14 +130,31 @@ class RunWorker:
                 except Exception:
                     log.exception("run worker tick failed", extra={"worker": self.owner})
                 # A poll interval, not a time rule: leases and quotes read the clock.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+                # (asyncio.wait, not wait_for: on Python 3.11 a wait_for cancelled
+                # just as its event is set can hang the cancellation forever.)
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=self.settings.poll_s)
+                finally:
+                    waiter.cancel()
                 self._wake.clear()
         finally:
             await self.stop()
 
+    def drain(self) -> None:
+        """Stop claiming and sending; calls in flight go on (see ``wait_idle``)."""
+        self.draining = True
+        self.notify()
+
+    async def wait_idle(self, grace_s: float) -> bool:
+        """Wait up to ``grace_s`` seconds for active runs to hand over; True if none is left."""
+        tasks = [t for t in self._active.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        return all(t.done() for t in self._active.values())
+
     async def stop(self) -> None:
-        """Abandon active runs as a crash would: their leases expire, others take over."""
+        """Abandon active runs: as a crash would, or, while draining, handing each one back."""
         self._stopping = True
         tasks = list(self._active.values())
         for t in tasks:
@@ -143,8 +174,11 @@ class RunWorker:
                         "run task failed",
                         extra={"run_id": run_id, "error_type": type(task.exception()).__name__},
                     )
+        if self.draining:
+            return len(self._active)
         now, exclude = self.clock.now(), list(self._active)
         claimable, funds = await self.db.read(lambda c: work_waiting(c, now, CLAIMABLE, exclude))
+        await self._housekeep(now)
         if funds:
             await self._retry_blocked_funds()
         while claimable and len(self._active) < self.settings.max_active_runs:
@@ -196,9 +230,19 @@ class RunWorker:
 
         return await self.db.transact(tx)
 
+    async def _housekeep(self, now: datetime) -> None:
+        """Stop runs of revoked keys; purge uploads that stopped part-way. Cheap reads first."""
+        if await self.db.read(revoked_runs_exist):
+            stopped = await self.db.transact(lambda c: stop_runs_of_revoked_keys(c, now))
+            if stopped:
+                log.info("runs of revoked keys stopped", extra={"runs": stopped})
+                self.notify()
+        if await self.db.read(lambda c: pstore.unready_before(c, now - STALE_UPLOAD)):
+            await self.db.transact(lambda c: pstore.purge_unready(c, now - STALE_UPLOAD))
+
     def _take_over(self, c: Connection, run: Run, now: Any) -> None:
-        """A dead worker's run: its in-flight rows become uncertain, never re-sent."""
-        uncertain = work_items.mark_uncertain(c, run.id, now)
+        """A stopped worker's run: its sent rows become uncertain, its unsent ones wait again."""
+        uncertain, _ = work_items.recover_dispatched(c, run.id, now)
         if uncertain:
             activity.record(
                 c,

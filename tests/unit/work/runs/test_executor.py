@@ -159,7 +159,8 @@ async def test_rows_are_answered_charged_per_row_within_their_share_and_settled_
         3,
         capped,
     )
-    assert json.loads(a["outputs"]) == ["w1 w2 w3"]
+    # Written into the dataset (below), the answers leave no second copy in the run's rows.
+    assert a["outputs"] is None and b["outputs"] is None
     assert (c["state"], json.loads(c["error"])["code"]) == (ItemState.FAILED, "missing_input")
     assert len(engine.calls) == 2
 
@@ -196,7 +197,9 @@ async def test_every_sample_is_kept_and_charged(db: Database, clock: SleepWatchi
     await executor(db, clock, engine).execute(load(db, run_id))
 
     [item] = items(db, run_id)
-    assert json.loads(item["outputs"]) == ["w1 w2"] * 3
+    dataset_id = load(db, run_id).dataset_id
+    [row] = db.read_sync(lambda c: pstore.list_rows(c, dataset_id))
+    assert row.data["answer"] == ["w1 w2"] * 3
     assert (item["usage_output"], item["charge"]) == (6, charge_ticks(PRICE.cost(2, 6)))
     assert engine.calls[0].n == 3
     assert balance(db, org).settled == item["charge"]
@@ -206,19 +209,23 @@ async def test_rows_go_through_the_dispatcher_at_the_route_s_pace(
     db: Database, clock: SleepWatchingClock
 ) -> None:
     seen: list[float] = []
-
-    def answer(_: CompletionRequest) -> str:
-        seen.append(clock.time())
-        return "ok"
-
     _, run_id = running_run(db, clock, [{"text": f"row {i}"} for i in range(3)])
-    engine = ScriptedEngine(answer, clock=clock)
+    engine = ScriptedEngine("ok", clock=clock)
     t0 = clock.time()
+    paced = executor(db, clock, engine, rpm=60)
+    pace = paced.dispatcher.pace
 
-    run = executor(db, clock, engine, rpm=60).execute(load(db, run_id))
-    await drive(clock, asyncio.create_task(run))
+    async def admitted(*args: Any) -> None:
+        # When the route admits each call: the engine call follows after the row is
+        # durably marked sent, which takes real time while the test moves the clock.
+        await pace(*args)
+        seen.append(clock.time())
+
+    paced.dispatcher.pace = admitted  # type: ignore[method-assign]
+    await drive(clock, asyncio.create_task(paced.execute(load(db, run_id))))
 
     assert sorted(seen) == [t0, pytest.approx(t0 + 1), pytest.approx(t0 + 2)]
+    assert len(engine.calls) == 3
     assert load(db, run_id).status == S.COMPLETED
 
 
@@ -393,3 +400,39 @@ async def test_a_payment_retry_that_finds_the_hold_already_resolved_posts_nothin
     ]
     assert charges(db, org) == []
     assert balance(db, org) == ledger.Balance(CREDIT, 0, 0)
+
+
+async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
+    db: Database, clock: SleepWatchingClock
+) -> None:
+    """The sent row becomes uncertain; the rows still waiting for their turn wait again."""
+    from tests.support.batches import BlockingEngine
+
+    _, run_id = running_run(db, clock, [{"text": f"row {i}"} for i in range(5)])
+    engine = BlockingEngine()
+    stopping = [False]
+    ex = RunExecutor(
+        db=db,
+        clock=clock,
+        catalog=catalog(rpm=60),
+        dispatcher=make_dispatcher(db, clock, engine),
+        owner=OWNER,
+        settings=RunSettings(default_concurrency=3),
+        lease_until=lambda: clock.now() + LEASE,
+        draining=lambda: stopping[0],
+    )
+    task = asyncio.create_task(ex.execute(load(db, run_id)))
+    await asyncio.wait_for(engine.entered.wait(), 5)  # row 1's call is in flight
+    await clock.next_sleep()  # rows 2 and 3 wait for the route's pace
+    stopping[0] = True  # SIGTERM, and then the grace period ends
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    assert len(engine.calls) == 1
+    assert states(db, run_id) == [ItemState.UNCERTAIN] + [ItemState.PENDING] * 4
+    run = load(db, run_id)
+    assert (run.status, run.rows_uncertain, run.lease_owner) == (S.RUNNING, 1, None)
+    acts = db.read_sync(lambda c: activity.list_activity(c, run.org_id))
+    [event] = [a for a in acts if a["kind"] == "uncertain"]
+    assert event["detail"]["count"] == 1

@@ -1,0 +1,144 @@
+"""Who may call what: one table of route × scope, read by ``authenticate`` and nothing else.
+
+The three scopes mean:
+
+- ``full``: everything the organisation can do;
+- ``read``: reads everything (account, activity, models, projects, datasets,
+  rows, runs, batches and their results) and never spends or changes anything;
+- ``inference``: calls models on requests it sends itself (chat and text
+  completions, embeddings, decide and its estimate, keep-warm, deferred and
+  file batches, the files they read), and
+  reads, cancels or deletes only the batches and files it created. It never
+  reads customer data it did not send (projects, datasets, rows, runs, other
+  keys' files and batches) nor the account or its activity, and it cannot
+  create, confirm or cancel runs (they spend over a dataset).
+
+Keeping the rules in one table (``ACCESS``) rather than in each handler means a
+new route cannot forget its check: ``create_app`` refuses to start while an
+app route has no row here, the matrix test walks every route × every scope,
+and ``docs/reference/scopes.md`` is checked against this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from batchyard.core.accounts import Scope
+
+__all__ = ["ACCESS", "Access", "access_for", "app_routes", "check_complete"]
+
+F, R, INF = Scope.FULL, Scope.READ, Scope.INFERENCE
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """How a route is authorised: by an API key of ``scopes``, by a workspace session, or open."""
+
+    kind: Literal["key", "session", "public"]
+    scopes: frozenset[Scope] = frozenset()
+    #: Only objects the calling key created itself (inference keys and batches).
+    own_only: frozenset[Scope] = frozenset()
+
+
+def _key(*scopes: Scope, own: tuple[Scope, ...] = ()) -> Access:
+    return Access("key", frozenset(scopes), frozenset(own))
+
+
+PUBLIC = Access("public")
+#: Workspace pages: signed in once with a full or inference key (``web.routes``).
+SESSION = Access("session", frozenset((F, INF)), frozenset((INF,)))
+
+_PROJECT = "/v1/projects/{project_id}"
+_DATASET = _PROJECT + "/datasets/{dataset_id}"
+_RUNS = _PROJECT + "/batch-inference-runs"
+
+#: (method, path) -> who may call it. HEAD is looked up as GET.
+ACCESS: dict[tuple[str, str], Access] = {
+    # health and the API's own description
+    ("GET", "/healthz"): PUBLIC,
+    ("GET", "/readyz"): PUBLIC,
+    ("GET", "/openapi.json"): PUBLIC,
+    ("GET", "/docs"): PUBLIC,
+    # the account (seed 000: an inference key cannot read it)
+    ("GET", "/v1/account"): _key(F, R),
+    ("GET", "/v1/activity"): _key(F, R),
+    # models
+    ("GET", "/v1/models"): _key(F, R, INF),
+    ("GET", "/v1/models/{model_id}"): _key(F, R, INF),
+    ("POST", "/v1/models/{model_id}/keep-warm"): _key(F, INF),
+    # calling models on requests the caller sends
+    ("POST", "/v1/chat/completions"): _key(F, INF),
+    ("POST", "/v1/completions"): _key(F, INF),
+    ("POST", "/v1/embeddings"): _key(F, INF),
+    ("POST", "/v1/decide"): _key(F, INF),
+    ("POST", "/v1/decide/estimate"): _key(F, INF),
+    # deferred batches: an inference key sees and cancels its own
+    ("POST", "/v1/batches"): _key(F, INF),
+    ("GET", "/v1/batches"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/batches/{batch_id}"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/batches/{batch_id}/results"): _key(F, R, INF, own=(INF,)),
+    ("POST", "/v1/batches/{batch_id}/cancel"): _key(F, INF, own=(INF,)),
+    # OpenAI's Files, the input and output of file batches
+    ("POST", "/v1/files"): _key(F, INF),
+    ("GET", "/v1/files"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/files/{file_id}"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/files/{file_id}/content"): _key(F, R, INF, own=(INF,)),
+    ("DELETE", "/v1/files/{file_id}"): _key(F, INF, own=(INF,)),
+    # projects, datasets and rows: customer data
+    ("POST", "/v1/projects"): _key(F),
+    ("GET", _PROJECT): _key(F, R),
+    ("POST", _PROJECT + "/datasets"): _key(F),
+    ("GET", _DATASET): _key(F, R),
+    ("GET", _DATASET + "/rows"): _key(F, R),
+    ("PATCH", _DATASET + "/rows/{row_id}"): _key(F),
+    # batch inference runs over datasets
+    ("POST", _RUNS): _key(F),
+    ("GET", _RUNS): _key(F, R),
+    ("GET", _RUNS + "/{run_id}"): _key(F, R),
+    ("POST", _RUNS + "/{run_id}/confirm"): _key(F),
+    ("POST", _RUNS + "/{run_id}/cancel"): _key(F),
+    ("GET", _RUNS + "/{run_id}/failures"): _key(F, R),
+    # the Batches workspace (web/): a session opened with a full or inference key
+    ("GET", "/workspace/"): PUBLIC,  # the sign-in form
+    ("POST", "/workspace/sign-in"): SESSION,
+    ("POST", "/workspace/sign-out"): SESSION,
+    ("GET", "/workspace/batches"): SESSION,
+    ("POST", "/workspace/batches"): SESSION,
+    ("GET", "/workspace/batches/{batch_id}"): SESSION,
+    ("POST", "/workspace/batches/{batch_id}/cancel"): SESSION,
+    ("GET", "/workspace/batches/{batch_id}/results"): SESSION,
+    ("POST", "/workspace/files"): SESSION,
+    ("GET", "/workspace/files/{file_id}/content"): SESSION,
+    ("GET", "/workspace/file-batches/{batch_id}"): SESSION,
+    ("POST", "/workspace/file-batches/{batch_id}/cancel"): SESSION,
+    ("GET", "/workspace/static/workspace.css"): PUBLIC,
+}
+
+
+def access_for(method: str, path: str) -> Access | None:
+    """The row for a route (``path`` as declared, with ``{params}``); None if it has none."""
+    return ACCESS.get(("GET" if method == "HEAD" else method, path))
+
+
+def app_routes(app: Any) -> Iterator[tuple[str, str]]:
+    """Every (method, path) an app serves, through included routers (HEAD left out)."""
+    stack = list(app.router.routes)
+    while stack:
+        route = stack.pop()
+        nested = getattr(route, "effective_candidates", None)
+        if nested is not None:
+            stack.extend(nested())
+            continue
+        path = getattr(route, "path", None)
+        for method in getattr(route, "methods", None) or ():
+            if path is not None and method != "HEAD":
+                yield method, path
+
+
+def check_complete(app: Any) -> None:
+    """Refuse to build an app with a route the table does not cover."""
+    missing = sorted(r for r in set(app_routes(app)) if access_for(*r) is None)
+    if missing:
+        raise RuntimeError(f"routes without a row in service.access.ACCESS: {missing}")

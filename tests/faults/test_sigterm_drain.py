@@ -1,0 +1,249 @@
+"""SIGTERM drains: calls in flight land, nothing else is sent, and nothing ends ``uncertain``.
+
+Real ``batchyard worker`` and ``batchyard serve`` processes get SIGTERM while
+a fake upstream holds their calls open; the upstream then lets the calls
+finish within the grace period. What was sent is answered and charged once;
+what was claimed but not yet sent goes back to waiting with its hold released
+(the next worker takes it); the process exits 0. Only when the grace period
+ends with a call still in flight does that call, and that call alone, become
+``uncertain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from batchyard.app import market_worker, run_worker
+from batchyard.store import activity, ledger
+from tests.support.accounts import make_account
+from tests.support.batches import chat, item_rows, submit
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.processes import WorkerProcess, Workers, deployment
+from tests.support.runs import Api
+from tests.support.server import free_port
+from tests.support.services import ServiceFactory
+
+TEXTS = [f"Summarize public release note number {i}." for i in range(4)]
+ROWS = [{"text": f"row {i}"} for i in range(12)]
+RUN = {
+    "model": {"type": "base", "id": "kettei-core"},
+    "input": {"type": "field", "field": "text"},
+    "output": {"type": "field", "field": "answer"},
+    "sampling": {"maxOutputTokens": 8},
+}
+FAST_RUNS = {"lease_s": 30, "heartbeat_s": 0.1, "poll_s": 0.05, "flush_s": 0.05}
+
+
+def sigterm(proc: WorkerProcess) -> None:
+    """Send SIGTERM without waiting: the test has calls to release first."""
+    proc.signalled = signal.SIGTERM
+    os.kill(proc.pid, signal.SIGTERM)
+
+
+async def exited(workers: Workers, proc: WorkerProcess) -> int:
+    await workers.until(lambda: not proc.alive, f"{proc.name} exits", timeout=60)
+    code = proc.returncode
+    assert code is not None
+    return code
+
+
+def batch(texts: list[str]) -> dict:
+    return {
+        "min_discount": 90,
+        "requests": [{"custom_id": f"req-{i}", "body": chat(t)} for i, t in enumerate(texts)],
+    }
+
+
+async def test_a_worker_drains_a_deferred_pass_on_sigterm(
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+) -> None:
+    with FakeUpstream() as up:
+        up.hold(after=0)
+        async with deployment(
+            make_service, tmp_path, database_url, upstream=up, route={"concurrency": 1}
+        ) as dep:
+            svc, http = dep.service, dep.http
+            proc = workers.start(config=dep.config, database_url=database_url)
+            acct = make_account(svc, credit="1")
+            bid = (await submit(http, acct.headers, batch(TEXTS))).json()["id"]
+
+            def stuck() -> bool:
+                items = item_rows(svc, bid)
+                return up.held == 1 and all(i.status == "dispatched" for i in items)
+
+            await workers.until(stuck, "every item is claimed and one call is in flight")
+            (started,) = [i.custom_id for i in item_rows(svc, bid) if i.sent_at is not None]
+            sigterm(proc)
+            await workers.until(lambda: "draining" in proc.output(), "the worker drains")
+            up.release()  # the call in flight lands within the grace period
+            assert await exited(workers, proc) == 0
+            drained = {i.custom_id: i for i in item_rows(svc, bid)}
+            bal = svc.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+            sent_by_worker = list(up.arrived)
+
+            # The next worker takes what was never sent.
+            report = await market_worker(svc).run_pass()
+            final = {i.custom_id: i for i in item_rows(svc, bid)}
+            acts = svc.db.read_sync(lambda c: activity.list_activity(c, acct.org_id))
+
+    assert drained[started].status == "succeeded"
+    assert {c: i.status for c, i in drained.items() if c != started} == {
+        c: "waiting" for c in drained if c != started
+    }
+    assert all(i.reservation_id is None for c, i in drained.items() if c != started)
+    assert bal.held == 0
+    assert sent_by_worker == [TEXTS[int(started.removeprefix("req-"))]]
+    assert report.succeeded == len(TEXTS) - 1 and report.uncertain == 0
+    assert {i.status for i in final.values()} == {"succeeded"}
+    assert max(Counter(up.arrived).values()) == 1 and sorted(up.arrived) == sorted(TEXTS)
+    assert not [a for a in acts if a["kind"] in ("uncertain", "hold_unresolved")]
+
+
+async def test_a_worker_drains_a_run_on_sigterm(
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+) -> None:
+    with FakeUpstream() as up:
+        up.hold(after=3)
+        async with deployment(
+            make_service,
+            tmp_path,
+            database_url,
+            upstream=up,
+            runs=FAST_RUNS,
+            route={"concurrency": 2},
+        ) as dep:
+            svc, http = dep.service, dep.http
+            proc = workers.start(config=dep.config, database_url=database_url)
+            acct = make_account(svc, credit="5")
+            api = await Api(http, acct.headers).start()
+            ds = await api.upload(ROWS)
+            run_id = (await api.create({**RUN, "datasetId": ds["id"]})).json()["id"]
+
+            async def status_is(*statuses: str) -> bool:
+                return (await api.get(run_id))["status"] in statuses
+
+            await workers.until(lambda: status_is("awaiting_confirmation"), "the run is quoted")
+            assert (await api.post(run_id, "confirm")).status_code == 200
+            await workers.until(lambda: up.held == 2, "two calls are in flight")
+            sigterm(proc)
+            await workers.until(lambda: "draining" in proc.output(), "the worker drains")
+            up.release()
+            assert await exited(workers, proc) == 0
+            handed = await api.get(run_id)
+            sent_by_worker = len(up.arrived)
+
+            # Another worker continues the run at once: the lease was handed back.
+            await run_worker(svc, owner="next").run_until_idle()
+            final = await api.get(run_id)
+            failures = (
+                await http.get(f"{api.runs}/{run_id}/failures", headers=acct.headers)
+            ).json()
+
+    assert handed["status"] == "running"
+    assert handed["progress"]["rowsUncertain"] == 0
+    assert handed["progress"]["rowsDone"] == sent_by_worker == 5
+    assert final["status"] == "completed"
+    assert final["results"]["rowsSucceeded"] == len(ROWS)
+    assert final["results"]["rowsUncertain"] == 0 and failures["data"] == []
+    sent = Counter(up.arrived)
+    assert len(sent) == len(ROWS) and max(sent.values()) == 1
+
+
+async def test_serve_finishes_the_requests_in_progress_on_sigterm(
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+) -> None:
+    with FakeUpstream() as up:
+        up.hold(after=0)
+        async with deployment(
+            make_service, tmp_path, database_url, upstream=up, runs=FAST_RUNS
+        ) as dep:
+            svc = dep.service
+            port = free_port()
+            acct = make_account(svc, credit="1")
+            server = workers.start(
+                config=dep.config,
+                database_url=database_url,
+                name="serve",
+                command="serve",
+                args=("--port", str(port)),
+            )
+            base = f"http://127.0.0.1:{port}"
+
+            async def ready() -> bool:
+                try:
+                    async with httpx.AsyncClient(base_url=base) as c:
+                        return (await c.get("/readyz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await workers.until(ready, "serve is ready", timeout=60)
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                body = {**chat("a chat in flight"), "max_tokens": 8}
+                call = asyncio.create_task(
+                    client.post(
+                        "/v1/chat/completions",
+                        json=body,
+                        headers={**acct.headers, "Idempotency-Key": "in-flight"},
+                    )
+                )
+                await workers.until(lambda: up.held == 1, "the chat call is in flight")
+                sigterm(server)
+                await workers.until(lambda: "draining" in server.output(), "serve drains")
+                up.release()
+                answer = await call
+            # uvicorn re-raises the signal once it has shut down cleanly.
+            assert await exited(workers, server) in (0, -signal.SIGTERM)
+            assert "Application shutdown complete" in server.output()
+            bal = svc.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+            acts = svc.db.read_sync(lambda c: activity.list_activity(c, acct.org_id))
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "echo: a chat in flight"
+    assert bal.held == 0 and bal.settled > 0
+    assert [a["kind"] for a in acts] == ["charge"]
+
+
+async def test_only_a_call_the_grace_period_cuts_off_is_uncertain(
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+) -> None:
+    with FakeUpstream() as up:
+        up.hold(after=0)  # and never released while the worker lives
+        async with deployment(
+            make_service,
+            tmp_path,
+            database_url,
+            upstream=up,
+            route={"concurrency": 1},
+            shutdown_grace_s=0.5,
+        ) as dep:
+            svc, http = dep.service, dep.http
+            proc = workers.start(config=dep.config, database_url=database_url)
+            acct = make_account(svc, credit="1")
+            bid = (await submit(http, acct.headers, batch(TEXTS))).json()["id"]
+
+            def stuck() -> bool:
+                items = item_rows(svc, bid)
+                return up.held == 1 and all(i.status == "dispatched" for i in items)
+
+            await workers.until(stuck, "every item is claimed and one call is in flight")
+            (started,) = [i.custom_id for i in item_rows(svc, bid) if i.sent_at is not None]
+            sigterm(proc)
+            assert await exited(workers, proc) == 0
+            up.release()
+            items = {i.custom_id: i for i in item_rows(svc, bid)}
+            acts = svc.db.read_sync(lambda c: activity.list_activity(c, acct.org_id))
+            bal = svc.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+
+    assert items[started].status == "uncertain"
+    assert {c: i.status for c, i in items.items() if c != started} == {
+        c: "waiting" for c in items if c != started
+    }
+    uncertain = [a for a in acts if a["kind"] == "uncertain"]
+    assert [a["ref"] for a in uncertain] == [items[started].id]
+    assert bal.held == uncertain[0]["amount"]
