@@ -69,7 +69,6 @@ def _click_and_load(driver: Any, by: str, value: str) -> None:
     """
     from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
     wait = WebDriverWait(driver, 15)
@@ -85,8 +84,28 @@ def _click_and_load(driver: Any, by: str, value: str) -> None:
                 raise
             continue
         break
-    wait.until(ec.staleness_of(old))
+    wait.until(lambda d: _replaced(old))
     wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+
+
+def _replaced(element: Any) -> bool:
+    """Whether ``element``'s document is gone.
+
+    Selenium's ``staleness_of`` knows only ``StaleElementReferenceException``; chromedriver
+    sometimes reports the same fact, mid-navigation, as an "unknown error" that the node
+    "does not belong to the document", which ``staleness_of`` lets escape.
+    """
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in str(exc):
+            return True
+        raise
+    return False
 
 
 async def test_sign_in_submit_complete_cancel_in_chromium(service, tmp_path):
