@@ -32,6 +32,7 @@ from batchyard.errors import RateLimited
 
 __all__ = [
     "EPSILON",
+    "MAX_QUEUE_S",
     "PENALTY",
     "Admission",
     "Cell",
@@ -66,6 +67,10 @@ EPSILON = 1e-6
 # its TAT has passed and every check of the key honours it. The "!" keeps it
 # apart from real limit names, which may not start with one.
 PENALTY = "!penalty"
+
+#: The furthest ahead a waiter with no deadline of its own takes a slot, in
+#: seconds (a finite stand-in for "forever" that every backend can store).
+MAX_QUEUE_S = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,22 +411,52 @@ class LimiterBase:
     async def acquire(
         self, key: str, limits: Sequence[tuple[Limit, float]], *, max_wait: float | None = None
     ) -> None:
-        # Pacing, not penalty: a refused attempt consumes nothing, so sleeping
-        # the advised time and asking again costs no one else anything. The
-        # re-check after each sleep is also how a penalty that arrived while we
-        # slept reaches every waiter.
+        # A waiter takes its place in the schedule at once (a slot up to the
+        # time it may still wait) and sleeps once until that slot: a thousand
+        # waiters cost a thousand checks, not a thousand checks per interval,
+        # and they go in the order they came. Refused only when even the
+        # latest slot it would accept is too late (a long penalty, or
+        # ``max_wait``): such an attempt consumes nothing, and it sleeps the
+        # advised time and asks again.
         start = self._clock.time()
         while True:
-            admission = await self.try_acquire(key, limits)
-            if admission.allowed:
-                return
             waited = self._clock.time() - start
+            budget = MAX_QUEUE_S if max_wait is None else max(0.0, max_wait - waited)
+            admission = await self.try_acquire(key, limits, max_delay=budget)
+            if admission.allowed:
+                if admission.delay > 0:
+                    await self._wait_for_slot(key, limits, admission.delay)
+                return
             if max_wait is not None and waited + admission.retry_after > max_wait + EPSILON:
                 raise RateLimited(
                     f"rate limit {admission.limit} for {key} reached",
                     retry_after=admission.retry_after,
                 )
             await self._clock.sleep(admission.retry_after)
+
+    async def _wait_for_slot(
+        self, key: str, limits: Sequence[tuple[Limit, float]], delay: float
+    ) -> None:
+        """Sleep until a slot taken ahead of time; a penalty that came meanwhile holds it too.
+
+        A waiter cancelled before its slot gives the slot back, so a caller
+        that went away does not leave a hole in the schedule.
+        """
+        try:
+            await self._clock.sleep(delay)
+        except BaseException:
+            for limit, cost in limits:
+                await asyncio.shield(self.adjust(key, limit, -cost))
+            raise
+        while True:
+            # Only the penalty: the slot itself is already ours.
+            penalty = await self.try_acquire(key, ())
+            if penalty.allowed:
+                return
+            await self._clock.sleep(penalty.retry_after)
+
+    async def adjust(self, key: str, limit: Limit, delta: float) -> None:
+        raise NotImplementedError
 
     async def observe(self, key: str, signal: RateLimitSignal) -> None:
         until = penalty_until(signal, self._clock.time())

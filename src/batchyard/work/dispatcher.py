@@ -33,7 +33,7 @@ from sqlalchemy import Connection
 
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
-from batchyard.core.limits import Limit, Limiter
+from batchyard.core.limits import Limiter
 from batchyard.core.money import charge_ticks
 from batchyard.core.prices import Price
 from batchyard.core.tiers import Tier
@@ -52,6 +52,7 @@ from batchyard.errors import CapabilityUnsupported, UpstreamRateLimited
 from batchyard.store import activity, ledger
 from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
+from batchyard.work.route_pacing import RoutePacer
 
 __all__ = ["DispatchResult", "Dispatcher", "OnSend"]
 
@@ -87,6 +88,7 @@ class Dispatcher:
         self.engines = engines
         self.tiers = tiers
         self.upstream_429_retries = upstream_429_retries
+        self.pacer = RoutePacer(clock, limiter)
         self._concurrency: dict[str, asyncio.Semaphore] = {}
 
     def _semaphore(self, route: RouteSpec) -> asyncio.Semaphore | None:
@@ -125,18 +127,8 @@ class Dispatcher:
         await self.db.write_through(tx)
 
     async def pace(self, route: RouteSpec, input_tokens: int, max_output_tokens: int) -> None:
-        limits: list[tuple[Limit, float]] = []
-        if route.rpm:
-            limits.append((Limit("rpm", float(route.rpm)), 1.0))
-        if route.tpm:
-            limits.append((Limit("tpm", float(route.tpm)), float(input_tokens + max_output_tokens)))
-        # Always ask, even with no limits of its own: the route's penalty (an
-        # upstream's Retry-After or exhausted x-ratelimit-*) must hold it too.
-        await self.limiter.acquire(f"route:{route.id}", limits)
-
-    async def _observe(self, route: RouteSpec, signal: RateLimitSignal | None) -> None:
-        if signal is not None:
-            await self.limiter.observe(f"route:{route.id}", signal)
+        """Wait for the route's turn: its rate (declared or learned), tokens and penalty."""
+        await self.pacer.admit(route, input_tokens, max_output_tokens)
 
     def concurrency(self, route: RouteSpec) -> int | None:
         """How many calls the route runs at once, where it has a bound.
@@ -174,22 +166,30 @@ class Dispatcher:
         async def go() -> T:
             if on_send is not None:
                 await on_send()
+            await self.pacer.send(route)
             return await send()
 
         while True:
-            await self.pace(route, input_tokens, cost_tokens)
-            try:
-                if sem is None:
-                    return await go()
-                async with sem:
-                    return await go()
-            except UpstreamRateLimited as exc:
-                attempt += 1
-                wait = exc.retry_after if exc.retry_after is not None else 1.0
-                await self.limiter.penalize(f"route:{route.id}", self.clock.time() + wait)
-                if attempt > self.upstream_429_retries:
-                    raise
-                log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
+            # Until a route without a declared rate first answers, only a few
+            # calls go out: its headers (or its 429) say what the rate is.
+            async with self.pacer.cold(route):
+                await self.pace(route, input_tokens, cost_tokens)
+                try:
+                    if sem is None:
+                        result = await go()
+                    else:
+                        async with sem:
+                            result = await go()
+                except UpstreamRateLimited as exc:
+                    attempt += 1
+                    wait = exc.retry_after if exc.retry_after is not None else 1.0
+                    await self.pacer.refused(route, wait, _signal_of(exc))
+                    if attempt > self.upstream_429_retries:
+                        raise
+                    log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
+                    continue
+                await self.pacer.answered(route, _signal_of(result))
+                return result
 
     async def call(
         self,
@@ -208,7 +208,6 @@ class Dispatcher:
             lambda: engine.complete(request),
             on_send,
         )
-        await self._observe(route, completion.rate_limit)
         return completion
 
     async def execute(
@@ -297,6 +296,7 @@ class Dispatcher:
         try:
             await self.pace(route, input_tokens, request.max_tokens * max(1, request.n))
             async with sem if sem is not None else contextlib.nullcontext():
+                await self.pacer.send(route)
                 pieces = engine.stream(request)
                 try:
                     async for piece in pieces:
@@ -307,7 +307,7 @@ class Dispatcher:
                                 done = Completion(
                                     done.model, done.choices, Usage(input_tokens, out)
                                 )
-                            await self._observe(route, done.rate_limit)
+                            await self.pacer.answered(route, done.rate_limit)
                             resolved = True
                             charged = await self.settle(
                                 org_id=org_id,
@@ -447,3 +447,9 @@ class Dispatcher:
             return settled.charged or 0
 
         return await asyncio.shield(self.db.write_through(tx))
+
+
+def _signal_of(answer: object) -> RateLimitSignal | None:
+    """The upstream's ``x-ratelimit-*`` signal an answer or a raised error carries, if any."""
+    signal = getattr(answer, "rate_limit", None)
+    return signal if isinstance(signal, RateLimitSignal) else None

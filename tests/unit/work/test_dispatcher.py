@@ -21,6 +21,7 @@ from sqlalchemy import Connection, select
 from batchyard.core.catalog import RouteSpec
 from batchyard.core.limits import PENALTY, InMemoryLimiter, RateLimitSignal
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
+from batchyard.core.route_pace import PACE_MARGIN
 from batchyard.engines.base import CompletionRequest, Usage
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import InsufficientCredit, UpstreamError, UpstreamRateLimited
@@ -134,16 +135,18 @@ async def test_route_rpm_makes_the_second_call_wait_one_interval_of_clock_time(
     await d.call(route=route(rpm=60), request=request(), input_tokens=4)
     assert clock.sleeps == []
     second = asyncio.create_task(d.call(route=route(rpm=60), request=request(), input_tokens=4))
-    assert await clock.next_sleep() == pytest.approx(1.0)
+    # One interval of the pace: the route's rate less the margin kept for jitter.
+    interval = 1.0 / (1.0 - PACE_MARGIN)
+    assert await clock.next_sleep() == pytest.approx(interval)
 
-    clock.advance(0.999)
+    clock.advance(interval - 0.001)
     await spin()
     assert not second.done()
     assert len(engine.calls) == 1
 
-    clock.advance(0.001)
+    clock.advance(0.002)
     await second
-    assert seen == [t0, pytest.approx(t0 + 1.0)]
+    assert seen[0] == t0 and seen[1] - t0 == pytest.approx(interval + 0.001)
 
 
 @pytest.mark.parametrize(("n", "wait"), [(1, 3.0), (2, 4.0)])
@@ -334,7 +337,7 @@ async def test_a_call_canceled_while_it_waits_for_the_route_is_released(
     await d.call(route=route(rpm=1), request=request(), input_tokens=4)
 
     waiting = asyncio.create_task(execute(d, org, rpm=1))
-    assert await clock.next_sleep() == pytest.approx(60.0)
+    assert await clock.next_sleep() == pytest.approx(60.0 / (1.0 - PACE_MARGIN))
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
