@@ -217,7 +217,10 @@ class FakeUpstream:
     answer without parsing the body: the benchmark's upstream). Faults queued
     with ``fail_next``/``malformed_next`` are served first, one per request;
     then the per-second limiter (``rpm`` / 60 requests per 1-second window,
-    rounded down, at least 1); then ``delay_s`` and model warming.
+    rounded down, at least 1: ``window="fixed"`` counts per calendar second,
+    ``"rolling"`` in any second, the stricter of the two); then ``delay_s``
+    and model warming. A refusal carries ``Retry-After``, ``retry-after-ms``
+    and ``x-ratelimit-*`` as OpenAI sends them.
     """
 
     def __init__(
@@ -225,6 +228,7 @@ class FakeUpstream:
         *,
         mode: str = "echo",
         rpm: int | None = None,
+        window: str = "fixed",
         delay_s: float = 0.0,
         warm_delay_s: dict[str, float] | None = None,
         api_key: str | None = None,
@@ -234,6 +238,10 @@ class FakeUpstream:
     ) -> None:
         self.mode = mode
         self.rpm = rpm
+        if window not in ("fixed", "rolling"):
+            raise ValueError(f"window must be 'fixed' or 'rolling', not {window!r}")
+        self.window = window
+        self._recent: deque[float] = deque()
         self.delay_s = delay_s
         self.warm_delay_s: dict[str, float] = dict(warm_delay_s or {})
         self.api_key = api_key
@@ -499,12 +507,20 @@ class FakeUpstream:
 
     def _take_slot(self) -> tuple[bytes | None, list[tuple[str, str]]]:
         now = self.time_fn()
-        window = math.floor(now)
-        if window != self._window:
-            self._window, self._window_used = window, 0
         per_second = self.per_second or 1
-        reset = max(0.001, window + 1 - now)
-        if self._window_used >= per_second:
+        if self.window == "rolling":
+            recent = self._recent
+            while recent and recent[0] <= now - 1.0:
+                recent.popleft()
+            used = len(recent)
+            reset = max(0.001, recent[0] + 1.0 - now) if recent else 0.001
+        else:
+            window = math.floor(now)
+            if window != self._window:
+                self._window, self._window_used = window, 0
+            used = self._window_used
+            reset = max(0.001, window + 1 - now)
+        if used >= per_second:
             headers = [
                 ("x-ratelimit-limit-requests", str(self.rpm)),
                 ("x-ratelimit-remaining-requests", "0"),
@@ -516,10 +532,13 @@ class FakeUpstream:
                 f"Rate limit reached: {per_second} requests per second", "rate_limit_exceeded"
             )
             return self._count(429, _response(429, body, headers)), headers
-        self._window_used += 1
+        if self.window == "rolling":
+            self._recent.append(now)
+        else:
+            self._window_used += 1
         return None, [
             ("x-ratelimit-limit-requests", str(self.rpm)),
-            ("x-ratelimit-remaining-requests", str(per_second - self._window_used)),
+            ("x-ratelimit-remaining-requests", str(per_second - used - 1)),
             ("x-ratelimit-reset-requests", f"{round(reset * 1000)}ms"),
         ]
 
