@@ -36,6 +36,7 @@ from batchyard.core.limits import RateLimitSignal
 __all__ = [
     "BACKOFF_FACTOR",
     "COLD_CONCURRENCY",
+    "MAX_MARGIN",
     "PACE_MARGIN",
     "RECOVERY_FACTOR",
     "WINDOW_S",
@@ -46,6 +47,8 @@ __all__ = [
 WINDOW_S = 1.0
 #: How far under a known limit the shared schedule runs.
 PACE_MARGIN = 0.015
+#: The furthest under a declared limit refusals push the schedule.
+MAX_MARGIN = 0.1
 #: Calls in flight on a route whose limit is unknown, before its first answer.
 COLD_CONCURRENCY = 8
 #: A refused learned rate is cut to this share of what was being sent.
@@ -127,7 +130,13 @@ class RoutePace:
     def refused(self, signal: RateLimitSignal | None, now: float) -> None:
         """The upstream answered 429: learn its limit, or back off from what was sent."""
         self.answered = True
-        if self._learn_limit(signal) or self.declared_rpm:
+        if self.declared_rpm:
+            # Refused under a declared limit: sends land bunched (a loaded
+            # machine, a slow upstream), so keep further under it from now on.
+            self.margin = min(MAX_MARGIN, self.margin + PACE_MARGIN)
+            self.last_refusal = now
+            return
+        if self._learn_limit(signal):
             self.last_refusal = now
             return
         sending = self.recent_rate(now)

@@ -360,7 +360,10 @@ def current_rows(
         .limit(limit)
     )
     open_one = opener(conn)
-    return [(r[0], r[1], open_one(r[2], row_aad(dataset_id, r[0], r[1]))) for r in conn.execute(q)]
+    return [
+        (r[0], r[1], open_one(r[2], row_aad(dataset_id, r[0], r[1])))
+        for r in conn.execute(q).all()
+    ]
 
 
 def get_row(conn: Connection, dataset_id: str, row_id: int) -> Row:
