@@ -361,8 +361,7 @@ def current_rows(
     )
     open_one = opener(conn)
     return [
-        (r[0], r[1], open_one(r[2], row_aad(dataset_id, r[0], r[1])))
-        for r in conn.execute(q).all()
+        (r[0], r[1], open_one(r[2], row_aad(dataset_id, r[0], r[1]))) for r in conn.execute(q).all()
     ]
 
 

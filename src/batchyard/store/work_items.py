@@ -23,7 +23,6 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
-    insert,
     select,
     update,
 )
