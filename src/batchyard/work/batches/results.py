@@ -73,14 +73,14 @@ def finish_failed(
 
 async def record_success(
     db: Database, clock: Clock, sealer: Sealer, job: Claimed, completion: Completion
-) -> None:
-    """Settle the hold to real usage and keep the sealed completion as the item's result."""
+) -> int:
+    """Settle the hold to real usage and keep the sealed completion; the ticks this posted."""
     item = job.item
     now = clock.now()
     usage = completion.usage
     charge = charge_ticks(job.price.cost(usage.input_tokens, usage.output_tokens))
 
-    def tx(conn: Connection) -> None:
+    def tx(conn: Connection) -> int:
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
         charged = charge
         if held.state == "held":
@@ -117,13 +117,15 @@ async def record_success(
             from_states=("dispatched", "uncertain"),
             reservation_id=job.reservation_id,
         )
+        return charged if held.state == "held" else 0
 
     # The call happened: its outcome must land, even across a short storage outage.
-    await db.transact_through(tx)
+    posted: int = await db.transact_through(tx)
     log.info(
         "batch item succeeded",
         extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
     )
+    return posted
 
 
 async def record_failure(
