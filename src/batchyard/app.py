@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy
 
 from batchyard.core.clock import Clock, SystemClock
-from batchyard.core.config import Settings
+from batchyard.core.config import Settings, load_settings
 from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook
@@ -53,8 +54,10 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 __all__ = [
+    "BACKGROUND_ENV",
     "READINESS",
     "ReadinessCheck",
+    "app_from_environment",
     "build_service",
     "create_app",
     "file_batch_worker",
@@ -429,3 +432,21 @@ def create_app(
     install_openapi(app)
     check_complete(app)  # every route has its row in the scope matrix (service.access)
     return app
+
+
+#: Set to ``1`` by ``serve --workers N --with-worker``: each API process runs background work too.
+BACKGROUND_ENV = "BATCHYARD_SERVE_BACKGROUND"
+
+
+def app_from_environment() -> FastAPI:
+    """One API process of ``batchyard serve --workers N`` (uvicorn calls this factory in each).
+
+    Settings come from the environment the parent set (``BATCHYARD_CONFIG``,
+    ``BATCHYARD_DATABASE_URL``, ``BATCHYARD_SHUTDOWN_GRACE_S``), as
+    ``load_settings`` reads them; the parent migrated the store already.
+    """
+    from batchyard.logs import setup_logging
+
+    setup_logging(os.environ.get("BATCHYARD_LOG_LEVEL", "INFO").upper())
+    service = build_service(load_settings())
+    return create_app(service, worker=os.environ.get(BACKGROUND_ENV) == "1")
