@@ -30,6 +30,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     multiprocess,
 )
@@ -51,6 +52,10 @@ __all__ = [
 #: The environment variable prometheus_client reads for its multiprocess directory.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# ``*_created`` series double the output and no dashboard reads them (multiprocess mode
+# has none), so a single process answers the same families as a fleet.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def multiprocess_dir() -> str | None:
