@@ -60,6 +60,7 @@ __all__ = [
     "app_from_environment",
     "build_service",
     "create_app",
+    "create_metrics_app",
     "file_batch_worker",
     "limiter_from_url",
     "limiter_reachable",
@@ -431,6 +432,32 @@ def create_app(
     app.include_router(file_pages.router)  # ... and its file batches
     install_openapi(app)
     check_complete(app)  # every route has its row in the scope matrix (service.access)
+    return app
+
+
+def create_metrics_app(service: Service) -> FastAPI:
+    """A ``batchyard worker``'s own small HTTP app: ``/healthz`` and ``/metrics``.
+
+    A worker serves no API, yet it makes the model calls, charges, recovers leases and
+    marks items uncertain; without a port of its own, those counts would live and die in
+    its memory, unscraped. It is the same ``/metrics`` (and the same token) as the API's.
+    """
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from batchyard.api import scrape
+    from batchyard.api.errors import install_error_handlers
+
+    app = FastAPI(title="batchyard worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    install_error_handlers(app)
+
+    @app.get("/healthz", response_model=None)
+    async def healthz() -> JSONResponse:
+        ok = service.started and not service.draining
+        return JSONResponse({"status": "ok" if ok else "stopping"}, status_code=200 if ok else 503)
+
+    app.include_router(scrape.router)
     return app
 
 

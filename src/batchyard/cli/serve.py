@@ -20,6 +20,10 @@ prometheus-client's multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``,
 emptied at start, a fresh temporary one when unset). SIGTERM to the parent
 reaches every child, and each drains as one ``serve`` does; a child that dies
 is replaced.
+
+``batchyard worker --metrics-port P`` serves that worker's own ``/metrics``
+(and ``/healthz``): its model calls, charges, recovered leases and uncertain
+items are counted in the worker, which serves no API.
 """
 
 from __future__ import annotations
@@ -235,11 +239,23 @@ def _serve_processes(
 @click.command()
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--grace", type=float, default=None, help=GRACE_HELP)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve /metrics and /healthz for Prometheus on this port (off by default).",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @database_options
 def worker(
-    log_level: str, grace: float | None, config_file: str | None, database_url: str | None
+    log_level: str,
+    grace: float | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    config_file: str | None,
+    database_url: str | None,
 ) -> None:
-    """Run background work (runs, deferred batches) without serving HTTP."""
+    """Run background work (runs, deferred batches, file batches) without serving the API."""
     from batchyard.app import build_service
     from batchyard.logs import setup_logging
 
@@ -250,6 +266,7 @@ def worker(
         service = build_service(settings)
         _report_batch_key(service)
         await service.start(worker=True)
+        scrape = _metrics_server(service, metrics_host, metrics_port, log_level)
         signals = 0
         stop = asyncio.Event()
         draining: asyncio.Task[None] | None = None
@@ -274,8 +291,43 @@ def worker(
         draining = asyncio.create_task(service.drain(settings.shutdown_grace_s))
         with contextlib.suppress(asyncio.CancelledError):
             await draining
+        if scrape is not None:
+            server, serving = scrape
+            server.should_exit = True
+            await serving
         await service.stop()
         console.print("batchyard worker: stopped")
 
     with _store_errors():
         asyncio.run(main())
+
+
+def _metrics_server(
+    service: Service, host: str, port: int | None, log_level: str
+) -> tuple[Any, asyncio.Task[None]] | None:
+    """Start the worker's ``/metrics`` port (``app.create_metrics_app``), if one was asked for.
+
+    uvicorn's own signal handling is turned off: the worker's handlers decide when to drain.
+    """
+    if port is None:
+        return None
+    import uvicorn
+
+    from batchyard.app import create_metrics_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    config = uvicorn.Config(
+        create_metrics_app(service),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+    )
+    server = Server(config)
+    console.print(f"batchyard worker: metrics on http://{host}:{port}/metrics")
+    return server, asyncio.create_task(server.serve())
