@@ -67,17 +67,22 @@ from batchyard.core.config import load_settings  # noqa: E402
 
 console = Console()
 SHARED_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
-WORDS = (
+_TEXT = (
     "my order arrived late and the box was damaged please refund the shipping cost "
     "I tried to reset my password but the email never came can you help"
-).split()
+)
+WORDS = _TEXT.split()
 RUN = {
     "model": {"type": "base", "id": "kettei-core"},
     "input": {"type": "field", "field": "text"},
     "output": {"type": "field", "field": "answer"},
     "sampling": {"maxOutputTokens": 8},
 }
-CHAT = {"model": "kettei-core", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
+CHAT = {
+    "model": "kettei-core",
+    "messages": [{"role": "user", "content": "Say hi"}],
+    "max_tokens": 4,
+}
 # Settings of the bench's own environment that must not leak into its processes.
 _SCRUB = (
     "BATCHYARD_CONFIG",
@@ -133,11 +138,10 @@ def private_postgres(tmp: Path) -> Any:
         shutil.chown(data, "postgres")
         as_user = ["runuser", "-u", "postgres", "--"]
     port = free_port()
-    quiet = {"stdout": subprocess.DEVNULL, "check": True}
     subprocess.run(
         [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
          "-E", "UTF8", "--locale=C", "--no-sync"],
-        **quiet,
+        stdout=subprocess.DEVNULL, check=True,
     )  # fmt: skip
     options = " ".join(
         f"-c {o}"
@@ -152,7 +156,7 @@ def private_postgres(tmp: Path) -> Any:
         )
     )
     ctl = [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(data / "log")]
-    subprocess.run([*ctl, "-w", "-o", options, "start"], **quiet)
+    subprocess.run([*ctl, "-w", "-o", options, "start"], stdout=subprocess.DEVNULL, check=True)
     url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
     try:
         _admin(url, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
@@ -167,7 +171,7 @@ def _admin(url: str, *statements: str) -> list[Any]:
     out: list[Any] = []
     with psycopg.connect(url, autocommit=True) as conn:
         for sql in statements:
-            cur = conn.execute(sql)  # type: ignore[call-overload]
+            cur = conn.execute(sql)
             out.append(cur.fetchall() if cur.description else None)
     return out
 
@@ -219,8 +223,7 @@ class Meter:
     def _xact_count(self) -> int:
         (rows,) = _admin(
             self.admin_url,
-            "SELECT xact_commit + xact_rollback FROM pg_stat_database "
-            f"WHERE datname = '{self.db}'",
+            f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{self.db}'",
         )
         return int(rows[0][0])
 
@@ -244,12 +247,17 @@ class Meter:
             "SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time + total_plan_time), 0) "
             f"FROM pg_stat_statements WHERE {mine}",
             "SELECT calls, total_exec_time + total_plan_time AS ms, rows, query "
-            f"FROM pg_stat_statements WHERE {mine} ORDER BY ms DESC LIMIT 12",
+            f"FROM pg_stat_statements WHERE {mine} ORDER BY ms DESC LIMIT 25",
         )
         cost.statements, cost.db_ms = int(totals[0][0]), float(totals[0][1])
         cost.top = [
-            {"calls": int(c), "ms": round(float(ms), 2), "rows": int(r), "query": " ".join(q.split())}
-            for c, ms, r, q in top
+            {
+                "calls": int(c),
+                "ms": round(float(ms), 2),
+                "rows": int(n),
+                "query": " ".join(q.split()),
+            }
+            for c, ms, n, q in top
         ]
         return cost
 
@@ -601,7 +609,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, private: boo
         )
     console.print(table)
     if not private:
-        console.print("statements columns count transactions (pg_stat_database): no pg_stat_statements")
+        console.print("the statements columns count transactions: no pg_stat_statements here")
         return
     for phase, unit in (("run", "rows"), ("chat", "completions")):
         cost = base[f"{phase}_db"]
