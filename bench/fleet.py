@@ -205,6 +205,7 @@ class DbCost:
     """What one phase cost the database."""
 
     statements: int | None = None
+    nested: int | None = None
     db_ms: float | None = None
     transactions: int = 0
     server_cpu_s: float | None = None
@@ -242,22 +243,24 @@ class Meter:
         if not self.statements:
             return cost
         mine = f"dbid = (SELECT oid FROM pg_database WHERE datname = '{self.db}')"
-        (totals, top) = _admin(
+        (every,) = _admin(
             self.admin_url,
-            "SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time + total_plan_time), 0) "
-            f"FROM pg_stat_statements WHERE {mine}",
-            "SELECT calls, total_exec_time + total_plan_time AS ms, rows, query "
-            f"FROM pg_stat_statements WHERE {mine} ORDER BY ms DESC LIMIT 25",
+            "SELECT calls, total_exec_time + total_plan_time AS ms, rows, toplevel, query "
+            f"FROM pg_stat_statements WHERE {mine} ORDER BY ms DESC",
         )
-        cost.statements, cost.db_ms = int(totals[0][0]), float(totals[0][1])
+        # Nested statements are the ones PostgreSQL runs itself (foreign key checks).
+        cost.statements = sum(int(c) for c, _, _, top, _ in every if top)
+        cost.nested = sum(int(c) for c, _, _, top, _ in every if not top)
+        cost.db_ms = sum(float(ms) for _, ms, _, top, _ in every if top)
         cost.top = [
             {
                 "calls": int(c),
-                "ms": round(float(ms), 2),
+                "ms": round(float(ms), 3),
                 "rows": int(n),
+                "toplevel": bool(top),
                 "query": " ".join(q.split()),
             }
-            for c, ms, n, q in top
+            for c, ms, n, top, q in every
         ]
         return cost
 
@@ -617,7 +620,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, private: boo
         top = Table(title=f"top statements by time, {phase}, 1 process (per {unit[:-1]})")
         for col in ("calls", "ms", "share", "query"):
             top.add_column(col, justify="left" if col == "query" else "right")
-        for s in cost["top"][:8]:
+        for s in [s for s in cost["top"] if s["toplevel"]][:8]:
             top.add_row(
                 f"{s['calls'] / items:.2f}",
                 f"{s['ms'] / items:.3f}",
@@ -633,7 +636,7 @@ def main() -> None:
     parser.add_argument("--processes", default="1,2,4", help="API + worker process counts")
     parser.add_argument("--rows", type=int, help="rows over all runs (default 16000; quick 2000)")
     parser.add_argument("--runs", type=int, default=8, help="runs the rows are split into")
-    parser.add_argument("--chats", type=int, help="chat completions (default 6000; quick 600)")
+    parser.add_argument("--chats", type=int, help="chat completions (default 3000; quick 600)")
     parser.add_argument("--concurrency", type=int, default=64, help="client connections for chat")
     parser.add_argument("--limiter", default="sql", help="limiter_url: sql, memory or redis://…")
     parser.add_argument("--shared-pg", metavar="URL", help="measure on this server instead")
@@ -644,7 +647,7 @@ def main() -> None:
         serve_upstream()
         return
     args.rows = args.rows or (2000 if args.quick else 16000)
-    args.chats = args.chats or (600 if args.quick else 6000)
+    args.chats = args.chats or (600 if args.quick else 3000)
     counts = [int(x) for x in args.processes.split(",")]
     results: list[dict[str, Any]] = []
     with ExitStack() as stack:
