@@ -209,6 +209,7 @@ class DbCost:
     db_ms: float | None = None
     transactions: int = 0
     server_cpu_s: float | None = None
+    wal_bytes: int | None = None
     top: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -220,12 +221,20 @@ class Meter:
         self.statements = data is not None  # pg_stat_statements only on the private server
         self._xacts = 0
         self._cpu = 0.0
+        self._wal = 0
 
     def _xact_count(self) -> int:
         (rows,) = _admin(
             self.admin_url,
             f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{self.db}'",
         )
+        return int(rows[0][0])
+
+    def _wal_bytes(self) -> int | None:
+        """WAL written by the whole server: only the bench's on a private one."""
+        if self.data is None:
+            return None
+        (rows,) = _admin(self.admin_url, "SELECT wal_bytes FROM pg_stat_wal")
         return int(rows[0][0])
 
     def reset(self) -> None:
@@ -235,11 +244,14 @@ class Meter:
         time.sleep(1.1)
         self._xacts = self._xact_count()
         self._cpu = _server_cpu_s(self.data) if self.data else 0.0
+        self._wal = self._wal_bytes() or 0
 
     def read(self) -> DbCost:
         cpu = _server_cpu_s(self.data) - self._cpu if self.data else None
         time.sleep(1.1)
         cost = DbCost(transactions=self._xact_count() - self._xacts, server_cpu_s=cpu)
+        wal = self._wal_bytes()
+        cost.wal_bytes = None if wal is None else wal - self._wal
         if not self.statements:
             return cost
         mine = f"dbid = (SELECT oid FROM pg_database WHERE datname = '{self.db}')"
