@@ -419,7 +419,11 @@ class Clients:
 
     def __init__(self, bases: list[str], key: str, connections: int) -> None:
         per = max(4, connections // len(bases) + 1)
-        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+        # Below uvicorn's 5 s keep-alive, so the client never sends on a connection
+        # the server is closing (a ReadError between the phases).
+        limits = httpx.Limits(
+            max_connections=per, max_keepalive_connections=per, keepalive_expiry=2.0
+        )
         headers = {"Authorization": f"Bearer {key}"}
         self.all = [
             httpx.AsyncClient(base_url=b, headers=headers, timeout=120, limits=limits)
