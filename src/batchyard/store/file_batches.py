@@ -133,6 +133,8 @@ file_batch_lines = Table(
     Column("state", String(16), nullable=False),
     Column("lease_owner", String(64), nullable=True),
     Column("lease_expires_at", UtcDateTime(), nullable=True),
+    # The fencing token: one more at each claim of the line (see ``claim_lines``).
+    Column("lease_token", BigInteger, nullable=False, default=0, server_default="0"),
     Column("route", String(200), nullable=True),
     Column("usage_input", Integer, nullable=True),
     Column("usage_output", Integer, nullable=True),

@@ -279,6 +279,6 @@ class RunWorker:
             await loop.run_in_executor(None, self._quotes.prepare, run)
             return
         if run.status == S.BLOCKED:
-            await self._executor.settle(run.id)
+            await self._executor.settle(run.id, run.lease)
             return
         await self._executor.execute(run)
