@@ -132,9 +132,7 @@ def blocked_runs(conn: Connection, reason: str, *, limit: int = 20) -> list[Run]
 def renew_lease(conn: Connection, run_id: str, lease: Lease, lease_until: datetime) -> Run | None:
     """Extend the lease; ``None`` if another claim holds the run now."""
     done = conn.execute(
-        update(runs)
-        .where(runs.c.id == run_id, held_by(lease))
-        .values(lease_expires_at=lease_until)
+        update(runs).where(runs.c.id == run_id, held_by(lease)).values(lease_expires_at=lease_until)
     ).rowcount
     return load_run(conn, run_id) if done else None
 
@@ -142,9 +140,7 @@ def renew_lease(conn: Connection, run_id: str, lease: Lease, lease_until: dateti
 def heartbeat(conn: Connection, run_id: str, lease: Lease, lease_until: datetime) -> str | None:
     """Extend the lease and read the status; ``None`` if the run is no longer ours."""
     done = conn.execute(
-        update(runs)
-        .where(runs.c.id == run_id, held_by(lease))
-        .values(lease_expires_at=lease_until)
+        update(runs).where(runs.c.id == run_id, held_by(lease)).values(lease_expires_at=lease_until)
     ).rowcount
     if not done:
         return None

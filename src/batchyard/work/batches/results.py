@@ -45,6 +45,8 @@ class Claimed:
     route: RouteSpec
     price: Price
     reservation_id: str
+    #: The fencing token of this dispatch's lease (``store.batches.mark_dispatched``).
+    token: int = 0
 
 
 def finish_failed(
@@ -55,6 +57,7 @@ def finish_failed(
     now: datetime,
     from_states: Sequence[str] = ("waiting",),
     reservation_id: str | None = None,
+    token: int | None = None,
 ) -> None:
     """End an item as failed; its result has a success's shape with the error body."""
     body = {"status_code": exc.status, "body": exc.to_body()}
@@ -68,6 +71,7 @@ def finish_failed(
         result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
         from_states=from_states,
         reservation_id=reservation_id,
+        token=token,
     )
 
 
@@ -116,6 +120,7 @@ async def record_success(
             result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
             from_states=("dispatched", "uncertain"),
             reservation_id=job.reservation_id,
+            token=job.token,
         )
 
     # The call happened: its outcome must land, even across a short storage outage.
@@ -155,6 +160,7 @@ async def record_failure(
             now,
             from_states=("dispatched", "uncertain"),
             reservation_id=job.reservation_id,
+            token=job.token,
         )
 
     await db.transact_through(tx)

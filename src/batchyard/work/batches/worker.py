@@ -374,7 +374,7 @@ class MarketWorker:
                 finish_failed(conn, sealer, item, exc, now)
                 report.failed += 1
                 return None
-            store.mark_dispatched(
+            token = store.mark_dispatched(
                 conn,
                 item.id,
                 route=route.id,
@@ -413,6 +413,7 @@ class MarketWorker:
                 route=route,
                 price=offer.price,
                 reservation_id=res.id,
+                token=token,
             )
 
         claimed = await self.db.transact(tx)
@@ -430,16 +431,18 @@ class MarketWorker:
 
     # --- executing ----------------------------------------------------------------------
 
-    async def _heartbeat(self, item_id: str) -> None:
+    async def _heartbeat(self, item_id: str, token: int) -> None:
+        """Renew the item's lease under its claim's token until it is lost (or the call ends)."""
         clock, db = self.clock, self.db
         lease = self.lease
 
         def renew(conn: Connection) -> bool:
-            return store.extend_lease(conn, item_id, clock.now() + lease)
+            return store.extend_lease(conn, item_id, token, clock.now() + lease)
 
         while True:
             await clock.sleep(lease.total_seconds() / 3)
-            await db.transact(renew)
+            if not await db.transact(renew):
+                return  # no longer ours: the write of its result is fenced too
 
     async def _execute(self, job: Claimed) -> bool | None:
         """Call, then settle or release with the item's result.
@@ -447,7 +450,7 @@ class MarketWorker:
         True on success, False on a failure, None when the call was never sent
         (the worker is draining, or the item is no longer ours).
         """
-        heartbeat = asyncio.create_task(self._heartbeat(job.item.id))
+        heartbeat = asyncio.create_task(self._heartbeat(job.item.id, job.token))
         sent = False
 
         async def on_send() -> None:
@@ -456,7 +459,7 @@ class MarketWorker:
                 raise _NotSent("the worker is stopping")
             now = self.clock.now()
             ours = await self.db.write(
-                lambda c: store.mark_sent(c, job.item.id, job.reservation_id, now)
+                lambda c: store.mark_sent(c, job.item.id, job.reservation_id, job.token, now)
             )
             if not ours:
                 raise _NotSent("the item is no longer this worker's")
@@ -504,7 +507,7 @@ class MarketWorker:
         now = self.clock.now()
 
         def tx(conn: Connection) -> None:
-            item = store.dispatched_item(conn, job.item.id, job.reservation_id)
+            item = store.dispatched_item(conn, job.item.id, job.reservation_id, job.token)
             if item is None:
                 return  # already settled, failed or recovered by someone else
             if sent or item.sent_at is not None:
