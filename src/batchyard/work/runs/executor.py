@@ -287,6 +287,11 @@ class RunExecutor:
                         stepping = None
                         step = task.result()
                         if step is None:
+                            # Another claim holds the run: what landed here is not written.
+                            log.warning(
+                                "run lease lost",
+                                extra={"run_id": run.id, "lease_token": run.lease_token},
+                            )
                             return False
                         status, claimed = step
                         stop = stop or status == S.STOPPING
