@@ -62,6 +62,7 @@ from batchyard.errors import (
     BatchyardError,
     InsufficientCredit,
     InternalError,
+    LimiterUnavailable,
     StorageUnavailable,
     UpstreamError,
 )
@@ -483,7 +484,7 @@ class MarketWorker:
                 await asyncio.shield(self._cut_off(job, sent=False, why=str(exc)))
                 return None
             except Exception as exc:
-                if not sent and isinstance(exc, StorageUnavailable):
+                if not sent and isinstance(exc, StorageUnavailable | LimiterUnavailable):
                     # The store refused the mark: nothing reached the engine, so the
                     # item waits again rather than failing for a call never made.
                     await asyncio.shield(self._cut_off(job, sent=False, why=type(exc).__name__))

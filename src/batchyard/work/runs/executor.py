@@ -46,7 +46,7 @@ from batchyard.core.runs import (
     resolve_model,
 )
 from batchyard.engines.base import CompletionRequest
-from batchyard.errors import BatchyardError, StorageUnavailable
+from batchyard.errors import BatchyardError, LimiterUnavailable, StorageUnavailable
 from batchyard.store import activity, ledger, work_items
 from batchyard.store.database import Database
 from batchyard.store.run_leases import heartbeat, release_lease
@@ -172,7 +172,7 @@ class RunExecutor:
         except _NotSent:
             return ItemResult(item.row_id, ItemState.PENDING)
         except BatchyardError as exc:
-            if not sent and isinstance(exc, StorageUnavailable):
+            if not sent and isinstance(exc, StorageUnavailable | LimiterUnavailable):
                 # The store refused the mark: nothing reached the engine, the row waits again.
                 return ItemResult(item.row_id, ItemState.PENDING)
             return ItemResult(
