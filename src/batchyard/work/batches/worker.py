@@ -192,6 +192,12 @@ class MarketWorker:
                     report = await self.run_pass()
                 except asyncio.CancelledError:
                     raise
+                except StorageUnavailable as exc:
+                    # An outage, not a bug: no traceback; the next pass reconnects.
+                    log.warning(
+                        "store unavailable; the worker waits for it",
+                        extra={"event": "market_pass_error", "code": exc.code},
+                    )
                 except Exception:
                     log.exception("market pass failed", extra={"event": "market_pass_error"})
                 # A full pass suggests more work is ready; otherwise wait for the market.

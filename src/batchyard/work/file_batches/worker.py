@@ -47,7 +47,7 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
-from batchyard.errors import BatchyardError
+from batchyard.errors import BatchyardError, StorageUnavailable
 from batchyard.store import accounts, activity, ledger
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
@@ -142,6 +142,12 @@ class FileBatchWorker:
             while True:
                 try:
                     await self.tick()
+                except StorageUnavailable as exc:
+                    # An outage, not a bug: no traceback; the next round reconnects.
+                    log.warning(
+                        "store unavailable; the worker waits for it",
+                        extra={"worker": self.owner, "code": exc.code},
+                    )
                 except Exception:
                     log.exception("file batch round failed", extra={"worker": self.owner})
                 # A poll interval, not a time rule: deadlines and leases read the clock.
