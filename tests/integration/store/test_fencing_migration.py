@@ -1,4 +1,4 @@
-"""Migration 0010 gives every leased object a fencing token, starting at 0 for rows already there."""
+"""Migration 0010 gives every leased object a fencing token; rows already there start at 0."""
 
 from __future__ import annotations
 
