@@ -401,12 +401,16 @@ def return_to_waiting(conn: Connection, item: ItemRow, now: datetime) -> bool:
 
 
 def dispatched_item(
-    conn: Connection, item_id: str, reservation_id: str, token: int
+    conn: Connection,
+    item_id: str,
+    reservation_id: str,
+    token: int,
+    states: Sequence[str] = ("dispatched",),
 ) -> ItemRow | None:
-    """The item if it is still dispatched under this claim (locked on PostgreSQL)."""
+    """The item if it is still in ``states`` under this claim (locked on PostgreSQL)."""
     q = select(*_ITEM_COLUMNS).where(
         batch_items.c.id == item_id,
-        batch_items.c.status == "dispatched",
+        batch_items.c.status.in_(list(states)),
         batch_items.c.reservation_id == reservation_id,
         batch_items.c.lease_token == token,
     )

@@ -191,7 +191,7 @@ class Claimed:
     input_tokens: int
     max_tokens: int
     body: bytes  # sealed under (input file id, line)
-    token: int = 0  # the fencing token of this claim of the line
+    token: int  # the fencing token of this claim of the line
 
 
 @dataclass(frozen=True, slots=True)

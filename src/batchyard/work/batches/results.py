@@ -46,7 +46,7 @@ class Claimed:
     price: Price
     reservation_id: str
     #: The fencing token of this dispatch's lease (``store.batches.mark_dispatched``).
-    token: int = 0
+    token: int
 
 
 def finish_failed(
@@ -75,6 +75,21 @@ def finish_failed(
     )
 
 
+def _still_ours(conn: Connection, job: Claimed) -> bool:
+    """Whether the item is still under this dispatch (its hold and its claim's fencing token).
+
+    Checked (and the row locked) before any money moves: a worker whose claim was
+    superseded settles, releases and records nothing. A dispatch made ``uncertain``
+    by recovery is still this one: its late answer may land.
+    """
+    return (
+        store.dispatched_item(
+            conn, job.item.id, job.reservation_id, job.token, ("dispatched", "uncertain")
+        )
+        is not None
+    )
+
+
 async def record_success(
     db: Database, clock: Clock, sealer: Sealer, job: Claimed, completion: Completion
 ) -> None:
@@ -85,6 +100,8 @@ async def record_success(
     charge = charge_ticks(job.price.cost(usage.input_tokens, usage.output_tokens))
 
     def tx(conn: Connection) -> None:
+        if not _still_ours(conn, job):
+            return
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
         charged = charge
         if held.state == "held":
@@ -139,6 +156,8 @@ async def record_failure(
     now = clock.now()
 
     def tx(conn: Connection) -> None:
+        if not _still_ours(conn, job):
+            return
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
         if held.state == "held":
             ledger.release(conn, job.reservation_id, now)
