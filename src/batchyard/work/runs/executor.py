@@ -173,7 +173,10 @@ class RunExecutor:
             return ItemResult(item.row_id, ItemState.PENDING)
         except BatchyardError as exc:
             if not sent and isinstance(exc, StorageUnavailable | LimiterUnavailable):
-                # The store refused the mark: nothing reached the engine, the row waits again.
+                # The store refused the mark, or the limiter could not admit the call:
+                # nothing reached the engine, the row waits again. Not at once: the
+                # outage is still on, and claiming it back now would only spin.
+                await self.clock.sleep(self.settings.heartbeat_s)
                 return ItemResult(item.row_id, ItemState.PENDING)
             return ItemResult(
                 item.row_id, ItemState.FAILED, error={"code": exc.code, "message": exc.message}
