@@ -53,6 +53,7 @@ bench: install
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/pacing.py
 	$(BIN)/python bench/runs.py
+	$(BIN)/python bench/fleet.py
 	$(BIN)/python -m bench.market
 	$(BIN)/python bench/decide_quality.py
 

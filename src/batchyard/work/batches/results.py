@@ -92,16 +92,16 @@ def _still_ours(conn: Connection, job: Claimed) -> bool:
 
 async def record_success(
     db: Database, clock: Clock, sealer: Sealer, job: Claimed, completion: Completion
-) -> None:
-    """Settle the hold to real usage and keep the sealed completion as the item's result."""
+) -> int:
+    """Settle the hold to real usage and keep the sealed completion; the ticks this posted."""
     item = job.item
     now = clock.now()
     usage = completion.usage
     charge = charge_ticks(job.price.cost(usage.input_tokens, usage.output_tokens))
 
-    def tx(conn: Connection) -> None:
+    def tx(conn: Connection) -> int:
         if not _still_ours(conn, job):
-            return
+            return 0
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
         charged = charge
         if held.state == "held":
@@ -139,13 +139,15 @@ async def record_success(
             reservation_id=job.reservation_id,
             token=job.token,
         )
+        return charged if held.state == "held" else 0
 
     # The call happened: its outcome must land, even across a short storage outage.
-    await db.transact_through(tx)
+    posted: int = await db.transact_through(tx)
     log.info(
         "batch item succeeded",
         extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
     )
+    return posted
 
 
 async def record_failure(

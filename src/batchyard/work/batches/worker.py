@@ -54,7 +54,7 @@ from batchyard.core.market import (
     offer_cost,
     qualifies,
 )
-from batchyard.core.money import quote_ticks
+from batchyard.core.money import from_ticks, quote_ticks
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.core.tiers import Tier
 from batchyard.engines.base import Completion, CompletionRequest
@@ -278,6 +278,8 @@ class MarketWorker:
     async def recover(self, report: PassReport | None = None) -> int:
         """Lapsed dispatches: sent ones ``uncertain`` (hold kept), unsent ones waiting again."""
         uncertain, returned = await housekeeping.recover_lapsed(self.db, self.clock)
+        self.dispatcher.metrics.leases_recovered("deferred", uncertain + returned)
+        self.dispatcher.metrics.uncertain("deferred", uncertain)
         if report is not None:
             report.uncertain += uncertain
             report.returned += returned
@@ -531,7 +533,8 @@ class MarketWorker:
             log.warning("could not end a cut-off dispatch", extra={"event": "batch_cut_off_failed"})
 
     async def _succeed(self, job: Claimed, completion: Completion) -> None:
-        await record_success(self.db, self.clock, self.sealer(), job, completion)
+        charged = await record_success(self.db, self.clock, self.sealer(), job, completion)
+        self.dispatcher.metrics.charged("batch", from_ticks(charged))
 
     async def _fail(self, job: Claimed, exc: BatchyardError) -> None:
         await record_failure(self.db, self.clock, self.sealer(), job, exc)

@@ -47,6 +47,7 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
+from batchyard.core.money import from_ticks
 from batchyard.errors import BatchyardError, StorageUnavailable
 from batchyard.store import accounts, activity, ledger
 from batchyard.store import file_batches as store
@@ -273,6 +274,8 @@ class FileBatchWorker:
             return len(lapsed)
 
         n = await self.db.transact(tx)
+        self.dispatcher.metrics.leases_recovered("file_batches", n)
+        self.dispatcher.metrics.uncertain("file_batches", n)
         if n:
             log.warning("file batch lines uncertain", extra={"lines": n, "worker": self.owner})
         return n
@@ -349,6 +352,7 @@ class FileBatchWorker:
                     charged = (
                         ledger.settle(c, batch.reservation_id, totals.charge, now).charged or 0
                     )
+                    self.dispatcher.metrics.charged("file_batch", from_ticks(charged))
                     activity.record(
                         c,
                         batch.org_id,

@@ -35,7 +35,7 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.leases import Lease
-from batchyard.core.money import charge_ticks, quote_ticks
+from batchyard.core.money import charge_ticks, from_ticks, quote_ticks
 from batchyard.core.prices import Price
 from batchyard.core.runs import (
     BlockedReason,
@@ -357,6 +357,7 @@ class RunExecutor:
                 return  # no longer ours: its new owner decides
             work_items.record_results(c, run_id, results, now)
             uncertain, _ = work_items.recover_dispatched(c, run_id, now)
+            self.dispatcher.metrics.uncertain("runs", len(uncertain))
             run = load_run(c, run_id)
             if uncertain:
                 activity.record(
@@ -442,6 +443,7 @@ class RunExecutor:
                 if res.state == "held":
                     settled = ledger.settle(c, run.reservation_id, run.charge_accum, now)
                     charged = settled.charged or 0
+                    self.dispatcher.metrics.charged("run", from_ticks(charged))
                     activity.record(
                         c,
                         run.org_id,

@@ -250,6 +250,8 @@ class RunWorker:
     def _take_over(self, c: Connection, run: Run, now: Any) -> None:
         """A stopped worker's run: its sent rows become uncertain, its unsent ones wait again."""
         uncertain, _ = work_items.recover_dispatched(c, run.id, now)
+        self._executor.dispatcher.metrics.leases_recovered("runs", 1)
+        self._executor.dispatcher.metrics.uncertain("runs", len(uncertain))
         if uncertain:
             activity.record(
                 c,
