@@ -105,6 +105,8 @@ async def test_postgres_restarted_mid_run_answers_503_then_the_run_finishes_whol
 
                 private_pg.stop()
                 down = await http.get(f"{api.runs}/{run_id}", headers=acct.headers)
+                not_ready = await http.get("/readyz")
+                alive = await http.get("/healthz")
                 created = await api.create({**RUN, "datasetId": ds["id"]}, key="while-down")
                 up.release()  # the worker now holds answers it cannot record yet
                 await workers.until(
@@ -127,6 +129,7 @@ async def test_postgres_restarted_mid_run_answers_503_then_the_run_finishes_whol
         error = answer.json()["error"]
         assert (error["code"], error["retryable"]) == ("storage_unavailable", True)
     assert again.status_code == 201, again.text
+    assert (not_ready.status_code, alive.status_code) == (503, 200)
     for proc in (server, worker):  # an outage is reported, not crashed through
         assert "Traceback" not in proc.output() and "unhandled error" not in proc.output()
     assert "store unavailable" in worker.output()

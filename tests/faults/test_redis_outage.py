@@ -6,7 +6,8 @@ could overrun an upstream's limit or a tier's rate for everyone. So a request
 that needs an admission is answered 503 ``limiter_unavailable`` with
 ``retryable: true`` (not 500, no traceback), nothing reaches the upstream and
 nothing is held or charged; once Redis answers again the same client's next
-request goes through, with no restart.
+request goes through, with no restart. ``/readyz`` says 503 (the limiter) while
+it is down and 200 once it is back.
 
 The Redis here is the test's own ``redis-server`` (the shared one on 6379 is
 never stopped); the app runs in process on that limiter, with a route whose
@@ -66,7 +67,11 @@ async def test_redis_stopped_fails_the_limiter_closed_and_it_recovers_when_redis
             assert len(up.arrived) == 1
             assert svc.db.read_sync(lambda c: ledger.balance(c, acct.org_id)) == before
 
+            ready = await http.get("/readyz")
+            assert ready.status_code == 503 and "limiter" in ready.text
+
             private_redis.start()
+            assert (await http.get("/readyz")).status_code == 200
             # The same key again: the failed attempt was not saved (it was retryable).
             status, _, _ = await chat("during")
             assert status == 200
