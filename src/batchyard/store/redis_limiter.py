@@ -64,8 +64,8 @@ async def _reachable() -> AsyncIterator[None]:
         yield
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         raise LimiterUnavailable(
-            "the shared limiter cannot be reached; nothing was run or charged, "
-            "send the request again shortly"
+            f"the shared limiter cannot be reached ({type(exc).__name__}); nothing was run "
+            "or charged, send the request again shortly"
         ) from exc
 
 
