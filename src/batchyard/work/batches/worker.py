@@ -450,8 +450,13 @@ class MarketWorker:
 
         while True:
             await clock.sleep(lease.total_seconds() / 3)
-            if not await db.transact(renew):
-                return  # no longer ours: the write of its result is fenced too
+            try:
+                if not await db.transact(renew):
+                    return  # no longer ours: the write of its result is fenced too
+            except StorageUnavailable:
+                # The store is down: the next beat tries again. (Raising here would
+                # surface from the call's ``finally`` and lose an answer in hand.)
+                log.warning("could not renew a batch item's lease; the store is unavailable")
 
     async def _execute(self, job: Claimed) -> bool | None:
         """Call, then settle or release with the item's result.
