@@ -584,14 +584,20 @@ class FileBatchWorker:
         tokens = dict(held)
         ended = {e.line for e in done}
 
-        def tx(c: Connection) -> tuple[str | None, list[store.Claimed]]:
+        def tx(c: Connection) -> tuple[str | None, list[store.Claimed], int]:
             status = store.heartbeat(c, batch.id, owner, tokens, until)
-            store.record_results(c, batch.id, owner, tokens, done, now)
+            recorded = store.record_results(c, batch.id, owner, tokens, done, now)
             if status != "in_progress" or now >= batch.expires_at:
-                return status, []
-            return status, store.claim_lines(c, batch, owner, free, now, until)
+                return status, [], recorded
+            return status, store.claim_lines(c, batch, owner, free, now, until), recorded
 
-        status, claimed = await asyncio.shield(self.db.transact(tx))
+        status, claimed, recorded = await asyncio.shield(self.db.transact(tx))
+        if recorded < len(done):
+            # Their leases lapsed (or were claimed again): another claim decides them.
+            log.warning(
+                "file batch line leases lost",
+                extra={"batch_id": batch.id, "lines": len(done) - recorded, "worker": owner},
+            )
         for line in ended:
             held.pop(line, None)
         held.update((c.line, c.token) for c in claimed)
