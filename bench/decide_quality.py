@@ -29,8 +29,9 @@ and ``neutral`` in between. Each half is sampled balanced (``--per-class``
 texts of each label).
 
 Reported per set and variant (``raw``: one order, no calibration, the
-``calibration: "none"`` call; ``raw, 2 orders``: the raw probabilities the
-calibrated call returns; ``calibrated``: its answers):
+``calibration: "none"`` call; ``raw, its listing``: the raw probabilities the
+calibrated call returns, from the one listing of the outcomes its text's hash
+picked; ``calibrated``: its answers):
 
 - three-way accuracy and balanced accuracy;
 - two-way accuracy: on the positive and negative texts, whether the
@@ -43,11 +44,11 @@ calibrated call returns; ``calibrated``: its answers):
 And the cost: after a set's quality calls, its calibrated call's time beside
 the uncalibrated call's, on the same texts in the same run: alternating
 blocks of twelve calls of each mode, one call at a time, on the default two
-engine contexts (``--contexts``), where the two orders of a calibrated call
-are scored side by side (``measure_cost``). Target ≤ 1.5. Beside it, the
-ratio of the process's CPU seconds, and of input tokens: the model work,
-which two orders double whatever the wall time. The set's first call, which
-also estimates the content-free prior, is reported apart.
+engine contexts (``--contexts``), which keep the prompt prefix of each
+listing of the outcomes (``measure_cost``). Target ≤ 1.5. Beside it, the
+ratio of the process's CPU seconds, and of input tokens: the model work. The
+first call of each listing, which also estimates that listing's content-free
+prior, is reported apart.
 
     PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
     PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
@@ -214,15 +215,18 @@ def argmax(p: dict[str, float]) -> str:
 
 @dataclass
 class Variant:
-    """One way of answering (raw, raw over two orders, calibrated) over one set's texts."""
+    """One way of answering (raw, raw under the call's listing, calibrated) over one set's texts."""
 
     name: str
     labels: list[str] = field(default_factory=list)
     probs: list[dict[str, float]] = field(default_factory=list)
+    # The listing each text was scored under (calibrated calls only).
+    orders: list[str] = field(default_factory=list)
 
-    def add(self, label: str, probs: dict[str, float]) -> None:
+    def add(self, label: str, probs: dict[str, float], order: str = "given") -> None:
         self.labels.append(label)
         self.probs.append(probs)
+        self.orders.append(order)
 
     def quality(self) -> Quality:
         q = Quality(list(LABELS))
@@ -286,7 +290,7 @@ async def run_set(
     *,
     calibrated_only: bool = False,
 ) -> SetResult:
-    variants = {v: Variant(v) for v in ("raw", "raw, 2 orders", "calibrated")}
+    variants = {v: Variant(v) for v in ("raw", "raw, its listing", "calibrated")}
     two_way = Variant("2-way call")
     seconds_raw: list[float] = []
     seconds_cal: list[float] = []
@@ -308,11 +312,14 @@ async def run_set(
             raw_cpu = CPU_SPENT[-1]
             variants["raw"].add(item.label, raw_body["answers"][0]["probabilities"])
         answer = body["answers"][0]
-        variants["raw, 2 orders"].add(item.label, answer["raw_probabilities"])
+        variants["raw, its listing"].add(
+            item.label, answer["raw_probabilities"], body["calibration"]["order"]
+        )
         variants["calibrated"].add(item.label, answer["probabilities"])
         if body["calibration"]["content_free_estimated"]:
-            first_s = cal_s
-            cf_tokens = body["usage"]["calibration_input_tokens"]
+            # Once per listing: the slowest such call, and all their prompts.
+            first_s = max(first_s, cal_s)
+            cf_tokens += body["usage"]["calibration_input_tokens"]
         else:
             seconds_raw.append(raw_s)
             seconds_cal.append(cal_s)
@@ -352,8 +359,8 @@ async def measure_cost(
     """Wall and CPU seconds per call, uncalibrated and calibrated, on the same texts.
 
     In alternating blocks of one mode each, as a user's stream of one decision
-    set runs (the engine keeps each order's prompt prefix on a context of its
-    own); a block's first call, which finds the other mode's prompt there, is
+    set runs (the engine keeps each listing's prompt prefix on a context of
+    its own); a block's first call, which finds the other mode's prompt there, is
     left out. Alternating blocks spread the machine's busy moments over both.
     """
     out: dict[str, tuple[list[float], list[float]]] = {"none": ([], []), "batch": ([], [])}
@@ -408,7 +415,7 @@ def cost_table(results: list[SetResult]) -> Table:
         "ratio",
         "CPU s ratio",
         "input tokens ratio",
-        "first call",
+        "first calls (content-free)",
     ):
         table.add_column(col, justify="left" if col == "set" else "right")
     for res in results:
@@ -426,8 +433,8 @@ def cost_table(results: list[SetResult]) -> Table:
     return table
 
 
-def sweep(results: list[SetResult], content_free: dict[str, list[float]]) -> Table:
-    """Balanced accuracy had the running mean been blended with other pseudo-counts."""
+def sweep(results: list[SetResult], content_free: dict[str, dict[str, list[float]]]) -> Table:
+    """Balanced accuracy had each listing's running mean been blended with other pseudo-counts."""
     table = Table(
         title="tuning: 3-way balanced / 2-way accuracy by BATCH_PSEUDO_TEXTS c (inf: content-free)"
     )
@@ -436,22 +443,24 @@ def sweep(results: list[SetResult], content_free: dict[str, list[float]]) -> Tab
     for c in grid:
         table.add_column(f"c={c:g}", justify="right")
     for res in results:
-        raw = res.variants["raw, 2 orders"]
-        cf = content_free[res.name]
+        raw = res.variants["raw, its listing"]
         cells = []
         for c in grid:
-            sums = [0.0] * len(LABELS)
+            sums = {o: [0.0] * len(LABELS) for o in content_free[res.name]}
+            seen = dict.fromkeys(sums, 0)
             v = Variant(f"c={c}")
-            for n, (label, p) in enumerate(zip(raw.labels, raw.probs, strict=True)):
+            for label, p, order in zip(raw.labels, raw.probs, raw.orders, strict=True):
                 vec = [p[o] for o in LABELS]
+                cf, n = content_free[res.name][order], seen[order]
                 if math.isinf(c):
                     prior = cf
                 elif c == 0 and n == 0:
                     prior = [1.0 / len(LABELS)] * len(LABELS)
                 else:
-                    prior = cal.blend_prior(cf, sums, n, c)
+                    prior = cal.blend_prior(cf, sums[order], n, c)
                 v.add(label, dict(zip(LABELS, cal.calibrate(vec, prior), strict=True)))
-                sums = [s + x for s, x in zip(sums, vec, strict=True)]
+                sums[order] = [s + x for s, x in zip(sums[order], vec, strict=True)]
+                seen[order] = n + 1
             cells.append(f"{pct(v.quality().balanced_accuracy)} / {pct(v.two_way())}")
         table.add_row(res.name, *cells)
     return table
@@ -482,7 +491,7 @@ async def main() -> None:
         service.db.migrate()
         acct = make_account(service, "bench", credit="1000", tier=3)
         results: list[SetResult] = []
-        content_free: dict[str, list[float]] = {}
+        content_free: dict[str, dict[str, list[float]]] = {}
         async with (
             live_server(service) as base,
             httpx.AsyncClient(base_url=base, timeout=600) as http,
@@ -523,7 +532,8 @@ async def main() -> None:
 
 async def content_free_prior(
     service: Service, org_id: str, decision: dict[str, Any]
-) -> list[float]:
+) -> dict[str, list[float]]:
+    """Each listing's stored content-free prior for ``decision`` (the listings texts used)."""
     from batchyard.core import decisions as rules
     from batchyard.store import calibration as store
     from batchyard.work.decide_scoring import fingerprint
@@ -531,10 +541,13 @@ async def content_free_prior(
     req = rules.parse_request(
         {"model": "kettei-core", "input": {"text": "x"}, "decisions": [decision]}
     )
-    key = fingerprint("kettei-core", req)
-    state = await service.db.read(lambda c: store.load_state(c, org_id, key))
-    assert state is not None
-    return state.content_free[0]
+    out: dict[str, list[float]] = {}
+    for order in cal.LISTING_ORDERS:
+        key = fingerprint("kettei-core", req, order)
+        state = await service.db.read(lambda c, key=key: store.load_state(c, org_id, key))
+        if state is not None:
+            out[order] = state.content_free[0]
+    return out
 
 
 def to_json(results: list[SetResult], half: str) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from batchyard.api.context import (
 )
 from batchyard.api.inputs import strict
 from batchyard.core import decisions as rules
-from batchyard.core.calibration import CalibrationMode
+from batchyard.core.calibration import CalibrationMode, Order
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
@@ -86,17 +86,19 @@ class Plan:
     price: Price
     max_cost: int
     # Calibration as it applies here ("none" where the engine cannot score),
-    # each order's prompt tokens, and, where this call would estimate the
-    # set's content-free prior (``prior_pending``), what that costs; then
-    # ``input_tokens`` includes it.
+    # the listing of the outcomes the call is scored under and its prompt's
+    # tokens, and, where this call would estimate the listing's content-free
+    # prior (``prior_pending``), what that costs; then ``input_tokens``
+    # includes it.
     calibration: CalibrationMode = "none"
-    prompt_tokens: tuple[int, ...] = ()
+    order: Order = "given"
+    prompt_tokens: int = 0
     content_free_tokens: int = 0
     prior_pending: bool = False
 
     @property
     def calibration_input_tokens(self) -> int:
-        return self.input_tokens - (self.prompt_tokens[0] if self.prompt_tokens else 0)
+        return self.content_free_tokens
 
 
 def can_score(svc: Service, route: RouteSpec) -> bool:
@@ -140,11 +142,12 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
         )
     price = Price(model.input_per_mtok, model.output_per_mtok)
     mode: CalibrationMode = req.calibration if scoring else "none"
-    orders = [prompt_tokens] + [
-        tok.count_messages(rules.build_messages(r, fmt))
-        for r in scoring_work.order_requests(req, mode)[1:]
-    ]
-    input_tokens = sum(orders)
+    order = scoring_work.call_order(req, mode)
+    if order != "given":
+        # The same words in another order: a count that can differ by a token or two.
+        listed = scoring_work.listed_request(req, order)
+        prompt_tokens = tok.count_messages(rules.build_messages(listed, fmt))
+    input_tokens = prompt_tokens
     max_cost = quote_ticks(price.cost(input_tokens, max_out))
     return Plan(
         model,
@@ -157,7 +160,8 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
         price,
         max_cost,
         mode,
-        tuple(orders),
+        order,
+        prompt_tokens,
     )
 
 
@@ -165,13 +169,13 @@ async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan:
     """The plan, priced with the content-free estimate where this call would make it."""
     if plan.calibration == "none" or plan.prior_pending:
         return plan
-    if await calibrations_for(svc.dispatcher).prior_known(org_id, plan.model.id, req):
+    calibrations = calibrations_for(svc.dispatcher)
+    if await calibrations.prior_known(org_id, plan.model.id, req, plan.order):
         return plan
     count = svc.tokenizer(plan.model).count_messages
     content_free = sum(
-        count(rules.build_messages(r, plan.fmt))
+        count(rules.build_messages(scoring_work.listed_request(cf, plan.order), plan.fmt))
         for cf in scoring_work.content_free_requests(req)
-        for r in scoring_work.order_requests(cf, plan.calibration)
     )
     input_tokens = plan.input_tokens + content_free
     return dataclasses.replace(

@@ -68,6 +68,7 @@ class Usage(TypedDict):
 class Calibration(TypedDict):
     mode: str
     orders: int
+    order: NotRequired[str]
     texts: int
     content_free_estimated: bool
 

@@ -17,9 +17,14 @@ results from the literature remove most of it, and decide uses both:
   the texts answered before the one at hand, shrunk towards the content-free
   prior while few texts have been seen (``BATCH_PSEUDO_TEXTS``).
 
-Position bias (the outcome listed first is favoured) is reduced by scoring
-each decision with its outcomes listed in two orders, as given and reversed,
-and averaging the two log-probabilities per outcome.
+Position bias (the outcome listed first is favoured) is a bias of the
+listing: each call is scored under ONE listing of the outcomes, picked from
+``LISTING_ORDERS`` by a hash of its input (``choose_order``), and each
+listing has a prior of its own (its content-free estimate and its own
+running mean), so the pull of the first position is divided out with the
+rest of that listing's bias. A calibrated call reads one prompt, as an
+uncalibrated one does; scoring every text under two listings and averaging
+them doubled the model's work for no better answers on the tuning halves.
 
 Everything here is pure arithmetic on probability vectors, one per decision,
 in the outcomes' listed order. The tuned constants were tuned on the tuning
@@ -39,17 +44,22 @@ from typing import Literal
 __all__ = [
     "BATCH_PSEUDO_TEXTS",
     "CONTENT_FREE_TEXTS",
+    "LISTING_ORDERS",
     "CalibrationMode",
+    "Order",
     "Prior",
-    "average_orders",
     "blend_prior",
     "calibrate",
+    "choose_order",
+    "listing",
     "mean_probabilities",
-    "reversed_order",
     "set_fingerprint",
 ]
 
 CalibrationMode = Literal["batch", "content_free", "none"]
+
+# How a call lists each decision's outcomes: as the caller gave them, or reversed.
+Order = Literal["given", "reversed"]
 
 # The content-free texts of Zhao et al.: a placeholder, a mask token, nothing.
 CONTENT_FREE_TEXTS: tuple[str, ...] = ("N/A", "[MASK]", "")
@@ -60,9 +70,13 @@ CONTENT_FREE_TEXTS: tuple[str, ...] = ("N/A", "[MASK]", "")
 # within two points of each other; the content-free prior alone, 3-7 lower.
 BATCH_PSEUDO_TEXTS = 10.0
 
+# The listings calls are spread over, by a hash of each call's input. Each has
+# its own prior. Tuned on the tuning halves (bench/decide_quality.py --tune).
+LISTING_ORDERS: tuple[Order, ...] = ("given", "reversed")
+
 # Changing the prompt or the scoring changes what the stored estimates mean;
 # it is part of the fingerprint, so old estimates are never reused.
-SCORING_VERSION = "decide-scoring-1"
+SCORING_VERSION = "decide-scoring-2"
 
 # Probabilities are floored here before division and logarithms, so that an
 # outcome the model all but rules out can't divide by zero.
@@ -78,15 +92,24 @@ class Prior:
 
 
 def set_fingerprint(
-    model: str, decisions: Sequence[tuple[str, str, Sequence[tuple[str, str]]]]
+    model: str,
+    decisions: Sequence[tuple[str, str, Sequence[tuple[str, str]]]],
+    order: Order = "given",
 ) -> str:
-    """A stable name for one decision set on one model: what its estimates belong to.
+    """A stable name for one decision set on one model, listed one way: what its estimates
+    belong to.
 
-    ``decisions`` are ``(id, question, [(outcome id, description), ...])``.
-    Any change of wording, order or model is another set, with its own bias.
+    ``decisions`` are ``(id, question, [(outcome id, description), ...])`` as
+    the caller gave them; ``order`` is how the prompt listed them. Any change
+    of wording, order, listing or model is another set, with its own bias.
     """
     canonical = json.dumps(
-        [SCORING_VERSION, model, [[d, q, [list(o) for o in outs]] for d, q, outs in decisions]],
+        [
+            SCORING_VERSION,
+            model,
+            order,
+            [[d, q, [list(o) for o in outs]] for d, q, outs in decisions],
+        ],
         separators=(",", ":"),
         ensure_ascii=False,
     )
@@ -100,23 +123,22 @@ def _normalise(weights: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def reversed_order(n: int) -> list[int]:
-    """The second listing order: reversed, so every outcome's mean position is the middle."""
-    return list(range(n - 1, -1, -1))
+def choose_order(key: str, orders: Sequence[Order] = LISTING_ORDERS) -> Order:
+    """The listing one call is scored under: picked by a hash of its input ``key``.
 
-
-def average_orders(per_order: Sequence[Sequence[float]]) -> list[float]:
-    """One distribution from the same outcomes' probabilities under several listing orders.
-
-    The geometric mean (the mean of log-probabilities), renormalised: an
-    outcome must be likely in every order to be likely in the average.
+    The same text always gets the same listing, hence the same answer; over a
+    batch the listings share the texts about evenly, and each learns its own
+    running mean.
     """
-    if not per_order:
-        raise ValueError("no orders to average")
-    n = len(per_order[0])
-    logs = [sum(math.log(max(p[j], _FLOOR)) for p in per_order) / len(per_order) for j in range(n)]
-    peak = max(logs)
-    return _normalise([math.exp(v - peak) for v in logs])
+    if not orders:
+        raise ValueError("no listing orders to choose from")
+    digest = hashlib.sha256(key.encode("utf-8", errors="surrogatepass")).digest()
+    return orders[int.from_bytes(digest[:8], "big") % len(orders)]
+
+
+def listing(order: Order, n: int) -> list[int]:
+    """The positions, in the prompt, of ``n`` outcomes listed by ``order``."""
+    return list(range(n)) if order == "given" else list(range(n - 1, -1, -1))
 
 
 def mean_probabilities(samples: Sequence[Sequence[float]]) -> list[float]:

@@ -1,4 +1,4 @@
-"""The calibration maths: dividing out a prior, blending the two estimates, averaging orders."""
+"""The calibration maths: dividing out a prior, blending the two estimates, picking a listing."""
 
 from __future__ import annotations
 
@@ -68,31 +68,36 @@ def test_the_batch_mean_takes_over_as_texts_arrive() -> None:
     assert few[0] == pytest.approx((5 + 0.9) / 11)
 
 
-def test_order_averaging_is_the_renormalised_geometric_mean() -> None:
-    given_order = [0.8, 0.2]
-    reversed_listing = [0.4, 0.6]
-    out = cal.average_orders([given_order, reversed_listing])
-    g = [math.sqrt(0.8 * 0.4), math.sqrt(0.2 * 0.6)]
-    assert out == pytest.approx([g[0] / sum(g), g[1] / sum(g)])
-    assert cal.average_orders([given_order]) == pytest.approx(given_order)
-    # Symmetric in the orders.
-    assert out == pytest.approx(cal.average_orders([reversed_listing, given_order]))
+def test_a_call_is_listed_by_a_hash_of_its_text_the_same_every_time() -> None:
+    texts = [f"text number {i}" for i in range(400)]
+    orders = [cal.choose_order(t) for t in texts]
+    assert orders == [cal.choose_order(t) for t in texts]  # the same text, the same listing
+    # Over a batch both listings get about half of the texts.
+    assert 150 < orders.count("reversed") < 250
+    assert set(orders) == {"given", "reversed"}
+    assert {cal.choose_order(t, ("given",)) for t in texts} == {"given"}
+    with pytest.raises(ValueError):
+        cal.choose_order("x", ())
 
 
-def test_a_first_position_pull_cancels_over_the_two_orders() -> None:
-    # The model doubles the weight of whichever outcome is listed first.
+def test_the_two_listings() -> None:
+    assert cal.listing("given", 3) == [0, 1, 2]
+    assert cal.listing("reversed", 3) == [2, 1, 0]
+
+
+def test_a_first_position_pull_is_divided_out_by_each_listings_own_prior() -> None:
+    """The model doubles the weight of whichever outcome is listed first: each listing's prior
+    carries its own pull, so calibrating each by its own prior treats every text alike."""
     truth = [0.3, 0.5, 0.2]
 
-    def listed(order: list[int]) -> list[float]:
-        w = [truth[i] * (2.0 if order[0] == i else 1.0) for i in range(3)]
+    def scored(order: cal.Order, posterior: list[float]) -> list[float]:
+        first = cal.listing(order, 3)[0]
+        w = [posterior[i] * (2.0 if i == first else 1.0) for i in range(3)]
         return [x / sum(w) for x in w]
 
-    first = listed([0, 1, 2])
-    second = listed(cal.reversed_order(3))
-    averaged = cal.average_orders([first, second])
-    # Outcome 0 and 2 each got the pull once: their ratio is the truth's.
-    assert averaged[0] / averaged[2] == pytest.approx(truth[0] / truth[2])
-    assert cal.reversed_order(3) == [2, 1, 0]
+    for order in ("given", "reversed"):
+        prior = scored(order, [1 / 3] * 3)
+        assert cal.calibrate(scored(order, truth), prior) == pytest.approx(truth)
 
 
 def test_mean_probabilities_of_content_free_answers() -> None:
@@ -115,7 +120,9 @@ def test_a_set_fingerprint_changes_with_any_wording_order_or_model() -> None:
             "kettei-core", [("sentiment", "How?", [("positive", ""), ("negative", "")])]
         ),
     ]
-    assert len({fp, *others}) == 5
+    reversed_listing = cal.set_fingerprint("kettei-core", base, "reversed")
+    assert fp == cal.set_fingerprint("kettei-core", base, "given")
+    assert len({fp, reversed_listing, *others}) == 6
 
 
 def test_batch_calibration_recovers_a_biased_models_accuracy() -> None:
