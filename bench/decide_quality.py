@@ -28,10 +28,9 @@ Labels: a mean rating above +0.5 is ``positive``, below −0.5 ``negative``,
 and ``neutral`` in between. Each half is sampled balanced (``--per-class``
 texts of each label).
 
-Reported per set and variant (``raw``: one order, no calibration, the
-``calibration: "none"`` call; ``raw, its listing``: the raw probabilities the
-calibrated call returns, from the one listing of the outcomes its text's hash
-picked; ``calibrated``: its answers):
+Reported per set and variant (``raw``: no calibration, the
+``calibration: "none"`` call, whose probabilities are the calibrated call's
+``raw_probabilities``: the same prompt; ``calibrated``: its answers):
 
 - three-way accuracy and balanced accuracy;
 - two-way accuracy: on the positive and negative texts, whether the
@@ -44,11 +43,10 @@ picked; ``calibrated``: its answers):
 And the cost: after a set's quality calls, its calibrated call's time beside
 the uncalibrated call's, on the same texts in the same run: alternating
 blocks of twelve calls of each mode, one call at a time, on the default two
-engine contexts (``--contexts``), which keep the prompt prefix of each
-listing of the outcomes (``measure_cost``). Target ≤ 1.5. Beside it, the
-ratio of the process's CPU seconds, and of input tokens: the model work. The
-first call of each listing, which also estimates that listing's content-free
-prior, is reported apart.
+engine contexts (``--contexts``) (``measure_cost``). Target ≤ 1.5. Beside
+it, the ratio of the process's CPU seconds, and of input tokens: the model
+work. The set's first call, which also estimates the content-free prior, is
+reported apart.
 
     PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
     PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
@@ -215,18 +213,15 @@ def argmax(p: dict[str, float]) -> str:
 
 @dataclass
 class Variant:
-    """One way of answering (raw, raw under the call's listing, calibrated) over one set's texts."""
+    """One way of answering (raw, calibrated) over one set's texts."""
 
     name: str
     labels: list[str] = field(default_factory=list)
     probs: list[dict[str, float]] = field(default_factory=list)
-    # The listing each text was scored under (calibrated calls only).
-    orders: list[str] = field(default_factory=list)
 
-    def add(self, label: str, probs: dict[str, float], order: str = "given") -> None:
+    def add(self, label: str, probs: dict[str, float]) -> None:
         self.labels.append(label)
         self.probs.append(probs)
-        self.orders.append(order)
 
     def quality(self) -> Quality:
         q = Quality(list(LABELS))
@@ -288,64 +283,34 @@ async def run_set(
     headers: dict[str, str],
     progress: Console,
     *,
-    calibrated_only: bool = False,
+    two_way_calls: bool = True,
 ) -> SetResult:
-    variants = {v: Variant(v) for v in ("raw", "raw, its listing", "calibrated")}
+    """One calibrated call per text; its ``raw_probabilities`` are the uncalibrated answer.
+
+    A calibrated call reads the very prompt a ``calibration: "none"`` call
+    reads and scores it the same way, so its raw probabilities are what that
+    call would return (``measure_cost`` makes both kinds of call).
+    """
+    variants = {v: Variant(v) for v in ("raw", "calibrated")}
     two_way = Variant("2-way call")
-    seconds_raw: list[float] = []
-    seconds_cal: list[float] = []
-    cpu_raw: list[float] = []
-    cpu_cal: list[float] = []
     first_s = 0.0
     cf_tokens = 0
-    tokens_raw = tokens_cal = 0
     for n, item in enumerate(items):
-        # Interleaved, so a busy moment of the machine weighs on both alike.
         body, cal_s = await decide(http, headers, item.text, decision, "batch")
-        cal_cpu = CPU_SPENT[-1]
-        if calibrated_only:
-            raw_body, raw_s, raw_cpu = body, cal_s, cal_cpu
-            answer = body["answers"][0]
-            variants["raw"].add(item.label, answer["raw_probabilities"])
-        else:
-            raw_body, raw_s = await decide(http, headers, item.text, decision, "none")
-            raw_cpu = CPU_SPENT[-1]
-            variants["raw"].add(item.label, raw_body["answers"][0]["probabilities"])
         answer = body["answers"][0]
-        variants["raw, its listing"].add(
-            item.label, answer["raw_probabilities"], body["calibration"]["order"]
-        )
+        variants["raw"].add(item.label, answer["raw_probabilities"])
         variants["calibrated"].add(item.label, answer["probabilities"])
         if body["calibration"]["content_free_estimated"]:
-            # Once per listing: the slowest such call, and all their prompts.
-            first_s = max(first_s, cal_s)
-            cf_tokens += body["usage"]["calibration_input_tokens"]
-        else:
-            seconds_raw.append(raw_s)
-            seconds_cal.append(cal_s)
-            cpu_raw.append(raw_cpu)
-            cpu_cal.append(cal_cpu)
-            tokens_raw += raw_body["usage"]["input_tokens"]
-            tokens_cal += body["usage"]["input_tokens"]
-        if item.label != "neutral" and not calibrated_only:
+            first_s = cal_s
+            cf_tokens = body["usage"]["calibration_input_tokens"]
+        if item.label != "neutral" and two_way_calls:
             got, _ = await decide(http, headers, item.text, TWO_WAY, "batch")
             probs = dict(got["answers"][0]["probabilities"])
             probs.setdefault("neutral", 0.0)
             two_way.add(item.label, probs)
         if (n + 1) % 25 == 0:
             progress.print(f"  {name}: {n + 1}/{len(items)}")
-    return SetResult(
-        name,
-        variants,
-        two_way,
-        seconds_raw,
-        seconds_cal,
-        cpu_raw,
-        cpu_cal,
-        first_s,
-        cf_tokens,
-        tokens_cal / tokens_raw if tokens_raw else math.nan,
-    )
+    return SetResult(name, variants, two_way, [], [], [], [], first_s, cf_tokens, math.nan)
 
 
 async def measure_cost(
@@ -355,24 +320,27 @@ async def measure_cost(
     headers: dict[str, str],
     blocks: int,
     per_block: int,
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Wall and CPU seconds per call, uncalibrated and calibrated, on the same texts.
+) -> tuple[list[float], list[float], list[float], list[float], float]:
+    """Wall and CPU seconds per call, uncalibrated and calibrated, on the same texts, and the
+    ratio of their input tokens.
 
     In alternating blocks of one mode each, as a user's stream of one decision
-    set runs (the engine keeps each listing's prompt prefix on a context of
-    its own); a block's first call, which finds the other mode's prompt there, is
-    left out. Alternating blocks spread the machine's busy moments over both.
+    set runs; a block's first call is left out. Alternating blocks spread the
+    machine's busy moments over both.
     """
     out: dict[str, tuple[list[float], list[float]]] = {"none": ([], []), "batch": ([], [])}
+    tokens = {"none": 0, "batch": 0}
     for b in range(blocks):
         chunk = items[(b // 2) * per_block : (b // 2 + 1) * per_block]
         for mode in ("none", "batch") if b % 2 == 0 else ("batch", "none"):
             for i, item in enumerate(chunk):
-                _, wall = await decide(http, headers, item.text, decision, mode)
+                body, wall = await decide(http, headers, item.text, decision, mode)
                 if i:
                     out[mode][0].append(wall)
                     out[mode][1].append(CPU_SPENT[-1])
-    return out["none"][0], out["batch"][0], out["none"][1], out["batch"][1]
+                    tokens[mode] += body["usage"]["input_tokens"]
+    ratio = tokens["batch"] / tokens["none"] if tokens["none"] else math.nan
+    return out["none"][0], out["batch"][0], out["none"][1], out["batch"][1], ratio
 
 
 # -- reporting --------------------------------------------------------------------
@@ -415,7 +383,7 @@ def cost_table(results: list[SetResult]) -> Table:
         "ratio",
         "CPU s ratio",
         "input tokens ratio",
-        "first calls (content-free)",
+        "first call",
     ):
         table.add_column(col, justify="left" if col == "set" else "right")
     for res in results:
@@ -433,8 +401,8 @@ def cost_table(results: list[SetResult]) -> Table:
     return table
 
 
-def sweep(results: list[SetResult], content_free: dict[str, dict[str, list[float]]]) -> Table:
-    """Balanced accuracy had each listing's running mean been blended with other pseudo-counts."""
+def sweep(results: list[SetResult], content_free: dict[str, list[float]]) -> Table:
+    """Balanced accuracy had the running mean been blended with other pseudo-counts."""
     table = Table(
         title="tuning: 3-way balanced / 2-way accuracy by BATCH_PSEUDO_TEXTS c (inf: content-free)"
     )
@@ -443,24 +411,22 @@ def sweep(results: list[SetResult], content_free: dict[str, dict[str, list[float
     for c in grid:
         table.add_column(f"c={c:g}", justify="right")
     for res in results:
-        raw = res.variants["raw, its listing"]
+        raw = res.variants["raw"]
+        cf = content_free[res.name]
         cells = []
         for c in grid:
-            sums = {o: [0.0] * len(LABELS) for o in content_free[res.name]}
-            seen = dict.fromkeys(sums, 0)
+            sums = [0.0] * len(LABELS)
             v = Variant(f"c={c}")
-            for label, p, order in zip(raw.labels, raw.probs, raw.orders, strict=True):
+            for n, (label, p) in enumerate(zip(raw.labels, raw.probs, strict=True)):
                 vec = [p[o] for o in LABELS]
-                cf, n = content_free[res.name][order], seen[order]
                 if math.isinf(c):
                     prior = cf
                 elif c == 0 and n == 0:
                     prior = [1.0 / len(LABELS)] * len(LABELS)
                 else:
-                    prior = cal.blend_prior(cf, sums[order], n, c)
+                    prior = cal.blend_prior(cf, sums, n, c)
                 v.add(label, dict(zip(LABELS, cal.calibrate(vec, prior), strict=True)))
-                sums[order] = [s + x for s, x in zip(sums[order], vec, strict=True)]
-                seen[order] = n + 1
+                sums = [s + x for s, x in zip(sums, vec, strict=True)]
             cells.append(f"{pct(v.quality().balanced_accuracy)} / {pct(v.two_way())}")
         table.add_row(res.name, *cells)
     return table
@@ -491,7 +457,7 @@ async def main() -> None:
         service.db.migrate()
         acct = make_account(service, "bench", credit="1000", tier=3)
         results: list[SetResult] = []
-        content_free: dict[str, dict[str, list[float]]] = {}
+        content_free: dict[str, list[float]] = {}
         async with (
             live_server(service) as base,
             httpx.AsyncClient(base_url=base, timeout=600) as http,
@@ -509,7 +475,7 @@ async def main() -> None:
                         http,
                         acct.headers,
                         console,
-                        calibrated_only=args.tune,
+                        two_way_calls=not args.tune,
                     )
                 )
                 content_free[name] = await content_free_prior(service, acct.org_id, decision)
@@ -518,12 +484,17 @@ async def main() -> None:
                     measured = await measure_cost(
                         items, decision, http, acct.headers, args.cost_blocks, 12
                     )
-                    res.seconds_raw, res.seconds_calibrated, res.cpu_raw, res.cpu_calibrated = (
-                        measured
-                    )
+                    (
+                        res.seconds_raw,
+                        res.seconds_calibrated,
+                        res.cpu_raw,
+                        res.cpu_calibrated,
+                        res.usage_ratio,
+                    ) = measured
         await service.stop()
     console.print(quality_table(results, half))
-    console.print(cost_table(results))
+    if not args.tune:
+        console.print(cost_table(results))
     if args.tune:
         console.print(sweep(results, content_free))
     if args.json:
@@ -532,8 +503,7 @@ async def main() -> None:
 
 async def content_free_prior(
     service: Service, org_id: str, decision: dict[str, Any]
-) -> dict[str, list[float]]:
-    """Each listing's stored content-free prior for ``decision`` (the listings texts used)."""
+) -> list[float]:
     from batchyard.core import decisions as rules
     from batchyard.store import calibration as store
     from batchyard.work.decide_scoring import fingerprint
@@ -541,13 +511,10 @@ async def content_free_prior(
     req = rules.parse_request(
         {"model": "kettei-core", "input": {"text": "x"}, "decisions": [decision]}
     )
-    out: dict[str, list[float]] = {}
-    for order in cal.LISTING_ORDERS:
-        key = fingerprint("kettei-core", req, order)
-        state = await service.db.read(lambda c, key=key: store.load_state(c, org_id, key))
-        if state is not None:
-            out[order] = state.content_free[0]
-    return out
+    key = fingerprint("kettei-core", req)
+    state = await service.db.read(lambda c: store.load_state(c, org_id, key))
+    assert state is not None
+    return state.content_free[0]
 
 
 def to_json(results: list[SetResult], half: str) -> dict[str, Any]:
@@ -564,10 +531,12 @@ def to_json(results: list[SetResult], half: str) -> dict[str, Any]:
                 "starved": v.starved() if v is not res.two_way_call else None,
                 "texts": len(v.labels),
             }
-        entry["cpu_ratio"] = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
-        entry["cost_ratio"] = statistics.mean(res.seconds_calibrated) / statistics.mean(
-            res.seconds_raw
-        )
+        if res.seconds_raw:
+            entry["cpu_ratio"] = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
+            entry["cost_ratio"] = statistics.mean(res.seconds_calibrated) / statistics.mean(
+                res.seconds_raw
+            )
+            entry["input_tokens_ratio"] = res.usage_ratio
         out["sets"][res.name] = entry
     return out
 

@@ -39,7 +39,7 @@ from batchyard.api.context import (
 )
 from batchyard.api.inputs import strict
 from batchyard.core import decisions as rules
-from batchyard.core.calibration import CalibrationMode, Order
+from batchyard.core.calibration import CalibrationMode
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
@@ -86,12 +86,10 @@ class Plan:
     price: Price
     max_cost: int
     # Calibration as it applies here ("none" where the engine cannot score),
-    # the listing of the outcomes the call is scored under and its prompt's
-    # tokens, and, where this call would estimate the listing's content-free
-    # prior (``prior_pending``), what that costs; then ``input_tokens``
-    # includes it.
+    # the prompt's tokens, and, where this call would estimate the set's
+    # content-free prior (``prior_pending``), what that costs; then
+    # ``input_tokens`` includes it.
     calibration: CalibrationMode = "none"
-    order: Order = "given"
     prompt_tokens: int = 0
     content_free_tokens: int = 0
     prior_pending: bool = False
@@ -142,25 +140,18 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
         )
     price = Price(model.input_per_mtok, model.output_per_mtok)
     mode: CalibrationMode = req.calibration if scoring else "none"
-    order = scoring_work.call_order(req, mode)
-    if order != "given":
-        # The same words in another order: a count that can differ by a token or two.
-        listed = scoring_work.listed_request(req, order)
-        prompt_tokens = tok.count_messages(rules.build_messages(listed, fmt))
-    input_tokens = prompt_tokens
-    max_cost = quote_ticks(price.cost(input_tokens, max_out))
+    max_cost = quote_ticks(price.cost(prompt_tokens, max_out))
     return Plan(
         model,
         where,
         scoring,
         fmt,
         messages,
-        input_tokens,
+        prompt_tokens,
         max_out,
         price,
         max_cost,
         mode,
-        order,
         prompt_tokens,
     )
 
@@ -169,13 +160,11 @@ async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan:
     """The plan, priced with the content-free estimate where this call would make it."""
     if plan.calibration == "none" or plan.prior_pending:
         return plan
-    calibrations = calibrations_for(svc.dispatcher)
-    if await calibrations.prior_known(org_id, plan.model.id, req, plan.order):
+    if await calibrations_for(svc.dispatcher).prior_known(org_id, plan.model.id, req):
         return plan
     count = svc.tokenizer(plan.model).count_messages
     content_free = sum(
-        count(rules.build_messages(scoring_work.listed_request(cf, plan.order), plan.fmt))
-        for cf in scoring_work.content_free_requests(req)
+        count(rules.build_messages(cf, plan.fmt)) for cf in scoring_work.content_free_requests(req)
     )
     input_tokens = plan.input_tokens + content_free
     return dataclasses.replace(

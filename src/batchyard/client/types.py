@@ -68,7 +68,6 @@ class Usage(TypedDict):
 class Calibration(TypedDict):
     mode: str
     orders: int
-    order: NotRequired[str]
     texts: int
     content_free_estimated: bool
 

@@ -17,14 +17,14 @@ results from the literature remove most of it, and decide uses both:
   the texts answered before the one at hand, shrunk towards the content-free
   prior while few texts have been seen (``BATCH_PSEUDO_TEXTS``).
 
-Position bias (the outcome listed first is favoured) is a bias of the
-listing: each call is scored under ONE listing of the outcomes, picked from
-``LISTING_ORDERS`` by a hash of its input (``choose_order``), and each
-listing has a prior of its own (its content-free estimate and its own
-running mean), so the pull of the first position is divided out with the
-rest of that listing's bias. A calibrated call reads one prompt, as an
-uncalibrated one does; scoring every text under two listings and averaging
-them doubled the model's work for no better answers on the tuning halves.
+Position bias (the outcome listed first is favoured) is part of the same
+prior: a decision set is its outcomes in the order listed, and the prior
+estimated for that listing holds the pull of its first position, so dividing
+it out removes both. A calibrated call therefore reads the one prompt an
+uncalibrated call reads. Scoring every text under a second, reversed listing
+and averaging the two doubled the model's work and scored no better on the
+tuning halves; spreading texts over two listings, each with its own prior,
+scored worse (each listing's mean learns from half the texts).
 
 Everything here is pure arithmetic on probability vectors, one per decision,
 in the outcomes' listed order. The tuned constants were tuned on the tuning
@@ -44,35 +44,26 @@ from typing import Literal
 __all__ = [
     "BATCH_PSEUDO_TEXTS",
     "CONTENT_FREE_TEXTS",
-    "LISTING_ORDERS",
     "CalibrationMode",
-    "Order",
     "Prior",
     "blend_prior",
     "calibrate",
-    "choose_order",
-    "listing",
     "mean_probabilities",
     "set_fingerprint",
 ]
 
 CalibrationMode = Literal["batch", "content_free", "none"]
 
-# How a call lists each decision's outcomes: as the caller gave them, or reversed.
-Order = Literal["given", "reversed"]
-
 # The content-free texts of Zhao et al.: a placeholder, a mask token, nothing.
 CONTENT_FREE_TEXTS: tuple[str, ...] = ("N/A", "[MASK]", "")
 
 # How many texts the content-free prior is worth against the running batch
 # mean: with n texts seen, the prior is (c·content_free + Σ p) / (c + n).
-# Tuned on the tuning halves (bench/decide_quality.py --tune): 3 to 30 scored
-# within two points of each other; the content-free prior alone, 3-7 lower.
-BATCH_PSEUDO_TEXTS = 10.0
-
-# The listings calls are spread over, by a hash of each call's input. Each has
-# its own prior. Tuned on the tuning halves (bench/decide_quality.py --tune).
-LISTING_ORDERS: tuple[Order, ...] = ("given", "reversed")
+# Tuned on the tuning halves (bench/decide_quality.py --tune, four sets): 1 to
+# 10 scored within two points of each other, but above 3 the first texts of a
+# set lean long on the content-free prior, which starves an outcome (movies:
+# neutral chosen a third as often as true at 10, 0.7 at 3).
+BATCH_PSEUDO_TEXTS = 3.0
 
 # Changing the prompt or the scoring changes what the stored estimates mean;
 # it is part of the fingerprint, so old estimates are never reused.
@@ -92,24 +83,16 @@ class Prior:
 
 
 def set_fingerprint(
-    model: str,
-    decisions: Sequence[tuple[str, str, Sequence[tuple[str, str]]]],
-    order: Order = "given",
+    model: str, decisions: Sequence[tuple[str, str, Sequence[tuple[str, str]]]]
 ) -> str:
-    """A stable name for one decision set on one model, listed one way: what its estimates
-    belong to.
+    """A stable name for one decision set on one model: what its estimates belong to.
 
-    ``decisions`` are ``(id, question, [(outcome id, description), ...])`` as
-    the caller gave them; ``order`` is how the prompt listed them. Any change
-    of wording, order, listing or model is another set, with its own bias.
+    ``decisions`` are ``(id, question, [(outcome id, description), ...])``.
+    Any change of wording, order or model is another set, with its own bias
+    (the order included: the outcome listed first is favoured).
     """
     canonical = json.dumps(
-        [
-            SCORING_VERSION,
-            model,
-            order,
-            [[d, q, [list(o) for o in outs]] for d, q, outs in decisions],
-        ],
+        [SCORING_VERSION, model, [[d, q, [list(o) for o in outs]] for d, q, outs in decisions]],
         separators=(",", ":"),
         ensure_ascii=False,
     )
@@ -121,24 +104,6 @@ def _normalise(weights: Sequence[float]) -> list[float]:
     if not total > 0.0 or not math.isfinite(total):
         return [1.0 / len(weights)] * len(weights)
     return [w / total for w in weights]
-
-
-def choose_order(key: str, orders: Sequence[Order] = LISTING_ORDERS) -> Order:
-    """The listing one call is scored under: picked by a hash of its input ``key``.
-
-    The same text always gets the same listing, hence the same answer; over a
-    batch the listings share the texts about evenly, and each learns its own
-    running mean.
-    """
-    if not orders:
-        raise ValueError("no listing orders to choose from")
-    digest = hashlib.sha256(key.encode("utf-8", errors="surrogatepass")).digest()
-    return orders[int.from_bytes(digest[:8], "big") % len(orders)]
-
-
-def listing(order: Order, n: int) -> list[int]:
-    """The positions, in the prompt, of ``n`` outcomes listed by ``order``."""
-    return list(range(n)) if order == "given" else list(range(n - 1, -1, -1))
 
 
 def mean_probabilities(samples: Sequence[Sequence[float]]) -> list[float]:

@@ -4,15 +4,13 @@ For a scoring engine, each decision's outcomes are scored as the reply to
 the one prompt (the text once, every question). Calibration
 (``batchyard.core.calibration``) adds, per call:
 
-- a listing of the outcomes, picked by a hash of the text (``call_order``):
-  as given or reversed. The call reads that one prompt, as an uncalibrated
-  call reads its one, and each listing keeps a prior of its own, so the pull
-  of the outcome listed first is divided out with the rest of its bias;
-- the listing's prior: the content-free estimate, made once per
-  organisation, set and listing by the first call that needs it (and paid by
-  it), refined by the running mean of the raw probabilities of the texts
-  answered before under that listing (``batch`` mode). Each answer's
-  probabilities are divided by that prior.
+- the decision set's prior: the content-free estimate, made once per
+  organisation and set by the first call that needs it (and paid by it),
+  refined by the running mean of the raw probabilities of the texts of the
+  set answered before (``batch`` mode). Each answer's probabilities are
+  divided by that prior. The set lists its outcomes one way, so its prior
+  holds the pull of the outcome listed first too, and the call reads the one
+  prompt an uncalibrated call reads.
 
 Decision *k* is still scored after the answers chosen for decisions 1 to
 *k*−1, and those are the calibrated choices. Every prompt the model reads is
@@ -45,24 +43,8 @@ __all__ = [
     "Calibrations",
     "ScoredAnswers",
     "calibrations_for",
-    "call_order",
     "content_free_requests",
-    "listed_request",
 ]
-
-
-def call_order(req: rules.DecideRequest, mode: cal.CalibrationMode) -> cal.Order:
-    """How this call lists the outcomes: as given when uncalibrated, else by the text's hash."""
-    if mode == "none":
-        return "given"
-    return cal.choose_order(req.input.text or req.input.image_url or "")
-
-
-def listed_request(req: rules.DecideRequest, order: cal.Order) -> rules.DecideRequest:
-    """The request as the prompt lists it: every decision's outcomes in ``order``."""
-    if order == "given":
-        return req
-    return rules.reorder_outcomes(req, lambda n: cal.listing(order, n))
 
 
 def content_free_requests(req: rules.DecideRequest) -> list[rules.DecideRequest]:
@@ -73,11 +55,10 @@ def content_free_requests(req: rules.DecideRequest) -> list[rules.DecideRequest]
     ]
 
 
-def fingerprint(model_id: str, req: rules.DecideRequest, order: cal.Order = "given") -> str:
+def fingerprint(model_id: str, req: rules.DecideRequest) -> str:
     return cal.set_fingerprint(
         model_id,
         [(d.id, d.question, [(o.id, o.description) for o in d.outcomes]) for d in req.decisions],
-        order,
     )
 
 
@@ -86,16 +67,14 @@ class CalibrationInfo:
     """What calibrated this call, for the response."""
 
     mode: cal.CalibrationMode
-    order: cal.Order
     texts: int
     content_free_estimated: bool
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
-            # One listing is scored per call; the field stays for callers that read it.
+            # One listing of the outcomes is scored; the field stays for callers that read it.
             "orders": 1,
-            "order": self.order,
             "texts": self.texts,
             "content_free_estimated": self.content_free_estimated,
         }
@@ -128,11 +107,9 @@ class Calibrations:
     _priors: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
 
-    async def prior_known(
-        self, org_id: str, model_id: str, req: rules.DecideRequest, order: cal.Order
-    ) -> bool:
-        """Whether the listing's content-free prior is stored (a call then needn't estimate it)."""
-        key = (org_id, fingerprint(model_id, req, order))
+    async def prior_known(self, org_id: str, model_id: str, req: rules.DecideRequest) -> bool:
+        """Whether the set's content-free prior is stored (a call then needn't estimate it)."""
+        key = (org_id, fingerprint(model_id, req))
         if key in self._priors:
             return True
         state = await self.dispatcher.db.read(lambda c: store.load_state(c, *key))
@@ -145,19 +122,16 @@ class Calibrations:
         route: RouteSpec,
         upstream_model: str,
         req: rules.DecideRequest,
-        order: cal.Order,
         prompt_tokens: int,
         prior_of: Callable[[int], list[float] | None],
     ) -> _Raw:
-        messages = rules.build_messages(listed_request(req, order), "lines")
+        messages = rules.build_messages(req, "lines")
         decisions = req.decisions
         chosen: list[str] = []
         raws: list[list[float]] = []
         finals: list[list[float]] = []
         read: int | None = None
         for k, decision in enumerate(decisions):
-            # The candidate lines name outcomes, not positions: whatever the
-            # listing, the probabilities come in the given order.
             candidates = rules.scoring_candidates(decisions, k, chosen)
             scores, usage = await self.dispatcher.score(
                 route=route,
@@ -183,10 +157,9 @@ class Calibrations:
         route: RouteSpec,
         upstream_model: str,
         req: rules.DecideRequest,
-        order: cal.Order,
         count: Callable[[list[dict[str, Any]]], int],
     ) -> tuple[list[list[float]], int]:
-        """The listing's content-free prior and the prompt tokens spent estimating it (0: known)."""
+        """The set's content-free prior and the prompt tokens spent estimating it (0: known)."""
         async with self._locks.setdefault(key, asyncio.Lock()):
             known = self._priors.get(key)
             if known is None:
@@ -198,8 +171,8 @@ class Calibrations:
             samples: list[list[list[float]]] = []
             spent = 0
             for cf in content_free_requests(req):
-                tokens = count(rules.build_messages(listed_request(cf, order), "lines"))
-                got = await self._score(route, upstream_model, cf, order, tokens, lambda _k: None)
+                tokens = count(rules.build_messages(cf, "lines"))
+                got = await self._score(route, upstream_model, cf, tokens, lambda _k: None)
                 samples.append(got.raw)
                 spent += got.input_tokens
             prior = [
@@ -227,28 +200,21 @@ class Calibrations:
     ) -> ScoredAnswers:
         """Answer every decision of ``req``; calibrated unless ``mode`` is ``none``.
 
-        ``prompt_tokens`` counts the prompt as this call lists it
-        (``call_order``). ``retain`` is false for organisations with zero data
-        retention: their texts are calibrated but never added to the running
-        mean.
+        ``retain`` is false for organisations with zero data retention: their
+        texts are calibrated but never added to the running mean.
         """
-        order = call_order(req, mode)
         ids = [d.outcome_ids for d in req.decisions]
 
         def by_id(vectors: list[list[float]]) -> list[dict[str, float]]:
             return [dict(zip(o, v, strict=True)) for o, v in zip(ids, vectors, strict=True)]
 
         if mode == "none":
-            got = await self._score(
-                route, upstream_model, req, order, prompt_tokens, lambda _k: None
-            )
+            got = await self._score(route, upstream_model, req, prompt_tokens, lambda _k: None)
             answer = rules.answer_text(req.decisions, got.chosen, "lines")
             usage = Usage(got.input_tokens, count_text(answer))
             return ScoredAnswers(got.chosen, by_id(got.final), None, usage, 0, None)
-        key = (org_id, fingerprint(model_id, req, order))
-        content_free, cf_tokens = await self._content_free(
-            key, route, upstream_model, req, order, count
-        )
+        key = (org_id, fingerprint(model_id, req))
+        content_free, cf_tokens = await self._content_free(key, route, upstream_model, req, count)
         texts = [0] * len(req.decisions)
         sums = [[0.0] * len(o) for o in ids]
         if mode == "batch":
@@ -259,7 +225,7 @@ class Calibrations:
         def prior_of(k: int) -> list[float]:
             return cal.blend_prior(content_free[k], sums[k], texts[k])
 
-        got = await self._score(route, upstream_model, req, order, prompt_tokens, prior_of)
+        got = await self._score(route, upstream_model, req, prompt_tokens, prior_of)
         if mode == "batch" and retain:
             await self.dispatcher.db.write(lambda c: store.add_texts(c, *key, got.raw))
         answer = rules.answer_text(req.decisions, got.chosen, "lines")
@@ -270,7 +236,7 @@ class Calibrations:
             Usage(got.input_tokens + cf_tokens, count_text(answer)),
             # What calibration added: the content-free prompts, on the call that made them.
             cf_tokens,
-            CalibrationInfo(mode, order, min(texts), cf_tokens > 0),
+            CalibrationInfo(mode, min(texts), cf_tokens > 0),
         )
 
 

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from batchyard.core.accounts import Scope
-from batchyard.core.calibration import choose_order
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
 from batchyard.core.tiers import DEFAULT_TIERS
@@ -129,19 +128,14 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
         probs = answer["probabilities"]
         assert math.isclose(sum(probs.values()), 1.0, abs_tol=1e-5)
         assert max(probs, key=probs.get) == answer["outcome"]
-    # Calibration: first the content-free prior of the listing this text is
-    # scored under (three texts that say nothing, every decision), then the
-    # text, every decision, under that one listing.
-    order = choose_order(TEXT)
-    listing = (
-        "- positive: pleased\n  - negative: unhappy"
-        if order == "given"
-        else "- neutral: neither\n  - negative: unhappy"
-    )
+    # Calibration: first the set's content-free prior (three texts that say
+    # nothing, every decision), then the text, every decision, under the one
+    # prompt an uncalibrated call reads.
     calls = engine.score_calls
     assert len(calls) == 3 * 2 + 2
     content_free, real = calls[:6], calls[6:]
     assert all(TEXT not in str(c.messages) for c in content_free)
+    listing = "- positive: pleased\n  - negative: unhappy\n  - neutral: neither"
     assert all(listing in c.messages[-1]["content"] for c in calls)
     listed = real[0].messages
     assert real[1].messages == listed and str(listed).count(TEXT) == 1
@@ -156,7 +150,6 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
     assert body["calibration"] == {
         "mode": "batch",
         "orders": 1,
-        "order": order,
         "texts": 0,
         "content_free_estimated": True,
     }
@@ -179,28 +172,6 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
     assert again["usage"]["calibration_input_tokens"] == 0
     assert again["calibration"]["texts"] == 1
     assert again["calibration"]["content_free_estimated"] is False
-
-
-async def test_each_listing_has_a_prior_and_a_running_mean_of_its_own(service, engine, http):
-    """Texts listed the other way estimate that listing's content-free prior and keep its mean."""
-    acct = make_account(service, credit="1")
-    texts = [f"The battery died after {n} days." for n in range(2, 40)]
-    given = next(t for t in texts if choose_order(t) == "given")
-    flipped = next(t for t in texts if choose_order(t) == "reversed")
-    answered = []
-    for text in (given, flipped, given, flipped):
-        body = {**BODY, "input": {"text": text}}
-        r = await http.post("/v1/decide", json=body, headers=acct.headers)
-        assert r.status_code == 200, r.text
-        answered.append(r.json()["calibration"])
-        service.clock.advance(1)
-    assert [a["order"] for a in answered] == ["given", "reversed", "given", "reversed"]
-    # Each listing's first text pays for its own content-free prompts.
-    assert [a["content_free_estimated"] for a in answered] == [True, True, False, False]
-    # Each listing's running mean counts only its own texts.
-    assert [a["texts"] for a in answered] == [0, 0, 1, 1]
-    flipped_prompts = [c for c in engine.score_calls if flipped in str(c.messages)]
-    assert all("- neutral: neither\n" in c.messages[-1]["content"] for c in flipped_prompts)
 
 
 async def test_a_read_key_cannot_decide(service, engine, http):
@@ -354,20 +325,18 @@ async def test_estimate_counts_the_prompt_and_quotes_without_charging(service, e
     assert r.status_code == 200, r.text
     est = r.json()
     from batchyard.core.decisions import build_messages, parse_request
-    from batchyard.work.decide_scoring import call_order, content_free_requests, listed_request
+    from batchyard.work.decide_scoring import content_free_requests
 
     model = service.catalog.model("kettei-core")
     count = service.tokenizer(model).count_messages
     req = parse_request(BODY)
 
-    order = call_order(req, "batch")
-
     def listed(r: Any) -> int:
-        return count(build_messages(listed_request(r, order), "lines"))
+        return count(build_messages(r, "lines"))
 
-    # The exact prompts decide would send: the text under this call's listing
-    # of the outcomes and, since nothing of that listing is known yet, its
-    # content-free ones, which are what calibration adds.
+    # The exact prompts decide would send: the text's and, since nothing of
+    # this set is known yet, the content-free ones, which are what
+    # calibration adds.
     content_free = sum(listed(r) for r in content_free_requests(req))
     assert est["input_tokens"] == listed(req) + content_free
     assert est["calibration_input_tokens"] == content_free

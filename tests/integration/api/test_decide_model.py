@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from batchyard.core.calibration import choose_order
 from batchyard.store import ledger
 from tests.support.accounts import make_account
 from tests.support.server import asgi_client
@@ -119,32 +118,25 @@ async def test_calibrated_answers_carry_the_raw_ones_and_pay_for_the_content_fre
         assert probs != raw
         info = calibrated["calibration"]
         assert info["mode"] == "batch" and info["orders"] == 1
-        # One listing per text, by its hash; only the texts before this one
-        # under the same listing inform its prior.
-        assert info["order"] == choose_order(texts[n])
-        assert info["texts"] == [choose_order(t) for t in texts[:n]].count(info["order"])
+        # Only the texts before this one inform its prior.
+        assert info["texts"] == n
         usage = calibrated["usage"]
         assert calibrated["charge"] == format_money(
             charge_ticks(token_cost(usage["input_tokens"], usage["output_tokens"], *prices))
         )
-        # The call reads one prompt, as the uncalibrated one does (the same
-        # words, perhaps listed the other way), plus any content-free prompts.
+        # The call reads the one prompt the uncalibrated call reads, plus,
+        # the first time, the content-free prompts.
         own = usage["input_tokens"] - usage["calibration_input_tokens"]
-        assert abs(own - uncalibrated["usage"]["input_tokens"]) <= 2
-        assert (usage["calibration_input_tokens"] > 0) == info["content_free_estimated"]
-        if info["order"] == "given":
-            assert own == uncalibrated["usage"]["input_tokens"]
-    # Each listing's first text also estimated that listing's content-free
-    # prior, and paid for it: three prompts that say nothing.
-    seen: set[str] = set()
-    for (uncalibrated, calibrated), text in zip(bodies, texts, strict=True):
-        first_of_listing = choose_order(text) not in seen
-        seen.add(choose_order(text))
-        assert calibrated["calibration"]["content_free_estimated"] is first_of_listing
-        if first_of_listing:
-            assert calibrated["usage"]["calibration_input_tokens"] > 2 * prompt
+        assert own == uncalibrated["usage"]["input_tokens"]
+        assert (usage["calibration_input_tokens"] > 0) == (n == 0)
+    first, second = bodies[0][1], bodies[1][1]
+    # The first call also estimated the set's content-free prior, and paid for
+    # it: three prompts that say nothing.
+    assert first["calibration"]["content_free_estimated"] is True
+    assert second["calibration"]["content_free_estimated"] is False
+    assert first["usage"]["calibration_input_tokens"] > 2 * prompt
+    assert second["charge"] == bodies[1][0]["charge"]
     # The estimate quoted the content-free prompts before, and none after.
-    first = bodies[0][1]
     assert est["input_tokens"] == first["usage"]["input_tokens"]
     assert est["calibration_input_tokens"] == first["usage"]["calibration_input_tokens"]
     assert est_after["input_tokens"] == prompt and est_after["calibration_input_tokens"] == 0

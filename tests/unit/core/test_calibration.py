@@ -1,4 +1,4 @@
-"""The calibration maths: dividing out a prior, blending the two estimates, picking a listing."""
+"""The calibration maths: dividing out a prior, blending the two estimates, and a listing's pull."""
 
 from __future__ import annotations
 
@@ -68,36 +68,19 @@ def test_the_batch_mean_takes_over_as_texts_arrive() -> None:
     assert few[0] == pytest.approx((5 + 0.9) / 11)
 
 
-def test_a_call_is_listed_by_a_hash_of_its_text_the_same_every_time() -> None:
-    texts = [f"text number {i}" for i in range(400)]
-    orders = [cal.choose_order(t) for t in texts]
-    assert orders == [cal.choose_order(t) for t in texts]  # the same text, the same listing
-    # Over a batch both listings get about half of the texts.
-    assert 150 < orders.count("reversed") < 250
-    assert set(orders) == {"given", "reversed"}
-    assert {cal.choose_order(t, ("given",)) for t in texts} == {"given"}
-    with pytest.raises(ValueError):
-        cal.choose_order("x", ())
-
-
-def test_the_two_listings() -> None:
-    assert cal.listing("given", 3) == [0, 1, 2]
-    assert cal.listing("reversed", 3) == [2, 1, 0]
-
-
-def test_a_first_position_pull_is_divided_out_by_each_listings_own_prior() -> None:
-    """The model doubles the weight of whichever outcome is listed first: each listing's prior
-    carries its own pull, so calibrating each by its own prior treats every text alike."""
+def test_a_first_position_pull_is_part_of_the_prior_and_divided_out_with_it() -> None:
+    """The model doubles the weight of whichever outcome is listed first. A set lists its
+    outcomes one way, so its prior (what it answers to texts that say nothing) carries the
+    same pull, and dividing by it returns the model's view without it, in either listing."""
     truth = [0.3, 0.5, 0.2]
 
-    def scored(order: cal.Order, posterior: list[float]) -> list[float]:
-        first = cal.listing(order, 3)[0]
-        w = [posterior[i] * (2.0 if i == first else 1.0) for i in range(3)]
+    def scored(first: int, posterior: list[float]) -> list[float]:
+        w = [p * (2.0 if i == first else 1.0) for i, p in enumerate(posterior)]
         return [x / sum(w) for x in w]
 
-    for order in ("given", "reversed"):
-        prior = scored(order, [1 / 3] * 3)
-        assert cal.calibrate(scored(order, truth), prior) == pytest.approx(truth)
+    for first in (0, 2):
+        prior = scored(first, [1 / 3] * 3)
+        assert cal.calibrate(scored(first, truth), prior) == pytest.approx(truth)
 
 
 def test_mean_probabilities_of_content_free_answers() -> None:
@@ -120,9 +103,7 @@ def test_a_set_fingerprint_changes_with_any_wording_order_or_model() -> None:
             "kettei-core", [("sentiment", "How?", [("positive", ""), ("negative", "")])]
         ),
     ]
-    reversed_listing = cal.set_fingerprint("kettei-core", base, "reversed")
-    assert fp == cal.set_fingerprint("kettei-core", base, "given")
-    assert len({fp, reversed_listing, *others}) == 6
+    assert len({fp, *others}) == 5
 
 
 def test_batch_calibration_recovers_a_biased_models_accuracy() -> None:
