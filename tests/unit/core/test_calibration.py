@@ -127,3 +127,12 @@ def test_batch_calibration_recovers_a_biased_models_accuracy() -> None:
         sums = [s + r for s, r in zip(sums, raw, strict=True)]
     assert raw_hits / 600 < 0.45
     assert cal_hits / 600 > 0.8
+
+
+def test_the_content_free_prior_counts_as_a_few_texts_by_default() -> None:
+    """A few texts' worth (tuned): the batch mean soon outweighs it."""
+    content_free = [0.8, 0.2]
+    blended = cal.blend_prior(content_free, [0.1, 0.9], 1)
+    c = cal.BATCH_PSEUDO_TEXTS
+    assert blended == pytest.approx([(c * 0.8 + 0.1) / (c + 1), (c * 0.2 + 0.9) / (c + 1)])
+    assert 1.0 <= c <= 10.0
