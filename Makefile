@@ -42,8 +42,9 @@ docs: install
 sync-client: install
 	$(BIN)/python scripts/gen_sync_client.py --check
 
+# Two processes, work-stealing: the few long tests (the embedded model's) do not hold up a queue.
 unit: install
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q -n 2 --dist worksteal tests
 
 check: lint types contracts docs sync-client unit
 
@@ -53,6 +54,7 @@ bench: install
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/pacing.py
 	$(BIN)/python bench/runs.py
+	$(BIN)/python bench/fleet.py
 	$(BIN)/python -m bench.market
 	$(BIN)/python bench/decide_quality.py
 

@@ -28,9 +28,9 @@ Labels: a mean rating above +0.5 is ``positive``, below −0.5 ``negative``,
 and ``neutral`` in between. Each half is sampled balanced (``--per-class``
 texts of each label).
 
-Reported per set and variant (``raw``: one order, no calibration, the
-``calibration: "none"`` call; ``raw, 2 orders``: the raw probabilities the
-calibrated call returns; ``calibrated``: its answers):
+Reported per set and variant (``raw``: no calibration, the
+``calibration: "none"`` call, whose probabilities are the calibrated call's
+``raw_probabilities``: the same prompt; ``calibrated``: its answers):
 
 - three-way accuracy and balanced accuracy;
 - two-way accuracy: on the positive and negative texts, whether the
@@ -43,11 +43,10 @@ calibrated call returns; ``calibrated``: its answers):
 And the cost: after a set's quality calls, its calibrated call's time beside
 the uncalibrated call's, on the same texts in the same run: alternating
 blocks of twelve calls of each mode, one call at a time, on the default two
-engine contexts (``--contexts``), where the two orders of a calibrated call
-are scored side by side (``measure_cost``). Target ≤ 1.5. Beside it, the
-ratio of the process's CPU seconds, and of input tokens: the model work,
-which two orders double whatever the wall time. The set's first call, which
-also estimates the content-free prior, is reported apart.
+engine contexts (``--contexts``) (``measure_cost``). Target ≤ 1.5. Beside
+it, the ratio of the process's CPU seconds, and of input tokens: the model
+work. The set's first call, which also estimates the content-free prior, is
+reported apart.
 
     PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
     PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
@@ -214,7 +213,7 @@ def argmax(p: dict[str, float]) -> str:
 
 @dataclass
 class Variant:
-    """One way of answering (raw, raw over two orders, calibrated) over one set's texts."""
+    """One way of answering (raw, calibrated) over one set's texts."""
 
     name: str
     labels: list[str] = field(default_factory=list)
@@ -284,61 +283,34 @@ async def run_set(
     headers: dict[str, str],
     progress: Console,
     *,
-    calibrated_only: bool = False,
+    two_way_calls: bool = True,
 ) -> SetResult:
-    variants = {v: Variant(v) for v in ("raw", "raw, 2 orders", "calibrated")}
+    """One calibrated call per text; its ``raw_probabilities`` are the uncalibrated answer.
+
+    A calibrated call reads the very prompt a ``calibration: "none"`` call
+    reads and scores it the same way, so its raw probabilities are what that
+    call would return (``measure_cost`` makes both kinds of call).
+    """
+    variants = {v: Variant(v) for v in ("raw", "calibrated")}
     two_way = Variant("2-way call")
-    seconds_raw: list[float] = []
-    seconds_cal: list[float] = []
-    cpu_raw: list[float] = []
-    cpu_cal: list[float] = []
     first_s = 0.0
     cf_tokens = 0
-    tokens_raw = tokens_cal = 0
     for n, item in enumerate(items):
-        # Interleaved, so a busy moment of the machine weighs on both alike.
         body, cal_s = await decide(http, headers, item.text, decision, "batch")
-        cal_cpu = CPU_SPENT[-1]
-        if calibrated_only:
-            raw_body, raw_s, raw_cpu = body, cal_s, cal_cpu
-            answer = body["answers"][0]
-            variants["raw"].add(item.label, answer["raw_probabilities"])
-        else:
-            raw_body, raw_s = await decide(http, headers, item.text, decision, "none")
-            raw_cpu = CPU_SPENT[-1]
-            variants["raw"].add(item.label, raw_body["answers"][0]["probabilities"])
         answer = body["answers"][0]
-        variants["raw, 2 orders"].add(item.label, answer["raw_probabilities"])
+        variants["raw"].add(item.label, answer["raw_probabilities"])
         variants["calibrated"].add(item.label, answer["probabilities"])
         if body["calibration"]["content_free_estimated"]:
             first_s = cal_s
             cf_tokens = body["usage"]["calibration_input_tokens"]
-        else:
-            seconds_raw.append(raw_s)
-            seconds_cal.append(cal_s)
-            cpu_raw.append(raw_cpu)
-            cpu_cal.append(cal_cpu)
-            tokens_raw += raw_body["usage"]["input_tokens"]
-            tokens_cal += body["usage"]["input_tokens"]
-        if item.label != "neutral" and not calibrated_only:
+        if item.label != "neutral" and two_way_calls:
             got, _ = await decide(http, headers, item.text, TWO_WAY, "batch")
             probs = dict(got["answers"][0]["probabilities"])
             probs.setdefault("neutral", 0.0)
             two_way.add(item.label, probs)
         if (n + 1) % 25 == 0:
             progress.print(f"  {name}: {n + 1}/{len(items)}")
-    return SetResult(
-        name,
-        variants,
-        two_way,
-        seconds_raw,
-        seconds_cal,
-        cpu_raw,
-        cpu_cal,
-        first_s,
-        cf_tokens,
-        tokens_cal / tokens_raw if tokens_raw else math.nan,
-    )
+    return SetResult(name, variants, two_way, [], [], [], [], first_s, cf_tokens, math.nan)
 
 
 async def measure_cost(
@@ -348,24 +320,27 @@ async def measure_cost(
     headers: dict[str, str],
     blocks: int,
     per_block: int,
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Wall and CPU seconds per call, uncalibrated and calibrated, on the same texts.
+) -> tuple[list[float], list[float], list[float], list[float], float]:
+    """Wall and CPU seconds per call, uncalibrated and calibrated, on the same texts, and the
+    ratio of their input tokens.
 
     In alternating blocks of one mode each, as a user's stream of one decision
-    set runs (the engine keeps each order's prompt prefix on a context of its
-    own); a block's first call, which finds the other mode's prompt there, is
-    left out. Alternating blocks spread the machine's busy moments over both.
+    set runs; a block's first call is left out. Alternating blocks spread the
+    machine's busy moments over both.
     """
     out: dict[str, tuple[list[float], list[float]]] = {"none": ([], []), "batch": ([], [])}
+    tokens = {"none": 0, "batch": 0}
     for b in range(blocks):
         chunk = items[(b // 2) * per_block : (b // 2 + 1) * per_block]
         for mode in ("none", "batch") if b % 2 == 0 else ("batch", "none"):
             for i, item in enumerate(chunk):
-                _, wall = await decide(http, headers, item.text, decision, mode)
+                body, wall = await decide(http, headers, item.text, decision, mode)
                 if i:
                     out[mode][0].append(wall)
                     out[mode][1].append(CPU_SPENT[-1])
-    return out["none"][0], out["batch"][0], out["none"][1], out["batch"][1]
+                    tokens[mode] += body["usage"]["input_tokens"]
+    ratio = tokens["batch"] / tokens["none"] if tokens["none"] else math.nan
+    return out["none"][0], out["batch"][0], out["none"][1], out["batch"][1], ratio
 
 
 # -- reporting --------------------------------------------------------------------
@@ -436,7 +411,7 @@ def sweep(results: list[SetResult], content_free: dict[str, list[float]]) -> Tab
     for c in grid:
         table.add_column(f"c={c:g}", justify="right")
     for res in results:
-        raw = res.variants["raw, 2 orders"]
+        raw = res.variants["raw"]
         cf = content_free[res.name]
         cells = []
         for c in grid:
@@ -500,7 +475,7 @@ async def main() -> None:
                         http,
                         acct.headers,
                         console,
-                        calibrated_only=args.tune,
+                        two_way_calls=not args.tune,
                     )
                 )
                 content_free[name] = await content_free_prior(service, acct.org_id, decision)
@@ -509,12 +484,17 @@ async def main() -> None:
                     measured = await measure_cost(
                         items, decision, http, acct.headers, args.cost_blocks, 12
                     )
-                    res.seconds_raw, res.seconds_calibrated, res.cpu_raw, res.cpu_calibrated = (
-                        measured
-                    )
+                    (
+                        res.seconds_raw,
+                        res.seconds_calibrated,
+                        res.cpu_raw,
+                        res.cpu_calibrated,
+                        res.usage_ratio,
+                    ) = measured
         await service.stop()
     console.print(quality_table(results, half))
-    console.print(cost_table(results))
+    if not args.tune:
+        console.print(cost_table(results))
     if args.tune:
         console.print(sweep(results, content_free))
     if args.json:
@@ -551,10 +531,12 @@ def to_json(results: list[SetResult], half: str) -> dict[str, Any]:
                 "starved": v.starved() if v is not res.two_way_call else None,
                 "texts": len(v.labels),
             }
-        entry["cpu_ratio"] = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
-        entry["cost_ratio"] = statistics.mean(res.seconds_calibrated) / statistics.mean(
-            res.seconds_raw
-        )
+        if res.seconds_raw:
+            entry["cpu_ratio"] = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)
+            entry["cost_ratio"] = statistics.mean(res.seconds_calibrated) / statistics.mean(
+                res.seconds_raw
+            )
+            entry["input_tokens_ratio"] = res.usage_ratio
         out["sets"][res.name] = entry
     return out
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -24,17 +25,19 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy
 
 from batchyard.core.clock import Clock, SystemClock
-from batchyard.core.config import Settings
-from batchyard.core.limits import InMemoryLimiter, Limiter
+from batchyard.core.config import Settings, load_settings
+from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook
 from batchyard.core.runs import RunSettings
+from batchyard.core.telemetry import MeteredLimiter
 from batchyard.engines.base import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
 from batchyard.service.access import check_complete
-from batchyard.store import health
+from batchyard.service.metrics import PrometheusRecorder
+from batchyard.store import health, migrations
 from batchyard.store.database import Database
 from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
@@ -51,13 +54,18 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 __all__ = [
+    "BACKGROUND_ENV",
     "READINESS",
     "ReadinessCheck",
+    "app_from_environment",
     "build_service",
     "create_app",
+    "create_metrics_app",
     "file_batch_worker",
     "limiter_from_url",
+    "limiter_reachable",
     "market_worker",
+    "migrations_current",
     "run_worker",
     "store_writable",
 ]
@@ -101,7 +109,10 @@ def build_service(
     clock = clock or SystemClock()
     key = resolve_key(settings)
     db = Database(settings.database_url, sealer=key.sealer)
-    limiter = limiter or limiter_from_url(settings.limiter_url, clock, db.engine)
+    metrics = PrometheusRecorder()
+    limiter = MeteredLimiter(
+        limiter or limiter_from_url(settings.limiter_url, clock, db.engine), metrics
+    )
     registry = EngineRegistry(
         embedded_model_path=settings.embedded_model_path,
         embedded_contexts=settings.embedded_contexts,
@@ -109,7 +120,12 @@ def build_service(
         overrides=engines,
     )
     dispatcher = Dispatcher(
-        db=db, clock=clock, limiter=limiter, engines=registry, tiers=settings.tiers
+        db=db,
+        clock=clock,
+        limiter=limiter,
+        engines=registry,
+        tiers=settings.tiers,
+        metrics=metrics,
     )
     tokenizers = Tokenizers(settings.embedded_model_path)
     if key.created:
@@ -132,6 +148,7 @@ def build_service(
         warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher),
         file_batches=_file_batch_worker(settings, db, clock, dispatcher, key, market.prices),
         holds=HoldSweeper(db=db, clock=clock),
+        metrics=metrics,
     )
 
 
@@ -283,8 +300,39 @@ async def store_writable(service: Service) -> str | None:
     return None
 
 
+async def migrations_current(service: Service) -> str | None:
+    """The database's schema is this code's Alembic head (not older, not newer)."""
+    try:
+        return await asyncio.wait_for(service.db.read(migrations.behind), PROBE_TIMEOUT_S)
+    except StorageUnavailable as exc:
+        return exc.message
+    except TimeoutError:
+        return f"the store did not answer within {PROBE_TIMEOUT_S:g} s"
+
+
+#: The limiter key ``/readyz`` looks at; a look costs nothing, so it spends nothing.
+_PROBE_LIMIT = ((Limit("readyz", 60.0), 0.0),)
+
+
+async def limiter_reachable(service: Service) -> str | None:
+    """The limiter answers (Redis, or the database's limiter table): a look that spends nothing."""
+    try:
+        await asyncio.wait_for(
+            service.limiter.try_acquire("health:readyz", _PROBE_LIMIT), PROBE_TIMEOUT_S
+        )
+    except TimeoutError:
+        return f"the limiter did not answer within {PROBE_TIMEOUT_S:g} s"
+    except Exception as exc:  # any backend's failure is the answer, not a crash
+        return f"the limiter cannot be reached: {type(exc).__name__}: {exc}"
+    return None
+
+
 #: What ``/readyz`` checks, by name; a deployment (or another part) adds its own.
-READINESS: tuple[tuple[str, ReadinessCheck], ...] = (("store", store_writable),)
+READINESS: tuple[tuple[str, ReadinessCheck], ...] = (
+    ("store", store_writable),
+    ("migrations", migrations_current),
+    ("limiter", limiter_reachable),
+)
 
 
 def create_app(
@@ -313,9 +361,11 @@ def create_app(
         models,
         projects,
         runs,
+        scrape,
     )
     from batchyard.api.envelope import EnvelopeMiddleware
     from batchyard.api.errors import install_error_handlers
+    from batchyard.api.metering import MeteringMiddleware
     from batchyard.api.openapi import install_openapi
     from batchyard.web import file_pages
     from batchyard.web import routes as workspace
@@ -343,6 +393,7 @@ def create_app(
     app.state.service = service
     install_error_handlers(app)
     app.add_middleware(EnvelopeMiddleware)
+    app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 
     @app.get("/healthz", response_model=None)
     async def healthz() -> JSONResponse:
@@ -376,8 +427,53 @@ def create_app(
     app.include_router(models.router)
     app.include_router(projects.router)
     app.include_router(runs.router)
+    app.include_router(scrape.router)  # /metrics
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
     app.include_router(file_pages.router)  # ... and its file batches
     install_openapi(app)
     check_complete(app)  # every route has its row in the scope matrix (service.access)
     return app
+
+
+def create_metrics_app(service: Service) -> FastAPI:
+    """A ``batchyard worker``'s own small HTTP app: ``/healthz`` and ``/metrics``.
+
+    A worker serves no API, yet it makes the model calls, charges, recovers leases and
+    marks items uncertain; without a port of its own, those counts would live and die in
+    its memory, unscraped. It is the same ``/metrics`` (and the same token) as the API's.
+    """
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from batchyard.api import scrape
+    from batchyard.api.errors import install_error_handlers
+
+    app = FastAPI(title="batchyard worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    install_error_handlers(app)
+
+    @app.get("/healthz", response_model=None)
+    async def healthz() -> JSONResponse:
+        ok = service.started and not service.draining
+        return JSONResponse({"status": "ok" if ok else "stopping"}, status_code=200 if ok else 503)
+
+    app.include_router(scrape.router)
+    return app
+
+
+#: Set to ``1`` by ``serve --workers N --with-worker``: each API process runs background work too.
+BACKGROUND_ENV = "BATCHYARD_SERVE_BACKGROUND"
+
+
+def app_from_environment() -> FastAPI:
+    """One API process of ``batchyard serve --workers N`` (uvicorn calls this factory in each).
+
+    Settings come from the environment the parent set (``BATCHYARD_CONFIG``,
+    ``BATCHYARD_DATABASE_URL``, ``BATCHYARD_SHUTDOWN_GRACE_S``), as
+    ``load_settings`` reads them; the parent migrated the store already.
+    """
+    from batchyard.logs import setup_logging
+
+    setup_logging(os.environ.get("BATCHYARD_LOG_LEVEL", "INFO").upper())
+    service = build_service(load_settings())
+    return create_app(service, worker=os.environ.get(BACKGROUND_ENV) == "1")

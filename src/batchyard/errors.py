@@ -46,7 +46,8 @@ not retryable.
     ├── ModelWarming (503)
     ├── ServiceUnavailable (503)
     │   ├── BatchUnavailable
-    │   └── StorageUnavailable
+    │   ├── StorageUnavailable
+    │   └── LimiterUnavailable
     └── InternalError (500)
 """
 
@@ -77,6 +78,7 @@ __all__ = [
     "InvalidRequest",
     "InvalidState",
     "InvalidType",
+    "LimiterUnavailable",
     "MissingApiKey",
     "ModelNotFound",
     "ModelOutputInvalid",
@@ -372,6 +374,17 @@ class StorageUnavailable(ServiceUnavailable):
     """
 
     code = "storage_unavailable"
+
+
+class LimiterUnavailable(ServiceUnavailable):
+    """The shared limiter (Redis) cannot be reached: nothing is admitted until it is back.
+
+    The limiter fails closed: admitting without it could exceed an upstream's
+    limits or a tier's spend for the whole fleet. Nothing was called or
+    charged; send the same request again once the limiter is back.
+    """
+
+    code = "limiter_unavailable"
 
 
 class InternalError(BatchyardError):

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.private_servers import PrivatePostgres, PrivateRedis
 from tests.support.processes import Workers
 
 
@@ -40,3 +41,33 @@ def pytest_runtest_makereport(
     if report.failed and isinstance(started, Workers) and started.started:
         report.sections.append(("batchyard worker processes", started.report()))
     return report
+
+
+@pytest.fixture(scope="session")
+def private_pg() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL cluster of this session's own (never the shared one): tests may stop it."""
+    server = PrivatePostgres()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def private_pg_url(private_pg: PrivatePostgres) -> str:
+    """An empty database on the private cluster, which is running when the test starts."""
+    if not private_pg.running:
+        private_pg.start()  # a test that failed while it was down
+    return private_pg.new_database()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    """A redis-server of this test's own (never the shared one): the test may stop it."""
+    server = PrivateRedis()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()

@@ -314,6 +314,38 @@ async def test_prune_drops_idle_rows_and_checks_carry_on(clock, ns, pg_engine) -
         conn.execute(sa.delete(rate_limits).where(rate_limits.c.key.startswith(ns)))
 
 
+@pytest.mark.postgres
+async def test_a_check_with_nothing_to_count_locks_and_writes_nothing(clock, ns, pg_engine) -> None:
+    """A route with no limits of its own is still asked about its penalty on every call.
+
+    That check only reads: it inserts no row and takes no row lock, so calls
+    of one route across a fleet do not queue behind each other on its
+    penalty row (a transaction holding that lock does not hold the check up),
+    and it still sees a penalty set by another process.
+    """
+    limiter = SqlLimiter(pg_engine, clock)
+    key = f"{ns}route:free"
+    assert (await limiter.try_acquire(key, [])).allowed
+    with pg_engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(sa.func.count()).where(rate_limits.c.key.startswith(ns))
+        ).scalar_one()
+    assert rows == 0
+    await limiter.penalize(key, clock.time() + 5)
+    with pg_engine.connect() as holder:
+        holder.execute(
+            sa.select(rate_limits.c.tat)
+            .where(rate_limits.c.key == f"{key}:{PENALTY}")
+            .with_for_update()
+        ).scalar_one()
+        # A bound on a hang, not a timing: a locking check would wait for ``holder``.
+        admission = await asyncio.wait_for(limiter.try_acquire(key, []), 30)
+        holder.rollback()
+    assert admission == Admission(False, pytest.approx(5.0), PENALTY)
+    with pg_engine.begin() as conn:
+        conn.execute(sa.delete(rate_limits).where(rate_limits.c.key.startswith(ns)))
+
+
 @pytest.mark.redis
 async def test_redis_keys_expire_once_idle(clock, ns) -> None:
     prefix = f"batchyard-test:{ns}"

@@ -37,7 +37,7 @@ async def test_writes_answer_503_retryable_and_readyz_follows_the_store(service)
     async with asgi_client(service, worker=False) as http:
         assert (await http.get("/readyz")).json() == {
             "status": "ready",
-            "checks": {"store": {"ok": True}},
+            "checks": {"store": {"ok": True}, "migrations": {"ok": True}, "limiter": {"ok": True}},
         }
         read_only(service, True)
         unready = await http.get("/readyz")

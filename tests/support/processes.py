@@ -209,6 +209,14 @@ class WorkerProcess:
                 f"{signal.Signals(sig).name}\n{self.output()}"
             ) from None
 
+    def pause(self) -> None:
+        """SIGSTOP: every thread stops where it is (a long GC, a frozen VM); ``resume`` goes on."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT: a paused worker goes on as if no time had passed, leases and all."""
+        os.kill(self.pid, signal.SIGCONT)
+
     def reap(self) -> None:
         """Kill if still running, and wait for it: never leave a zombie or an orphan."""
         if self.popen.poll() is None:

@@ -86,17 +86,17 @@ class Plan:
     price: Price
     max_cost: int
     # Calibration as it applies here ("none" where the engine cannot score),
-    # each order's prompt tokens, and, where this call would estimate the
-    # set's content-free prior (``prior_pending``), what that costs; then
+    # the prompt's tokens, and, where this call would estimate the set's
+    # content-free prior (``prior_pending``), what that costs; then
     # ``input_tokens`` includes it.
     calibration: CalibrationMode = "none"
-    prompt_tokens: tuple[int, ...] = ()
+    prompt_tokens: int = 0
     content_free_tokens: int = 0
     prior_pending: bool = False
 
     @property
     def calibration_input_tokens(self) -> int:
-        return self.input_tokens - (self.prompt_tokens[0] if self.prompt_tokens else 0)
+        return self.content_free_tokens
 
 
 def can_score(svc: Service, route: RouteSpec) -> bool:
@@ -140,24 +140,19 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
         )
     price = Price(model.input_per_mtok, model.output_per_mtok)
     mode: CalibrationMode = req.calibration if scoring else "none"
-    orders = [prompt_tokens] + [
-        tok.count_messages(rules.build_messages(r, fmt))
-        for r in scoring_work.order_requests(req, mode)[1:]
-    ]
-    input_tokens = sum(orders)
-    max_cost = quote_ticks(price.cost(input_tokens, max_out))
+    max_cost = quote_ticks(price.cost(prompt_tokens, max_out))
     return Plan(
         model,
         where,
         scoring,
         fmt,
         messages,
-        input_tokens,
+        prompt_tokens,
         max_out,
         price,
         max_cost,
         mode,
-        tuple(orders),
+        prompt_tokens,
     )
 
 
@@ -169,9 +164,7 @@ async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan:
         return plan
     count = svc.tokenizer(plan.model).count_messages
     content_free = sum(
-        count(rules.build_messages(r, plan.fmt))
-        for cf in scoring_work.content_free_requests(req)
-        for r in scoring_work.order_requests(cf, plan.calibration)
+        count(rules.build_messages(cf, plan.fmt)) for cf in scoring_work.content_free_requests(req)
     )
     input_tokens = plan.input_tokens + content_free
     return dataclasses.replace(

@@ -32,12 +32,18 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchyard import logs
-from batchyard.api.errors import error_response
+from batchyard.api.errors import client_gone, error_response
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limit, Limiter, Standing
 from batchyard.errors import InternalError
 
-__all__ = ["Envelope", "EnvelopeMiddleware", "HeldSlot", "envelope_of", "ratelimit_headers"]
+__all__ = [
+    "Envelope",
+    "EnvelopeMiddleware",
+    "HeldSlot",
+    "envelope_of",
+    "ratelimit_headers",
+]
 
 log = logging.getLogger("batchyard.api")
 
@@ -161,6 +167,10 @@ class EnvelopeMiddleware:
         try:
             await self.app(scope, receive, send_with_envelope)
         except Exception as exc:
+            if client_gone(exc):
+                # The client hung up (mid-body or mid-answer): no one to answer, nothing broke.
+                log.info("client disconnected", extra={"event": "client_disconnected"})
+                return
             # Answered here rather than by the server's last-resort handler
             # (outside this middleware), so a 500 carries its request id too.
             if started:

@@ -17,14 +17,16 @@ import logging
 import math
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from batchyard.errors import BatchyardError, InternalError
 
-__all__ = ["error_response", "install_error_handlers"]
+__all__ = ["client_gone", "error_response", "install_error_handlers"]
 
 log = logging.getLogger("batchyard.api")
 
@@ -64,6 +66,19 @@ def error_response(exc: BatchyardError) -> JSONResponse:
     )
 
 
+#: What reading a body from, or sending an answer to, a client that hung up raises:
+#: Starlette's ``ClientDisconnect``, uvicorn's ``ClientDisconnected`` (an ``OSError``),
+#: and anyio's closed-stream errors.
+_GONE = ("ClientDisconnect", "ClientDisconnected")
+
+
+def client_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` only says the client went away (a stream cut, a body never finished)."""
+    if isinstance(exc, ClientDisconnect | anyio.EndOfStream | anyio.BrokenResourceError):
+        return True
+    return type(exc).__name__ in _GONE
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BatchyardError)
     async def _batchyard(_: Request, exc: BatchyardError) -> JSONResponse:
@@ -91,5 +106,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        if client_gone(exc):
+            log.info("client disconnected", extra={"event": "client_disconnected"})
+            return error_response(InternalError("the client disconnected"))
         log.exception("unhandled error", extra={"error_type": type(exc).__name__})
         return error_response(InternalError("internal error; it has been logged"))

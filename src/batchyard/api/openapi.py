@@ -205,7 +205,10 @@ _MODEL_CALL = (400, 401, 402, 403, 404, 409, 413, 415, 429, 500, 502, 503, 504)
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/healthz"): Operation(200, Health, (503,), summary="Liveness: the process is up"),
     ("get", "/readyz"): Operation(
-        200, Readiness, (503,), summary="Readiness: every check passes (the store takes a write)"
+        200,
+        Readiness,
+        (503,),
+        summary="Readiness: store writable, migrations current, limiter reachable",
     ),
     ("get", "/v1/account"): Operation(200, Account, (401, 403, 500, 503), summary="Your account"),
     ("get", "/v1/activity"): Operation(200, ListOf, _READ, summary="Credit activity"),

@@ -8,6 +8,22 @@ stops taking requests, lets those in progress finish within the same grace,
 and answers ``/readyz`` 503 from the first signal. A second signal stops at
 once. A store that cannot be opened or written at start is one line on
 stderr and exit status 1, not a traceback.
+
+``serve --workers N`` (N > 1) runs N API processes on one port under a
+supervisor (uvicorn's), each building its own service from the settings the
+parent hands down in the environment (``app.app_from_environment``). It needs
+PostgreSQL: SQLite is one process's store. The API processes then run no
+background work unless ``--with-worker`` asks: runs, deferred and file
+batches belong to ``batchyard worker`` processes, started beside them, as
+many as the work needs. ``/metrics`` sums every process through
+prometheus-client's multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``,
+emptied at start, a fresh temporary one when unset). SIGTERM to the parent
+reaches every child, and each drains as one ``serve`` does; a child that dies
+is replaced.
+
+``batchyard worker --metrics-port P`` serves that worker's own ``/metrics``
+(and ``/healthz``): its model calls, charges, recovered leases and uncertain
+items are counted in the worker, which serves no API.
 """
 
 from __future__ import annotations
@@ -29,6 +45,11 @@ if TYPE_CHECKING:
     from batchyard.service import Service
 
 __all__ = ["serve", "worker"]
+
+WORKERS_HELP = (
+    "API processes sharing the port (PostgreSQL only). With more than one, they run no "
+    "background work unless --with-worker: start `batchyard worker` processes for it."
+)
 
 console = Console(stderr=True)
 
@@ -78,6 +99,14 @@ def _report_batch_key(service: Service) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--no-worker", is_flag=True, help="Serve the API only; run workers separately.")
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=1, show_default=True, help=WORKERS_HELP
+)
+@click.option(
+    "--with-worker",
+    is_flag=True,
+    help="With --workers N: each API process runs background work too.",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--grace", type=float, default=None, help=GRACE_HELP)
 @database_options
@@ -85,6 +114,8 @@ def serve(
     host: str,
     port: int,
     no_worker: bool,
+    workers: int,
+    with_worker: bool,
     log_level: str,
     grace: float | None,
     config_file: str | None,
@@ -98,12 +129,21 @@ def serve(
 
     setup_logging(log_level.upper())
     settings = _settings(config_file, database_url, grace)
+    if workers > 1 and settings.is_sqlite:
+        raise click.ClickException(
+            f"--workers {workers} needs PostgreSQL (--database postgresql://...): "
+            "a SQLite file is one process's store"
+        )
     with _store_errors():
         service = build_service(settings)
         service.db.migrate()  # here, so a store that cannot be written is one line, not a trace
     _report_batch_key(service)
     where = settings.sqlite_path or settings.database_url.split("@")[-1]
     console.print(f"batchyard: database {where}; listening on http://{host}:{port}")
+    if workers > 1:
+        service.db.close()  # each API process opens its own
+        _serve_processes(settings, config_file, host, port, workers, with_worker, log_level)
+        return
     app = create_app(service, worker=not no_worker)
     config = uvicorn.Config(
         app,
@@ -125,14 +165,97 @@ def serve(
     Server(config).run()
 
 
+def _serve_processes(
+    settings: Settings,
+    config_file: str | None,
+    host: str,
+    port: int,
+    workers: int,
+    with_worker: bool,
+    log_level: str,
+) -> None:
+    """N API processes on one port; the children read their settings from the environment."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from batchyard.app import BACKGROUND_ENV
+    from batchyard.service.metrics import MULTIPROC_ENV, mark_dead, prepare_multiprocess
+
+    if settings.limiter_url in (None, "memory", "memory://"):
+        console.print(
+            "batchyard: warning: the limiter is in-process, so each API process applies the "
+            "tier limits on its own; set limiter_url (redis://... or sql) to share them"
+        )
+    own_dir = not os.environ.get(MULTIPROC_ENV)
+    metrics_dir = Path(os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix="batchyard-"))
+    prepare_multiprocess(metrics_dir)
+    os.environ["BATCHYARD_DATABASE_URL"] = settings.database_url
+    os.environ["BATCHYARD_SHUTDOWN_GRACE_S"] = str(settings.shutdown_grace_s)
+    os.environ["BATCHYARD_LOG_LEVEL"] = log_level
+    os.environ[BACKGROUND_ENV] = "1" if with_worker else "0"
+    if config_file:
+        os.environ["BATCHYARD_CONFIG"] = str(Path(config_file).resolve())
+
+    class Supervisor(Multiprocess):
+        """uvicorn's supervisor, telling prometheus-client which children died."""
+
+        def keep_subprocess_alive(self) -> None:
+            before = {p.pid for p in self.processes}
+            super().keep_subprocess_alive()
+            for pid in before - {p.pid for p in self.processes}:
+                if pid is not None:
+                    mark_dead(pid)
+
+        def join_all(self) -> None:
+            super().join_all()
+            for p in self.processes:
+                if p.pid is not None:
+                    mark_dead(p.pid)
+
+    config = uvicorn.Config(
+        "batchyard.app:app_from_environment",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
+    )
+    background = "each runs background work" if with_worker else "no background work"
+    console.print(f"batchyard: {workers} API processes ({background}); SIGTERM stops them all")
+    try:
+        Supervisor(config, sockets=[config.bind_socket()]).run()
+    finally:
+        if own_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
 @click.command()
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--grace", type=float, default=None, help=GRACE_HELP)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve /metrics and /healthz for Prometheus on this port (off by default).",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @database_options
 def worker(
-    log_level: str, grace: float | None, config_file: str | None, database_url: str | None
+    log_level: str,
+    grace: float | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    config_file: str | None,
+    database_url: str | None,
 ) -> None:
-    """Run background work (runs, deferred batches) without serving HTTP."""
+    """Run background work (runs, deferred batches, file batches) without serving the API."""
     from batchyard.app import build_service
     from batchyard.logs import setup_logging
 
@@ -143,6 +266,7 @@ def worker(
         service = build_service(settings)
         _report_batch_key(service)
         await service.start(worker=True)
+        scrape = _metrics_server(service, metrics_host, metrics_port, log_level)
         signals = 0
         stop = asyncio.Event()
         draining: asyncio.Task[None] | None = None
@@ -167,8 +291,43 @@ def worker(
         draining = asyncio.create_task(service.drain(settings.shutdown_grace_s))
         with contextlib.suppress(asyncio.CancelledError):
             await draining
+        if scrape is not None:
+            server, serving = scrape
+            server.should_exit = True
+            await serving
         await service.stop()
         console.print("batchyard worker: stopped")
 
     with _store_errors():
         asyncio.run(main())
+
+
+def _metrics_server(
+    service: Service, host: str, port: int | None, log_level: str
+) -> tuple[Any, asyncio.Task[None]] | None:
+    """Start the worker's ``/metrics`` port (``app.create_metrics_app``), if one was asked for.
+
+    uvicorn's own signal handling is turned off: the worker's handlers decide when to drain.
+    """
+    if port is None:
+        return None
+    import uvicorn
+
+    from batchyard.app import create_metrics_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    config = uvicorn.Config(
+        create_metrics_app(service),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+    )
+    server = Server(config)
+    console.print(f"batchyard worker: metrics on http://{host}:{port}/metrics")
+    return server, asyncio.create_task(server.serve())

@@ -17,9 +17,15 @@ results from the literature remove most of it, and decide uses both:
   the texts answered before the one at hand, shrunk towards the content-free
   prior while few texts have been seen (``BATCH_PSEUDO_TEXTS``).
 
-Position bias (the outcome listed first is favoured) is reduced by scoring
-each decision with its outcomes listed in two orders, as given and reversed,
-and averaging the two log-probabilities per outcome.
+Position bias (the outcome listed first is favoured) is part of the same
+prior: a decision set is its outcomes in the order listed, and the prior
+estimated for that listing holds the pull of its first position, so dividing
+it out removes both. A calibrated call therefore reads the one prompt an
+uncalibrated call reads. Scoring every text under a second, reversed listing
+and averaging the two doubled the model's work for about one point on the
+tuning halves, inside their noise; spreading texts over two listings, each
+with its own prior, scored 2-5 points worse (each listing's mean learns from
+half the texts).
 
 Everything here is pure arithmetic on probability vectors, one per decision,
 in the outcomes' listed order. The tuned constants were tuned on the tuning
@@ -41,11 +47,9 @@ __all__ = [
     "CONTENT_FREE_TEXTS",
     "CalibrationMode",
     "Prior",
-    "average_orders",
     "blend_prior",
     "calibrate",
     "mean_probabilities",
-    "reversed_order",
     "set_fingerprint",
 ]
 
@@ -56,13 +60,15 @@ CONTENT_FREE_TEXTS: tuple[str, ...] = ("N/A", "[MASK]", "")
 
 # How many texts the content-free prior is worth against the running batch
 # mean: with n texts seen, the prior is (c·content_free + Σ p) / (c + n).
-# Tuned on the tuning halves (bench/decide_quality.py --tune): 3 to 30 scored
-# within two points of each other; the content-free prior alone, 3-7 lower.
-BATCH_PSEUDO_TEXTS = 10.0
+# Tuned on the tuning halves (bench/decide_quality.py --tune, four sets): 1 to
+# 10 scored within two points of each other, but above 3 the first texts of a
+# set lean long on the content-free prior, which starves an outcome (movies:
+# neutral chosen a third as often as true at 10, 0.7 at 3).
+BATCH_PSEUDO_TEXTS = 3.0
 
 # Changing the prompt or the scoring changes what the stored estimates mean;
 # it is part of the fingerprint, so old estimates are never reused.
-SCORING_VERSION = "decide-scoring-1"
+SCORING_VERSION = "decide-scoring-2"
 
 # Probabilities are floored here before division and logarithms, so that an
 # outcome the model all but rules out can't divide by zero.
@@ -83,7 +89,8 @@ def set_fingerprint(
     """A stable name for one decision set on one model: what its estimates belong to.
 
     ``decisions`` are ``(id, question, [(outcome id, description), ...])``.
-    Any change of wording, order or model is another set, with its own bias.
+    Any change of wording, order or model is another set, with its own bias
+    (the order included: the outcome listed first is favoured).
     """
     canonical = json.dumps(
         [SCORING_VERSION, model, [[d, q, [list(o) for o in outs]] for d, q, outs in decisions]],
@@ -98,25 +105,6 @@ def _normalise(weights: Sequence[float]) -> list[float]:
     if not total > 0.0 or not math.isfinite(total):
         return [1.0 / len(weights)] * len(weights)
     return [w / total for w in weights]
-
-
-def reversed_order(n: int) -> list[int]:
-    """The second listing order: reversed, so every outcome's mean position is the middle."""
-    return list(range(n - 1, -1, -1))
-
-
-def average_orders(per_order: Sequence[Sequence[float]]) -> list[float]:
-    """One distribution from the same outcomes' probabilities under several listing orders.
-
-    The geometric mean (the mean of log-probabilities), renormalised: an
-    outcome must be likely in every order to be likely in the average.
-    """
-    if not per_order:
-        raise ValueError("no orders to average")
-    n = len(per_order[0])
-    logs = [sum(math.log(max(p[j], _FLOOR)) for p in per_order) / len(per_order) for j in range(n)]
-    peak = max(logs)
-    return _normalise([math.exp(v - peak) for v in logs])
 
 
 def mean_probabilities(samples: Sequence[Sequence[float]]) -> list[float]:

@@ -62,6 +62,8 @@ class Settings:
     # A concurrency slot's lease, renewed while its request runs: how long a
     # crashed process can hold slots it never gave back.
     slot_lease_s: float = 60.0
+    #: When set, ``/metrics`` answers only ``Authorization: Bearer <metrics_token>``.
+    metrics_token: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -133,6 +135,7 @@ def load_settings(
         ),
         limits_queue_s=float(data.get("limits_queue_s", 10.0)),
         slot_lease_s=float(data.get("slot_lease_s", 60.0)),
+        metrics_token=os.environ.get("BATCHYARD_METRICS_TOKEN") or data.get("metrics_token"),
         raw=data,
     )
     return replace(settings, **overrides) if overrides else settings

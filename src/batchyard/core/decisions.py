@@ -50,7 +50,6 @@ __all__ = [
     "needed_output_tokens",
     "parse_output",
     "parse_request",
-    "reorder_outcomes",
     "response_format",
     "scoring_candidates",
     "softmax",
@@ -230,24 +229,6 @@ def parse_request(raw: Mapping[str, Any]) -> DecideRequest:
             'calibration must be "batch", "content_free" or "none"', param="calibration"
         )
     return DecideRequest(model, inp, tuple(decisions), max_out, fallback, calibration)
-
-
-def reorder_outcomes(
-    request: DecideRequest, order: Callable[[int], Sequence[int]]
-) -> DecideRequest:
-    """``request`` with each decision's outcomes listed in ``order(len(outcomes))``."""
-    decisions = tuple(
-        Decision(d.id, d.question, tuple(d.outcomes[i] for i in order(len(d.outcomes))))
-        for d in request.decisions
-    )
-    return DecideRequest(
-        request.model,
-        request.input,
-        decisions,
-        request.max_output_tokens,
-        request.fallback,
-        request.calibration,
-    )
 
 
 # -- the prompt ---------------------------------------------------------------

@@ -105,10 +105,10 @@ class _Pool:
     async def take(self, prompt: str | None) -> _Model:
         """A free instance; of those free now, the one whose context holds most of ``prompt``.
 
-        Scoring reuses the prompt prefix a context already holds. Calibrated
-        decide alternates two prompts that differ early (the outcomes listed
-        in two orders); sending each to the instance that read it last keeps
-        both cached instead of evicting one with the other.
+        Scoring reuses the prompt prefix a context already holds. Streams of
+        decide calls with different decision sets share the instances;
+        sending each prompt to the instance that read its questions last
+        keeps each set's prefix cached instead of evicting one with another.
         """
         model = await self.free.get()
         if prompt is None or self.free.empty():

@@ -59,6 +59,8 @@ ACCESS: dict[tuple[str, str], Access] = {
     # health and the API's own description
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/readyz"): PUBLIC,
+    # Prometheus scrapes; ``metrics_token`` puts it behind its own bearer token (app.py)
+    ("GET", "/metrics"): PUBLIC,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
     # the account (seed 000: an inference key cannot read it)

@@ -31,6 +31,7 @@ from batchyard.core.limits import Limiter
 from batchyard.core.tiers import Tier
 from batchyard.core.tokens import Tokenizer
 from batchyard.engines.tokenizers import Tokenizers
+from batchyard.service.metrics import PrometheusRecorder
 from batchyard.store.database import Database
 from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.batches.worker import MarketWorker
@@ -66,6 +67,8 @@ class Service:
     warmth: Warmth
     file_batches: FileBatchWorker
     holds: HoldSweeper
+    #: What the parts count, served at ``/metrics`` (``service.metrics``).
+    metrics: PrometheusRecorder
     started: bool = field(default=False, init=False)
     #: True from the start of ``drain``: ``/readyz`` answers 503 so traffic moves away.
     draining: bool = field(default=False, init=False)

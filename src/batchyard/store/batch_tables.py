@@ -13,6 +13,7 @@ registers these tables on the shared metadata too.
 from __future__ import annotations
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     ForeignKey,
     Index,
@@ -83,6 +84,8 @@ batch_items = Table(
     Column("route", String(200), nullable=True),
     Column("reservation_id", String(64), nullable=True),
     Column("lease_until", UtcDateTime(), nullable=True),
+    # The fencing token: one more at each claim (``store.batches.claim``).
+    Column("lease_token", BigInteger, nullable=False, default=0, server_default="0"),
     Column("dispatched_at", UtcDateTime(), nullable=True),
     # Written durably just before the engine call: a dispatched item without it
     # was never sent, so a crash returns it to waiting instead of uncertain.

@@ -18,7 +18,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, select, update
+from sqlalchemy import Connection, func, insert, select, update
 
 from batchyard.store.batch_tables import ACTIVE, ITEM_STATES, TERMINAL, batch_items, batches
 from batchyard.store.tables import api_keys, organisations
@@ -400,12 +400,19 @@ def return_to_waiting(conn: Connection, item: ItemRow, now: datetime) -> bool:
     return bool(done)
 
 
-def dispatched_item(conn: Connection, item_id: str, reservation_id: str) -> ItemRow | None:
-    """The item if it is still dispatched under ``reservation_id`` (locked on PostgreSQL)."""
+def dispatched_item(
+    conn: Connection,
+    item_id: str,
+    reservation_id: str,
+    token: int,
+    states: Sequence[str] = ("dispatched",),
+) -> ItemRow | None:
+    """The item if it is still in ``states`` under this claim (locked on PostgreSQL)."""
     q = select(*_ITEM_COLUMNS).where(
         batch_items.c.id == item_id,
-        batch_items.c.status == "dispatched",
+        batch_items.c.status.in_(list(states)),
         batch_items.c.reservation_id == reservation_id,
+        batch_items.c.lease_token == token,
     )
     if conn.dialect.name == "postgresql":
         q = q.with_for_update()
@@ -413,7 +420,9 @@ def dispatched_item(conn: Connection, item_id: str, reservation_id: str) -> Item
     return _item(row) if row is not None else None
 
 
-def mark_sent(conn: Connection, item_id: str, reservation_id: str, now: datetime) -> bool:
+def mark_sent(
+    conn: Connection, item_id: str, reservation_id: str, token: int, now: datetime
+) -> bool:
     """Record that the item's call is about to start; False if the item is no longer ours."""
     done = conn.execute(
         update(batch_items)
@@ -421,6 +430,7 @@ def mark_sent(conn: Connection, item_id: str, reservation_id: str, now: datetime
             batch_items.c.id == item_id,
             batch_items.c.status == "dispatched",
             batch_items.c.reservation_id == reservation_id,
+            batch_items.c.lease_token == token,
         )
         .values(sent_at=now)
     ).rowcount
@@ -485,7 +495,12 @@ def mark_dispatched(
     reservation_id: str,
     now: datetime,
     lease_until: datetime,
-) -> None:
+) -> int:
+    """Dispatch a claimed item under a new lease; the lease's fencing token.
+
+    The token grows by one at each dispatch; the worker names it (with the
+    dispatch's reservation) in every later write of the item.
+    """
     conn.execute(
         update(batch_items)
         .where(batch_items.c.id == item_id, batch_items.c.status == "waiting")
@@ -495,14 +510,24 @@ def mark_dispatched(
             reservation_id=reservation_id,
             dispatched_at=now,
             lease_until=lease_until,
+            lease_token=batch_items.c.lease_token + 1,
         )
     )
+    token = conn.execute(
+        select(batch_items.c.lease_token).where(batch_items.c.id == item_id)
+    ).scalar_one()
+    return int(token)
 
 
-def extend_lease(conn: Connection, item_id: str, until: datetime) -> bool:
+def extend_lease(conn: Connection, item_id: str, token: int, until: datetime) -> bool:
+    """Renew a dispatched item's lease; False if it is no longer under the claim ``token``."""
     result = conn.execute(
         update(batch_items)
-        .where(and_(batch_items.c.id == item_id, batch_items.c.status == "dispatched"))
+        .where(
+            batch_items.c.id == item_id,
+            batch_items.c.status == "dispatched",
+            batch_items.c.lease_token == token,
+        )
         .values(lease_until=until)
     )
     return bool(result.rowcount)
@@ -519,11 +544,13 @@ def finish_item(
     result: bytes | None = None,
     from_states: Sequence[str] = ("waiting", "dispatched", "uncertain"),
     reservation_id: str | None = None,
+    token: int | None = None,
 ) -> bool:
     """End an item with its result; False when it had already left ``from_states``.
 
-    With ``reservation_id``, only the dispatch under that hold is ended: an item
-    that went back to waiting and was claimed again is not finished by the old one.
+    With ``reservation_id`` and ``token``, only the dispatch under that hold and
+    that claim is ended: an item that went back to waiting and was claimed
+    again is not finished by the old one.
     """
     if status not in TERMINAL:
         raise ValueError(f"{status!r} is not a final item state")
@@ -532,6 +559,8 @@ def finish_item(
     )
     if reservation_id is not None:
         q = q.where(batch_items.c.reservation_id == reservation_id)
+    if token is not None:
+        q = q.where(batch_items.c.lease_token == token)
     done = conn.execute(
         q.values(
             status=status,

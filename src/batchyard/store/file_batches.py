@@ -22,7 +22,7 @@ both kinds share the ``bat.`` prefix and one listing at ``/v1/batches``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Column,
+    ColumnElement,
     Connection,
     ForeignKey,
     Index,
@@ -44,6 +45,7 @@ from sqlalchemy import (
     insert,
     literal,
     select,
+    tuple_,
     update,
 )
 
@@ -133,6 +135,8 @@ file_batch_lines = Table(
     Column("state", String(16), nullable=False),
     Column("lease_owner", String(64), nullable=True),
     Column("lease_expires_at", UtcDateTime(), nullable=True),
+    # The fencing token: one more at each claim of the line (see ``claim_lines``).
+    Column("lease_token", BigInteger, nullable=False, default=0, server_default="0"),
     Column("route", String(200), nullable=True),
     Column("usage_input", Integer, nullable=True),
     Column("usage_output", Integer, nullable=True),
@@ -187,6 +191,7 @@ class Claimed:
     input_tokens: int
     max_tokens: int
     body: bytes  # sealed under (input file id, line)
+    token: int  # the fencing token of this claim of the line
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,7 +373,11 @@ def claim_lines(
     now: datetime,
     lease_until: datetime,
 ) -> list[Claimed]:
-    """Take up to ``n`` pending lines, lowest first, under ``owner``'s lease."""
+    """Take up to ``n`` pending lines, lowest first, under ``owner``'s lease.
+
+    Each line's fencing token grows by one; the worker keeps each line's
+    (``Claimed.token``) and names it in every later write of that line.
+    """
     if n <= 0:
         return []
     fbl = file_batch_lines
@@ -390,6 +399,7 @@ def claim_lines(
             state="dispatched",
             lease_owner=owner,
             lease_expires_at=lease_until,
+            lease_token=fbl.c.lease_token + 1,
             updated_at=now,
             sent_at=None,
         )
@@ -402,6 +412,7 @@ def claim_lines(
             fbl.c.input_tokens,
             fbl.c.max_tokens,
             file_lines.c.body,
+            fbl.c.lease_token,
         )
         .select_from(
             fbl.join(
@@ -412,20 +423,36 @@ def claim_lines(
         .where(fbl.c.batch_id == batch.id, fbl.c.line.in_(picked))
         .order_by(fbl.c.line)
     ).all()
-    return [Claimed(r[0], r[1], r[2], r[3], r[4], bytes(r[5])) for r in rows]
+    return [Claimed(r[0], r[1], r[2], r[3], r[4], bytes(r[5]), int(r[6])) for r in rows]
 
 
-def heartbeat(conn: Connection, batch_id: str, owner: str, lease_until: datetime) -> str | None:
-    """Extend ``owner``'s leases on the batch's lines; the batch's status (None if gone)."""
-    conn.execute(
-        update(file_batch_lines)
-        .where(
-            file_batch_lines.c.batch_id == batch_id,
-            file_batch_lines.c.state == "dispatched",
-            file_batch_lines.c.lease_owner == owner,
-        )
-        .values(lease_expires_at=lease_until)
+def _held(owner: str, held: Mapping[int, int]) -> ColumnElement[bool]:
+    """Lines still under these claims: ``owner``'s, each with the token its claim gave."""
+    fbl = file_batch_lines
+    return and_(
+        fbl.c.lease_owner == owner,
+        tuple_(fbl.c.line, fbl.c.lease_token).in_(list(held.items())),
     )
+
+
+def heartbeat(
+    conn: Connection, batch_id: str, owner: str, held: Mapping[int, int], lease_until: datetime
+) -> str | None:
+    """Extend the leases of the ``held`` lines (line → token); the batch's status (None if gone).
+
+    A line claimed since by another worker (or again by this one) has another
+    token, so its lease is not extended by a stale holder.
+    """
+    if held:
+        conn.execute(
+            update(file_batch_lines)
+            .where(
+                file_batch_lines.c.batch_id == batch_id,
+                file_batch_lines.c.state == "dispatched",
+                _held(owner, held),
+            )
+            .values(lease_expires_at=lease_until)
+        )
     status = conn.execute(
         select(file_batches.c.status).where(file_batches.c.id == batch_id)
     ).scalar()
@@ -433,14 +460,21 @@ def heartbeat(conn: Connection, batch_id: str, owner: str, lease_until: datetime
 
 
 def record_results(
-    conn: Connection, batch_id: str, owner: str, ended: Sequence[Ended], now: datetime
+    conn: Connection,
+    batch_id: str,
+    owner: str,
+    held: Mapping[int, int],
+    ended: Sequence[Ended],
+    now: datetime,
 ) -> int:
-    """Write answered lines; only lines still dispatched under ``owner`` are written.
+    """Write answered lines; only lines still dispatched under ``owner``'s claim are written.
 
-    The fence is what makes "charged at most once" hold: a worker that lost
-    its lease (its lines went ``uncertain``) writes nothing, and no line can
-    be answered twice.
+    The fence (owner and each line's token in ``held``) is what makes "charged
+    at most once" hold: a worker that lost its lease (its lines went
+    ``uncertain``, or were claimed again) writes nothing, and no line can be
+    answered twice.
     """
+    ended = [e for e in ended if e.line in held]
     if not ended:
         return 0
     fbl = file_batch_lines
@@ -451,6 +485,7 @@ def record_results(
             fbl.c.line == bindparam("b_line"),
             fbl.c.state == "dispatched",
             fbl.c.lease_owner == owner,
+            fbl.c.lease_token == bindparam("b_token"),
         )
         .values(
             state=bindparam("b_state"),
@@ -467,6 +502,7 @@ def record_results(
         [
             {
                 "b_line": e.line,
+                "b_token": held[e.line],
                 "b_state": e.state,
                 "b_route": e.route,
                 "b_ui": e.usage_input,
@@ -578,17 +614,24 @@ def has_unsent_lapsed(conn: Connection, now: datetime) -> bool:
 
 
 def requeue_unsent(
-    conn: Connection, now: datetime, *, batch_id: str | None = None, owner: str | None = None
+    conn: Connection,
+    now: datetime,
+    *,
+    batch_id: str | None = None,
+    owner: str | None = None,
+    held: Mapping[int, int] | None = None,
 ) -> int:
     """Dispatched lines that never reached the engine go back to ``pending``.
 
-    Those of a worker whose lease lapsed (``now``), or, with ``owner``, those a
-    worker that is stopping still holds.
+    Those of a worker whose lease lapsed (``now``), or, with ``owner`` and
+    ``held`` (line → token), those a worker that is stopping still holds.
     """
     fbl = file_batch_lines
     q = update(fbl).where(fbl.c.state == "dispatched", fbl.c.sent_at.is_(None))
     if owner is not None:
-        q = q.where(fbl.c.lease_owner == owner)
+        if not held:
+            return 0
+        q = q.where(_held(owner, held))
     else:
         q = q.where(fbl.c.lease_expires_at < now)
     if batch_id is not None:
@@ -598,15 +641,19 @@ def requeue_unsent(
 
 
 def mark_lines_sent(
-    conn: Connection, batch_id: str, lines: Sequence[int], owner: str, now: datetime
+    conn: Connection,
+    batch_id: str,
+    lines: Sequence[int],
+    owner: str,
+    held: Mapping[int, int],
+    now: datetime,
 ) -> set[int]:
     """Record that these lines' calls are about to start; the lines that are still ours."""
     fbl = file_batch_lines
     mine = and_(
         fbl.c.batch_id == batch_id,
-        fbl.c.line.in_(list(lines)),
         fbl.c.state == "dispatched",
-        fbl.c.lease_owner == owner,
+        _held(owner, {line: held[line] for line in lines if line in held}),
     )
     done = conn.execute(update(fbl).where(mine).values(sent_at=now)).rowcount
     if done == len(lines):
@@ -614,7 +661,7 @@ def mark_lines_sent(
     return {r[0] for r in conn.execute(select(fbl.c.line).where(mine))}
 
 
-def unclaim(conn: Connection, batch_id: str, owner: str, line: int) -> None:
+def unclaim(conn: Connection, batch_id: str, owner: str, line: int, token: int) -> None:
     """Put a claimed line back to ``pending``: it was never sent (its route stopped qualifying)."""
     fbl = file_batch_lines
     conn.execute(
@@ -624,6 +671,7 @@ def unclaim(conn: Connection, batch_id: str, owner: str, line: int) -> None:
             fbl.c.line == line,
             fbl.c.state == "dispatched",
             fbl.c.lease_owner == owner,
+            fbl.c.lease_token == token,
         )
         .values(state="pending", lease_owner=None, lease_expires_at=None)
     )

@@ -6,6 +6,15 @@ scripts repeat the steps of ``batchyard.core.limits.gcra_many``,
 ``gcra_adjust`` and ``gcra_penalize``; the shared contract tests run the same
 cases against this and the in-process limiter to keep them in step.
 
+Redis down fails closed: a step that cannot reach it raises
+``LimiterUnavailable`` (503, retryable), so nothing is admitted, called or
+charged on a guess; the client reconnects by itself once Redis is back (a
+restarted Redis has lost its scripts and keys: the scripts are loaded again
+and the limits start afresh). Only admissions fail closed (``try_acquire``,
+``take_slot``): giving a slot back or renewing it (its lease frees it anyway),
+a correction and an upstream's penalty (both often after a call that already
+happened) are logged when Redis cannot be reached, not raised.
+
 ``now`` comes from the injected clock as an argument rather than from Redis
 ``TIME``, so tests move time with ``ManualClock`` and every replica's view of
 time is the one it would use anyway. Keys are hash-tagged on the caller's key
@@ -15,9 +24,13 @@ and expire once their TAT has passed, when they mean the same as missing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import redis.asyncio as redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batchyard.core.clock import Clock
 from batchyard.core.limits import (
@@ -34,8 +47,27 @@ from batchyard.core.limits import (
     standing_of,
     storage_keys,
 )
+from batchyard.errors import LimiterUnavailable
 
 __all__ = ["RedisLimiter"]
+
+log = logging.getLogger("batchyard.limits")
+
+#: How long one step waits for Redis before the limiter calls it unavailable.
+TIMEOUT_S = 2.0
+
+
+@asynccontextmanager
+async def _reachable() -> AsyncIterator[None]:
+    """Turn "Redis cannot be reached" into ``LimiterUnavailable``."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise LimiterUnavailable(
+            f"the shared limiter cannot be reached ({type(exc).__name__}); nothing was run "
+            "or charged, send the request again shortly"
+        ) from exc
+
 
 # Floats are written with %.17g: Lua's tostring keeps only 14 digits, which at
 # epoch scale would round TATs to tens of microseconds and drift the schedule.
@@ -134,7 +166,9 @@ class RedisLimiter(LimiterBase):
 
     def __init__(self, redis_url: str, clock: Clock, prefix: str = "batchyard:") -> None:
         super().__init__(clock)
-        self._redis: redis.Redis = redis.Redis.from_url(redis_url)
+        self._redis: redis.Redis = redis.Redis.from_url(
+            redis_url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
+        )
         self._prefix = prefix
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._adjust = self._redis.register_script(_ADJUST)
@@ -155,7 +189,8 @@ class RedisLimiter(LimiterBase):
         args: list[str | float] = [repr(now), repr(EPSILON), repr(max(0.0, max_delay))]
         for cell in request_cells(limits):
             args += [repr(cell.increment), repr(cell.tolerance)]
-        allowed, wait, binding, raw_tats = await self._acquire(keys=keys, args=args)
+        async with _reachable():
+            allowed, wait, binding, raw_tats = await self._acquire(keys=keys, args=args)
         tats = [float(t) for t in raw_tats]
         standing = standing_of(limits, tats, now)
         if int(allowed):
@@ -169,30 +204,52 @@ class RedisLimiter(LimiterBase):
     async def take_slot(self, key: str, capacity: int, lease_s: float) -> SlotGrant:
         now = self._clock.time()
         token = new_slot_token()
-        ok, n = await self._take_slot(
-            keys=[self._slots_key(key)],
-            args=[repr(now), str(capacity), repr(now + lease_s), token],
-        )
+        async with _reachable():
+            ok, n = await self._take_slot(
+                keys=[self._slots_key(key)],
+                args=[repr(now), str(capacity), repr(now + lease_s), token],
+            )
         return SlotGrant(token if int(ok) else None, int(n))
 
     async def renew_slot(self, key: str, token: str, lease_s: float) -> None:
         now = self._clock.time()
-        await self._renew_slot(
-            keys=[self._slots_key(key)], args=[repr(now), repr(now + lease_s), token]
-        )
+        try:
+            async with _reachable():
+                await self._renew_slot(
+                    keys=[self._slots_key(key)], args=[repr(now), repr(now + lease_s), token]
+                )
+        except LimiterUnavailable:
+            log.warning("could not renew a concurrency slot; its lease frees it")
 
     async def _free_slot(self, key: str, token: str) -> None:
-        await self._redis.zrem(self._slots_key(key), token)
+        try:
+            async with _reachable():
+                await self._redis.zrem(self._slots_key(key), token)
+        except LimiterUnavailable:
+            log.warning("could not give a concurrency slot back; its lease frees it")
 
     async def adjust(self, key: str, limit: Limit, delta: float) -> None:
-        await self._adjust(
-            keys=[self._key(f"{key}:{limit.name}")],
-            args=[repr(self._clock.time()), repr(delta * limit.interval)],
-        )
+        try:
+            async with _reachable():
+                await self._adjust(
+                    keys=[self._key(f"{key}:{limit.name}")],
+                    args=[repr(self._clock.time()), repr(delta * limit.interval)],
+                )
+        except LimiterUnavailable:
+            # A correction after the fact: the call it corrects already happened.
+            log.warning("could not correct a limit; the limiter cannot be reached")
 
     async def penalize(self, key: str, until: float) -> None:
         now = self._clock.time()
-        await self._penalize(keys=[self._key(f"{key}:{PENALTY}")], args=[repr(now), repr(until)])
+        try:
+            async with _reachable():
+                await self._penalize(
+                    keys=[self._key(f"{key}:{PENALTY}")], args=[repr(now), repr(until)]
+                )
+        except LimiterUnavailable:
+            # Advice from an upstream, often read after its call landed: never fail that call.
+            log.warning("could not record an upstream's penalty; the limiter cannot be reached")
+            return
         log_penalty(key, until, now)
 
     async def close(self) -> None:

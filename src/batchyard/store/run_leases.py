@@ -4,8 +4,10 @@ A run is claimed by one worker at a time through a lease: PostgreSQL picks a
 claimable run with ``SELECT … FOR UPDATE SKIP LOCKED`` so two workers never
 take the same one; SQLite serialises writers with ``BEGIN IMMEDIATE`` (see
 ``store.database``), so the same query is safe there. Every write a worker
-makes is guarded by ``lease_owner``: a worker that lost its lease (it stalled
-past expiry and another took over) changes nothing.
+makes is guarded by its ``Lease``: the owner and the fencing token the claim
+handed out (``lease_token``, one more at every claim). A worker that lost its
+lease (it stalled past expiry and another took over, or it claimed the run
+again itself) changes nothing with the old token.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import Connection, and_, or_, select, update
+from sqlalchemy import ColumnElement, Connection, and_, or_, select, update
 
+from batchyard.core.leases import Lease
 from batchyard.core.runs import RunStatus
 from batchyard.store.runs import Run, load_run, run_of, runs
 
@@ -23,6 +26,7 @@ __all__ = [
     "blocked_runs",
     "claim_run",
     "heartbeat",
+    "held_by",
     "release_lease",
     "renew_lease",
     "work_waiting",
@@ -42,7 +46,11 @@ def claim_run(
     exclude: Sequence[str] = (),
     blocked_reason: str | None = None,
 ) -> Run | None:
-    """Take the oldest run in ``statuses`` whose lease is free or expired."""
+    """Take the oldest run in ``statuses`` whose lease is free or expired.
+
+    The claim adds one to the run's fencing token in the same statement; the
+    returned run carries it (``run.lease``), and every later write names it.
+    """
     q = (
         select(runs.c.id)
         .where(
@@ -64,9 +72,18 @@ def claim_run(
     conn.execute(
         update(runs)
         .where(runs.c.id == run_id)
-        .values(lease_owner=owner, lease_expires_at=lease_until)
+        .values(
+            lease_owner=owner,
+            lease_expires_at=lease_until,
+            lease_token=runs.c.lease_token + 1,
+        )
     )
     return load_run(conn, run_id)
+
+
+def held_by(lease: Lease) -> ColumnElement[bool]:
+    """The condition every write of a lease holder carries: the run is still under this claim."""
+    return and_(runs.c.lease_owner == lease.owner, runs.c.lease_token == lease.token)
 
 
 def work_waiting(
@@ -112,31 +129,27 @@ def blocked_runs(conn: Connection, reason: str, *, limit: int = 20) -> list[Run]
     return [run_of(r) for r in conn.execute(q)]
 
 
-def renew_lease(conn: Connection, run_id: str, owner: str, lease_until: datetime) -> Run | None:
-    """Extend the lease; ``None`` if another worker holds the run now."""
+def renew_lease(conn: Connection, run_id: str, lease: Lease, lease_until: datetime) -> Run | None:
+    """Extend the lease; ``None`` if another claim holds the run now."""
     done = conn.execute(
-        update(runs)
-        .where(runs.c.id == run_id, runs.c.lease_owner == owner)
-        .values(lease_expires_at=lease_until)
+        update(runs).where(runs.c.id == run_id, held_by(lease)).values(lease_expires_at=lease_until)
     ).rowcount
     return load_run(conn, run_id) if done else None
 
 
-def heartbeat(conn: Connection, run_id: str, owner: str, lease_until: datetime) -> str | None:
+def heartbeat(conn: Connection, run_id: str, lease: Lease, lease_until: datetime) -> str | None:
     """Extend the lease and read the status; ``None`` if the run is no longer ours."""
     done = conn.execute(
-        update(runs)
-        .where(runs.c.id == run_id, runs.c.lease_owner == owner)
-        .values(lease_expires_at=lease_until)
+        update(runs).where(runs.c.id == run_id, held_by(lease)).values(lease_expires_at=lease_until)
     ).rowcount
     if not done:
         return None
     return str(conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar_one())
 
 
-def release_lease(conn: Connection, run_id: str, owner: str) -> None:
+def release_lease(conn: Connection, run_id: str, lease: Lease) -> None:
     conn.execute(
         update(runs)
-        .where(runs.c.id == run_id, runs.c.lease_owner == owner)
+        .where(runs.c.id == run_id, held_by(lease))
         .values(lease_owner=None, lease_expires_at=None)
     )

@@ -36,6 +36,7 @@ from sqlalchemy import (
 # The run tables' foreign keys name the project tables: importing this module
 # (as ``store.migrations.env`` does) must put those on the metadata as well.
 import batchyard.store.projects  # noqa: F401
+from batchyard.core.leases import Lease
 from batchyard.errors import NotFound
 from batchyard.store.tables import UtcDateTime, metadata
 
@@ -85,6 +86,8 @@ runs = Table(
     Column("error", Text, nullable=True),
     Column("lease_owner", String(64), nullable=True),
     Column("lease_expires_at", UtcDateTime(), nullable=True),
+    # The fencing token: one more at each claim; every write of the holder names it.
+    Column("lease_token", BigInteger, nullable=False, default=0, server_default="0"),
     Column("created_at", UtcDateTime(), nullable=False),
     Column("updated_at", UtcDateTime(), nullable=False),
     # The key that started the run (created it, then confirmed it): revoking it stops the run.
@@ -148,6 +151,12 @@ class Run:
     created_at: datetime
     updated_at: datetime
     key_id: str | None = None
+    lease_token: int = 0
+
+    @property
+    def lease(self) -> Lease:
+        """The lease this run was read under (its holder's owner and fencing token)."""
+        return Lease(self.lease_owner or "", self.lease_token)
 
 
 def run_of(row: Any) -> Run:
@@ -241,15 +250,15 @@ def update_run(
     now: datetime,
     *,
     expect: Sequence[str] | None = None,
-    owner: str | None = None,
+    lease: Lease | None = None,
     **values: Any,
 ) -> bool:
-    """Change a run if it is still in one of ``expect`` (and held by ``owner``)."""
+    """Change a run if it is still in one of ``expect`` (and held under ``lease``)."""
     q = update(runs).where(runs.c.id == run_id)
     if expect is not None:
         q = q.where(runs.c.status.in_(list(expect)))
-    if owner is not None:
-        q = q.where(runs.c.lease_owner == owner)
+    if lease is not None:
+        q = q.where(runs.c.lease_owner == lease.owner, runs.c.lease_token == lease.token)
     if "error" in values and values["error"] is not None:
         values["error"] = json.dumps(values["error"])
     return conn.execute(q.values(updated_at=now, **values)).rowcount == 1

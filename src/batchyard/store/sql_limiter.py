@@ -6,6 +6,9 @@ with the same pure functions as the in-process limiter, and writes back only if
 every limit admits. Missing rows are inserted first with ``ON CONFLICT DO
 NOTHING`` so there is always a row to lock; TAT 0 means idle. On SQLite the
 insert takes the database's write lock, which serialises checks just as well.
+A check with nothing to count (a route with no limits of its own is still
+asked about its penalty before every call) writes nothing, so it only reads:
+no insert, no lock, and the calls of one route never queue on its row.
 
 The database driver blocks, so each operation runs in a worker thread and the
 event loop keeps serving. It is slower than Redis (a transaction per check) but
@@ -60,6 +63,11 @@ class SqlLimiter(LimiterBase):
 
         def run() -> Admission:
             with self._engine.begin() as conn:
+                if all(cell.increment <= 0 for cell in cells):
+                    # Nothing to count (a route with no limits of its own, asked only
+                    # about its penalty): nothing will be written, so read without
+                    # inserting or locking, and calls of one route never queue here.
+                    return settle(limits, cells, self._read_rows(conn, keys), now, max_delay)[0]
                 locked = self._lock_rows(conn, keys)
                 tats = [locked[k] for k in keys]
                 admission, written = settle(limits, cells, tats, now, max_delay)
@@ -156,6 +164,13 @@ class SqlLimiter(LimiterBase):
                 return result.rowcount
 
         return await asyncio.to_thread(run)
+
+    @staticmethod
+    def _read_rows(conn: sa.Connection, keys: Sequence[str]) -> list[float]:
+        """The TATs of ``keys`` in order, unlocked; a missing row is idle (0)."""
+        read = sa.select(rate_limits.c.key, rate_limits.c.tat).where(rate_limits.c.key.in_(keys))
+        found = {k: float(t) for k, t in conn.execute(read)}
+        return [found.get(k, 0.0) for k in keys]
 
     def _lock_rows(self, conn: sa.Connection, keys: Sequence[str]) -> dict[str, float]:
         ordered = sorted(set(keys))

@@ -27,6 +27,7 @@ from sqlalchemy import (
     update,
 )
 
+from batchyard.core.leases import Lease
 from batchyard.core.runs import ItemState
 from batchyard.store.at_rest import open_text, seal_text
 from batchyard.store.projects import dataset_rows as dr
@@ -248,10 +249,12 @@ def _set_state(
 
 
 def mark_rows_sent(
-    conn: Connection, run_id: str, row_ids: Sequence[int], owner: str, now: datetime
+    conn: Connection, run_id: str, row_ids: Sequence[int], lease: Lease, now: datetime
 ) -> set[int]:
     """Record that these rows' calls are about to start; the rows that are still ours."""
-    ours = select(runs.c.id).where(runs.c.id == run_id, runs.c.lease_owner == owner)
+    ours = select(runs.c.id).where(
+        runs.c.id == run_id, runs.c.lease_owner == lease.owner, runs.c.lease_token == lease.token
+    )
     mine = and_(
         run_items.c.run_id == run_id,
         run_items.c.row_id.in_(list(row_ids)),

@@ -4,18 +4,17 @@ For a scoring engine, each decision's outcomes are scored as the reply to
 the one prompt (the text once, every question). Calibration
 (``batchyard.core.calibration``) adds, per call:
 
-- a second prompt with every decision's outcomes listed in reverse order;
-  each outcome's log-probabilities under the two orders are averaged, which
-  cancels most of the pull of the outcome listed first;
 - the decision set's prior: the content-free estimate, made once per
   organisation and set by the first call that needs it (and paid by it),
   refined by the running mean of the raw probabilities of the texts of the
   set answered before (``batch`` mode). Each answer's probabilities are
-  divided by that prior.
+  divided by that prior. The set lists its outcomes one way, so its prior
+  holds the pull of the outcome listed first too, and the call reads the one
+  prompt an uncalibrated call reads.
 
 Decision *k* is still scored after the answers chosen for decisions 1 to
 *k*−1, and those are the calibrated choices. Every prompt the model reads is
-usage: ``input_tokens`` counts each order's prompt and any content-free
+usage: ``input_tokens`` counts the call's prompt and any content-free
 prompts, and ``calibration_input_tokens`` says how many of them calibration
 added.
 
@@ -28,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,17 +44,7 @@ __all__ = [
     "ScoredAnswers",
     "calibrations_for",
     "content_free_requests",
-    "order_requests",
 ]
-
-
-def order_requests(
-    req: rules.DecideRequest, mode: cal.CalibrationMode
-) -> list[rules.DecideRequest]:
-    """The request as scored: as given, and with every decision's outcomes reversed."""
-    if mode == "none":
-        return [req]
-    return [req, rules.reorder_outcomes(req, cal.reversed_order)]
 
 
 def content_free_requests(req: rules.DecideRequest) -> list[rules.DecideRequest]:
@@ -78,14 +67,14 @@ class CalibrationInfo:
     """What calibrated this call, for the response."""
 
     mode: cal.CalibrationMode
-    orders: int
     texts: int
     content_free_estimated: bool
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
-            "orders": self.orders,
+            # One listing of the outcomes is scored; the field stays for callers that read it.
+            "orders": 1,
             "texts": self.texts,
             "content_free_estimated": self.content_free_estimated,
         }
@@ -106,12 +95,8 @@ class _Raw:
     chosen: list[str]
     raw: list[list[float]]
     final: list[list[float]]
-    # Prompt tokens the model read, per order.
-    read: list[int]
-
-    @property
-    def input_tokens(self) -> int:
-        return sum(self.read)
+    # Prompt tokens the model read.
+    input_tokens: int
 
 
 @dataclass
@@ -136,47 +121,35 @@ class Calibrations:
         self,
         route: RouteSpec,
         upstream_model: str,
-        orders: Sequence[rules.DecideRequest],
-        prompt_tokens: Sequence[int],
+        req: rules.DecideRequest,
+        prompt_tokens: int,
         prior_of: Callable[[int], list[float] | None],
     ) -> _Raw:
-        messages = [rules.build_messages(r, "lines") for r in orders]
-        decisions = orders[0].decisions
+        messages = rules.build_messages(req, "lines")
+        decisions = req.decisions
         chosen: list[str] = []
         raws: list[list[float]] = []
         finals: list[list[float]] = []
-        read: list[int | None] = [None] * len(orders)
+        read: int | None = None
         for k, decision in enumerate(decisions):
-            # The candidate lines name outcomes, not positions: the same list
-            # is scored under each order's prompt.
             candidates = rules.scoring_candidates(decisions, k, chosen)
-            # The orders are independent: an engine with several contexts
-            # scores them side by side.
-            scored = await asyncio.gather(
-                *(
-                    self.dispatcher.score(
-                        route=route,
-                        model=upstream_model,
-                        messages=msgs,
-                        candidates=candidates,
-                        input_tokens=prompt_tokens[i],
-                    )
-                    for i, msgs in enumerate(messages)
-                )
+            scores, usage = await self.dispatcher.score(
+                route=route,
+                model=upstream_model,
+                messages=messages,
+                candidates=candidates,
+                input_tokens=prompt_tokens,
             )
-            per_order: list[list[float]] = []
-            for i, (scores, usage) in enumerate(scored):
-                # Every decision reads the same prompt of an order; it is paid once.
-                read[i] = usage.input_tokens if read[i] is None else read[i]
-                per_order.append(rules.softmax(scores))
-            raw = cal.average_orders(per_order) if len(per_order) > 1 else per_order[0]
+            # Every decision reads the same prompt; it is paid once.
+            read = usage.input_tokens if read is None else read
+            raw = rules.softmax(scores)
             prior = prior_of(k)
             final = cal.calibrate(raw, prior) if prior is not None else raw
             best = max(range(len(final)), key=final.__getitem__)
             chosen.append(decision.outcomes[best].id)
             raws.append(raw)
             finals.append(final)
-        return _Raw(chosen, raws, finals, [n or 0 for n in read])
+        return _Raw(chosen, raws, finals, read or 0)
 
     async def _content_free(
         self,
@@ -198,9 +171,8 @@ class Calibrations:
             samples: list[list[list[float]]] = []
             spent = 0
             for cf in content_free_requests(req):
-                orders = order_requests(cf, "batch")
-                tokens = [count(rules.build_messages(r, "lines")) for r in orders]
-                got = await self._score(route, upstream_model, orders, tokens, lambda _k: None)
+                tokens = count(rules.build_messages(cf, "lines"))
+                got = await self._score(route, upstream_model, cf, tokens, lambda _k: None)
                 samples.append(got.raw)
                 spent += got.input_tokens
             prior = [
@@ -221,7 +193,7 @@ class Calibrations:
         upstream_model: str,
         req: rules.DecideRequest,
         mode: cal.CalibrationMode,
-        prompt_tokens: Sequence[int],
+        prompt_tokens: int,
         count: Callable[[list[dict[str, Any]]], int],
         count_text: Callable[[str], int],
         retain: bool,
@@ -231,14 +203,13 @@ class Calibrations:
         ``retain`` is false for organisations with zero data retention: their
         texts are calibrated but never added to the running mean.
         """
-        orders = order_requests(req, mode)
         ids = [d.outcome_ids for d in req.decisions]
 
         def by_id(vectors: list[list[float]]) -> list[dict[str, float]]:
             return [dict(zip(o, v, strict=True)) for o, v in zip(ids, vectors, strict=True)]
 
         if mode == "none":
-            got = await self._score(route, upstream_model, orders, prompt_tokens, lambda _k: None)
+            got = await self._score(route, upstream_model, req, prompt_tokens, lambda _k: None)
             answer = rules.answer_text(req.decisions, got.chosen, "lines")
             usage = Usage(got.input_tokens, count_text(answer))
             return ScoredAnswers(got.chosen, by_id(got.final), None, usage, 0, None)
@@ -254,7 +225,7 @@ class Calibrations:
         def prior_of(k: int) -> list[float]:
             return cal.blend_prior(content_free[k], sums[k], texts[k])
 
-        got = await self._score(route, upstream_model, orders, prompt_tokens, prior_of)
+        got = await self._score(route, upstream_model, req, prompt_tokens, prior_of)
         if mode == "batch" and retain:
             await self.dispatcher.db.write(lambda c: store.add_texts(c, *key, got.raw))
         answer = rules.answer_text(req.decisions, got.chosen, "lines")
@@ -263,9 +234,9 @@ class Calibrations:
             by_id(got.final),
             by_id(got.raw),
             Usage(got.input_tokens + cf_tokens, count_text(answer)),
-            # Every order but the first, and the content-free prompts.
-            sum(got.read[1:]) + cf_tokens,
-            CalibrationInfo(mode, len(orders), min(texts), cf_tokens > 0),
+            # What calibration added: the content-free prompts, on the call that made them.
+            cf_tokens,
+            CalibrationInfo(mode, min(texts), cf_tokens > 0),
         )
 
 

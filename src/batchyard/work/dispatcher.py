@@ -34,8 +34,9 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limiter
-from batchyard.core.money import charge_ticks
+from batchyard.core.money import charge_ticks, from_ticks
 from batchyard.core.prices import Price
+from batchyard.core.telemetry import NO_RECORDER, Recorder
 from batchyard.core.tiers import Tier
 from batchyard.engines.base import (
     Completion,
@@ -54,7 +55,7 @@ from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.route_pacing import RoutePacer
 
-__all__ = ["DispatchResult", "Dispatcher", "OnSend"]
+__all__ = ["DispatchResult", "Dispatcher", "OnSend", "outcome_of", "usage_of"]
 
 log = logging.getLogger("batchyard.dispatch")
 T = TypeVar("T")
@@ -81,6 +82,7 @@ class Dispatcher:
         engines: EngineRegistry,
         tiers: tuple[Tier, ...],
         upstream_429_retries: int = 5,
+        metrics: Recorder = NO_RECORDER,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -89,6 +91,8 @@ class Dispatcher:
         self.tiers = tiers
         self.upstream_429_retries = upstream_429_retries
         self.pacer = RoutePacer(clock, limiter)
+        #: What the dispatcher (and the workers that hold it) count for /metrics.
+        self.metrics = metrics
         self._concurrency: dict[str, asyncio.Semaphore] = {}
 
     def _semaphore(self, route: RouteSpec) -> asyncio.Semaphore | None:
@@ -167,7 +171,15 @@ class Dispatcher:
             if on_send is not None:
                 await on_send()
             await self.pacer.send(route)
-            return await send()
+            try:
+                result = await send()
+            except BaseException as exc:
+                self.metrics.model_call(route.id, outcome_of(exc))
+                raise
+            self.metrics.model_call(route.id, "ok")
+            if (usage := usage_of(result)) is not None:
+                self.metrics.tokens(route.id, usage.input_tokens, usage.output_tokens)
+            return result
 
         while True:
             # Until a route without a declared rate first answers, only a few
@@ -184,6 +196,7 @@ class Dispatcher:
                     attempt += 1
                     wait = exc.retry_after if exc.retry_after is not None else 1.0
                     await self.pacer.refused(route, wait, _signal_of(exc))
+                    self.metrics.upstream_429(route.id, wait)
                     if attempt > self.upstream_429_retries:
                         raise
                     log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
@@ -308,6 +321,10 @@ class Dispatcher:
                                     done.model, done.choices, Usage(input_tokens, out)
                                 )
                             await self.pacer.answered(route, done.rate_limit)
+                            self.metrics.model_call(route.id, "ok")
+                            self.metrics.tokens(
+                                route.id, done.usage.input_tokens, done.usage.output_tokens
+                            )
                             resolved = True
                             charged = await self.settle(
                                 org_id=org_id,
@@ -330,6 +347,7 @@ class Dispatcher:
         except BaseException as exc:
             if not resolved:
                 resolved = True
+                self.metrics.model_call(route.id, outcome_of(exc))
                 reason = str(getattr(exc, "code", type(exc).__name__))
                 await asyncio.shield(resolve_partial(reason))
             raise
@@ -446,7 +464,25 @@ class Dispatcher:
             )
             return settled.charged or 0
 
-        return await asyncio.shield(self.db.write_through(tx))
+        charged = await asyncio.shield(self.db.write_through(tx))
+        self.metrics.charged(purpose, from_ticks(charged))
+        return charged
+
+
+def usage_of(result: object) -> Usage | None:
+    """The usage an engine's answer reports: a completion's, embeddings', or a score's."""
+    usage = getattr(result, "usage", None)
+    if usage is None and isinstance(result, tuple) and result:
+        usage = result[-1]
+    return usage if isinstance(usage, Usage) else None
+
+
+def outcome_of(exc: BaseException) -> str:
+    """A failed call's outcome label: its wire code, ``canceled``, or ``error``."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "canceled"
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, str) else "error"
 
 
 def _signal_of(answer: object) -> RateLimitSignal | None:

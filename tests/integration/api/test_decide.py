@@ -69,10 +69,10 @@ def text_scorer(model: str, messages: list[dict[str, Any]], candidates: list[str
 
 
 def runs(engine: ScriptedEngine, body: dict[str, Any] = BODY) -> int:
-    """How often the model answered ``body``'s text: each decision scored under two orders."""
+    """How often the model answered ``body``'s text: each decision scored once."""
     text = body["input"]["text"]
     scored = [c for c in engine.score_calls if text in str(c.messages)]
-    return len(scored) // (2 * len(body["decisions"]))
+    return len(scored) // len(body["decisions"])
 
 
 def words(messages: list[dict[str, Any]]) -> int:
@@ -129,28 +129,27 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
         assert math.isclose(sum(probs.values()), 1.0, abs_tol=1e-5)
         assert max(probs, key=probs.get) == answer["outcome"]
     # Calibration: first the set's content-free prior (three texts that say
-    # nothing, both orders, every decision), then the text, every decision
-    # scored under the outcomes as listed and reversed.
+    # nothing, every decision), then the text, every decision, under the one
+    # prompt an uncalibrated call reads.
     calls = engine.score_calls
-    assert len(calls) == 3 * 2 * 2 + 2 * 2
-    content_free, real = calls[:12], calls[12:]
+    assert len(calls) == 3 * 2 + 2
+    content_free, real = calls[:6], calls[6:]
     assert all(TEXT not in str(c.messages) for c in content_free)
-    as_listed, reversed_ = real[0].messages, real[1].messages
-    assert real[2].messages == as_listed and real[3].messages == reversed_
-    assert str(as_listed).count(TEXT) == 1 and str(reversed_).count(TEXT) == 1
-    assert "- positive: pleased\n  - negative: unhappy" in as_listed[-1]["content"]
-    assert "- neutral: neither\n  - negative: unhappy" in reversed_[-1]["content"]
+    listing = "- positive: pleased\n  - negative: unhappy\n  - neutral: neither"
+    assert all(listing in c.messages[-1]["content"] for c in calls)
+    listed = real[0].messages
+    assert real[1].messages == listed and str(listed).count(TEXT) == 1
     # Decision 2 is scored after decision 1's (calibrated) answer.
-    assert real[2].candidates[0].startswith("sentiment: negative\ntopic: ")
+    assert real[1].candidates[0].startswith("sentiment: negative\ntopic: ")
     # Each prompt is paid once however many decisions read it; calibration's are said apart.
     cf_prompts = {str(c.messages): words(c.messages) for c in content_free}
-    assert len(cf_prompts) == 6
-    extra = words(reversed_) + sum(cf_prompts.values())
-    assert body["usage"]["input_tokens"] == words(as_listed) + extra
+    assert len(cf_prompts) == 3
+    extra = sum(cf_prompts.values())
+    assert body["usage"]["input_tokens"] == words(listed) + extra
     assert body["usage"]["calibration_input_tokens"] == extra
     assert body["calibration"] == {
         "mode": "batch",
-        "orders": 2,
+        "orders": 1,
         "texts": 0,
         "content_free_estimated": True,
     }
@@ -164,11 +163,13 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
     charge = next(a for a in acts if a["kind"] == "charge" and a["ref"] == body["id"])
     assert charge["detail"]["purpose"] == "decide" and charge["detail"]["decisions"] == 2
     assert charge["detail"]["calibration_input_tokens"] == extra
-    # The next text of the set pays for its two orders only, and is calibrated by the first.
+    # The next text of the set reads its one prompt only, as an uncalibrated
+    # call does, and is calibrated by the first.
     service.clock.advance(2)
     again = (await http.post("/v1/decide", json=BODY, headers=acct.headers)).json()
-    assert len(engine.score_calls) == 16 + 4
-    assert again["usage"]["input_tokens"] == words(as_listed) + words(reversed_)
+    assert len(engine.score_calls) == 8 + 2
+    assert again["usage"]["input_tokens"] == words(listed)
+    assert again["usage"]["calibration_input_tokens"] == 0
     assert again["calibration"]["texts"] == 1
     assert again["calibration"]["content_free_estimated"] is False
 
@@ -323,23 +324,22 @@ async def test_estimate_counts_the_prompt_and_quotes_without_charging(service, e
     r = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
     assert r.status_code == 200, r.text
     est = r.json()
-    from batchyard.core.decisions import build_messages, parse_request, reorder_outcomes
+    from batchyard.core.decisions import build_messages, parse_request
     from batchyard.work.decide_scoring import content_free_requests
 
     model = service.catalog.model("kettei-core")
     count = service.tokenizer(model).count_messages
     req = parse_request(BODY)
-    as_listed = count(build_messages(req, "lines"))
 
-    def both_orders(r: Any) -> int:
-        flipped = reorder_outcomes(r, lambda n: list(range(n - 1, -1, -1)))
-        return count(build_messages(r, "lines")) + count(build_messages(flipped, "lines"))
+    def listed(r: Any) -> int:
+        return count(build_messages(r, "lines"))
 
-    # The exact prompts decide would send: the text under two orders of the
-    # outcomes and, since nothing of this set is known yet, the content-free ones.
-    content_free = sum(both_orders(r) for r in content_free_requests(req))
-    assert est["input_tokens"] == both_orders(req) + content_free
-    assert est["calibration_input_tokens"] == est["input_tokens"] - as_listed
+    # The exact prompts decide would send: the text's and, since nothing of
+    # this set is known yet, the content-free ones, which are what
+    # calibration adds.
+    content_free = sum(listed(r) for r in content_free_requests(req))
+    assert est["input_tokens"] == listed(req) + content_free
+    assert est["calibration_input_tokens"] == content_free
     assert est["content_free_input_tokens"] == content_free
     assert est["max_output_tokens"] == 64
     quote = token_cost(est["input_tokens"], 64, *CORE)

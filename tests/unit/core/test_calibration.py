@@ -1,4 +1,4 @@
-"""The calibration maths: dividing out a prior, blending the two estimates, averaging orders."""
+"""The calibration maths: dividing out a prior, blending the two estimates, and a listing's pull."""
 
 from __future__ import annotations
 
@@ -68,31 +68,19 @@ def test_the_batch_mean_takes_over_as_texts_arrive() -> None:
     assert few[0] == pytest.approx((5 + 0.9) / 11)
 
 
-def test_order_averaging_is_the_renormalised_geometric_mean() -> None:
-    given_order = [0.8, 0.2]
-    reversed_listing = [0.4, 0.6]
-    out = cal.average_orders([given_order, reversed_listing])
-    g = [math.sqrt(0.8 * 0.4), math.sqrt(0.2 * 0.6)]
-    assert out == pytest.approx([g[0] / sum(g), g[1] / sum(g)])
-    assert cal.average_orders([given_order]) == pytest.approx(given_order)
-    # Symmetric in the orders.
-    assert out == pytest.approx(cal.average_orders([reversed_listing, given_order]))
-
-
-def test_a_first_position_pull_cancels_over_the_two_orders() -> None:
-    # The model doubles the weight of whichever outcome is listed first.
+def test_a_first_position_pull_is_part_of_the_prior_and_divided_out_with_it() -> None:
+    """The model doubles the weight of whichever outcome is listed first. A set lists its
+    outcomes one way, so its prior (what it answers to texts that say nothing) carries the
+    same pull, and dividing by it returns the model's view without it, in either listing."""
     truth = [0.3, 0.5, 0.2]
 
-    def listed(order: list[int]) -> list[float]:
-        w = [truth[i] * (2.0 if order[0] == i else 1.0) for i in range(3)]
+    def scored(first: int, posterior: list[float]) -> list[float]:
+        w = [p * (2.0 if i == first else 1.0) for i, p in enumerate(posterior)]
         return [x / sum(w) for x in w]
 
-    first = listed([0, 1, 2])
-    second = listed(cal.reversed_order(3))
-    averaged = cal.average_orders([first, second])
-    # Outcome 0 and 2 each got the pull once: their ratio is the truth's.
-    assert averaged[0] / averaged[2] == pytest.approx(truth[0] / truth[2])
-    assert cal.reversed_order(3) == [2, 1, 0]
+    for first in (0, 2):
+        prior = scored(first, [1 / 3] * 3)
+        assert cal.calibrate(scored(first, truth), prior) == pytest.approx(truth)
 
 
 def test_mean_probabilities_of_content_free_answers() -> None:
@@ -139,3 +127,12 @@ def test_batch_calibration_recovers_a_biased_models_accuracy() -> None:
         sums = [s + r for s, r in zip(sums, raw, strict=True)]
     assert raw_hits / 600 < 0.45
     assert cal_hits / 600 > 0.8
+
+
+def test_the_content_free_prior_counts_as_a_few_texts_by_default() -> None:
+    """A few texts' worth (tuned): the batch mean soon outweighs it."""
+    content_free = [0.8, 0.2]
+    blended = cal.blend_prior(content_free, [0.1, 0.9], 1)
+    c = cal.BATCH_PSEUDO_TEXTS
+    assert blended == pytest.approx([(c * 0.8 + 0.1) / (c + 1), (c * 0.2 + 0.9) / (c + 1)])
+    assert 1.0 <= c <= 10.0

@@ -120,14 +120,6 @@ def test_calibration_is_batch_unless_asked_and_checked() -> None:
     assert code_of({**BODY, "calibration": "always"}) == "invalid_request"
 
 
-def test_outcomes_can_be_listed_in_another_order() -> None:
-    req = parsed()
-    flipped = d.reorder_outcomes(req, lambda n: list(range(n - 1, -1, -1)))
-    assert flipped.decisions[0].outcome_ids == tuple(reversed(req.decisions[0].outcome_ids))
-    assert [x.id for x in flipped.decisions] == [x.id for x in req.decisions]
-    assert flipped.input == req.input and flipped.calibration == req.calibration
-
-
 def test_raw_probabilities_go_beside_the_calibrated_ones() -> None:
     req = parsed()
     probs = [{"positive": 0.2, "negative": 0.7, "neutral": 0.1}, None]

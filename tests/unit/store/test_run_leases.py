@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from batchyard.core.clock import ManualClock
-from batchyard.core.runs import BlockedReason, RunStatus
+from batchyard.core.leases import Lease
+from batchyard.core.runs import BlockedReason, ItemState, RunStatus
+from batchyard.store import work_items
 from batchyard.store.database import Database
 from batchyard.store.run_leases import (
     blocked_runs,
@@ -24,7 +26,7 @@ from batchyard.store.run_leases import (
     renew_lease,
     work_waiting,
 )
-from batchyard.store.runs import Run
+from batchyard.store.runs import Run, update_run
 from tests.support.run_store import add_dataset, add_org, add_run, load
 
 S = RunStatus
@@ -114,7 +116,8 @@ def test_an_expired_lease_is_claimable_and_its_old_owner_keeps_nothing(
     runs: Runs, clock: ManualClock
 ) -> None:
     run_id = runs.add(S.RUNNING)
-    assert runs.claim("wkr.a", (S.RUNNING,)) is not None
+    first = runs.claim("wkr.a", (S.RUNNING,))
+    assert first is not None
 
     clock.advance(LEASE.total_seconds() + 0.001)
     taken = runs.claim("wkr.b", (S.RUNNING,))
@@ -122,36 +125,41 @@ def test_an_expired_lease_is_claimable_and_its_old_owner_keeps_nothing(
     assert (taken.id, taken.lease_owner) == (run_id, "wkr.b")
 
     until = clock.now() + LEASE * 2
-    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, "wkr.a", until)) is None
-    assert runs.db.transact_sync(lambda c: renew_lease(c, run_id, "wkr.a", until)) is None
-    runs.db.transact_sync(lambda c: release_lease(c, run_id, "wkr.a"))
+    old = first.lease
+    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, old, until)) is None
+    assert runs.db.transact_sync(lambda c: renew_lease(c, run_id, old, until)) is None
+    runs.db.transact_sync(lambda c: release_lease(c, run_id, old))
     run = load(runs.db, run_id)
     assert (run.lease_owner, run.lease_expires_at) == ("wkr.b", taken.lease_expires_at)
 
 
 def test_the_owner_s_heartbeat_and_renewal_extend_its_lease(runs: Runs, clock: ManualClock) -> None:
     run_id = runs.add(S.QUEUED)
-    assert runs.claim("wkr.a") is not None
+    claimed = runs.claim("wkr.a")
+    assert claimed is not None
+    lease = claimed.lease
 
     clock.advance(50)
     until = clock.now() + LEASE
-    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, "wkr.a", until)) == S.QUEUED
+    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, lease, until)) == S.QUEUED
     assert load(runs.db, run_id).lease_expires_at == until
 
     clock.advance(50)  # past the first lease, within the renewed one
     assert runs.claim("wkr.b") is None
     later = clock.now() + LEASE
-    renewed = runs.db.transact_sync(lambda c: renew_lease(c, run_id, "wkr.a", later))
+    renewed = runs.db.transact_sync(lambda c: renew_lease(c, run_id, lease, later))
     assert renewed is not None and renewed.lease_expires_at == later
 
 
 def test_only_the_owner_releases_a_lease(runs: Runs) -> None:
     run_id = runs.add()
-    assert runs.claim("wkr.a") is not None
+    claimed = runs.claim("wkr.a")
+    assert claimed is not None
 
-    runs.db.transact_sync(lambda c: release_lease(c, run_id, "wkr.b"))
+    other = Lease("wkr.b", claimed.lease_token)
+    runs.db.transact_sync(lambda c: release_lease(c, run_id, other))
     assert load(runs.db, run_id).lease_owner == "wkr.a"
-    runs.db.transact_sync(lambda c: release_lease(c, run_id, "wkr.a"))
+    runs.db.transact_sync(lambda c: release_lease(c, run_id, claimed.lease))
     run = load(runs.db, run_id)
     assert (run.lease_owner, run.lease_expires_at) == (None, None)
     assert runs.claim("wkr.b") is not None
@@ -212,3 +220,59 @@ def test_blocked_runs_lists_one_reason_longest_waiting_first(
     assert [r.id for r in found] == ids[:2]
     review = runs.db.read_sync(lambda c: blocked_runs(c, BlockedReason.BILLING_REVIEW))
     assert [r.blocked_reason for r in review] == [BlockedReason.BILLING_REVIEW]
+
+
+def test_each_claim_hands_out_a_greater_token_and_a_stale_one_writes_nothing(
+    runs: Runs, clock: ManualClock
+) -> None:
+    """Fencing: the same owner claiming again gets a new token; its old claim's writes miss."""
+    run_id = runs.add(S.RUNNING)
+    first = runs.claim("wkr.a", (S.RUNNING,))
+    assert first is not None
+    clock.advance(LEASE.total_seconds() + 1)
+    second = runs.claim("wkr.a", (S.RUNNING,))
+    assert second is not None
+    assert second.lease_token == first.lease_token + 1
+    assert (second.lease_owner, first.lease_owner) == ("wkr.a", "wkr.a")
+
+    stale, until, now = first.lease, clock.now() + LEASE * 5, clock.now()
+    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, stale, until)) is None
+    assert runs.db.transact_sync(lambda c: renew_lease(c, run_id, stale, until)) is None
+    runs.db.transact_sync(lambda c: release_lease(c, run_id, stale))
+    changed = runs.db.transact_sync(
+        lambda c: update_run(c, run_id, now, lease=stale, status=S.COMPLETED, charge=1)
+    )
+    assert changed is False
+    run = load(runs.db, run_id)
+    assert (run.status, run.charge, run.lease_token) == (S.RUNNING, None, second.lease_token)
+    assert run.lease_expires_at == second.lease_expires_at
+
+    # The current claim's writes land.
+    current = second.lease
+    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, current, until)) == S.RUNNING
+    assert load(runs.db, run_id).lease_expires_at == until
+
+
+def test_a_stale_token_marks_no_row_sent(runs: Runs, clock: ManualClock) -> None:
+    run_id = runs.add(S.RUNNING)
+
+    def freeze(c: Any) -> None:
+        work_items.add_items(c, run_id, [(1, 1, 3, ItemState.PENDING, None)])
+
+    runs.db.transact_sync(freeze)
+    first = runs.claim("wkr.a", (S.RUNNING,))
+    assert first is not None
+    now = clock.now()
+    assert runs.db.transact_sync(lambda c: work_items.claim_items(c, run_id, runs.dataset, 1, now))
+    clock.advance(LEASE.total_seconds() + 1)
+    second = runs.claim("wkr.a", (S.RUNNING,))
+    assert second is not None
+
+    stale, current, now = first.lease, second.lease, clock.now()
+    assert (
+        runs.db.transact_sync(lambda c: work_items.mark_rows_sent(c, run_id, [1], stale, now))
+        == set()
+    )
+    assert runs.db.transact_sync(
+        lambda c: work_items.mark_rows_sent(c, run_id, [1], current, now)
+    ) == {1}

@@ -8,13 +8,16 @@ advisory lock keeps two workers starting at once from racing each other.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, text
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, text
 
-__all__ = ["alembic_config", "upgrade"]
+__all__ = ["alembic_config", "behind", "upgrade"]
 
 _HERE = Path(__file__).parent
 _LOCK_ID = 7_215_004_113
@@ -24,6 +27,27 @@ def alembic_config() -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(_HERE))
     return cfg
+
+
+@cache
+def _heads() -> frozenset[str]:
+    """The revisions this code's migrations end at (read once: they do not change)."""
+    return frozenset(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+
+def behind(conn: Connection) -> str | None:
+    """Why the database's schema is not this code's head, or None when it is.
+
+    ``/readyz`` asks this: a process whose database was migrated by older or
+    newer code must not take traffic.
+    """
+    current = frozenset(MigrationContext.configure(conn).get_current_heads())
+    if current == _heads():
+        return None
+    return (
+        f"the database is at revision {', '.join(sorted(current)) or 'none'}; "
+        f"this code needs {', '.join(sorted(_heads()))}"
+    )
 
 
 def upgrade(engine: Engine, revision: str = "heads") -> None:

@@ -45,6 +45,8 @@ class Claimed:
     route: RouteSpec
     price: Price
     reservation_id: str
+    #: The fencing token of this dispatch's lease (``store.batches.mark_dispatched``).
+    token: int
 
 
 def finish_failed(
@@ -55,6 +57,7 @@ def finish_failed(
     now: datetime,
     from_states: Sequence[str] = ("waiting",),
     reservation_id: str | None = None,
+    token: int | None = None,
 ) -> None:
     """End an item as failed; its result has a success's shape with the error body."""
     body = {"status_code": exc.status, "body": exc.to_body()}
@@ -68,19 +71,37 @@ def finish_failed(
         result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
         from_states=from_states,
         reservation_id=reservation_id,
+        token=token,
+    )
+
+
+def _still_ours(conn: Connection, job: Claimed) -> bool:
+    """Whether the item is still under this dispatch (its hold and its claim's fencing token).
+
+    Checked (and the row locked) before any money moves: a worker whose claim was
+    superseded settles, releases and records nothing. A dispatch made ``uncertain``
+    by recovery is still this one: its late answer may land.
+    """
+    return (
+        store.dispatched_item(
+            conn, job.item.id, job.reservation_id, job.token, ("dispatched", "uncertain")
+        )
+        is not None
     )
 
 
 async def record_success(
     db: Database, clock: Clock, sealer: Sealer, job: Claimed, completion: Completion
-) -> None:
-    """Settle the hold to real usage and keep the sealed completion as the item's result."""
+) -> int:
+    """Settle the hold to real usage and keep the sealed completion; the ticks this posted."""
     item = job.item
     now = clock.now()
     usage = completion.usage
     charge = charge_ticks(job.price.cost(usage.input_tokens, usage.output_tokens))
 
-    def tx(conn: Connection) -> None:
+    def tx(conn: Connection) -> int:
+        if not _still_ours(conn, job):
+            return 0
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
         charged = charge
         if held.state == "held":
@@ -116,14 +137,17 @@ async def record_success(
             result=sealer.seal(json.dumps(body).encode(), result_aad(item.id)),
             from_states=("dispatched", "uncertain"),
             reservation_id=job.reservation_id,
+            token=job.token,
         )
+        return charged if held.state == "held" else 0
 
     # The call happened: its outcome must land, even across a short storage outage.
-    await db.transact_through(tx)
+    posted: int = await db.transact_through(tx)
     log.info(
         "batch item succeeded",
         extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
     )
+    return posted
 
 
 async def record_failure(
@@ -134,6 +158,8 @@ async def record_failure(
     now = clock.now()
 
     def tx(conn: Connection) -> None:
+        if not _still_ours(conn, job):
+            return
         held = ledger.get_reservation(conn, job.reservation_id, lock=True)
         if held.state == "held":
             ledger.release(conn, job.reservation_id, now)
@@ -155,6 +181,7 @@ async def record_failure(
             now,
             from_states=("dispatched", "uncertain"),
             reservation_id=job.reservation_id,
+            token=job.token,
         )
 
     await db.transact_through(tx)

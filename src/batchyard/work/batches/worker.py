@@ -54,7 +54,7 @@ from batchyard.core.market import (
     offer_cost,
     qualifies,
 )
-from batchyard.core.money import quote_ticks
+from batchyard.core.money import from_ticks, quote_ticks
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.core.tiers import Tier
 from batchyard.engines.base import Completion, CompletionRequest
@@ -62,6 +62,7 @@ from batchyard.errors import (
     BatchyardError,
     InsufficientCredit,
     InternalError,
+    LimiterUnavailable,
     StorageUnavailable,
     UpstreamError,
 )
@@ -191,6 +192,12 @@ class MarketWorker:
                     report = await self.run_pass()
                 except asyncio.CancelledError:
                     raise
+                except StorageUnavailable as exc:
+                    # An outage, not a bug: no traceback; the next pass reconnects.
+                    log.warning(
+                        "store unavailable; the worker waits for it",
+                        extra={"event": "market_pass_error", "code": exc.code},
+                    )
                 except Exception:
                     log.exception("market pass failed", extra={"event": "market_pass_error"})
                 # A full pass suggests more work is ready; otherwise wait for the market.
@@ -271,6 +278,8 @@ class MarketWorker:
     async def recover(self, report: PassReport | None = None) -> int:
         """Lapsed dispatches: sent ones ``uncertain`` (hold kept), unsent ones waiting again."""
         uncertain, returned = await housekeeping.recover_lapsed(self.db, self.clock)
+        self.dispatcher.metrics.leases_recovered("deferred", uncertain + returned)
+        self.dispatcher.metrics.uncertain("deferred", uncertain)
         if report is not None:
             report.uncertain += uncertain
             report.returned += returned
@@ -374,7 +383,7 @@ class MarketWorker:
                 finish_failed(conn, sealer, item, exc, now)
                 report.failed += 1
                 return None
-            store.mark_dispatched(
+            token = store.mark_dispatched(
                 conn,
                 item.id,
                 route=route.id,
@@ -413,6 +422,7 @@ class MarketWorker:
                 route=route,
                 price=offer.price,
                 reservation_id=res.id,
+                token=token,
             )
 
         claimed = await self.db.transact(tx)
@@ -430,16 +440,23 @@ class MarketWorker:
 
     # --- executing ----------------------------------------------------------------------
 
-    async def _heartbeat(self, item_id: str) -> None:
+    async def _heartbeat(self, item_id: str, token: int) -> None:
+        """Renew the item's lease under its claim's token until it is lost (or the call ends)."""
         clock, db = self.clock, self.db
         lease = self.lease
 
         def renew(conn: Connection) -> bool:
-            return store.extend_lease(conn, item_id, clock.now() + lease)
+            return store.extend_lease(conn, item_id, token, clock.now() + lease)
 
         while True:
             await clock.sleep(lease.total_seconds() / 3)
-            await db.transact(renew)
+            try:
+                if not await db.transact(renew):
+                    return  # no longer ours: the write of its result is fenced too
+            except StorageUnavailable:
+                # The store is down: the next beat tries again. (Raising here would
+                # surface from the call's ``finally`` and lose an answer in hand.)
+                log.warning("could not renew a batch item's lease; the store is unavailable")
 
     async def _execute(self, job: Claimed) -> bool | None:
         """Call, then settle or release with the item's result.
@@ -447,7 +464,7 @@ class MarketWorker:
         True on success, False on a failure, None when the call was never sent
         (the worker is draining, or the item is no longer ours).
         """
-        heartbeat = asyncio.create_task(self._heartbeat(job.item.id))
+        heartbeat = asyncio.create_task(self._heartbeat(job.item.id, job.token))
         sent = False
 
         async def on_send() -> None:
@@ -456,7 +473,7 @@ class MarketWorker:
                 raise _NotSent("the worker is stopping")
             now = self.clock.now()
             ours = await self.db.write(
-                lambda c: store.mark_sent(c, job.item.id, job.reservation_id, now)
+                lambda c: store.mark_sent(c, job.item.id, job.reservation_id, job.token, now)
             )
             if not ours:
                 raise _NotSent("the item is no longer this worker's")
@@ -480,7 +497,7 @@ class MarketWorker:
                 await asyncio.shield(self._cut_off(job, sent=False, why=str(exc)))
                 return None
             except Exception as exc:
-                if not sent and isinstance(exc, StorageUnavailable):
+                if not sent and isinstance(exc, StorageUnavailable | LimiterUnavailable):
                     # The store refused the mark: nothing reached the engine, so the
                     # item waits again rather than failing for a call never made.
                     await asyncio.shield(self._cut_off(job, sent=False, why=type(exc).__name__))
@@ -504,7 +521,7 @@ class MarketWorker:
         now = self.clock.now()
 
         def tx(conn: Connection) -> None:
-            item = store.dispatched_item(conn, job.item.id, job.reservation_id)
+            item = store.dispatched_item(conn, job.item.id, job.reservation_id, job.token)
             if item is None:
                 return  # already settled, failed or recovered by someone else
             if sent or item.sent_at is not None:
@@ -521,7 +538,8 @@ class MarketWorker:
             log.warning("could not end a cut-off dispatch", extra={"event": "batch_cut_off_failed"})
 
     async def _succeed(self, job: Claimed, completion: Completion) -> None:
-        await record_success(self.db, self.clock, self.sealer(), job, completion)
+        charged = await record_success(self.db, self.clock, self.sealer(), job, completion)
+        self.dispatcher.metrics.charged("batch", from_ticks(charged))
 
     async def _fail(self, job: Claimed, exc: BatchyardError) -> None:
         await record_failure(self.db, self.clock, self.sealer(), job, exc)

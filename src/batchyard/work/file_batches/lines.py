@@ -34,7 +34,13 @@ from batchyard.core.openai_bodies import embedding_data
 from batchyard.core.prices import Price
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.base import CompletionRequest, Usage
-from batchyard.errors import BatchyardError, InternalError, StorageUnavailable, UpstreamError
+from batchyard.errors import (
+    BatchyardError,
+    InternalError,
+    LimiterUnavailable,
+    StorageUnavailable,
+    UpstreamError,
+)
 from batchyard.store.file_batches import Claimed, Ended, out_aad
 from batchyard.store.files import line_aad
 from batchyard.work.batches.prices import MarketPrices
@@ -283,7 +289,7 @@ async def answer(
             return None
         except (KeyError, TypeError, ValueError):
             err = InternalError("the stored request cannot be read", retryable=False)
-        except StorageUnavailable:
+        except (StorageUnavailable, LimiterUnavailable):
             if not sent:
                 return None  # the store refused the mark: nothing reached the engine
             raise

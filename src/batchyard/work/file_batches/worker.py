@@ -47,7 +47,8 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
-from batchyard.errors import BatchyardError
+from batchyard.core.money import from_ticks
+from batchyard.errors import BatchyardError, StorageUnavailable
 from batchyard.store import accounts, activity, ledger
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
@@ -142,6 +143,12 @@ class FileBatchWorker:
             while True:
                 try:
                     await self.tick()
+                except StorageUnavailable as exc:
+                    # An outage, not a bug: no traceback; the next round reconnects.
+                    log.warning(
+                        "store unavailable; the worker waits for it",
+                        extra={"worker": self.owner, "code": exc.code},
+                    )
                 except Exception:
                     log.exception("file batch round failed", extra={"worker": self.owner})
                 # A poll interval, not a time rule: deadlines and leases read the clock.
@@ -267,6 +274,8 @@ class FileBatchWorker:
             return len(lapsed)
 
         n = await self.db.transact(tx)
+        self.dispatcher.metrics.leases_recovered("file_batches", n)
+        self.dispatcher.metrics.uncertain("file_batches", n)
         if n:
             log.warning("file batch lines uncertain", extra={"lines": n, "worker": self.owner})
         return n
@@ -343,6 +352,7 @@ class FileBatchWorker:
                     charged = (
                         ledger.settle(c, batch.reservation_id, totals.charge, now).charged or 0
                     )
+                    self.dispatcher.metrics.charged("file_batch", from_ticks(charged))
                     activity.record(
                         c,
                         batch.org_id,
@@ -452,10 +462,13 @@ class FileBatchWorker:
         asked, last = 0, float("-inf")
         interval = self.settings.flush_s
         owner = self.owner
+        # The lines this loop holds, each with the fencing token of its claim:
+        # every write of a line (sent mark, result, renewal, unclaim) names it.
+        held: dict[int, int] = {}
         marks: SentMarks[int] = SentMarks(
             self.db,
             self.clock,
-            lambda c, keys, now: store.mark_lines_sent(c, batch.id, keys, owner, now),
+            lambda c, keys, now: store.mark_lines_sent(c, batch.id, keys, owner, held, now),
         )
 
         async def on_send(line: int) -> None:
@@ -470,7 +483,7 @@ class FileBatchWorker:
                     claim = not idle and len(flying) <= width - max(1, width // 4)
                     if claim or due or (done and not flying):
                         asked = 0 if idle else width - len(flying)
-                        stepping = asyncio.create_task(self._round(batch, done, asked))
+                        stepping = asyncio.create_task(self._round(batch, held, done, asked))
                         done, last = [], loop.time()
                     elif idle and not flying:
                         break
@@ -498,6 +511,7 @@ class FileBatchWorker:
                                         batch_id=batch.id,
                                         owner=self.owner,
                                         line=line.line,
+                                        token=held.pop(line.line, line.token),
                                     )
                                 )
                                 stop = True
@@ -527,7 +541,8 @@ class FileBatchWorker:
                         done.append(ended)
                 if requeue:
                     lines, requeue = requeue, []
-                    await self.db.transact(partial(_unclaim_all, batch.id, owner, lines))
+                    tokens = {line: held.pop(line) for line in lines if line in held}
+                    await self.db.transact(partial(_unclaim_all, batch.id, owner, tokens))
         except asyncio.CancelledError:
             if self.draining:
                 # Cut off by the end of a drain's grace period: what never reached the
@@ -536,7 +551,7 @@ class FileBatchWorker:
                     await asyncio.shield(
                         self.db.transact(
                             lambda c: store.requeue_unsent(
-                                c, self.clock.now(), batch_id=batch.id, owner=owner
+                                c, self.clock.now(), batch_id=batch.id, owner=owner, held=held
                             )
                         )
                     )
@@ -548,31 +563,51 @@ class FileBatchWorker:
                 stepping.cancel()
         if self.draining and not exhausted:
             if done:
-                await self._round(batch, done, 0)  # record what landed; the rest is pending
+                await self._round(batch, held, done, 0)  # record what landed; the rest waits
             return
         await self._finalize(batch.id)
 
     async def _round(
-        self, batch: store.BatchRow, done: list[store.Ended], free: int
+        self,
+        batch: store.BatchRow,
+        held: dict[int, int],
+        done: list[store.Ended],
+        free: int,
     ) -> tuple[str | None, list[store.Claimed]]:
-        """Record finished lines, renew the leases, claim more: one transaction."""
+        """Record finished lines, renew the leases, claim more: one transaction.
+
+        ``held`` (line → fencing token) is the loop's own: ended lines leave it
+        once the transaction commits, claimed ones join it.
+        """
         now, until = self.clock.now(), self._lease_until()
         owner = self.owner
+        tokens = dict(held)
+        ended = {e.line for e in done}
 
-        def tx(c: Connection) -> tuple[str | None, list[store.Claimed]]:
-            status = store.heartbeat(c, batch.id, owner, until)
-            store.record_results(c, batch.id, owner, done, now)
+        def tx(c: Connection) -> tuple[str | None, list[store.Claimed], int]:
+            status = store.heartbeat(c, batch.id, owner, tokens, until)
+            recorded = store.record_results(c, batch.id, owner, tokens, done, now)
             if status != "in_progress" or now >= batch.expires_at:
-                return status, []
-            return status, store.claim_lines(c, batch, owner, free, now, until)
+                return status, [], recorded
+            return status, store.claim_lines(c, batch, owner, free, now, until), recorded
 
-        return await asyncio.shield(self.db.transact(tx))
+        status, claimed, recorded = await asyncio.shield(self.db.transact(tx))
+        if recorded < len(done):
+            # Their leases lapsed (or were claimed again): another claim decides them.
+            log.warning(
+                "file batch line leases lost",
+                extra={"batch_id": batch.id, "lines": len(done) - recorded, "worker": owner},
+            )
+        for line in ended:
+            held.pop(line, None)
+        held.update((c.line, c.token) for c in claimed)
+        return status, claimed
 
 
-def _unclaim_all(batch_id: str, owner: str, lines: list[int], c: Connection) -> None:
-    """Claimed lines that were never sent go back to pending."""
-    for line in lines:
-        store.unclaim(c, batch_id=batch_id, owner=owner, line=line)
+def _unclaim_all(batch_id: str, owner: str, tokens: dict[int, int], c: Connection) -> None:
+    """Claimed lines that were never sent go back to pending (each under its claim's token)."""
+    for line, token in tokens.items():
+        store.unclaim(c, batch_id=batch_id, owner=owner, line=line, token=token)
 
 
 def _reload(c: Connection, *, batch: store.BatchRow) -> store.BatchRow:

@@ -34,7 +34,8 @@ from sqlalchemy import Connection
 
 from batchyard.core.catalog import Catalog, RouteSpec
 from batchyard.core.clock import Clock
-from batchyard.core.money import charge_ticks, quote_ticks
+from batchyard.core.leases import Lease
+from batchyard.core.money import charge_ticks, from_ticks, quote_ticks
 from batchyard.core.prices import Price
 from batchyard.core.runs import (
     BlockedReason,
@@ -45,7 +46,7 @@ from batchyard.core.runs import (
     resolve_model,
 )
 from batchyard.engines.base import CompletionRequest
-from batchyard.errors import BatchyardError, StorageUnavailable
+from batchyard.errors import BatchyardError, LimiterUnavailable, StorageUnavailable
 from batchyard.store import activity, ledger, work_items
 from batchyard.store.database import Database
 from batchyard.store.run_leases import heartbeat, release_lease
@@ -171,8 +172,11 @@ class RunExecutor:
         except _NotSent:
             return ItemResult(item.row_id, ItemState.PENDING)
         except BatchyardError as exc:
-            if not sent and isinstance(exc, StorageUnavailable):
-                # The store refused the mark: nothing reached the engine, the row waits again.
+            if not sent and isinstance(exc, StorageUnavailable | LimiterUnavailable):
+                # The store refused the mark, or the limiter could not admit the call:
+                # nothing reached the engine, the row waits again. Not at once: the
+                # outage is still on, and claiming it back now would only spin.
+                await self.clock.sleep(self.settings.heartbeat_s)
                 return ItemResult(item.row_id, ItemState.PENDING)
             return ItemResult(
                 item.row_id, ItemState.FAILED, error={"code": exc.code, "message": exc.message}
@@ -195,26 +199,32 @@ class RunExecutor:
         )
 
     async def execute(self, run: Run) -> None:
-        """Answer a claimed run's rows (unless it is past that), write its outputs, settle it."""
+        """Answer a claimed run's rows (unless it is past that), write its outputs, settle it.
+
+        ``run`` is as its claim returned it: every write below names that claim's
+        lease (``run.lease``), so once another claim takes the run, none lands.
+        """
         try:
             await self._execute(run)
         except asyncio.CancelledError:
             if self._draining():
                 # Cut off by the end of a drain's grace period: let another worker
                 # take the run now rather than when the lease expires.
-                await asyncio.shield(self._release(run.id))
+                await asyncio.shield(self._release(run.id, run.lease))
             raise
 
-    async def _release(self, run_id: str) -> None:
+    async def _release(self, run_id: str, lease: Lease) -> None:
         with contextlib.suppress(BatchyardError):
-            await self.db.transact(lambda c: release_lease(c, run_id, self.owner))
+            await self.db.transact(lambda c: release_lease(c, run_id, lease))
 
     async def _execute(self, run: Run) -> None:
         if run.status in (S.RUNNING, S.STOPPING):
             try:
                 plan = _plan(self.catalog, run)
             except BatchyardError as exc:
-                await self._begin_finish(run.id, error={"code": exc.code, "message": exc.message})
+                await self._begin_finish(
+                    run.id, run.lease, error={"code": exc.code, "message": exc.message}
+                )
             else:
                 if not await self._dispatch_rows(run, plan):
                     return
@@ -222,11 +232,11 @@ class RunExecutor:
             self.db,
             self.clock,
             run.id,
-            owner=self.owner,
+            lease=run.lease,
             lease_until=self._lease_until,
             batch_size=self.settings.write_batch,
         )
-        await self.settle(run.id)
+        await self.settle(run.id, run.lease)
 
     async def _dispatch_rows(self, run: Run, plan: _Plan) -> bool:
         """Answer every pending row; ``False`` if the lease was lost on the way.
@@ -249,11 +259,11 @@ class RunExecutor:
         def stopping() -> bool:
             return stop or self._draining()
 
-        owner = self.owner
+        lease = run.lease
         marks: SentMarks[int] = SentMarks(
             self.db,
             self.clock,
-            lambda c, keys, now: work_items.mark_rows_sent(c, run.id, keys, owner, now),
+            lambda c, keys, now: work_items.mark_rows_sent(c, run.id, keys, lease, now),
         )
 
         try:
@@ -280,6 +290,11 @@ class RunExecutor:
                         stepping = None
                         step = task.result()
                         if step is None:
+                            # Another claim holds the run: what landed here is not written.
+                            log.warning(
+                                "run lease lost",
+                                extra={"run_id": run.id, "lease_token": run.lease_token},
+                            )
                             return False
                         status, claimed = step
                         stop = stop or status == S.STOPPING
@@ -319,7 +334,7 @@ class RunExecutor:
                     with contextlib.suppress(BaseException):
                         await asyncio.shield(stepping)
                     stepping = None
-                await asyncio.shield(self._hand_over(run.id, done))
+                await asyncio.shield(self._hand_over(run.id, lease, done))
             raise
         finally:
             for task in flying:
@@ -328,20 +343,21 @@ class RunExecutor:
                 stepping.cancel()
         if self._draining() and not stop and not exhausted:
             # Every call in flight landed: hand the run over with its rows recorded.
-            await self._hand_over(run.id, done)
+            await self._hand_over(run.id, lease, done)
             return False
-        await self._begin_finish(run.id, error=error)
+        await self._begin_finish(run.id, lease, error=error)
         return True
 
-    async def _hand_over(self, run_id: str, results: list[ItemResult]) -> None:
+    async def _hand_over(self, run_id: str, lease: Lease, results: list[ItemResult]) -> None:
         """Record what landed, settle what did not (sent: uncertain; unsent: pending), let go."""
         now = self.clock.now()
 
         def tx(c: Connection) -> None:
-            if heartbeat(c, run_id, self.owner, now) is None:
+            if heartbeat(c, run_id, lease, now) is None:
                 return  # no longer ours: its new owner decides
             work_items.record_results(c, run_id, results, now)
             uncertain, _ = work_items.recover_dispatched(c, run_id, now)
+            self.dispatcher.metrics.uncertain("runs", len(uncertain))
             run = load_run(c, run_id)
             if uncertain:
                 activity.record(
@@ -358,7 +374,7 @@ class RunExecutor:
                     },
                 )
             work_items.recount(c, run_id, now)
-            release_lease(c, run_id, self.owner)
+            release_lease(c, run_id, lease)
 
         try:
             await self.db.transact(tx)
@@ -372,7 +388,7 @@ class RunExecutor:
         now, until = self.clock.now(), self._lease_until()
 
         def tx(c: Connection) -> tuple[str, list[Any]] | None:
-            status = heartbeat(c, run.id, self.owner, until)
+            status = heartbeat(c, run.id, run.lease, until)
             if status is None:
                 return None
             work_items.record_results(c, run.id, results, now)
@@ -384,13 +400,15 @@ class RunExecutor:
         # a short storage outage rather than lose them (and make them uncertain).
         return await asyncio.shield(self.db.transact_through(tx, patience_s=10.0))
 
-    async def _begin_finish(self, run_id: str, *, error: dict[str, Any] | None) -> None:
+    async def _begin_finish(
+        self, run_id: str, lease: Lease, *, error: dict[str, Any] | None
+    ) -> None:
         """No more calls: unsent rows are canceled and the outputs get written."""
         now = self.clock.now()
 
         def tx(c: Connection) -> None:
             run = load_run(c, run_id, lock=True)
-            if run.lease_owner != self.owner:
+            if run.lease != lease:
                 return
             work_items.cancel_pending(c, run_id, now)
             work_items.recount(c, run_id, now)
@@ -403,13 +421,16 @@ class RunExecutor:
 
         await self.db.transact(tx)
 
-    async def settle(self, run_id: str) -> None:
-        """Charge the summed usage against the run's reservation, release the rest, end it."""
+    async def settle(self, run_id: str, lease: Lease) -> None:
+        """Charge the summed usage against the run's reservation, release the rest, end it.
+
+        Only under ``lease``: a worker that lost the run charges nothing.
+        """
         now = self.clock.now()
 
         def tx(c: Connection) -> str | None:
             run = load_run(c, run_id, lock=True)
-            if run.lease_owner != self.owner:
+            if run.lease != lease:
                 return None
             final = (
                 S.CANCELED
@@ -422,6 +443,7 @@ class RunExecutor:
                 if res.state == "held":
                     settled = ledger.settle(c, run.reservation_id, run.charge_accum, now)
                     charged = settled.charged or 0
+                    self.dispatcher.metrics.charged("run", from_ticks(charged))
                     activity.record(
                         c,
                         run.org_id,
@@ -466,7 +488,7 @@ class RunExecutor:
                     c,
                     run_id,
                     now,
-                    owner=self.owner,
+                    lease=lease,
                     status=S.BLOCKED,
                     outcome=S.CANCELED if canceled else run.outcome,
                     blocked_reason=BlockedReason.PAYMENT,

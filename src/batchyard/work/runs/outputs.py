@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from batchyard.core.clock import Clock
+from batchyard.core.leases import Lease
 from batchyard.core.runs import prompt_messages
 from batchyard.store import projects as pstore
 from batchyard.store import row_versions, work_items
@@ -34,7 +35,7 @@ async def write_outputs(
     clock: Clock,
     run_id: str,
     *,
-    owner: str,
+    lease: Lease,
     lease_until: Callable[[], datetime],
     batch_size: int,
 ) -> None:
@@ -43,15 +44,15 @@ async def write_outputs(
         now, until = clock.now(), lease_until()
 
         def tx(c: Connection, now: Any = now, until: Any = until) -> int:
-            return _write_batch(c, run_id, owner, now, until, batch_size)
+            return _write_batch(c, run_id, lease, now, until, batch_size)
 
         if await db.transact(tx) == 0:
             return
 
 
-def _write_batch(c: Connection, run_id: str, owner: str, now: Any, until: Any, limit: int) -> int:
+def _write_batch(c: Connection, run_id: str, lease: Lease, now: Any, until: Any, limit: int) -> int:
     """Write one batch of answered rows and mark them written; 0 when done (or not ours)."""
-    run = renew_lease(c, run_id, owner, until)
+    run = renew_lease(c, run_id, lease, until)
     if run is None:
         return 0
     batch = work_items.succeeded_unwritten(c, run_id, limit)

@@ -90,7 +90,7 @@ class QuotePreparer:
         # the same for every row, so count them once (never fewer than the
         # template renders: BPE merges across the seam can only save tokens).
         wrap = tok.count_messages([{"role": "user", "content": ""}]) if by_field else 0
-        if not db.transact_sync(partial(self._start, run.id, self._lease_until())):
+        if not db.transact_sync(partial(self._start, run, self._lease_until())):
             log.info("quote abandoned", extra={"run_id": run.id})
             return
         after, rows, tokens = 0, 0, 0
@@ -112,7 +112,7 @@ class QuotePreparer:
         def save(c: Connection, items: list[Any], until: datetime) -> bool:
             now = clock.now()
             if not update_run(
-                c, run.id, now, expect=[S.PREPARING], owner=self.owner, lease_expires_at=until
+                c, run.id, now, expect=[S.PREPARING], lease=run.lease, lease_expires_at=until
             ):
                 return False
             work_items.add_items(c, run.id, items)
@@ -184,13 +184,12 @@ class QuotePreparer:
 
         def finish(c: Connection) -> None:
             now = clock.now()
-            work_items.recount(c, run.id, now)
-            update_run(
+            if not update_run(
                 c,
                 run.id,
                 now,
                 expect=[S.PREPARING],
-                owner=self.owner,
+                lease=run.lease,
                 status=S.AWAITING_CONFIRMATION,
                 quote_rows=rows,
                 quote_input_tokens=tokens,
@@ -199,7 +198,9 @@ class QuotePreparer:
                 quote_expires_at=now + self.settings.quote_ttl,
                 lease_owner=None,
                 lease_expires_at=None,
-            )
+            ):
+                return  # another claim holds the run now: its quote is the one that counts
+            work_items.recount(c, run.id, now)
 
         db.transact_sync(finish)
         log.info(
@@ -212,7 +213,7 @@ class QuotePreparer:
             },
         )
 
-    def _start(self, run_id: str, until: datetime, c: Connection) -> bool:
+    def _start(self, run: Run, until: datetime, c: Connection) -> bool:
         """Clear a half-prepared quote's rows, if the run is still ours to quote.
 
         Guarded by the lease like every other write: a worker that stalled
@@ -221,10 +222,10 @@ class QuotePreparer:
         """
         now = self.clock.now()
         if not update_run(
-            c, run_id, now, expect=[S.PREPARING], owner=self.owner, lease_expires_at=until
+            c, run.id, now, expect=[S.PREPARING], lease=run.lease, lease_expires_at=until
         ):
             return False
-        work_items.clear_items(c, run_id)
+        work_items.clear_items(c, run.id)
         return True
 
     def _fail(self, run: Run, code: str, message: str) -> None:
@@ -234,7 +235,7 @@ class QuotePreparer:
                 run.id,
                 self.clock.now(),
                 expect=[S.PREPARING],
-                owner=self.owner,
+                lease=run.lease,
                 status=S.FAILED,
                 error={"code": code, "message": message},
                 lease_owner=None,

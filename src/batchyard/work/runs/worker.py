@@ -39,6 +39,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.runs import BlockedReason, RunSettings, RunStatus
 from batchyard.core.tiers import Tier
 from batchyard.core.tokens import TokenizerSource
+from batchyard.errors import StorageUnavailable
 from batchyard.store import activity, work_items
 from batchyard.store import projects as pstore
 from batchyard.store.database import Database
@@ -127,6 +128,12 @@ class RunWorker:
             while True:
                 try:
                     await self.tick()
+                except StorageUnavailable as exc:
+                    # An outage, not a bug: no traceback; the next tick reconnects.
+                    log.warning(
+                        "store unavailable; the worker waits for it",
+                        extra={"worker": self.owner, "code": exc.code},
+                    )
                 except Exception:
                     log.exception("run worker tick failed", extra={"worker": self.owner})
                 # A poll interval, not a time rule: leases and quotes read the clock.
@@ -243,6 +250,8 @@ class RunWorker:
     def _take_over(self, c: Connection, run: Run, now: Any) -> None:
         """A stopped worker's run: its sent rows become uncertain, its unsent ones wait again."""
         uncertain, _ = work_items.recover_dispatched(c, run.id, now)
+        self._executor.dispatcher.metrics.leases_recovered("runs", 1)
+        self._executor.dispatcher.metrics.uncertain("runs", len(uncertain))
         if uncertain:
             activity.record(
                 c,
@@ -279,6 +288,6 @@ class RunWorker:
             await loop.run_in_executor(None, self._quotes.prepare, run)
             return
         if run.status == S.BLOCKED:
-            await self._executor.settle(run.id)
+            await self._executor.settle(run.id, run.lease)
             return
         await self._executor.execute(run)

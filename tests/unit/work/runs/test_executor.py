@@ -185,7 +185,7 @@ async def test_rows_are_answered_charged_per_row_within_their_share_and_settled_
     assert (charge["detail"]["rows"], charge["detail"]["input_tokens"]) == (2, 12)
 
     # A second settlement (a worker retrying) changes nothing.
-    await executor(db, clock, engine).settle(run_id)
+    await executor(db, clock, engine).settle(run_id, load(db, run_id).lease)
     assert len(run_entries(db, run.reservation_id)) == 3
     assert len(charges(db, org)) == 1
 
@@ -333,7 +333,7 @@ async def test_a_failed_settlement_blocks_the_run_on_payment_until_a_retry_settl
         )
     )
     assert claimed is not None
-    await runner.settle(run_id)
+    await runner.settle(run_id, claimed.lease)
 
     run = load(db, run_id)
     charge = charge_ticks(PRICE.cost(2, 3))
@@ -365,6 +365,45 @@ async def test_a_run_whose_lease_was_lost_records_and_settles_nothing(
     assert balance(db, org).held == run.quote_max_cost
 
 
+async def test_a_worker_whose_run_was_claimed_again_under_its_own_name_writes_nothing(
+    db: Database, clock: SleepWatchingClock
+) -> None:
+    """The owner's name is not enough: a claim made since (same name, new token) fences it out.
+
+    The run's lease lapses during the first row's call and the same worker
+    name claims it again (a restarted process reusing its name, or its own
+    loop): the old execution's token is stale, so it records no row, settles
+    nothing and moves the run to no other state.
+    """
+    org, run_id = running_run(db, clock, [{"text": "alpha beta"}, {"text": "gamma"}])
+    stale = load(db, run_id)
+
+    def answer(_: CompletionRequest) -> str:
+        clock.advance(LEASE.total_seconds() + 1)
+        now = clock.now()
+        again = db.transact_sync(
+            lambda c: claim_run(c, OWNER, now, now + LEASE, statuses=[S.RUNNING])
+        )
+        assert again is not None and again.lease_token == stale.lease_token + 1
+        return "ok"
+
+    engine = ScriptedEngine(answer, clock=clock)
+    settings = RunSettings(default_concurrency=1)
+    await executor(db, clock, engine, settings=settings).execute(stale)
+
+    assert len(engine.calls) == 1
+    assert states(db, run_id) == [ItemState.DISPATCHED, ItemState.PENDING]
+    run = load(db, run_id)
+    assert (run.status, run.lease_owner, run.charge) == (S.RUNNING, OWNER, None)
+    assert run.lease_token == stale.lease_token + 1
+    assert (run.rows_done, run.charge_accum) == (0, 0)
+    assert balance(db, org).held == run.quote_max_cost
+    assert charges(db, org) == []
+    # Settling under the stale token posts nothing either.
+    await executor(db, clock, engine).settle(run_id, stale.lease)
+    assert charges(db, org) == [] and load(db, run_id).status == S.RUNNING
+
+
 async def test_a_payment_retry_that_finds_the_hold_already_resolved_posts_nothing_again(
     db: Database, clock: SleepWatchingClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -385,12 +424,13 @@ async def test_a_payment_retry_that_finds_the_hold_already_resolved_posts_nothin
     # Meanwhile an operator resolved the hold by hand (here: voided it).
     now = clock.now()
     db.transact_sync(lambda c: ledger.release(c, res_id, now))
-    db.transact_sync(
+    claimed = db.transact_sync(
         lambda c: claim_run(
             c, OWNER, now, now + LEASE, statuses=[S.BLOCKED], blocked_reason=BlockedReason.PAYMENT
         )
     )
-    await runner.settle(run_id)
+    assert claimed is not None
+    await runner.settle(run_id, claimed.lease)
 
     run = load(db, run_id)
     assert (run.status, run.charge) == (S.COMPLETED, 0)

@@ -1,0 +1,245 @@
+"""Prometheus metrics: the one module that imports ``prometheus_client``.
+
+``PrometheusRecorder`` is the ``core.telemetry.Recorder`` a deployment counts
+into, and ``exposition`` renders ``/metrics``: the counters and histograms
+this process (or, under ``serve --workers N``, every process) counted, plus
+the gauges read from the store at scrape time (``store.backlog``: queue
+depths and open holds), so every API process reports the same fleet-wide
+backlog. [The reference](../../../docs/reference/metrics.md) lists every
+metric.
+
+Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set before
+``prometheus_client`` is first imported (``serve --workers N`` sets it to a
+fresh directory, ``prepare_multiprocess``), each process writes its values to
+files there and a scrape sums them across processes with
+``MultiProcessCollector``; the supervisor marks a dead process's live gauges
+gone with ``mark_dead``. Without it each recorder keeps its own registry, so
+several services in one process (tests) do not share counts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from decimal import Decimal
+from pathlib import Path
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    multiprocess,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from batchyard.core.money import from_ticks
+from batchyard.store.backlog import Backlog
+
+__all__ = [
+    "CONTENT_TYPE",
+    "MULTIPROC_ENV",
+    "PrometheusRecorder",
+    "mark_dead",
+    "multiprocess_dir",
+    "prepare_multiprocess",
+]
+
+#: The environment variable prometheus_client reads for its multiprocess directory.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# ``*_created`` series double the output and no dashboard reads them (multiprocess mode
+# has none), so a single process answers the same families as a fleet.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def prepare_multiprocess(path: Path) -> None:
+    """Empty ``path`` and point this process and its children at it (before they import us).
+
+    Files left by an earlier run would add its counts to this one's.
+    """
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    os.environ[MULTIPROC_ENV] = str(path)
+
+
+def mark_dead(pid: int) -> None:
+    """A child process exited: its live gauges no longer count (its counters still do)."""
+    if multiprocess_dir():
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+class PrometheusRecorder:
+    """Counts the events of ``core.telemetry.Recorder`` as Prometheus metrics."""
+
+    def __init__(self) -> None:
+        self.multiprocess = multiprocess_dir() is not None
+        # In multiprocess mode values live in files, not in a registry; a scrape
+        # reads them all through a fresh registry (``exposition``).
+        self.registry = None if self.multiprocess else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "batchyard_http_requests",
+            "HTTP answers, by route template, method and status.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.http_duration = Histogram(
+            "batchyard_http_request_duration_seconds",
+            "How long an HTTP answer took, by route template and method.",
+            ["route", "method"],
+            registry=r,
+        )
+        self.process_requests = Gauge(
+            "batchyard_process_http_requests",
+            "HTTP answers this live process gave (one series per process under --workers).",
+            registry=r,
+            multiprocess_mode="liveall",
+        )
+        self.model_calls = Counter(
+            "batchyard_model_calls",
+            "Engine calls, by route and outcome (ok, upstream_429, or the failure's code).",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.token_counts = Counter(
+            "batchyard_tokens",
+            "Tokens engine calls used, by route and direction (input, output).",
+            ["route", "direction"],
+            registry=r,
+        )
+        self.credits = Counter(
+            "batchyard_credits_charged",
+            "Credits (US dollars) charged when reservations settled, by purpose.",
+            ["purpose"],
+            registry=r,
+        )
+        self.admissions = Counter(
+            "batchyard_limiter_admissions",
+            "Limiter verdicts, by key scope (org, route), verdict and the limit that refused.",
+            ["scope", "verdict", "limit"],
+            registry=r,
+        )
+        self.upstream_429s = Counter(
+            "batchyard_upstream_429",
+            "Upstream 429 answers, by route.",
+            ["route"],
+            registry=r,
+        )
+        self.retry_after = Counter(
+            "batchyard_upstream_retry_after_seconds",
+            "Seconds of Retry-After the upstream asked a route to wait, by route.",
+            ["route"],
+            registry=r,
+        )
+        self.recovered = Counter(
+            "batchyard_leases_recovered",
+            "Lapsed leases taken over from a worker that stopped, by kind of work.",
+            ["kind"],
+            registry=r,
+        )
+        self.uncertain_items = Counter(
+            "batchyard_items_uncertain",
+            "Items that became uncertain (sent, then their worker died), by kind of work.",
+            ["kind"],
+            registry=r,
+        )
+
+    # --- core.telemetry.Recorder ---------------------------------------------------------
+
+    def http_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_duration.labels(route, method).observe(max(0.0, seconds))
+        self.process_requests.inc()
+
+    def model_call(self, route: str, outcome: str) -> None:
+        self.model_calls.labels(route, outcome).inc()
+
+    def tokens(self, route: str, input_tokens: int, output_tokens: int) -> None:
+        self.token_counts.labels(route, "input").inc(input_tokens)
+        self.token_counts.labels(route, "output").inc(output_tokens)
+
+    def charged(self, purpose: str, credits: Decimal) -> None:
+        self.credits.labels(purpose).inc(float(credits))
+
+    def admission(self, scope: str, verdict: str, limit: str | None) -> None:
+        self.admissions.labels(scope, verdict, limit or "").inc()
+
+    def upstream_429(self, route: str, retry_after_s: float) -> None:
+        self.upstream_429s.labels(route).inc()
+        self.retry_after.labels(route).inc(max(0.0, retry_after_s))
+
+    def leases_recovered(self, kind: str, count: int) -> None:
+        if count:
+            self.recovered.labels(kind).inc(count)
+
+    def uncertain(self, kind: str, count: int) -> None:
+        if count:
+            self.uncertain_items.labels(kind).inc(count)
+
+    # --- /metrics ---------------------------------------------------------------------------
+
+    def exposition(self, backlog: Backlog | None) -> bytes:
+        """The text format of every metric, with the store's backlog (when it could be read)."""
+        registry = CollectorRegistry(auto_describe=True)
+        if self.multiprocess:
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        else:
+            assert self.registry is not None
+            registry.register(_Registry(self.registry))
+        registry.register(_BacklogCollector(backlog))
+        return generate_latest(registry)
+
+
+class _Registry(Collector):
+    """Another registry's metrics, collected into the scrape's registry."""
+
+    def __init__(self, inner: CollectorRegistry) -> None:
+        self._inner = inner
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        return self._inner.collect()
+
+
+class _BacklogCollector(Collector):
+    """Queue depths and holds read from the store for this scrape."""
+
+    def __init__(self, backlog: Backlog | None) -> None:
+        self._backlog = backlog
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        up = GaugeMetricFamily(
+            "batchyard_store_up", "1 when this scrape could read the backlog from the store."
+        )
+        up.add_metric([], 1.0 if self._backlog is not None else 0.0)
+        yield up
+        b = self._backlog
+        if b is None:
+            return
+        depth = GaugeMetricFamily(
+            "batchyard_queue_depth",
+            "Work waiting in the store: run rows, deferred items, file-batch lines.",
+            labels=["queue"],
+        )
+        depth.add_metric(["run_rows"], float(b.run_rows))
+        depth.add_metric(["deferred_items"], float(b.deferred_items))
+        depth.add_metric(["file_batch_lines"], float(b.file_batch_lines))
+        yield depth
+        holds = GaugeMetricFamily("batchyard_holds_open", "Reservations still held.")
+        holds.add_metric([], float(b.holds))
+        yield holds
+        held = GaugeMetricFamily(
+            "batchyard_holds_credits", "Credits (US dollars) held by open reservations."
+        )
+        held.add_metric([], float(from_ticks(b.held_ticks)))
+        yield held
