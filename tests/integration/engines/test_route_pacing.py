@@ -56,11 +56,34 @@ async def until(predicate, what: str, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.005)
 
 
-@pytest.mark.parametrize("window", ["fixed"])
+async def quiet(up: FakeUpstream, polls: int = 10) -> None:
+    """Wait until the upstream has seen no new request for ``polls`` polls in a row.
+
+    Time stands still (the ManualClock), so a route held by a Retry-After sends nothing
+    more; calls that were already past the pacer when the refusal came still land.
+    """
+    seen, still = -1, 0
+    for _ in range(2000):
+        now = up.requests
+        answered = sum(up.statuses.values()) == now
+        still = still + 1 if (now == seen and answered) else 0
+        if still >= polls:
+            return
+        seen = now
+        await asyncio.sleep(0.02)
+    raise AssertionError("the upstream never went quiet")
+
+
+@pytest.mark.parametrize("window", ["fixed", "rolling"])
+@pytest.mark.parametrize("refuse_first", [0, 2])
 async def test_a_strict_upstream_s_429s_are_retried_after_retry_after_and_never_fail_the_client(
-    make_service, clock, window
+    make_service, clock, window, refuse_first
 ) -> None:
     up = FakeUpstream(mode="echo", rpm=120, window=window, time_fn=clock.time)  # 2 a second
+    if refuse_first:
+        # A 429 with Retry-After and no x-ratelimit-* before anything else: the gateway
+        # learns nothing from it but to wait, and must retry those calls itself.
+        up.fail_next(refuse_first, status=429, retry_after=1)
     with up:
         svc = make_service(catalog=catalog(up.base_url))
         acct = make_account(svc, credit="100")
@@ -71,25 +94,38 @@ async def test_a_strict_upstream_s_429s_are_retried_after_retry_after_and_never_
                 )
                 for _ in range(CALLS)
             ]
-            # The cold start lets a few calls out; the upstream's second has room for two.
-            await until(lambda: up.statuses[200] == 2 and up.rate_limited >= 1, "a refusal")
-            refused = up.rate_limited
-            # Until its Retry-After has passed, nothing more is sent.
-            await asyncio.sleep(0.05)
-            assert up.statuses[200] == 2 and up.rate_limited == refused
-            hold = await svc.limiter.try_acquire("route:remote", [])
-            assert not hold.allowed and hold.retry_after > 0
-            assert svc.dispatcher.pacer.state(svc.catalog.routes["remote"]).rpm == 120
+            try:
+                # The cold start lets a few calls out. Whatever the upstream says first (a
+                # refusal's Retry-After, or "0 remaining" on an answer) holds the route, and
+                # the clock stands still: wait until nothing more goes out.
+                await until(lambda: up.requests >= 1, "the first call")
+                await quiet(up)
+                refused = up.rate_limited
+                assert refused >= min(refuse_first, 1)
+                assert sum(c.done() for c in calls) == up.statuses[200] <= 2
+                hold = await svc.limiter.try_acquire("route:remote", [])
+                assert not hold.allowed and hold.retry_after > 0
 
-            # Move time on a little at a time until every call has landed.
-            for _ in range(200):
-                if all(c.done() for c in calls):
-                    break
-                clock.advance(0.25)
-                await asyncio.sleep(0.02)
-            answers = await asyncio.gather(*calls)
+                # Move time on a little at a time until every call has landed.
+                for _ in range(400):
+                    if all(c.done() for c in calls):
+                        break
+                    clock.advance(0.25)
+                    await asyncio.sleep(0.02)
+                else:
+                    pending = sum(not c.done() for c in calls)
+                    raise AssertionError(
+                        f"{pending} calls still waiting at t={clock.time()}: {dict(up.statuses)}"
+                    )
+                answers = await asyncio.gather(*calls)
+            finally:
+                for c in calls:
+                    c.cancel()
 
         assert [r.status_code for r in answers] == [200] * CALLS, [r.text for r in answers]
         assert up.statuses[200] == CALLS
-        # Learned after the first refusal: the rest were paced into the upstream's seconds.
-        assert up.rate_limited == refused
+        assert svc.dispatcher.pacer.state(svc.catalog.routes["remote"]).rpm == 120
+        if not refuse_first:
+            # The limit was learned from the first answer's headers: every later call
+            # was paced into the upstream's seconds, so no refusal came after that.
+            assert up.rate_limited == refused
