@@ -143,3 +143,26 @@ def market(make_service: ServiceFactory) -> Callable[..., Service]:
     from tests.support.batches import market_factory
 
     return market_factory(make_service)
+
+
+# The longest tests (the embedded model answering whole examples, a worker killed three
+# times), started first: with two test processes (``-n 2 --dist worksteal``) a long test
+# that starts last holds the whole run up by its own length.
+LONGEST_FIRST = (
+    "tests/integration/client/test_first_run.py",
+    "tests/integration/client/test_analyse_comments_example.py",
+    "tests/faults/test_file_batch_worker_killed.py",
+    "tests/integration/api/test_decide_model.py",
+    "tests/integration/api/test_runs.py::test_a_run_on_the_embedded_model_end_to_end",
+    "tests/integration/api/test_openai_sdk_batches.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        for i, prefix in enumerate(LONGEST_FIRST):
+            if item.nodeid.startswith(prefix):
+                return i
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every other test keeps its order
