@@ -53,6 +53,8 @@ test: check
 bench: install
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/pacing.py
+	$(BIN)/python bench/route_pacing.py
+	$(BIN)/python bench/file_batches.py
 	$(BIN)/python bench/runs.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python -m bench.market
