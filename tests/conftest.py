@@ -26,6 +26,7 @@ from batchyard.core.clock import ManualClock
 from batchyard.core.config import Settings, load_settings
 from batchyard.service import Service
 from batchyard.store.database import Database
+from tests.support.processes import Workers
 from tests.support.services import ServiceFactory
 
 PG_ADMIN = os.environ.get(
@@ -105,6 +106,16 @@ def pg_url(_pg_admin: Engine, _pg_template: str) -> Iterator[str]:
 def pg_empty_url(_pg_admin: Engine) -> Iterator[str]:
     """An empty PostgreSQL database for one test (what migrations start from)."""
     yield from _pg_database(_pg_admin, None)
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    """Starts real ``batchyard`` processes (``tests.support.processes``); all reaped at the end."""
+    started = Workers(tmp_path)
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 @pytest.fixture

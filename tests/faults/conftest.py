@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.private_servers import PrivatePostgres, PrivateRedis
 from tests.support.processes import Workers
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    """Starts ``batchyard worker`` processes; every one is reaped when the test ends."""
-    started = Workers(tmp_path)
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -90,14 +90,7 @@ async def test_a_worker_paused_past_its_lease_writes_nothing_for_the_run_another
             a = workers.start(config=dep.config, database_url=pg_url, name="worker-a")
             acct = make_account(svc, credit="5")
             api = await Api(http, acct.headers).start()
-            ds = await api.upload(ROWS)
-            run_id = (await api.create({**RUN, "datasetId": ds["id"]})).json()["id"]
-
-            async def status_is(*statuses: str) -> bool:
-                return (await api.get(run_id))["status"] in statuses
-
-            await workers.until(lambda: status_is("awaiting_confirmation"), "the run is quoted")
-            assert (await api.post(run_id, "confirm")).status_code == 200
+            run_id, dataset_id = await api.confirmed(ROWS, RUN)
 
             async def in_flight() -> bool:
                 cur = await api.get(run_id)
@@ -120,7 +113,8 @@ async def test_a_worker_paused_past_its_lease_writes_nothing_for_the_run_another
             )
             sent_by_a = list(up.arrived)
             b = workers.start(config=dep.config, database_url=pg_url, name="worker-b")
-            await workers.until(lambda: status_is("completed"), "B takes the run over and ends it")
+            ended = "B takes the run over and ends it"
+            await workers.until(lambda: api.status_in(run_id, "completed"), ended)
             before = _snapshot(svc, run_id, acct.org_id)
             assert before["run"]["lease_token"] > token_a
             assert before["run"]["lease_owner"] is None  # B ended the run and let go
@@ -133,7 +127,7 @@ async def test_a_worker_paused_past_its_lease_writes_nothing_for_the_run_another
             assert a.alive and b.alive
             assert a.terminate() == 0 and b.terminate() == 0
             final = await api.get(run_id)
-            rows = await api.rows(ds["id"])
+            rows = await api.rows(dataset_id)
 
     # A's resumed writes changed nothing at all: run, rows, ledger, activity.
     assert after == before

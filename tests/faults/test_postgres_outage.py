@@ -86,14 +86,7 @@ async def test_postgres_restarted_mid_run_answers_503_then_the_run_finishes_whol
             await workers.until(ready, "serve answers", timeout=60)
             async with httpx.AsyncClient(base_url=base, timeout=30) as http:
                 api = await Api(http, acct.headers).start()
-                ds = await api.upload(ROWS)
-                run_id = (await api.create({**RUN, "datasetId": ds["id"]})).json()["id"]
-
-                async def status_is(*statuses: str) -> bool:
-                    return (await api.get(run_id))["status"] in statuses
-
-                await workers.until(lambda: status_is("awaiting_confirmation"), "the run is quoted")
-                assert (await api.post(run_id, "confirm")).status_code == 200
+                run_id, dataset_id = await api.confirmed(ROWS, RUN)
 
                 async def in_flight() -> bool:
                     cur = await api.get(run_id)
@@ -107,7 +100,7 @@ async def test_postgres_restarted_mid_run_answers_503_then_the_run_finishes_whol
                 down = await http.get(f"{api.runs}/{run_id}", headers=acct.headers)
                 not_ready = await http.get("/readyz")
                 alive = await http.get("/healthz")
-                created = await api.create({**RUN, "datasetId": ds["id"]}, key="while-down")
+                created = await api.create({**RUN, "datasetId": dataset_id}, key="while-down")
                 up.release()  # the worker now holds answers it cannot record yet
                 await workers.until(
                     lambda: len(up.answered) == ANSWERED_FIRST + CONCURRENCY,
@@ -116,12 +109,13 @@ async def test_postgres_restarted_mid_run_answers_503_then_the_run_finishes_whol
                 private_pg.start()
 
                 await workers.until(
-                    lambda: status_is("completed"), "the worker reconnects and ends the run"
+                    lambda: api.status_in(run_id, "completed"),
+                    "the worker reconnects and ends the run",
                 )
                 final = await api.get(run_id)
-                rows = await api.rows(ds["id"])
+                rows = await api.rows(dataset_id)
                 # The request refused while the store was down runs once when sent again.
-                again = await api.create({**RUN, "datasetId": ds["id"]}, key="while-down")
+                again = await api.create({**RUN, "datasetId": dataset_id}, key="while-down")
             assert worker.terminate() == 0 and server.terminate() in (0, -15)
 
     for answer in (down, created):

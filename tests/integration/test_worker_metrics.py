@@ -8,7 +8,6 @@ port with httpx and reads the text with prometheus-client's own parser.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,15 +24,12 @@ from tests.support.services import ServiceFactory
 pytestmark = pytest.mark.postgres
 
 ROWS = [{"text": f"row {i}"} for i in range(6)]
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    started = Workers(tmp_path)
-    try:
-        yield started
-    finally:
-        started.close()
+RUN = {
+    "model": {"type": "base", "id": "kettei-core"},
+    "input": {"type": "field", "field": "text"},
+    "output": {"type": "field", "field": "answer"},
+    "sampling": {"maxOutputTokens": 8},
+}
 
 
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -56,25 +52,8 @@ async def test_a_worker_counts_its_model_calls_and_charges_on_its_own_port(
             )
             acct = make_account(dep.service, credit="5")
             api = await Api(dep.http, acct.headers).start()
-            ds = await api.upload(ROWS)
-            run = (
-                await api.create(
-                    {
-                        "model": {"type": "base", "id": "kettei-core"},
-                        "input": {"type": "field", "field": "text"},
-                        "output": {"type": "field", "field": "answer"},
-                        "sampling": {"maxOutputTokens": 8},
-                        "datasetId": ds["id"],
-                    }
-                )
-            ).json()
-
-            async def status_is(*statuses: str) -> bool:
-                return (await api.get(run["id"]))["status"] in statuses
-
-            await workers.until(lambda: status_is("awaiting_confirmation"), "the run is quoted")
-            assert (await api.post(run["id"], "confirm")).status_code == 200
-            await workers.until(lambda: status_is("completed"), "the worker ends the run")
+            run_id, _ = await api.confirmed(ROWS, RUN)
+            await workers.until(lambda: api.status_in(run_id, "completed"), "the run ends")
 
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as scrape:
                 assert (await scrape.get("/healthz")).status_code == 200

@@ -110,6 +110,23 @@ class Api:
     async def post(self, run_id: str, action: str) -> httpx.Response:
         return await self.http.post(f"{self.runs}/{run_id}/{action}", headers=self.headers)
 
+    async def confirmed(self, rows: list[dict[str, Any]], body: dict[str, Any]) -> tuple[str, str]:
+        """Upload ``rows``, create a run of ``body`` over them, wait for its quote, confirm it.
+
+        The run's ID and its dataset's; a worker (here or in another process) quotes it.
+        """
+        ds = await self.upload(rows)
+        created = await self.create({**body, "datasetId": ds["id"]})
+        assert created.status_code == 201, created.text
+        run_id: str = created.json()["id"]
+        await self.wait(run_id, "awaiting_confirmation", timeout=60)
+        confirmed = await self.post(run_id, "confirm")
+        assert confirmed.status_code == 200, confirmed.text
+        return run_id, ds["id"]
+
+    async def status_in(self, run_id: str, *statuses: str) -> bool:
+        return (await self.get(run_id))["status"] in statuses
+
     async def wait(self, run_id: str, *statuses: str, timeout: float = 30) -> dict[str, Any]:
         """Poll until the run reaches one of ``statuses`` (the worker runs on its own)."""
         deadline = time.monotonic() + timeout
