@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
+from batchyard.core.clock import ManualClock
 from batchyard.core.prices import Price, PricePoint
 from batchyard.engines.base import Completion, CompletionRequest
 from batchyard.engines.memory import ScriptedEngine
@@ -162,6 +163,25 @@ async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
+
+
+async def eventually_ticking(
+    clock: ManualClock, cond: Callable[[], bool], *, step: float = 15.0, ticks: int = 40
+) -> None:
+    """Move ``clock`` on by ``step`` until ``cond`` holds, as time flows for a running loop.
+
+    A background loop whose pass was still running when the test moved the clock goes to
+    sleep from the new time, and a clock that stands still would never wake it; a deployed
+    loop's clock never stands still. ``ticks`` steps at most, each waiting a moment of
+    real time for the loop to run.
+    """
+    for _ in range(ticks):
+        try:
+            await eventually(cond, timeout=0.5)
+            return
+        except AssertionError:
+            clock.advance(step)
+    await eventually(cond)
 
 
 def market_factory(make_service: ServiceFactory) -> Callable[..., Service]:
