@@ -104,65 +104,84 @@ class QuotePreparer:
             }
         )
 
-        def scan(c: Connection, a: int) -> list[tuple[int, int, str]]:
-            return pstore.current_rows(
-                c, run.dataset_id, after=a, limit=self.settings.prepare_batch
-            )
+        def fetch(a: int) -> tuple[int, list[tuple[int, int]], list[Any]] | None:
+            """The next batch after row ``a``: its last row id, refs and prompts.
 
-        def save(c: Connection, items: list[Any], until: datetime) -> bool:
+            Runs on the I/O thread, so JSON parsing and the filter stay off
+            the counting thread: that one only tokenizes, as the bare
+            tokenizer does.
+            """
+            batch = db.read_sync(
+                lambda c: pstore.current_rows(
+                    c, run.dataset_id, after=a, limit=self.settings.prepare_batch
+                )
+            )
+            if not batch:
+                return None
+            # One parse for the whole batch: the rows are JSON objects we stored.
+            datas = json.loads("[" + ",".join([r[2] for r in batch]) + "]")
+            refs: list[tuple[int, int]] = []
+            prompts: list[Any] = []
+            for (row_id, version, _), data in zip(batch, datas, strict=True):
+                if not keep(data):
+                    continue
+                prompt = prompt_text(data, field) if by_field else prompt_messages(data, source)
+                if prompt is not None:
+                    refs.append((row_id, version))
+                    prompts.append(prompt)
+            return batch[-1][0], refs, prompts
+
+        def save(
+            c: Connection, refs: list[tuple[int, int]], counts: list[int], until: datetime
+        ) -> bool:
             now = clock.now()
             if not update_run(
                 c, run.id, now, expect=[S.PREPARING], lease=run.lease, lease_expires_at=until
             ):
                 return False
+            items: list[tuple[int, int, int, str, str | None]] = [
+                (row_id, version, n, ItemState.FAILED, too_long)
+                if n > fits
+                else (row_id, version, n, ItemState.PENDING, None)
+                for (row_id, version), n in zip(refs, counts, strict=True)
+            ]
             work_items.add_items(c, run.id, items)
             return True
 
-        # Reading the next batch and saving the last one run on a second thread
-        # while this one counts: the tokenizer releases the GIL inside
-        # llama.cpp, so the store's work hides behind the counting instead of
-        # adding to it (bench/runs.py compares quoting with the bare tokenizer).
+        fits = model.context_window - max_out
+        # Reading and parsing the next batch and saving the last one run on a
+        # second thread while this one counts: the tokenizer releases the GIL
+        # inside llama.cpp, so the store's work hides behind the counting
+        # instead of adding to it (bench/runs.py compares quoting with the
+        # bare tokenizer).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchyard-quote-io") as io:
-            next_batch = io.submit(db.read_sync, partial(scan, a=after))
+            next_batch = io.submit(fetch, after)
             saved: Future[bool] | None = None
             while True:
-                batch = next_batch.result()
-                if not batch or self._stopping():
+                got = next_batch.result()
+                if got is None or self._stopping():
                     break
-                after = batch[-1][0]
-                next_batch = io.submit(db.read_sync, partial(scan, a=after))
-                refs: list[tuple[int, int]] = []
-                texts: list[str] = []
-                counts: list[int] = []
-                for row_id, version, raw in batch:
-                    data = json.loads(raw)
-                    if not keep(data):
-                        continue
-                    if by_field:
-                        text = prompt_text(data, field)
-                        if text is not None:
-                            refs.append((row_id, version))
-                            texts.append(text)
-                    else:
-                        messages = prompt_messages(data, source)
-                        if messages is not None:
-                            refs.append((row_id, version))
-                            counts.append(tok.count_messages(messages))
+                after, refs, prompts = got
+                next_batch = io.submit(fetch, after)
                 if by_field:
-                    counts = [n + wrap for n in tok.count_batch(texts)]
-                items: list[tuple[int, int, int, str, str | None]] = []
-                for (row_id, version), n in zip(refs, counts, strict=True):
-                    if n + max_out > model.context_window:
-                        items.append((row_id, version, n, ItemState.FAILED, too_long))
-                    else:
-                        items.append((row_id, version, n, ItemState.PENDING, None))
-                        rows += 1
-                        tokens += n
+                    counts = tok.count_batch(prompts)
+                    if wrap:
+                        counts = [n + wrap for n in counts]
+                else:
+                    counts = [tok.count_messages(m) for m in prompts]
+                if counts and max(counts) <= fits:
+                    rows += len(counts)
+                    tokens += sum(counts)
+                else:
+                    kept = [n for n in counts if n <= fits]
+                    rows += len(kept)
+                    tokens += sum(kept)
                 if saved is not None and not saved.result():
                     log.info("quote abandoned", extra={"run_id": run.id})
                     return
                 saved = io.submit(
-                    db.transact_sync, partial(save, items=items, until=self._lease_until())
+                    db.transact_sync,
+                    partial(save, refs=refs, counts=counts, until=self._lease_until()),
                 )
             if saved is not None and not saved.result():
                 log.info("quote abandoned", extra={"run_id": run.id})
