@@ -101,7 +101,8 @@ async def test_a_strict_upstream_s_429s_are_retried_after_retry_after_and_never_
                 await until(lambda: up.requests >= 1, "the first call")
                 await quiet(up)
                 refused = up.rate_limited
-                assert refused >= min(refuse_first, 1)
+                if refuse_first:
+                    assert refused >= 1  # the header-less 429 came first
                 assert sum(c.done() for c in calls) == up.statuses[200] <= 2
                 hold = await svc.limiter.try_acquire("route:remote", [])
                 assert not hold.allowed and hold.retry_after > 0
