@@ -358,6 +358,7 @@ def create_app(
         decide,
         embeddings,
         files,
+        messages,
         models,
         projects,
         runs,
@@ -424,6 +425,7 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(decide.router)
     app.include_router(files.router)
+    app.include_router(messages.router)  # Anthropic's Messages door
     app.include_router(models.router)
     app.include_router(projects.router)
     app.include_router(runs.router)

@@ -76,6 +76,9 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("POST", "/v1/embeddings"): _key(F, INF),
     ("POST", "/v1/decide"): _key(F, INF),
     ("POST", "/v1/decide/estimate"): _key(F, INF),
+    # Anthropic's Messages door: a call, and a count that runs no model
+    ("POST", "/v1/messages"): _key(F, INF),
+    ("POST", "/v1/messages/count_tokens"): _key(F, INF),
     # deferred batches: an inference key sees and cancels its own
     ("POST", "/v1/batches"): _key(F, INF),
     ("GET", "/v1/batches"): _key(F, R, INF, own=(INF,)),
