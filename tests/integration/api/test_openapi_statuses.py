@@ -67,6 +67,15 @@ async def test_every_status_sent_is_documented(service):
         await call("POST", "/v1/projects", json={"name": "p"}, headers=h)
         await call("GET", "/v1/projects/{project_id}", "/v1/projects/pp.nope", headers=h)
         await call("POST", "/v1/decide/estimate", json={"model": "kettei-core"}, headers=h)
+        msg = {**CHAT, "max_tokens": 4}
+        await call("POST", "/v1/messages", json=msg, headers=h)
+        await call("POST", "/v1/messages", json={**msg, "top_k": "1"}, headers=h)
+        await call("POST", "/v1/messages", json=msg)
+        await call("POST", "/v1/messages", json={**msg, "model": "nope"}, headers=h)
+        await call("POST", "/v1/messages", json=msg, headers=poor.headers)
+        count = {"model": "kettei-core", "messages": CHAT["messages"]}
+        await call("POST", "/v1/messages/count_tokens", json=count, headers=h)
+        await call("POST", "/v1/messages/count_tokens", json={**count, "n": 1}, headers=h)
         await call("GET", "/healthz")
 
     statuses = {status for _, _, status in sent}
