@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import json
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -55,12 +54,14 @@ from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
     ANTHROPIC_VERSIONS,
+    message_object,
     parse_count_tokens,
     parse_messages,
-    stop_reason,
     to_openai_messages,
     to_openai_tool_choice,
     to_openai_tools,
+    tool_id,
+    usage_object,
 )
 from batchyard.core.catalog import ModelSpec
 from batchyard.core.ids import new_id
@@ -201,25 +202,6 @@ def _prompt_messages(
 # -- the answer -----------------------------------------------------------------------
 
 
-def _tool_id(call: dict[str, Any]) -> str:
-    """Anthropic's ``toolu_`` id for a call, the same for its stream and its whole answer."""
-    given = call.get("id")
-    if not isinstance(given, str) or not given:
-        return f"toolu_{uuid.uuid4().hex[:24]}"
-    return "toolu_" + given.removeprefix("call_") if given.startswith("call_") else given
-
-
-def _tool_input(arguments: Any) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        parsed = json.loads(arguments or "{}")
-    except ValueError:
-        parsed = None
-    # Only an upstream that ignores its schema gets here; the text is kept, not lost.
-    return parsed if isinstance(parsed, dict) else {"_unparsed_arguments": arguments}
-
-
 def _matched_stop(completion: Completion, stops: list[str] | None) -> str | None:
     """The stop sequence that ended the answer, where the engine says which (vLLM does)."""
     if not stops:
@@ -230,51 +212,22 @@ def _matched_stop(completion: Completion, stops: list[str] | None) -> str | None
     return said if isinstance(said, str) and said in stops else None
 
 
-def _usage(result: DispatchResult) -> dict[str, Any]:
-    u = result.completion.usage
-    return {
-        "input_tokens": u.input_tokens,
-        "output_tokens": u.output_tokens,
-        "cache_creation_input_tokens": None,
-        "cache_read_input_tokens": None,
-        "server_tool_use": None,
-        "service_tier": "standard",
-    }
-
-
 def _message(
     call_id: str, model: str, result: DispatchResult, stops: list[str] | None
 ) -> dict[str, Any]:
     """The whole ``message`` object of an answer."""
     choice = result.completion.choices[0]
-    content: list[dict[str, Any]] = []
-    if choice.text or not choice.tool_calls:
-        content.append({"type": "text", "text": choice.text, "citations": None})
-    for call in choice.tool_calls or []:
-        fn = call.get("function") or {}
-        content.append(
-            {
-                "type": "tool_use",
-                "id": _tool_id(call),
-                "name": str(fn.get("name", "")),
-                "input": _tool_input(fn.get("arguments")),
-            }
-        )
-    matched = _matched_stop(result.completion, stops)
-    reason = "stop_sequence" if matched else stop_reason(choice.finish_reason)
-    if choice.tool_calls:
-        reason = "tool_use"
-    return {
-        "id": call_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": reason,
-        "stop_sequence": matched,
-        "usage": _usage(result),
-        "container": None,
-    }
+    usage = result.completion.usage
+    return message_object(
+        message_id=call_id,
+        model=model,
+        text=choice.text,
+        tool_calls=choice.tool_calls,
+        finish_reason=choice.finish_reason,
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        matched_stop=_matched_stop(result.completion, stops),
+    )
 
 
 # -- streams --------------------------------------------------------------------------
@@ -297,14 +250,7 @@ def _start(call_id: str, model: str, input_tokens: int) -> bytes:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {
-            "input_tokens": input_tokens,
-            "output_tokens": 0,
-            "cache_creation_input_tokens": None,
-            "cache_read_input_tokens": None,
-            "server_tool_use": None,
-            "service_tier": "standard",
-        },
+        "usage": usage_object(input_tokens, 0),
         "container": None,
     }
     return _event("message_start", {"type": "message_start", "message": message})
@@ -372,7 +318,7 @@ class _Blocks:
         if key not in self._tools:
             block = {
                 "type": "tool_use",
-                "id": _tool_id(call),
+                "id": tool_id(call),
                 "name": fn.get("name", ""),
                 "input": {},
             }

@@ -20,6 +20,7 @@ no service, so a line of a Message Batch can be checked by the same code.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,12 +32,15 @@ __all__ = [
     "ANTHROPIC_VERSIONS",
     "CountTokensRequest",
     "MessagesRequest",
+    "message_object",
     "parse_count_tokens",
     "parse_messages",
     "stop_reason",
     "to_openai_messages",
     "to_openai_tool_choice",
     "to_openai_tools",
+    "tool_id",
+    "usage_object",
 ]
 
 #: The ``anthropic-version`` values this door answers; all mean the same shapes here.
@@ -439,3 +443,76 @@ def stop_reason(finish_reason: str) -> str:
         "function_call": "tool_use",
         "content_filter": "refusal",
     }.get(finish_reason, "end_turn")
+
+
+def tool_id(call: dict[str, Any]) -> str:
+    """Anthropic's ``toolu_`` id for an OpenAI tool call, the same each time it is rendered."""
+    given = call.get("id")
+    if not isinstance(given, str) or not given:
+        return f"toolu_{uuid.uuid4().hex[:24]}"
+    return "toolu_" + given.removeprefix("call_") if given.startswith("call_") else given
+
+
+def _tool_input(arguments: Any) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments or "{}")
+    except (TypeError, ValueError):
+        parsed = None
+    # Only an upstream that ignores its schema gets here; the text is kept, not lost.
+    return parsed if isinstance(parsed, dict) else {"_unparsed_arguments": arguments}
+
+
+def usage_object(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """Anthropic's ``usage``; nothing is cached here, so the cache fields are null."""
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": None,
+        "cache_read_input_tokens": None,
+        "server_tool_use": None,
+        "service_tier": "standard",
+    }
+
+
+def message_object(
+    *,
+    message_id: str,
+    model: str,
+    text: str,
+    tool_calls: list[dict[str, Any]] | None,
+    finish_reason: str,
+    input_tokens: int,
+    output_tokens: int,
+    matched_stop: str | None = None,
+) -> dict[str, Any]:
+    """The whole ``message`` of an answer: a text block (unless only tools were called), then
+    one ``tool_use`` block per call; shared by the wire and the results of a Message Batch."""
+    content: list[dict[str, Any]] = []
+    if text or not tool_calls:
+        content.append({"type": "text", "text": text, "citations": None})
+    for call in tool_calls or []:
+        fn = call.get("function") or {}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": tool_id(call),
+                "name": str(fn.get("name", "")),
+                "input": _tool_input(fn.get("arguments")),
+            }
+        )
+    reason = "stop_sequence" if matched_stop else stop_reason(finish_reason)
+    if tool_calls:
+        reason = "tool_use"
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": matched_stop,
+        "usage": usage_object(input_tokens, output_tokens),
+        "container": None,
+    }
