@@ -54,6 +54,7 @@ from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
     ANTHROPIC_VERSIONS,
+    ERROR_TYPES,
     message_object,
     parse_count_tokens,
     parse_messages,
@@ -78,28 +79,11 @@ from batchyard.errors import (
 from batchyard.service import Service
 from batchyard.work.dispatcher import DispatchResult
 
-__all__ = ["anthropic_error", "router"]
+__all__ = ["anthropic_door", "anthropic_error", "router"]
 
 router = APIRouter()
 
 # -- errors, in Anthropic's envelope -------------------------------------------------
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "api_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
 
 
 def _status(exc: BatchyardError) -> int:
@@ -114,7 +98,7 @@ def anthropic_error(
 ) -> dict[str, Any]:
     """Anthropic's error body; batchyard's stable ``code`` (and ``param``) ride beside its type."""
     error: dict[str, Any] = {
-        "type": _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+        "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
         "message": message,
         "code": code,
     }
@@ -159,7 +143,7 @@ def _translated(request: Request, response: Response) -> Response:
     return out
 
 
-def _door(
+def anthropic_door(
     handler: Callable[[Request], Awaitable[Response]],
 ) -> Callable[[Request], Awaitable[Response]]:
     """Anthropic's wire around a handler: its request-id header, its version, its errors."""
@@ -431,7 +415,7 @@ async def _stream(
 
 
 @router.post("/v1/messages")
-@_door
+@anthropic_door
 async def create_message(request: Request) -> Response:
     principal = await authenticate(request, x_api_key=True)
     raw = await read_json(request)
@@ -511,7 +495,7 @@ async def create_message(request: Request) -> Response:
 
 
 @router.post("/v1/messages/count_tokens")
-@_door
+@anthropic_door
 async def count_tokens(request: Request) -> Response:
     principal = await authenticate(request, x_api_key=True)
     raw = await read_json(request)

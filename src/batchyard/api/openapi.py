@@ -357,6 +357,25 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             streams=True,
             summary="Messages (Anthropic's shape)",
         ),
+        ("post", "/v1/messages/batches"): Operation(
+            200,
+            _Open,
+            (*_WRITE, 402),
+            _Open,
+            summary="Create a Message Batch (Anthropic's shape; a file batch underneath)",
+        ),
+        ("get", "/v1/messages/batches"): Operation(
+            200, _Open, _READ, summary="Message Batches, newest first (before_id / after_id)"
+        ),
+        ("get", "/v1/messages/batches/{batch_id}"): Operation(200, _Open, _READ),
+        ("post", "/v1/messages/batches/{batch_id}/cancel"): Operation(200, _Open, _WRITE),
+        ("get", "/v1/messages/batches/{batch_id}/results"): Operation(
+            200,
+            _Open,
+            (*_READ, 409),
+            media="application/x-jsonl",
+            summary="Results, one {custom_id, result} line per request, once ended",
+        ),
         ("post", "/v1/messages/count_tokens"): Operation(
             200,
             MessageTokensCount,

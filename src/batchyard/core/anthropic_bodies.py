@@ -30,6 +30,7 @@ from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
 
 __all__ = [
     "ANTHROPIC_VERSIONS",
+    "ERROR_TYPES",
     "CountTokensRequest",
     "MessagesRequest",
     "message_object",
@@ -45,6 +46,24 @@ __all__ = [
 
 #: The ``anthropic-version`` values this door answers; all mean the same shapes here.
 ANTHROPIC_VERSIONS = frozenset({"2023-06-01", "2023-01-01"})
+
+#: Anthropic's error ``type`` for each status, for its envelope (the wire and batch results).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
