@@ -220,3 +220,18 @@ async def test_a_worker_lost_mid_call_leaves_errored_uncertain_never_resent(serv
     charged = sum(row.charge or 0 for row in lines_of(service, batch["id"]))
     bal = balance(service, acct.org_id)
     assert bal.held == 0 and bal.settled == charged > 0
+
+
+async def test_min_discount_is_kept_on_the_batch_underneath_and_checked(service):
+    answer_with(service, "hi")
+    acct = make_account(service, credit="1")
+    async with asgi_client(service, worker=False) as http:
+        r = await http.post(
+            PATH, json={"requests": [request("a")], "min_discount": "30"}, headers=headers(acct)
+        )
+        bad = await http.post(
+            PATH, json={"requests": [request("a")], "min_discount": 130}, headers=headers(acct)
+        )
+        same = (await http.get(f"/v1/batches/{r.json()['id']}", headers=acct.headers)).json()
+    assert r.status_code == 200 and same["min_discount"] == 30
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "min_discount_out_of_range"
