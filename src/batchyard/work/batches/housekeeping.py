@@ -11,7 +11,8 @@ hold is released and it goes back to waiting: nothing happened to it.
 
 *Housekeeping*: waiting items past their deadline expire; waiting items
 whose submitting key was revoked are canceled; results of batches completed
-more than ``RESULTS_KEPT`` ago are purged (their metadata stays).
+more than ``RESULTS_KEPT`` ago are purged (their metadata stays), and so are
+idempotent answers past their 24 hours (their keys' tombstones stay).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection
 
 from batchyard.core.clock import Clock
-from batchyard.store import activity, ledger
+from batchyard.store import activity, idempotency, ledger
 from batchyard.store import batches as store
 from batchyard.store.database import Database
 
@@ -136,13 +137,17 @@ async def recover_lapsed(db: Database, clock: Clock) -> tuple[int, int]:
 
 
 async def housekeep(db: Database, clock: Clock) -> Swept:
-    """Expire overdue items, cancel those of revoked keys, purge old results: one transaction."""
+    """Expire overdue items, cancel those of revoked keys, purge old results and saved
+    answers: one transaction."""
     now = clock.now()
 
     def tx(conn: Connection) -> Swept:
         expired = store.expire_due(conn, now)
         canceled = store.cancel_for_revoked_keys(conn, now)
         purged = store.purge_due(conn, now - RESULTS_KEPT, now)
+        # Saved idempotent answers past their 24 hours lose their text; the key's
+        # tombstone stays for good, so it never runs again (store.idempotency.purge).
+        idempotency.purge(conn, now)
         return Swept(expired, canceled, len(purged))
 
     return await db.transact(tx)
