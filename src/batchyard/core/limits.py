@@ -35,6 +35,7 @@ __all__ = [
     "EPSILON",
     "MAX_QUEUE_S",
     "PENALTY",
+    "PLACE_SLACK_S",
     "RETRY_AFTER_MAX_S",
     "Admission",
     "Cell",
@@ -54,6 +55,7 @@ __all__ = [
     "line_signature",
     "new_slot_token",
     "penalty_until",
+    "retry_for_place",
     "settle",
     "settle_in_line",
     "standing_of",
@@ -76,6 +78,11 @@ PENALTY = "!penalty"
 #: The furthest ahead a waiter with no deadline of its own takes a slot, in
 #: seconds (a finite stand-in for "forever" that every backend can store).
 MAX_QUEUE_S = 1e6
+
+#: How much of the server's queue a place's ``Retry-After`` leaves unused, so a
+#: caller back a little early (a replica whose clock runs ahead) still finds
+#: its place due: it waits that much longer on the server instead.
+PLACE_SLACK_S = 1.0
 
 #: The longest ``Retry-After`` clients honour as sent: the ``openai`` SDK (and
 #: the libraries built on it) fall back to their own short back-off above 60 s,
@@ -289,11 +296,22 @@ def line_signature(limits: Sequence[tuple[Limit, float]]) -> str:
 def line_horizon(max_delay: float) -> float:
     """How far ahead a refused request may be given a place in line.
 
-    Its ``Retry-After`` is its place less ``max_delay`` (it comes back in time
-    to wait the rest on the server), and clients honour at most
+    Its ``Retry-After`` is ``retry_for_place``'s (it comes back in time to
+    wait the rest on the server), and clients honour at most
     ``RETRY_AFTER_MAX_S`` of it.
     """
-    return RETRY_AFTER_MAX_S + max_delay
+    return RETRY_AFTER_MAX_S + max_delay - min(PLACE_SLACK_S, max_delay)
+
+
+def retry_for_place(wait: float, max_delay: float) -> float:
+    """The ``retry_after`` of a place ``wait`` seconds ahead: early enough to wait the rest here.
+
+    It comes back when the place is ``max_delay`` away less ``PLACE_SLACK_S``
+    (a second of margin, where the queue is that long), so it takes the place
+    and the server holds it for what is left.
+    """
+    margin = min(PLACE_SLACK_S, max_delay)
+    return max(wait - max_delay + margin, EPSILON)
 
 
 def settle_in_line(
@@ -315,8 +333,8 @@ def settle_in_line(
     takes the refused request's slot in the schedule now (the TATs move as for
     an admission) and gives it that place, so the next refused request is told
     a later time rather than the same one. Its ``retry_after`` is the place
-    less ``max_delay``: it comes back in time to take it and waits the rest on
-    the server.
+    less most of ``max_delay`` (``retry_for_place``): it comes back in time to
+    take it and waits the rest on the server.
     """
     if places and places[0] <= now + max_delay + EPSILON:
         penalty = max(0.0, tats[0] - now) if tats else 0.0
@@ -336,7 +354,7 @@ def settle_in_line(
     place = now + wait
     refused = Admission(
         False,
-        max(wait - max_delay, EPSILON),
+        retry_for_place(wait, max_delay),
         admission.limit,
         0.0,
         standing_of(limits, kept, now),

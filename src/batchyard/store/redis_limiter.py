@@ -46,6 +46,7 @@ from batchyard.core.limits import (
     log_penalty,
     new_slot_token,
     request_cells,
+    retry_for_place,
     standing_of,
     storage_keys,
 )
@@ -306,7 +307,7 @@ class RedisLimiter(LimiterBase):
         name = binding_name(limits, int(binding))
         if int(verdict) == 2:
             # Refused with a place in line: come back in time to wait the rest here.
-            return Admission(False, max(wait - max_delay, EPSILON), name, 0.0, standing)
+            return Admission(False, retry_for_place(wait, max_delay), name, 0.0, standing)
         return Admission(False, wait, name, 0.0, standing)
 
     def _slots_key(self, key: str) -> str:

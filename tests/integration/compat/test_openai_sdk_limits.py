@@ -40,14 +40,28 @@ FAST_TIER0 = Tier(
 )
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        "memory",
+        pytest.param("sql", id="sql"),
+        pytest.param("redis://127.0.0.1:6379/0", id="redis", marks=pytest.mark.redis),
+    ],
+)
+def gateway(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    """The server, its limits in process, in its database, or in Redis (places shared alike)."""
     home = tmp_path_factory.mktemp("sdk-limits")
     old_home = os.environ.get("BATCHYARD_HOME")
     os.environ["BATCHYARD_HOME"] = str(home)
     server = ServerThread(
         home,
-        overrides={"tiers": (FAST_TIER0, *DEFAULT_TIERS[1:]), "limits_queue_s": 10.0 / SPEED},
+        overrides={
+            "tiers": (FAST_TIER0, *DEFAULT_TIERS[1:]),
+            "limits_queue_s": 10.0 / SPEED,
+            "limiter_url": request.param,
+        },
         engines={"embedded": ScriptedEngine("hi")},
     )
     try:
