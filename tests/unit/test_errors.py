@@ -156,3 +156,20 @@ def test_the_errors_reference_lists_every_code_narrowed_in_the_source():
     }
     missing = sorted(narrowed - set(rows))
     assert not missing, f"docs/reference/errors.md lacks {missing}"
+
+
+def test_a_code_narrowed_to_another_status_is_listed_with_that_status():
+    # ``results_expired`` is a NotFound sent as 410: the reference must say 410, as the wire does.
+    rows = _doc_rows()
+    src = Path(errors.__file__).parent
+    narrowed = {
+        m.group(1): m.group(2)
+        for path in src.rglob("*.py")
+        for m in re.finditer(
+            r'\bcode="([a-z_]+)",\s*(?:[a-z_]+=[^,()]+,\s*)*?status=(\d+)',
+            path.read_text(encoding="utf-8"),
+        )
+    }
+    assert "results_expired" in narrowed
+    wrong = {c: (status, rows[c][0]) for c, status in narrowed.items() if rows[c][0] != status}
+    assert not wrong, f"docs/reference/errors.md gives another status: {wrong}"
