@@ -12,6 +12,8 @@ import tiktoken
 
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import UpstreamError
+from batchyard.service.files import rules_of
+from batchyard.service.openai_requests import validate_line
 from batchyard.store import activity, ledger
 from tests.support.accounts import make_account
 from tests.support.server import asgi_client
@@ -261,3 +263,20 @@ async def test_a_405_says_which_methods_the_path_takes(service, method, path, al
     assert r.status_code == 405, r.text
     assert set(r.headers["allow"].split(", ")) == allow
     assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_batch_lines_keep_token_ids_as_the_text_they_encode(service, cl100k):
+    rules = rules_of(service)
+    ids = [cl100k.encode_ordinary("a b"), cl100k.encode_ordinary("c")]
+    emb = validate_line(
+        "/v1/embeddings",
+        {"model": "kettei-core", "input": ids, "encoding_format": None},
+        rules,
+    )
+    assert emb.body["input"] == ["a b", "c"]
+    one = validate_line(
+        "/v1/completions",
+        {"model": "kettei-core", "prompt": cl100k.encode_ordinary("Once upon"), "n": None},
+        rules,
+    )
+    assert one.body["prompt"] == "Once upon"
