@@ -358,6 +358,8 @@ def create_app(
         decide,
         embeddings,
         files,
+        message_batches,
+        messages,
         models,
         projects,
         runs,
@@ -426,6 +428,8 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(decide.router)
     app.include_router(files.router)
+    app.include_router(message_batches.router)  # ... and its Message Batches
+    app.include_router(messages.router)  # Anthropic's Messages door
     app.include_router(models.router)
     app.include_router(projects.router)
     app.include_router(runs.router)

@@ -1,10 +1,11 @@
 """What every handler needs: the service, the caller, the body, its key.
 
 Authentication accepts ``Authorization: Bearer <key>`` and seed 002's
-``Authorization: ApiKey <key>``; what each scope may call is the one table in
-``service.access``, looked up by the route that matched. Bodies are read with a
-size cap and parsed strictly (``api.inputs``), so a 50 MB upload is refused
-with 413 without being held whole and a NaN never reaches the store.
+``Authorization: ApiKey <key>`` (and, at Anthropic's door, ``x-api-key``);
+what each scope may call is the one table in ``service.access``, looked up by
+the route that matched. Bodies are read with a size cap and parsed strictly
+(``api.inputs``), so a 50 MB upload is refused with 413 without being held
+whole and a NaN never reaches the store.
 """
 
 from __future__ import annotations
@@ -45,24 +46,30 @@ __all__ = [
 ]
 
 
-def _presented_key(request: Request) -> str:
+def _presented_key(request: Request, x_api_key: bool) -> str:
+    if x_api_key and (value := request.headers.get("x-api-key", "").strip()):
+        return value
+    hint = "`x-api-key: <key>` or " if x_api_key else ""
     header = request.headers.get("authorization")
     if not header:
-        raise MissingApiKey("send your API key as `Authorization: Bearer <key>`")
+        raise MissingApiKey(f"send your API key as {hint}`Authorization: Bearer <key>`")
     scheme, _, value = header.partition(" ")
     if scheme.lower() not in ("bearer", "apikey") or not value.strip():
-        raise MissingApiKey("send your API key as `Authorization: Bearer <key>`")
+        raise MissingApiKey(f"send your API key as {hint}`Authorization: Bearer <key>`")
     return value.strip()
 
 
-async def authenticate(request: Request) -> Principal:
-    """The caller, checked against the route's row of ``service.access.ACCESS``; 401 or 403."""
+async def authenticate(request: Request, *, x_api_key: bool = False) -> Principal:
+    """The caller, checked against the route's row of ``service.access.ACCESS``; 401 or 403.
+
+    ``x_api_key``: also take the key from Anthropic's ``x-api-key`` header (its door).
+    """
     route = request.scope.get("route")
     rule = access_for(request.method, getattr(route, "path", ""))
     if rule is None or rule.kind != "key":
         raise RuntimeError(f"{request.method} {getattr(route, 'path', '?')} has no key rule")
     svc = service_of(request)
-    secret = _presented_key(request)
+    secret = _presented_key(request, x_api_key)
 
     def lookup(conn: Connection) -> Principal | None:
         return accounts.authenticate(conn, secret)
