@@ -369,6 +369,7 @@ def create_app(
     from batchyard.api.errors import install_error_handlers
     from batchyard.api.metering import MeteringMiddleware
     from batchyard.api.openapi import install_openapi
+    from batchyard.api.overflow import OverflowMiddleware
     from batchyard.web import file_pages
     from batchyard.web import routes as workspace
 
@@ -394,6 +395,7 @@ def create_app(
     )
     app.state.service = service
     install_error_handlers(app)
+    app.add_middleware(OverflowMiddleware)
     app.add_middleware(EnvelopeMiddleware)
     app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 

@@ -37,7 +37,7 @@ def test_every_operation_has_its_body_its_answer_and_the_error_body(service: Ser
     doc = create_app(service).openapi()
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas
-    assert set(schemas["ErrorDetail"]["required"]) == {"code", "message", "retryable"}
+    assert set(schemas["ErrorDetail"]["required"]) == {"code", "type", "message", "retryable"}
     for (method, path), spec in OPERATIONS.items():
         op = doc["paths"][path][method]
         assert "422" not in op["responses"], (method, path)

@@ -38,6 +38,8 @@ class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     code: str
+    #: OpenAI's error type (``invalid_request_error``, ``rate_limit_error``, …), by status.
+    type: str
     message: str
     retryable: bool
     param: str | None = None

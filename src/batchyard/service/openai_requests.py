@@ -29,6 +29,7 @@ from batchyard.core.anthropic_bodies import parse_messages, to_openai_messages
 from batchyard.core.catalog import Catalog, ModelSpec
 from batchyard.core.openai_bodies import parse_chat, parse_completion, parse_embedding
 from batchyard.core.tokens import TokenizerSource
+from batchyard.engines.token_ids import as_texts
 from batchyard.errors import (
     CapabilityUnsupported,
     ContextWindowExceeded,
@@ -263,14 +264,14 @@ def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:
     model = _model(rules, req.model, "completions")
     mt = _max_tokens(req.max_tokens, rules, model)
     if len(req.prompts()) != 1:
-        raise InvalidRequest(
-            "send one prompt per request line, as on /v1/completions", param="prompt"
-        )
-    prompts, found = _private_texts(req.prompts(), mode, "prompt")
+        raise InvalidRequest("send one prompt per request line", param="prompt")
+    prompts, found = _private_texts(as_texts(req.prompts(), "prompt"), mode, "prompt")
     # As /v1/completions counts: the raw prompt and the start-of-text token before it.
     counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(prompts)]
     _fits(model, max(counts), mt, "prompt")
-    rest["prompt"] = prompts[0] if isinstance(req.prompt, str) else prompts
+    # Token ids are stored as the text they encode, which is what the line runs.
+    one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
+    rest["prompt"] = prompts[0] if one else prompts
     return CheckedBody(model, rest, sum(counts), mt * req.n * len(prompts), found)
 
 
@@ -278,7 +279,7 @@ def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_embedding(rest)
     model = _model(rules, req.model, "embeddings")
-    inputs, found = _private_texts(req.texts(), mode, "input")
+    inputs, found = _private_texts(as_texts(req.inputs(), "input"), mode, "input")
     # As /v1/embeddings counts: each input and the start-of-text token before it.
     counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(inputs)]
     if max(counts) > model.context_window:
@@ -287,7 +288,8 @@ def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
             f"context window of {model.id}",
             param="input",
         )
-    rest["input"] = inputs[0] if isinstance(req.input, str) else inputs
+    one = isinstance(req.input, str) or isinstance(req.input[0], int)
+    rest["input"] = inputs[0] if one else inputs
     return CheckedBody(model, rest, sum(counts), 0, found)
 
 
