@@ -121,7 +121,10 @@ def build_service(
         embedded_n_ctx=settings.embedded_n_ctx,
         overrides=engines,
     )
-    registry.check(settings.catalog)  # an unknown engine fails here, not on every call
+    try:
+        registry.check(settings.catalog)  # an unknown engine fails here, not on every call
+    except ConfigError as exc:
+        raise exc.at(settings.config_file or "the settings") from None
     dispatcher = Dispatcher(
         db=db,
         clock=clock,

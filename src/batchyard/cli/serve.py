@@ -6,8 +6,10 @@ to land, and only calls still in flight then are cut off and become
 ``uncertain``; claimed work never sent goes back to waiting. ``serve`` also
 stops taking requests, lets those in progress finish within the same grace,
 and answers ``/readyz`` 503 from the first signal. A second signal stops at
-once. A store that cannot be opened or written at start is one line on
-stderr and exit status 1, not a traceback.
+once, and a clean drain exits 0. A store that cannot be opened or written at
+start is one line on stderr and exit status 1, not a traceback; a config
+mistake or a batch key that does not open the store's sealed data is one line
+and exit status 78.
 
 ``serve --workers N`` (N > 1) runs N API processes on one port under a
 supervisor (uvicorn's), each building its own service from the settings the
