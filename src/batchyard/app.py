@@ -192,7 +192,11 @@ def verify_key_of(settings: Settings, db: Database, clock: Clock) -> None:
 
 def _verify_key(settings: Settings, db: Database, key: BatchKey, now: datetime) -> None:
     try:
-        verdict = db.transact_sync(lambda c: key_check.verify(c, key.sealer, now, write=True))
+        try:
+            verdict = db.transact_sync(lambda c: key_check.verify(c, key.sealer, now, write=True))
+        except sqlalchemy.exc.IntegrityError:
+            # Another process starting at the same moment recorded its key first: compare.
+            verdict = db.transact_sync(lambda c: key_check.verify(c, key.sealer, now, write=True))
     except StorageUnavailable:
         # A store that takes no writes (audit on a read-only copy) can still be checked.
         verdict = db.read_sync(lambda c: key_check.verify(c, key.sealer, now, write=False))
