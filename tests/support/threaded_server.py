@@ -65,7 +65,10 @@ class ServerThread:
             self.ready.set()
 
     async def _serve(self) -> None:
-        settings = load_settings(database_url=f"sqlite:///{self.home / 'batchyard.db'}")
+        # Two slots, as the tests using it were written for (the product's default is 8).
+        settings = load_settings(
+            database_url=f"sqlite:///{self.home / 'batchyard.db'}", embedded_slots=2
+        )
         service = build_service(settings, clock=SystemClock())
         service.db.migrate()
         self._stop = asyncio.Event()
