@@ -75,8 +75,10 @@ class ServerThread:
             self.ready.set()
 
     async def _serve(self) -> None:
+        # Two slots, as the tests using it were written for (the product's default is 8).
         settings = load_settings(
-            database_url=f"sqlite:///{self.home / 'batchyard.db'}", **self.overrides
+            database_url=f"sqlite:///{self.home / 'batchyard.db'}",
+            **{"embedded_slots": 2, **self.overrides},
         )
         service = build_service(settings, clock=SystemClock())
         for route, engine in self.engines.items():

@@ -17,7 +17,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from batchyard.cli.options import database_options, settings_from
+from batchyard.cli.options import (
+    OperatorError,
+    config_errors,
+    database_options,
+    settings_from,
+    store_problem,
+)
 
 if TYPE_CHECKING:
     from batchyard.store.database import Database
@@ -36,9 +42,10 @@ def open_database(config_file: str | None, database_url: str | None) -> Database
         db = Database(settings.database_url, pool_size=2)
         db.migrate()
     except StorageUnavailable as exc:
-        raise click.ClickException(f"the database cannot be used: {exc.message}") from None
+        # Not the API's "send it again with the same Idempotency-Key": the operator's fix.
+        raise OperatorError(f"batchyard: {store_problem(exc)}") from None
     except OSError as exc:
-        raise click.ClickException(f"the database cannot be opened: {exc}") from None
+        raise OperatorError(f"batchyard: the database cannot be opened: {exc}") from None
     return db
 
 
@@ -229,12 +236,16 @@ def credit_auto_topup(
 @database_options
 def audit(config_file: str | None, database_url: str | None) -> None:
     """Check every ledger invariant and look for stranded holds; exit 0 only when all is well."""
+    from batchyard.app import verify_key_of
     from batchyard.core.clock import SystemClock
     from batchyard.store import holds, ledger
 
     db = open_database(config_file, database_url)
     now = SystemClock().now()
     try:
+        # A wrong or lost batch key is refused here too, before the audit says all is well.
+        with config_errors():
+            verify_key_of(settings_from(config_file, database_url), db, SystemClock())
         problems = db.read_sync(ledger.audit)
         stranded = db.read_sync(lambda c: holds.stranded(c, now))
     finally:
