@@ -188,7 +188,6 @@ class SettingsFile(BaseModel):
     database_url: str | None = None
     limiter_url: str | None = None
     idempotency_ttl_s: _Seconds = 24 * 3600
-    idempotency_tombstone_s: _Seconds = 30 * 24 * 3600
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     max_upload_bytes: PositiveInt = 2 * 1024**3
     default_max_tokens: PositiveInt = 256
