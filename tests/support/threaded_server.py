@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,10 @@ class Gateway:
 
 
 class ServerThread:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, prepare: Callable[[Service], None] | None = None) -> None:
         self.home = home
+        #: Called with the service before it serves (to swap an engine, say).
+        self.prepare = prepare
         self.ready = threading.Event()
         self.gateway: Gateway | None = None
         self.problems: list[str] = []
@@ -68,6 +71,8 @@ class ServerThread:
         settings = load_settings(database_url=f"sqlite:///{self.home / 'batchyard.db'}")
         service = build_service(settings, clock=SystemClock())
         service.db.migrate()
+        if self.prepare is not None:
+            self.prepare(service)
         self._stop = asyncio.Event()
         try:
             async with live_server(service) as base:
