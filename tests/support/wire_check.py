@@ -96,12 +96,15 @@ class WireCheck:
         status: int,
         media: str,
         body: bytes | None,
-    ) -> list[str]:
-        """What is wrong with one response; ``None`` body: not read (not JSON, or too long)."""
+    ) -> list[str] | None:
+        """What is wrong with one response (None: not the document's to check).
+
+        A ``None`` body was not read (not JSON, or too long).
+        """
         template = document.template(path)
         method = method.lower()
         if template is None or method in ("head", "options"):
-            return []
+            return None
         ops = document.doc["paths"][template]
         where = f"{method.upper()} {path} ({template}) -> {status}"
         if method not in ops:
@@ -132,7 +135,9 @@ class WireCheck:
             for e in errors[:5]
         ]
 
-    def record(self, problems: list[str]) -> None:
+    def record(self, problems: list[str] | None) -> None:
+        if problems is None:
+            return
         with self._lock:
             self.checked += 1
             self.mismatches.extend(problems)
