@@ -243,6 +243,8 @@ class Operation:
     extra_body_types: tuple[str, ...] = field(default=())
     #: The schema of a multipart/form-data body, where there is one.
     multipart: dict[str, Any] | None = None
+    #: What the error statuses answer where it is not the error body (a probe's own body).
+    error_body: type[BaseModel] | None = None
 
 
 # Error statuses by kind of operation. 503: the store cannot take the request now
@@ -252,12 +254,15 @@ _WRITE = (400, 401, 403, 404, 409, 413, 415, 500, 503)
 _MODEL_CALL = (400, 401, 402, 403, 404, 409, 413, 415, 429, 500, 502, 503, 504)
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("get", "/healthz"): Operation(200, Health, (503,), summary="Liveness: the process is up"),
+    ("get", "/healthz"): Operation(
+        200, Health, (503,), summary="Liveness: the process is up", error_body=Health
+    ),
     ("get", "/readyz"): Operation(
         200,
         Readiness,
         (503,),
         summary="Readiness: store writable, migrations current, limiter reachable",
+        error_body=Readiness,
     ),
     ("get", "/v1/account"): Operation(200, Account, (401, 403, 500, 503), summary="Your account"),
     ("get", "/v1/activity"): Operation(200, ListOf, _READ, summary="Credit activity"),
@@ -494,10 +499,11 @@ def _document(app: FastAPI) -> dict[str, Any]:
                 }
                 for status in sorted({spec.success, *spec.also})
             }
+            errors_ref = error_ref if spec.error_body is None else _ref(spec.error_body, schemas)
             for status in sorted(set(spec.errors)):
                 responses[str(status)] = {
                     "description": _REASONS[status],
-                    "content": {_JSON: {"schema": error_ref}},
+                    "content": {_JSON: {"schema": errors_ref}},
                     "headers": _ERROR_HEADERS,
                 }
             op["responses"] = responses
