@@ -9,6 +9,9 @@
   the test's clock and database (``tests.support.services``); each ends with the ledger
   audit.
 - ``market``: makes deferred-batch services on a scripted market (``tests.support.batches``).
+- Every test: each answer it got from an app started by ``tests.support.server`` is checked
+  against that app's OpenAPI document (``tests.support.wire_check``); a mismatch fails the
+  test, and the run ends by saying how many answers were checked.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from batchyard.service import Service
 from batchyard.store.database import Database
 from tests.support.processes import Workers
 from tests.support.services import ServiceFactory
+from tests.support.wire_check import WIRE
 
 PG_ADMIN = os.environ.get(
     "BATCHYARD_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -179,3 +183,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: every other test keeps its order
+
+
+@pytest.fixture(autouse=True)
+def _answers_match_the_openapi_document() -> Iterator[None]:
+    """Fails the test when an answer it got is not one the OpenAPI document promises."""
+    seen = len(WIRE.mismatches)
+    yield
+    found = WIRE.mismatches[seen:]
+    if found:
+        shown = "\n".join(found[:20])
+        more = f"\n... and {len(found) - 20} more" if len(found) > 20 else ""
+        pytest.fail(f"{len(found)} answers disagree with the OpenAPI document:\n{shown}{more}")
+
+
+_WIRE_KEY = "wire_checked"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    output = getattr(session.config, "workeroutput", None)  # an xdist worker
+    if output is not None:
+        output[_WIRE_KEY] = WIRE.checked
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the controller adds its workers' counts
+def pytest_testnodedown(node: object, error: object) -> None:
+    WIRE.checked += int(getattr(node, "workeroutput", {}).get(_WIRE_KEY, 0))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if WIRE.checked:
+        terminalreporter.write_line(f"openapi: {WIRE.checked} answers checked against the document")

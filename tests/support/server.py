@@ -6,6 +6,9 @@ goes through the same routing, middleware, error handlers and lifespan as on a
 socket, at a fraction of the cost, and a ``ManualClock`` advanced by the test is
 seen by the server at once.
 
+Both wrap the app in ``tests.support.wire_check.WIRE``: every answer a test
+gets is checked against the app's OpenAPI document on the side.
+
 ``live_server`` serves on 127.0.0.1 for the tests where the socket is the
 subject: real clients (our SDK's pacing, the CLI, a browser) and fault tests
 that need another process to reach the server.
@@ -24,6 +27,7 @@ from starlette.types import ASGIApp
 
 from batchyard.app import create_app
 from batchyard.service import Service
+from tests.support.wire_check import WIRE
 
 __all__ = ["asgi_app", "asgi_client", "free_port", "live_server"]
 
@@ -48,7 +52,8 @@ async def asgi_app(
     An exception the app does not turn into an answer is a 500, as on a socket.
     """
     app = create_app(service, worker=worker, close_on_exit=False)
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    # Every answer is checked against the app's own OpenAPI document (tests.support.wire_check).
+    transport = httpx.ASGITransport(app=WIRE.wrap(app), raise_app_exceptions=False)
 
     def client(timeout: float = 30.0) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=transport, base_url=ASGI_BASE, timeout=timeout)
@@ -79,7 +84,7 @@ async def live_server(
     goes over the wire, say).
     """
     port = free_port()
-    app: ASGIApp = create_app(service, worker=worker, close_on_exit=False)
+    app: ASGIApp = WIRE.wrap(create_app(service, worker=worker, close_on_exit=False))
     if wrap is not None:
         app = wrap(app)
     config = uvicorn.Config(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,15 +52,18 @@ class ServerThread:
     def __init__(
         self,
         home: Path,
+        prepare: Callable[[Service], None] | None = None,
         *,
         overrides: dict[str, Any] | None = None,
         engines: dict[str, Any] | None = None,
     ) -> None:
         """``overrides`` replace settings (``tiers``, ``limits_queue_s`` ...); ``engines``
-        replace routes' engines (``{"embedded": ScriptedEngine(...)}``)."""
+        replace routes' engines (``{"embedded": ScriptedEngine(...)}``); ``prepare`` is
+        called with the service before it serves (to swap an engine, say)."""
         self.home = home
         self.overrides = overrides or {}
         self.engines = engines or {}
+        self.prepare = prepare
         self.ready = threading.Event()
         self.gateway: Gateway | None = None
         self.problems: list[str] = []
@@ -84,6 +88,8 @@ class ServerThread:
         for route, engine in self.engines.items():
             service.engines.set(route, engine)
         service.db.migrate()
+        if self.prepare is not None:
+            self.prepare(service)
         self._stop = asyncio.Event()
         try:
             async with live_server(service) as base:

@@ -19,15 +19,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from batchyard.api.bodies import (
+    DatasetBody,
+    DecideBody,
+    KeepWarmBody,
+    ProjectBody,
+    RowPatchBody,
+    RunBody,
+)
 from batchyard.core.anthropic_bodies import CountTokensRequest, MessagesRequest
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
+from batchyard.service.batch_requests import BatchBody
 
 __all__ = ["ANTHROPIC_PATHS", "OPERATIONS", "Operation", "install_openapi"]
 
@@ -60,6 +69,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
 
 
 class ChatMessage(_Open):
@@ -131,6 +142,20 @@ class ModelObject(_Open):
     concurrency: int | None
 
 
+class Warmth(BaseModel):
+    state: str
+    until: str | None
+    last_load_seconds: float | None
+
+
+class KeptWarm(_Open):
+    """What ``POST /v1/models/{id}/keep-warm`` answers: the version and how warm it is."""
+
+    id: str
+    object: str
+    warm: Warmth
+
+
 class ModelList(BaseModel):
     object: str
     data: list[ModelObject]
@@ -141,12 +166,6 @@ class Account(_Open):
     tier: int
     credit: dict[str, str]
     effective_limits: dict[str, int]
-
-
-class DecideRequest(_Open):
-    model: str
-    input: dict[str, Any]
-    decisions: list[dict[str, Any]]
 
 
 class Decision(_Open):
@@ -166,6 +185,31 @@ class Estimate(BaseModel):
 class ListOf(_Open):
     object: str
     data: list[dict[str, Any]]
+
+
+class OutputExpiry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)
+
+
+class FileBatchBody(BaseModel):
+    """``POST /v1/batches`` in OpenAI's dialect (``service.file_batches.parse_create``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    completion_window: Literal["24h", "6h", "1h"]
+    metadata: dict[str, str] | None = None
+    output_expires_after: OutputExpiry | None = None
+
+
+class EmptyBody(BaseModel):
+    """A call that takes no body: send nothing, or ``{}``."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class Health(BaseModel):
@@ -189,7 +233,10 @@ class Operation:
     success: int
     response: type[BaseModel] | None
     errors: tuple[int, ...]
-    body: type[BaseModel] | None = None
+    #: The JSON body; several models are alternatives (``anyOf``: one door, two dialects).
+    body: type[BaseModel] | tuple[type[BaseModel], ...] | None = None
+    #: False where the body may be left out (a call that takes none, or ``{}``).
+    body_required: bool = True
     media: str = _JSON
     summary: str = ""
     #: Also answers ``text/event-stream`` (with ``stream: true``).
@@ -197,6 +244,10 @@ class Operation:
     #: Other success statuses with the same body (a dialect that answers differently).
     also: tuple[int, ...] = ()
     extra_body_types: tuple[str, ...] = field(default=())
+    #: The schema of a multipart/form-data body, where there is one.
+    multipart: dict[str, Any] | None = None
+    #: What the error statuses answer where it is not the error body (a probe's own body).
+    error_body: type[BaseModel] | None = None
 
 
 # Error statuses by kind of operation. 503: the store cannot take the request now
@@ -206,12 +257,15 @@ _WRITE = (400, 401, 403, 404, 409, 413, 415, 500, 503)
 _MODEL_CALL = (400, 401, 402, 403, 404, 409, 413, 415, 429, 500, 502, 503, 504)
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("get", "/healthz"): Operation(200, Health, (503,), summary="Liveness: the process is up"),
+    ("get", "/healthz"): Operation(
+        200, Health, (503,), summary="Liveness: the process is up", error_body=Health
+    ),
     ("get", "/readyz"): Operation(
         200,
         Readiness,
         (503,),
         summary="Readiness: store writable, migrations current, limiter reachable",
+        error_body=Readiness,
     ),
     ("get", "/v1/account"): Operation(200, Account, (401, 403, 500, 503), summary="Your account"),
     ("get", "/v1/activity"): Operation(200, ListOf, _READ, summary="Credit activity"),
@@ -235,17 +289,17 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         200, EmbeddingList, _MODEL_CALL, EmbeddingRequest, summary="Embeddings (OpenAI's shape)"
     ),
     ("post", "/v1/decide"): Operation(
-        200, Decision, _MODEL_CALL, DecideRequest, summary="Every question about one text"
+        200, Decision, _MODEL_CALL, DecideBody, summary="Every question about one text"
     ),
     ("post", "/v1/decide/estimate"): Operation(
         200,
         Estimate,
         (400, 401, 403, 404, 409, 413, 415, 429, 500, 503),
-        DecideRequest,
+        DecideBody,
         summary="Price a decide call without running it",
     ),
     ("post", "/v1/models/{model_id}/keep-warm"): Operation(
-        200, ModelObject, _WRITE, _Open, summary="Keep a fine-tuned version loaded"
+        200, KeptWarm, _WRITE, KeepWarmBody, summary="Keep a fine-tuned version loaded"
     ),
     ("get", "/v1/models"): Operation(200, ModelList, (401, 500, 503), summary="The catalog"),
     ("get", "/v1/models/{model_id}"): Operation(200, ModelObject, (401, 404, 500, 503)),
@@ -253,15 +307,21 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         201,
         _Open,
         (*_WRITE, 402, 429, 503),
-        _Open,
+        (BatchBody, FileBatchBody),
         summary="Submit a batch: deferred (201, seed 003's body) or a file batch (200, OpenAI's)",
         also=(200,),
     ),
     ("get", "/v1/batches"): Operation(200, ListOf, _READ, summary="Batches of both dialects"),
     ("get", "/v1/batches/{batch_id}"): Operation(200, _Open, _READ),
-    ("post", "/v1/batches/{batch_id}/cancel"): Operation(200, _Open, _WRITE),
+    ("post", "/v1/batches/{batch_id}/cancel"): Operation(
+        200, _Open, _WRITE, EmptyBody, body_required=False
+    ),
     ("get", "/v1/batches/{batch_id}/results"): Operation(
-        200, _Open, _READ, media=_NDJSON, summary="Results, one JSON line per request"
+        200,
+        _Open,
+        (*_READ, 410),
+        media=_NDJSON,
+        summary="Results, one JSON line per request (410 results_expired once purged)",
     ),
     ("post", "/v1/files"): Operation(
         200,
@@ -269,7 +329,16 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         (*_WRITE, 415),
         None,
         summary="Upload a batch input file (multipart/form-data: purpose, file)",
-        extra_body_types=("multipart/form-data",),
+        multipart={
+            "type": "object",
+            "required": ["purpose", "file"],
+            "properties": {
+                "purpose": {"type": "string", "enum": ["batch"]},
+                "file": {"type": "string", "format": "binary"},
+                "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                "expires_after[seconds]": {"type": "integer", "minimum": 3600},
+            },
+        },
     ),
     ("get", "/v1/files"): Operation(200, ListOf, _READ, summary="Files"),
     ("get", "/v1/files/{file_id}"): Operation(200, _Open, _READ),
@@ -277,32 +346,32 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         200, _Open, _READ, media="application/jsonl", summary="A file's lines"
     ),
     ("delete", "/v1/files/{file_id}"): Operation(200, _Open, (*_READ, 409)),
-    ("post", "/v1/projects"): Operation(201, _Open, _WRITE, _Open),
+    ("post", "/v1/projects"): Operation(201, _Open, _WRITE, ProjectBody),
     ("get", "/v1/projects/{project_id}"): Operation(200, _Open, _READ),
     ("post", "/v1/projects/{project_id}/datasets"): Operation(
         201,
         _Open,
         _WRITE,
-        _Open,
+        DatasetBody,
         extra_body_types=("text/csv", _NDJSON, "application/vnd.apache.parquet"),
     ),
     ("get", "/v1/projects/{project_id}/datasets/{dataset_id}"): Operation(200, _Open, _READ),
     ("get", "/v1/projects/{project_id}/datasets/{dataset_id}/rows"): Operation(200, ListOf, _READ),
     ("patch", "/v1/projects/{project_id}/datasets/{dataset_id}/rows/{row_id}"): Operation(
-        200, _Open, _WRITE, _Open
+        200, _Open, _WRITE, RowPatchBody
     ),
     ("post", "/v1/projects/{project_id}/batch-inference-runs"): Operation(
-        201, _Open, (*_WRITE, 402, 429), _Open
+        201, _Open, (*_WRITE, 402, 429), RunBody
     ),
     ("get", "/v1/projects/{project_id}/batch-inference-runs"): Operation(200, ListOf, _READ),
     ("get", "/v1/projects/{project_id}/batch-inference-runs/{run_id}"): Operation(
         200, _Open, _READ
     ),
     ("post", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/confirm"): Operation(
-        200, _Open, (*_WRITE, 402), _Open
+        200, _Open, (*_WRITE, 402), EmptyBody, body_required=False
     ),
     ("post", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/cancel"): Operation(
-        200, _Open, _WRITE, _Open
+        200, _Open, _WRITE, EmptyBody, body_required=False
     ),
     ("get", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/failures"): Operation(
         200, ListOf, _READ
@@ -407,6 +476,13 @@ def _anthropic_errors(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
                     )
 
 
+#: Fields a body's shape leaves optional (so that the door's own check gives its specific
+#: code) but the door refuses to go without: required in the document all the same.
+_REQUIRED_TOO: dict[str, tuple[str, ...]] = {
+    "DecideBody": ("decisions",),
+    "BatchBody": ("min_discount",),
+}
+
 _REASONS = {
     200: "OK",
     201: "Created",
@@ -415,6 +491,7 @@ _REASONS = {
     402: "Not enough credit; nothing was charged",
     403: "The key's scope does not allow this call",
     404: "No such object (or model: model_not_found)",
+    410: "Gone: the results were purged (results_expired)",
     409: "Idempotency-Key conflict, in progress, or expired; or the object's state forbids it",
     413: "The request body is too large",
     415: "The body is not of a media type this operation reads",
@@ -458,6 +535,21 @@ def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+def _require(schema: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """Make ``fields`` required and not nullable (null is refused like a missing field)."""
+    schema["required"] = sorted({*schema.get("required", ()), *fields})
+    for name in fields:
+        prop = schema["properties"][name]
+        prop.pop("default", None)
+        alternatives = [s for s in prop.pop("anyOf", [prop]) if s.get("type") != "null"]
+        if len(alternatives) == 1:
+            prop.update(alternatives[0])
+        else:
+            prop["anyOf"] = alternatives
+        if prop.get("type") == "array":
+            prop["minItems"] = max(1, prop.get("minItems", 0))
+
+
 def _document(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(
         title=app.title,
@@ -475,12 +567,16 @@ def _document(app: FastAPI) -> dict[str, Any]:
             if spec.summary:
                 op["summary"] = spec.summary
             content: dict[str, Any] = {}
-            if spec.body is not None:
+            if isinstance(spec.body, tuple):
+                content[_JSON] = {"schema": {"anyOf": [_ref(b, schemas) for b in spec.body]}}
+            elif spec.body is not None:
                 content[_JSON] = {"schema": _ref(spec.body, schemas)}
             for media in spec.extra_body_types:
                 content[media] = {"schema": {"type": "string", "format": "binary"}}
+            if spec.multipart is not None:
+                content["multipart/form-data"] = {"schema": spec.multipart}
             if content:
-                op["requestBody"] = {"required": True, "content": content}
+                op["requestBody"] = {"required": spec.body_required, "content": content}
             ok: dict[str, Any] = {}
             if spec.response is not None:
                 body_schema = (
@@ -505,10 +601,11 @@ def _document(app: FastAPI) -> dict[str, Any]:
                 }
                 for status in sorted({spec.success, *spec.also})
             }
+            errors_ref = error_ref if spec.error_body is None else _ref(spec.error_body, schemas)
             for status in sorted(set(spec.errors)):
                 responses[str(status)] = {
                     "description": _REASONS[status],
-                    "content": {_JSON: {"schema": error_ref}},
+                    "content": {_JSON: {"schema": errors_ref}},
                     "headers": _ERROR_HEADERS,
                 }
             op["responses"] = responses
@@ -517,6 +614,9 @@ def _document(app: FastAPI) -> dict[str, Any]:
     found = components.setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         found.pop(unused, None)
+    for name, fields in _REQUIRED_TOO.items():
+        if name in schemas:
+            _require(schemas[name], fields)
     found.update(schemas)
     return doc
 

@@ -347,6 +347,7 @@ async def list_rows(request: Request, project_id: str, dataset_id: str) -> JSONR
     rows = rows[:limit]
     return json_response(
         {
+            "object": "list",
             "data": [row_json(r) for r in rows],
             "hasMore": more,
             "nextCursor": str(rows[-1].id) if more else None,

@@ -209,6 +209,7 @@ async def list_runs(request: Request, project_id: str) -> JSONResponse:
     runs = runs[:limit]
     return json_response(
         {
+            "object": "list",
             "data": [run_json(r) for r in runs],
             "hasMore": more,
             "nextCursor": runs[-1].id if more else None,
@@ -311,6 +312,7 @@ async def list_failures(request: Request, project_id: str, run_id: str) -> JSONR
         r["updatedAt"] = isoformat(r["updatedAt"]) if r["updatedAt"] else None
     return json_response(
         {
+            "object": "list",
             "data": rows,
             "hasMore": more,
             "nextCursor": str(rows[-1]["rowId"]) if more else None,

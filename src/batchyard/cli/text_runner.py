@@ -151,9 +151,14 @@ def print_plan(c: Console, estimate: TextRunEstimate, summary: TextRunSummary) -
         )
     )
     if estimate.max_cost is not None and estimate.texts:
+        once = (
+            f" + {estimate.calibration_input_tokens:,} once for calibration"
+            if estimate.calibration_input_tokens
+            else ""
+        )
         c.print(
             f"Estimate from {estimate.sampled} sampled texts: "
-            f"~{estimate.input_tokens_per_text:,.0f} input tokens a text, "
+            f"~{estimate.input_tokens_per_text:,.0f} input tokens a text{once}, "
             f"at most [bold]${estimate.max_cost}[/] in all"
         )
     credit = (

@@ -121,7 +121,7 @@ class AnswerFile:
         _cut_torn_tail(self.path)
         _cut_torn_tail(self.errors_path)
         self._answers_fh = self.path.open("a", encoding="utf-8")
-        self._errors_fh = self.errors_path.open("a", encoding="utf-8")
+        # The errors file is opened at the first failure: it exists only while something failed.
         return self
 
     def __enter__(self) -> AnswerFile:
@@ -148,6 +148,10 @@ class AnswerFile:
         self._append(self._answers_fh, row)
 
     def write_error(self, row: dict[str, Any]) -> None:
+        if self._errors_fh is None:
+            if self._answers_fh is None:
+                raise RuntimeError("open the answer file first")
+            self._errors_fh = self.errors_path.open("a", encoding="utf-8")
         self._append(self._errors_fh, row)
 
     def sync(self) -> None:

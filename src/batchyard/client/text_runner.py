@@ -79,6 +79,10 @@ class TextRunEstimate:
     #: Seconds the first text took to answer, measured before the rest were sent.
     measured_latency_s: float | None = None
     concurrency_source: str = "default"
+    #: The one-off calibration prompts (content-free, seed 000) the run's first call sends
+    #: where the organisation has no prior for this decision set yet: paid once, not a text.
+    calibration_input_tokens: int = 0
+    calibration_cost: Decimal = Decimal(0)
 
     @property
     def rate_seconds(self) -> float:
@@ -155,11 +159,20 @@ async def estimate_texts(
     max_output_tokens: int = 64,
     fallback: str = "base",
 ) -> tuple[TextRunEstimate, float]:
-    """Price a sample, scale it to ``items``; also the tokens-per-local-token ratio."""
+    """Price a sample, scale it to ``items``; also the tokens-per-local-token ratio.
+
+    The sample is priced without calibration, so each text's tokens and cost are its
+    own; one more estimate of the first sampled text with the run's calibration tells
+    what the one-off calibration prompts add (nothing once the organisation has a prior
+    for these decisions). Spread over the sample, they would make every text look
+    several times its size.
+    """
     sample = _sample(items, SAMPLE_SIZE)
     gate = asyncio.Semaphore(4)
 
-    async def one(item: TextItem) -> tuple[TextItem, dict[str, Any]] | None:
+    async def one(
+        item: TextItem, calibration: str | None
+    ) -> tuple[TextItem, dict[str, Any]] | None:
         async with gate:
             try:
                 est = await client.estimate(
@@ -168,6 +181,7 @@ async def estimate_texts(
                     text=item.text,
                     max_output_tokens=max_output_tokens,
                     fallback=fallback,
+                    calibration=calibration,
                 )
             except (Unauthorized, InvalidRequest) as exc:
                 if isinstance(exc, InvalidRequest) and exc.code == "context_window_exceeded":
@@ -179,7 +193,18 @@ async def estimate_texts(
                 return None  # no estimate for this one; price from the others
             return item, dict(est)
 
-    priced = [r for r in await asyncio.gather(*(one(i) for i in sample)) if r is not None]
+    got = await asyncio.gather(
+        *(one(i, "none") for i in sample), *(one(i, None) for i in sample[:1])
+    )
+    calibrated = got[-1] if sample else None
+    priced = [r for r in got[: len(sample)] if r is not None]
+    one_off_tokens, one_off_cost = 0, Decimal(0)
+    if calibrated is not None and got[0] is not None:
+        plain, with_prior = got[0][1], calibrated[1]
+        one_off_tokens = max(0, int(with_prior["input_tokens"]) - int(plain["input_tokens"]))
+        one_off_cost = max(
+            Decimal(0), Decimal(str(with_prior["max_cost"])) - Decimal(str(plain["max_cost"]))
+        )
     ratio = 1.0
     per_text_cost: Decimal | None = None
     if priced:
@@ -195,7 +220,9 @@ async def estimate_texts(
         sampled=len(priced),
         input_tokens_per_text=avg_tokens,
         max_cost_per_text=per_text_cost,
-        max_cost=(per_text_cost * len(items)).quantize(Decimal("0.0000001"), ROUND_UP)
+        max_cost=(per_text_cost * len(items) + one_off_cost).quantize(
+            Decimal("0.0000001"), ROUND_UP
+        )
         if per_text_cost is not None
         else None,
         credit_available=Decimal(account["credit"]["available"]) if account else None,
@@ -205,6 +232,8 @@ async def estimate_texts(
         pace_source=pace.source,
         zero_data_retention=bool(account and account.get("zero_data_retention")),
         concurrency_source=pace.concurrency_source,
+        calibration_input_tokens=one_off_tokens,
+        calibration_cost=one_off_cost,
     )
     return estimate, ratio
 

@@ -1,8 +1,12 @@
 """File batches (OpenAI's dialect of ``/v1/batches``): create, show, cancel.
 
 Creating one is where batchyard's promises begin. The input file was checked
-line by line when it was uploaded, so here the batch only has to agree with
-it (the endpoint its lines name, models still served), and then the whole
+line by line when it was uploaded, and a line that is JSON but not a valid
+request was kept with its error: a batch from such a file is written
+``failed`` at once with every invalid line in ``errors.data`` (``code``,
+``line``, ``message``, ``param``, OpenAI's order and shape), and nothing is
+held or charged. Otherwise the batch only has to agree with the file (the
+endpoint its lines name, models still served), and then the whole
 file is priced: each model's prompt tokens (counted with its own tokenizer at
 upload) at its input price plus the most output tokens at its output price,
 the most the batch can cost. That amount is held in one reservation in the
@@ -37,6 +41,7 @@ from batchyard.service.openai_requests import ENDPOINTS
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store import ledger
+from batchyard.store.files import line_aad
 
 __all__ = ["BODY_KEYS", "cancel", "create", "load_view", "parse_create"]
 
@@ -45,6 +50,8 @@ log = logging.getLogger("batchyard.file_batches")
 #: OpenAI's documented fields of a batch creation.
 BODY_KEYS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 MAX_METADATA = 16
+#: The most invalid lines a failed batch lists in ``errors.data``.
+MAX_ERRORS = 1000
 
 
 def _bad(message: str, param: str, code: str = "invalid_request") -> InvalidRequest:
@@ -125,7 +132,7 @@ def parse_create(raw: dict[str, Any]) -> dict[str, Any]:
 
 async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> dict[str, Any]:
     """Write the batch and hold its quote, or write it failed for want of credit."""
-    svc.batch_key.require()
+    sealer = svc.batch_key.require()
     now = svc.clock.now()
     batch_id = new_id("bat", now)
     catalog = svc.catalog
@@ -152,8 +159,13 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
                 "invalid_file_purpose",
             )
         totals = list(file_store.line_totals(conn, f.id))
-        first = min(t[4] for t in totals)
-        if f.endpoint != parsed["endpoint"]:
+        invalid = [
+            json.loads(sealer.open(body, line_aad(f.id, n)))["error"]
+            for n, body in file_store.invalid_lines(conn, f.id, limit=MAX_ERRORS)
+        ]
+        totals = [t for t in totals if t[0] != file_store.INVALID_LINE]
+        first = min((t[4] for t in totals), default=1)
+        if not invalid and f.endpoint != parsed["endpoint"]:
             raise InvalidRequest(
                 f"line {first}: url {f.endpoint!r} does not match the batch's endpoint "
                 f"{parsed['endpoint']!r}",
@@ -164,6 +176,8 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
         cost = Decimal(0)
         for model_id, _, tokens_in, tokens_out, line in totals:
             model = catalog.models.get(model_id)
+            if invalid and (model is None or not catalog.is_available(model_id)):
+                continue  # the batch fails on its invalid lines; this one costs nothing
             if model is None or not catalog.is_available(model_id):
                 raise InvalidRequest(
                     f"line {line}: model {model_id!r} is no longer served here",
@@ -202,6 +216,19 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
             cancelling_at=None,
             cancelled_at=None,
         )
+        if invalid:
+            # OpenAI's order: the file uploaded, the batch fails its validation, naming
+            # every invalid line; nothing is held or charged.
+            row = _replace(
+                row,
+                status="failed",
+                errors=json.dumps(invalid),
+                request_count=0,  # OpenAI's: a batch that failed validation ran no request
+                failed_at=now,
+                in_progress_at=None,
+            )
+            store.create_batch(conn, row)
+            return load_view(conn, principal.org_id, batch_id)
         try:
             with conn.begin_nested():
                 res = ledger.reserve(

@@ -7,9 +7,13 @@ on a thread, in bounded memory: each line is parsed, checked whole
 valid request for it through ``service.openai_requests``), has privacy
 applied, is counted with its model's tokenizer, sealed, and written in
 batches under a file that stays invisible (``uploading``) until its last line
-is in. The first bad line ends the upload with a coded error naming the line,
-and everything written for it is deleted; a process that dies mid-upload
-leaves an invisible file that the file-batch worker removes later.
+is in. As OpenAI does, the upload takes any JSONL file: a line that is not JSON
+ends the upload with a coded error naming the line (and everything written
+for it is deleted), but a line that is JSON and not a valid request is kept
+with its error (``store.files.INVALID_LINE``), and creating a batch from the
+file fails the batch with every such line in ``errors.data``
+(``service.file_batches``). A process that dies mid-upload leaves an
+invisible file that the file-batch worker removes later.
 
 Limits (OpenAI's by default, ``files:`` in the config to change them):
 200 MB and 50,000 requests per file, 1 MB per line.
@@ -123,8 +127,9 @@ def file_view(f: store.FileRow) -> dict[str, Any]:
 
 
 def _at_line(n: int, exc: BatchyardError) -> BatchyardError:
-    """The same error, its message and param naming the line of the file."""
-    param = f"line {n}" + (f": {exc.param}" if exc.param else "")
+    """The same error about a line's body, its message and param naming the line."""
+    inner = exc.param if exc.param in ("url", "body") else f"body.{exc.param or ''}".rstrip(".")
+    param = f"line {n}: {inner}"
     return type(exc)(
         f"line {n}: {exc.message}",
         param=param,
@@ -162,15 +167,45 @@ def _lines(f: IO[bytes], limits: FileSettings) -> Iterator[tuple[int, bytes]]:
             yield n, line
 
 
-def _check(
-    n: int, raw: bytes, rules: Rules, limits: FileSettings, seen: set[bytes], endpoint: str | None
-) -> tuple[str, str, Any, bytes]:
-    """One line checked: (custom_id, url, checked body, the line as it will be stored)."""
+def _parse(n: int, raw: bytes) -> Any:
+    """One line as JSON; a line that is not refuses the whole upload (the file is not JSONL)."""
     try:
         # Strict JSON, as every body: no NaN, lone surrogate, NUL or deep nesting.
-        obj = parse_json(raw, "the line")
+        return parse_json(raw, "the line")
     except BatchyardError as exc:
         raise _bad(n, exc.message, exc.code) from None
+
+
+def _invalid(
+    n: int, obj: Any, raw: bytes, exc: BatchyardError, limits: FileSettings
+) -> tuple[str, bytes]:
+    """A line that is JSON but no valid request: its custom_id, and what is sealed for it.
+
+    What is kept is the error (OpenAI's ``errors.data`` item) and the line as sent, so
+    the file's content reads back as uploaded; a line refused by privacy ``reject`` is not
+    kept at all, only its error.
+    """
+    # The line is a field of its own here: the param is the field within the line.
+    param = exc.param
+    if param is not None and param.startswith(f"line {n}"):
+        param = param.partition(": ")[2] or None
+    error = {"code": exc.code, "line": n, "message": exc.message, "param": param}
+    kept = None if exc.code == "privacy_rejected" else raw.decode("utf-8")
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    custom_id = cid[: limits.max_custom_id] if isinstance(cid, str) else ""
+    return custom_id, json.dumps({"error": error, "line": kept}, ensure_ascii=False).encode()
+
+
+def _check(
+    n: int,
+    obj: Any,
+    raw: bytes,
+    rules: Rules,
+    limits: FileSettings,
+    seen: set[bytes],
+    endpoint: str | None,
+) -> tuple[str, str, Any, bytes]:
+    """One line checked: (custom_id, url, checked body, the line as it will be stored)."""
     if not isinstance(obj, dict):
         raise _bad(n, "each line must be a JSON object", "invalid_json")
     for key in sorted(obj.keys() - _LINE_KEYS):
@@ -245,7 +280,7 @@ def ingest(
     )
     seen: set[bytes] = set()
     endpoint: str | None = None
-    count = size = redactions = 0
+    count = size = redactions = invalid = 0
     pending: list[store.LineRow] = []
     try:
         for n, raw in _lines(f, limits):
@@ -257,12 +292,22 @@ def ingest(
                     code="too_many_lines",
                     details={"line": n, "limit": limits.max_lines},
                 )
-            cid, url, checked, stored = _check(n, raw, rules, limits, seen, endpoint)
-            endpoint = url
-            redactions += checked.redactions
-            size += len(stored) + 1
-            pending.append(
-                store.LineRow(
+            obj = _parse(n, raw)
+            try:
+                cid, url, checked, stored = _check(n, obj, raw, rules, limits, seen, endpoint)
+            except BatchyardError as exc:
+                # Kept: creating a batch from this file fails it, naming this line.
+                invalid += 1
+                cid, kept = _invalid(n, obj, raw, exc, limits)
+                size += len(raw) + 1
+                line = store.LineRow(
+                    n, cid, store.INVALID_LINE, 0, 0, sealer.seal(kept, line_aad(file_id, n))
+                )
+            else:
+                endpoint = url
+                redactions += checked.redactions
+                size += len(stored) + 1
+                line = store.LineRow(
                     n,
                     cid,
                     checked.model.id,
@@ -270,7 +315,7 @@ def ingest(
                     checked.max_output_tokens,
                     sealer.seal(stored, line_aad(file_id, n)),
                 )
-            )
+            pending.append(line)
             if len(pending) >= WRITE_BATCH:
                 svc.db.transact_sync(partial(_write, file_id=file_id, lines=pending))
                 pending = []
@@ -297,10 +342,19 @@ def ingest(
             "file_id": file_id,
             "org_id": principal.org_id,
             "lines": count,
+            "invalid_lines": invalid,
             "privacy_redactions": redactions,
         },
     )
     return file_view(row)
+
+
+def _as_sent(model: str, body: bytes) -> bytes:
+    """A stored line as it was uploaded (an invalid line keeps it beside its error)."""
+    if model != store.INVALID_LINE:
+        return body + b"\n"
+    kept = json.loads(body)["line"]
+    return b"" if kept is None else kept.encode("utf-8") + b"\n"
 
 
 def _write(c: Connection, *, file_id: str, lines: list[store.LineRow]) -> None:
@@ -385,7 +439,8 @@ async def content(svc: Service, principal: Principal, file_id: str) -> AsyncIter
             )
             if not got:
                 return
-            yield b"".join(sealer.open(ln.body, line_aad(row.id, ln.line)) + b"\n" for ln in got)
+            opened = [(ln.model, sealer.open(ln.body, line_aad(row.id, ln.line))) for ln in got]
+            yield b"".join(_as_sent(model, body) for model, body in opened)
             after = got[-1].line
 
     async def output_lines() -> AsyncIterator[bytes]:

@@ -41,6 +41,7 @@ from sqlalchemy import (
 from batchyard.store.tables import UtcDateTime, metadata
 
 __all__ = [
+    "INVALID_LINE",
     "FileRow",
     "LineRow",
     "create_file",
@@ -50,6 +51,7 @@ __all__ = [
     "files",
     "forget",
     "get_file",
+    "invalid_lines",
     "line_aad",
     "line_totals",
     "list_files",
@@ -59,6 +61,11 @@ __all__ = [
     "stale_uploads",
     "write_lines",
 ]
+
+#: The ``model`` of a line that is JSON but not a valid request: it is kept (OpenAI's order:
+#: the upload takes any JSONL file) and its sealed body is the error and the line as sent,
+#: so that creating a batch from the file fails it with every such line in ``errors``.
+INVALID_LINE = ""
 
 files = Table(
     "files",
@@ -293,6 +300,17 @@ def read_lines(
         LineRow(r.line, r.custom_id, r.model, r.input_tokens, r.max_tokens, bytes(r.body))
         for r in rows
     ]
+
+
+def invalid_lines(conn: Connection, file_id: str, *, limit: int) -> list[tuple[int, bytes]]:
+    """(line number, sealed body) of the first ``limit`` lines that failed their checks."""
+    rows = conn.execute(
+        select(file_lines.c.line, file_lines.c.body)
+        .where(file_lines.c.file_id == file_id, file_lines.c.model == INVALID_LINE)
+        .order_by(file_lines.c.line)
+        .limit(limit)
+    ).all()
+    return [(int(r.line), bytes(r.body)) for r in rows]
 
 
 def line_totals(conn: Connection, file_id: str) -> Iterator[tuple[str, int, int, int, int]]:

@@ -31,41 +31,75 @@ def error_of(r):
     return r.status_code, r.json()["error"]["code"]
 
 
+#: Files that are JSONL but hold a line that is no valid request: each uploads (OpenAI's
+#: order) and a batch created from it is ``failed`` naming the line.
 BAD_FILES = [
-    ("invalid_json", [json.dumps(chat_line("a")), "{not json"], 400, "invalid_json", 2),
-    ("duplicate", [chat_line("a"), chat_line("b"), chat_line("a")], 400, "duplicate_custom_id", 3),
-    ("method", [{**chat_line("a"), "method": "GET"}], 400, "invalid_method", 1),
-    (
-        "mixed",
-        [chat_line("a"), {**chat_line("b"), "url": "/v1/embeddings"}],
-        400,
-        "mixed_endpoints",
-        2,
-    ),
-    ("unknown_model", [chat_line("a", model="gpt-9")], 400, "unknown_model", 1),
-    ("max_tokens", [chat_line("a", max_tokens=100_000)], 400, "max_tokens_out_of_range", 1),
-    ("max_tokens_str", [chat_line("a", max_tokens="5")], 400, "invalid_request", 1),
-    ("stream", [chat_line("a", stream=True)], 400, "streaming_unsupported", 1),
-    ("tools", [chat_line("a", tools=[])], 400, "tools_unsupported", 1),
-    ("unknown_field", [chat_line("a", bogus=1)], 400, "unknown_field", 1),
-    ("line_field", [{**chat_line("a"), "extra": 1}], 400, "unsupported_parameter", 1),
-    ("custom_id", [{**chat_line("a"), "custom_id": ""}], 400, "invalid_custom_id", 1),
-    ("url", [{**chat_line("a"), "url": "/v1/images"}], 400, "unsupported_endpoint", 1),
+    ("duplicate", [chat_line("a"), chat_line("b"), chat_line("a")], "duplicate_custom_id", 3),
+    ("method", [{**chat_line("a"), "method": "GET"}], "invalid_method", 1),
+    ("mixed", [chat_line("a"), {**chat_line("b"), "url": "/v1/embeddings"}], "mixed_endpoints", 2),
+    ("unknown_model", [chat_line("a", model="gpt-9")], "unknown_model", 1),
+    ("max_tokens", [chat_line("a", max_tokens=100_000)], "max_tokens_out_of_range", 1),
+    ("max_tokens_str", [chat_line("a", max_tokens="5")], "invalid_request", 1),
+    ("stream", [chat_line("a", stream=True)], "streaming_unsupported", 1),
+    ("tools", [chat_line("a", tools=[])], "tools_unsupported", 1),
+    ("unknown_field", [chat_line("a", bogus=1)], "unknown_field", 1),
+    ("line_field", [{**chat_line("a"), "extra": 1}], "unsupported_parameter", 1),
+    ("custom_id", [{**chat_line("a"), "custom_id": ""}], "invalid_custom_id", 1),
+    ("url", [{**chat_line("a"), "url": "/v1/images"}], "unsupported_endpoint", 1),
+    ("not_an_object", [chat_line("a"), "[1, 2]"], "invalid_json", 2),
 ]
 
 
 @pytest.mark.parametrize(
-    ("lines", "status", "code", "line"),
-    [b[1:] for b in BAD_FILES],
-    ids=[b[0] for b in BAD_FILES],
+    ("lines", "code", "line"), [b[1:] for b in BAD_FILES], ids=[b[0] for b in BAD_FILES]
 )
-async def test_a_bad_line_is_named_and_leaves_nothing(service, lines, status, code, line):
+async def test_a_bad_line_uploads_and_fails_the_batch_naming_it(service, lines, code, line):
+    acct = make_account(service, credit="1")
+    async with asgi_client(service, worker=False) as http:
+        up = await upload(http, acct.headers, jsonl(lines))
+        assert up.status_code == 200, up.text
+        assert up.json()["lines"] == len(lines)
+        content = await http.get(f"/v1/files/{up.json()['id']}/content", headers=acct.headers)
+        r = await create(http, acct.headers, up.json()["id"])
+        again = await http.get(f"/v1/batches/{r.json()['id']}", headers=acct.headers)
+    assert content.content == jsonl(lines), "the file reads back as it was sent"
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert batch["status"] == "failed" and batch["failed_at"] is not None
+    assert again.json()["status"] == "failed"
+    errors = batch["errors"]
+    assert errors["object"] == "list"
+    assert [(e["code"], e["line"]) for e in errors["data"]] == [(code, line)]
+    first = errors["data"][0]
+    assert set(first) == {"code", "line", "message", "param"}
+    assert first["message"].startswith(f"line {line}:")
+    assert first["param"] is None or not first["param"].startswith("line")
+    counts = batch["request_counts"]
+    assert (counts["total"], counts["completed"], counts["failed"]) == (0, 0, 0)
+    bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.held == 0 and bal.settled == 0
+    assert stored(service)[2] == 1  # the failed batch, and no line of it to run
+
+
+async def test_every_invalid_line_is_listed(service):
+    acct = make_account(service, credit="1")
+    lines = [chat_line("a"), chat_line("b", model="gpt-9"), chat_line("c"), chat_line("a")]
+    async with asgi_client(service, worker=False) as http:
+        up = await upload(http, acct.headers, jsonl(lines))
+        r = await create(http, acct.headers, up.json()["id"])
+    assert [(e["code"], e["line"]) for e in r.json()["errors"]["data"]] == [
+        ("unknown_model", 2),
+        ("duplicate_custom_id", 4),
+    ]
+
+
+async def test_a_line_that_is_not_json_still_refuses_the_upload(service):
     acct = make_account(service)
     async with asgi_client(service, worker=False) as http:
-        r = await upload(http, acct.headers, jsonl(lines))
+        r = await upload(http, acct.headers, jsonl([json.dumps(chat_line("a")), "{not json"]))
         listed = (await http.get("/v1/files", headers=acct.headers)).json()
-    assert error_of(r) == (status, code), r.text
-    assert r.json()["error"]["message"].startswith(f"line {line}:")
+    assert error_of(r) == (400, "invalid_json"), r.text
+    assert r.json()["error"]["message"].startswith("line 2:")
     assert listed["data"] == [] and stored(service) == (0, 0, 0)
 
 

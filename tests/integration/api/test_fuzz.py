@@ -43,6 +43,7 @@ from batchyard.core.sealing import generate_key, key_text
 from batchyard.engines.memory import ScriptedEngine
 from batchyard.service import Service
 from batchyard.service.batch_requests import BatchBody
+from batchyard.store import ledger
 from batchyard.store.tables import metadata
 from tests.support.accounts import Account, make_account
 from tests.support.batches import batch_body, chat
@@ -383,9 +384,35 @@ FILE_BODIES = {
     "not json": b"hello\n",
     "not utf-8": b'{"custom_id": "\xff"}\n',
     "empty": b"",
+}
+#: JSON lines that are no valid request: they upload (OpenAI's order) and fail the batch.
+LINE_BODIES = {
     "wrong types": file_jsonl([{**chat_line("a"), "body": {"model": ["x"], "messages": 1}}]),
     "huge int": file_jsonl([chat_line("a", max_tokens=10**30)]),
+    "not an object": b"[1, 2]\n",
+    "no body": b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions"}\n',
 }
+
+
+async def test_invalid_lines_upload_and_fail_their_batch(world: World) -> None:
+    for name, content in LINE_BODIES.items():
+        r = await upload(world.http, world.account.headers, content)
+        assert r.status_code == 200, (name, r.text)
+        body = encode(
+            {
+                "input_file_id": r.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            }
+        )
+        before = world.service.db.read_sync(lambda c: ledger.balance(c, world.account.org_id))
+        created = await world.send("POST", "/v1/batches", content=body, headers=JSON, what=name)
+        assert created.status_code == 200, (name, created.text)
+        assert created.json()["status"] == "failed", (name, created.text)
+        errors = created.json()["errors"]["data"]
+        assert [e["line"] for e in errors] == [1], (name, errors)
+        after = world.service.db.read_sync(lambda c: ledger.balance(c, world.account.org_id))
+        assert after == before, f"a failed batch held or charged something: {name}"
 
 
 async def test_file_uploads_refuse_malformed_files_and_bodies(world: World) -> None:

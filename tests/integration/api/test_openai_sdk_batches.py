@@ -116,3 +116,38 @@ async def _in_use(client: openai.AsyncOpenAI) -> None:
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     await client.files.delete(f.id)
+
+
+async def test_a_file_with_invalid_lines_uploads_and_its_batch_fails_with_the_sdk(make_service):
+    """OpenAI's order: ``files.create`` takes any JSONL; ``batches.create`` fails the batch."""
+    from batchyard.store import ledger
+
+    service = make_service(clock=SystemClock())
+    acct = make_account(service, credit="1")
+    lines = [
+        chat_line("good", "Say hello.", max_tokens=8),
+        chat_line("bad-model", "Say hello.", model="no-such-model"),
+        {**chat_line("bad-method"), "method": "GET"},
+        chat_line("good"),  # a custom_id seen before
+    ]
+    async with live_server(service, worker=False) as base:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=acct.key, max_retries=0)
+        uploaded = await client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+        assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
+        raw = await client.batches.with_raw_response.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        strict(Batch, raw.http_response.json())
+        batch = raw.parse()
+        again = await client.batches.retrieve(batch.id)
+    assert batch.status == again.status == "failed", batch
+    assert batch.errors is not None and batch.errors.data is not None
+    got = [(e.code, e.line, e.param) for e in batch.errors.data]
+    assert got == [
+        ("unknown_model", 2, "body.model"),
+        ("invalid_method", 3, "method"),
+        ("duplicate_custom_id", 4, "custom_id"),
+    ]
+    assert all(e.message for e in batch.errors.data)
+    bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.held == 0 and bal.settled == 0

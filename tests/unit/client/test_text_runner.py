@@ -284,3 +284,21 @@ async def test_the_fake_limit_does_refuse_a_burst(tmp_path: Path) -> None:
             )
         assert gw.rate_limited > 0
     assert any(isinstance(r, BatchyardError) and r.code == "rate_limited" for r in results)
+
+
+def test_the_errors_file_appears_only_with_the_first_failure(tmp_path: Path) -> None:
+    """docs/how-to/score-texts.md: ``answers.errors.jsonl`` exists only while something failed."""
+    from batchyard.client.answers import AnswerFile
+
+    meta = {"decision_set_hash": "0" * 16, "model": "kettei-core"}
+    errors = tmp_path / "answers.errors.jsonl"
+    with AnswerFile(tmp_path / "answers.jsonl").open(meta) as f:
+        f.write_answer({"id": "c1", "answers": []})
+        f.sync()
+        assert not errors.exists(), "an errors file during a run with no failures"
+        f.write_error({"id": "c2", "code": "upstream_error", "retryable": True})
+        assert errors.exists()
+    assert [json.loads(x)["id"] for x in errors.read_text().splitlines()] == ["c2"]
+    with AnswerFile(tmp_path / "answers.jsonl").open(meta) as f:
+        f.write_answer({"id": "c2", "answers": []})
+    assert not errors.exists(), "answered since: the errors file goes"
