@@ -111,7 +111,7 @@ async def chat_completions(request: Request) -> Response:
         needs.append("stream")
     if body.tools and body.tool_choice != "none":
         needs.append("tools")
-    model, route = resolve(svc, body.model, *needs)
+    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
     _check_images(body, model.reads_images)
     max_tokens = (
         body.max_completion_tokens
@@ -135,7 +135,7 @@ async def chat_completions(request: Request) -> Response:
     price = Price(model.input_per_mtok, model.output_per_mtok)
     max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n))
     req = CompletionRequest(
-        model=route.upstream_model,
+        model=svc.catalog.engine_name(model.id, route),
         messages=body.messages,
         max_tokens=max_tokens,
         temperature=body.temperature,

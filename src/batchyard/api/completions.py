@@ -54,7 +54,13 @@ async def completions(request: Request) -> Response:
             "send one prompt per request (or a batch through /v1/batches)", param="prompt"
         )
     prompt = prompts[0]
-    model, route = resolve(svc, body.model, "completions", *(["stream"] if body.stream else []))
+    model, route = resolve(
+        svc,
+        body.model,
+        "completions",
+        *(["stream"] if body.stream else []),
+        org_id=principal.org_id,
+    )
     max_tokens = body.max_tokens or 16
     if max_tokens > model.max_output_tokens:
         raise InvalidRequest(
@@ -74,7 +80,7 @@ async def completions(request: Request) -> Response:
     max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n))
     wants_logprobs = body.logprobs is not None
     req = CompletionRequest(
-        model=route.upstream_model,
+        model=svc.catalog.engine_name(model.id, route),
         messages=[{"role": "user", "content": prompt}],
         prompt=prompt,
         max_tokens=max_tokens,

@@ -163,7 +163,7 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
             )
         cost = Decimal(0)
         for model_id, _, tokens_in, tokens_out, line in totals:
-            model = catalog.models.get(model_id)
+            model = catalog.find(model_id)
             if model is None or not catalog.is_available(model_id):
                 raise InvalidRequest(
                     f"line {line}: model {model_id!r} is no longer served here",
