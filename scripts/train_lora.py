@@ -104,6 +104,10 @@ def train(args: argparse.Namespace) -> None:
         del model.config.quantization_config
     model.save_pretrained(str(base_dir))
     tok.save_pretrained(str(base_dir))
+    n_layers = int(model.config.num_hidden_layers)
+    # Only the top LAYERS blocks are adapted: the frozen blocks below need no
+    # backward pass, which keeps a CPU run to minutes on one core.
+    layers = list(range(n_layers - args.layers, n_layers))
     model = get_peft_model(
         model,
         LoraConfig(
@@ -111,10 +115,12 @@ def train(args: argparse.Namespace) -> None:
             lora_alpha=ALPHA,
             lora_dropout=0.0,
             target_modules=list(TARGETS),
+            layers_to_transform=layers,
             task_type="CAUSAL_LM",
         ),
     )
     model.print_trainable_parameters()
+    causal = model.base_model.model  # the LlamaForCausalLM under the adapter
     end = tok.convert_tokens_to_ids("<|im_end|>")
     rows: list[tuple[list[int], int]] = []
     for line in Path(args.data).read_text(encoding="utf-8").splitlines():
@@ -135,19 +141,26 @@ def train(args: argparse.Namespace) -> None:
             chunk = [rows[i] for i in order[start : start + args.batch]]
             width = max(len(ids) for ids, _ in chunk)
             ids = torch.full((len(chunk), width), pad)
-            labels = torch.full((len(chunk), width), -100)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            where: list[tuple[int, int]] = []  # (row, position predicting the next token)
+            targets: list[int] = []
             for r, (seq, n_prompt) in enumerate(chunk):
                 ids[r, : len(seq)] = torch.tensor(seq)
-                labels[r, n_prompt : len(seq)] = torch.tensor(seq[n_prompt:])
                 mask[r, : len(seq)] = 1
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                for j in range(n_prompt, len(seq)):
+                    where.append((r, j - 1))
+                    targets.append(seq[j])
+            hidden = causal.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            rows_at = torch.tensor([w[0] for w in where])
+            cols_at = torch.tensor([w[1] for w in where])
+            # The vocabulary projection only where an answer token is predicted.
+            logits = causal.lm_head(hidden[rows_at, cols_at])
+            loss = torch.nn.functional.cross_entropy(logits, torch.tensor(targets))
             loss.backward()
             opt.step()
             opt.zero_grad()
             step += 1
-            if step % 10 == 0:
-                print(f"epoch {epoch} step {step}: loss {loss.item():.4f}", flush=True)
+            print(f"epoch {epoch} step {step}: loss {loss.item():.4f}", flush=True)
     model.save_pretrained(str(adapter_dir))
     converter = Path(args.llama_cpp) / "convert_lora_to_gguf.py"
     env_path = str(Path(args.llama_cpp) / "gguf-py")
@@ -181,10 +194,11 @@ def main() -> None:
     t.add_argument("--llama-cpp", type=Path, required=True, help="the sdist's vendor/llama.cpp")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--gguf", default=None, help="the base GGUF (default: the embedded model)")
-    t.add_argument("--examples", type=int, default=1200)
+    t.add_argument("--examples", type=int, default=240)
+    t.add_argument("--layers", type=int, default=10, help="adapt the top N blocks")
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.command == "data":

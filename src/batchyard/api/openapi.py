@@ -306,6 +306,27 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
 }
 
+
+def _model_version_operations() -> dict[tuple[str, str], Operation]:
+    """A project's uploaded model versions (kept apart so other edits of the table merge)."""
+    path = "/v1/projects/{project_id}/models"
+    return {
+        ("post", path): Operation(
+            201,
+            _Open,
+            (*_WRITE, 415),
+            None,
+            summary="Upload a model version (multipart/form-data: file, base, type, name)",
+            extra_body_types=("multipart/form-data",),
+        ),
+        ("get", path): Operation(200, ListOf, _READ, summary="The project's model versions"),
+        ("get", path + "/{version_id}"): Operation(200, _Open, _READ),
+        ("delete", path + "/{version_id}"): Operation(200, _Open, (*_READ, 409)),
+    }
+
+
+OPERATIONS.update(_model_version_operations())
+
 _REASONS = {
     200: "OK",
     201: "Created",
