@@ -360,3 +360,53 @@ async def test_a_file_changed_at_rest_is_refused_not_served(make_service) -> Non
         chat = {"model": mv, "messages": CHAT, "max_tokens": 2}
         r = await http.post("/v1/chat/completions", json=chat, headers=acct.headers)
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_version_corrupt"
+
+
+async def test_full_weights_are_served_as_a_model_of_their_own(svc) -> None:
+    """The embedded GGUF uploaded as ``weights``: its own file, its own tokenizer, its answers."""
+    acct = make_account(svc, credit="5")
+    weights = default_model_path()
+    async with asgi_client(svc, timeout=300) as http:
+        api = await Api(http, acct.headers).start()
+        r = await upload(
+            http, acct.headers, api.project, weights.read_bytes(), filename="w.gguf", type="weights"
+        )
+        assert r.status_code == 201, r.text
+        mv = r.json()
+        assert (mv["type"], mv["architecture"], mv["bytes"]) == (
+            "weights",
+            "llama",
+            weights.stat().st_size,
+        )
+        est = await http.post(
+            "/v1/decide/estimate",
+            json={"model": mv["id"], "input": {"text": TEXT}, "decisions": [DECISION]},
+            headers=acct.headers,
+        )
+        base_est = await http.post(
+            "/v1/decide/estimate",
+            json={"model": "kettei-core", "input": {"text": TEXT}, "decisions": [DECISION]},
+            headers=acct.headers,
+        )
+        assert est.status_code == 200, est.text
+        # Counted with the version's own tokenizer, which here is the base's vocabulary.
+        assert est.json()["input_tokens"] == base_est.json()["input_tokens"]
+        chat = {"model": mv["id"], "messages": CHAT, "max_tokens": 24, "temperature": 0}
+        answer = await http.post("/v1/chat/completions", json=chat, headers=acct.headers)
+        assert answer.status_code == 200, answer.text
+    kept = folder_of(svc) / f"{mv['id']}.gguf"
+    loop = asyncio.get_running_loop()
+
+    def direct() -> str:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(str(kept), n_ctx=2048, verbose=False)
+        try:
+            out = llm.create_chat_completion(messages=CHAT, max_tokens=24, temperature=0)
+            return str(out["choices"][0]["message"]["content"])
+        finally:
+            llm.close()
+
+    assert answer.json()["choices"][0]["message"]["content"] == await loop.run_in_executor(
+        None, direct
+    )
