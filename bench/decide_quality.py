@@ -452,6 +452,9 @@ async def main() -> None:
     parser.add_argument("--cost-only", action="store_true", help="skip the quality calls")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--lora", type=Path, help="ask this LoRA GGUF, uploaded as a version")
+    parser.add_argument(
+        "--quality-only", action="store_true", help="three-way calls only: no 2-way, no cost"
+    )
     args = parser.parse_args()
     console = Console()
     names = [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -487,11 +490,11 @@ async def main() -> None:
                         http,
                         acct.headers,
                         console,
-                        two_way_calls=not args.tune,
+                        two_way_calls=not (args.tune or args.quality_only),
                     )
                 )
                 content_free[name] = await content_free_prior(service, acct.org_id, decision)
-                if not args.tune:
+                if not (args.tune or args.quality_only):
                     res = results[-1]
                     measured = await measure_cost(
                         items, decision, http, acct.headers, args.cost_blocks, 12
@@ -505,7 +508,7 @@ async def main() -> None:
                     ) = measured
         await service.stop()
     console.print(quality_table(results, half))
-    if not args.tune:
+    if not (args.tune or args.quality_only):
         console.print(cost_table(results))
     if args.tune:
         console.print(sweep(results, content_free))

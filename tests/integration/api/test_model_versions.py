@@ -195,7 +195,7 @@ async def test_the_versions_answers_are_the_adapters_own_not_the_bases(svc) -> N
         assert max(probs, key=probs.__getitem__) == max(own_probs, key=own_probs.__getitem__)
     moved = max(abs(tuned[1][o] - base[1][o]) for o in base[1])
     assert moved > 0.01, (tuned, base)
-    print("tuned", tuned, "base", base)
+    assert tuned[0] != base[0], (tuned, base)
 
 
 def _direct_probs(llm: Any) -> dict[str, float]:
