@@ -364,6 +364,8 @@ def create_app(
         decide,
         embeddings,
         files,
+        message_batches,
+        messages,
         model_versions,
         models,
         projects,
@@ -374,6 +376,7 @@ def create_app(
     from batchyard.api.errors import install_error_handlers
     from batchyard.api.metering import MeteringMiddleware
     from batchyard.api.openapi import install_openapi
+    from batchyard.api.overflow import OverflowMiddleware
     from batchyard.web import file_pages
     from batchyard.web import routes as workspace
 
@@ -399,6 +402,7 @@ def create_app(
     )
     app.state.service = service
     install_error_handlers(app)
+    app.add_middleware(OverflowMiddleware)
     app.add_middleware(EnvelopeMiddleware)
     app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 
@@ -431,6 +435,8 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(decide.router)
     app.include_router(files.router)
+    app.include_router(message_batches.router)  # ... and its Message Batches
+    app.include_router(messages.router)  # Anthropic's Messages door
     app.include_router(models.router)
     app.include_router(model_versions.router)  # a project's uploaded model versions
     app.include_router(projects.router)

@@ -151,6 +151,7 @@ def serve(
         port=port,
         log_level=log_level,
         access_log=False,
+        log_config=None,  # uvicorn's lines go through setup_logging's JSON handler
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
     )
 
@@ -225,6 +226,7 @@ def _serve_processes(
         workers=workers,
         log_level=log_level,
         access_log=False,
+        log_config=None,  # uvicorn's lines go through setup_logging's JSON handler
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
     )
     background = "each runs background work" if with_worker else "no background work"
@@ -326,6 +328,7 @@ def _metrics_server(
         port=port,
         log_level=log_level,
         access_log=False,
+        log_config=None,  # uvicorn's lines go through setup_logging's JSON handler
         lifespan="off",
     )
     server = Server(config)

@@ -36,9 +36,6 @@ class Settings:
     tiers: tuple[Tier, ...] = DEFAULT_TIERS
     limiter_url: str | None = None
     idempotency_ttl_s: float = 24 * 3600
-    # How long a tombstone of an expired key is kept (answers
-    # idempotency_response_expired) before the key may be forgotten.
-    idempotency_tombstone_s: float = 30 * 24 * 3600
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 256
     billing_review_threshold: Decimal | None = None

@@ -400,7 +400,7 @@ class LlamaCppEngine:
         if images:
             raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")
         kwargs: dict[str, Any] = {"max_tokens": request.max_tokens}
-        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+        for name in ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty"):
             value = getattr(request, name)
             if value is not None:
                 kwargs[name] = value
