@@ -407,7 +407,6 @@ def _anthropic_errors(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
                     )
 
 
-
 def _model_version_operations() -> dict[tuple[str, str], Operation]:
     """A project's uploaded model versions (kept apart so other edits of the table merge)."""
     path = "/v1/projects/{project_id}/models"
