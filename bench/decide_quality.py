@@ -50,6 +50,11 @@ reported apart.
 
     PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
     PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
+    PYTHONPATH=src python bench/decide_quality.py --lora tests/data/smollm2-sentiment-lora.gguf
+
+``--lora`` uploads a LoRA adapter into a project of the bench's account
+(``POST /v1/projects/{id}/models``) and asks that version (``mv.…``) instead
+of kettei-core: the same texts, the same calls, the fine-tune's answers.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ FILES = {
     "nyt": "nytEditorialSnippets_GroundTruth.txt",
 }
 SPLIT_SEED = 16
+#: The model every call names: kettei-core, or the uploaded version with ``--lora``.
+MODEL = "kettei-core"
 NEUTRAL_BAND = 0.5
 LABELS = ("positive", "negative", "neutral")
 
@@ -262,7 +269,7 @@ async def decide(
     http: httpx.AsyncClient, headers: dict[str, str], text: str, decision: dict[str, Any], mode: str
 ) -> tuple[dict[str, Any], float]:
     body = {
-        "model": "kettei-core",
+        "model": MODEL,
         "input": {"text": text},
         "decisions": [decision],
         "calibration": mode,
@@ -444,6 +451,10 @@ async def main() -> None:
     )
     parser.add_argument("--cost-only", action="store_true", help="skip the quality calls")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--lora", type=Path, help="ask this LoRA GGUF, uploaded as a version")
+    parser.add_argument(
+        "--quality-only", action="store_true", help="three-way calls only: no 2-way, no cost"
+    )
     args = parser.parse_args()
     console = Console()
     names = [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -462,6 +473,10 @@ async def main() -> None:
             live_server(service) as base,
             httpx.AsyncClient(base_url=base, timeout=600) as http,
         ):
+            if args.lora:
+                global MODEL
+                MODEL = await upload_version(http, acct.headers, args.lora)
+                console.print(f"asking {MODEL}, {args.lora.name} on kettei-core")
             for name in names:
                 tune, held_out = halves(data[name])
                 items = balanced(tune if args.tune else held_out, args.per_class, seed=1)
@@ -475,11 +490,11 @@ async def main() -> None:
                         http,
                         acct.headers,
                         console,
-                        two_way_calls=not args.tune,
+                        two_way_calls=not (args.tune or args.quality_only),
                     )
                 )
                 content_free[name] = await content_free_prior(service, acct.org_id, decision)
-                if not args.tune:
+                if not (args.tune or args.quality_only):
                     res = results[-1]
                     measured = await measure_cost(
                         items, decision, http, acct.headers, args.cost_blocks, 12
@@ -493,12 +508,25 @@ async def main() -> None:
                     ) = measured
         await service.stop()
     console.print(quality_table(results, half))
-    if not args.tune:
+    if not (args.tune or args.quality_only):
         console.print(cost_table(results))
     if args.tune:
         console.print(sweep(results, content_free))
     if args.json:
         args.json.write_text(json.dumps(to_json(results, half), indent=2) + "\n")
+
+
+async def upload_version(http: httpx.AsyncClient, headers: dict[str, str], path: Path) -> str:
+    project = await http.post("/v1/projects", json={"name": "bench"}, headers=headers)
+    project.raise_for_status()
+    r = await http.post(
+        f"/v1/projects/{project.json()['id']}/models",
+        data={"base": "kettei-core", "type": "lora", "name": path.stem},
+        files={"file": (path.name, path.read_bytes(), "application/octet-stream")},
+        headers=headers,
+    )
+    r.raise_for_status()
+    return str(r.json()["id"])
 
 
 async def content_free_prior(
@@ -508,10 +536,8 @@ async def content_free_prior(
     from batchyard.store import calibration as store
     from batchyard.work.decide_scoring import fingerprint
 
-    req = rules.parse_request(
-        {"model": "kettei-core", "input": {"text": "x"}, "decisions": [decision]}
-    )
-    key = fingerprint("kettei-core", req)
+    req = rules.parse_request({"model": MODEL, "input": {"text": "x"}, "decisions": [decision]})
+    key = fingerprint(MODEL, req)
     state = await service.db.read(lambda c: store.load_state(c, org_id, key))
     assert state is not None
     return state.content_free[0]

@@ -37,6 +37,8 @@ from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
 from batchyard.service.access import check_complete
 from batchyard.service.metrics import PrometheusRecorder
+from batchyard.service.model_versions import fetcher as version_fetcher
+from batchyard.service.model_versions import folder_for as version_folder
 from batchyard.store import health, key_check, migrations
 from batchyard.store.database import Database
 from batchyard.work.batches.feed import PriceFeed
@@ -140,6 +142,10 @@ def build_service(
             extra={"event": "batch_key_created", "path": key.path},
         )
     market = _market_worker(settings, db, clock, dispatcher, key, policy=policy)
+    # Versions uploaded into projects (mv.…) are found in the store on first use.
+    settings.catalog.fetch_with(
+        version_fetcher(db, settings.catalog, version_folder(settings.home, settings.raw))
+    )
     return Service(
         settings=settings,
         clock=clock,
@@ -438,6 +444,7 @@ def create_app(
         files,
         message_batches,
         messages,
+        model_versions,
         models,
         projects,
         runs,
@@ -509,6 +516,7 @@ def create_app(
     app.include_router(message_batches.router)  # ... and its Message Batches
     app.include_router(messages.router)  # Anthropic's Messages door
     app.include_router(models.router)
+    app.include_router(model_versions.router)  # a project's uploaded model versions
     app.include_router(projects.router)
     app.include_router(runs.router)
     app.include_router(scrape.router)  # /metrics

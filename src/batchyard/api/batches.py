@@ -52,7 +52,7 @@ async def create_batch(request: Request) -> Response:
             return 200, view
 
         return await idempotent(request, principal, raw, create, answers_text=False)
-    sub = parse_submission(svc, raw)
+    sub = parse_submission(svc, raw, principal.org_id)
 
     async def handler() -> tuple[int, Any]:
         return 201, await batches.submit(svc, principal, sub)

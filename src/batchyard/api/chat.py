@@ -152,7 +152,7 @@ async def chat_completions(request: Request) -> Response:
         needs.append("stream")
     if body.tools and body.tool_choice != "none":
         needs.append("tools")
-    model, route = resolve(svc, body.model, *needs)
+    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
     check_images(body.messages, model.reads_images)
     max_tokens = (
         body.max_completion_tokens
@@ -167,7 +167,7 @@ async def chat_completions(request: Request) -> Response:
         quote.max_cost,
     )
     req = CompletionRequest(
-        model=route.upstream_model,
+        model=svc.catalog.engine_name(model.id, route),
         messages=body.messages,
         max_tokens=max_tokens,
         temperature=body.temperature,

@@ -57,7 +57,13 @@ async def completions(request: Request) -> Response:
         raise CapabilityUnsupported(
             "a stream answers one prompt; send the list without stream", param="stream"
         )
-    model, route = resolve(svc, body.model, "completions", *(["stream"] if body.stream else []))
+    model, route = resolve(
+        svc,
+        body.model,
+        "completions",
+        *(["stream"] if body.stream else []),
+        org_id=principal.org_id,
+    )
     max_tokens = body.max_tokens or 16
     if max_tokens > model.max_output_tokens:
         raise InvalidRequest(
@@ -82,7 +88,7 @@ async def completions(request: Request) -> Response:
     wants_logprobs = body.logprobs is not None
     reqs = [
         CompletionRequest(
-            model=route.upstream_model,
+            model=svc.catalog.engine_name(model.id, route),
             messages=[{"role": "user", "content": prompt}],
             prompt=prompt,
             max_tokens=max_tokens,

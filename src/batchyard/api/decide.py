@@ -186,10 +186,15 @@ async def priced(
     return primary, fallback
 
 
-def prepare(svc: Service, raw: dict[str, Any]) -> tuple[rules.DecideRequest, Plan, Plan | None]:
-    """The checked request, its plan, and the base model's plan where it may fall back."""
+def prepare(
+    svc: Service, raw: dict[str, Any], org_id: str | None = None
+) -> tuple[rules.DecideRequest, Plan, Plan | None]:
+    """The checked request, its plan, and the base model's plan where it may fall back.
+
+    ``org_id`` is the caller's: only its own project model versions are found.
+    """
     req = rules.parse_request(raw)
-    model = svc.catalog.model(req.model)
+    model = svc.catalog.model(req.model, org_id)
     primary = _plan(svc, req, model)
     fallback: Plan | None = None
     if model.type == "version" and req.fallback == "base" and model.base_model:
@@ -363,7 +368,7 @@ async def decide(request: Request) -> Response:
     raw = await read_json(request)
     strict(DecideBody, raw)
     svc = service_of(request)
-    req, primary, fallback = prepare(svc, raw)
+    req, primary, fallback = prepare(svc, raw, principal.org_id)
 
     async def handler() -> tuple[int, Any]:
         first, base = await priced(svc, principal.org_id, req, primary, fallback)
@@ -380,7 +385,7 @@ async def estimate(request: Request) -> Response:
     raw = await read_json(request)
     strict(DecideBody, raw)
     svc = service_of(request)
-    req, first_plan, fallback_plan = prepare(svc, raw)
+    req, first_plan, fallback_plan = prepare(svc, raw, principal.org_id)
 
     async def handler() -> tuple[int, Any]:
         primary, fallback = await priced(svc, principal.org_id, req, first_plan, fallback_plan)
@@ -407,7 +412,7 @@ async def keep_warm(request: Request, model_id: str) -> Response:
     raw = await read_json(request)
     minutes = strict(KeepWarmBody, raw).minutes
     svc = service_of(request)
-    model = svc.catalog.models.get(model_id)
+    model = svc.catalog.find(model_id, principal.org_id)
     if model is None:
         raise NotFound(f"model {model_id!r} not found")
     if model.type != "version":

@@ -40,7 +40,7 @@ async def embeddings(request: Request) -> Response:
     svc = service_of(request)
     body = parse_embedding(raw)
     texts = as_texts(body.inputs(), "input")
-    model, route = resolve(svc, body.model, "embeddings")
+    model, route = resolve(svc, body.model, "embeddings", org_id=principal.org_id)
     tok = svc.tokenizer(model)
     input_tokens = sum(tok.count_batch(texts)) + len(texts)
     price = Price(model.input_per_mtok, model.output_per_mtok)

@@ -430,12 +430,12 @@ async def create_message(request: Request) -> Response:
         needs.append("stream")
     if use_tools:
         needs.append("tools")
-    model, route = resolve(svc, body.model, *needs)
+    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
     check_images(messages, model.reads_images)
     quote = quote_chat(svc, model, _prompt_messages(messages, tools, choice), body.max_tokens)
     stops = body.stop_sequences or None
     req = CompletionRequest(
-        model=route.upstream_model,
+        model=svc.catalog.engine_name(model.id, route),
         messages=messages,
         max_tokens=body.max_tokens,
         temperature=body.temperature,

@@ -10,6 +10,12 @@ model's contexts), which a runner should not exceed however high its tier.
 Fine-tuned versions also show their warm state (``warm``: cold, loading or
 warm, until when, and how long the last load took), so a caller can warm one
 before a long run; base models are always served and show ``warm: null``.
+``loaded`` is the engine's own word on whether the model is in memory now
+(``null`` where the engine cannot say: a remote upstream).
+
+The list holds the catalog and the versions uploaded into the caller's
+projects (``mv.…``, ``owned_by`` the organisation, ``project_id`` set); a
+version of another organisation is not there, and is 404 by its ID.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from fastapi.responses import JSONResponse
 from batchyard.api.context import authenticate, json_response, service_of
 from batchyard.core.catalog import ModelSpec
 from batchyard.core.money import format_money
-from batchyard.errors import ModelNotFound, ModelUnavailable
+from batchyard.errors import BatchyardError, ModelNotFound, ModelUnavailable
 from batchyard.service import Service
+from batchyard.service.model_versions import org_versions
 from batchyard.work.warmth import serving
 
 __all__ = ["model_json", "router", "warm_json"]
@@ -53,6 +60,26 @@ def capabilities(svc: Service, m: ModelSpec) -> dict[str, bool]:
         "embeddings": bool(route and route.embeddings),
         "scoring": bool(route and svc.dispatcher.can_score(route)),
     }
+
+
+def loaded(svc: Service, m: ModelSpec) -> bool | None:
+    """Whether the engine holds the model in memory now; None where it cannot say."""
+    routes = svc.catalog.routes_for(m.id)
+    if not routes:
+        return False
+    route = routes[0]
+    try:
+        engine = svc.engines.for_route(route)
+    except (BatchyardError, ValueError):
+        return None
+    is_loaded = getattr(engine, "is_loaded", None)
+    if not callable(is_loaded):
+        return None
+    version = None if route.model == m.id else svc.catalog.engine_name(m.id, route)
+    try:
+        return bool(is_loaded(version))
+    except KeyError:
+        return None
 
 
 def route_concurrency(svc: Service, m: ModelSpec) -> int | None:
@@ -85,8 +112,13 @@ def model_json(
         "available": available,
         "warm": warm,
         "description": m.description,
+        "project_id": m.project_id,
         **(
-            {"capabilities": capabilities(svc, m), "concurrency": route_concurrency(svc, m)}
+            {
+                "capabilities": capabilities(svc, m),
+                "concurrency": route_concurrency(svc, m),
+                "loaded": loaded(svc, m),
+            }
             if svc is not None
             else {}
         ),
@@ -95,20 +127,21 @@ def model_json(
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    await authenticate(request)
+    principal = await authenticate(request)
     svc = service_of(request)
+    await org_versions(svc, principal.org_id)
     data = [
         model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc)
-        for m in svc.catalog.models.values()
+        for m in svc.catalog.visible(principal.org_id)
     ]
     return json_response({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{model_id}")
 async def get_model(request: Request, model_id: str) -> JSONResponse:
-    await authenticate(request)
+    principal = await authenticate(request)
     svc = service_of(request)
-    m = svc.catalog.models.get(model_id)
+    m = svc.catalog.find(model_id, principal.org_id)
     if m is None:
         raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
     return json_response(model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc))

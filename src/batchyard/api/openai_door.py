@@ -44,10 +44,16 @@ __all__ = ["Capability", "StreamShape", "resolve", "sse_response"]
 Capability = str  # "chat", "completions", "embeddings", "tools", "stream"
 
 
-def resolve(svc: Service, model_id: str, *needs: Capability) -> tuple[ModelSpec, RouteSpec]:
-    """The model and its primary route, checked against what the request needs."""
+def resolve(
+    svc: Service, model_id: str, *needs: Capability, org_id: str | None = None
+) -> tuple[ModelSpec, RouteSpec]:
+    """The model and its primary route, checked against what the request needs.
+
+    A model version uploaded into a project (``mv.…``) is only its
+    organisation's: to anyone else it does not exist.
+    """
     try:
-        model = svc.catalog.model(model_id)
+        model = svc.catalog.model(model_id, org_id)
     except UnknownModel:
         raise ModelNotFound(
             f"the model {model_id!r} does not exist; GET /v1/models lists the catalog",

@@ -483,6 +483,36 @@ _REQUIRED_TOO: dict[str, tuple[str, ...]] = {
     "BatchBody": ("min_discount",),
 }
 
+
+def _model_version_operations() -> dict[tuple[str, str], Operation]:
+    """A project's uploaded model versions (kept apart so other edits of the table merge)."""
+    path = "/v1/projects/{project_id}/models"
+    return {
+        ("post", path): Operation(
+            201,
+            _Open,
+            (*_WRITE, 415),
+            None,
+            summary="Upload a model version (multipart/form-data: file, base, type, name)",
+            multipart={
+                "type": "object",
+                "required": ["file", "base", "type"],
+                "properties": {
+                    "file": {"type": "string", "format": "binary"},
+                    "base": {"type": "string"},
+                    "type": {"type": "string", "enum": ["lora", "weights"]},
+                    "name": {"type": "string"},
+                },
+            },
+        ),
+        ("get", path): Operation(200, ListOf, _READ, summary="The project's model versions"),
+        ("get", path + "/{version_id}"): Operation(200, _Open, _READ),
+        ("delete", path + "/{version_id}"): Operation(200, _Open, (*_READ, 409)),
+    }
+
+
+OPERATIONS.update(_model_version_operations())
+
 _REASONS = {
     200: "OK",
     201: "Created",

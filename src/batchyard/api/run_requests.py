@@ -12,7 +12,7 @@ from typing import Any
 
 from batchyard.core.filters import RowFilter
 from batchyard.core.runs import MAX_SAMPLES_PER_ROW, prompt_messages, resolve_model
-from batchyard.errors import InvalidRequest
+from batchyard.errors import InvalidRequest, UnknownModel
 from batchyard.store import projects as pstore
 
 __all__ = ["any_row_matches", "validate_run_request"]
@@ -45,7 +45,12 @@ def _number(value: Any, param: str, low: float, high: float, *, open_low: bool) 
 def validate_run_request(svc: Any, body: dict[str, Any], ds: pstore.Dataset) -> dict[str, Any]:
     """The run's spec, normalised, or the 400 that explains what is wrong."""
     model_in = _object(body, "model")
-    model, _, _ = resolve_model(svc.catalog, model_in)
+    model, _, _ = resolve_model(svc.catalog, model_in, ds.org_id)
+    if model.project_id is not None and model.project_id != ds.project_id:
+        # Seed 002: "a model version in this project".
+        raise UnknownModel(
+            f"model version {model.id} is not in project {ds.project_id}", param="model.id"
+        )
     mode = _object(body, "mode", {"type": "single_turn"})
     if mode.get("type") != "single_turn":
         raise InvalidRequest(

@@ -10,7 +10,7 @@ meets their discount, which is why both live here side by side.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Annotated, Any, Literal
@@ -32,6 +32,7 @@ from batchyard.errors import InvalidRequest, ModelUnavailable, UnknownModel
 __all__ = [
     "CATALOG_CREATED",
     "ENGINES",
+    "PROJECT_VERSION_PREFIX",
     "Catalog",
     "ModelEntry",
     "ModelSpec",
@@ -40,7 +41,11 @@ __all__ = [
     "build_catalog",
     "catalog_from_config",
     "default_catalog",
+    "engine_name",
 ]
+
+#: The ID prefix of a model version uploaded into a project (``mv.`` + UUIDv7).
+PROJECT_VERSION_PREFIX = "mv."
 
 #: The ``created`` of models that name none (Unix seconds, 2025-01-01): OpenAI's
 #: model objects carry one, and a stable value keeps ``/v1/models`` the same on
@@ -64,6 +69,10 @@ class ModelSpec:
     description: str = ""
     created: int = CATALOG_CREATED
     owned_by: str = "batchyard"
+    #: A version uploaded into a project belongs to its organisation alone;
+    #: catalog models (None) are everyone's.
+    organization: str | None = None
+    project_id: str | None = None
 
     @property
     def reads_images(self) -> bool:
@@ -116,9 +125,18 @@ class RouteSpec:
 
 
 class Catalog:
-    """The models and routes of one deployment; immutable once built."""
+    """The models and routes of one deployment.
+
+    What the config file declares is fixed once built. Versions uploaded into
+    projects (``mv.…``) join at run time: ``add_version`` puts one beside its
+    base and lists it under the base's routes' ``version`` (how a config file
+    declares a served version), and a name this process has not seen yet is
+    looked up through ``fetch`` (the store, wired by ``app.build_service``), so
+    a version uploaded through another process is found on first use.
+    """
 
     def __init__(self, models: Iterable[ModelSpec], routes: Iterable[RouteSpec]) -> None:
+        self._fetch: Callable[[str], tuple[ModelSpec, dict[str, Any]] | None] | None = None
         self.models: dict[str, ModelSpec] = {}
         for m in models:
             if m.id in self.models:
@@ -139,10 +157,53 @@ class Catalog:
             if m.type == "version" and (m.base_model not in self.models):
                 raise ValueError(f"version {m.id!r} needs a known base_model")
 
-    def model(self, model_id: object) -> ModelSpec:
+    # -- project versions -----------------------------------------------------------
+
+    def fetch_with(self, fetch: Callable[[str], tuple[ModelSpec, dict[str, Any]] | None]) -> None:
+        """Where an unseen ``mv.…`` name is looked up: (its spec, its engine extras) or None."""
+        self._fetch = fetch
+
+    def add_version(self, spec: ModelSpec, extras: dict[str, Any]) -> None:
+        """Serve a project's version on its base's routes, ``extras`` telling the engine how."""
+        if spec.base_model not in self.models or spec.type != "version":
+            raise ValueError(f"version {spec.id!r} needs a known base_model")
+        self.models[spec.id] = spec
+        for route in self.routes_for(spec.base_model):
+            route.version[spec.id] = dict(extras)
+
+    def remove_version(self, model_id: str) -> None:
+        spec = self.models.get(model_id)
+        if spec is None or spec.organization is None:
+            return
+        del self.models[model_id]
+        for route in self.routes.values():
+            route.version.pop(model_id, None)
+
+    def find(self, model_id: str, org_id: str | None = None) -> ModelSpec | None:
+        """The model named ``model_id``, or None; a version of another organisation is None.
+
+        ``org_id`` None (a worker running what a door already checked) sees all.
+        """
+        spec = self.models.get(model_id)
+        if spec is None and model_id.startswith(PROJECT_VERSION_PREFIX) and self._fetch:
+            got = self._fetch(model_id)
+            if got is not None:
+                self.add_version(*got)
+                spec = got[0]
+        if spec is None:
+            return None
+        if org_id is not None and spec.organization not in (None, org_id):
+            return None
+        return spec
+
+    def visible(self, org_id: str | None) -> list[ModelSpec]:
+        """The catalog's models and the versions this process knows of ``org_id``'s."""
+        return [m for m in self.models.values() if m.organization in (None, org_id)]
+
+    def model(self, model_id: object, org_id: str | None = None) -> ModelSpec:
         if not isinstance(model_id, str) or not model_id:
             raise InvalidRequest("model must be a non-empty string", param="model")
-        spec = self.models.get(model_id)
+        spec = self.find(model_id, org_id)
         if spec is None:
             raise UnknownModel(
                 f"unknown model {model_id!r}; GET /v1/models lists the catalog", param="model"
@@ -150,7 +211,17 @@ class Catalog:
         return spec
 
     def routes_for(self, model_id: str) -> list[RouteSpec]:
-        return [r for r in self.routes.values() if r.model == model_id]
+        """The routes that answer ``model_id``: its own, or, for a version without one,
+        its base's routes that list it under ``version`` (a LoRA adapter or full weights)."""
+        own = [r for r in self.routes.values() if r.model == model_id]
+        spec = self.models.get(model_id)
+        if own or spec is None or spec.type != "version" or spec.base_model is None:
+            return own
+        base = spec.base_model
+        return [r for r in self.routes.values() if r.model == base and model_id in r.version]
+
+    def engine_name(self, model_id: str, route: RouteSpec) -> str:
+        return engine_name(model_id, route)
 
     def route_for(self, model_id: str) -> RouteSpec:
         """The primary route of a model, or a clear ``model_unavailable``."""
@@ -163,8 +234,30 @@ class Catalog:
             )
         return routes[0]
 
+    def serving(self, model_id: str) -> tuple[RouteSpec, str]:
+        """The primary route of ``model_id`` and the name its engine knows it by."""
+        route = self.route_for(model_id)
+        return route, self.engine_name(model_id, route)
+
     def is_available(self, model_id: str) -> bool:
-        return bool(self.routes_for(model_id))
+        try:
+            self.serving(model_id)
+        except ModelUnavailable:
+            return False
+        return True
+
+
+def engine_name(model_id: str, route: RouteSpec) -> str:
+    """The name ``route``'s engine knows ``model_id`` by.
+
+    A route's own model is its ``upstream_model``; a version it lists is the
+    version's ``upstream_model`` extra, or its own ID.
+    """
+    if route.model == model_id:
+        return route.upstream_model
+    extras = route.version.get(model_id)
+    name = extras.get("upstream_model") if isinstance(extras, dict) else None
+    return str(name or model_id)
 
 
 def default_catalog() -> Catalog:

@@ -264,11 +264,14 @@ def prompt_messages(data: dict[str, Any], source: dict[str, Any]) -> list[dict[s
     return None if text is None else [{"role": "user", "content": text}]
 
 
-def resolve_model(catalog: Catalog, model: dict[str, Any]) -> tuple[ModelSpec, RouteSpec, str]:
+def resolve_model(
+    catalog: Catalog, model: dict[str, Any], org_id: str | None = None
+) -> tuple[ModelSpec, RouteSpec, str]:
     """The catalog model a run names, the route that serves it, and the upstream name.
 
     A model version is served by a route of its own, or by a route of its base
-    model that lists it under ``version`` (a LoRA adapter or full weights).
+    model that lists it under ``version`` (a LoRA adapter or full weights); a
+    version uploaded into a project is only ``org_id``'s.
     """
     kind, model_id = model.get("type"), model.get("id")
     if kind not in ("base", "version"):
@@ -277,24 +280,17 @@ def resolve_model(catalog: Catalog, model: dict[str, Any]) -> tuple[ModelSpec, R
             param="model.type",
             code="unsupported_model_type",
         )
-    spec = catalog.model(model_id)
+    spec = catalog.model(model_id, org_id)
     if spec.type != kind:
         raise InvalidRequest(
             f"{spec.id} is a {spec.type} model, not a {kind}; send model.type {spec.type!r}",
             param="model.type",
             code="model_type_mismatch",
         )
-    own = catalog.routes_for(spec.id)
-    if own:
-        return spec, own[0], own[0].upstream_model
-    if spec.type == "version" and spec.base_model:
-        for route in catalog.routes_for(spec.base_model):
-            if spec.id in route.version:
-                extra = route.version[spec.id]
-                upstream = (
-                    extra.get("upstream_model", spec.id) if isinstance(extra, dict) else spec.id
-                )
-                return spec, route, str(upstream)
-    raise ModelUnavailable(
-        f"model {spec.id!r} has no route configured on this deployment", param="model.id"
-    )
+    try:
+        route, upstream = catalog.serving(spec.id)
+    except ModelUnavailable:
+        raise ModelUnavailable(
+            f"model {spec.id!r} has no route configured on this deployment", param="model.id"
+        ) from None
+    return spec, route, upstream

@@ -344,6 +344,29 @@ class LlamaCppEngine:
                 _open_models.discard(model)
                 model.llama.close()
 
+    # -- versions registered at run time (i20: project model versions) -------------
+    # A hook kept apart from the rest so the scheduler rewrite can keep its
+    # signature: versions uploaded into a project arrive after the engine is built.
+
+    def add_version(self, name: str, spec: VersionSpec) -> None:
+        """Serve ``name`` from ``spec`` from now on; loaded on first use (or ``load_version``)."""
+        if self.versions.get(name) == spec:
+            return
+        if name in self.versions:
+            raise ValueError(f"model version {name!r} is already served from another file")
+        self.versions[name] = spec
+        self._pools[name] = self._pool(name)
+
+    async def remove_version(self, name: str) -> None:
+        """Stop serving ``name`` and free its memory once its in-flight calls finish."""
+        if name not in self.versions:
+            return
+        pool = self._pools[name]
+        if pool.loaded:
+            await self.unload_version(name)
+        del self._pools[name], self.versions[name]
+        pool.executor.shutdown(wait=False)
+
     # -- running ------------------------------------------------------------------
 
     async def _run(

@@ -104,6 +104,11 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", _DATASET): _key(F, R),
     ("GET", _DATASET + "/rows"): _key(F, R),
     ("PATCH", _DATASET + "/rows/{row_id}"): _key(F),
+    # model versions uploaded into a project: an inference key only names them as a model
+    ("POST", _PROJECT + "/models"): _key(F),
+    ("GET", _PROJECT + "/models"): _key(F, R),
+    ("GET", _PROJECT + "/models/{version_id}"): _key(F, R),
+    ("DELETE", _PROJECT + "/models/{version_id}"): _key(F),
     # batch inference runs over datasets
     ("POST", _RUNS): _key(F),
     ("GET", _RUNS): _key(F, R),

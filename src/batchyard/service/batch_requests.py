@@ -211,7 +211,7 @@ def _check_options(body: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def _parse_request(
-    svc: Service, raw: Any, i: int, batch_min: Decimal, seen: set[str]
+    svc: Service, raw: Any, i: int, batch_min: Decimal, seen: set[str], org_id: str | None
 ) -> tuple[ParsedRequest, privacy.PrivacyMode]:
     where = f"requests[{i}]"
     if not isinstance(raw, dict):
@@ -271,7 +271,7 @@ def _parse_request(
     n = body.get("n")
     if n is not None and n != 1:
         raise _bad("deferred batches take n = 1", f"{bp}.n", "unsupported_parameter")
-    model = svc.catalog.model(body.get("model"))
+    model = svc.catalog.model(body.get("model"), org_id)
     svc.catalog.route_for(model.id)
     _check_messages(body.get("messages"), f"{bp}.messages")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -297,8 +297,11 @@ def _parse_request(
     return ParsedRequest(cid, model.id, min_discount, 0, mt, stored), mode
 
 
-def parse_submission(svc: Service, raw: dict[str, Any]) -> Submission:
-    """The whole submission checked, privacy applied and tokens counted; nothing is kept."""
+def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = None) -> Submission:
+    """The whole submission checked, privacy applied and tokens counted; nothing is kept.
+
+    ``org_id`` is the submitter's: only its own project model versions are found.
+    """
     for key in raw.keys() - _TOP_KEYS:
         raise _bad(f"{key} is not a batch field", key, "unsupported_parameter")
     if raw.get("min_discount") is None:
@@ -327,7 +330,7 @@ def parse_submission(svc: Service, raw: dict[str, Any]) -> Submission:
             "too_many_requests",
         )
     seen: set[str] = set()
-    parsed = [_parse_request(svc, r, i, batch_min, seen) for i, r in enumerate(reqs)]
+    parsed = [_parse_request(svc, r, i, batch_min, seen, org_id) for i, r in enumerate(reqs)]
     # Everything is valid; only now does privacy run, then tokens are counted
     # on the text that will actually be stored and sent.
     out: list[ParsedRequest] = []
@@ -346,7 +349,7 @@ def parse_submission(svc: Service, raw: dict[str, Any]) -> Submission:
                     param=f"requests[{i}].body.messages",
                     code=exc.code,
                 ) from None
-        model = svc.catalog.models[req.model]
+        model = svc.catalog.model(req.model)
         tokens = svc.tokenizer(model).count_messages(messages)
         if tokens + req.max_tokens > model.context_window:
             raise ContextWindowExceeded(

@@ -175,7 +175,7 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
             )
         cost = Decimal(0)
         for model_id, _, tokens_in, tokens_out, line in totals:
-            model = catalog.models.get(model_id)
+            model = catalog.find(model_id)
             if invalid and (model is None or not catalog.is_available(model_id)):
                 continue  # the batch fails on its invalid lines; this one costs nothing
             if model is None or not catalog.is_available(model_id):

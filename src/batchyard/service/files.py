@@ -89,7 +89,7 @@ def settings_of(svc: Service) -> FileSettings:
     return FileSettings.from_raw(svc.settings.raw.get("files"))
 
 
-def rules_of(svc: Service) -> Rules:
+def rules_of(svc: Service, org_id: str | None = None) -> Rules:
     """The line rules of this deployment: its catalog, tokenizers and privacy default."""
     default = svc.settings.raw.get("privacy_default", "off")
     try:
@@ -101,6 +101,7 @@ def rules_of(svc: Service) -> Rules:
         tokenizers=svc.tokenizers,
         default_max_tokens=svc.settings.default_max_tokens,
         privacy_default=mode,
+        org_id=org_id,
     )
 
 
@@ -262,7 +263,7 @@ def ingest(
     """Take in an uploaded batch file whole, or nothing of it (runs on a thread)."""
     sealer = svc.batch_key.require()
     limits = settings_of(svc)
-    rules = rules_of(svc)
+    rules = rules_of(svc, principal.org_id)
     now = svc.clock.now()
     file_id = new_id("file", now)
     expires_at = now + timedelta(seconds=expires_after_s) if expires_after_s else None

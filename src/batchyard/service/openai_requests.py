@@ -63,6 +63,8 @@ class Rules:
     tokenizers: TokenizerSource
     default_max_tokens: int = 256
     privacy_default: privacy.PrivacyMode = privacy.PrivacyMode.OFF
+    #: Whose project model versions a line may name (None: any, a worker re-reading).
+    org_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +129,7 @@ def _batchable(body: dict[str, Any]) -> None:
 
 def _model(rules: Rules, model_id: str, need: str = "chat") -> ModelSpec:
     """The model, refused up front when its route cannot answer this endpoint."""
-    model = rules.catalog.model(model_id)
+    model = rules.catalog.model(model_id, rules.org_id)
     route = rules.catalog.route_for(model.id)
     able = {"completions": route.serves_completions, "embeddings": route.embeddings}
     if not able.get(need, True):

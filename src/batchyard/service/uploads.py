@@ -11,7 +11,7 @@ fields are small (a kilobyte at most) and must be ones the caller expects.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -40,7 +40,14 @@ class Upload:
 
 
 class _Reader:
-    def __init__(self, file_field: str, allowed: set[str], max_file_bytes: int) -> None:
+    def __init__(
+        self,
+        file_field: str,
+        allowed: set[str],
+        max_file_bytes: int,
+        spool: Callable[[], IO[bytes]] = tempfile.TemporaryFile,
+    ) -> None:
+        self.spool = spool
         self.file_field = file_field
         self.allowed = allowed
         self.max_file_bytes = max_file_bytes
@@ -81,7 +88,7 @@ class _Reader:
                 raise InvalidRequest(
                     f"send one {self.file_field} part", param=self.file_field, code="invalid_upload"
                 )
-            self.upload.file = tempfile.TemporaryFile()  # noqa: SIM115  (closed by Upload)
+            self.upload.file = self.spool()
             self.upload.filename = params.get(b"filename", b"").decode("utf-8", "replace")
             self._to_file = True
         elif self._name not in self.allowed:
@@ -123,13 +130,19 @@ async def read_multipart(
     file_field: str,
     fields: Iterable[str],
     max_file_bytes: int,
+    spool: Callable[[], IO[bytes]] = tempfile.TemporaryFile,
 ) -> Upload:
-    """Read a ``multipart/form-data`` body; the caller closes the returned ``Upload``."""
+    """Read a ``multipart/form-data`` body; the caller closes the returned ``Upload``.
+
+    ``spool`` makes the file part's temporary file (a named one, where the
+    caller keeps the file by renaming it); on an error it is closed, and the
+    caller removes a named one.
+    """
     kind, params = parse_options_header(content_type or "")
     boundary = params.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
         raise UnsupportedMediaType("send the upload as multipart/form-data", param="Content-Type")
-    reader = _Reader(file_field, set(fields), max_file_bytes)
+    reader = _Reader(file_field, set(fields), max_file_bytes, spool)
     parser = MultipartParser(boundary, reader.callbacks())  # type: ignore[arg-type]
     try:
         async for chunk in chunks:

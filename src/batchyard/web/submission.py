@@ -73,7 +73,7 @@ async def submit_text(svc: Service, principal: Principal, text: str, key: str) -
     """Submit the form's JSON under ``key``; raises the API's errors, queueing nothing."""
     svc.batch_key.require()
     raw = _parse_json(text)
-    sub = parse_submission(svc, raw)
+    sub = parse_submission(svc, raw, principal.org_id)
     idem_rules.validate_key(key, min_len=8)
 
     async def handler() -> tuple[int, Any]:

@@ -3,6 +3,13 @@
 Routes name an engine kind and an endpoint; this registry turns them into
 live engines lazily (the embedded model loads on first use, not at import),
 and shares one embedded engine between every route that points at it.
+
+The versions a route lists (``version:`` in the config file, or a project's
+uploaded versions, which the catalog adds at run time) reach an engine that
+can serve them (``add_version``: the embedded one) whenever the route's engine
+is asked for: a LoRA adapter (``lora_path``) on the route's base GGUF, or full
+weights of their own (``model_path``). An entry with neither is a name the
+upstream itself serves, passed through as the request's model.
 """
 
 from __future__ import annotations
@@ -10,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
-from batchyard.core.catalog import ENGINES, Catalog, RouteSpec
+from batchyard.core.catalog import ENGINES, Catalog, RouteSpec, engine_name
 from batchyard.core.config_errors import ConfigError
 from batchyard.engines.base import Engine
 
@@ -83,6 +91,7 @@ class EngineRegistry:
     def for_route(self, route: RouteSpec) -> Engine:
         engine = self._engines.get(route.id)
         if engine is not None:
+            self._serve_versions(engine, route)
             return engine
         if route.engine == "llama_cpp":
             engine = self.embedded()
@@ -98,7 +107,24 @@ class EngineRegistry:
             key = os.environ.get(route.api_key_env) if route.api_key_env else None
             engine = OpenAIHttpEngine(route.base_url, key, timeout_s=route.timeout_s, name=route.id)
         self._engines[route.id] = engine
+        self._serve_versions(engine, route)
         return engine
+
+    def _serve_versions(self, engine: Engine, route: RouteSpec) -> None:
+        add = getattr(engine, "add_version", None)
+        if not callable(add) or not route.version:
+            return
+        for model_id, extras in list(route.version.items()):
+            spec = _version_spec(extras)
+            if spec is not None:
+                add(engine_name(model_id, route), spec)
+
+    async def forget_version(self, route: RouteSpec, model_id: str) -> None:
+        """Stop serving a deleted version on ``route``'s engine, freeing its memory."""
+        engine = self._engines.get(route.id)
+        remove = getattr(engine, "remove_version", None)
+        if callable(remove):
+            await remove(engine_name(model_id, route))
 
     async def aclose(self) -> None:
         seen: set[int] = set()
@@ -106,3 +132,16 @@ class EngineRegistry:
             if id(engine) not in seen:
                 seen.add(id(engine))
                 await engine.aclose()
+
+
+def _version_spec(extras: Any) -> Any:
+    """The embedded engine's ``VersionSpec`` for a route's version entry, or None."""
+    if not isinstance(extras, dict):
+        return None
+    from batchyard.engines.llama_cpp import VersionSpec
+
+    if extras.get("lora_path"):
+        return VersionSpec("lora", Path(str(extras["lora_path"])))
+    if extras.get("model_path"):
+        return VersionSpec("gguf", Path(str(extras["model_path"])))
+    return None

@@ -29,7 +29,6 @@ from typing import Any, Literal, TypeVar
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.clock import Clock, isoformat
 from batchyard.engines.base import CompletionRequest
-from batchyard.errors import ModelUnavailable
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 
@@ -64,18 +63,8 @@ class Serving:
 
 def serving(catalog: Catalog, model: ModelSpec) -> Serving:
     """The route that serves ``model``: its own route, or a base route listing the version."""
-    try:
-        route = catalog.route_for(model.id)
-        return Serving(route, route.upstream_model)
-    except ModelUnavailable:
-        if model.type != "version" or model.base_model is None:
-            raise
-        for route in catalog.routes_for(model.base_model):
-            if model.id in route.version:
-                extras = route.version[model.id] or {}
-                name = extras.get("upstream_model") if isinstance(extras, dict) else None
-                return Serving(route, str(name or model.id))
-        raise
+    route, name = catalog.serving(model.id)
+    return Serving(route, name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ PARAMS = {
     "run_id": new_id("bir", NOW),
     "batch_id": new_id("bat", NOW),
     "file_id": new_id("file", NOW),
+    "version_id": new_id("mv", NOW),
     "model_id": "kettei-core",
     "row_id": "1",
 }

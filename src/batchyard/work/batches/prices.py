@@ -27,7 +27,7 @@ class MarketPrices:
         self.max_age = max_age
 
     def direct(self, model_id: str) -> Price:
-        model = self.catalog.models[model_id]
+        model = self.catalog.model(model_id)
         return Price(model.input_per_mtok, model.output_per_mtok)
 
     def route_price(self, route: RouteSpec, now: datetime) -> Price | None:

@@ -44,7 +44,7 @@ from datetime import timedelta
 
 from sqlalchemy import Connection
 
-from batchyard.core.catalog import Catalog
+from batchyard.core.catalog import Catalog, engine_name
 from batchyard.core.clock import Clock
 from batchyard.core.market import (
     Item,
@@ -304,7 +304,7 @@ class MarketWorker:
         for cand in candidates:
             if len(chosen) >= self.per_pass:
                 break
-            if cand.model not in self.catalog.models:
+            if self.catalog.find(cand.model) is None:
                 continue
             model_offers = offers.get(cand.model)
             if model_offers is None:
@@ -326,7 +326,7 @@ class MarketWorker:
                 chosen.append((cand, offer))
         # A policy that learns from the market should see it on quiet passes too.
         if isinstance(self.policy, LearningPolicy):
-            for model_id in self.catalog.models:
+            for model_id in list(self.catalog.models):
                 if model_id not in offers and self.catalog.routes_for(model_id):
                     self.policy.observe(
                         self.prices.offers(model_id, now), self.prices.direct(model_id), now
@@ -410,7 +410,7 @@ class MarketWorker:
             return Claimed(
                 item=item,
                 request=CompletionRequest(
-                    model=route.upstream_model,
+                    model=engine_name(item.model, route),
                     messages=stored["messages"],
                     max_tokens=item.max_tokens,
                     temperature=stored.get("temperature"),

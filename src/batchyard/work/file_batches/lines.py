@@ -27,7 +27,7 @@ from decimal import Decimal
 from typing import Any
 
 from batchyard.core.anthropic_bodies import message_object
-from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
+from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, engine_name
 from batchyard.core.ids import new_id
 from batchyard.core.market import offer_cost, qualifies
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
@@ -103,7 +103,7 @@ def plan_for(
     route whose fresh price meets the discount (the seed's rule, with hard
     price caps), exactly as a deferred item does.
     """
-    model = catalog.models.get(model_id)
+    model = catalog.find(model_id)
     if model is None or not catalog.is_available(model_id):
         return None
     direct = Price(model.input_per_mtok, model.output_per_mtok)
@@ -151,9 +151,7 @@ def never_answered(
     return Ended(line, state, out, size)
 
 
-def _request(
-    endpoint: str, body: dict[str, Any], route: RouteSpec, max_tokens: int
-) -> CompletionRequest:
+def _request(endpoint: str, body: dict[str, Any], model: str, max_tokens: int) -> CompletionRequest:
     stop = body.get("stop")
     text_prompt = endpoint == COMPLETIONS
     prompt = (
@@ -162,7 +160,7 @@ def _request(
         else None
     )
     return CompletionRequest(
-        model=route.upstream_model,
+        model=model,
         messages=[{"role": "user", "content": prompt}] if text_prompt else body["messages"],
         prompt=prompt,
         max_tokens=max_tokens,
@@ -195,7 +193,8 @@ async def _call(
         used = result.usage.input_tokens or claimed.input_tokens
         return Usage(used, 0), result
     n = max(1, int(body.get("n", 1)))
-    request = _request(endpoint, body, plan.route, claimed.max_tokens // n)
+    name = engine_name(plan.model.id, plan.route)
+    request = _request(endpoint, body, name, claimed.max_tokens // n)
     completion = await dispatcher.call(
         route=plan.route, request=request, input_tokens=claimed.input_tokens, on_send=on_send
     )

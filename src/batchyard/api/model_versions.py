@@ -1,0 +1,135 @@
+"""``/v1/projects/{projectId}/models``: LoRA adapters and full weights uploaded into a project.
+
+``POST`` takes ``multipart/form-data``: ``file`` (a GGUF), ``base`` (a catalog
+model ID), ``type`` (``lora`` or ``weights``) and optionally ``name``. The
+type and base are checked as soon as they arrive; the file part streams to
+disk beside the accepted versions and is checked whole before anything is
+kept (``service.model_versions``). A refused upload answers a coded 4xx and
+leaves neither a file nor a row.
+
+Scopes (``service.access``): ``full`` keys upload and delete; ``read`` keys
+list and show; ``inference`` keys only use a version by naming it as a model.
+Another organisation's project or version is 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import IO, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.api.inputs import object_id
+from batchyard.errors import InvalidRequest, PayloadTooLarge
+from batchyard.service import model_versions as versions
+from batchyard.service.uploads import read_multipart
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_PATH = "/v1/projects/{project_id}/models"
+_FIELDS = ("base", "type", "name")
+#: Multipart framing around the file part, allowed on top of the file limit.
+_SLACK = 64 * 1024
+
+
+def _project_id(value: str) -> str:
+    return object_id(value, "pp", param="projectId", what="project")
+
+
+def _version_id(value: str) -> str:
+    return object_id(value, "mv", param="version_id", what="model version", code="model_not_found")
+
+
+def _no_query(request: Request) -> None:
+    for key in sorted(request.query_params.keys()):
+        raise InvalidRequest(
+            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
+        )
+
+
+@router.post(_PATH)
+async def upload_version(request: Request, project_id: str) -> JSONResponse:
+    principal = await authenticate(request)
+    _no_query(request)
+    _project_id(project_id)
+    svc = service_of(request)
+    limits = versions.settings_of(svc)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
+        raise PayloadTooLarge(
+            f"the file is over {limits.max_bytes} bytes", param="file", code="file_too_large"
+        )
+    spool = versions.spool(versions.folder_of(svc))
+    made: list[IO[bytes]] = []
+
+    def make() -> IO[bytes]:
+        f = spool()
+        made.append(f)
+        return f
+
+    try:
+        upload = await read_multipart(
+            request.stream(),
+            request.headers.get("content-type"),
+            file_field="file",
+            fields=_FIELDS,
+            max_file_bytes=limits.max_bytes,
+            spool=make,
+        )
+    except BaseException:
+        for f in made:
+            versions.discard_spool(f)
+        raise
+    try:
+        if upload.file is None:
+            raise InvalidRequest("the upload has no file part", param="file")
+        upload.file.close()
+        view: dict[str, Any] = await asyncio.to_thread(
+            versions.take_in,
+            svc,
+            principal,
+            project_id,
+            Path(upload.file.name),
+            upload.size,
+            fields=upload.fields,
+            filename=upload.filename,
+        )
+    finally:
+        # Accepted, the file was renamed away; refused, it is still here to remove.
+        for f in made:
+            versions.discard_spool(f)
+    return json_response(view, status_code=201)
+
+
+@router.get(_PATH)
+async def list_versions(request: Request, project_id: str) -> JSONResponse:
+    principal = await authenticate(request)
+    _no_query(request)
+    _project_id(project_id)
+    data = await versions.list_views(service_of(request), principal, project_id)
+    return json_response({"object": "list", "data": data})
+
+
+@router.get(_PATH + "/{version_id}")
+async def get_version(request: Request, project_id: str, version_id: str) -> JSONResponse:
+    principal = await authenticate(request)
+    _no_query(request)
+    _project_id(project_id)
+    _version_id(version_id)
+    return json_response(await versions.get(service_of(request), principal, project_id, version_id))
+
+
+@router.delete(_PATH + "/{version_id}")
+async def delete_version(request: Request, project_id: str, version_id: str) -> JSONResponse:
+    principal = await authenticate(request)
+    _no_query(request)
+    _project_id(project_id)
+    _version_id(version_id)
+    return json_response(
+        await versions.delete(service_of(request), principal, project_id, version_id)
+    )
