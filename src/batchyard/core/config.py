@@ -51,8 +51,18 @@ class Settings:
     # How long a dispatched deferred item's lease lasts without a heartbeat.
     market_lease_s: float = 120.0
     embedded_model_path: str | None = None
-    embedded_contexts: int = 2
+    #: Requests the embedded model runs at once (its scheduler's sequences).
+    embedded_slots: int = 8
+    #: The old name of ``embedded_slots``, still accepted; always equal to it.
+    embedded_contexts: int = 8
+    #: Context (prompt and answer) of one sequence, in tokens.
     embedded_n_ctx: int = 2048
+    #: Threads of the embedded model's decode; ``None``: every core.
+    embedded_threads: int | None = None
+    #: Prompt tokens read per scheduler step, beside the tokens being generated.
+    embedded_prefill_tokens: int = 512
+    #: KV cache cells, sized up front and shared by all sequences; ``None``: slots × n_ctx.
+    embedded_cache_tokens: int | None = None
     warm_fallback_after_s: float = 10.0
     #: On SIGTERM, how long calls in flight may take to land before they are cut off.
     shutdown_grace_s: float = 30.0
@@ -95,6 +105,39 @@ def normalise_database_url(url: str) -> str:
     return url
 
 
+_EMBEDDED_INTS = {
+    # field: (environment variable, least value)
+    "embedded_slots": ("BATCHYARD_EMBEDDED_SLOTS", 1),
+    "embedded_n_ctx": ("BATCHYARD_EMBEDDED_N_CTX", 64),
+    "embedded_threads": ("BATCHYARD_EMBEDDED_THREADS", 1),
+    "embedded_prefill_tokens": ("BATCHYARD_EMBEDDED_PREFILL_TOKENS", 16),
+    "embedded_cache_tokens": ("BATCHYARD_EMBEDDED_CACHE_TOKENS", 64),
+}
+
+
+def _embedded(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The embedded engine's sizes from the file and the environment, checked."""
+    if "embedded_slots" not in data and "embedded_contexts" in data:
+        data = {**data, "embedded_slots": data["embedded_contexts"]}
+    out: dict[str, Any] = {}
+    for name, (env, least) in _EMBEDDED_INTS.items():
+        raw = os.environ.get(env)
+        source = env if raw else f"{where} field {name}"
+        value = raw if raw else data.get(name)
+        if value is None:
+            continue
+        try:
+            number = int(str(value))
+        except ValueError:
+            number = least - 1
+        if number < least or isinstance(value, bool | float):
+            raise ValueError(f"{source}: {value!r} is not a whole number >= {least}")
+        out[name] = number
+    if "embedded_slots" in out:
+        out["embedded_contexts"] = out["embedded_slots"]
+    return out
+
+
 def load_settings(
     *,
     config_file: str | os.PathLike[str] | None = None,
@@ -129,7 +172,7 @@ def load_settings(
         market_lease_s=float(data.get("market_lease_s", 120.0)),
         embedded_model_path=os.environ.get("BATCHYARD_MODEL_PATH")
         or data.get("embedded_model_path"),
-        embedded_contexts=int(data.get("embedded_contexts", 2)),
+        **_embedded(data, str(config_file or "the config")),
         shutdown_grace_s=float(
             os.environ.get("BATCHYARD_SHUTDOWN_GRACE_S") or data.get("shutdown_grace_s", 30.0)
         ),
@@ -138,4 +181,8 @@ def load_settings(
         metrics_token=os.environ.get("BATCHYARD_METRICS_TOKEN") or data.get("metrics_token"),
         raw=data,
     )
+    if "embedded_contexts" in overrides and "embedded_slots" not in overrides:
+        overrides["embedded_slots"] = overrides["embedded_contexts"]
+    elif "embedded_slots" in overrides:
+        overrides["embedded_contexts"] = overrides["embedded_slots"]
     return replace(settings, **overrides) if overrides else settings
