@@ -58,6 +58,9 @@ class RouteSpec:
     # The route's own offered price; None means it charges the model's direct price.
     input_per_mtok: Decimal | None = None
     output_per_mtok: Decimal | None = None
+    # What a prompt token the engine read from its cache costs (never above the
+    # input price); None: cached tokens cost what other input tokens cost.
+    cached_input_per_mtok: Decimal | None = None
     # Prices come from the catalog ("fixed") or from the operator's price feed ("feed").
     price_source: Literal["fixed", "feed"] = "fixed"
     hard_price_caps: bool = False
@@ -259,6 +262,11 @@ def catalog_from_config(data: Mapping[str, Any]) -> Catalog:
                     ),
                     output_per_mtok=(
                         _decimal(raw["output_per_mtok"], rid) if "output_per_mtok" in raw else None
+                    ),
+                    cached_input_per_mtok=(
+                        _decimal(raw["cached_input_per_mtok"], rid)
+                        if "cached_input_per_mtok" in raw
+                        else None
                     ),
                     price_source=raw.get("price_source", "fixed"),
                     hard_price_caps=bool(raw.get("hard_price_caps", False)),
