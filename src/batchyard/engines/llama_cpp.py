@@ -279,7 +279,9 @@ class LlamaCppEngine:
         """The prompt's tokens and whether the answer is a tool call (under its grammar)."""
         if request.prompt is not None:
             text = request.prompt.encode("utf-8")
-            return model.llama.tokenize(text, add_bos=True, special=False), False
+            tokens = model.llama.tokenize(text, add_bos=True, special=False)
+            # An empty prompt is read as the start-of-text token (as llama-cpp does).
+            return tokens or [model.llama.token_bos()], False
         plain, images = text_messages(tool_calls.plain_messages(request.messages))
         if images:
             raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")

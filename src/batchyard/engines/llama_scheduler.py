@@ -325,16 +325,23 @@ class Scheduler:
             )
             if not reuse_logits:
                 match = min(match, len(job.prompt) - 1)
-            take = isinstance(src, _Idle) and match > 0
+            # Copy an idle prefix while there is room, so the job it came from
+            # (decide's next decision, a chat's next turn) still finds it;
+            # take the idle sequence over only when room is short.
+            room = (
+                len(self._free) >= len(job.branches) + 1
+                and self._used + job.reserve <= self.n_cells
+            )
+            take = isinstance(src, _Idle) and match > 0 and not room
             ids = len(job.branches) + (0 if take else 1)
-            cells = job.reserve - (src.used if take and isinstance(src, _Idle) else 0)
+            cells = job.reserve - (len(src.tokens) if take and isinstance(src, _Idle) else 0)
             for idle in sorted(self._idle, key=lambda i: i.used):
                 if len(self._free) >= ids and self._used + cells <= self.n_cells:
                     break
                 if idle is not src or not take:
                     self._evict(idle)
                     if idle is src:
-                        src, match = None, 0
+                        src, match, reuse_logits = None, 0, False
             if len(self._free) < ids or self._used + cells > self.n_cells:
                 return
             self._waiting.popleft()
@@ -343,15 +350,17 @@ class Scheduler:
                 self._used -= len(src.tokens)
                 job.seq = src.seq
                 self._lib.llama_memory_seq_rm(self.memory, job.seq, match, -1)
-                if reuse_logits:
-                    job.logits = src.logits
             else:
                 job.seq = self._free.pop()
                 self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
-                if isinstance(src, Job) and match > 0:
+                if src is not None and match > 0:
                     self._lib.llama_memory_seq_cp(self.memory, src.seq, job.seq, 0, match)
+                    if isinstance(src, _Idle):
+                        src.used = self._tick
                 else:
                     match = 0
+            if reuse_logits and isinstance(src, _Idle):
+                job.logits = src.logits
             for branch in job.branches:
                 branch.seq = self._free.pop()
             self._used += job.reserve
@@ -359,7 +368,7 @@ class Scheduler:
             if match and self._on_cached is not None:
                 self._on_cached(match)
             self._live.append(job)
-            if reuse_logits:
+            if reuse_logits and job.logits is not None:
                 self._fork(job, None)
 
     def _evict(self, idle: _Idle) -> None:
@@ -540,10 +549,13 @@ class Scheduler:
                 branch.sampler.close()
                 branch.sampler = None
         n = min(job.pos, len(job.prompt))
+        kept = job.prompt[:n]
+        if keep and any(i.tokens == kept for i in self._idle):
+            keep = False  # the cache already holds this prompt (it was copied from it)
         if keep and n > 0:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, n, -1)
             logits = job.logits if n == len(job.prompt) else None
-            self._idle.append(_Idle(job.seq, job.prompt[:n], self._tick, logits))
+            self._idle.append(_Idle(job.seq, kept, self._tick, logits))
             self._used += n
         else:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
