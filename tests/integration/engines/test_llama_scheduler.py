@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 
 import pytest
@@ -29,10 +28,7 @@ PROMPTS = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[LlamaCppEngine]:
-    # One thread: on a shared, busy machine two spinning decode threads wait on
-    # each other far longer than one thread computes.
-    threads = int(os.environ.get("BATCHYARD_TEST_THREADS", "1"))
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8, n_threads=threads)
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8)
     await eng.load()
     yield eng
     await eng.aclose()
@@ -108,7 +104,7 @@ async def test_a_cancelled_stream_frees_its_sequence(engine: LlamaCppEngine) -> 
 
 async def test_a_full_cache_queues_instead_of_failing() -> None:
     # Room for about one request at a time: the others wait for its cells.
-    eng = LlamaCppEngine(default_model_path(), n_ctx=128, slots=4, cache_tokens=128, n_threads=1)
+    eng = LlamaCppEngine(default_model_path(), n_ctx=128, slots=4, cache_tokens=128)
     try:
         done = await asyncio.gather(
             *[eng.complete(ask(p, max_tokens=60, temperature=0.0)) for p in PROMPTS[:3]]
