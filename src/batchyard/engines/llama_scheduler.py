@@ -120,6 +120,8 @@ class _Idle:
     tokens: list[int]
     used: int
     logits: Any = None
+    #: The adapter the prefix was read under: its cache is no other adapter's.
+    adapter: Any = None
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -299,14 +301,19 @@ class Scheduler:
         for job in [j for j in self._live if j.cancelled]:
             self._finish(job, keep=job.pos > 0)
 
-    def _best_prefix(self, prompt: list[int]) -> tuple[_Idle | Job | None, int]:
+    def _best_prefix(self, new: Job) -> tuple[_Idle | Job | None, int]:
+        prompt = new.prompt
         best: _Idle | Job | None = None
         most = 0
         for idle in self._idle:
+            if idle.adapter is not new.adapter:
+                continue
             n = _common(idle.tokens, prompt)
             if n > most:
                 best, most = idle, n
         for job in self._live:
+            if job.adapter is not new.adapter:
+                continue
             n = min(_common(job.prompt, prompt), job.pos)
             if n > most:
                 best, most = job, n
@@ -315,7 +322,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self._waiting and len(self._live) < self.slots:
             job = self._waiting[0]
-            src, match = self._best_prefix(job.prompt)
+            src, match = self._best_prefix(job)
             scoring = all(b.cont is not None for b in job.branches)
             reuse_logits = (
                 isinstance(src, _Idle)
@@ -550,12 +557,12 @@ class Scheduler:
                 branch.sampler = None
         n = min(job.pos, len(job.prompt))
         kept = job.prompt[:n]
-        if keep and any(i.tokens == kept for i in self._idle):
+        if keep and any(i.tokens == kept and i.adapter is job.adapter for i in self._idle):
             keep = False  # the cache already holds this prompt (it was copied from it)
         if keep and n > 0:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, n, -1)
             logits = job.logits if n == len(job.prompt) else None
-            self._idle.append(_Idle(job.seq, kept, self._tick, logits))
+            self._idle.append(_Idle(job.seq, kept, self._tick, logits, job.adapter))
             self._used += n
         else:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
