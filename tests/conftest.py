@@ -123,7 +123,9 @@ def settings(sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("BATCHYARD_HOME", str(tmp_path))
     monkeypatch.delenv("BATCHYARD_CONFIG", raising=False)
     monkeypatch.delenv("BATCHYARD_DATABASE_URL", raising=False)
-    return load_settings(database_url=sqlite_url)
+    # The tests were written for the embedded route's two slots (its width sets how many
+    # calls a run or a file batch has in flight); the product's default is 8.
+    return load_settings(database_url=sqlite_url, embedded_slots=2)
 
 
 @pytest.fixture

@@ -19,13 +19,13 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy
 
 from batchyard.core.clock import Clock, SystemClock
-from batchyard.core.config import Settings, load_settings
+from batchyard.core.config import ConfigError, Settings, load_settings
 from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook
@@ -37,7 +37,7 @@ from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
 from batchyard.service.access import check_complete
 from batchyard.service.metrics import PrometheusRecorder
-from batchyard.store import health, migrations
+from batchyard.store import health, key_check, migrations
 from batchyard.store.database import Database
 from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
@@ -68,6 +68,8 @@ __all__ = [
     "migrations_current",
     "run_worker",
     "store_writable",
+    "verify_batch_key",
+    "verify_key_of",
 ]
 
 log = logging.getLogger("batchyard.app")
@@ -107,7 +109,7 @@ def build_service(
     other routes get theirs from the catalog on first use.
     """
     clock = clock or SystemClock()
-    key = resolve_key(settings)
+    key = resolve_key(settings, sealed_data=lambda: _holds_sealed_data(settings))
     db = Database(settings.database_url, sealer=key.sealer)
     metrics = PrometheusRecorder()
     limiter = MeteredLimiter(
@@ -122,6 +124,10 @@ def build_service(
         embedded_cache_tokens=settings.embedded_cache_tokens,
         overrides=engines,
     )
+    try:
+        registry.check(settings.catalog)  # an unknown engine fails here, not on every call
+    except ConfigError as exc:
+        raise exc.at(settings.config_file or "the settings") from None
     dispatcher = Dispatcher(
         db=db,
         clock=clock,
@@ -152,6 +158,78 @@ def build_service(
         file_batches=_file_batch_worker(settings, db, clock, dispatcher, key, market.prices),
         holds=HoldSweeper(db=db, clock=clock),
         metrics=metrics,
+    )
+
+
+def _holds_sealed_data(settings: Settings) -> bool:
+    """Whether an SQLite file already holds sealed data (asked before making a new key)."""
+    path = settings.sqlite_path
+    if path is None or not path.is_file():
+        return False
+    engine = sqlalchemy.create_engine(settings.database_url)
+    try:
+        with engine.connect() as conn:
+            return key_check.sealed_data(conn)
+    except sqlalchemy.exc.DBAPIError:
+        return False  # a file that cannot be read is refused by the migration, in one line
+    finally:
+        engine.dispose()
+
+
+def verify_batch_key(service: Service) -> None:
+    """Refuse a key (or no key) that cannot open the data this database already seals.
+
+    ``serve`` and ``worker`` call it after migrating, before any work: a wrong
+    key used to start and answer 500 on every read of sealed data. The first
+    process with a key on a database records the key's fingerprint. Raises
+    ``ConfigError`` naming where the key came from.
+    """
+    _verify_key(service.settings, service.db, service.batch_key, service.clock.now())
+
+
+def verify_key_of(settings: Settings, db: Database, clock: Clock) -> None:
+    """``verify_batch_key`` for a command that has no service (``audit``); makes no key.
+
+    The audit reads only the ledger, which is not sealed, so on a database whose key
+    is configured elsewhere (PostgreSQL, no key here) it runs; a key given that is
+    not the store's, or an SQLite ``batch.key`` gone missing, is still refused.
+    """
+    key = resolve_key(settings, create=False)
+    if key.sealer is None and key.path is None:
+        return
+    _verify_key(settings, db, key, clock.now())
+
+
+def _verify_key(settings: Settings, db: Database, key: BatchKey, now: datetime) -> None:
+    try:
+        try:
+            verdict = db.transact_sync(lambda c: key_check.verify(c, key.sealer, now, write=True))
+        except sqlalchemy.exc.IntegrityError:
+            # Another process starting at the same moment recorded its key first: compare.
+            verdict = db.transact_sync(lambda c: key_check.verify(c, key.sealer, now, write=True))
+    except StorageUnavailable:
+        # A store that takes no writes (audit on a read-only copy) can still be checked.
+        verdict = db.read_sync(lambda c: key_check.verify(c, key.sealer, now, write=False))
+    if verdict.problem is None:
+        if verdict.adopted:
+            log.info(
+                "recorded the batch key's fingerprint",
+                extra={"event": "batch_key_recorded", "fingerprint": key.fingerprint},
+            )
+        return
+    if key.path is not None:
+        source, field = key.path, ""
+    elif key.sealer is not None and os.environ.get("BATCHYARD_BATCH_ENCRYPTION_KEY"):
+        source, field = "environment variable BATCHYARD_BATCH_ENCRYPTION_KEY", ""
+    else:
+        source = settings.config_file or "the settings"
+        field = "batch_encryption_key"
+    raise ConfigError(
+        field,
+        verdict.problem,
+        "give the key that sealed it (restore batch.key or the key from your backup); "
+        "batchyard never makes a new key over sealed data",
+        source=source,
     )
 
 
@@ -361,6 +439,8 @@ def create_app(
         decide,
         embeddings,
         files,
+        message_batches,
+        messages,
         models,
         projects,
         runs,
@@ -370,6 +450,7 @@ def create_app(
     from batchyard.api.errors import install_error_handlers
     from batchyard.api.metering import MeteringMiddleware
     from batchyard.api.openapi import install_openapi
+    from batchyard.api.overflow import OverflowMiddleware
     from batchyard.web import file_pages
     from batchyard.web import routes as workspace
 
@@ -395,6 +476,7 @@ def create_app(
     )
     app.state.service = service
     install_error_handlers(app)
+    app.add_middleware(OverflowMiddleware)
     app.add_middleware(EnvelopeMiddleware)
     app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 
@@ -427,6 +509,8 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(decide.router)
     app.include_router(files.router)
+    app.include_router(message_batches.router)  # ... and its Message Batches
+    app.include_router(messages.router)  # Anthropic's Messages door
     app.include_router(models.router)
     app.include_router(projects.router)
     app.include_router(runs.router)

@@ -1,7 +1,7 @@
 """Every error batchyard raises or answers, in one tree.
 
 The ``code`` of each class is the wire code: the string a client sees in
-``{"error": {"code", "message", "retryable"}}``. Keeping the tree in one module
+``{"error": {"code", "type", "message", "retryable"}}``. Keeping the tree in one module
 means the API, the SDK and the CLI agree on codes by construction, and a test
 checks that no two classes claim the same code.
 
@@ -102,7 +102,34 @@ __all__ = [
     "UpstreamRateLimited",
     "UpstreamTimeout",
     "error_class_for_code",
+    "error_type",
 ]
+
+#: OpenAI's error ``type`` for each status: code written for OpenAI's API branches
+#: on ``e.type`` (the SDKs expose it), so every body carries it beside the stable,
+#: finer ``code``. The type follows the status, so an instance that narrows its
+#: status (``status=``) gets the type that goes with it.
+_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "insufficient_quota",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    410: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for an error answered with ``status``."""
+    if status in _TYPES:
+        return _TYPES[status]
+    return "api_error" if status >= 500 else "invalid_request_error"
 
 
 class BatchyardError(Exception):
@@ -142,6 +169,7 @@ class BatchyardError(Exception):
         """The wire body: ``{"error": {...}}``; never carries secrets."""
         err: dict[str, Any] = {
             "code": self.code,
+            "type": error_type(self.status),
             "message": self.message,
             "retryable": self.retryable,
         }

@@ -69,10 +69,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+#: Libraries whose warnings only restate an error batchyard answers itself with a
+#: code: python-multipart logs "Found invalid character 13 in header" just before
+#: it raises the parse error that becomes ``400 invalid_upload``.
+_QUIET = ("python_multipart",)
+
+
 def setup_logging(level: str = "INFO") -> None:
+    """Every line on stderr one JSON object: batchyard's own, and the libraries' too.
+
+    batchyard's loggers write at ``level``; any other library's warnings reach the
+    root logger, which gets the same formatter, so no plain-text line (uvicorn's,
+    a parser's) breaks a log that promises one JSON object a line.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("batchyard")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
+    ours = logging.getLogger("batchyard")
+    ours.handlers[:] = [handler]
+    ours.setLevel(level)
+    ours.propagate = False
+    root = logging.getLogger()
+    kept = [h for h in root.handlers if not isinstance(h.formatter, JsonFormatter)]
+    root.handlers[:] = [*kept, handler]
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -1,8 +1,10 @@
-"""A worker killed mid-call: the item ends ``uncertain``, its reservation held and visible.
+"""A worker killed mid-call: the item ends ``uncertain``, never retried, charged nothing.
 
-Nothing is retried and nothing is released, because the provider may have
-run (and billed) the call; the held reservation shows in GET /v1/activity so
-the owner can check before resubmitting.
+Nothing is retried, because the provider may have run the call; and, as for an
+uncertain file-batch line or run row (one rule on every door, see
+docs/explanation/ledger.md), nothing is charged for an answer nobody received:
+the hold is released, and GET /v1/activity shows the uncertain item with the
+amount so the owner can check before resubmitting. ``batchyard audit`` is clean.
 
 The deferred pass runs on a real ``batchyard worker`` process, killed with
 SIGKILL while its calls are held open by a fake upstream on loopback: no
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,11 +41,12 @@ from tests.support.processes import Workers, deployment
 from tests.support.server import asgi_client
 from tests.support.services import ServiceFactory
 
+BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 TEXTS = [f"Summarize public release note number {i}." for i in range(4)]
 ANSWERED_FIRST = 1  # the upstream answers one call, then holds the others open
 
 
-async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(
+async def test_killed_mid_call_becomes_uncertain_and_releases_its_hold(
     tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
 ) -> None:
     body = {
@@ -112,6 +117,14 @@ async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(
             dep.clock.advance(3600)
             await survivor.run_pass()
             assert up.arrived == sent
+            audit = subprocess.run(
+                [BATCHYARD, "audit", "--config", str(dep.config), "--database", database_url],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={"PATH": "/usr/bin:/bin", "BATCHYARD_HOME": str(tmp_path / "audit-home")},
+                check=False,
+            )
 
     assert sorted(sent) == sorted(TEXTS), "an item was sent twice"
     (answered,) = set(before) - in_flight
@@ -119,14 +132,18 @@ async def test_killed_mid_call_becomes_uncertain_with_its_reservation_held(
     for cid in in_flight:
         assert after[cid].status == "uncertain"
         assert after[cid].reservation_id == before[cid].reservation_id
-        assert held[cid].state == "held" and held[cid].amount > 0
-    assert bal.held == sum(r.amount for r in held.values())
+        assert (held[cid].state, held[cid].charged) == ("released", 0) and held[cid].amount > 0
+    assert bal.held == 0
+    # The operator's audit agrees: no stranded hold after the SIGKILL (it once found three).
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "no stranded holds" in " ".join(audit.stderr.split())
 
     for cid in in_flight:
         rid = before[cid].reservation_id
         mine = {a["kind"]: a for a in activity if a["reservation_id"] == rid}
-        assert set(mine) == {"dispatch", "uncertain"}
+        assert set(mine) == {"dispatch", "uncertain", "release"}
         assert mine["uncertain"]["ref"] == before[cid].id
+        assert mine["release"]["detail"]["reason"] == "uncertain"
     assert batch["status"] == "completed"
     statuses = {r["custom_id"]: r for r in batch["requests"]}
     assert statuses[answered]["status"] == "succeeded"

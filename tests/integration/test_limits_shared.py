@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from batchyard.app import limiter_from_url
 from batchyard.core.clock import ManualClock
-from batchyard.core.limits import PENALTY, Admission, InMemoryLimiter, Limit
+from batchyard.core.limits import PENALTY, PLACE_SLACK_S, Admission, InMemoryLimiter, Limit
 from batchyard.engines.base import RateLimitSignal
 from batchyard.errors import RateLimited
 from batchyard.store.redis_limiter import RedisLimiter
@@ -471,3 +471,127 @@ def cleanup(backend: str, ns: str) -> None:
         with engine.begin() as conn:
             conn.execute(sa.delete(rate_limits).where(rate_limits.c.key.startswith(ns)))
         engine.dispose()
+
+
+# -- places in line -----------------------------------------------------------
+
+
+async def test_each_refused_request_is_given_its_own_place_in_line(limiter, clock, ns) -> None:
+    """Issue 22: refused callers of one burst are told successive times, not one time."""
+    key = f"{ns}org:line"
+    rpm = Limit("rpm", per_minute=20)  # one every 3 s
+    assert (await limiter.try_acquire(key, [(rpm, 1)], hold_s=5)).allowed
+    refused = [await limiter.try_acquire(key, [(rpm, 1)], hold_s=5) for _ in range(3)]
+    assert [a.allowed for a in refused] == [False] * 3
+    assert [a.retry_after for a in refused] == pytest.approx([3.0, 6.0, 9.0])
+    assert {a.limit for a in refused} == {"rpm"}
+    # The first comes back at its time and takes its place: admitted, nothing more spent.
+    clock.advance(3.0)
+    assert await limiter.try_acquire(key, [(rpm, 1)], hold_s=5) == Admission(True, 0.0)
+    # A newcomer now finds no place due and is given one after the three already given.
+    newcomer = await limiter.try_acquire(key, [(rpm, 1)], hold_s=5)
+    assert newcomer == Admission(False, pytest.approx(9.0), "rpm")
+    for _ in range(3):
+        clock.advance(3.0)
+        assert (await limiter.try_acquire(key, [(rpm, 1)], hold_s=5)).allowed
+    # Every place is taken: the schedule is where five admissions put it, no further.
+    assert await limiter.try_acquire(key, [(rpm, 1)], hold_s=5) == Admission(
+        False, pytest.approx(3.0), "rpm"
+    )
+
+
+async def test_a_caller_back_a_little_early_still_takes_its_place(limiter, clock, ns) -> None:
+    """Retry-After leaves a second of the queue unused: a replica whose clock runs ahead by
+    less than that still finds the place due."""
+    key = f"{ns}org:lines"
+    rpm = Limit("rpm", per_minute=20)
+    assert (await limiter.try_acquire(key, [(rpm, 1)], max_delay=2, hold_s=5)).allowed
+    told = await limiter.try_acquire(key, [(rpm, 1)], max_delay=2, hold_s=5)
+    assert told.retry_after == pytest.approx(3 - 2 + PLACE_SLACK_S)  # the place is at 3 s
+    clock.advance(told.retry_after - PLACE_SLACK_S / 2)
+    early = await limiter.try_acquire(key, [(rpm, 1)], max_delay=2, hold_s=5)
+    assert early.allowed and early.delay == pytest.approx(2 - PLACE_SLACK_S / 2)
+
+
+async def test_a_place_in_line_comes_back_within_the_queue_and_waits_there(
+    limiter, clock, ns
+) -> None:
+    """Retry-After is the place less the server's queue: the retry waits the rest on the server."""
+    key = f"{ns}org:lineq"
+    limits = [(RPM, 1)]
+    delays = [(await limiter.try_acquire(key, limits, max_delay=2, hold_s=5)) for _ in range(3)]
+    assert [a.delay for a in delays] == pytest.approx([0, 1, 2])
+    refused = [await limiter.try_acquire(key, limits, max_delay=2, hold_s=5) for _ in range(2)]
+    # Places at 3 s and 4 s; each is told to come back a second (PLACE_SLACK_S) inside the queue.
+    assert [a.retry_after for a in refused] == pytest.approx([2.0, 3.0])
+    clock.advance(2.0)
+    back = await limiter.try_acquire(key, limits, max_delay=2, hold_s=5)
+    assert back.allowed and back.delay == pytest.approx(1.0)
+    clock.advance(1.0)
+    back = await limiter.try_acquire(key, limits, max_delay=2, hold_s=5)
+    assert back.allowed and back.delay == pytest.approx(1.0)
+
+
+async def test_an_unclaimed_place_expires_and_a_costlier_request_cannot_take_it(
+    limiter, clock, ns
+) -> None:
+    key = f"{ns}org:linex"
+    assert (await limiter.try_acquire(key, [(RPM, 1), (TPM, 10)], hold_s=5)).allowed
+    given = await limiter.try_acquire(key, [(RPM, 1), (TPM, 10)], hold_s=5)
+    assert given.retry_after == pytest.approx(1.0)
+    clock.advance(1.0)
+    # Not the same costs: not its place (the schedule already holds it, so it waits after).
+    other = await limiter.try_acquire(key, [(RPM, 1), (TPM, 500)], hold_s=5)
+    assert not other.allowed
+    clock.advance(10.0)
+    # Held five seconds past its time, then gone: its owner is now a newcomer.
+    late = await limiter.try_acquire(key, [(RPM, 1), (TPM, 10)], hold_s=5)
+    assert late.allowed
+
+
+async def test_a_refusal_past_the_horizon_takes_no_place(limiter, clock, ns) -> None:
+    key = f"{ns}org:lineh"
+    slow = Limit("rpm", per_minute=1)  # one a minute: the second waits 60 s
+    assert (await limiter.try_acquire(key, [(slow, 1)], hold_s=5)).allowed
+    second = await limiter.try_acquire(key, [(slow, 1)], hold_s=5)
+    assert second.retry_after == pytest.approx(60.0)  # within 60 s + no queue: a place
+    third = await limiter.try_acquire(key, [(slow, 1)], hold_s=5)
+    assert third == Admission(False, pytest.approx(120.0), "rpm")  # past it: none, honest wait
+    fourth = await limiter.try_acquire(key, [(slow, 1)], hold_s=5)
+    assert fourth.retry_after == pytest.approx(120.0)  # the third took nothing
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    ],
+)
+async def test_a_place_given_by_one_replica_is_honoured_by_another(
+    backend, clock, ns, request
+) -> None:
+    """Two limiters over one store (two replicas): the line is one line."""
+    if backend == "redis":
+        prefix = f"batchyard-test:{ns}"
+        a, b = (
+            RedisLimiter(REDIS_URL, clock, prefix=prefix),
+            RedisLimiter(REDIS_URL, clock, prefix=prefix),
+        )
+    else:
+        engine = request.getfixturevalue("pg_engine")
+        a, b = SqlLimiter(engine, clock), SqlLimiter(engine, clock)
+    key = f"{ns}org:replicas"
+    try:
+        assert (await a.try_acquire(key, [(RPM, 1)], hold_s=5)).allowed
+        first = await a.try_acquire(key, [(RPM, 1)], hold_s=5)
+        second = await b.try_acquire(key, [(RPM, 1)], hold_s=5)
+        assert (first.retry_after, second.retry_after) == pytest.approx((1.0, 2.0))
+        clock.advance(1.0)
+        assert (await b.try_acquire(key, [(RPM, 1)], hold_s=5)).allowed
+        clock.advance(1.0)
+        assert (await a.try_acquire(key, [(RPM, 1)], hold_s=5)).allowed
+    finally:
+        await a.close()
+        await b.close()
+        cleanup(backend, ns)

@@ -48,8 +48,18 @@ class Gateway:
 
 
 class ServerThread:
-    def __init__(self, home: Path) -> None:
+    def __init__(
+        self,
+        home: Path,
+        *,
+        overrides: dict[str, Any] | None = None,
+        engines: dict[str, Any] | None = None,
+    ) -> None:
+        """``overrides`` replace settings (``tiers``, ``limits_queue_s`` ...); ``engines``
+        replace routes' engines (``{"embedded": ScriptedEngine(...)}``)."""
         self.home = home
+        self.overrides = overrides or {}
+        self.engines = engines or {}
         self.ready = threading.Event()
         self.gateway: Gateway | None = None
         self.problems: list[str] = []
@@ -65,8 +75,14 @@ class ServerThread:
             self.ready.set()
 
     async def _serve(self) -> None:
-        settings = load_settings(database_url=f"sqlite:///{self.home / 'batchyard.db'}")
+        # Two slots, as the tests using it were written for (the product's default is 8).
+        settings = load_settings(
+            database_url=f"sqlite:///{self.home / 'batchyard.db'}",
+            **{"embedded_slots": 2, **self.overrides},
+        )
         service = build_service(settings, clock=SystemClock())
+        for route, engine in self.engines.items():
+            service.engines.set(route, engine)
         service.db.migrate()
         self._stop = asyncio.Event()
         try:

@@ -56,7 +56,12 @@ def test_status_and_retryable_are_sane(cls):
 def test_to_body_has_the_wire_shape(cls):
     plain = cls("something went wrong").to_body()
     assert plain == {
-        "error": {"code": cls.code, "message": "something went wrong", "retryable": cls.retryable}
+        "error": {
+            "code": cls.code,
+            "type": errors.error_type(cls.status),
+            "message": "something went wrong",
+            "retryable": cls.retryable,
+        }
     }
     json.dumps(plain)
     full = cls(
@@ -64,6 +69,7 @@ def test_to_body_has_the_wire_shape(cls):
     ).to_body()["error"]
     assert full == {
         "code": cls.code,
+        "type": errors.error_type(cls.status),
         "message": "over",
         "retryable": cls.retryable,
         "param": "messages",
@@ -71,6 +77,43 @@ def test_to_body_has_the_wire_shape(cls):
         "required": "0.1",
         "available": "0",
     }
+
+
+OPENAI_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "invalid_api_key": "authentication_error",
+    "insufficient_credit": "insufficient_quota",
+    "insufficient_scope": "permission_error",
+    "not_found": "not_found_error",
+    "model_not_found": "not_found_error",
+    "idempotency_conflict": "conflict_error",
+    "request_too_large": "invalid_request_error",
+    "unsupported_media_type": "invalid_request_error",
+    "rate_limited": "rate_limit_error",
+    "internal_error": "api_error",
+    "upstream_timeout": "api_error",
+    "storage_unavailable": "api_error",
+}
+
+
+@pytest.mark.parametrize(("code", "expected"), sorted(OPENAI_TYPES.items()))
+def test_each_error_carries_openais_type_for_its_status(code, expected):
+    body = error_class_for_code(code)("x").to_body()["error"]
+    assert body["type"] == expected
+
+
+def test_the_type_follows_a_narrowed_status():
+    gone = errors.NotFound("results deleted", code="results_expired", status=410)
+    assert gone.to_body()["error"]["type"] == "not_found_error"
+    busy = errors.UpstreamError("slow", status=503)
+    assert busy.to_body()["error"]["type"] == "api_error"
+
+
+def test_the_errors_reference_lists_each_type_and_the_routers_codes():
+    text = DOCS.read_text(encoding="utf-8")
+    for kind in set(OPENAI_TYPES.values()):
+        assert f"`{kind}`" in text, kind
+    assert "| `method_not_allowed` | 405 |" in text
 
 
 def test_an_instance_can_narrow_code_status_and_retryable():
@@ -156,3 +199,20 @@ def test_the_errors_reference_lists_every_code_narrowed_in_the_source():
     }
     missing = sorted(narrowed - set(rows))
     assert not missing, f"docs/reference/errors.md lacks {missing}"
+
+
+def test_a_code_narrowed_to_another_status_is_listed_with_that_status():
+    # ``results_expired`` is a NotFound sent as 410: the reference must say 410, as the wire does.
+    rows = _doc_rows()
+    src = Path(errors.__file__).parent
+    narrowed = {
+        m.group(1): m.group(2)
+        for path in src.rglob("*.py")
+        for m in re.finditer(
+            r'\bcode="([a-z_]+)",\s*(?:[a-z_]+=[^,()]+,\s*)*?status=(\d+)',
+            path.read_text(encoding="utf-8"),
+        )
+    }
+    assert "results_expired" in narrowed
+    wrong = {c: (status, rows[c][0]) for c, status in narrowed.items() if rows[c][0] != status}
+    assert not wrong, f"docs/reference/errors.md gives another status: {wrong}"

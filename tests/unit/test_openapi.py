@@ -6,7 +6,7 @@ import re
 
 from fastapi.routing import APIRoute
 
-from batchyard.api.openapi import OPERATIONS
+from batchyard.api.openapi import ANTHROPIC_PATHS, OPERATIONS
 from batchyard.app import create_app
 from batchyard.service import Service
 
@@ -37,17 +37,18 @@ def test_every_operation_has_its_body_its_answer_and_the_error_body(service: Ser
     doc = create_app(service).openapi()
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas
-    assert set(schemas["ErrorDetail"]["required"]) == {"code", "message", "retryable"}
+    assert set(schemas["ErrorDetail"]["required"]) == {"code", "type", "message", "retryable"}
     for (method, path), spec in OPERATIONS.items():
         op = doc["paths"][path][method]
         assert "422" not in op["responses"], (method, path)
         ok = op["responses"][str(spec.success)]
         assert ok["content"], (method, path)
         assert "x-ratelimit-remaining-requests" in ok["headers"]
+        envelope = "AnthropicErrorBody" if path in ANTHROPIC_PATHS else "ErrorBody"
         for status in spec.errors:
             error = op["responses"][str(status)]
             assert error["content"]["application/json"]["schema"] == {
-                "$ref": "#/components/schemas/ErrorBody"
+                "$ref": f"#/components/schemas/{envelope}"
             }
             assert "x-should-retry" in error["headers"]
         if spec.body is not None:

@@ -14,6 +14,7 @@ them, and the embedded model answers them under a grammar.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,30 +28,70 @@ from batchyard.api.context import (
     service_of,
 )
 from batchyard.api.openai_door import StreamShape, resolve, sse_response
+from batchyard.core.catalog import ModelSpec
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
-from batchyard.core.openai_bodies import ChatRequest, parse_chat
+from batchyard.core.openai_bodies import parse_chat
 from batchyard.core.prices import Price
+from batchyard.core.tokens import Tokenizer
 from batchyard.engines.base import Choice, CompletionRequest, Delta
 from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
+from batchyard.service import Service
 from batchyard.work.dispatcher import DispatchResult
 
-__all__ = ["chat_choice", "router"]
+__all__ = ["Quote", "chat_choice", "check_images", "quote_chat", "router"]
 
 router = APIRouter()
 
 
-def _check_images(req: ChatRequest, reads_images: bool) -> None:
+def check_images(messages: list[dict[str, Any]], reads_images: bool) -> None:
+    """Refuse image parts for a model that reads text only (a coded 400, nothing charged)."""
     has_image = any(
         isinstance(m.get("content"), list)
         and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
-        for m in req.messages
+        for m in messages
     )
     if has_image and not reads_images:
         raise UnsupportedInput(
             "this model reads text only; send images to kettei-chub or kettei-fat"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Quote:
+    """What a chat call may cost at most: its prompt counted, its price, the hold."""
+
+    tokenizer: Tokenizer
+    input_tokens: int
+    price: Price
+    max_cost: int
+
+
+def quote_chat(
+    svc: Service, model: ModelSpec, messages: list[dict[str, Any]], max_tokens: int, n: int = 1
+) -> Quote:
+    """Count ``messages`` with the model's tokenizer and price the most the call can cost.
+
+    ``max_tokens`` over the model's output limit, or a prompt that leaves no
+    room for it in the context window, is a coded 400 before anything is held.
+    """
+    if max_tokens > model.max_output_tokens:
+        raise InvalidRequest(
+            f"max_tokens can be at most {model.max_output_tokens} for {model.id}",
+            param="max_tokens",
+            code="max_tokens_out_of_range",
+        )
+    tok = svc.tokenizer(model)
+    input_tokens = tok.count_messages(messages)
+    if input_tokens + max_tokens > model.context_window:
+        raise ContextWindowExceeded(
+            f"{input_tokens} prompt tokens + max_tokens {max_tokens} exceed the "
+            f"{model.context_window}-token context window of {model.id}",
+            param="messages",
+        )
+    price = Price(model.input_per_mtok, model.output_per_mtok)
+    return Quote(tok, input_tokens, price, quote_ticks(price.cost(input_tokens, max_tokens * n)))
 
 
 def _logprobs(ch: Choice, wanted: bool) -> dict[str, Any] | None:
@@ -115,28 +156,19 @@ async def chat_completions(request: Request) -> Response:
     if body.tools and body.tool_choice != "none":
         needs.append("tools")
     model, route = resolve(svc, body.model, *needs)
-    _check_images(body, model.reads_images)
+    check_images(body.messages, model.reads_images)
     max_tokens = (
         body.max_completion_tokens
         or body.max_tokens
         or min(svc.settings.default_max_tokens, model.max_output_tokens)
     )
-    if max_tokens > model.max_output_tokens:
-        raise InvalidRequest(
-            f"max_tokens can be at most {model.max_output_tokens} for {model.id}",
-            param="max_tokens",
-            code="max_tokens_out_of_range",
-        )
-    tok = svc.tokenizer(model)
-    input_tokens = tok.count_messages(body.messages)
-    if input_tokens + max_tokens > model.context_window:
-        raise ContextWindowExceeded(
-            f"{input_tokens} prompt tokens + max_tokens {max_tokens} exceed the "
-            f"{model.context_window}-token context window of {model.id}",
-            param="messages",
-        )
-    price = Price(model.input_per_mtok, model.output_per_mtok)
-    max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n))
+    quote = quote_chat(svc, model, body.messages, max_tokens, body.n)
+    tok, input_tokens, price, max_cost = (
+        quote.tokenizer,
+        quote.input_tokens,
+        quote.price,
+        quote.max_cost,
+    )
     req = CompletionRequest(
         model=route.upstream_model,
         messages=body.messages,

@@ -1,8 +1,11 @@
 """``POST /v1/completions``: OpenAI's (legacy) text completions, billed and limited like chat.
 
-The prompt goes to the model as it is, with no chat template. One prompt per
-request (a list of prompts is a batch: send each, or use the batch door);
-``n`` samples of it are answered and billed like chat's.
+The prompt goes to the model as it is, with no chat template; ``n`` samples
+of it are answered and billed like chat's. A list of prompts is answered as
+OpenAI does, one choice per prompt × ``n`` in order (prompt ``i``'s samples
+are choices ``i*n`` to ``i*n+n-1``), and is one call to its caller: one tier
+check, one hold for the whole list, one charge. A prompt of token ids is read
+as ``cl100k_base`` ids (``engines.token_ids``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.openai_bodies import parse_completion
 from batchyard.core.prices import Price
 from batchyard.engines.base import Choice, CompletionRequest, Delta
+from batchyard.engines.token_ids import as_texts
 from batchyard.errors import CapabilityUnsupported, ContextWindowExceeded, InvalidRequest
 from batchyard.service.deployment import service_of
 from batchyard.work.dispatcher import DispatchResult
@@ -48,12 +52,11 @@ async def completions(request: Request) -> Response:
     raw = await read_json(request)
     svc = service_of(request)
     body = parse_completion(raw)
-    prompts = body.prompts()
-    if len(prompts) != 1:
+    prompts = as_texts(body.prompts(), "prompt")
+    if body.stream and len(prompts) > 1:
         raise CapabilityUnsupported(
-            "send one prompt per request (or a batch through /v1/batches)", param="prompt"
+            "a stream answers one prompt; send the list without stream", param="stream"
         )
-    prompt = prompts[0]
     model, route = resolve(svc, body.model, "completions", *(["stream"] if body.stream else []))
     max_tokens = body.max_tokens or 16
     if max_tokens > model.max_output_tokens:
@@ -63,35 +66,47 @@ async def completions(request: Request) -> Response:
             code="max_tokens_out_of_range",
         )
     tok = svc.tokenizer(model)
-    input_tokens = tok.count(prompt) + 1  # the start-of-text token the model reads first
-    if input_tokens + max_tokens > model.context_window:
-        raise ContextWindowExceeded(
-            f"{input_tokens} prompt tokens + max_tokens {max_tokens} exceed the "
-            f"{model.context_window}-token context window of {model.id}",
-            param="prompt",
-        )
+    # Each prompt and the start-of-text token the model reads first.
+    counts = [n + 1 for n in tok.count_batch(prompts)]
+    for i, count in enumerate(counts):
+        if count + max_tokens > model.context_window:
+            where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            raise ContextWindowExceeded(
+                f"{count} prompt tokens + max_tokens {max_tokens} exceed the "
+                f"{model.context_window}-token context window of {model.id}",
+                param=where,
+            )
+    input_tokens = sum(counts)
     price = Price(model.input_per_mtok, model.output_per_mtok)
-    max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n))
+    max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n * len(prompts)))
     wants_logprobs = body.logprobs is not None
-    req = CompletionRequest(
-        model=route.upstream_model,
-        messages=[{"role": "user", "content": prompt}],
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        n=body.n,
-        stop=body.stop_list(),
-        seed=body.seed,
-        logprobs=wants_logprobs,
-        top_logprobs=body.logprobs,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-    )
+    reqs = [
+        CompletionRequest(
+            model=route.upstream_model,
+            messages=[{"role": "user", "content": prompt}],
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            n=body.n,
+            stop=body.stop_list(),
+            seed=body.seed,
+            logprobs=wants_logprobs,
+            top_logprobs=body.logprobs,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+        )
+        for prompt in prompts
+    ]
+    req = reqs[0]
     now = svc.clock.now()
     call_id = new_id("cmpl", now)
     created = int(now.timestamp())
-    echo = prompt if body.echo else ""
+    echo = prompts[0] if body.echo else ""
+
+    def echoed(i: int) -> str:
+        """The prompt of choice ``i`` where it is echoed: choices go prompt by prompt."""
+        return prompts[i // body.n] if body.echo else ""
 
     def whole(result: DispatchResult) -> dict[str, Any]:
         u = result.completion.usage
@@ -104,7 +119,7 @@ async def completions(request: Request) -> Response:
             "choices": [
                 {
                     "index": i,
-                    "text": echo + ch.text,
+                    "text": echoed(i) + ch.text,
                     "finish_reason": ch.finish_reason,
                     "logprobs": _logprobs(ch, wants_logprobs),
                 }
@@ -162,6 +177,18 @@ async def completions(request: Request) -> Response:
 
     async def handler() -> tuple[int, Any]:
         await limits()
+        if len(reqs) > 1:
+            result = await svc.dispatcher.execute_all(
+                org_id=principal.org_id,
+                model=model,
+                route=route,
+                requests=list(zip(reqs, counts, strict=True)),
+                max_cost=max_cost,
+                price=price,
+                purpose="completions",
+                ref=call_id,
+            )
+            return 200, whole(result)
         result = await svc.dispatcher.execute(
             org_id=principal.org_id,
             model=model,

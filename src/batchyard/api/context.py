@@ -1,10 +1,11 @@
 """What every handler needs: the service, the caller, the body, its key.
 
 Authentication accepts ``Authorization: Bearer <key>`` and seed 002's
-``Authorization: ApiKey <key>``; what each scope may call is the one table in
-``service.access``, looked up by the route that matched. Bodies are read with a
-size cap and parsed strictly (``api.inputs``), so a 50 MB upload is refused
-with 413 without being held whole and a NaN never reaches the store.
+``Authorization: ApiKey <key>`` (and, at Anthropic's door, ``x-api-key``);
+what each scope may call is the one table in ``service.access``, looked up by
+the route that matched. Bodies are read with a size cap and parsed strictly
+(``api.inputs``), so a 50 MB upload is refused with 413 without being held
+whole and a NaN never reaches the store.
 """
 
 from __future__ import annotations
@@ -45,24 +46,30 @@ __all__ = [
 ]
 
 
-def _presented_key(request: Request) -> str:
+def _presented_key(request: Request, x_api_key: bool) -> str:
+    if x_api_key and (value := request.headers.get("x-api-key", "").strip()):
+        return value
+    hint = "`x-api-key: <key>` or " if x_api_key else ""
     header = request.headers.get("authorization")
     if not header:
-        raise MissingApiKey("send your API key as `Authorization: Bearer <key>`")
+        raise MissingApiKey(f"send your API key as {hint}`Authorization: Bearer <key>`")
     scheme, _, value = header.partition(" ")
     if scheme.lower() not in ("bearer", "apikey") or not value.strip():
-        raise MissingApiKey("send your API key as `Authorization: Bearer <key>`")
+        raise MissingApiKey(f"send your API key as {hint}`Authorization: Bearer <key>`")
     return value.strip()
 
 
-async def authenticate(request: Request) -> Principal:
-    """The caller, checked against the route's row of ``service.access.ACCESS``; 401 or 403."""
+async def authenticate(request: Request, *, x_api_key: bool = False) -> Principal:
+    """The caller, checked against the route's row of ``service.access.ACCESS``; 401 or 403.
+
+    ``x_api_key``: also take the key from Anthropic's ``x-api-key`` header (its door).
+    """
     route = request.scope.get("route")
     rule = access_for(request.method, getattr(route, "path", ""))
     if rule is None or rule.kind != "key":
         raise RuntimeError(f"{request.method} {getattr(route, 'path', '?')} has no key rule")
     svc = service_of(request)
-    secret = _presented_key(request)
+    secret = _presented_key(request, x_api_key)
 
     def lookup(conn: Connection) -> Principal | None:
         return accounts.authenticate(conn, secret)
@@ -82,6 +89,10 @@ async def authenticate(request: Request) -> Principal:
     limits = [limit for limit, _ in tier_limits(tier, 0.0)]
     envelope_of(request).peek = (svc.limiter, f"org:{principal.org_id}", limits)
     return principal
+
+
+#: How long past its time a refused request's place in line waits for it to come back.
+LINE_HOLD_S = 5.0
 
 
 def json_response(body: Any, status_code: int = 200) -> JSONResponse:
@@ -127,6 +138,8 @@ async def check_tier_limits(
         admission = await svc.limiter.try_acquire(
             key, [(limit, tokens)], max_delay=svc.settings.limits_queue_s
         )
+        # Its x-ratelimit-*-tokens headers are the estimate budget it spent from.
+        env.standing = admission.standing
         if not admission.allowed:
             raise RateLimited(
                 f"over your tier's estimate budget ({tier.estimate_tokens_per_minute} tokens "
@@ -137,30 +150,20 @@ async def check_tier_limits(
             await svc.clock.sleep(admission.delay)
         return
     queue_s = svc.settings.limits_queue_s
-    started = svc.clock.time()
-    grant = await svc.limiter.occupy(
-        key, tier.max_in_flight, svc.settings.slot_lease_s, max_wait=queue_s
-    )
-    if grant.token is None:
-        raise RateLimited(
-            f"{grant.in_use} requests of your organisation are in flight, the most tier "
-            f"{tier.level} allows at once ({tier.max_in_flight}); send the next when one "
-            "finishes",
-            retry_after=1.0,
-            details={"limit": "concurrency"},
-        )
-    env.slot = HeldSlot(svc.limiter, svc.clock, key, grant.token, svc.settings.slot_lease_s)
-    left = max(0.0, queue_s - (svc.clock.time() - started))
     limits = tier_limits(tier, tokens)
     limits[0] = (limits[0][0], requests)
-    admission = await svc.limiter.try_acquire(key, limits, max_delay=left)
+    # Its place in the schedule first: a request refused now is given a place in
+    # line (``Limiter.try_acquire(hold_s=)``), so each refused caller of a burst
+    # is told its own time and their retries come back spread, not together.
+    admission = await svc.limiter.try_acquire(
+        key, limits, max_delay=queue_s, hold_s=max(queue_s, LINE_HOLD_S)
+    )
     env.standing = admission.standing
     if not admission.allowed:
-        await env.release()
         raise RateLimited(
             f"over your tier's limits (tier {tier.level}: {tier.requests_per_minute} requests "
-            f"and {tier.tokens_per_minute} input tokens a minute); retry after the delay "
-            "or move up a tier",
+            f"and {tier.tokens_per_minute} input tokens a minute); your place in line is "
+            "kept: retry after the delay, or move up a tier",
             retry_after=admission.retry_after,
             details={
                 "limit": {"rpm": "requests", "tpm": "tokens"}.get(str(admission.limit))
@@ -169,6 +172,21 @@ async def check_tier_limits(
         )
     if admission.delay > 0:
         await svc.clock.sleep(admission.delay)
+    # Then a concurrency slot, held while it is in flight (not while it waits its turn).
+    grant = await svc.limiter.occupy(
+        key, tier.max_in_flight, svc.settings.slot_lease_s, max_wait=queue_s
+    )
+    if grant.token is None:
+        for limit, cost in limits:
+            await svc.limiter.adjust(key, limit, -cost)
+        raise RateLimited(
+            f"{grant.in_use} requests of your organisation are in flight, the most tier "
+            f"{tier.level} allows at once ({tier.max_in_flight}); send the next when one "
+            "finishes",
+            retry_after=1.0,
+            details={"limit": "concurrency"},
+        )
+    env.slot = HeldSlot(svc.limiter, svc.clock, key, grant.token, svc.settings.slot_lease_s)
 
 
 async def idempotent(
@@ -179,10 +197,13 @@ async def idempotent(
     *,
     min_len: int = 1,
     required: bool = False,
+    answers_text: bool = True,
 ) -> Response:
     """Run ``handler`` once per Idempotency-Key, replaying its saved answer (see ``run_once``).
 
     Without the header the handler simply runs, unless ``required``.
+    ``answers_text=False`` marks an answer with no customer text in it (a
+    submission's batch object), kept even under zero data retention.
     """
     svc = service_of(request)
     key = request.headers.get("idempotency-key")
@@ -197,7 +218,7 @@ async def idempotent(
         return json_response(payload, status)
     idem_rules.validate_key(key, min_len=min_len)
     fp = idem_rules.fingerprint(request.method, request.url.path, body)
-    answer = await run_once(svc, principal, key, fp, handler)
+    answer = await run_once(svc, principal, key, fp, handler, answers_text=answers_text)
     resp = Response(answer.text, status_code=answer.status, media_type="application/json")
     if answer.replayed:
         resp.headers["Idempotent-Replayed"] = "true"

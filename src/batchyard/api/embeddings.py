@@ -5,6 +5,11 @@ The embedded default serves them from its chat model's own hidden states
 (mean-pooled, unit length): real vectors from the shipped model, good enough
 to try the endpoint and for rough similarity; a deployment that needs a
 trained embedding model points a route at one (``serves_embeddings: true``).
+
+An input may be token ids, as OpenAI takes them: they are read as tiktoken's
+``cl100k_base`` ids and embedded as the text they encode (``engines.token_ids``),
+so LangChain's ``OpenAIEmbeddings()``, which sends ids by default, gets the
+vectors of its texts.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.openai_bodies import embedding_data, parse_embedding
 from batchyard.core.prices import Price
+from batchyard.engines.token_ids import as_texts
 from batchyard.service.deployment import service_of
 
 __all__ = ["router"]
@@ -33,7 +39,7 @@ async def embeddings(request: Request) -> Response:
     raw = await read_json(request)
     svc = service_of(request)
     body = parse_embedding(raw)
-    texts = body.texts()
+    texts = as_texts(body.inputs(), "input")
     model, route = resolve(svc, body.model, "embeddings")
     tok = svc.tokenizer(model)
     input_tokens = sum(tok.count_batch(texts)) + len(texts)

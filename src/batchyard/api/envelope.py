@@ -50,7 +50,7 @@ log = logging.getLogger("batchyard.api")
 _KEY = "batchyard.envelope"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Header names per limit name; the tier's limits are named rpm and tpm in the limiter.
-_HEADER_NAMES = {"rpm": "requests", "tpm": "tokens"}
+_HEADER_NAMES = {"rpm": "requests", "tpm": "tokens", "estimate_tpm": "tokens"}
 
 
 class HeldSlot:

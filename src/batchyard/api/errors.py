@@ -1,7 +1,8 @@
-"""Every error leaves as ``{"error": {"code", "message", "retryable"}}``.
+"""Every error leaves as ``{"error": {"code", "type", "message", "retryable"}}``.
 
 FastAPI's own 422 for a malformed body and Starlette's 404/405 are mapped to
-the same shape, so a client branches on ``code`` and never on prose.
+the same shape, so a client branches on ``code`` (or on OpenAI's ``type``) and
+never on prose. A 405 says in ``Allow`` which methods the path takes.
 
 Every error also says ``x-should-retry``: the OpenAI SDKs (and the clients
 built on them) retry 408, 409, 429 and 5xx by status unless this header says
@@ -23,10 +24,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
-from batchyard.errors import BatchyardError, InternalError
+from batchyard.errors import BatchyardError, InternalError, error_type
 
-__all__ = ["client_gone", "error_response", "install_error_handlers"]
+__all__ = [
+    "HTTP_CODES",
+    "allowed_methods",
+    "client_gone",
+    "error_response",
+    "install_error_handlers",
+]
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+#: The codes of the errors Starlette's router raises itself (no route, wrong method).
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 log = logging.getLogger("batchyard.api")
 
@@ -79,6 +92,22 @@ def client_gone(exc: BaseException) -> bool:
     return type(exc).__name__ in _GONE
 
 
+def allowed_methods(request: Request) -> str:
+    """The ``Allow`` of a 405: every method some route of this path takes.
+
+    Starlette's own header names the methods of the first route that matched the
+    path, but a path served by two routes (``GET`` and ``POST /v1/batches``) has
+    both, and FastAPI nests included routers; so each method is tried on the router.
+    """
+    routes = request.app.router.routes
+    methods = {
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
+    }
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BatchyardError)
     async def _batchyard(_: Request, exc: BatchyardError) -> JSONResponse:
@@ -91,6 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
         body = {
             "error": {
                 "code": "invalid_request",
+                "type": error_type(400),
                 "message": f"{loc or 'request'}: {first.get('msg', 'invalid')}",
                 "retryable": False,
                 "param": loc or None,
@@ -99,10 +129,20 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=400, headers={"x-should-retry": "false"})
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        body = {"error": {"code": code, "message": str(exc.detail), "retryable": False}}
-        return JSONResponse(body, status_code=exc.status_code, headers={"x-should-retry": "false"})
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = HTTP_CODES.get(exc.status_code, "http_error")
+        body = {
+            "error": {
+                "code": code,
+                "type": error_type(exc.status_code),
+                "message": str(exc.detail),
+                "retryable": False,
+            }
+        }
+        headers = {"x-should-retry": "false"}
+        if exc.status_code == 405:
+            headers["Allow"] = allowed_methods(request)
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -5,27 +5,26 @@ OpenAI's 404 ``model_not_found`` for a name nobody serves and a coded 400
 (``capability_unsupported``) when the route cannot do what is asked.
 
 ``sse_response`` sends a dispatcher stream as server-sent events, under the
-same Idempotency-Key rules as every POST: the key is claimed before the
-first byte, the whole answer is saved when the stream ends, and a replay of
-the same request gets the saved answer back as a stream (one chunk holding the
-whole text, then the usage chunk if asked for, then ``[DONE]``). A stream that
-stops early (the client hung up) saves nothing: the same key runs again, and
-the partial answer has been billed exactly for the tokens produced.
+same Idempotency-Key rules as every POST (``keyed_streams``, shared with
+Anthropic's door): the key is claimed before the first byte, the whole answer
+is saved when the stream ends, and a replay of the same request gets the saved
+answer back as a stream (one chunk holding the whole text, then the usage
+chunk if asked for, then ``[DONE]``). A stream that stops early (the client
+hung up) saves nothing: the same key runs again, and the partial answer has
+been billed exactly for the tokens produced.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from sqlalchemy import Connection
 
+from batchyard.api.keyed_streams import open_stream
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
 from batchyard.core.catalog import ModelSpec, RouteSpec
@@ -38,7 +37,6 @@ from batchyard.errors import (
     UnknownModel,
 )
 from batchyard.service import Service
-from batchyard.store import idempotency as idem_store
 from batchyard.work.dispatcher import DispatchResult
 
 __all__ = ["Capability", "StreamShape", "resolve", "sse_response"]
@@ -112,40 +110,9 @@ async def sse_response(
     ``before`` runs after the key is claimed and before the stream starts (the
     tier's limits), so a refused request leaves the key free.
     """
-    key = request.headers.get("idempotency-key")
-    org = principal.org_id
-    keep = key is not None and not principal.zero_data_retention
-    if key is not None:
-        idem_rules.validate_key(key)
-        fp = idem_rules.fingerprint(request.method, request.url.path, raw)
-        now = svc.clock.now()
-        ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
-
-        def claim(conn: Connection) -> idem_rules.SavedResponse | None:
-            return idem_store.begin(conn, org, key, fp, now, ttl)
-
-        saved = await svc.db.write(claim)
-        if saved is not None:
-            return _replay(saved, shape, include_usage)
-
-    async def forget() -> None:
-        if key is not None:
-            await asyncio.shield(svc.db.write(lambda c: idem_store.forget(c, org, key)))
-
-    try:
-        await before()
-        pieces = start()
-        first = await anext(pieces)
-    except BatchyardError as exc:
-        if key is not None and not exc.retryable and keep:
-            text, status = json.dumps(exc.to_body()), exc.status
-            await svc.db.write(lambda c: idem_store.finish(c, org, key, status, text))
-        else:
-            await forget()
-        raise
-    except BaseException:
-        await forget()
-        raise
+    opened = await open_stream(request, svc, principal, raw, start=start, before=before)
+    if isinstance(opened, idem_rules.SavedResponse):
+        return _replay(opened, shape, include_usage)
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -164,7 +131,7 @@ async def sse_response(
         finished = False
         try:
             yield _event(chunk([shape.first(i) for i in range(n)]))
-            piece: Delta | DispatchResult = first
+            piece: Delta | DispatchResult = opened.first
             while True:
                 if isinstance(piece, DispatchResult):
                     whole = shape.whole(piece)
@@ -172,12 +139,11 @@ async def sse_response(
                         yield _event(chunk([], whole["usage"]))
                     yield _DONE
                     finished = True
-                    if keep and key is not None:
-                        await svc.db.write(_saver(org, key, json.dumps(whole)))
+                    await opened.save(whole)
                     return
                 if piece.text or piece.tool_calls or piece.finish_reason:
                     yield _event(chunk([shape.piece(piece)]))
-                piece = await anext(pieces)
+                piece = await anext(opened.pieces)
         except BatchyardError as exc:
             # The status line has gone; OpenAI's clients read an error event.
             yield _event(exc.to_body())
@@ -185,14 +151,9 @@ async def sse_response(
             yield _event(InternalError("the stream ended without a result").to_body())
         finally:
             if not finished:
-                await pieces.aclose()  # type: ignore[attr-defined]
-                await forget()
+                await opened.abandon()
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _saver(org: str, key: str, text: str) -> Callable[[Connection], None]:
-    return lambda c: idem_store.finish(c, org, key, 200, text)
 
 
 def _replay(saved: idem_rules.SavedResponse, shape: StreamShape, include_usage: bool) -> Response:

@@ -26,9 +26,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict
 
+from batchyard.core.anthropic_bodies import CountTokensRequest, MessagesRequest
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 
-__all__ = ["OPERATIONS", "Operation", "install_openapi"]
+__all__ = ["ANTHROPIC_PATHS", "OPERATIONS", "Operation", "install_openapi"]
 
 
 class ErrorDetail(BaseModel):
@@ -37,6 +38,8 @@ class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     code: str
+    #: OpenAI's error type (``invalid_request_error``, ``rate_limit_error``, …), by status.
+    type: str
     message: str
     retryable: bool
     param: str | None = None
@@ -306,6 +309,104 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
 }
 
+# -- Anthropic's Messages door (api/messages.py): its own answers and error envelope --
+
+
+class AnthropicErrorDetail(BaseModel):
+    """Anthropic's error object, with batchyard's stable ``code`` beside its ``type``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    message: str
+    code: str
+    param: str | None = None
+
+
+class AnthropicErrorBody(BaseModel):
+    type: str = "error"
+    error: AnthropicErrorDetail
+    request_id: str | None = None
+
+
+class AnthropicMessage(_Open):
+    """Anthropic's ``message`` object (see docs/reference/messages.md)."""
+
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: dict[str, Any]
+
+
+class MessageTokensCount(BaseModel):
+    input_tokens: int
+
+
+_ANTHROPIC_CALL = (400, 401, 402, 403, 404, 409, 413, 415, 429, 500, 502, 503, 504, 529)
+
+
+def _anthropic_operations() -> dict[tuple[str, str], Operation]:
+    return {
+        ("post", "/v1/messages"): Operation(
+            200,
+            AnthropicMessage,
+            _ANTHROPIC_CALL,
+            MessagesRequest,
+            streams=True,
+            summary="Messages (Anthropic's shape)",
+        ),
+        ("post", "/v1/messages/batches"): Operation(
+            200,
+            _Open,
+            (*_WRITE, 402),
+            _Open,
+            summary="Create a Message Batch (Anthropic's shape; a file batch underneath)",
+        ),
+        ("get", "/v1/messages/batches"): Operation(
+            200, _Open, _READ, summary="Message Batches, newest first (before_id / after_id)"
+        ),
+        ("get", "/v1/messages/batches/{batch_id}"): Operation(200, _Open, _READ),
+        ("post", "/v1/messages/batches/{batch_id}/cancel"): Operation(200, _Open, _WRITE),
+        ("get", "/v1/messages/batches/{batch_id}/results"): Operation(
+            200,
+            _Open,
+            (*_READ, 409),
+            media="application/x-jsonl",
+            summary="Results, one {custom_id, result} line per request, once ended",
+        ),
+        ("post", "/v1/messages/count_tokens"): Operation(
+            200,
+            MessageTokensCount,
+            (400, 401, 403, 404, 413, 415, 429, 500, 503),
+            CountTokensRequest,
+            summary="Count a Messages prompt's tokens without running it",
+        ),
+    }
+
+
+OPERATIONS.update(_anthropic_operations())
+ANTHROPIC_PATHS = frozenset(path for _, path in _anthropic_operations())
+
+
+def _anthropic_errors(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
+    """Anthropic's door answers errors in Anthropic's envelope, and streams its events."""
+    ref = _ref(AnthropicErrorBody, schemas)
+    for path in ANTHROPIC_PATHS:
+        for op in doc.get("paths", {}).get(path, {}).values():
+            for status, answer in op.get("responses", {}).items():
+                if int(status) >= 400:
+                    answer["content"] = {_JSON: {"schema": ref}}
+                elif _SSE in answer.get("content", {}):
+                    answer["content"][_SSE]["schema"]["description"] = (
+                        "with stream: true, server-sent events of Anthropic's types "
+                        "(message_start ... message_stop)"
+                    )
+
+
 _REASONS = {
     200: "OK",
     201: "Created",
@@ -323,6 +424,7 @@ _REASONS = {
     503: "A model warming up, an upstream rate limit, the service not ready, or a store that "
     "cannot take the request now (storage_unavailable, retryable)",
     504: "The model's upstream timed out",
+    529: "Overloaded: the model is warming up or its upstream is rate limited (Anthropic's door)",
 }
 
 _RATE_HEADERS = {
@@ -410,6 +512,7 @@ def _document(app: FastAPI) -> dict[str, Any]:
                     "headers": _ERROR_HEADERS,
                 }
             op["responses"] = responses
+    _anthropic_errors(doc, schemas)
     components = doc.setdefault("components", {})
     found = components.setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):

@@ -42,7 +42,7 @@ from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, Qu
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
 from batchyard.store import work_items
-from batchyard.work.runs.canceling import stop_run
+from batchyard.work.runs.canceling import canceled_by_owner, stop_run
 from batchyard.work.runs.funding import fund
 
 __all__ = ["router", "run_json"]
@@ -282,7 +282,7 @@ async def cancel_run(request: Request, project_id: str, run_id: str) -> Response
 
         def tx(c: Connection) -> rstore.Run:
             run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
-            return stop_run(c, run, now)
+            return stop_run(c, run, now, error=canceled_by_owner(principal.key_id, now))
 
         run = await svc.db.transact(tx)
         svc.runs.notify()

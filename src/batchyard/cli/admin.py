@@ -1,4 +1,4 @@
-"""Operator commands: ``keys``, ``credit``, ``audit``.
+"""Operator commands: ``keys``, ``credit``, ``audit``, ``orgs``.
 
 They work on the database directly (migrating it first), so an operator can
 create the first key before any server is running. Server modules are
@@ -17,12 +17,18 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from batchyard.cli.options import database_options, settings_from
+from batchyard.cli.options import (
+    OperatorError,
+    config_errors,
+    database_options,
+    settings_from,
+    store_problem,
+)
 
 if TYPE_CHECKING:
     from batchyard.store.database import Database
 
-__all__ = ["audit", "credit", "keys"]
+__all__ = ["audit", "credit", "keys", "orgs"]
 
 console = Console(stderr=True)
 
@@ -36,9 +42,10 @@ def open_database(config_file: str | None, database_url: str | None) -> Database
         db = Database(settings.database_url, pool_size=2)
         db.migrate()
     except StorageUnavailable as exc:
-        raise click.ClickException(f"the database cannot be used: {exc.message}") from None
+        # Not the API's "send it again with the same Idempotency-Key": the operator's fix.
+        raise OperatorError(f"batchyard: {store_problem(exc)}") from None
     except OSError as exc:
-        raise click.ClickException(f"the database cannot be opened: {exc}") from None
+        raise OperatorError(f"batchyard: the database cannot be opened: {exc}") from None
     return db
 
 
@@ -229,12 +236,16 @@ def credit_auto_topup(
 @database_options
 def audit(config_file: str | None, database_url: str | None) -> None:
     """Check every ledger invariant and look for stranded holds; exit 0 only when all is well."""
+    from batchyard.app import verify_key_of
     from batchyard.core.clock import SystemClock
     from batchyard.store import holds, ledger
 
     db = open_database(config_file, database_url)
     now = SystemClock().now()
     try:
+        # A wrong or lost batch key is refused here too, before the audit says all is well.
+        with config_errors():
+            verify_key_of(settings_from(config_file, database_url), db, SystemClock())
         problems = db.read_sync(ledger.audit)
         stranded = db.read_sync(lambda c: holds.stranded(c, now))
     finally:
@@ -253,3 +264,59 @@ def audit(config_file: str | None, database_url: str | None) -> None:
         "[green]✓[/] ledger sound: balance = top-ups − settled charges − held reservations; "
         "no stranded holds"
     )
+
+
+@click.group()
+def orgs() -> None:
+    """Show an organisation and set its zero data retention."""
+
+
+@orgs.command("show")
+@click.option("--org", "org_name", required=True)
+@database_options
+def orgs_show(org_name: str, config_file: str | None, database_url: str | None) -> None:
+    """The organisation's tier and whether it has zero data retention."""
+    from batchyard.store import accounts
+
+    db = open_database(config_file, database_url)
+    try:
+        org = db.read_sync(lambda c: accounts.get_org_by_name(c, org_name))
+    finally:
+        db.close()
+    if org is None:
+        raise click.ClickException(f"no organisation called {org_name!r}")
+    click.echo(f"{org.name} ({org.id}): tier {org.tier}, zero data retention {_on(org)}")
+
+
+def _on(org: object) -> str:
+    return "on" if getattr(org, "zero_data_retention", False) else "off"
+
+
+@orgs.command("retention")
+@click.option("--org", "org_name", required=True)
+@click.argument("setting", type=click.Choice(["zero", "standard"]))
+@database_options
+def orgs_retention(
+    org_name: str, setting: str, config_file: str | None, database_url: str | None
+) -> None:
+    """Set zero data retention on (``zero``) or off (``standard``) for the organisation.
+
+    With zero data retention no answer is saved for replay: a rerun under the same
+    Idempotency-Key runs and charges again, and decide's batch calibration keeps
+    nothing of the texts. Submissions (deferred and file batches) still keep their
+    keys, since their answers hold no text. See docs/reference/privacy.md.
+    """
+    from batchyard.store import accounts
+
+    on = setting == "zero"
+    db = open_database(config_file, database_url)
+    try:
+        found = db.read_sync(lambda c: accounts.get_org_by_name(c, org_name))
+        if found is None:
+            raise click.ClickException(f"no organisation called {org_name!r}")
+        org_id = found.id
+        db.transact_sync(lambda c: accounts.set_zero_data_retention(c, org_id, on))
+        after = db.read_sync(lambda c: accounts.get_org(c, org_id))
+    finally:
+        db.close()
+    console.print(f"{org_name}: zero data retention {_on(after)}")

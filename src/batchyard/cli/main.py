@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from batchyard.cli.admin import audit, credit, keys
+from batchyard.cli.admin import audit, credit, keys, orgs
 from batchyard.cli.batches import batches
 from batchyard.cli.check import command as check_command
 from batchyard.cli.demo import demo
@@ -22,7 +22,7 @@ def cli() -> None:
     """batchyard: a self-hostable batch inference gateway for LLMs."""
 
 
-for command in (serve, worker, keys, credit, audit, holds, runs, batches, demo):
+for command in (serve, worker, keys, credit, audit, orgs, holds, runs, batches, demo):
     cli.add_command(command)
 
 cli.add_command(run_command, "run")

@@ -6,8 +6,10 @@ to land, and only calls still in flight then are cut off and become
 ``uncertain``; claimed work never sent goes back to waiting. ``serve`` also
 stops taking requests, lets those in progress finish within the same grace,
 and answers ``/readyz`` 503 from the first signal. A second signal stops at
-once. A store that cannot be opened or written at start is one line on
-stderr and exit status 1, not a traceback.
+once, and a clean drain exits 0. A store that cannot be opened or written at
+start is one line on stderr and exit status 1, not a traceback; a config
+mistake or a batch key that does not open the store's sealed data is one line
+and exit status 78.
 
 ``serve --workers N`` (N > 1) runs N API processes on one port under a
 supervisor (uvicorn's), each building its own service from the settings the
@@ -38,7 +40,13 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 
-from batchyard.cli.options import database_options, settings_from
+from batchyard.cli.options import (
+    OperatorError,
+    config_errors,
+    database_options,
+    settings_from,
+    store_problem,
+)
 
 if TYPE_CHECKING:
     from batchyard.core.config import Settings
@@ -61,15 +69,27 @@ GRACE_HELP = (
 
 @contextlib.contextmanager
 def _store_errors() -> Iterator[None]:
-    """A store that cannot be opened, migrated or written: one clear line, exit 1."""
+    """A store that cannot be opened, migrated or written, or a config mistake: one line."""
     from batchyard.errors import StorageUnavailable
 
     try:
-        yield
+        with config_errors():
+            yield
     except StorageUnavailable as exc:
-        raise click.ClickException(f"the database cannot be used: {exc.message}") from None
+        raise OperatorError(f"batchyard: {store_problem(exc)}") from None
     except OSError as exc:
-        raise click.ClickException(f"the database cannot be opened: {exc}") from None
+        raise OperatorError(f"batchyard: the database cannot be opened: {exc}") from None
+
+
+def _start(settings: Settings) -> Service:
+    """Build, migrate and check the batch key: every refusal before any work starts."""
+    from batchyard.app import build_service, verify_batch_key
+
+    with _store_errors():
+        service = build_service(settings)
+        service.db.migrate()  # here, so a store that cannot be written is one line, not a trace
+        verify_batch_key(service)
+    return service
 
 
 def _settings(config_file: str | None, database_url: str | None, grace: float | None) -> Settings:
@@ -124,7 +144,7 @@ def serve(
     """Start the API (and an in-process worker) on SQLite by default."""
     import uvicorn
 
-    from batchyard.app import build_service, create_app
+    from batchyard.app import create_app
     from batchyard.logs import setup_logging
 
     setup_logging(log_level.upper())
@@ -134,9 +154,7 @@ def serve(
             f"--workers {workers} needs PostgreSQL (--database postgresql://...): "
             "a SQLite file is one process's store"
         )
-    with _store_errors():
-        service = build_service(settings)
-        service.db.migrate()  # here, so a store that cannot be written is one line, not a trace
+    service = _start(settings)
     _report_batch_key(service)
     where = settings.sqlite_path or settings.database_url.split("@")[-1]
     console.print(f"batchyard: database {where}; listening on http://{host}:{port}")
@@ -151,6 +169,7 @@ def serve(
         port=port,
         log_level=log_level,
         access_log=False,
+        log_config=None,  # uvicorn's lines go through setup_logging's JSON handler
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
     )
 
@@ -162,7 +181,27 @@ def serve(
                 asyncio.get_running_loop().call_soon_threadsafe(service.begin_drain)
             super().handle_exit(sig, frame)
 
-    Server(config).run()
+    with _exit_zero_after_drain():
+        Server(config).run()
+
+
+@contextlib.contextmanager
+def _exit_zero_after_drain() -> Iterator[None]:
+    """Let a clean SIGTERM (or Ctrl-C) drain end with exit status 0, as the worker's does.
+
+    uvicorn re-raises the signal it caught once it has shut down, to the handler
+    that was there before it; with the default one the process died of SIGTERM
+    (status -15) after a drain that went well. The handler here takes that
+    re-raised signal and does nothing, so ``serve`` returns normally.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: None)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _serve_processes(
@@ -225,6 +264,7 @@ def _serve_processes(
         workers=workers,
         log_level=log_level,
         access_log=False,
+        log_config=None,  # uvicorn's lines go through setup_logging's JSON handler
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
     )
     background = "each runs background work" if with_worker else "no background work"
@@ -256,14 +296,13 @@ def worker(
     database_url: str | None,
 ) -> None:
     """Run background work (runs, deferred batches, file batches) without serving the API."""
-    from batchyard.app import build_service
     from batchyard.logs import setup_logging
 
     setup_logging(log_level.upper())
     settings = _settings(config_file, database_url, grace)
+    service = _start(settings)
 
     async def main() -> None:
-        service = build_service(settings)
         _report_batch_key(service)
         await service.start(worker=True)
         scrape = _metrics_server(service, metrics_host, metrics_port, log_level)
@@ -326,6 +365,7 @@ def _metrics_server(
         port=port,
         log_level=log_level,
         access_log=False,
+        log_config=None,  # uvicorn's lines go through setup_logging's JSON handler
         lifespan="off",
     )
     server = Server(config)

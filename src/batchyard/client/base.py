@@ -239,7 +239,7 @@ def error_from_response(response: httpx.Response) -> BatchyardError:
         # is 50 ms away, so waiting the header's full second would idle twenty
         # slots for every 429.
         retry_after = max(0.0, float(exact))
-    known = {"code", "message", "retryable", "param", "retry_after"}
+    known = {"code", "type", "message", "retryable", "param", "retry_after"}
     details = {k: v for k, v in err.items() if k not in known}
     if response.headers.get("Idempotent-Replayed") == "true":
         # A failure saved under the key by an earlier request, sent back as it

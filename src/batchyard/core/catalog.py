@@ -10,14 +10,37 @@ meets their discount, which is why both live here side by side.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+
+from batchyard.core.config_errors import ConfigError, from_validation
 from batchyard.errors import InvalidRequest, ModelUnavailable, UnknownModel
 
-__all__ = ["CATALOG_CREATED", "Catalog", "ModelSpec", "RouteSpec", "default_catalog"]
+__all__ = [
+    "CATALOG_CREATED",
+    "ENGINES",
+    "Catalog",
+    "ModelEntry",
+    "ModelSpec",
+    "RouteEntry",
+    "RouteSpec",
+    "build_catalog",
+    "catalog_from_config",
+    "default_catalog",
+]
 
 #: The ``created`` of models that name none (Unix seconds, 2025-01-01): OpenAI's
 #: model objects carry one, and a stable value keeps ``/v1/models`` the same on
@@ -51,14 +74,14 @@ class ModelSpec:
 class RouteSpec:
     id: str
     model: str
-    engine: Literal["llama_cpp", "openai_http"]
+    engine: Literal["llama_cpp", "openai_http", "memory"]
     upstream_model: str
     base_url: str | None = None
     api_key_env: str | None = None
     # The route's own offered price; None means it charges the model's direct price.
     input_per_mtok: Decimal | None = None
     output_per_mtok: Decimal | None = None
-    # What a prompt token the engine read from its cache costs (never above the
+    # What a prompt token the engine read from its cache costs (capped at the
     # input price); None: cached tokens cost what other input tokens cost.
     cached_input_per_mtok: Decimal | None = None
     # Prices come from the catalog ("fixed") or from the operator's price feed ("feed").
@@ -199,91 +222,216 @@ def default_catalog() -> Catalog:
     return Catalog(models, routes)
 
 
-def _decimal(value: Any, where: str) -> Decimal:
-    try:
-        d = Decimal(str(value))
-    except Exception as exc:
-        raise ValueError(f"{where}: not a decimal: {value!r}") from exc
-    if not d.is_finite() or d < 0:
-        raise ValueError(f"{where}: must be a non-negative decimal")
-    return d
+# --- the ``models:`` and ``routes:`` sections of a config file ---------------------------
+
+#: The engine kinds a route may name; ``work.engines`` builds one of each.
+ENGINES: tuple[str, ...] = ("llama_cpp", "openai_http", "memory")
+
+_Price = Annotated[Decimal, Field(ge=0, allow_inf_nan=False)]
+_Name = Annotated[str, Field(min_length=1)]
+_ENTRY = ConfigDict(extra="forbid", coerce_numbers_to_str=True, frozen=True)
 
 
-def _flag(raw: Mapping[str, Any], name: str) -> bool | None:
-    return bool(raw[name]) if raw.get(name) is not None else None
+class ModelEntry(BaseModel):
+    """One entry of ``models:``: a new model, or fields that replace a default model's."""
+
+    model_config = _ENTRY
+
+    id: _Name
+    input_per_mtok: _Price | None = None
+    output_per_mtok: _Price | None = None
+    context_window: PositiveInt | None = None
+    modality: tuple[Literal["text", "image"], ...] | None = None
+    tokenizer: str | None = None
+    type: Literal["base", "version"] = "base"
+    base_model: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    description: str | None = None
+    created: NonNegativeInt | None = None
+    owned_by: str | None = None
+
+
+class RouteEntry(BaseModel):
+    """One entry of ``routes:`` (see ``RouteSpec`` for what each field means)."""
+
+    model_config = _ENTRY
+
+    id: _Name
+    model: _Name
+    engine: str = "openai_http"
+    upstream_model: str | None = None
+    base_url: str | None = None
+    api_key_env: str | None = None
+    input_per_mtok: _Price | None = None
+    output_per_mtok: _Price | None = None
+    cached_input_per_mtok: _Price | None = None
+    price_source: Literal["fixed", "feed"] = "fixed"
+    hard_price_caps: bool = False
+    data_retention: Literal["none", "provider"] = "provider"
+    rpm: PositiveFloat | None = None
+    tpm: PositiveFloat | None = None
+    concurrency: PositiveInt | None = None
+    timeout_s: PositiveFloat = 120.0
+    fallbacks: tuple[str, ...] = ()
+    supports_json_schema: bool = False
+    supports_tools: bool | None = None
+    supports_streaming: bool = True
+    serves_completions: bool = True
+    serves_embeddings: bool | None = None
+    version: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value not in ENGINES:
+            raise ConfigError(
+                "",
+                f"unknown engine {value!r} (known: {', '.join(ENGINES)})",
+                "fix the route or remove it",
+            )
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ConfigError(
+                "",
+                f"{value!r} is not an http:// or https:// URL",
+                "write the upstream's base URL, such as http://vllm.internal:8000/v1",
+            )
+        return value
+
+
+class CatalogSections(BaseModel):
+    """``models:`` and ``routes:`` alone, for ``catalog_from_config``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    models: list[ModelEntry] | None = None
+    routes: list[RouteEntry] | None = None
 
 
 def catalog_from_config(data: Mapping[str, Any]) -> Catalog:
     """Build a catalog from the ``models:`` and ``routes:`` sections of a config file.
 
-    Models named in the file replace or add to the defaults; when ``routes:``
-    is given it replaces the default routes entirely, so an operator can turn
-    the embedded model off.
+    Raises ``ConfigError`` naming the field (``routes[0].engine``).
+    """
+    try:
+        sections = CatalogSections.model_validate(dict(data))
+    except ValidationError as exc:
+        raise from_validation(exc, model=CatalogSections) from None
+    return build_catalog(sections.models or [], sections.routes if "routes" in data else None)
+
+
+def build_catalog(models: Sequence[ModelEntry], routes: Sequence[RouteEntry] | None) -> Catalog:
+    """The catalog of checked entries, every cross-reference checked with its field path.
+
+    Models named in the file replace or add to the defaults (a field left out
+    keeps the default model's); when ``routes`` is given (even empty) it
+    replaces the default routes entirely, so an operator can turn the
+    embedded model off.
     """
     base = default_catalog()
-    models = dict(base.models)
-    for raw in data.get("models", []) or []:
-        mid = str(raw["id"])
-        prev = models.get(mid)
-        models[mid] = ModelSpec(
-            id=mid,
-            input_per_mtok=_decimal(
-                raw.get("input_per_mtok", prev.input_per_mtok if prev else None), mid
-            ),
-            output_per_mtok=_decimal(
-                raw.get("output_per_mtok", prev.output_per_mtok if prev else None), mid
-            ),
-            context_window=int(raw.get("context_window", prev.context_window if prev else 4096)),
-            modality=tuple(raw.get("modality", prev.modality if prev else ("text",))),
-            tokenizer=str(raw.get("tokenizer", prev.tokenizer if prev else "fallback")),
-            type=raw.get("type", "base"),
-            base_model=raw.get("base_model"),
-            max_output_tokens=int(
-                raw.get("max_output_tokens", prev.max_output_tokens if prev else 4096)
-            ),
-            description=str(raw.get("description", prev.description if prev else "")),
-            created=int(raw.get("created", prev.created if prev else CATALOG_CREATED)),
-            owned_by=str(raw.get("owned_by", prev.owned_by if prev else "batchyard")),
-        )
-    if "routes" in data:
-        routes = []
-        for raw in data.get("routes") or []:
-            rid = str(raw["id"])
-            routes.append(
-                RouteSpec(
-                    id=rid,
-                    model=str(raw["model"]),
-                    engine=raw.get("engine", "openai_http"),
-                    upstream_model=str(raw.get("upstream_model", raw["model"])),
-                    base_url=raw.get("base_url"),
-                    api_key_env=raw.get("api_key_env"),
-                    input_per_mtok=(
-                        _decimal(raw["input_per_mtok"], rid) if "input_per_mtok" in raw else None
-                    ),
-                    output_per_mtok=(
-                        _decimal(raw["output_per_mtok"], rid) if "output_per_mtok" in raw else None
-                    ),
-                    cached_input_per_mtok=(
-                        _decimal(raw["cached_input_per_mtok"], rid)
-                        if "cached_input_per_mtok" in raw
-                        else None
-                    ),
-                    price_source=raw.get("price_source", "fixed"),
-                    hard_price_caps=bool(raw.get("hard_price_caps", False)),
-                    data_retention=raw.get("data_retention", "provider"),
-                    rpm=raw.get("rpm"),
-                    tpm=raw.get("tpm"),
-                    concurrency=raw.get("concurrency"),
-                    timeout_s=float(raw.get("timeout_s", 120.0)),
-                    fallbacks=tuple(raw.get("fallbacks", ())),
-                    supports_json_schema=bool(raw.get("supports_json_schema", False)),
-                    supports_tools=_flag(raw, "supports_tools"),
-                    supports_streaming=bool(raw.get("supports_streaming", True)),
-                    serves_completions=bool(raw.get("serves_completions", True)),
-                    serves_embeddings=_flag(raw, "serves_embeddings"),
-                    version=dict(raw.get("version", {}) or {}),
-                )
+    specs = dict(base.models)
+    seen: set[str] = set()
+    for i, m in enumerate(models):
+        where = f"models[{i}]"
+        if m.id in seen:
+            raise ConfigError(
+                f"{where}.id", f"model {m.id!r} is listed twice", "keep one entry for it"
             )
-    else:
-        routes = list(base.routes.values())
-    return Catalog(models.values(), routes)
+        seen.add(m.id)
+        prev = specs.get(m.id)
+        for name in ("input_per_mtok", "output_per_mtok"):
+            if getattr(m, name) is None and prev is None:
+                raise ConfigError(
+                    f"{where}.{name}",
+                    f"a new model ({m.id!r}) needs its price",
+                    'give it in US dollars per million tokens, such as "0.50"',
+                )
+
+        def pick(name: str, default: Any, entry: ModelEntry = m, old: Any = prev) -> Any:
+            value = getattr(entry, name)
+            if value is not None:
+                return value
+            return getattr(old, name) if old is not None else default
+
+        specs[m.id] = ModelSpec(
+            id=m.id,
+            input_per_mtok=pick("input_per_mtok", None),
+            output_per_mtok=pick("output_per_mtok", None),
+            context_window=pick("context_window", 4096),
+            modality=tuple(pick("modality", ("text",))),
+            tokenizer=pick("tokenizer", "fallback"),
+            type=m.type,
+            base_model=m.base_model,
+            max_output_tokens=pick("max_output_tokens", 4096),
+            description=pick("description", ""),
+            created=pick("created", CATALOG_CREATED),
+            owned_by=pick("owned_by", "batchyard"),
+        )
+    for i, m in enumerate(models):
+        if m.type == "version" and m.base_model not in specs:
+            raise ConfigError(
+                f"models[{i}].base_model",
+                f"version {m.id!r} needs a known base_model, not {m.base_model!r}",
+                f"name one of: {', '.join(sorted(specs))}",
+            )
+    if routes is None:
+        return Catalog(specs.values(), base.routes.values())
+    ids = [r.id for r in routes]
+    built: list[RouteSpec] = []
+    for i, r in enumerate(routes):
+        where = f"routes[{i}]"
+        if r.id in ids[:i]:
+            raise ConfigError(
+                f"{where}.id", f"route {r.id!r} is listed twice", "give each route its own id"
+            )
+        if r.model not in specs:
+            raise ConfigError(
+                f"{where}.model",
+                f"unknown model {r.model!r} (known: {', '.join(sorted(specs))})",
+                "name a known model, or add it under models:",
+            )
+        if r.engine == "openai_http" and not r.base_url:
+            raise ConfigError(
+                f"{where}.base_url",
+                "an openai_http route needs the upstream's base URL",
+                "add base_url: http://host:port/v1",
+            )
+        for j, fb in enumerate(r.fallbacks):
+            if fb not in ids:
+                raise ConfigError(
+                    f"{where}.fallbacks[{j}]",
+                    f"falls back to unknown route {fb!r}",
+                    "name a route listed under routes:",
+                )
+        built.append(
+            RouteSpec(
+                id=r.id,
+                model=r.model,
+                engine=r.engine,  # type: ignore[arg-type]  # checked against ENGINES
+                upstream_model=r.upstream_model or r.model,
+                base_url=r.base_url,
+                api_key_env=r.api_key_env,
+                input_per_mtok=r.input_per_mtok,
+                output_per_mtok=r.output_per_mtok,
+                cached_input_per_mtok=r.cached_input_per_mtok,
+                price_source=r.price_source,
+                hard_price_caps=r.hard_price_caps,
+                data_retention=r.data_retention,
+                rpm=r.rpm,
+                tpm=r.tpm,
+                concurrency=r.concurrency,
+                timeout_s=r.timeout_s,
+                fallbacks=r.fallbacks,
+                supports_json_schema=r.supports_json_schema,
+                supports_tools=r.supports_tools,
+                supports_streaming=r.supports_streaming,
+                serves_completions=r.serves_completions,
+                serves_embeddings=r.serves_embeddings,
+                version=dict(r.version),
+            )
+        )
+    return Catalog(specs.values(), built)

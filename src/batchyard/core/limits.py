@@ -19,6 +19,7 @@ hold all three to the same behaviour. See docs/explanation/limits.md.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import threading
@@ -34,6 +35,8 @@ __all__ = [
     "EPSILON",
     "MAX_QUEUE_S",
     "PENALTY",
+    "PLACE_SLACK_S",
+    "RETRY_AFTER_MAX_S",
     "Admission",
     "Cell",
     "InMemoryLimiter",
@@ -48,9 +51,13 @@ __all__ = [
     "gcra_adjust",
     "gcra_many",
     "gcra_penalize",
+    "line_horizon",
+    "line_signature",
     "new_slot_token",
     "penalty_until",
+    "retry_for_place",
     "settle",
+    "settle_in_line",
     "standing_of",
     "storage_keys",
 ]
@@ -71,6 +78,17 @@ PENALTY = "!penalty"
 #: The furthest ahead a waiter with no deadline of its own takes a slot, in
 #: seconds (a finite stand-in for "forever" that every backend can store).
 MAX_QUEUE_S = 1e6
+
+#: How much of the server's queue a place's ``Retry-After`` leaves unused, so a
+#: caller back a little early (a replica whose clock runs ahead) still finds
+#: its place due: it waits that much longer on the server instead.
+PLACE_SLACK_S = 1.0
+
+#: The longest ``Retry-After`` clients honour as sent: the ``openai`` SDK (and
+#: the libraries built on it) fall back to their own short back-off above 60 s,
+#: so a place in line further ahead than this plus the server's queue would be
+#: missed by its holder.
+RETRY_AFTER_MAX_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +284,84 @@ def settle(
     return Admission(True, 0.0, None, delay, standing_of(limits, written, now)), written
 
 
+def line_signature(limits: Sequence[tuple[Limit, float]]) -> str:
+    """The line a refused request waits in: its limits and their costs.
+
+    A place in line is taken back only by a request with the same costs (its
+    own retry, as a rule), so a small request's place never admits a large one.
+    """
+    return "|".join(f"{limit.name}={cost!r}" for limit, cost in limits)
+
+
+def line_horizon(max_delay: float) -> float:
+    """How far ahead a refused request may be given a place in line.
+
+    Its ``Retry-After`` is ``retry_for_place``'s (it comes back in time to
+    wait the rest on the server), and clients honour at most
+    ``RETRY_AFTER_MAX_S`` of it.
+    """
+    return RETRY_AFTER_MAX_S + max_delay - min(PLACE_SLACK_S, max_delay)
+
+
+def retry_for_place(wait: float, max_delay: float) -> float:
+    """The ``retry_after`` of a place ``wait`` seconds ahead: early enough to wait the rest here.
+
+    It comes back when the place is ``max_delay`` away less ``PLACE_SLACK_S``
+    (a second of margin, where the queue is that long), so it takes the place
+    and the server holds it for what is left.
+    """
+    margin = min(PLACE_SLACK_S, max_delay)
+    return max(wait - max_delay + margin, EPSILON)
+
+
+def settle_in_line(
+    limits: Sequence[tuple[Limit, float]],
+    cells: Sequence[Cell],
+    tats: Sequence[float],
+    places: Sequence[float],
+    now: float,
+    max_delay: float,
+    hold_s: float,
+) -> tuple[Admission, list[float] | None, float | None, float | None]:
+    """``settle`` with a line: (verdict, TATs to write, place taken back, place given).
+
+    ``places`` are the times of the places in line already given (unexpired,
+    earliest first) for these limits and costs. The earliest one due within
+    ``max_delay`` is taken back: the request is admitted into it (its share of
+    every limit was counted when the place was given), after any penalty.
+    Otherwise the check is ``settle``'s; a refusal within the line's horizon
+    takes the refused request's slot in the schedule now (the TATs move as for
+    an admission) and gives it that place, so the next refused request is told
+    a later time rather than the same one. Its ``retry_after`` is the place
+    less most of ``max_delay`` (``retry_for_place``): it comes back in time to
+    take it and waits the rest on the server.
+    """
+    if places and places[0] <= now + max_delay + EPSILON:
+        penalty = max(0.0, tats[0] - now) if tats else 0.0
+        delay = max(places[0] - now, penalty, 0.0)
+        standing = standing_of(limits, tats, now)
+        if delay > max_delay + EPSILON:
+            return Admission(False, delay, PENALTY, 0.0, standing), None, None, None
+        admitted = Admission(True, 0.0, None, delay if delay > EPSILON else 0.0, standing)
+        return admitted, None, places[0], None
+    admission, written = settle(limits, cells, tats, now, max_delay)
+    if admission.allowed or hold_s <= 0 or admission.limit == PENALTY:
+        return admission, written, None, None
+    wait, _, new_tats = gcra_many(tats, now, cells)
+    if wait > line_horizon(max_delay) + EPSILON:
+        return admission, None, None, None
+    kept = [n if c.increment > 0 else t for t, c, n in zip(tats, cells, new_tats, strict=True)]
+    place = now + wait
+    refused = Admission(
+        False,
+        retry_for_place(wait, max_delay),
+        admission.limit,
+        0.0,
+        standing_of(limits, kept, now),
+    )
+    return refused, kept, None, place
+
+
 def penalty_until(
     signal: RateLimitSignal, now: float, *, default_reset_s: float = 1.0
 ) -> float | None:
@@ -306,12 +402,19 @@ class Limiter(Protocol):
     """What the API and the dispatcher hold; in-process or shared alike."""
 
     async def try_acquire(
-        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        *,
+        max_delay: float = 0.0,
+        hold_s: float = 0.0,
     ) -> Admission:
         """Admit ``cost`` against every limit under ``key``, or none of them.
 
         A request that would be admitted within ``max_delay`` seconds is admitted
         now into that later slot (``Admission.delay``); the caller waits it out.
+        With ``hold_s`` a refused request is given a place in line (see
+        ``settle_in_line``), held for ``hold_s`` seconds past its time.
         """
         ...
 
@@ -366,7 +469,12 @@ class LimiterBase:
         self._slot_freed: dict[str, asyncio.Event] = {}
 
     async def try_acquire(
-        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        *,
+        max_delay: float = 0.0,
+        hold_s: float = 0.0,
     ) -> Admission:
         raise NotImplementedError
 
@@ -493,11 +601,18 @@ class InMemoryLimiter(LimiterBase):
         super().__init__(clock)
         self._tats: dict[str, float] = {}
         self._slots: dict[str, dict[str, float]] = {}
+        # Places in line by line (key and signature): their times, earliest first.
+        self._lines: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self._ops = 0
 
     async def try_acquire(
-        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        *,
+        max_delay: float = 0.0,
+        hold_s: float = 0.0,
     ) -> Admission:
         keys = storage_keys(key, limits)
         cells = request_cells(limits)
@@ -505,7 +620,22 @@ class InMemoryLimiter(LimiterBase):
         with self._lock:
             self._maybe_sweep(now)
             tats = [self._tats.get(k, 0.0) for k in keys]
-            admission, written = settle(limits, cells, tats, now, max_delay)
+            if hold_s > 0 and limits:
+                line_key = f"{key}:!line:{line_signature(limits)}"
+                places = [p for p in self._lines.get(line_key, []) if p >= now - hold_s]
+                admission, written, taken, given = settle_in_line(
+                    limits, cells, tats, places, now, max_delay, hold_s
+                )
+                if taken is not None:
+                    places.remove(taken)
+                if given is not None:
+                    bisect.insort(places, given)
+                if places:
+                    self._lines[line_key] = places
+                else:
+                    self._lines.pop(line_key, None)
+            else:
+                admission, written = settle(limits, cells, tats, now, max_delay)
             if written is not None:
                 for k, cell, new_tat in zip(keys, cells, written, strict=True):
                     if cell.increment > 0:
@@ -554,3 +684,4 @@ class InMemoryLimiter(LimiterBase):
         self._ops += 1
         if self._ops % self._SWEEP_EVERY == 0:
             self._tats = {k: t for k, t in self._tats.items() if t > now}
+            self._lines = {k: v for k, v in self._lines.items() if v and v[-1] > now - 3600}

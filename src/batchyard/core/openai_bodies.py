@@ -10,7 +10,9 @@ is accepted (those that change nothing here, such as ``user`` or ``store``, are
 accepted and ignored; those that would change the answer in a way no engine
 here can honour, such as audio output, are refused with a code), an unknown
 field is ``unknown_field`` naming it, and no value is coerced: ``"1"`` is not
-a number and ``1`` is not a boolean.
+a number and ``1`` is not a boolean. A ``null`` optional field means its
+default, as on OpenAI's API (LiteLLM sends ``"encoding_format": null``); a
+required one (``model``, ``messages``, ``input``) is still refused as null.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import base64
 import struct
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
 
@@ -38,16 +40,30 @@ __all__ = [
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A body of OpenAI's API: strict, and an optional field sent as ``null`` is its default."""
+
     model_config = _STRICT
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required()
+        }
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
 
-class _Common(BaseModel):
-    model_config = _STRICT
-
+class _Common(_Body):
     model: str = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
@@ -113,20 +129,13 @@ class CompletionTextRequest(_Common):
     best_of: int | None = Field(default=None, ge=1, le=16)
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
-    def prompts(self) -> list[str]:
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if all(isinstance(p, str) for p in self.prompt):
-            return [str(p) for p in self.prompt]
-        raise CapabilityUnsupported(
-            "prompts as token ids are not supported; send the text", param="prompt"
-        )
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, as text or as token ids (read by the door, ``engines.token_ids``)."""
+        return _items(self.prompt, "prompt")
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(_Body):
     """``POST /v1/embeddings``."""
-
-    model_config = _STRICT
 
     model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]]
@@ -134,17 +143,35 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
 
-    def texts(self) -> list[str]:
-        items = [self.input] if isinstance(self.input, str) else list(self.input)
-        if not items:
-            raise InvalidRequest("input must not be empty", param="input")
-        if not all(isinstance(i, str) for i in items):
-            raise CapabilityUnsupported(
-                "inputs as token ids are not supported; send the text", param="input"
-            )
-        if any(not i for i in items):
-            raise InvalidRequest("input must not hold an empty string", param="input")
-        return [str(i) for i in items]
+    def inputs(self) -> list[str | list[int]]:
+        """Each input, as text or as token ids (read by the door, ``engines.token_ids``)."""
+        return _items(self.input, "input")
+
+
+_Given = str | list[str] | list[int] | list[list[int]]
+
+
+def _items(given: _Given, param: str) -> list[str | list[int]]:
+    """OpenAI's four shapes of ``input``/``prompt`` as one list.
+
+    A text, texts, one token-id array, or several; none of them empty.
+    """
+    if isinstance(given, str):
+        items: list[str | list[int]] = [given]
+    elif given and all(isinstance(i, int) for i in given):
+        items = [[i for i in given if isinstance(i, int)]]
+    else:
+        items = [i for i in given if not isinstance(i, int)]
+    if not items:
+        raise InvalidRequest(f"{param} must not be empty", param=param)
+    for n, item in enumerate(items):
+        if isinstance(item, str) and not item and param == "input":
+            raise InvalidRequest(f"{param} must not hold an empty string", param=param)
+        if isinstance(item, list) and not item:
+            raise InvalidRequest(f"{param}.{n} is an empty token-id array", param=param)
+        if isinstance(item, list) and any(t < 0 for t in item):
+            raise InvalidRequest(f"{param}.{n}: token ids are not negative", param=param)
+    return items
 
 
 def validation_error(exc: ValidationError) -> InvalidRequest:
@@ -367,7 +394,7 @@ def parse_embedding(raw: dict[str, Any]) -> EmbeddingRequest:
         req = EmbeddingRequest.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
-    req.texts()
+    req.inputs()
     return req
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
+import hmac
 import os
 from pathlib import Path
 
@@ -33,6 +35,7 @@ __all__ = [
     "Sealer",
     "ensure_key_file",
     "generate_key",
+    "key_fingerprint",
     "key_text",
     "parse_key",
 ]
@@ -48,6 +51,15 @@ class SealError(ValueError):
 
 def generate_key() -> bytes:
     return AESGCM.generate_key(bit_length=KEY_BYTES * 8)
+
+
+def key_fingerprint(key: bytes) -> str:
+    """A name for a key that does not reveal it: an HMAC of a constant under the key.
+
+    The store keeps it (``store.key_check``) so a process started with another
+    key is refused before it reads anything; messages show its first 12 digits.
+    """
+    return hmac.new(key, b"batchyard batch key fingerprint v1", hashlib.sha256).hexdigest()
 
 
 def key_text(key: bytes) -> str:
@@ -107,6 +119,7 @@ class Sealer:
         if len(key) != KEY_BYTES:
             raise SealError(f"a sealing key is {KEY_BYTES} bytes")
         self._aead = AESGCM(key)
+        self.fingerprint = key_fingerprint(key)
 
     def seal(self, data: bytes, aad: bytes = b"") -> bytes:
         nonce = os.urandom(_NONCE_BYTES)

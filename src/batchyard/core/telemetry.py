@@ -156,9 +156,14 @@ class MeteredLimiter:
         self._recorder = recorder
 
     async def try_acquire(
-        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        *,
+        max_delay: float = 0.0,
+        hold_s: float = 0.0,
     ) -> Admission:
-        admission = await self.inner.try_acquire(key, limits, max_delay=max_delay)
+        admission = await self.inner.try_acquire(key, limits, max_delay=max_delay, hold_s=hold_s)
         if any(cost for _, cost in limits):
             verdict = "admitted" if admission.allowed else "refused"
             self._recorder.admission(limiter_scope(key), verdict, admission.limit)

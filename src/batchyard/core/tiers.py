@@ -17,11 +17,25 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+)
+
+from batchyard.core.config_errors import ConfigError, from_validation
 
 __all__ = [
     "DEFAULT_TIERS",
     "Tier",
+    "TierEntry",
+    "build_tiers",
     "default_concurrency",
     "tier_for_purchases",
     "tiers_from_config",
@@ -78,23 +92,58 @@ def tier_for_purchases(tiers: Sequence[Tier], purchased: Decimal) -> Tier:
     return best
 
 
+class TierEntry(BaseModel):
+    """One entry of ``tiers:`` in the config file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    level: NonNegativeInt
+    requests_per_minute: PositiveInt
+    tokens_per_minute: PositiveInt
+    # 10 x tokens_per_minute when left out.
+    estimate_tokens_per_minute: PositiveInt | None = None
+    min_purchased: Annotated[Decimal, Field(ge=0, allow_inf_nan=False)] = Decimal(0)
+    # 0: ``default_concurrency`` of the requests limit.
+    concurrency: NonNegativeInt = 0
+
+
+_TIER_LIST = TypeAdapter(list[TierEntry])
+
+
+def build_tiers(entries: Sequence[TierEntry]) -> tuple[Tier, ...]:
+    """Checked entries as tiers; none means the defaults. Raises ``ConfigError``."""
+    if not entries:
+        return DEFAULT_TIERS
+    for i, t in enumerate(entries):
+        if t.level != i:
+            raise ConfigError(
+                f"tiers[{i}].level",
+                f"is {t.level}, where tier {i} belongs",
+                "list the tiers from level 0 upwards, each level once",
+            )
+    return tuple(
+        Tier(
+            level=t.level,
+            requests_per_minute=t.requests_per_minute,
+            tokens_per_minute=t.tokens_per_minute,
+            estimate_tokens_per_minute=(
+                t.estimate_tokens_per_minute
+                if t.estimate_tokens_per_minute is not None
+                else 10 * t.tokens_per_minute
+            ),
+            min_purchased=t.min_purchased,
+            concurrency=t.concurrency,
+        )
+        for t in entries
+    )
+
+
 def tiers_from_config(raw: Iterable[Mapping[str, Any]] | None) -> tuple[Tier, ...]:
+    """The ``tiers:`` section of a config file; raises ``ConfigError`` naming the field."""
     if not raw:
         return DEFAULT_TIERS
-    tiers = tuple(
-        Tier(
-            level=int(t["level"]),
-            requests_per_minute=int(t["requests_per_minute"]),
-            tokens_per_minute=int(t["tokens_per_minute"]),
-            estimate_tokens_per_minute=int(
-                t.get("estimate_tokens_per_minute", 10 * int(t["tokens_per_minute"]))
-            ),
-            min_purchased=Decimal(str(t.get("min_purchased", "0"))),
-            concurrency=int(t.get("concurrency", 0)),
-        )
-        for t in raw
-    )
-    levels = [t.level for t in tiers]
-    if sorted(levels) != levels or len(set(levels)) != len(levels) or levels[0] != 0:
-        raise ValueError("tiers must be listed from level 0 upwards, each level once")
-    return tiers
+    try:
+        entries = _TIER_LIST.validate_python(raw)
+    except ValidationError as exc:
+        raise from_validation(exc, prefix=("tiers",)) from None
+    return build_tiers(entries)

@@ -44,6 +44,8 @@ class CompletionRequest:
     max_tokens: int
     temperature: float | None = None
     top_p: float | None = None
+    #: Sample from the k likeliest tokens only (Anthropic's ``top_k``); sent only when set.
+    top_k: int | None = None
     n: int = 1
     stop: list[str] | None = None
     seed: int | None = None

@@ -32,6 +32,7 @@ from batchyard.engines import tool_calls
 from batchyard.engines.base import Choice, Completion, CompletionRequest, Delta, Embeddings, Usage
 from batchyard.engines.llama_sampling import (
     CHAT_TEMPERATURE,
+    DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     TEXT_TEMPERATURE,
     SamplingParams,
@@ -319,6 +320,7 @@ class LlamaCppEngine:
             params = SamplingParams(
                 temperature=temperature,
                 top_p=DEFAULT_TOP_P if request.top_p is None else request.top_p,
+                top_k=DEFAULT_TOP_K if request.top_k is None else request.top_k,
                 seed=None if request.seed is None else request.seed + i,
                 frequency_penalty=request.frequency_penalty or 0.0,
                 presence_penalty=request.presence_penalty or 0.0,

@@ -537,10 +537,11 @@ class Scheduler:
 
     def _maybe_done(self, job: Job) -> None:
         if job.forked and all(b.done for b in job.branches):
+            # Freed before the caller hears: what it sends next finds the room.
+            self._finish(job, keep=True)
             if any(b.cont is not None for b in job.branches):
                 job.post(("scores", [list(b.lps) for b in job.branches]))
             job.post(("done", len(job.prompt), job.cached))
-            self._finish(job, keep=True)
 
     def _finish(self, job: Job, *, keep: bool) -> None:
         """Free a job's branches; its read prompt stays as an idle prefix."""

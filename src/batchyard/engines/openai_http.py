@@ -206,6 +206,8 @@ class OpenAIHttpEngine:
             body["temperature"] = request.temperature
         if request.top_p is not None:
             body["top_p"] = request.top_p
+        if request.top_k is not None:  # not OpenAI's; vLLM and llama.cpp's server read it
+            body["top_k"] = request.top_k
         if request.stop:
             body["stop"] = request.stop
         if request.seed is not None:

@@ -76,6 +76,15 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("POST", "/v1/embeddings"): _key(F, INF),
     ("POST", "/v1/decide"): _key(F, INF),
     ("POST", "/v1/decide/estimate"): _key(F, INF),
+    # Anthropic's Messages door: a call, and a count that runs no model
+    ("POST", "/v1/messages"): _key(F, INF),
+    ("POST", "/v1/messages/count_tokens"): _key(F, INF),
+    # Anthropic's Message Batches (file batches underneath): an inference key sees its own
+    ("POST", "/v1/messages/batches"): _key(F, INF),
+    ("GET", "/v1/messages/batches"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/messages/batches/{batch_id}"): _key(F, R, INF, own=(INF,)),
+    ("POST", "/v1/messages/batches/{batch_id}/cancel"): _key(F, INF, own=(INF,)),
+    ("GET", "/v1/messages/batches/{batch_id}/results"): _key(F, R, INF, own=(INF,)),
     # deferred batches: an inference key sees and cancels its own
     ("POST", "/v1/batches"): _key(F, INF),
     ("GET", "/v1/batches"): _key(F, R, INF, own=(INF,)),

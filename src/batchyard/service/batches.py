@@ -148,6 +148,8 @@ async def submit(svc: Service, principal: Principal, sub: Submission) -> dict[st
             raise PendingLimitExceeded(
                 f"{pending} items are pending and this batch adds {len(items)}; at most "
                 f"{MAX_PENDING} may be pending per organisation; retry as items finish",
+                # Items finish on the market's passes: one pass is the soonest a place frees.
+                retry_after=svc.settings.market_interval_s,
                 details={"pending": pending, "limit": MAX_PENDING},
             )
         store.create_batch(

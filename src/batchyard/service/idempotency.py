@@ -51,6 +51,8 @@ async def run_once(
     key: str,
     fingerprint: str,
     handler: Callable[[], Awaitable[tuple[int, Any]]],
+    *,
+    answers_text: bool = True,
 ) -> Answer:
     """Run ``handler`` once per (organisation, key), or replay the answer saved for it.
 
@@ -59,8 +61,12 @@ async def run_once(
     a 409 (raised by ``store.idempotency.begin``); the handler's successes
     and non-retryable failures are saved until the key expires; retryable
     failures are not, so a retry runs again; and nothing is saved for an
-    organisation with zero data retention. ``handler`` returns (status,
-    JSON body).
+    organisation with zero data retention when the answer carries text
+    (``answers_text``: a model's answer). A submission's answer (a deferred
+    batch's ID and status) carries none, so it is kept there too: seed 000's
+    exception is about answers, and a retried submission must still name the
+    same batch and a changed body still be refused. ``handler`` returns
+    (status, JSON body).
     """
     now = svc.clock.now()
     ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
@@ -72,7 +78,7 @@ async def run_once(
     saved = await svc.db.write(claim)
     if saved is not None:
         return Answer(saved.status_code, saved.body, replayed=True)
-    keep = not principal.zero_data_retention
+    keep = not (answers_text and principal.zero_data_retention)
     try:
         status, payload = await handler()
     except BatchyardError as exc:

@@ -25,9 +25,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batchyard.core import privacy
+from batchyard.core.anthropic_bodies import parse_messages, to_openai_messages
 from batchyard.core.catalog import Catalog, ModelSpec
 from batchyard.core.openai_bodies import parse_chat, parse_completion, parse_embedding
 from batchyard.core.tokens import TokenizerSource
+from batchyard.engines.token_ids import as_texts
 from batchyard.errors import (
     CapabilityUnsupported,
     ContextWindowExceeded,
@@ -37,6 +39,7 @@ from batchyard.errors import (
 
 __all__ = [
     "ENDPOINTS",
+    "MESSAGES",
     "VALIDATORS",
     "CheckedBody",
     "Rules",
@@ -46,8 +49,10 @@ __all__ = [
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
+#: Anthropic's Messages, the endpoint of a Message Batch's requests.
+MESSAGES = "/v1/messages"
 #: Endpoints a batch line may name.
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +213,50 @@ def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
     return CheckedBody(model, rest, tokens, mt * req.n, found)
 
 
+def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
+    """An Anthropic Messages body, stored as the OpenAI-shaped request the worker sends.
+
+    The line is checked by the wire's own function and translated once here,
+    so the worker answers it through the same request fields as a chat line;
+    privacy applies to the translated messages, which are what is stored.
+    """
+    rest, mode = _split(body, rules)
+    req = parse_messages(rest)
+    if req.stream:
+        raise InvalidRequest(
+            "batch requests do not stream; send stream: false or leave it out",
+            param="stream",
+            code="streaming_unsupported",
+        )
+    if req.tools or req.tool_choice:
+        raise InvalidRequest(
+            "tools are not supported in batch requests",
+            param="tools" if req.tools else "tool_choice",
+            code="tools_unsupported",
+        )
+    model = _model(rules, req.model)
+    messages = to_openai_messages(req)
+    _check_images(messages, model)
+    mt = _max_tokens(req.max_tokens, rules, model)
+    found = 0
+    if mode is privacy.PrivacyMode.REDACT:
+        messages, found = privacy.redact_messages(messages)
+    elif mode is privacy.PrivacyMode.REJECT:
+        try:
+            privacy.apply(privacy.PrivacyMode.REJECT, messages)
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, param="messages", code=exc.code) from None
+    tokens = rules.tokenizers.for_model(model).count_messages(messages)
+    _fits(model, tokens, mt, "messages")
+    stored: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": mt}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            stored[name] = getattr(req, name)
+    if req.stop_sequences:
+        stored["stop"] = req.stop_sequences
+    return CheckedBody(model, stored, tokens, mt, found)
+
+
 def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_completion(rest)
@@ -215,14 +264,14 @@ def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:
     model = _model(rules, req.model, "completions")
     mt = _max_tokens(req.max_tokens, rules, model)
     if len(req.prompts()) != 1:
-        raise InvalidRequest(
-            "send one prompt per request line, as on /v1/completions", param="prompt"
-        )
-    prompts, found = _private_texts(req.prompts(), mode, "prompt")
+        raise InvalidRequest("send one prompt per request line", param="prompt")
+    prompts, found = _private_texts(as_texts(req.prompts(), "prompt"), mode, "prompt")
     # As /v1/completions counts: the raw prompt and the start-of-text token before it.
     counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(prompts)]
     _fits(model, max(counts), mt, "prompt")
-    rest["prompt"] = prompts[0] if isinstance(req.prompt, str) else prompts
+    # Token ids are stored as the text they encode, which is what the line runs.
+    one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
+    rest["prompt"] = prompts[0] if one else prompts
     return CheckedBody(model, rest, sum(counts), mt * req.n * len(prompts), found)
 
 
@@ -230,7 +279,7 @@ def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_embedding(rest)
     model = _model(rules, req.model, "embeddings")
-    inputs, found = _private_texts(req.texts(), mode, "input")
+    inputs, found = _private_texts(as_texts(req.inputs(), "input"), mode, "input")
     # As /v1/embeddings counts: each input and the start-of-text token before it.
     counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(inputs)]
     if max(counts) > model.context_window:
@@ -239,7 +288,8 @@ def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
             f"context window of {model.id}",
             param="input",
         )
-    rest["input"] = inputs[0] if isinstance(req.input, str) else inputs
+    one = isinstance(req.input, str) or isinstance(req.input[0], int)
+    rest["input"] = inputs[0] if one else inputs
     return CheckedBody(model, rest, sum(counts), 0, found)
 
 
@@ -248,6 +298,7 @@ VALIDATORS: dict[str, Callable[[dict[str, Any], Rules], CheckedBody]] = {
     CHAT: _chat,
     COMPLETIONS: _completions,
     EMBEDDINGS: _embeddings,
+    MESSAGES: _messages,
 }
 
 

@@ -364,7 +364,7 @@ def lapsed_leases(conn: Connection, now: datetime) -> list[ItemRow]:
 def mark_uncertain(
     conn: Connection, item: ItemRow, now: datetime, reason: str = "interrupted"
 ) -> bool:
-    """A sent call whose outcome is unknown: ``uncertain``, hold kept, body dropped."""
+    """A sent call whose outcome is unknown: ``uncertain``, body dropped (the caller releases)."""
     done = conn.execute(
         update(batch_items)
         .where(

@@ -286,13 +286,24 @@ def list_batches(
     after: str | None,
     limit: int,
     key_id: str | None = None,
+    before: str | None = None,
+    endpoint: str | None = None,
 ) -> list[BatchRow]:
-    """Newest first; ``after`` is the last ID of the previous page; ``key_id``: its own only."""
+    """Newest first; ``after`` is the last ID of the previous page; ``key_id``: its own only.
+
+    ``before`` pages the other way (the newest ``limit`` newer than it, still
+    newest first), as Anthropic's ``before_id``; ``endpoint`` keeps one kind.
+    """
     q = select(file_batches).where(file_batches.c.org_id == org_id)
     if key_id is not None:
         q = q.where(file_batches.c.key_id == key_id)
+    if endpoint is not None:
+        q = q.where(file_batches.c.endpoint == endpoint)
     if after:
         q = q.where(file_batches.c.id < after)
+    if before:
+        q = q.where(file_batches.c.id > before).order_by(file_batches.c.id.asc()).limit(limit)
+        return [_batch(r) for r in reversed(conn.execute(q).all())]
     return [_batch(r) for r in conn.execute(q.order_by(file_batches.c.id.desc()).limit(limit))]
 
 

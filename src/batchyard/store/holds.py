@@ -7,9 +7,11 @@ has a bound past which it is *stranded*:
 
 - a synchronous call (chat, decide): older than ``SYNC_HOLD_LIMIT`` (its
   request died between the hold and the settlement: a crash, a full disk);
-- a deferred item: ``uncertain`` (its call was sent and its outcome is
-  unknown), or still ``dispatched`` after its lease lapsed (no worker
-  has passed since), or ended or gone with the hold still held;
+- a deferred item: still ``dispatched`` after its lease lapsed (no worker
+  has passed since), or ended or gone with the hold still held (an
+  ``uncertain`` item releases its hold as it becomes uncertain, the one rule
+  of docs/explanation/ledger.md, so one still held was left by an older
+  version);
 - a run: ended with its hold held, or live with its lease long expired;
 - a file batch: ended with its hold held (a live one holds its quote for its
   whole window, and its lines' own faults are settled with the batch).

@@ -118,12 +118,18 @@ def forget(conn: Connection, org_id: str, key: str) -> None:
     conn.execute(delete(ik).where(ik.c.org_id == org_id, ik.c.key == key))
 
 
-def purge(conn: Connection, now: datetime, tombstone: timedelta) -> int:
-    """Drop saved bodies past their 24 hours (keeping a tombstone), and old tombstones."""
+def purge(conn: Connection, now: datetime) -> int:
+    """Drop saved bodies past their 24 hours, keeping each key's tombstone for good.
+
+    Seed 000 promises that an expired key "never runs the text again", with no
+    end date, so the tombstone (organisation, key, body fingerprint, expiry:
+    no customer text, a few hundred bytes) is never deleted: forgetting it
+    would let the key run again. ``forget`` still frees a key whose request
+    failed retryably or saved nothing.
+    """
     n = conn.execute(
         update(ik)
         .where(ik.c.expires_at <= now, ik.c.state == "done")
-        .values(state="expired", response=None)
+        .values(state="expired", response=None, status_code=None)
     ).rowcount
-    conn.execute(delete(ik).where(ik.c.expires_at <= now - tombstone))
     return int(n or 0)

@@ -41,9 +41,12 @@ from batchyard.core.limits import (
     LimiterBase,
     SlotGrant,
     binding_name,
+    line_horizon,
+    line_signature,
     log_penalty,
     new_slot_token,
     request_cells,
+    retry_for_place,
     standing_of,
     storage_keys,
 )
@@ -103,6 +106,72 @@ for i = 1, #KEYS do
   end
 end
 return {1, string.format('%.17g', wait), -1, written}
+"""
+
+# A check with a line: the last key is the line's sorted set (places scored by
+# their time). The steps are ``core.limits.settle_in_line``'s: drop expired
+# places; take back the earliest place due within max_delay (after any
+# penalty); else the GCRA check, and a refusal within the horizon moves the
+# TATs as for an admission and gives the request a place.
+_ACQUIRE_IN_LINE = """
+local now = tonumber(ARGV[1])
+local eps = tonumber(ARGV[2])
+local max_delay = tonumber(ARGV[3])
+local hold = tonumber(ARGV[4])
+local horizon = tonumber(ARGV[5])
+local member = ARGV[6]
+local line = KEYS[#KEYS]
+local n = #KEYS - 1
+redis.call('ZREMRANGEBYSCORE', line, '-inf', '(' .. string.format('%.17g', now - hold))
+local tats = {}
+for i = 1, n do
+  tats[i] = tonumber(redis.call('GET', KEYS[i]) or '0')
+end
+local function fmt(list)
+  local out = {}
+  for i = 1, #list do out[i] = string.format('%.17g', list[i]) end
+  return out
+end
+local first = redis.call('ZRANGE', line, 0, 0, 'WITHSCORES')
+if #first > 0 and tonumber(first[2]) <= now + max_delay + eps then
+  local delay = math.max(tonumber(first[2]) - now, tats[1] - now, 0)
+  if delay > max_delay + eps then
+    return {0, string.format('%.17g', delay), 0, fmt(tats)}
+  end
+  redis.call('ZREM', line, first[1])
+  return {1, string.format('%.17g', delay), -1, fmt(tats)}
+end
+local wait, binding = 0, -1
+local new_tats = {}
+for i = 1, n do
+  local inc = tonumber(ARGV[5 + 2 * i])
+  local tol = tonumber(ARGV[6 + 2 * i])
+  local new_tat = math.max(tats[i], now) + inc
+  local w = new_tat - tol - now
+  new_tats[i] = new_tat
+  if w > wait then wait, binding = w, i - 1 end
+end
+local admit = wait <= max_delay + eps
+if not admit and (binding == 0 or wait > horizon + eps) then
+  return {0, string.format('%.17g', wait), binding, fmt(tats)}
+end
+local written = {}
+for i = 1, n do
+  if tonumber(ARGV[5 + 2 * i]) > 0 then
+    local ttl = math.ceil((new_tats[i] - now) * 1000) + 1000
+    redis.call('SET', KEYS[i], string.format('%.17g', new_tats[i]), 'PX', string.format('%d', ttl))
+    written[i] = new_tats[i]
+  else
+    written[i] = tats[i]
+  end
+end
+if admit then
+  return {1, string.format('%.17g', wait), -1, fmt(written)}
+end
+redis.call('ZADD', line, string.format('%.17g', now + wait), member)
+local last = tonumber(redis.call('ZRANGE', line, -1, -1, 'WITHSCORES')[2])
+redis.call('PEXPIRE', line, math.ceil((last + hold - now) * 1000) + 1000)
+return {2, string.format('%.17g', wait), binding, fmt(written)}
 """
 
 # Concurrency slots: a sorted set of lease tokens scored by when each lease runs
@@ -171,6 +240,7 @@ class RedisLimiter(LimiterBase):
         )
         self._prefix = prefix
         self._acquire = self._redis.register_script(_ACQUIRE)
+        self._acquire_in_line = self._redis.register_script(_ACQUIRE_IN_LINE)
         self._adjust = self._redis.register_script(_ADJUST)
         self._penalize = self._redis.register_script(_PENALIZE)
         self._take_slot = self._redis.register_script(_TAKE_SLOT)
@@ -182,10 +252,17 @@ class RedisLimiter(LimiterBase):
         return f"{self._prefix}{{{caller_key}}}:{name}"
 
     async def try_acquire(
-        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        *,
+        max_delay: float = 0.0,
+        hold_s: float = 0.0,
     ) -> Admission:
         keys = [self._key(k) for k in storage_keys(key, limits)]
         now = self._clock.time()
+        if hold_s > 0 and limits:
+            return await self._try_in_line(key, limits, keys, now, max_delay, hold_s)
         args: list[str | float] = [repr(now), repr(EPSILON), repr(max(0.0, max_delay))]
         for cell in request_cells(limits):
             args += [repr(cell.increment), repr(cell.tolerance)]
@@ -197,6 +274,41 @@ class RedisLimiter(LimiterBase):
             delay = float(wait)
             return Admission(True, 0.0, None, delay if delay > EPSILON else 0.0, standing)
         return Admission(False, float(wait), binding_name(limits, int(binding)), 0.0, standing)
+
+    async def _try_in_line(
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        keys: list[str],
+        now: float,
+        max_delay: float,
+        hold_s: float,
+    ) -> Admission:
+        max_delay = max(0.0, max_delay)
+        line = f"{self._prefix}{{{key}}}:!line:{line_signature(limits)}"
+        args: list[str | float] = [
+            repr(now),
+            repr(EPSILON),
+            repr(max_delay),
+            repr(hold_s),
+            repr(line_horizon(max_delay)),
+            new_slot_token()[:16],
+        ]
+        for cell in request_cells(limits):
+            args += [repr(cell.increment), repr(cell.tolerance)]
+        async with _reachable():
+            verdict, raw_wait, binding, raw_tats = await self._acquire_in_line(
+                keys=[*keys, line], args=args
+            )
+        standing = standing_of(limits, [float(t) for t in raw_tats], now)
+        wait = float(raw_wait)
+        if int(verdict) == 1:
+            return Admission(True, 0.0, None, wait if wait > EPSILON else 0.0, standing)
+        name = binding_name(limits, int(binding))
+        if int(verdict) == 2:
+            # Refused with a place in line: come back in time to wait the rest here.
+            return Admission(False, retry_for_place(wait, max_delay), name, 0.0, standing)
+        return Admission(False, wait, name, 0.0, standing)
 
     def _slots_key(self, key: str) -> str:
         return f"{self._prefix}{{{key}}}:!slots"

@@ -27,15 +27,18 @@ from batchyard.core.clock import Clock
 from batchyard.core.limits import (
     PENALTY,
     Admission,
+    Cell,
     Limit,
     LimiterBase,
     SlotGrant,
     gcra_adjust,
     gcra_penalize,
+    line_signature,
     log_penalty,
     new_slot_token,
     request_cells,
     settle,
+    settle_in_line,
     storage_keys,
 )
 from batchyard.store.tables import rate_limits
@@ -55,11 +58,20 @@ class SqlLimiter(LimiterBase):
         self._engine = engine
 
     async def try_acquire(
-        self, key: str, limits: Sequence[tuple[Limit, float]], *, max_delay: float = 0.0
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        *,
+        max_delay: float = 0.0,
+        hold_s: float = 0.0,
     ) -> Admission:
         keys = storage_keys(key, limits)
         cells = request_cells(limits)
         now = self._clock.time()
+        if hold_s > 0 and limits:
+            return await asyncio.to_thread(
+                self._in_line, key, limits, keys, cells, now, max_delay, hold_s
+            )
 
         def run() -> Admission:
             with self._engine.begin() as conn:
@@ -81,6 +93,51 @@ class SqlLimiter(LimiterBase):
             return admission
 
         return await asyncio.to_thread(run)
+
+    # Places in line are rows of the same table: ``<key>:!line:<signature>:<token>``
+    # whose ``tat`` is the place's time. They are read and written under the
+    # locks of the request's own limit rows, so two checks of one line never
+    # both take (or both give) the same place.
+
+    def _in_line(
+        self,
+        key: str,
+        limits: Sequence[tuple[Limit, float]],
+        keys: Sequence[str],
+        cells: Sequence[Cell],
+        now: float,
+        max_delay: float,
+        hold_s: float,
+    ) -> Admission:
+        prefix = f"{key}:!line:{line_signature(limits)}:"
+        mine = sa.func.substr(rate_limits.c.key, 1, len(prefix)) == prefix
+        with self._engine.begin() as conn:
+            locked = self._lock_rows(conn, keys)
+            tats = [locked[k] for k in keys]
+            conn.execute(sa.delete(rate_limits).where(mine, rate_limits.c.tat < now - hold_s))
+            rows = conn.execute(
+                sa.select(rate_limits.c.key, rate_limits.c.tat)
+                .where(mine)
+                .order_by(rate_limits.c.tat, rate_limits.c.key)
+                .limit(1)
+            ).all()
+            places = [float(t) for _, t in rows]
+            admission, written, taken, given = settle_in_line(
+                limits, cells, tats, places, now, max_delay, hold_s
+            )
+            if taken is not None:
+                conn.execute(sa.delete(rate_limits).where(rate_limits.c.key == rows[0][0]))
+            if given is not None:
+                token = new_slot_token()[:16]
+                conn.execute(sa.insert(rate_limits).values(key=prefix + token, tat=given))
+            if written is not None:
+                writes = [
+                    {"k": k, "t": t}
+                    for k, cell, t in zip(keys, cells, written, strict=True)
+                    if cell.increment > 0
+                ]
+                self._write(conn, writes)
+        return admission
 
     # Concurrency slots are rows of the same table: ``<key>:!slots`` is the row a
     # check locks (so two checks never both see a free slot), and each lease is a

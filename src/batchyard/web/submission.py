@@ -80,7 +80,7 @@ async def submit_text(svc: Service, principal: Principal, text: str, key: str) -
         return 201, await batches.submit(svc, principal, sub)
 
     fingerprint = idem_rules.fingerprint("POST", API_PATH, raw)
-    answer = await run_once(svc, principal, key, fingerprint, handler)
+    answer = await run_once(svc, principal, key, fingerprint, handler, answers_text=False)
     outcome = Outcome(answer.status, json.loads(answer.text), replayed=answer.replayed)
     log.info(
         "workspace submission",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -257,6 +257,62 @@ class Dispatcher:
             usage=completion.usage,
             purpose=purpose,
             ref=ref,
+        )
+        return DispatchResult(completion, charged, res.id, route.id)
+
+    async def execute_all(
+        self,
+        *,
+        org_id: str,
+        model: ModelSpec,
+        route: RouteSpec,
+        requests: Sequence[tuple[CompletionRequest, int]],
+        max_cost: int,
+        price: Price,
+        purpose: str,
+        ref: str | None = None,
+    ) -> DispatchResult:
+        """Several requests paid as one: one hold, the calls side by side, one settlement.
+
+        ``/v1/completions`` with a list of prompts is one call to its caller (one
+        price, one hold, one answer), so it is held and settled once; each
+        ``(request, input_tokens)`` goes to the route as its own call, paced and
+        bounded by the route's concurrency like any other. The answer's choices
+        are each request's choices in order. If any call fails, the others are
+        cancelled and the whole hold is released: nothing was answered, so
+        nothing is charged.
+        """
+        res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self.call(route=route, request=r, input_tokens=n))
+                    for r, n in requests
+                ]
+        except BaseException as exc:
+            first = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
+            reason = getattr(first, "code", type(first).__name__)
+            await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))
+            if first is not exc:
+                raise first from None
+            raise
+        done = [t.result() for t in tasks]
+        usage = Usage(
+            sum(c.usage.input_tokens for c in done), sum(c.usage.output_tokens for c in done)
+        )
+        completion = Completion(
+            done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
+        )
+        charged = await self.settle(
+            org_id=org_id,
+            reservation_id=res.id,
+            charge=charge_ticks(price.cost(usage.input_tokens, usage.output_tokens)),
+            model=model.id,
+            route=route.id,
+            usage=usage,
+            purpose=purpose,
+            ref=ref,
+            detail={"prompts": len(done)},
         )
         return DispatchResult(completion, charged, res.id, route.id)
 

@@ -11,7 +11,8 @@ import asyncio
 import os
 from pathlib import Path
 
-from batchyard.core.catalog import RouteSpec
+from batchyard.core.catalog import ENGINES, Catalog, RouteSpec
+from batchyard.core.config_errors import ConfigError
 from batchyard.engines.base import Engine
 
 __all__ = ["EngineRegistry"]
@@ -63,12 +64,45 @@ class EngineRegistry:
             )
         return self._embedded
 
+    def check(self, catalog: Catalog) -> None:
+        """Every route of ``catalog`` can get an engine: refused at start, not per call.
+
+        Raises ``ConfigError`` naming the route (``routes[1].api_key_env``). Routes
+        with an engine put behind them (``overrides``, ``set``) need nothing more.
+        """
+        for i, route in enumerate(catalog.routes.values()):
+            if route.id in self._engines:
+                continue
+            where = f"routes[{i}]"
+            if route.engine not in ENGINES:
+                raise ConfigError(
+                    f"{where}.engine",
+                    f"unknown engine {route.engine!r} (known: {', '.join(ENGINES)})",
+                    "fix the route or remove it",
+                )
+            if route.engine == "openai_http" and not route.base_url:
+                raise ConfigError(
+                    f"{where}.base_url",
+                    f"route {route.id!r} (openai_http) has no base URL",
+                    "add base_url: http://host:port/v1",
+                )
+            if route.api_key_env and not os.environ.get(route.api_key_env):
+                raise ConfigError(
+                    f"{where}.api_key_env",
+                    f"the environment variable {route.api_key_env} is not set",
+                    "export it with the upstream's key, or remove api_key_env if it needs none",
+                )
+
     def for_route(self, route: RouteSpec) -> Engine:
         engine = self._engines.get(route.id)
         if engine is not None:
             return engine
         if route.engine == "llama_cpp":
             engine = self.embedded()
+        elif route.engine == "memory":
+            from batchyard.engines.memory import ScriptedEngine
+
+            engine = ScriptedEngine(name=route.id)
         else:
             from batchyard.engines.openai_http import OpenAIHttpEngine
 

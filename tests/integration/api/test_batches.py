@@ -243,6 +243,10 @@ async def test_the_201st_pending_item_is_refused(svc):
     assert full == [201] * 4
     assert over.status_code == 429
     assert over.json()["error"]["code"] == "pending_limit_exceeded"
+    # Retryable, so it says when: items free up on the market's passes (issue 22).
+    assert over.headers["x-should-retry"] == "true"
+    assert over.headers["Retry-After"] == str(int(svc.settings.market_interval_s))
+    assert over.json()["error"]["retry_after"] == svc.settings.market_interval_s
     assert elsewhere.status_code == 201  # the limit is per organisation
     assert len(all_items(svc)) == 201
 

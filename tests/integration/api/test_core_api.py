@@ -302,6 +302,26 @@ async def test_a_saved_response_expires_after_24_hours(svc, http, engine, clock)
     assert len(engine.calls) == 1
 
 
+async def test_an_expired_key_never_runs_again_after_housekeeping_years_later(
+    svc, http, engine, clock
+):
+    """Issue 22: housekeeping drops the saved answer's text after 24 hours and keeps the key's
+    tombstone for good, so "never runs the text again" holds years on."""
+    acct = make_account(svc)
+    h = {**acct.headers, "Idempotency-Key": "forever-expired"}
+    assert (await http.post(CHAT, json=BODY, headers=h)).status_code == 200
+    clock.advance(24 * 3600)
+    await svc.market.housekeep()
+    saved = svc.db.read_sync(lambda c: c.execute(select(idempotency_keys)).one())
+    assert (saved.state, saved.response) == ("expired", None)  # the answer's text is gone
+    for _ in range(4):
+        clock.advance(365 * 24 * 3600)
+        await svc.market.housekeep()
+    r = await http.post(CHAT, json=BODY, headers=h)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "idempotency_response_expired")
+    assert len(engine.calls) == 1
+
+
 async def test_activity_shows_the_charge_with_its_reservation(svc, http, engine):
     acct = make_account(svc)
     r = (await http.post(CHAT, json=BODY, headers=acct.headers)).json()

@@ -364,8 +364,12 @@ async def test_estimates_have_their_own_token_budget(make_service):
         assert (await http.post("/v1/decide", json=BODY, headers=acct.headers)).status_code == 200
         est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
         assert est.status_code == 200
+        # Its token headers are the estimate budget it spent from, not decide's tokens limit.
+        assert est.headers["x-ratelimit-limit-tokens"] == "600"
+        assert est.headers["x-ratelimit-remaining-tokens"] == "0"
         again = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
         assert again.status_code == 429 and "Retry-After" in again.headers
+        assert again.headers["x-ratelimit-limit-tokens"] == "600"
         service.clock.advance(int(again.headers["Retry-After"]))
         assert (await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)).is_success
 

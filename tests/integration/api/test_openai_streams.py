@@ -150,7 +150,7 @@ async def test_completions_and_embeddings_answer_in_openais_shape(service, engin
 @pytest.mark.parametrize(
     ("path", "body", "code"),
     [
-        ("/v1/completions", {"model": "kettei-core", "prompt": [1, 2]}, "capability_unsupported"),
+        ("/v1/completions", {"model": "kettei-core", "prompt": [100256]}, "invalid_request"),
         (
             "/v1/completions",
             {"model": "kettei-core", "prompt": "a", "suffix": "b"},

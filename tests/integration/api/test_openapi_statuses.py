@@ -67,6 +67,30 @@ async def test_every_status_sent_is_documented(service):
         await call("POST", "/v1/projects", json={"name": "p"}, headers=h)
         await call("GET", "/v1/projects/{project_id}", "/v1/projects/pp.nope", headers=h)
         await call("POST", "/v1/decide/estimate", json={"model": "kettei-core"}, headers=h)
+        msg = {**CHAT, "max_tokens": 4}
+        await call("POST", "/v1/messages", json=msg, headers=h)
+        await call("POST", "/v1/messages", json={**msg, "top_k": "1"}, headers=h)
+        await call("POST", "/v1/messages", json=msg)
+        await call("POST", "/v1/messages", json={**msg, "model": "nope"}, headers=h)
+        await call("POST", "/v1/messages", json=msg, headers=poor.headers)
+        count = {"model": "kettei-core", "messages": CHAT["messages"]}
+        await call("POST", "/v1/messages/count_tokens", json=count, headers=h)
+        await call("POST", "/v1/messages/count_tokens", json={**count, "n": 1}, headers=h)
+        mb = "/v1/messages/batches"
+        made = await call(
+            "POST", mb, json={"requests": [{"custom_id": "a", "params": msg}]}, headers=h
+        )
+        await call("POST", mb, json={"requests": []}, headers=h)
+        await call(
+            "POST", mb, json={"requests": [{"custom_id": "a", "params": msg}]}, headers=poor.headers
+        )
+        await call("GET", mb, headers=h)
+        await call("GET", mb + "/{batch_id}", mb + "/bat.nope", headers=h)
+        if made.status_code == 200:
+            bid = made.json()["id"]
+            await call("GET", mb + "/{batch_id}", f"{mb}/{bid}", headers=h)
+            await call("GET", mb + "/{batch_id}/results", f"{mb}/{bid}/results", headers=h)
+            await call("POST", mb + "/{batch_id}/cancel", f"{mb}/{bid}/cancel", headers=h)
         await call("GET", "/healthz")
 
     statuses = {status for _, _, status in sent}

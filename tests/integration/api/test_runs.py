@@ -161,6 +161,7 @@ async def test_progress_is_reported_while_running_and_cancel_keeps_answered_rows
         again = await api.post(run["id"], "cancel")
         rows = await api.rows(ds["id"])
     assert again.status_code == 409 and again.json()["error"]["code"] == "invalid_state"
+    assert stopping["error"]["code"] == canceled["error"]["code"] == "canceled"
     res = canceled["results"]
     assert res["rowsSucceeded"] == 7 and res["rowsCanceled"] == 33 and res["outputsWritten"] == 7
     assert len(engine.prompts) == 7
@@ -332,6 +333,10 @@ async def test_confirm_rules_invalid_state_and_quote_expired(svc):
     assert expired.status_code == 409 and expired.json()["error"]["code"] == "quote_expired"
     assert after["status"] == "awaiting_confirmation"
     assert canceled["status"] == "canceled" and canceled["charge"] is None
+    # Seed 002: "failure or cancellation details" (issue 22: it was null).
+    assert canceled["error"]["code"] == "canceled"
+    assert canceled["error"]["canceledByKeyId"] == acct.key_id
+    assert canceled["error"]["canceledAt"].endswith("Z")
     assert confirm_canceled.status_code == 409
     assert balance(svc, acct.org_id).held == 0
 

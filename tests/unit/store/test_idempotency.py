@@ -20,7 +20,7 @@ from batchyard.store import idempotency as idem
 from batchyard.store.tables import idempotency_keys
 
 TTL = timedelta(hours=24)
-TOMBSTONE = timedelta(days=30)
+TEN_YEARS = timedelta(days=3650)
 FP = fingerprint("POST", "/v1/chat/completions", {"a": 1})
 OTHER_FP = fingerprint("POST", "/v1/chat/completions", {"a": 2})
 
@@ -104,27 +104,28 @@ def test_after_24_hours_the_key_answers_expired_and_never_runs_again(db, clock):
     assert (exc.value.status, exc.value.code) == (409, "idempotency_response_expired")
     # A purge drops the saved body and keeps a tombstone that still answers expired.
     now = clock.now()
-    assert db.transact_sync(lambda c: idem.purge(c, now, TOMBSTONE)) == 1
+    assert db.transact_sync(lambda c: idem.purge(c, now)) == 1
     r = row(db)
-    assert (r.state, r.response) == ("expired", None)
-    clock.advance(TOMBSTONE.total_seconds() - 3600)
+    assert (r.state, r.response, r.status_code) == ("expired", None, None)
+    clock.advance(TEN_YEARS.total_seconds())
     with pytest.raises(IdempotencyResponseExpired):
         begin(db, clock)
 
 
-def test_purge_forgets_tombstones_after_their_time(db, clock):
+def test_a_tombstone_is_never_purged_so_an_expired_key_never_runs_again(db, clock):
+    # Issue 22: "never runs the text again" used to lapse when tombstones were dropped
+    # after 30 days; the tombstone (key, fingerprint, expiry, no text) now stays for good.
     begin(db, clock)
     finish(db)
-    begin(db, clock, key="young")
-    finish(db, key="young")
-    clock.advance((TTL + TOMBSTONE).total_seconds())
-    begin(db, clock, key="fresh")
-    finish(db, key="fresh")
-    now = clock.now()
-    db.transact_sync(lambda c: idem.purge(c, now, TOMBSTONE))
-    assert row(db) is None and row(db, key="young") is None
-    assert row(db, key="fresh").state == "done"
-    assert begin(db, clock) is None  # the old key is free again
+    for _ in range(10):
+        clock.advance(TEN_YEARS.total_seconds() / 10)
+        now = clock.now()
+        db.transact_sync(lambda c: idem.purge(c, now))
+    assert row(db).state == "expired"
+    with pytest.raises(IdempotencyResponseExpired):
+        begin(db, clock)
+    with pytest.raises(IdempotencyConflict):
+        begin(db, clock, fp=OTHER_FP)
 
 
 def test_purge_leaves_live_and_in_progress_keys(db, clock):
@@ -132,7 +133,7 @@ def test_purge_leaves_live_and_in_progress_keys(db, clock):
     begin(db, clock, key="done")
     finish(db, key="done")
     now = clock.now()
-    assert db.transact_sync(lambda c: idem.purge(c, now, TOMBSTONE)) == 0
+    assert db.transact_sync(lambda c: idem.purge(c, now)) == 0
     assert row(db, key="running").state == "in_progress"
     assert row(db, key="done").state == "done"
 

@@ -2,16 +2,18 @@
 
 *Recovery*: a dispatched item whose lease lapsed belonged to a worker that
 stopped. If its call was sent (``sent_at``, written just before the engine
-call), whether it ran is unknown, so it becomes ``uncertain`` with its
-reservation still held and an activity record that names it and says what
-the owner can do. Nothing is retried and nothing is released: that would
-risk paying twice or losing a charge the provider made. If it was never
-sent (it was still waiting for the route's pace or a concurrency slot), its
-hold is released and it goes back to waiting: nothing happened to it.
+call), whether it ran is unknown, so it becomes ``uncertain`` and is never
+sent again; like an uncertain file-batch line or run row, it is charged
+nothing: its hold is released, with an activity record that names it, the
+amount, and what the owner can do (one rule on every door, see
+docs/explanation/ledger.md). If it was never sent (it was still waiting for
+the route's pace or a concurrency slot), its hold is released and it goes
+back to waiting: nothing happened to it.
 
 *Housekeeping*: waiting items past their deadline expire; waiting items
 whose submitting key was revoked are canceled; results of batches completed
-more than ``RESULTS_KEPT`` ago are purged (their metadata stays).
+more than ``RESULTS_KEPT`` ago are purged (their metadata stays), and so are
+idempotent answers past their 24 hours (their keys' tombstones stay).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection
 
 from batchyard.core.clock import Clock
-from batchyard.store import activity, ledger
+from batchyard.store import activity, idempotency, ledger
 from batchyard.store import batches as store
 from batchyard.store.database import Database
 
@@ -44,18 +46,44 @@ RESULTS_KEPT = timedelta(hours=24)
 
 #: What the owner of an uncertain item can do, shown with it in the activity log.
 UNCERTAIN_ACTION = (
-    "the call was sent and its outcome is unknown, so it was not retried and its hold "
-    "stays; check with the provider (or your logs) whether it ran, resubmit it under a new "
-    "custom_id if not, and ask the operator to resolve the hold (batchyard holds release "
-    "or settle)"
+    "the call was sent and its outcome is unknown, so it was not retried; you were not "
+    "charged for it (its hold was released, as for every uncertain item); check with the "
+    "provider (or your logs) whether it ran before resubmitting it under a new custom_id, "
+    "so the work is not paid for twice upstream"
 )
 
 
 def settle_as_uncertain(conn: Connection, item: store.ItemRow, now: datetime, why: str) -> bool:
-    """A sent call cut off (crash, shutdown): ``uncertain``, hold kept, and shown in activity."""
+    """A sent call cut off (crash, shutdown): ``uncertain``, charged nothing, shown in activity.
+
+    Its hold is released in the same transaction: an uncertain item delivered
+    no answer, so, as on the other doors, it is not charged, and nothing is
+    left for an operator to resolve by hand.
+    """
     if not store.mark_uncertain(conn, item, now):
         return False
-    held = ledger.get_reservation(conn, item.reservation_id).amount if item.reservation_id else None
+    held = None
+    if item.reservation_id is not None:
+        res = ledger.get_reservation(conn, item.reservation_id, lock=True)
+        held = res.amount
+        if res.state == "held":
+            ledger.release(conn, item.reservation_id, now)
+            activity.record(
+                conn,
+                item.org_id,
+                "release",
+                now,
+                ref=item.id,
+                reservation_id=item.reservation_id,
+                amount=res.amount,
+                detail={
+                    "purpose": "batch",
+                    "batch_id": item.batch_id,
+                    "custom_id": item.custom_id,
+                    "reason": "uncertain",
+                    "note": "its call's outcome is unknown; an uncertain item is not charged",
+                },
+            )
     activity.record(
         conn,
         item.org_id,
@@ -136,13 +164,17 @@ async def recover_lapsed(db: Database, clock: Clock) -> tuple[int, int]:
 
 
 async def housekeep(db: Database, clock: Clock) -> Swept:
-    """Expire overdue items, cancel those of revoked keys, purge old results: one transaction."""
+    """Expire overdue items, cancel those of revoked keys, purge old results and saved
+    answers: one transaction."""
     now = clock.now()
 
     def tx(conn: Connection) -> Swept:
         expired = store.expire_due(conn, now)
         canceled = store.cancel_for_revoked_keys(conn, now)
         purged = store.purge_due(conn, now - RESULTS_KEPT, now)
+        # Saved idempotent answers past their 24 hours lose their text; the key's
+        # tombstone stays for good, so it never runs again (store.idempotency.purge).
+        idempotency.purge(conn, now)
         return Swept(expired, canceled, len(purged))
 
     return await db.transact(tx)

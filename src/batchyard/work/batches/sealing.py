@@ -9,9 +9,11 @@ shown as a 503 by the door and printed by ``serve``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from batchyard.core.config_errors import ConfigError
 from batchyard.core.sealing import Sealer, SealError, ensure_key_file, parse_key
 from batchyard.errors import BatchUnavailable
 
@@ -36,6 +38,11 @@ class BatchKey:
     created: bool = False
 
     @property
+    def fingerprint(self) -> str | None:
+        """The key's fingerprint (``core.sealing.key_fingerprint``), shown instead of the key."""
+        return self.sealer.fingerprint if self.sealer is not None else None
+
+    @property
     def available(self) -> bool:
         return self.sealer is not None
 
@@ -46,20 +53,57 @@ class BatchKey:
         return self.sealer
 
 
-def resolve_key(settings: Settings) -> BatchKey:
-    """The configured key; on an SQLite file with none, ``<db dir>/batch.key`` (made once)."""
+def resolve_key(
+    settings: Settings, *, sealed_data: Callable[[], bool] = lambda: False, create: bool = True
+) -> BatchKey:
+    """The configured key; on an SQLite file with none, ``<db dir>/batch.key`` (made once).
+
+    A key that cannot be used is a ``ConfigError`` (naming the setting or the
+    key file), never "deferred batches are off": the data sealed under it would
+    read as 500s. A missing key file is made only when ``sealed_data()`` says
+    the database holds nothing sealed; otherwise the key was lost, and a new
+    one would lock the old data away for good. ``create=False`` (the audit)
+    never makes one.
+    """
     if settings.batch_encryption_key:
         try:
             return BatchKey(Sealer(parse_key(settings.batch_encryption_key)))
         except SealError as exc:
-            return BatchKey(None, f"deferred batches are off: {exc}")
+            raise ConfigError(
+                "batch_encryption_key",
+                str(exc).split(";")[0],
+                "make one with `openssl rand -base64 32`",
+                source=settings.config_file or "the settings",
+            ) from None
     db_path = settings.sqlite_path
     if db_path is not None:
         path = db_path.parent / "batch.key"
+        if not create and not path.exists():
+            return BatchKey(None, f"no key file {path}", path=str(path))
+        if not path.exists() and sealed_data():
+            raise ConfigError(
+                "",
+                "the database holds sealed data, and its key file is missing",
+                f"restore {path} from your backup (or set BATCHYARD_BATCH_ENCRYPTION_KEY to "
+                "the key); a new key could never open that data",
+                source=str(path),
+            )
         try:
             key, created = ensure_key_file(path)
-        except (OSError, SealError) as exc:
-            return BatchKey(None, f"deferred batches are off: the key file {path}: {exc}")
+        except SealError as exc:
+            raise ConfigError(
+                "",
+                f"the key file cannot be used: {str(exc).split(';')[0]}",
+                "restore it from your backup (32 random bytes in base64)",
+                source=str(path),
+            ) from None
+        except OSError as exc:
+            raise ConfigError(
+                "",
+                f"the key file cannot be read or made: {exc.strerror or exc}",
+                "make its folder writable by this user, or set BATCHYARD_BATCH_ENCRYPTION_KEY",
+                source=str(path),
+            ) from None
         return BatchKey(Sealer(key), path=str(path), created=created)
     return BatchKey(
         None,

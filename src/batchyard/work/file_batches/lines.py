@@ -26,6 +26,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from batchyard.core.anthropic_bodies import message_object
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.market import offer_cost, qualifies
@@ -56,6 +57,9 @@ class NotSent(Exception):
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
+#: A Message Batch's lines: stored translated (``service.openai_requests``), answered as
+#: Anthropic's ``message``.
+MESSAGES = "/v1/messages"
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -164,6 +168,7 @@ def _request(
         max_tokens=max_tokens,
         temperature=body.get("temperature"),
         top_p=body.get("top_p"),
+        top_k=body.get("top_k"),
         n=int(body.get("n", 1)),
         stop=[stop] if isinstance(stop, str) else stop,
         seed=body.get("seed"),
@@ -219,6 +224,17 @@ def _answer_body(
             "model": plan.model.id,
             "usage": {"prompt_tokens": usage.input_tokens, "total_tokens": usage.input_tokens},
         }
+    if endpoint == MESSAGES:
+        choice = answered.choices[0]
+        return message_object(
+            message_id=request_id,
+            model=plan.model.id,
+            text=choice.text,
+            tool_calls=choice.tool_calls,
+            finish_reason=choice.finish_reason,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+        )
     if endpoint == COMPLETIONS:
         return {
             "id": request_id,
@@ -319,9 +335,8 @@ async def answer(
     now = now_of()
     cap = quote_ticks(plan.direct.cost(claimed.input_tokens, claimed.max_tokens))
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
-    request_id = new_id("cmpl" if endpoint == COMPLETIONS else "chatcmpl", now)
-    if endpoint == EMBEDDINGS:
-        request_id = new_id("emb", now)
+    prefixes = {COMPLETIONS: "cmpl", EMBEDDINGS: "emb", MESSAGES: "msg"}
+    request_id = new_id(prefixes.get(endpoint, "chatcmpl"), now)
     result = _answer_body(endpoint, body, answered, usage, request_id, now, plan)
     result["charge"] = format_money(charge)
     result["route"] = plan.route.id

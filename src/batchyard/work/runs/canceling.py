@@ -24,7 +24,13 @@ from batchyard.store import activity, ledger, work_items
 from batchyard.store.runs import Run, load_run, run_of, runs, update_run
 from batchyard.store.tables import api_keys
 
-__all__ = ["KEY_REVOKED", "revoked_runs_exist", "stop_run", "stop_runs_of_revoked_keys"]
+__all__ = [
+    "KEY_REVOKED",
+    "canceled_by_owner",
+    "revoked_runs_exist",
+    "stop_run",
+    "stop_runs_of_revoked_keys",
+]
 
 S = RunStatus
 
@@ -34,6 +40,17 @@ KEY_REVOKED = {
     "message": "the API key that started this run was revoked; rows not yet sent were "
     "canceled and nothing more is charged",
 }
+
+
+def canceled_by_owner(key_id: str | None, now: datetime) -> dict[str, Any]:
+    """The error a run canceled by its owner carries: seed 002's "cancellation details"."""
+    return {
+        "code": "canceled",
+        "message": "the run was canceled by its owner (POST …/cancel); answered rows are "
+        "kept and charged, rows not yet sent were canceled and nothing more is charged",
+        "canceledAt": now.isoformat().replace("+00:00", "Z"),
+        "canceledByKeyId": key_id,
+    }
 
 
 def stop_run(c: Connection, run: Run, now: datetime, *, error: dict[str, Any] | None = None) -> Run:

@@ -1,0 +1,185 @@
+"""What is wrong with a configuration, said in one line an operator can act on.
+
+A mistake in the config file or the environment is not a bug: ``serve``,
+``worker`` and ``audit`` must refuse to start with one line that names where
+the value came from (the file, or the ``BATCHYARD_...`` variable), the field
+(``routes[0].engine``) and what to do about it, never a traceback. The typed
+settings model (``core.config``, and the sections ``core.catalog`` and
+``core.tiers`` validate) raises pydantic's ``ValidationError``; ``from_validation``
+turns its first error into a ``ConfigError`` with that field path, so every field
+gets a clear message without a hand-written check per field.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+__all__ = ["ConfigError", "field_path", "from_validation"]
+
+
+class ConfigError(ValueError):
+    """One operator mistake: the field, what is wrong with it, and the fix.
+
+    ``source`` (the config file's path, or ``environment variable BATCHYARD_X``)
+    is filled in by whoever read the value. A ``ValueError``, so callers that
+    caught the old hand-read errors still do.
+    """
+
+    def __init__(self, field: str, problem: str, fix: str, *, source: str | None = None) -> None:
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        self.source = source
+        super().__init__(self.detail)
+
+    @property
+    def detail(self) -> str:
+        where = f"{self.field}: " if self.field else ""
+        return f"{where}{self.problem} — {self.fix}"
+
+    def line(self) -> str:
+        """The one line ``serve``, ``worker`` and ``audit`` print before exiting."""
+        where = f" in {self.source}" if self.source else ""
+        return f"batchyard: config error{where}: {self.detail}"
+
+    def at(self, source: str) -> ConfigError:
+        """The same error, said to come from ``source`` (kept when already set)."""
+        if self.source is None:
+            self.source = source
+        return self
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with its field nested under ``prefix`` (``routes[2]``)."""
+        field = f"{prefix}.{self.field}" if self.field else prefix
+        return ConfigError(field, self.problem, self.fix, source=self.source)
+
+
+def field_path(loc: Iterable[int | str]) -> str:
+    """``("routes", 0, "engine")`` as ``routes[0].engine``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_KINDS: dict[str, tuple[str, str]] = {
+    # pydantic's error type -> (what was expected, the fix)
+    "int_parsing": ("a whole number", "write a whole number such as 30"),
+    "int_type": ("a whole number", "write a whole number such as 30"),
+    "int_from_float": ("a whole number", "write a whole number, without a fraction"),
+    "float_parsing": ("a number", "write a number such as 30 or 2.5"),
+    "float_type": ("a number", "write a number such as 30 or 2.5"),
+    "finite_number": ("a finite number", "write a number such as 30 or 2.5"),
+    "decimal_parsing": ("a decimal number", 'write a decimal such as "0.50"'),
+    "decimal_type": ("a decimal number", 'write a decimal such as "0.50"'),
+    "bool_parsing": ("true or false", "write true or false"),
+    "bool_type": ("true or false", "write true or false"),
+    "string_type": ("text", "write it as a string"),
+    "list_type": ("a list", "write a list (YAML `- item` lines, or [a, b])"),
+    "tuple_type": ("a list", "write a list (YAML `- item` lines, or [a, b])"),
+    "dict_type": ("a mapping", "write `name: value` pairs under it"),
+    "model_type": ("a mapping", "write `name: value` pairs under it"),
+    "model_attributes_type": ("a mapping", "write `name: value` pairs under it"),
+}
+
+
+def _known_fields(model: Any, loc: Sequence[int | str]) -> list[str]:
+    """The field names allowed where ``loc``'s last part was refused (for a suggestion)."""
+    from pydantic import BaseModel
+
+    current: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        info = current.model_fields.get(str(part))
+        if info is None:
+            return []
+        current = _inner_model(info.annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        names: list[str] = []
+        for name, info in current.model_fields.items():
+            names.append(info.alias or name)
+        return names
+    return []
+
+
+def _inner_model(annotation: Any) -> Any:
+    """The model inside ``list[X] | None`` and the like."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _describe(error: Any, model: Any) -> tuple[str, str]:
+    kind = str(error["type"])
+    ctx = error.get("ctx") or {}
+    given = error.get("input")
+    if kind == "value_error" and isinstance(ctx.get("error"), ConfigError):
+        inner: ConfigError = ctx["error"]
+        return inner.problem, inner.fix
+    if kind == "value_error":
+        text = str(ctx.get("error", error["msg"]))
+        problem, _, fix = text.partition(" — ")
+        return problem, fix or "correct the value"
+    if kind == "missing":
+        return "required, and missing", "add it"
+    if kind == "extra_forbidden":
+        loc = list(error["loc"])
+        known = _known_fields(model, loc)
+        near = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return "is not a setting batchyard knows", f"{hint}remove it or fix its name"
+    if kind == "literal_error":
+        expected = str(ctx.get("expected", ""))
+        return f"{_shown(given)} is not one of {expected}", "use one of those"
+    if kind in _KINDS:
+        expected, fix = _KINDS[kind]
+        return f"expected {expected}, got {_shown(given)}", fix
+    bounds = {
+        "greater_than": "more than",
+        "greater_than_equal": "at least",
+        "less_than": "less than",
+        "less_than_equal": "at most",
+    }
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return (
+            f"must be {bounds[kind]} {limit}, got {_shown(given)}",
+            f"set it to {bounds[kind]} {limit}",
+        )
+    if kind in ("string_too_short", "too_short"):
+        return "must not be empty", "give it a value, or remove the line"
+    return f"{error['msg']} (got {_shown(given)})", "correct the value"
+
+
+def from_validation(
+    exc: ValidationError, *, model: Any = None, prefix: Sequence[int | str] = ()
+) -> ConfigError:
+    """The first of pydantic's errors as a ``ConfigError`` (with how many more there are)."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = [*prefix, *first["loc"]]
+    problem, fix = _describe(first, model)
+    if len(errors) > 1:
+        fix += f" ({len(errors) - 1} more problem(s) after this one)"
+    return ConfigError(field_path(loc), problem, fix)

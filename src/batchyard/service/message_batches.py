@@ -1,0 +1,312 @@
+"""Anthropic's Message Batches, as file batches: one machinery, a second dialect.
+
+A Message Batch is taken in as the file batch it would be if its requests had
+been uploaded as a file of ``/v1/messages`` lines (``service.files.ingest``,
+each line's ``params`` checked by the wire's own function, privacy applied,
+counted with the model's tokenizer, sealed), then created as a file batch
+(``service.file_batches.create``: the whole quote held in the same
+transaction). From there the file-batch worker answers it like any other:
+leased lines, ``uncertain`` for a call cut off in flight, one settlement.
+
+What this module adds is only the dialect: the create body, Anthropic's
+``message_batch`` object (``processing_status``, ``request_counts``,
+RFC 3339 times, ``results_url`` once it has ended), its paging, and each
+result line rewritten as ``{custom_id, result}`` of type ``succeeded``,
+``errored``, ``canceled`` or ``expired``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import heapq
+import io
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from sqlalchemy import Connection
+
+from batchyard.core.accounts import Principal
+from batchyard.core.anthropic_bodies import ERROR_TYPES
+from batchyard.core.clock import isoformat
+from batchyard.errors import (
+    BatchyardError,
+    InsufficientCredit,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    UnknownField,
+)
+from batchyard.service import file_batches, files
+from batchyard.service.deployment import Service
+from batchyard.service.openai_requests import MESSAGES
+from batchyard.store import file_batches as store
+
+__all__ = [
+    "cancel",
+    "create",
+    "get",
+    "list_page",
+    "results",
+]
+
+_CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_CREATE_KEYS = {"requests", "min_discount"}
+_ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def _jsonl(raw: dict[str, Any]) -> tuple[bytes, Decimal | None]:
+    """The create body as the batch file it stands for, and the discount it waits for."""
+    for key in sorted(raw.keys() - _CREATE_KEYS):
+        raise UnknownField(f"unknown field {key!r} in a Message Batch", param=key)
+    requests = raw.get("requests")
+    if not isinstance(requests, list) or not requests:
+        raise InvalidRequest("requests must be a non-empty list", param="requests")
+    out = io.BytesIO()
+    for i, item in enumerate(requests):
+        at = f"requests.{i}"
+        if not isinstance(item, dict) or item.keys() != {"custom_id", "params"}:
+            raise InvalidRequest(f"{at} must be exactly {{custom_id, params}}", param=at)
+        cid = item["custom_id"]
+        if not isinstance(cid, str) or not _CUSTOM_ID.match(cid):
+            raise InvalidRequest(
+                f"{at}.custom_id must be 1 to 64 letters, digits, - or _",
+                param=f"{at}.custom_id",
+            )
+        line = {"custom_id": cid, "method": "POST", "url": MESSAGES, "body": item["params"]}
+        out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+    given = raw.get("min_discount")
+    if given is None:
+        return out.getvalue(), None
+    try:
+        if isinstance(given, bool) or not isinstance(given, int | float | str):
+            raise InvalidOperation
+        d = Decimal(str(given).strip())
+    except InvalidOperation:
+        d = Decimal("NaN")
+    if not d.is_finite() or not Decimal(0) <= d <= Decimal(100):
+        raise InvalidRequest(
+            f"min_discount is a percentage from 0 to 100, not {given!r}",
+            param="min_discount",
+            code="min_discount_out_of_range",
+        )
+    return out.getvalue(), d
+
+
+def _as_request_error(exc: BatchyardError) -> BatchyardError:
+    """A line's error (``line N: ...``) named as the request it came from."""
+    line = exc.details.get("line") if isinstance(exc.details, dict) else None
+    if not isinstance(line, int):
+        return exc
+    where = f"requests.{line - 1}"
+    message = re.sub(r"^line \d+: ", f"{where}: ", exc.message)
+    param = exc.param
+    if isinstance(param, str):
+        rest = param.removeprefix(f"line {line}: ").removeprefix("body.")
+        param = f"{where}.{rest}" if rest == "custom_id" else f"{where}.params.{rest}"
+    details = {k: v for k, v in exc.details.items() if k != "line"}
+    return type(exc)(message, param=param, code=exc.code, details=details, status=exc.status)
+
+
+async def create(svc: Service, principal: Principal, raw: dict[str, Any]) -> dict[str, Any]:
+    """Take the requests in, hold the quote, start the batch; its ``message_batch``."""
+    svc.batch_key.require()
+    text, min_discount = _jsonl(raw)
+    try:
+        taken = await asyncio.to_thread(
+            files.ingest,
+            svc,
+            principal,
+            io.BytesIO(text),
+            filename="message_batch.jsonl",
+            purpose="batch",
+        )
+    except BatchyardError as exc:
+        raise _as_request_error(exc) from None
+    parsed = {
+        "input_file_id": taken["id"],
+        "endpoint": MESSAGES,
+        "window": "24h",
+        "metadata": None,
+        "min_discount": min_discount,
+    }
+    view = await file_batches.create(svc, principal, parsed)
+    if view["status"] == "failed":
+        errors = (view.get("errors") or {}).get("data") or [{}]
+        raise InsufficientCredit(str(errors[0].get("message", "not enough credit")))
+    return await get(svc, principal, view["id"], base_url="")
+
+
+def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str, Any]:
+    per = totals.per_state
+    status = {"cancelling": "canceling"}.get(row.status, row.status)
+    processing = "ended" if row.status in _ENDED else status
+    if processing not in ("in_progress", "canceling", "ended"):
+        processing = "in_progress"
+    ended_at = row.completed_at or row.failed_at or row.expired_at or row.cancelled_at
+    return {
+        "id": row.id,
+        "type": "message_batch",
+        "processing_status": processing,
+        "request_counts": {
+            "processing": per.get("pending", 0) + per.get("dispatched", 0),
+            "succeeded": per.get("succeeded", 0),
+            "errored": per.get("failed", 0) + per.get("uncertain", 0),
+            "canceled": per.get("canceled", 0),
+            "expired": per.get("expired", 0),
+        },
+        "created_at": isoformat(row.created_at),
+        "expires_at": isoformat(row.expires_at),
+        "ended_at": isoformat(ended_at) if ended_at is not None else None,
+        "cancel_initiated_at": isoformat(row.cancelling_at) if row.cancelling_at else None,
+        "archived_at": None,
+        "results_url": (
+            f"{base_url}/v1/messages/batches/{row.id}/results" if processing == "ended" else None
+        ),
+    }
+
+
+def _own(principal: Principal) -> str | None:
+    return principal.key_id if principal.own_only else None
+
+
+def _load(conn: Connection, principal: Principal, batch_id: str) -> store.BatchRow:
+    row = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
+    if row is None or row.endpoint != MESSAGES:
+        raise NotFound(f"message batch {batch_id} not found", param="message_batch_id")
+    return row
+
+
+async def get(
+    svc: Service, principal: Principal, batch_id: str, *, base_url: str
+) -> dict[str, Any]:
+    def read(conn: Connection) -> dict[str, Any]:
+        row = _load(conn, principal, batch_id)
+        return _view(row, store.totals(conn, [row.id])[row.id], base_url)
+
+    return await svc.db.read(read)
+
+
+async def list_page(
+    svc: Service,
+    principal: Principal,
+    *,
+    limit: int,
+    after: str | None,
+    before: str | None,
+    base_url: str,
+) -> dict[str, Any]:
+    """Anthropic's page: newest first, ``after_id`` older, ``before_id`` newer."""
+
+    def read(conn: Connection) -> dict[str, Any]:
+        rows = store.list_batches(
+            conn,
+            principal.org_id,
+            after=after,
+            before=before,
+            limit=limit + 1,
+            key_id=_own(principal),
+            endpoint=MESSAGES,
+        )
+        more = len(rows) > limit
+        rows = rows[1:] if more and before else rows[:limit]
+        totals = store.totals(conn, [r.id for r in rows])
+        data = [_view(r, totals[r.id], base_url) for r in rows]
+        return {
+            "data": data,
+            "has_more": more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+
+    return await svc.db.read(read)
+
+
+async def cancel(
+    svc: Service, principal: Principal, batch_id: str, *, base_url: str
+) -> dict[str, Any]:
+    """Stop sending: requests not yet sent end ``canceled``; an ended batch is a 409."""
+    await svc.db.read(lambda c: _load(c, principal, batch_id))
+    try:
+        await file_batches.cancel(svc, principal, batch_id)
+    except InvalidState as exc:
+        if exc.code != "batch_not_cancellable":
+            raise
+    return await get(svc, principal, batch_id, base_url=base_url)
+
+
+def _result(line: dict[str, Any]) -> dict[str, Any]:
+    """One stored result line (OpenAI's shape) as Anthropic's individual response."""
+    cid = line.get("custom_id")
+    response = line.get("response")
+    if isinstance(response, dict) and response.get("status_code") == 200:
+        message = {k: v for k, v in response["body"].items() if k not in ("charge", "route")}
+        return {"custom_id": cid, "result": {"type": "succeeded", "message": message}}
+    if isinstance(response, dict):
+        status = int(response.get("status_code") or 500)
+        err = (response.get("body") or {}).get("error") or {}
+        return {"custom_id": cid, "result": _errored(status, err)}
+    code = (line.get("error") or {}).get("code")
+    if code == "batch_expired":
+        return {"custom_id": cid, "result": {"type": "expired"}}
+    if code == "batch_cancelled":
+        return {"custom_id": cid, "result": {"type": "canceled"}}
+    return {"custom_id": cid, "result": _errored(500, line.get("error") or {})}
+
+
+def _errored(status: int, err: dict[str, Any]) -> dict[str, Any]:
+    error = {
+        "type": ERROR_TYPES.get(status, "api_error"),
+        "message": str(err.get("message", "")),
+        "code": str(err.get("code", "error")),
+    }
+    return {"type": "errored", "error": {"type": "error", "error": error}}
+
+
+async def results(svc: Service, principal: Principal, batch_id: str) -> AsyncIterator[bytes]:
+    """The results as JSON Lines in input order; only once the batch has ended (else 409).
+
+    Checked before the first byte, so a batch still running is an ordinary 409.
+    """
+    sealer = svc.batch_key.require()
+    row = await svc.db.read(lambda c: _load(c, principal, batch_id))
+    if row.status not in _ENDED:
+        raise InvalidState(
+            f"message batch {batch_id} is still {row.status}; its results are ready once "
+            "processing_status is ended",
+            code="results_not_ready",
+        )
+
+    def half(errors: bool) -> Iterator[tuple[int, bytes]]:
+        after = 0
+        while True:
+            page = svc.db.read_sync(
+                functools.partial(
+                    store.output_lines, batch_id=batch_id, errors=errors, after=after, limit=500
+                )
+            )
+            if not page:
+                return
+            yield from page
+            after = page[-1][0]
+
+    def lines() -> Iterator[bytes]:
+        for line, sealed in heapq.merge(half(False), half(True)):
+            stored = json.loads(sealer.open(sealed, store.out_aad(batch_id, line)))
+            text = json.dumps(_result(stored), ensure_ascii=False, separators=(",", ":"))
+            yield text.encode() + b"\n"
+
+    async def stream() -> AsyncIterator[bytes]:
+        it = lines()
+        while True:
+            chunk = await asyncio.to_thread(
+                lambda: [b for _, b in zip(range(200), it, strict=False)]
+            )
+            if not chunk:
+                return
+            yield b"".join(chunk)
+
+    return stream()

@@ -1,0 +1,169 @@
+"""Anthropic's Messages bodies: checked strictly, translated into the engines' OpenAI shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchyard.core.anthropic_bodies import (
+    message_object,
+    parse_count_tokens,
+    parse_messages,
+    stop_reason,
+    to_openai_messages,
+    to_openai_tool_choice,
+    to_openai_tools,
+)
+from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
+
+BASE = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"name": "f", "input_schema": {"type": "object"}}
+
+
+def test_system_blocks_images_and_a_tool_round_trip_become_openai_messages():
+    req = parse_messages(
+        {
+            **BASE,
+            "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "look"},
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                        },
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "calling"},
+                        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": "bad",
+                            "is_error": True,
+                        }
+                    ],
+                },
+            ],
+        }
+    )
+    out = to_openai_messages(req)
+    assert out[0] == {"role": "system", "content": "a\nb"}
+    assert out[1]["content"][1] == {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,AA=="},
+    }
+    assert out[2] == {
+        "role": "assistant",
+        "content": "calling",
+        "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}}
+        ],
+    }
+    assert out[3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: bad"}
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"type": "auto"}, "auto"),
+        ({"type": "any"}, "required"),
+        ({"type": "none"}, "none"),
+        ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}}),
+    ],
+)
+def test_tool_choice_maps_onto_openais(choice, expected):
+    req = parse_messages({**BASE, "tools": [TOOL], "tool_choice": choice})
+    assert to_openai_tool_choice(req) == expected
+    assert to_openai_tools(req) == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "param"),
+    [
+        ({"max_tokens": None}, InvalidRequest, "max_tokens"),
+        ({"max_tokens": "8"}, InvalidRequest, "max_tokens"),
+        ({"temperature": 1.5}, InvalidRequest, "temperature"),
+        ({"n": 2}, UnknownField, "n"),
+        ({"stop_sequences": [""]}, InvalidRequest, "stop_sequences.0"),
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            CapabilityUnsupported,
+            "thinking",
+        ),
+        (
+            {"tool_choice": {"type": "tool", "name": "g"}, "tools": [TOOL]},
+            InvalidRequest,
+            "tool_choice.name",
+        ),
+        ({"tools": [{"name": "f"}]}, InvalidRequest, "tools.0.input_schema"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
+            UnknownField,
+            "messages.0.content.0.y",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}
+                ]
+            },
+            InvalidRequest,
+            "messages.0.content.0",
+        ),
+    ],
+)
+def test_bad_bodies_are_coded_and_name_the_field(change, error, param):
+    body = {**BASE, **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(error) as got:
+        parse_messages(body)
+    assert got.value.param == param
+
+
+def test_count_tokens_takes_no_max_tokens():
+    assert parse_count_tokens({"model": "m", "messages": BASE["messages"]}).model == "m"
+    with pytest.raises(UnknownField):
+        parse_count_tokens({**BASE})
+
+
+def test_the_message_object_and_its_stop_reasons():
+    call = {"id": "call_9", "function": {"name": "f", "arguments": '{"a": 2}'}}
+    msg = message_object(
+        message_id="msg.1",
+        model="m",
+        text="",
+        tool_calls=[call],
+        finish_reason="tool_calls",
+        input_tokens=3,
+        output_tokens=4,
+    )
+    assert msg["content"] == [{"type": "tool_use", "id": "toolu_9", "name": "f", "input": {"a": 2}}]
+    assert msg["stop_reason"] == "tool_use" and msg["usage"]["input_tokens"] == 3
+    assert [stop_reason(f) for f in ("stop", "length", "tool_calls")] == [
+        "end_turn",
+        "max_tokens",
+        "tool_use",
+    ]
+    stopped = message_object(
+        message_id="msg.2",
+        model="m",
+        text="x",
+        tool_calls=None,
+        finish_reason="stop",
+        input_tokens=1,
+        output_tokens=1,
+        matched_stop="END",
+    )
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "END")
