@@ -1,4 +1,4 @@
-"""Prompt tokens an engine read from its cache: held at the input price, settled at the cached one."""
+"""Prompt tokens read from the cache: held at the input price, settled at the cached one."""
 
 from __future__ import annotations
 
