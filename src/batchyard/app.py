@@ -119,8 +119,11 @@ def build_service(
     )
     registry = EngineRegistry(
         embedded_model_path=settings.embedded_model_path,
-        embedded_contexts=settings.embedded_contexts,
+        embedded_slots=settings.embedded_slots,
         embedded_n_ctx=settings.embedded_n_ctx,
+        embedded_threads=settings.embedded_threads,
+        embedded_prefill_tokens=settings.embedded_prefill_tokens,
+        embedded_cache_tokens=settings.embedded_cache_tokens,
         overrides=engines,
     )
     try:

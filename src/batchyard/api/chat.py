@@ -132,13 +132,16 @@ def chat_choice(i: int, ch: Choice, logprobs: bool) -> dict[str, Any]:
     }
 
 
-def _usage(result: DispatchResult) -> dict[str, int]:
+def _usage(result: DispatchResult) -> dict[str, Any]:
     u = result.completion.usage
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": u.input_tokens,
         "completion_tokens": u.output_tokens,
         "total_tokens": u.total_tokens,
     }
+    if u.cached_input_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": u.cached_input_tokens}
+    return usage
 
 
 @router.post("/v1/chat/completions")

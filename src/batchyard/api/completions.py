@@ -135,6 +135,11 @@ async def completions(request: Request) -> Response:
                 "prompt_tokens": u.input_tokens,
                 "completion_tokens": u.output_tokens,
                 "total_tokens": u.total_tokens,
+                **(
+                    {"prompt_tokens_details": {"cached_tokens": u.cached_input_tokens}}
+                    if u.cached_input_tokens
+                    else {}
+                ),
             },
             "charge": format_money(result.charge),
             "reservation_id": result.reservation_id,

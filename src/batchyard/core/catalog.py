@@ -90,6 +90,9 @@ class RouteSpec:
     # The route's own offered price; None means it charges the model's direct price.
     input_per_mtok: Decimal | None = None
     output_per_mtok: Decimal | None = None
+    # What a prompt token the engine read from its cache costs (capped at the
+    # input price); None: cached tokens cost what other input tokens cost.
+    cached_input_per_mtok: Decimal | None = None
     # Prices come from the catalog ("fixed") or from the operator's price feed ("feed").
     price_source: Literal["fixed", "feed"] = "fixed"
     hard_price_caps: bool = False
@@ -354,6 +357,7 @@ class RouteEntry(BaseModel):
     api_key_env: str | None = None
     input_per_mtok: _Price | None = None
     output_per_mtok: _Price | None = None
+    cached_input_per_mtok: _Price | None = None
     price_source: Literal["fixed", "feed"] = "fixed"
     hard_price_caps: bool = False
     data_retention: Literal["none", "provider"] = "provider"
@@ -506,6 +510,7 @@ def build_catalog(models: Sequence[ModelEntry], routes: Sequence[RouteEntry] | N
                 api_key_env=r.api_key_env,
                 input_per_mtok=r.input_per_mtok,
                 output_per_mtok=r.output_per_mtok,
+                cached_input_per_mtok=r.cached_input_per_mtok,
                 price_source=r.price_source,
                 hard_price_caps=r.hard_price_caps,
                 data_retention=r.data_retention,

@@ -54,18 +54,44 @@ class Price:
 
     input_per_mtok: Decimal
     output_per_mtok: Decimal
+    #: What an input token read from the engine's prompt cache costs; ``None``: the input price.
+    #: Never above the input price, so a quote at the input price bounds every charge.
+    cached_input_per_mtok: Decimal | None = None
 
     def __post_init__(self) -> None:
-        for name in ("input_per_mtok", "output_per_mtok"):
+        for name in ("input_per_mtok", "output_per_mtok", "cached_input_per_mtok"):
             value = getattr(self, name)
+            if value is None and name == "cached_input_per_mtok":
+                continue
             if not isinstance(value, Decimal):
                 raise TypeError(f"{name} must be a Decimal, not {type(value).__name__}")
             if not value.is_finite() or value < 0:
                 raise ValueError(f"{name} must be a finite, non-negative amount")
+        cached = self.cached_input_per_mtok
+        if cached is not None and cached > self.input_per_mtok:
+            raise ValueError("cached_input_per_mtok must not exceed input_per_mtok")
 
-    def cost(self, input_tokens: int, output_tokens: int) -> Decimal:
-        """What ``input_tokens`` in and ``output_tokens`` out cost at this price, in dollars."""
-        return token_cost(input_tokens, output_tokens, self.input_per_mtok, self.output_per_mtok)
+    def cost(self, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0) -> Decimal:
+        """What ``input_tokens`` in (``cached_input_tokens`` of them from the prompt cache)
+        and ``output_tokens`` out cost at this price, in dollars.
+
+        Quotes and holds leave ``cached_input_tokens`` at 0: the uncached price
+        is the most a call can cost, whatever the cache turns out to hold.
+        """
+        full = token_cost(input_tokens, output_tokens, self.input_per_mtok, self.output_per_mtok)
+        cached = min(max(0, cached_input_tokens), input_tokens)
+        if not cached or self.cached_input_per_mtok is None:
+            return full
+        return full - token_cost(
+            cached, 0, self.input_per_mtok - self.cached_input_per_mtok, Decimal(0)
+        )
+
+    def for_route(self, cached_input_per_mtok: Decimal | None) -> Price:
+        """This price with a route's cached-input price (capped at the input price)."""
+        if cached_input_per_mtok is None:
+            return self
+        cached = min(cached_input_per_mtok, self.input_per_mtok)
+        return Price(self.input_per_mtok, self.output_per_mtok, cached)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,9 @@ class Recorder(Protocol):
     def tokens(self, route: str, input_tokens: int, output_tokens: int) -> None:
         """The usage an engine call on ``route`` reported."""
 
+    def prompt_tokens_cached(self, route: str, tokens: int) -> None:
+        """Prompt tokens an engine call on ``route`` read from its cache instead of evaluating."""
+
     def charged(self, purpose: str, credits: Decimal) -> None:
         """A reservation settled for ``purpose`` (chat, decide, run, ...): the credits charged."""
 
@@ -74,6 +77,9 @@ class NoRecorder:
         return None
 
     def tokens(self, route: str, input_tokens: int, output_tokens: int) -> None:
+        return None
+
+    def prompt_tokens_cached(self, route: str, tokens: int) -> None:
         return None
 
     def charged(self, purpose: str, credits: Decimal) -> None:
@@ -111,6 +117,9 @@ class MemoryRecorder:
     def tokens(self, route: str, input_tokens: int, output_tokens: int) -> None:
         self.counts["tokens", route, "input"] += input_tokens
         self.counts["tokens", route, "output"] += output_tokens
+
+    def prompt_tokens_cached(self, route: str, tokens: int) -> None:
+        self.counts["prompt_tokens_cached", route] += tokens
 
     def charged(self, purpose: str, credits: Decimal) -> None:
         self.credits[purpose] = self.credits.get(purpose, Decimal(0)) + credits

@@ -69,6 +69,9 @@ class CompletionRequest:
 class Usage:
     input_tokens: int
     output_tokens: int
+    #: How many of ``input_tokens`` the engine read from its prompt cache
+    #: instead of evaluating them (OpenAI's ``prompt_tokens_details.cached_tokens``).
+    cached_input_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

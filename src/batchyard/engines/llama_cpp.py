@@ -1,14 +1,16 @@
-"""The embedded engine: a GGUF model run in-process with llama-cpp.
+"""The embedded engine: a GGUF model run in-process with llama-cpp, batched.
 
-llama calls are long and hold a native context, so they run in worker
-threads: each version of the model owns a pool of ``contexts`` Llama
-instances, handed out through an asyncio queue so one thread uses one
-instance at a time and the event loop never blocks. The native code releases
-the GIL while it computes, so two contexts really use two cores.
+Each loaded version of the model is one ``Scheduler``
+(``engines.llama_scheduler``): one llama context holding many sequences and
+one thread that decodes all of them together, a token of every generating
+request and chunks of the prompts being read in one ``llama_decode`` a step.
+This module is the facade the rest of batchyard calls: it turns a chat or
+text completion, a stream, a tool call or a scoring call into a job (a
+prompt and its branches) and the job's events back into completions.
 
-Scoring (``score``) evaluates the shared prompt once, reusing whatever prefix
-the context already holds (the same system prompt across a batch costs
-nothing after the first row), then each candidate in one decode.
+Scoring (``score``) reads the shared prompt once (a prompt the cache already
+holds costs nothing, not even its last token) and scores each candidate as a
+sequence forked off it, in the same step as other requests' work.
 """
 
 from __future__ import annotations
@@ -17,28 +19,32 @@ import asyncio
 import atexit
 import logging
 import os
-import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
-
-import numpy as np
+from typing import Any, Literal
 
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.tokens import text_messages
 from batchyard.engines import tool_calls
 from batchyard.engines.base import Choice, Completion, CompletionRequest, Delta, Embeddings, Usage
+from batchyard.engines.llama_sampling import (
+    CHAT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    TEXT_TEMPERATURE,
+    SamplingParams,
+    grammar_for,
+)
+from batchyard.engines.llama_scheduler import Branch, Job, Scheduler
 from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import ContextWindowExceeded, UnsupportedInput, UpstreamError
 
 __all__ = ["LlamaCppEngine", "VersionSpec"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +56,11 @@ class VersionSpec:
 
 
 class _Model:
-    """One Llama instance plus what scoring needs to know about its template."""
+    """One loaded model: its weights (a small ``Llama``), its template, its scheduler."""
 
-    def __init__(self, llama: Any) -> None:
+    def __init__(self, llama: Any, scheduler: Scheduler) -> None:
         self.llama = llama
+        self.scheduler = scheduler
         self.template = ChatTemplate.from_llama(llama)
         self.n_vocab: int = llama.n_vocab()
         end = llama.token_eos()
@@ -65,8 +72,6 @@ class _Model:
         # The token that closes an assistant turn, for scoring a candidate as
         # the complete reply (see ``LlamaCppEngine.score_turn_end``).
         self.turn_end: int = end
-        # The text of the prompt this instance's context holds (see ``_Pool.take``).
-        self.holds: str = ""
 
     def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.template is not None:
@@ -74,8 +79,12 @@ class _Model:
         parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
         return "".join(parts) + "<|im_start|>assistant\n"
 
+    def close(self) -> None:
+        self.scheduler.close()
+        self.llama.close()
 
-# Instances still open at exit: Llama's finaliser fails if it runs after
+
+# Models still open at exit: Llama's finaliser fails if it runs after
 # llama_cpp's module teardown, so they are closed first.
 _open_models: weakref.WeakSet[_Model] = weakref.WeakSet()
 
@@ -83,135 +92,33 @@ _open_models: weakref.WeakSet[_Model] = weakref.WeakSet()
 @atexit.register
 def _close_open_models() -> None:
     for model in list(_open_models):
-        model.llama.close()
+        model.close()
 
 
-class _Pool:
-    """The instances of one version, and whether they are loaded."""
+class _Slot:
+    """One version: how to load it, and the model once loaded."""
 
-    def __init__(self, factory: Callable[[], Any], contexts: int, label: str) -> None:
+    def __init__(self, factory: Callable[[], _Model]) -> None:
         self.factory = factory
-        self.contexts = contexts
-        self.executor = ThreadPoolExecutor(max_workers=contexts, thread_name_prefix=label)
-        self.free: asyncio.Queue[_Model] = asyncio.Queue()
-        self.models: list[_Model] = []
+        self.model: _Model | None = None
         self.lock = asyncio.Lock()
         self.load_seconds: float | None = None
 
     @property
     def loaded(self) -> bool:
-        return bool(self.models)
-
-    async def take(self, prompt: str | None) -> _Model:
-        """A free instance; of those free now, the one whose context holds most of ``prompt``.
-
-        Scoring reuses the prompt prefix a context already holds. Streams of
-        decide calls with different decision sets share the instances;
-        sending each prompt to the instance that read its questions last
-        keeps each set's prefix cached instead of evicting one with another.
-        """
-        model = await self.free.get()
-        if prompt is None or self.free.empty():
-            return model
-        others = [self.free.get_nowait() for _ in range(self.free.qsize())]
-        best = max([model, *others], key=lambda m: _shared_prefix(m.holds, prompt))
-        for m in [model, *others]:
-            if m is not best:
-                self.free.put_nowait(m)
-        return best
+        return self.model is not None
 
 
-def _shared_prefix(a: str, b: str) -> int:
-    """How many leading characters ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _log_softmax_at(row: Any, token: int) -> float:
-    row64 = row.astype(np.float64)
-    peak = float(row64.max())
-    return float(row64[token] - peak - np.log(np.exp(row64 - peak).sum()))
-
-
-def _top_of(row: Any, top: int) -> list[tuple[int, float]]:
-    """The ``top`` most likely tokens of a logits row, with their log-probabilities."""
-    row64 = row.astype(np.float64)
-    peak = float(row64.max())
-    norm = peak + float(np.log(np.exp(row64 - peak).sum()))
-    best = np.argpartition(-row64, top - 1)[:top]
-    best = best[np.argsort(-row64[best])]
-    return [(int(t), float(row64[t] - norm)) for t in best]
-
-
-def _continuation_logprobs(
-    model: _Model,
-    prompt: list[int],
-    conts: list[list[int]],
-    *,
-    top: int = 0,
-    tops: list[list[tuple[int, float]]] | None = None,
-) -> list[list[float]]:
-    """Per-token log-probabilities of each continuation after ``prompt`` (in a worker thread).
-
-    With ``top`` and ``tops``, the ``top`` likeliest tokens at each position of
-    the (single) continuation are appended to ``tops``.
-
-    The context's cached tokens are kept where they match the prompt, and the
-    context is left holding exactly the prompt, so a following generation or
-    scoring call with the same prefix skips it.
-    """
-    llama = model.llama
-    n_prompt = len(prompt)
-    cached = llama._input_ids
-    keep = 0
-    limit = min(len(cached), n_prompt - 1)
-    while keep < limit and int(cached[keep]) == prompt[keep]:
-        keep += 1
-    llama.n_tokens = keep
-    llama.eval(prompt[keep:])
-    ctx, batch, n_vocab, n_batch = llama._ctx, llama._batch, model.n_vocab, llama.n_batch
-    last = np.ctypeslib.as_array(ctx.get_logits(), shape=(n_vocab,)).copy()
-    out: list[list[float]] = []
-    try:
-        for tokens in conts:
-            per_token = [_log_softmax_at(last, tokens[0])]
-            if top and tops is not None:
-                tops.append(_top_of(last, top))
-            feed = tokens[:-1]
-            for start in range(0, len(feed), n_batch):
-                chunk = feed[start : start + n_batch]
-                ctx.kv_cache_seq_rm(-1, n_prompt + start, -1)
-                batch.set_batch(chunk, n_past=n_prompt + start, logits_all=True)
-                ctx.decode(batch)
-                rows = np.ctypeslib.as_array(ctx.get_logits(), shape=(len(chunk), n_vocab))
-                for j in range(len(chunk)):
-                    per_token.append(_log_softmax_at(rows[j], tokens[start + j + 1]))
-                    if top and tops is not None:
-                        tops.append(_top_of(rows[j], top))
-            out.append(per_token)
-    finally:
-        # Leave the context holding just the prompt; its logits are stale now.
-        ctx.kv_cache_seq_rm(-1, n_prompt, -1)
-        llama.n_tokens = n_prompt
-        llama._requires_eval = True
-    return out
-
-
-def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OpenAI's ``json_schema`` format as llama-cpp's schema-constrained ``json_object``."""
+def _response_format(fmt: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
+    """Whether OpenAI's ``response_format`` asks for JSON, and under which schema."""
     if not fmt:
-        return None
+        return False, None
     kind = fmt.get("type")
     if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        return {"type": "json_object", "schema": schema} if schema else {"type": "json_object"}
+        return True, (fmt.get("json_schema") or {}).get("schema") or None
     if kind == "json_object":
-        return {"type": "json_object", **({"schema": fmt["schema"]} if "schema" in fmt else {})}
-    return None
+        return True, fmt.get("schema")
+    return False, None
 
 
 class LlamaCppEngine:
@@ -220,6 +127,12 @@ class LlamaCppEngine:
     The request's ``model`` picks a version by name; any other name means the
     base model (the catalog maps public names before the engine sees them).
     Models load lazily on first use, or ahead of time with ``load``.
+
+    ``slots`` requests run at once (more wait their turn), each with up to
+    ``n_ctx`` tokens; ``cache_tokens`` cache cells (default ``slots × n_ctx``)
+    are sized up front and shared by every sequence and idle prefix;
+    ``prefill_tokens`` bounds the prompt tokens read in one step, so a long
+    prompt never stalls the tokens of running streams for long.
     """
 
     BASE: str | None = None
@@ -230,8 +143,11 @@ class LlamaCppEngine:
         *,
         name: str = "llama_cpp",
         n_ctx: int = 2048,
-        contexts: int = 2,
+        slots: int | None = None,
+        contexts: int | None = None,
         n_threads: int | None = None,
+        prefill_tokens: int = 512,
+        cache_tokens: int | None = None,
         versions: dict[str, VersionSpec] | None = None,
         score_turn_end: bool = False,
         clock: Clock | None = None,
@@ -246,25 +162,24 @@ class LlamaCppEngine:
         self.score_turn_end = score_turn_end
         self.model_path = Path(model_path)
         self.n_ctx = n_ctx
-        self.contexts = max(1, contexts)
-        self.n_threads = n_threads or max(1, (os.cpu_count() or 1) // self.contexts)
+        # ``contexts`` is the old name of ``slots`` (one request per context then).
+        self.slots = max(1, slots or contexts or 8)
+        self.contexts = self.slots
+        self.n_threads = n_threads or max(1, os.cpu_count() or 1)
+        self.prefill_tokens = max(16, prefill_tokens)
+        self.cache_tokens = cache_tokens or self.slots * n_ctx
         self.versions: dict[str, VersionSpec] = dict(versions or {})
         self.last_load_seconds: float | None = None
-        self._pools: dict[str | None, _Pool] = {None: self._pool(None)}
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-load")
+        self._slots: dict[str | None, _Slot] = {None: self._slot(None)}
+        for version in self.versions:
+            self._slots[version] = self._slot(version)
         self._embedding_model: Any = None
         self._embed_lock = asyncio.Lock()
-        for version in self.versions:
-            self._pools[version] = self._pool(version)
 
-    def _pool(self, version: str | None) -> _Pool:
+    def _slot(self, version: str | None) -> _Slot:
         import llama_cpp
 
-        base: dict[str, Any] = {
-            "n_ctx": self.n_ctx,
-            "n_threads": self.n_threads,
-            "n_threads_batch": self.n_threads,
-            "verbose": False,
-        }
         extra: dict[str, Any] = {}
         if version is None:
             path = self.model_path
@@ -275,10 +190,23 @@ class LlamaCppEngine:
             else:
                 path = spec.path
 
-        def factory() -> Any:
-            return llama_cpp.Llama(str(path), **base, **extra)
+        def factory() -> _Model:
+            # The Llama holds the weights, vocabulary and template; its own
+            # context is kept small, the scheduler's context does the work.
+            llama = llama_cpp.Llama(
+                str(path), n_ctx=256, n_batch=64, n_threads=1, verbose=False, **extra
+            )
+            scheduler = Scheduler(
+                llama,
+                slots=self.slots,
+                n_ctx=self.n_ctx,
+                cache_tokens=self.cache_tokens,
+                threads=self.n_threads,
+                prefill_tokens=self.prefill_tokens,
+            )
+            return _Model(llama, scheduler)
 
-        return _Pool(factory, self.contexts, f"llama-{version or 'base'}")
+        return _Slot(factory)
 
     # -- load state ------------------------------------------------------------
 
@@ -287,14 +215,14 @@ class LlamaCppEngine:
 
     @property
     def loaded(self) -> bool:
-        return self._pools[None].loaded
+        return self._slots[None].loaded
 
     def is_loaded(self, version: str | None = None) -> bool:
-        return self._pools[self._known(version)].loaded
+        return self._slots[self._known(version)].loaded
 
     def load_seconds(self, version: str | None = None) -> float | None:
         """How long the last load of ``version`` took, as measured."""
-        return self._pools[self._known(version)].load_seconds
+        return self._slots[self._known(version)].load_seconds
 
     def _known(self, version: str | None) -> str | None:
         if version is not None and version not in self.versions:
@@ -306,16 +234,14 @@ class LlamaCppEngine:
 
     async def load_version(self, version: str | None) -> float:
         """Load ``version`` (``None``: the base) if needed; returns the load's measured seconds."""
-        pool = self._pools[self._known(version)]
-        async with pool.lock:
-            if pool.loaded:
-                return pool.load_seconds or 0.0
+        slot = self._slots[self._known(version)]
+        async with slot.lock:
+            if slot.model is not None:
+                return slot.load_seconds or 0.0
             loop = asyncio.get_running_loop()
             started = self.clock.time()
             try:
-                models = await loop.run_in_executor(
-                    pool.executor, lambda: [_Model(pool.factory()) for _ in range(pool.contexts)]
-                )
+                model = await loop.run_in_executor(self._loader, slot.factory)
             except (ValueError, OSError, RuntimeError) as exc:
                 raise UpstreamError(
                     f"could not load model version {version or 'base'}: {exc}",
@@ -323,11 +249,9 @@ class LlamaCppEngine:
                     retryable=False,
                 ) from None
             elapsed = self.clock.time() - started
-            pool.models = models
-            for model in models:
-                _open_models.add(model)
-                pool.free.put_nowait(model)
-            pool.load_seconds = self.last_load_seconds = elapsed
+            slot.model = model
+            _open_models.add(model)
+            slot.load_seconds = self.last_load_seconds = elapsed
             log.info(
                 "model loaded",
                 extra={"engine": self.name, "version": version or "base", "seconds": elapsed},
@@ -335,18 +259,16 @@ class LlamaCppEngine:
             return elapsed
 
     async def unload_version(self, version: str | None) -> None:
-        """Free a version's memory once its in-flight calls finish."""
-        pool = self._pools[self._known(version)]
-        async with pool.lock:
-            models = [await pool.free.get() for _ in pool.models]
-            pool.models = []
-            for model in models:
+        """Free a version's memory; requests still running on it fail as retryable."""
+        slot = self._slots[self._known(version)]
+        async with slot.lock:
+            model, slot.model = slot.model, None
+            if model is not None:
                 _open_models.discard(model)
-                model.llama.close()
+                await asyncio.get_running_loop().run_in_executor(self._loader, model.close)
 
-    # -- versions registered at run time (i20: project model versions) -------------
-    # A hook kept apart from the rest so the scheduler rewrite can keep its
-    # signature: versions uploaded into a project arrive after the engine is built.
+    # -- versions registered at run time (project model versions) -----------------
+    # Versions uploaded into a project arrive after the engine is built.
 
     def add_version(self, name: str, spec: VersionSpec) -> None:
         """Serve ``name`` from ``spec`` from now on; loaded on first use (or ``load_version``)."""
@@ -355,135 +277,150 @@ class LlamaCppEngine:
         if name in self.versions:
             raise ValueError(f"model version {name!r} is already served from another file")
         self.versions[name] = spec
-        self._pools[name] = self._pool(name)
+        self._slots[name] = self._slot(name)
 
     async def remove_version(self, name: str) -> None:
-        """Stop serving ``name`` and free its memory once its in-flight calls finish."""
+        """Stop serving ``name`` and free its memory."""
         if name not in self.versions:
             return
-        pool = self._pools[name]
-        if pool.loaded:
+        if self._slots[name].loaded:
             await self.unload_version(name)
-        del self._pools[name], self.versions[name]
-        pool.executor.shutdown(wait=False)
+        del self._slots[name], self.versions[name]
 
     # -- running ------------------------------------------------------------------
 
-    async def _run(
-        self, version: str | None, work: Callable[[_Model], T], prompt: str | None = None
-    ) -> T:
-        pool = self._pools[version]
-        if not pool.loaded:
+    async def _model(self, version: str | None) -> _Model:
+        slot = self._slots[version]
+        if slot.model is None:
             await self.load_version(version)
-        model = await pool.take(prompt)
-        future = asyncio.get_running_loop().run_in_executor(pool.executor, work, model)
-        try:
-            result = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # The thread still holds the instance; hand it back only when done.
-            def release(done: asyncio.Future[T]) -> None:
-                if not done.cancelled():
-                    done.exception()
-                pool.free.put_nowait(model)
+        assert slot.model is not None
+        return slot.model
 
-            future.add_done_callback(release)
-            raise
-        except BaseException:
-            pool.free.put_nowait(model)
-            raise
-        pool.free.put_nowait(model)
-        return result
+    # -- requests as jobs ----------------------------------------------------------
 
-    def _prepared(self, request: CompletionRequest) -> _Prepared:
-        """What llama-cpp is asked: the messages as text, the sampling, any tool grammar."""
+    def _prompt(self, model: _Model, request: CompletionRequest) -> tuple[list[int], bool]:
+        """The prompt's tokens and whether the answer is a tool call (under its grammar)."""
+        if request.prompt is not None:
+            text = request.prompt.encode("utf-8")
+            tokens = model.llama.tokenize(text, add_bos=True, special=False)
+            # An empty prompt is read as the start-of-text token (as llama-cpp does).
+            return tokens or [model.llama.token_bos()], False
         plain, images = text_messages(tool_calls.plain_messages(request.messages))
         if images:
             raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")
-        kwargs: dict[str, Any] = {"max_tokens": request.max_tokens}
-        for name in ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty"):
-            value = getattr(request, name)
-            if value is not None:
-                kwargs[name] = value
-        if request.stop:
-            kwargs["stop"] = request.stop
-        schema = None
-        if request.prompt is None:
-            schema = tool_calls.answer_schema(request.tools or [], request.tool_choice)
-            if schema is not None:
-                guide = tool_calls.tools_prompt(request.tools or [], request.tool_choice)
-                plain = [{"role": "system", "content": guide}, *plain]
-                kwargs["response_format"] = {"type": "json_object", "schema": schema}
-            else:
-                response_format = _response_format(request.response_format)
-                if response_format is not None:
-                    kwargs["response_format"] = response_format
-        return _Prepared(plain, kwargs, tools=schema is not None)
+        tools = tool_calls.answer_schema(request.tools or [], request.tool_choice) is not None
+        if tools:
+            guide = tool_calls.tools_prompt(request.tools or [], request.tool_choice)
+            plain = [{"role": "system", "content": guide}, *plain]
+        text = model.prompt_text(plain).encode("utf-8")
+        return model.llama.tokenize(text, add_bos=False, special=True), tools
 
-    def _generate(
-        self, model: _Model, request: CompletionRequest, prep: _Prepared, seed: int | None
-    ) -> tuple[Choice, int, int]:
-        """One sample, in a worker thread: the choice, prompt tokens, output tokens."""
-        try:
-            if request.prompt is not None:
-                answer = model.llama.create_completion(
-                    prompt=request.prompt, **prep.kwargs, seed=seed
+    def _job(self, model: _Model, request: CompletionRequest) -> tuple[Job, bool]:
+        if request.prompt is None:
+            _, images = text_messages(request.messages)
+            if images:
+                raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")
+        prompt, tools = self._prompt(model, request)
+        if len(prompt) >= self.n_ctx:
+            raise ContextWindowExceeded(
+                f"the prompt is {len(prompt)} tokens; the context window is {self.n_ctx}"
+            )
+        grammar = None
+        if tools:
+            grammar = grammar_for(
+                tool_calls.answer_schema(request.tools or [], request.tool_choice)
+            )
+        elif request.prompt is None:
+            wants_json, schema = _response_format(request.response_format)
+            if wants_json:
+                grammar = grammar_for(schema)
+        default_temperature = CHAT_TEMPERATURE if request.prompt is None else TEXT_TEMPERATURE
+        temperature = default_temperature if request.temperature is None else request.temperature
+        max_tokens = max(1, min(request.max_tokens, self.n_ctx - len(prompt)))
+        branches = []
+        for i in range(max(1, request.n)):
+            params = SamplingParams(
+                temperature=temperature,
+                top_p=DEFAULT_TOP_P if request.top_p is None else request.top_p,
+                top_k=DEFAULT_TOP_K if request.top_k is None else request.top_k,
+                seed=None if request.seed is None else request.seed + i,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                presence_penalty=request.presence_penalty or 0.0,
+                grammar=grammar,
+            )
+            branches.append(
+                Branch(
+                    params=params,
+                    max_tokens=max_tokens,
+                    stops=request.stop,
+                    logprobs=request.logprobs and not tools,
+                    top=request.top_logprobs or 0,
                 )
-                raw = answer["choices"][0]
-                text = raw.get("text") or ""
-            else:
-                answer = model.llama.create_chat_completion(
-                    messages=prep.plain, **prep.kwargs, seed=seed
-                )
-                raw = answer["choices"][0]
-                text = raw["message"].get("content") or ""
-        except ValueError as exc:
-            if "context window" in str(exc) or "exceed context" in str(exc):
-                raise ContextWindowExceeded(str(exc)) from None
-            raise
-        usage = answer["usage"]
-        finish = raw.get("finish_reason") or "stop"
-        calls = None
-        if prep.tools:
-            text, calls = tool_calls.parse_answer(text, finish_reason=finish)
-            finish = "tool_calls" if calls else "stop"
-        logprobs = None
-        if request.logprobs and calls is None:
-            prompt = _prompt_tokens(model, request, prep.plain)
-            logprobs = _generated_logprobs(model, prompt, text, request.top_logprobs or 0)
-        choice = Choice(text=text, finish_reason=finish, logprobs=logprobs, tool_calls=calls)
-        return choice, int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+            )
+        job = Job(prompt, branches, adapter=None)
+        self._check_fits(model, job)
+        return job, tools
+
+    def _check_fits(self, model: _Model, job: Job) -> None:
+        scheduler = model.scheduler
+        if job.reserve > scheduler.n_cells or len(job.branches) + 1 > scheduler.n_seq:
+            raise ContextWindowExceeded(
+                f"the request needs {job.reserve} cache cells and {len(job.branches) + 1} "
+                f"sequences; the embedded model has {scheduler.n_cells} and {scheduler.n_seq}"
+            )
 
     async def complete(self, request: CompletionRequest) -> Completion:
-        prep = self._prepared(request)
-
-        def work(model: _Model) -> tuple[list[Choice], int, int]:
-            model.holds = ""
-            choices: list[Choice] = []
-            prompt_tokens = output_tokens = 0
-            for i in range(max(1, request.n)):
-                seed = None if request.seed is None else request.seed + i
-                choice, prompt_tokens, used = self._generate(model, request, prep, seed)
-                output_tokens += used
-                choices.append(choice)
-            return choices, prompt_tokens, output_tokens
-
-        choices, prompt_tokens, output_tokens = await self._run(
-            self.version_for(request.model), work
-        )
+        model = await self._model(self.version_for(request.model))
+        job, tools = self._job(model, request)
+        n = len(job.branches)
+        texts = [""] * n
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        finishes = ["stop"] * n
+        out = [0] * n
+        prompt_tokens = cached = 0
+        async for event in model.scheduler.run(job):
+            kind = event[0]
+            if kind == "piece":
+                _, i, text, entries = event
+                texts[i] += text
+                if entries:
+                    logprobs[i].extend(entries)
+            elif kind == "branch":
+                _, i, tail, finish, used = event
+                texts[i] += tail
+                finishes[i], out[i] = finish, used
+            elif kind == "done":
+                _, prompt_tokens, cached = event
+        choices = []
+        for i in range(n):
+            text, finish, calls = texts[i], finishes[i], None
+            if tools:
+                text, calls = tool_calls.parse_answer(text, finish_reason=finish)
+                finish = "tool_calls" if calls else "stop"
+            wanted = request.logprobs and calls is None
+            choices.append(
+                Choice(
+                    text=text,
+                    finish_reason=finish,
+                    logprobs=logprobs[i] if wanted else None,
+                    tool_calls=calls,
+                )
+            )
         return Completion(
             model=request.model,
             choices=choices,
-            usage=Usage(input_tokens=prompt_tokens, output_tokens=output_tokens),
+            usage=Usage(prompt_tokens, sum(out), cached_input_tokens=cached),
         )
 
     async def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]:
-        """Token by token, from a worker thread; closing the iterator stops the generation.
+        """Token by token as the scheduler samples them; closing the iterator ends the sequence.
 
         Tool calls and several samples are produced whole (a tool call is one
         grammar-checked object) and sent as one piece each.
         """
-        prep = self._prepared(request)
-        if prep.tools or request.n > 1 or request.logprobs:
+        model = await self._model(self.version_for(request.model))
+        job, tools = self._job(model, request)
+        if tools or request.n > 1 or request.logprobs:
             done = await self.complete(request)
             for i, choice in enumerate(done.choices):
                 yield Delta(
@@ -491,75 +428,26 @@ class LlamaCppEngine:
                 )
             yield done
             return
-        version = self.version_for(request.model)
-        pool = self._pools[version]
-        if not pool.loaded:
-            await self.load_version(version)
-        model = await pool.free.get()
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        stop = threading.Event()
-
-        def put(kind: str, value: Any) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-
-        def work() -> None:
-            try:
-                if request.prompt is not None:
-                    pieces = model.llama.create_completion(
-                        prompt=request.prompt, **prep.kwargs, seed=request.seed, stream=True
-                    )
-                else:
-                    pieces = model.llama.create_chat_completion(
-                        messages=prep.plain, **prep.kwargs, seed=request.seed, stream=True
-                    )
-                text: list[str] = []
-                finish = "stop"
-                for chunk in pieces:
-                    if stop.is_set():
-                        pieces.close()
-                        break
-                    raw = chunk["choices"][0]
-                    piece = raw.get("text") if request.prompt is not None else None
-                    if request.prompt is None:
-                        piece = (raw.get("delta") or {}).get("content")
-                    if piece:
-                        text.append(piece)
-                        put("delta", piece)
-                    if raw.get("finish_reason"):
-                        finish = raw["finish_reason"]
-                reply = "".join(text)
-                prompt = _prompt_tokens(model, request, prep.plain)
-                out = len(model.llama.tokenize(reply.encode("utf-8"), False, False))
-                put("done", (reply, finish, len(prompt), out))
-            except ValueError as exc:
-                if "context window" in str(exc) or "exceed context" in str(exc):
-                    put("error", ContextWindowExceeded(str(exc)))
-                else:
-                    put("error", exc)
-            except BaseException as exc:
-                put("error", exc)
-
-        future = loop.run_in_executor(pool.executor, work)
-        future.add_done_callback(lambda _: pool.free.put_nowait(model))
-        try:
-            while True:
-                kind, value = await queue.get()
-                if kind == "delta":
-                    yield Delta(0, value)
-                elif kind == "error":
-                    raise value
-                else:
-                    reply, finish, prompt_tokens, out = value
-                    yield Delta(0, "", finish_reason=finish)
-                    yield Completion(
-                        model=request.model,
-                        choices=[Choice(text=reply, finish_reason=finish)],
-                        usage=Usage(prompt_tokens, out),
-                    )
-                    return
-        finally:
-            stop.set()
+        text: list[str] = []
+        finish, out = "stop", 0
+        async for event in model.scheduler.run(job):
+            kind = event[0]
+            if kind == "piece" and event[2]:
+                text.append(event[2])
+                yield Delta(0, event[2])
+            elif kind == "branch":
+                _, _, tail, finish, out = event
+                if tail:
+                    text.append(tail)
+                    yield Delta(0, tail)
+            elif kind == "done":
+                _, prompt_tokens, cached = event
+                yield Delta(0, "", finish_reason=finish)
+                yield Completion(
+                    model=request.model,
+                    choices=[Choice(text="".join(text), finish_reason=finish)],
+                    usage=Usage(prompt_tokens, out, cached_input_tokens=cached),
+                )
 
     async def embed(self, model: str, texts: list[str]) -> Embeddings:
         """Mean-pooled, unit-length vectors from the model's own hidden states.
@@ -583,9 +471,7 @@ class LlamaCppEngine:
             return Embeddings(vectors, Usage(sum(counts), 0))
 
         async with self._embed_lock:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pools[None].executor, work
-            )
+            return await asyncio.get_running_loop().run_in_executor(self._loader, work)
 
     async def _embedder(self) -> Any:
         async with self._embed_lock:
@@ -605,8 +491,24 @@ class LlamaCppEngine:
                     )
 
                 loop = asyncio.get_running_loop()
-                self._embedding_model = await loop.run_in_executor(self._pools[None].executor, load)
+                self._embedding_model = await loop.run_in_executor(self._loader, load)
             return self._embedding_model
+
+    def _conts(
+        self, model: _Model, prompt_text: str, prompt: list[int], candidates: list[str]
+    ) -> list[list[int]]:
+        tokenize = model.llama.tokenize
+        conts: list[list[int]] = []
+        for candidate in candidates:
+            full = tokenize((prompt_text + candidate).encode("utf-8"), False, True)
+            if full[: len(prompt)] == prompt:
+                tokens = full[len(prompt) :]
+            else:
+                tokens = tokenize(candidate.encode("utf-8"), False, False)
+            if self.score_turn_end or not tokens:
+                tokens = [*tokens, model.turn_end]
+            conts.append(tokens)
+        return conts
 
     async def score(
         self, model: str, messages: list[dict[str, Any]], candidates: list[str]
@@ -614,96 +516,43 @@ class LlamaCppEngine:
         """Log-probability of each candidate as the assistant's reply (its opening,
         or the complete reply when ``score_turn_end``).
 
-        Usage: ``input_tokens`` is the prompt, evaluated once; ``output_tokens``
-        is the SUM of every candidate's tokens (with the end-of-turn token when
-        ``score_turn_end``), because each one is evaluated.
+        Usage: ``input_tokens`` is the prompt, evaluated once (``cached_input_tokens``
+        of it came from the cache); ``output_tokens`` is the SUM of every
+        candidate's tokens (with the end-of-turn token when ``score_turn_end``),
+        because each one is evaluated.
         """
         plain, images = text_messages(messages)
         if images:
             raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")
         if not candidates:
             return [], Usage(input_tokens=0, output_tokens=0)
-
-        key = "\x00".join(f"{m['role']}\x00{m['content']}" for m in plain)
-
-        def work(m: _Model) -> tuple[list[float], Usage]:
-            m.holds = ""
-            prompt_text = m.prompt_text(plain)
-            tokenize = m.llama.tokenize
-            prompt = tokenize(prompt_text.encode("utf-8"), add_bos=False, special=True)
-            conts: list[list[int]] = []
-            for candidate in candidates:
-                full = tokenize((prompt_text + candidate).encode("utf-8"), False, True)
-                if full[: len(prompt)] == prompt:
-                    tokens = full[len(prompt) :]
-                else:
-                    tokens = tokenize(candidate.encode("utf-8"), False, False)
-                if self.score_turn_end or not tokens:
-                    tokens = [*tokens, m.turn_end]
-                conts.append(tokens)
-            longest = max(len(c) for c in conts)
-            if len(prompt) + longest > m.llama.n_ctx():
-                raise ContextWindowExceeded(
-                    f"prompt ({len(prompt)} tokens) and the longest candidate ({longest}) "
-                    f"exceed the context window of {m.llama.n_ctx()}"
-                )
-            scores = [sum(lps) for lps in _continuation_logprobs(m, prompt, conts)]
-            m.holds = key
-            return scores, Usage(len(prompt), sum(len(c) for c in conts))
-
-        return await self._run(self.version_for(model), work, key)
+        loaded = await self._model(self.version_for(model))
+        prompt_text = loaded.prompt_text(plain)
+        prompt = loaded.llama.tokenize(prompt_text.encode("utf-8"), add_bos=False, special=True)
+        conts = self._conts(loaded, prompt_text, prompt, candidates)
+        longest = max(len(c) for c in conts)
+        if len(prompt) + longest > self.n_ctx:
+            raise ContextWindowExceeded(
+                f"prompt ({len(prompt)} tokens) and the longest candidate ({longest}) "
+                f"exceed the context window of {self.n_ctx}"
+            )
+        job = Job(prompt, [Branch(cont=c) for c in conts])
+        self._check_fits(loaded, job)
+        scores: list[float] = []
+        cached = 0
+        async for event in loaded.scheduler.run(job):
+            if event[0] == "scores":
+                scores = [sum(lps) for lps in event[1]]
+            elif event[0] == "done":
+                cached = event[2]
+        usage = Usage(len(prompt), sum(len(c) for c in conts), cached_input_tokens=cached)
+        return scores, usage
 
     async def aclose(self) -> None:
         if self._embedding_model is not None:
             self._embedding_model.close()
             self._embedding_model = None
-        for version, pool in self._pools.items():
-            if pool.loaded:
+        for version, slot in self._slots.items():
+            if slot.loaded:
                 await self.unload_version(version)
-            pool.executor.shutdown(wait=False)
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    plain: list[dict[str, Any]]
-    kwargs: dict[str, Any]
-    tools: bool
-
-
-def _prompt_tokens(model: _Model, request: CompletionRequest, plain: list[dict[str, Any]]) -> Any:
-    if request.prompt is not None:
-        return model.llama.tokenize(request.prompt.encode("utf-8"), add_bos=True, special=False)
-    return model.llama.tokenize(
-        model.prompt_text(plain).encode("utf-8"), add_bos=False, special=True
-    )
-
-
-def _piece(llama: Any, token: int) -> tuple[str, list[int]]:
-    raw = llama.detokenize([token])
-    return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def _generated_logprobs(
-    model: _Model, prompt: list[int], text: str, top: int
-) -> list[dict[str, Any]]:
-    """OpenAI-shaped ``logprobs.content`` for generated text, by re-reading it.
-
-    Contexts keep only the last token's logits (all-token logits would cost
-    hundreds of MB each), so the reply is read back in one decode afterwards;
-    ``top`` alternatives per position come from the same rows.
-    """
-    llama = model.llama
-    tokens = llama.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-    out: list[dict[str, Any]] = []
-    if not tokens:
-        return out
-    tops: list[list[tuple[int, float]]] = []
-    logprobs = _continuation_logprobs(model, prompt, [tokens], top=top, tops=tops)[0]
-    for k, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
-        piece, raw = _piece(llama, token)
-        alternatives = []
-        for alt, alt_logprob in tops[k] if top else []:
-            alt_piece, alt_raw = _piece(llama, alt)
-            alternatives.append({"token": alt_piece, "logprob": alt_logprob, "bytes": alt_raw})
-        out.append({"token": piece, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
-    return out
+        self._loader.shutdown(wait=False)

@@ -118,6 +118,12 @@ class PrometheusRecorder:
             ["route", "direction"],
             registry=r,
         )
+        self.cached_tokens = Counter(
+            "batchyard_prompt_tokens_cached",
+            "Prompt tokens engine calls read from their prompt cache instead of evaluating.",
+            ["route"],
+            registry=r,
+        )
         self.credits = Counter(
             "batchyard_credits_charged",
             "Credits (US dollars) charged when reservations settled, by purpose.",
@@ -168,6 +174,9 @@ class PrometheusRecorder:
     def tokens(self, route: str, input_tokens: int, output_tokens: int) -> None:
         self.token_counts.labels(route, "input").inc(input_tokens)
         self.token_counts.labels(route, "output").inc(output_tokens)
+
+    def prompt_tokens_cached(self, route: str, tokens: int) -> None:
+        self.cached_tokens.labels(route).inc(tokens)
 
     def charged(self, purpose: str, credits: Decimal) -> None:
         self.credits.labels(purpose).inc(float(credits))

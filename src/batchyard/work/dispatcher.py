@@ -27,6 +27,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection
@@ -179,6 +180,8 @@ class Dispatcher:
             self.metrics.model_call(route.id, "ok")
             if (usage := usage_of(result)) is not None:
                 self.metrics.tokens(route.id, usage.input_tokens, usage.output_tokens)
+                if usage.cached_input_tokens:
+                    self.metrics.prompt_tokens_cached(route.id, usage.cached_input_tokens)
             return result
 
         while True:
@@ -248,9 +251,7 @@ class Dispatcher:
         charged = await self.settle(
             org_id=org_id,
             reservation_id=res.id,
-            charge=charge_ticks(
-                price.cost(completion.usage.input_tokens, completion.usage.output_tokens)
-            ),
+            charge=charge_ticks(_settled(price, route, completion.usage)),
             model=model.id,
             route=route.id,
             usage=completion.usage,
@@ -381,13 +382,15 @@ class Dispatcher:
                             self.metrics.tokens(
                                 route.id, done.usage.input_tokens, done.usage.output_tokens
                             )
+                            if done.usage.cached_input_tokens:
+                                self.metrics.prompt_tokens_cached(
+                                    route.id, done.usage.cached_input_tokens
+                                )
                             resolved = True
                             charged = await self.settle(
                                 org_id=org_id,
                                 reservation_id=res.id,
-                                charge=charge_ticks(
-                                    price.cost(done.usage.input_tokens, done.usage.output_tokens)
-                                ),
+                                charge=charge_ticks(_settled(price, route, done.usage)),
                                 model=model.id,
                                 route=route.id,
                                 usage=done.usage,
@@ -523,6 +526,13 @@ class Dispatcher:
         charged = await asyncio.shield(self.db.write_through(tx))
         self.metrics.charged(purpose, from_ticks(charged))
         return charged
+
+
+def _settled(price: Price, route: RouteSpec, usage: Usage) -> Decimal:
+    """What a call really cost: cached prompt tokens at the route's cached-input price."""
+    return price.for_route(route.cached_input_per_mtok).cost(
+        usage.input_tokens, usage.output_tokens, usage.cached_input_tokens
+    )
 
 
 def usage_of(result: object) -> Usage | None:

@@ -31,13 +31,19 @@ class EngineRegistry:
         self,
         *,
         embedded_model_path: str | None = None,
-        embedded_contexts: int = 2,
+        embedded_slots: int = 8,
         embedded_n_ctx: int = 2048,
+        embedded_threads: int | None = None,
+        embedded_prefill_tokens: int = 512,
+        embedded_cache_tokens: int | None = None,
         overrides: dict[str, Engine] | None = None,
     ) -> None:
         self._embedded_model_path = embedded_model_path
-        self._contexts = embedded_contexts
+        self._slots = embedded_slots
         self._n_ctx = embedded_n_ctx
+        self._threads = embedded_threads
+        self._prefill = embedded_prefill_tokens
+        self._cache = embedded_cache_tokens
         self._engines: dict[str, Engine] = dict(overrides or {})
         self._embedded: Engine | None = None
         self._lock = asyncio.Lock()
@@ -56,7 +62,14 @@ class EngineRegistry:
                 if self._embedded_model_path
                 else default_model_path()
             )
-            self._embedded = LlamaCppEngine(path, contexts=self._contexts, n_ctx=self._n_ctx)
+            self._embedded = LlamaCppEngine(
+                path,
+                slots=self._slots,
+                n_ctx=self._n_ctx,
+                n_threads=self._threads,
+                prefill_tokens=self._prefill,
+                cache_tokens=self._cache,
+            )
         return self._embedded
 
     def check(self, catalog: Catalog) -> None:

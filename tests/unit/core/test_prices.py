@@ -98,3 +98,21 @@ def test_parse_feed_decimal_exact_and_default_time() -> None:
 def test_parse_feed_rejects_whole_feed(text: str) -> None:
     with pytest.raises(FeedError):
         parse_feed(text, T0)
+
+
+def test_cached_input_is_charged_at_its_own_price_and_never_above_the_uncached() -> None:
+    price = Price(Decimal("1.00"), Decimal("4.00"), Decimal("0.25"))
+    # A quote (nothing known of the cache) is the uncached price: the most it can cost.
+    assert price.cost(1000, 100) == Decimal("0.0014")
+    # 800 of the 1000 prompt tokens came from the cache.
+    assert price.cost(1000, 100, 800) == Decimal("0.0008")
+    assert price.cost(1000, 100, 800) <= price.cost(1000, 100)
+    # More cached tokens than input tokens cannot make a call cheaper than all-cached.
+    assert price.cost(10, 0, 50) == price.cost(10, 0, 10)
+    # A route without a cached price charges cached tokens as other input.
+    assert Price(Decimal(1), Decimal(4)).cost(1000, 100, 800) == Decimal("0.0014")
+    assert Price(Decimal(1), Decimal(4)).for_route(Decimal("0.25")) == price
+    # A route's cached price above the model's input price is capped at it.
+    assert Price(Decimal(1), Decimal(4)).for_route(Decimal(9)).cached_input_per_mtok == 1
+    with pytest.raises(ValueError, match="cached_input_per_mtok"):
+        Price(Decimal(1), Decimal(4), Decimal(2))

@@ -1,0 +1,575 @@
+"""The embedded engine's continuous-batching scheduler: one llama context, many sequences.
+
+One ``Scheduler`` per loaded model owns one llama context whose KV cache is
+unified (``kv_unified``: every sequence draws cells from one pool, so a
+sequence copy of a shared prefix costs no memory) and a single background
+thread that runs the step loop:
+
+1. take in new jobs (a job is one request: a prompt and its branches, the
+   ``n`` samples of a generation or the candidates of a scoring call) and
+   drop cancelled ones, freeing their cache cells;
+2. admit waiting jobs while a slot, sequence ids and cache cells are free
+   (idle prefixes are evicted least recently used first); a job whose prompt
+   starts like a cached or live prompt copies that prefix
+   (``llama_memory_seq_cp``) or takes the idle sequence over, and only the
+   rest is read;
+3. build one batch: one token of every generating branch, the tokens of
+   every scoring branch, then chunks of prompts being read up to the step's
+   prefill budget (chunked prefill);
+4. ``llama_decode`` once, then sample each branch with its own sampler chain
+   from its own logits row and post what it produced to its job's asyncio
+   queue, so streams see tokens as they are sampled.
+
+A job whose prompt is read forks its branches off it (each a sequence copy
+of the prompt), so ``n`` samples and a decision's candidates share one read.
+When a job ends, its prompt stays in the cache as an idle prefix for the next.
+
+Each step serves the jobs of one adapter (``Job.adapter``): today every job
+of a scheduler has the same (none, or the version's own LoRA applied when the
+context is made); per-sequence-group LoRA only has to set a different
+adapter key on jobs and apply it in ``_apply_adapter`` before each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import ctypes
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from batchyard.engines.llama_sampling import (
+    SamplingParams,
+    StopMatcher,
+    build_sampler,
+    log_softmax,
+    token_piece,
+    top_logprobs,
+)
+from batchyard.errors import UpstreamError
+
+__all__ = ["Branch", "Job", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+Event = tuple[Any, ...]
+
+
+@dataclass(eq=False)
+class Branch:
+    """One sequence forked off a job's prompt: a sample being generated, or a candidate scored."""
+
+    # A generation: how it samples and when it ends.
+    params: SamplingParams | None = None
+    max_tokens: int = 0
+    stops: list[str] | None = None
+    logprobs: bool = False
+    top: int = 0
+    # A scoring branch: the continuation whose log-probability is wanted.
+    cont: list[int] | None = None
+    # Run state, owned by the scheduler's thread.
+    seq: int = -1
+    pos: int = 0
+    pending: list[int] = field(default_factory=list)
+    sampler: Any = None
+    out_tokens: int = 0
+    lps: list[float] = field(default_factory=list)
+    done: bool = False
+    finish: str = "stop"
+    matcher: StopMatcher | None = None
+    decoder: Any = None
+    rows: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's prompt and branches, and where its events go."""
+
+    prompt: list[int]
+    branches: list[Branch]
+    post: Callable[[Event], None] = lambda _e: None
+    adapter: Any = None
+    cancelled: bool = False
+    # Run state, owned by the scheduler's thread.
+    seq: int = -1
+    pos: int = 0
+    cached: int = 0
+    forked: bool = False
+    finished: bool = False
+    row: int = -1
+    logits: Any = None
+
+    @property
+    def reserve(self) -> int:
+        """Cache cells this job may fill: its prompt and every branch at its longest."""
+        extra = sum(b.max_tokens if b.cont is None else len(b.cont) for b in self.branches)
+        return len(self.prompt) + extra
+
+
+@dataclass(eq=False)
+class _Idle:
+    """A prompt left in the cache by a finished job, kept for the next that starts like it."""
+
+    seq: int
+    tokens: list[int]
+    used: int
+    logits: Any = None
+    #: The adapter the prefix was read under: its cache is no other adapter's.
+    adapter: Any = None
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    """The step loop of one loaded model (see the module's docstring)."""
+
+    def __init__(
+        self,
+        llama: Any,
+        *,
+        slots: int,
+        n_ctx: int,
+        cache_tokens: int,
+        threads: int,
+        prefill_tokens: int,
+        on_cached: Callable[[int], None] | None = None,
+    ) -> None:
+        import llama_cpp
+        from llama_cpp import _internals
+
+        self.llama = llama
+        self.model = llama._model
+        self.vocab = self.model.vocab
+        self.n_vocab: int = llama.n_vocab()
+        self.slots = max(1, slots)
+        self.n_ctx = n_ctx
+        self.prefill = max(16, prefill_tokens)
+        self.capacity = self.prefill + 16 * self.slots
+        self.n_seq = min(llama_cpp.llama_max_parallel_sequences(), 8 * self.slots + 16)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = max(cache_tokens, n_ctx)
+        params.n_batch = self.capacity
+        params.n_ubatch = min(self.capacity, 512)
+        params.n_seq_max = self.n_seq
+        params.n_threads = params.n_threads_batch = max(1, threads)
+        params.kv_unified = True
+        params.no_perf = True
+        self.ctx: Any = _internals.LlamaContext(model=self.model, params=params, verbose=False)
+        self.n_cells: int = llama_cpp.llama_n_ctx(self.ctx.ctx)
+        self.memory = llama_cpp.llama_get_memory(self.ctx.ctx)
+        self.batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
+        self._lib = llama_cpp
+        lora = getattr(llama, "_lora_adapter", None)
+        if lora is not None:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(lora)
+            scales = (ctypes.c_float * 1)(float(getattr(llama, "lora_scale", 1.0)))
+            llama_cpp.llama_set_adapters_lora(self.ctx.ctx, adapters, 1, scales)
+        self._on_cached = on_cached
+        self._cv = threading.Condition()
+        self._inbox: list[Job] = []
+        self._waiting: deque[Job] = deque()
+        self._live: list[Job] = []
+        self._idle: list[_Idle] = []
+        self._free = list(range(self.n_seq - 1, -1, -1))
+        self._used = 0
+        self._tick = 0
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="llama-steps", daemon=True)
+        self._thread.start()
+
+    # -- the asyncio side ------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._closing:
+                raise UpstreamError("the embedded model is closing", code="model_unloaded")
+            self._inbox.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    async def run(self, job: Job) -> AsyncIterator[Event]:
+        """Submit ``job`` and yield its events until it ends; closing early cancels it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def post(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the loop is gone: nobody is listening
+                job.cancelled = True
+
+        job.post = post
+        self.submit(job)
+        ended = False
+        try:
+            while True:
+                event = await queue.get()
+                if event[0] == "error":
+                    ended = True
+                    raise event[1]
+                yield event
+                if event[0] == "done":
+                    ended = True
+                    return
+        finally:
+            if not ended:
+                self.cancel(job)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        for job in [*self._waiting, *self._live, *self._inbox]:
+            job.post(("error", UpstreamError("the embedded model was unloaded", retryable=True)))
+        self._lib.llama_batch_free(self.batch)
+        self.ctx.close()
+
+    # -- the step loop ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closing or self._inbox or self._live or self._waiting):
+                    self._cv.wait()
+                if self._closing:
+                    return
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                self._step()
+            except Exception as exc:  # a native failure: fail what runs, start clean
+                log.exception("embedded model step failed")
+                for job in [*self._live]:
+                    self._fail(job, UpstreamError(f"the embedded model failed: {exc}"))
+                self._lib.llama_memory_clear(self.memory, True)
+                self._idle.clear()
+                self._free = list(range(self.n_seq - 1, -1, -1))
+                self._used = 0
+
+    def _step(self) -> None:
+        self._tick += 1
+        self._reap()
+        self._admit()
+        if not self._live:
+            if self._waiting:
+                # Nothing runs and the first waiting job cannot start: it never will.
+                job = self._waiting.popleft()
+                job.post(
+                    (
+                        "error",
+                        UpstreamError(
+                            f"the request needs {job.reserve} cache cells and "
+                            f"{1 + len(job.branches)} sequences; the cache has {self.n_cells}",
+                            code="context_length_exceeded",
+                            retryable=False,
+                        ),
+                    )
+                )
+            return
+        rows = self._fill()
+        if self.batch.n_tokens == 0:
+            return
+        rc = self._lib.llama_decode(self.ctx.ctx, self.batch)
+        if rc == 1 and self._idle:
+            while self._idle:
+                self._evict(self._idle[0])
+            rc = self._lib.llama_decode(self.ctx.ctx, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        self._after(rows)
+
+    def _reap(self) -> None:
+        if any(j.cancelled for j in self._waiting):
+            self._waiting = deque(j for j in self._waiting if not j.cancelled)
+        for job in [j for j in self._live if j.cancelled]:
+            self._finish(job, keep=job.pos > 0)
+
+    def _best_prefix(self, new: Job) -> tuple[_Idle | Job | None, int]:
+        prompt = new.prompt
+        best: _Idle | Job | None = None
+        most = 0
+        for idle in self._idle:
+            if idle.adapter is not new.adapter:
+                continue
+            n = _common(idle.tokens, prompt)
+            if n > most:
+                best, most = idle, n
+        for job in self._live:
+            if job.adapter is not new.adapter:
+                continue
+            n = min(_common(job.prompt, prompt), job.pos)
+            if n > most:
+                best, most = job, n
+        return best, most
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._live) < self.slots:
+            job = self._waiting[0]
+            src, match = self._best_prefix(job)
+            scoring = all(b.cont is not None for b in job.branches)
+            reuse_logits = (
+                isinstance(src, _Idle)
+                and scoring
+                and match == len(job.prompt) == len(src.tokens)
+                and src.logits is not None
+            )
+            if not reuse_logits:
+                match = min(match, len(job.prompt) - 1)
+            # Copy an idle prefix while there is room, so the job it came from
+            # (decide's next decision, a chat's next turn) still finds it;
+            # take the idle sequence over only when room is short.
+            room = (
+                len(self._free) >= len(job.branches) + 1
+                and self._used + job.reserve <= self.n_cells
+            )
+            take = isinstance(src, _Idle) and match > 0 and not room
+            ids = len(job.branches) + (0 if take else 1)
+            cells = job.reserve - (len(src.tokens) if take and isinstance(src, _Idle) else 0)
+            for idle in sorted(self._idle, key=lambda i: i.used):
+                if len(self._free) >= ids and self._used + cells <= self.n_cells:
+                    break
+                if idle is not src or not take:
+                    self._evict(idle)
+                    if idle is src:
+                        src, match, reuse_logits = None, 0, False
+            if len(self._free) < ids or self._used + cells > self.n_cells:
+                return
+            self._waiting.popleft()
+            if take and isinstance(src, _Idle):
+                self._idle.remove(src)
+                self._used -= len(src.tokens)
+                job.seq = src.seq
+                self._lib.llama_memory_seq_rm(self.memory, job.seq, match, -1)
+            else:
+                job.seq = self._free.pop()
+                self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
+                if src is not None and match > 0:
+                    self._lib.llama_memory_seq_cp(self.memory, src.seq, job.seq, 0, match)
+                    if isinstance(src, _Idle):
+                        src.used = self._tick
+                else:
+                    match = 0
+            if reuse_logits and isinstance(src, _Idle):
+                job.logits = src.logits
+            for branch in job.branches:
+                branch.seq = self._free.pop()
+            self._used += job.reserve
+            job.pos = job.cached = match
+            if match and self._on_cached is not None:
+                self._on_cached(match)
+            self._live.append(job)
+            if reuse_logits and job.logits is not None:
+                self._fork(job, None)
+
+    def _evict(self, idle: _Idle) -> None:
+        self._idle.remove(idle)
+        self._lib.llama_memory_seq_rm(self.memory, idle.seq, -1, -1)
+        self._free.append(idle.seq)
+        self._used -= len(idle.tokens)
+
+    def _add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        b = self.batch
+        i = int(b.n_tokens)
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = logits
+        b.n_tokens = i + 1
+        return i
+
+    def _apply_adapter(self, adapter: Any) -> None:
+        """Issue 20's hook: set ``adapter`` on the context before a step of its jobs."""
+
+    def _fill(self) -> list[Job]:
+        """One step's batch: decoding branches first, then prompt chunks within the budget."""
+        self.batch.n_tokens = 0
+        adapter = self._live[self._tick % len(self._live)].adapter
+        self._apply_adapter(adapter)
+        group = [j for j in self._live if j.adapter is adapter]
+        room = self.capacity
+        for job in group:
+            if not job.forked:
+                continue
+            for branch in job.branches:
+                branch.rows = []
+                if branch.done or not branch.pending:
+                    continue
+                take = branch.pending[: max(0, room)]
+                if not take:
+                    continue
+                del branch.pending[: len(take)]
+                for token in take:
+                    branch.rows.append(self._add(token, branch.pos, branch.seq, True))
+                    branch.pos += 1
+                room -= len(take)
+        budget = min(self.prefill, room)
+        for job in group:
+            if job.forked or budget <= 0:
+                job.row = -1
+                continue
+            chunk = job.prompt[job.pos : job.pos + budget]
+            end = job.pos + len(chunk) == len(job.prompt)
+            row = -1
+            for k, token in enumerate(chunk):
+                row = self._add(token, job.pos + k, job.seq, end and k == len(chunk) - 1)
+            job.row = row if end else -1
+            job.pos += len(chunk)
+            budget -= len(chunk)
+        return group
+
+    def _row(self, i: int) -> Any:
+        return np.ctypeslib.as_array(
+            self._lib.llama_get_logits_ith(self.ctx.ctx, i), (self.n_vocab,)
+        )
+
+    def _after(self, group: list[Job]) -> None:
+        for job in group:
+            if job.cancelled:
+                continue
+            if not job.forked:
+                if job.row >= 0:
+                    self._fork(job, job.row)
+                continue
+            for branch in job.branches:
+                if branch.done or not branch.rows:
+                    continue
+                if branch.cont is not None:
+                    base = len(branch.lps)
+                    for k, row in enumerate(branch.rows):
+                        lps = log_softmax(self._row(row))
+                        branch.lps.append(float(lps[branch.cont[base + k]]))
+                    if len(branch.lps) == len(branch.cont):
+                        branch.done = True
+                else:
+                    self._sample(job, branch, branch.rows[-1])
+            self._maybe_done(job)
+
+    def _fork(self, job: Job, row: int | None) -> None:
+        """The prompt is read: start every branch off it."""
+        job.forked = True
+        n_prompt = len(job.prompt)
+        if row is not None and any(b.cont is not None for b in job.branches):
+            job.logits = self._row(row).copy()
+        for branch in job.branches:
+            self._lib.llama_memory_seq_rm(self.memory, branch.seq, -1, -1)
+            self._lib.llama_memory_seq_cp(self.memory, job.seq, branch.seq, 0, n_prompt)
+            branch.pos = n_prompt
+            if branch.cont is not None:
+                first = log_softmax(job.logits)
+                branch.lps = [float(first[branch.cont[0]])]
+                # The first token's row is the prompt's; only the rest are fed.
+                branch.pending = branch.cont[:-1] if len(branch.cont) > 1 else []
+                branch.done = len(branch.cont) == 1
+            else:
+                assert branch.params is not None and row is not None
+                branch.sampler = build_sampler(self.model, self.n_vocab, branch.params)
+                branch.matcher = StopMatcher(branch.stops)
+                branch.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                self._sample(job, branch, row)
+        self._maybe_done(job)
+
+    def _sample(self, job: Job, branch: Branch, row: int) -> None:
+        lib = self._lib
+        lps = log_softmax(self._row(row)) if branch.logprobs else None
+        token = int(lib.llama_sampler_sample(branch.sampler.sampler, self.ctx.ctx, row))
+        if lib.llama_vocab_is_eog(self.vocab, token):
+            self._end(job, branch, "stop", stopped=False)
+            return
+        branch.out_tokens += 1
+        raw = token_piece(self.vocab, token)
+        assert branch.decoder is not None and branch.matcher is not None
+        text, stopped = branch.matcher.feed(branch.decoder.decode(raw))
+        entries = None
+        if lps is not None:
+            entries = [
+                {
+                    "token": raw.decode("utf-8", errors="replace"),
+                    "logprob": float(lps[token]),
+                    "bytes": list(raw),
+                    "top_logprobs": [
+                        {
+                            "token": (piece := token_piece(self.vocab, t)).decode(
+                                "utf-8", errors="replace"
+                            ),
+                            "logprob": lp,
+                            "bytes": list(piece),
+                        }
+                        for t, lp in top_logprobs(lps, branch.top)
+                    ],
+                }
+            ]
+        if text or entries:
+            job.post(("piece", job.branches.index(branch), text, entries))
+        if stopped:
+            self._end(job, branch, "stop", stopped=True)
+        elif branch.out_tokens >= branch.max_tokens:
+            self._end(job, branch, "length", stopped=False)
+        else:
+            branch.pending = [token]
+
+    def _end(self, job: Job, branch: Branch, finish: str, *, stopped: bool) -> None:
+        branch.done, branch.finish = True, finish
+        assert branch.matcher is not None and branch.decoder is not None
+        tail = ""
+        if not stopped:
+            # Text held back for a stop string that never came is the answer's too.
+            tail, _ = branch.matcher.feed(branch.decoder.decode(b"", final=True))
+            tail += branch.matcher.flush()
+        job.post(("branch", job.branches.index(branch), tail, finish, branch.out_tokens))
+
+    def _maybe_done(self, job: Job) -> None:
+        if job.forked and all(b.done for b in job.branches):
+            # Freed before the caller hears: what it sends next finds the room.
+            self._finish(job, keep=True)
+            if any(b.cont is not None for b in job.branches):
+                job.post(("scores", [list(b.lps) for b in job.branches]))
+            job.post(("done", len(job.prompt), job.cached))
+
+    def _finish(self, job: Job, *, keep: bool) -> None:
+        """Free a job's branches; its read prompt stays as an idle prefix."""
+        job.finished = True
+        self._live.remove(job)
+        self._used -= job.reserve
+        for branch in job.branches:
+            if branch.seq >= 0:
+                self._lib.llama_memory_seq_rm(self.memory, branch.seq, -1, -1)
+                self._free.append(branch.seq)
+                branch.seq = -1
+            if branch.sampler is not None:
+                branch.sampler.close()
+                branch.sampler = None
+        n = min(job.pos, len(job.prompt))
+        kept = job.prompt[:n]
+        if keep and any(i.tokens == kept and i.adapter is job.adapter for i in self._idle):
+            keep = False  # the cache already holds this prompt (it was copied from it)
+        if keep and n > 0:
+            self._lib.llama_memory_seq_rm(self.memory, job.seq, n, -1)
+            logits = job.logits if n == len(job.prompt) else None
+            self._idle.append(_Idle(job.seq, kept, self._tick, logits, job.adapter))
+            self._used += n
+        else:
+            self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
+            self._free.append(job.seq)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        job.post(("error", exc))
+        if job in self._live:
+            self._live.remove(job)
