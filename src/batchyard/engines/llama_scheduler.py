@@ -165,6 +165,12 @@ class Scheduler:
         params.n_seq_max = self.n_seq
         params.n_threads = params.n_threads_batch = max(1, threads)
         params.kv_unified = True
+        # Flash attention, explicitly: its CPU kernel skips masked cells, so a sequence's
+        # answer does not depend on where its cells sit in the shared cache (a prefix
+        # copied from another sequence leaves gaps). Without it the softmax sums over
+        # gaps in another order, and a near-tied greedy pick flipped after a copy. A
+        # lone request equals llama-cpp-python's ``Llama(..., flash_attn=True)`` exactly.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
         self.ctx: Any = _internals.LlamaContext(model=self.model, params=params, verbose=False)
         self.n_cells: int = llama_cpp.llama_n_ctx(self.ctx.ctx)
