@@ -90,7 +90,9 @@ def build_llama_cpp(version: str, jobs: int, rebuild: bool) -> Build:
     if not rebuild and record.is_file() and all(b.is_file() for b in binaries):
         data = json.loads(record.read_text())
         return Build(version, folder, float(data["build_seconds"]), fresh=False)
-    shutil.rmtree(folder / "build", ignore_errors=True)
+    if rebuild:
+        shutil.rmtree(folder / "build", ignore_errors=True)
+    # Otherwise a build cut off (Ctrl-C, a lost session) resumes where it stopped.
     folder.mkdir(parents=True, exist_ok=True)
     sdist_folder = folder / "sdist"
     sdists = sorted(sdist_folder.glob("*.tar.gz")) if sdist_folder.is_dir() else []
@@ -124,7 +126,7 @@ def build_llama_cpp(version: str, jobs: int, rebuild: bool) -> Build:
     )
     log = folder / "build.log"
     built = time.monotonic()
-    with log.open("w") as out:
+    with log.open("a") as out:
         for cmd in (
             ["cmake", "-S", str(source), "-B", str(folder / "build"), *generator, *flags],
             [
