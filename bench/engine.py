@@ -555,7 +555,7 @@ def run_rounds(
                 load = measure(who, what, plan, seed, prompts, clients)
                 failed += load.failed
                 loads[who.name] = load
-                key = f"chat, {clients} clients" if what == "chat" else what
+                key = f"chat, {clients} client{'s' * (clients > 1)}" if what == "chat" else what
                 tally.rates[who.name][key] = load.rate()
                 if what == "chat":
                     tally.chat_tokens[who.name] += load.units
@@ -818,6 +818,8 @@ def main() -> None:
             for s in started:
                 wait_healthy(s, "/healthz" if s.name == "batchyard" else "/health", 180)
             by_server, ls_server = started[-1], started[0]
+            info = [x for x in ls_server.tail(400).splitlines() if "system_info" in x]
+            console.print(f"llama-server: {info[0].strip() if info else '(no system_info line)'}")
             embed_server = started[1] if embeddings else ls_server
             by = Contender(
                 "batchyard",
