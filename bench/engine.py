@@ -617,7 +617,7 @@ def print_summary(tallies: list[Tally], by: str, ls: str) -> list[tuple[str, flo
             b_s = [per_cpu(t, ls) for t in tallies]
         ratios = [ratio(a, b) for a, b in zip(a_s, b_s, strict=True)]
         med = statistics.median(ratios)
-        target = TARGETS.get(key.split()[0]) if key in keys else None
+        target = TARGETS.get(key.split(",")[0]) if key in keys else None
         mark = ""
         if target is not None:
             verdicts.append((key, med, target))
