@@ -72,6 +72,8 @@ bench: install
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python -m bench.market
 	$(BIN)/python bench/decide_quality.py
+	# Builds llama-server from llama-cpp-python's llama.cpp on first use (cached in ~/.cache/batchyard).
+	$(BIN)/python bench/engine.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
