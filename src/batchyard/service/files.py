@@ -259,8 +259,14 @@ def ingest(
     filename: str,
     purpose: str,
     expires_after_s: int | None = None,
+    strict: bool = False,
 ) -> dict[str, Any]:
-    """Take in an uploaded batch file whole, or nothing of it (runs on a thread)."""
+    """Take in an uploaded batch file whole, or nothing of it (runs on a thread).
+
+    A line that is JSON but not a valid request is kept (OpenAI's order: the batch
+    made from the file fails, naming it); ``strict`` refuses the whole file on it
+    instead, for a door that validates at submission (Anthropic's Message Batches).
+    """
     sealer = svc.batch_key.require()
     limits = settings_of(svc)
     rules = rules_of(svc, principal.org_id)
@@ -297,6 +303,8 @@ def ingest(
             try:
                 cid, url, checked, stored = _check(n, obj, raw, rules, limits, seen, endpoint)
             except BatchyardError as exc:
+                if strict:
+                    raise
                 # Kept: creating a batch from this file fails it, naming this line.
                 invalid += 1
                 cid, kept = _invalid(n, obj, raw, exc, limits)

@@ -17,7 +17,7 @@ from sqlalchemy import Connection
 
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
-from batchyard.errors import BatchyardError, StorageUnavailable
+from batchyard.errors import BatchyardError, StorageUnavailable, error_type
 from batchyard.service.deployment import Service
 from batchyard.store import idempotency as idem_store
 
@@ -77,7 +77,7 @@ async def run_once(
 
     saved = await svc.db.write(claim)
     if saved is not None:
-        return Answer(saved.status_code, saved.body, replayed=True)
+        return Answer(saved.status_code, _typed(saved.status_code, saved.body), replayed=True)
     keep = not (answers_text and principal.zero_data_retention)
     try:
         status, payload = await handler()
@@ -101,3 +101,20 @@ async def run_once(
     else:
         await svc.db.write_through(lambda c: idem_store.forget(c, org, key))
     return Answer(status, text)
+
+
+def _typed(status: int, body: str) -> str:
+    """A saved error as answered today: one saved before errors carried OpenAI's
+    ``type`` gets it on replay, so a database from an older release still answers
+    what the OpenAPI document promises."""
+    if status < 400:
+        return body
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict) or "type" in error:
+        return body
+    payload["error"] = {"code": error.get("code"), "type": error_type(status), **error}
+    return json.dumps(payload)

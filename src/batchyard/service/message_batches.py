@@ -123,6 +123,7 @@ async def create(svc: Service, principal: Principal, raw: dict[str, Any]) -> dic
             io.BytesIO(text),
             filename="message_batch.jsonl",
             purpose="batch",
+            strict=True,
         )
     except BatchyardError as exc:
         raise _as_request_error(exc) from None
