@@ -15,13 +15,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.processes import wait_healthy
 from tests.support.server import free_port
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
@@ -253,17 +253,8 @@ def _serve(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str],
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(proc.communicate())
-        try:
-            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "batchyard serve did not become healthy"
-        time.sleep(0.1)
+    wait_healthy(proc, base, output=lambda: str(proc.communicate()), timeout=90)
+    return proc, base
 
 
 def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:

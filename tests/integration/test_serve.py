@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from decimal import Decimal
 from pathlib import Path
@@ -21,6 +20,7 @@ from batchyard.core.config import normalise_database_url
 from batchyard.core.money import to_ticks
 from batchyard.store import accounts, ledger
 from batchyard.store.database import Database
+from tests.support.processes import wait_healthy
 from tests.support.server import free_port
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
@@ -67,16 +67,7 @@ def served(request, tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "batchyard serve did not become healthy"
-            time.sleep(0.1)
+        wait_healthy(proc, base, output=lambda: proc.stdout.read() if proc.stdout else "")
         # The server migrated the database; an operator's key and credit go into it.
         db = Database(normalise_database_url(url), pool_size=1)
         now = SystemClock().now()

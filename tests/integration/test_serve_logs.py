@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from decimal import Decimal
@@ -28,6 +27,7 @@ from batchyard.core.clock import SystemClock
 from batchyard.core.money import to_ticks
 from batchyard.store import accounts, ledger
 from batchyard.store.database import Database
+from tests.support.processes import wait_healthy
 from tests.support.server import free_port
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
@@ -56,16 +56,7 @@ def served(tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp / "stderr.log").read_text()
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "batchyard serve did not become healthy"
-            time.sleep(0.1)
+        wait_healthy(proc, base, output=(tmp / "stderr.log").read_text)
         db = Database(url, pool_size=1)
         now = SystemClock().now()
 

@@ -50,7 +50,14 @@ from tests.support.fake_upstream import FakeUpstream
 from tests.support.server import asgi_client
 from tests.support.services import ServiceFactory
 
-__all__ = ["Deployment", "WorkerProcess", "Workers", "deployment", "worker_config"]
+__all__ = [
+    "Deployment",
+    "WorkerProcess",
+    "Workers",
+    "deployment",
+    "wait_healthy",
+    "worker_config",
+]
 
 # Run in the child before batchyard: die with the parent (a test process
 # killed by a CI timeout must not leave workers behind), then become
@@ -79,6 +86,27 @@ _SCRUB = (
 
 #: What ``batchyard worker`` prints once its workers are started.
 RUNNING = "batchyard worker: running"
+
+
+def wait_healthy(
+    proc: subprocess.Popen[Any], base: str, *, output: Callable[[], str], timeout: float = 60.0
+) -> None:
+    """Until a real ``batchyard serve`` at ``base`` answers ``/healthz``.
+
+    A process of its own cannot share a test's ManualClock, so this polls in real
+    time, bounded by ``timeout``; a process that exits first fails with ``output()``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(output())
+        try:
+            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "batchyard serve did not become healthy"
+        time.sleep(0.1)
 
 
 def worker_config(

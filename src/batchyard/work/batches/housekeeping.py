@@ -62,28 +62,13 @@ def settle_as_uncertain(conn: Connection, item: store.ItemRow, now: datetime, wh
     """
     if not store.mark_uncertain(conn, item, now):
         return False
-    held = None
-    if item.reservation_id is not None:
-        res = ledger.get_reservation(conn, item.reservation_id, lock=True)
-        held = res.amount
-        if res.state == "held":
-            ledger.release(conn, item.reservation_id, now)
-            activity.record(
-                conn,
-                item.org_id,
-                "release",
-                now,
-                ref=item.id,
-                reservation_id=item.reservation_id,
-                amount=res.amount,
-                detail={
-                    "purpose": "batch",
-                    "batch_id": item.batch_id,
-                    "custom_id": item.custom_id,
-                    "reason": "uncertain",
-                    "note": "its call's outcome is unknown; an uncertain item is not charged",
-                },
-            )
+    held = _release_hold(
+        conn,
+        item,
+        now,
+        "uncertain",
+        "its call's outcome is unknown; an uncertain item is not charged",
+    )
     activity.record(
         conn,
         item.org_id,
@@ -116,6 +101,18 @@ def unwind_unsent(conn: Connection, item: store.ItemRow, now: datetime, why: str
     """A claimed item whose call never started: its hold released, back to waiting."""
     if item.reservation_id is None or not store.return_to_waiting(conn, item, now):
         return False
+    _release_hold(
+        conn, item, now, "not_sent", f"{why}; the call never started, so the item waits again"
+    )
+    return True
+
+
+def _release_hold(
+    conn: Connection, item: store.ItemRow, now: datetime, reason: str, note: str
+) -> int | None:
+    """Release ``item``'s hold if it still holds, with its activity record; the hold's amount."""
+    if item.reservation_id is None:
+        return None
     res = ledger.get_reservation(conn, item.reservation_id, lock=True)
     if res.state == "held":
         ledger.release(conn, item.reservation_id, now)
@@ -131,11 +128,11 @@ def unwind_unsent(conn: Connection, item: store.ItemRow, now: datetime, why: str
                 "purpose": "batch",
                 "batch_id": item.batch_id,
                 "custom_id": item.custom_id,
-                "reason": "not_sent",
-                "note": f"{why}; the call never started, so the item waits again",
+                "reason": reason,
+                "note": note,
             },
         )
-    return True
+    return res.amount
 
 
 class Swept(NamedTuple):
