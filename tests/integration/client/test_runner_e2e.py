@@ -147,7 +147,9 @@ async def test_killed_run_resumes_and_every_text_is_answered_and_charged_once(
                 observer=stop,
             )
         )
-        await asyncio.wait_for(stop.reached.wait(), timeout=30)
+        # No wall-clock bound of its own: a loaded machine answers slowly, and the
+        # suite's per-test timeout still stops a run that never gets there.
+        await stop.reached.wait()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -157,6 +159,11 @@ async def test_killed_run_resumes_and_every_text_is_answered_and_charged_once(
     assert gateway.wire.decide_statuses[429] > 0, gateway.wire.decide_statuses
     assert len({r["id"] for r in first}) == len(first)
     killed_429s = gateway.wire.decide_statuses[429]
+    # Answered on the server but never written by the killed client: requests in
+    # flight at the kill, including those the server held for a concurrency slot
+    # (admitted within seconds, so they waited there instead of a 429).
+    unrecorded = gateway.wire.decide_statuses[200] - len(first)
+    assert 0 <= unrecorded <= 2 * TIER.max_in_flight
 
     # 2. The same command again, at the account's own pace. A 429 is never a
     #    failure of a text (the runner queues it again), so none was skipped.
@@ -168,9 +175,10 @@ async def test_killed_run_resumes_and_every_text_is_answered_and_charged_once(
     assert summary.answered == 300 - len(first)
     assert gateway.wire.decide_statuses[200] == summary.answered
     # Requests in flight at the kill ran to the end on the server; the rerun
-    # got those answers back under the same keys (replayed, not run again).
-    # Only they can be replayed: at most the tier's concurrency, all the server ran at once.
-    assert gateway.wire.replayed <= TIER.max_in_flight
+    # got exactly those answers back under the same keys (replayed, not run
+    # again), and nothing else was replayed. How many there were depends on the
+    # machine's speed; that they are the same ones does not.
+    assert gateway.wire.replayed == unrecorded
 
     # 3. A third time: nothing left to send, nothing sent.
     await gateway.wire.reset()
