@@ -9,7 +9,8 @@ trained embedding model points a route at one (``serves_embeddings: true``).
 An input may be token ids, as OpenAI takes them: they are read as tiktoken's
 ``cl100k_base`` ids and embedded as the text they encode (``engines.token_ids``),
 so LangChain's ``OpenAIEmbeddings()``, which sends ids by default, gets the
-vectors of its texts.
+vectors of its texts. The answer is ``work.openai_wire.embedding_list``, which
+a file batch's lines share.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from batchyard.api.context import authenticate, check_tier_limits, idempotent, r
 from batchyard.api.openai_door import resolve
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
-from batchyard.core.openai_bodies import embedding_data, parse_embedding
+from batchyard.core.openai_bodies import parse_embedding
 from batchyard.core.prices import Price
 from batchyard.engines.token_ids import as_texts
 from batchyard.service.deployment import service_of
+from batchyard.work.openai_wire import embedding_list
 
 __all__ = ["router"]
 
@@ -60,20 +62,13 @@ async def embeddings(request: Request) -> Response:
             price=price,
             ref=ref,
         )
-        vectors = result.vectors
-        if body.dimensions is not None:
-            # The first N numbers; a model with fewer gives all it has (the call
-            # has run and been paid for by now, so it is not refused after the fact).
-            vectors = [v[: body.dimensions] for v in vectors]
-        return 200, {
-            "object": "list",
-            "data": embedding_data(vectors, body.encoding_format),
-            "model": model.id,
-            "usage": {
-                "prompt_tokens": result.usage.input_tokens,
-                "total_tokens": result.usage.input_tokens,
-            },
-            "charge": format_money(charged),
-        }
+        answer = embedding_list(
+            model=model.id,
+            vectors=result.vectors,
+            usage=result.usage,
+            encoding_format=body.encoding_format,
+            dimensions=body.dimensions,
+        )
+        return 200, {**answer, "charge": format_money(charged)}
 
     return await idempotent(request, principal, raw, handler)

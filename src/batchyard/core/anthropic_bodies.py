@@ -33,7 +33,9 @@ __all__ = [
     "ERROR_TYPES",
     "CountTokensRequest",
     "MessagesRequest",
+    "Translated",
     "message_object",
+    "openai_prompt",
     "parse_count_tokens",
     "parse_messages",
     "stop_reason",
@@ -41,6 +43,7 @@ __all__ = [
     "to_openai_tool_choice",
     "to_openai_tools",
     "tool_id",
+    "translate",
     "usage_object",
 ]
 
@@ -406,6 +409,58 @@ def to_openai_tool_choice(req: _Prompt) -> str | dict[str, Any] | None:
         return {"type": "function", "function": {"name": wanted}}
     raise InvalidRequest(
         "tool_choice.type must be auto, any, tool or none", param="tool_choice.type"
+    )
+
+
+def openai_prompt(
+    req: _Prompt,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The prompt as OpenAI's ``messages``, ``tools`` and ``tool_choice``.
+
+    Tools that ``tool_choice: none`` turns off are left out (both None), so a
+    caller counts and sends the same prompt.
+    """
+    messages = to_openai_messages(req)
+    tools = to_openai_tools(req)
+    choice = to_openai_tool_choice(req)
+    if not tools or choice == "none":
+        return messages, None, None
+    return messages, tools, choice
+
+
+class Translated(BaseModel):
+    """A Messages request in the OpenAI shape the engines take, with Anthropic's ``top_k``.
+
+    What the door sends (``work.openai_wire.messages_request``) and what a line of a
+    Message Batch stores and its worker reads back: one type, so both answer alike.
+    """
+
+    model_config = _STRICT
+
+    model: str = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+def translate(req: MessagesRequest) -> Translated:
+    """A checked Messages request as the OpenAI-shaped request the engines take."""
+    messages, tools, choice = openai_prompt(req)
+    return Translated(
+        model=req.model,
+        messages=messages,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=req.stop_sequences or None,
+        tools=tools,
+        tool_choice=choice,
     )
 
 

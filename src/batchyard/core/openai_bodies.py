@@ -17,20 +17,19 @@ required one (``model``, ``messages``, ``input``) is still refused as null.
 
 from __future__ import annotations
 
-import base64
-import struct
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
+from batchyard.core.catalog import ModelSpec
+from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField, UnsupportedInput
 
 __all__ = [
     "ChatRequest",
     "CompletionTextRequest",
     "EmbeddingRequest",
     "StreamOptions",
-    "embedding_data",
+    "check_images",
     "parse_chat",
     "parse_completion",
     "parse_embedding",
@@ -398,14 +397,21 @@ def parse_embedding(raw: dict[str, Any]) -> EmbeddingRequest:
     return req
 
 
-def embedding_data(vectors: list[list[float]], encoding: str) -> list[dict[str, Any]]:
-    """OpenAI's ``data`` list of an embeddings answer; base64 is little-endian float32."""
+def check_images(messages: list[dict[str, Any]], model: ModelSpec) -> None:
+    """Refuse image parts for a model that reads text only (a coded 400, nothing charged).
 
-    def encoded(vector: list[float]) -> list[float] | str:
-        if encoding == "base64":
-            return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-        return vector
-
-    return [
-        {"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)
-    ]
+    Shared by the doors and the lines of a batch file, so a line is refused
+    exactly when the same request on the wire would be.
+    """
+    if model.reads_images:
+        return
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") == "image_url" for part in content
+        ):
+            raise UnsupportedInput(
+                f"messages[{i}] has an image, which {model.id} cannot read; "
+                "GET /v1/models lists the models that read images",
+                param=f"messages.{i}.content",
+            )
