@@ -20,20 +20,21 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.context import authenticate, read_json, service_of
-from batchyard.api.openai_door import Chunks, ModelCall, Streamed, chat_needs, quote, resolve
+from batchyard.api.openai_door import (
+    Chunks,
+    ModelCall,
+    Streamed,
+    chat_needs,
+    quote,
+    read_body,
+    resolve,
+)
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images, parse_chat
 from batchyard.work.dispatcher import DispatchResult
-from batchyard.work.openai_wire import (
-    chat_completion,
-    chat_first,
-    chat_piece,
-    chat_replay,
-    chat_request,
-)
+from batchyard.work.openai_wire import Reply, chat_first, chat_piece, chat_replay, chat_request
 
 __all__ = ["router"]
 
@@ -42,10 +43,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    principal = await authenticate(request)
-    raw = await read_json(request)
-    svc = service_of(request)
-    body = parse_chat(raw)
+    principal, raw, svc, body = await read_body(request, parse_chat)
     tools = bool(body.tools) and body.tool_choice != "none"
     needs = chat_needs(bool(body.stream), tools)
     model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
@@ -61,19 +59,12 @@ async def chat_completions(request: Request) -> Response:
     req = chat_request(body, model=svc.catalog.engine_name(model.id, route), max_tokens=max_tokens)
     now = svc.clock.now()
     call = ModelCall(request, principal, model, route, q, "chat", new_id("chatcmpl", now))
-    created = int(now.timestamp())
+    reply = Reply(call.ref, int(now.timestamp()), model.id)
     logprobs = bool(body.logprobs)
 
     def render(result: DispatchResult) -> dict[str, Any]:
-        answer = chat_completion(
-            id=call.ref,
-            created=created,
-            model=model.id,
-            completion=result.completion,
-            logprobs=logprobs,
-        )
         return {
-            **answer,
+            **reply.chat(result.completion, logprobs=logprobs),
             "charge": format_money(result.charge),
             "reservation_id": result.reservation_id,
             "created_at": isoformat(now),
@@ -82,10 +73,8 @@ async def chat_completions(request: Request) -> Response:
     streamed = None
     if body.stream:
         chunks = Chunks(
-            id=call.ref,
+            reply=reply,
             object="chat.completion.chunk",
-            created=created,
-            model=model.id,
             n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             first=chat_first,

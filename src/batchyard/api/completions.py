@@ -16,17 +16,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.context import authenticate, read_json
-from batchyard.api.openai_door import Chunks, ModelCall, Streamed, quote, resolve
+from batchyard.api.openai_door import Chunks, ModelCall, Streamed, quote, read_body, resolve
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_completion
 from batchyard.engines.base import Delta
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import CapabilityUnsupported
-from batchyard.service.deployment import service_of
 from batchyard.work.dispatcher import DispatchResult
-from batchyard.work.openai_wire import text_completion, text_piece, text_replay, text_requests
+from batchyard.work.openai_wire import Reply, text_piece, text_replay, text_requests
 
 __all__ = ["router"]
 
@@ -35,10 +33,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    principal = await authenticate(request)
-    raw = await read_json(request)
-    svc = service_of(request)
-    body = parse_completion(raw)
+    principal, raw, svc, body = await read_body(request, parse_completion)
     prompts = as_texts(body.prompts(), "prompt")
     if body.stream and len(prompts) > 1:
         raise CapabilityUnsupported(
@@ -55,20 +50,11 @@ async def completions(request: Request) -> Response:
     reqs = text_requests(body, prompts, model=name, max_tokens=max_tokens)
     now = svc.clock.now()
     call = ModelCall(request, principal, model, route, q, "completions", new_id("cmpl", now))
-    created = int(now.timestamp())
+    reply = Reply(call.ref, int(now.timestamp()), model.id)
 
     def render(result: DispatchResult) -> dict[str, Any]:
-        answer = text_completion(
-            id=call.ref,
-            created=created,
-            model=model.id,
-            completion=result.completion,
-            logprobs=body.logprobs is not None,
-            echoed=prompts if body.echo else (),
-            n=body.n,
-        )
         return {
-            **answer,
+            **reply.text(result.completion, body, prompts),
             "charge": format_money(result.charge),
             "reservation_id": result.reservation_id,
         }
@@ -77,10 +63,8 @@ async def completions(request: Request) -> Response:
     if body.stream:
         echo = prompts[0] if body.echo else ""
         chunks = Chunks(
-            id=call.ref,
+            reply=reply,
             object="text_completion",
-            created=created,
-            model=model.id,
             n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             first=lambda i: text_piece(Delta(i, echo)),

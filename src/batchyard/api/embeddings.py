@@ -20,14 +20,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
-from batchyard.api.openai_door import resolve
+from batchyard.api.context import check_tier_limits, idempotent
+from batchyard.api.openai_door import read_body, resolve
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.openai_bodies import parse_embedding
 from batchyard.core.prices import Price
 from batchyard.engines.token_ids import as_texts
-from batchyard.service.deployment import service_of
 from batchyard.work.openai_wire import embedding_list
 
 __all__ = ["router"]
@@ -37,10 +36,7 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
-    principal = await authenticate(request)
-    raw = await read_json(request)
-    svc = service_of(request)
-    body = parse_embedding(raw)
+    principal, raw, svc, body = await read_body(request, parse_embedding)
     texts = as_texts(body.inputs(), "input")
     model, route = resolve(svc, body.model, "embeddings", org_id=principal.org_id)
     tok = svc.tokenizer(model)
@@ -62,13 +58,7 @@ async def embeddings(request: Request) -> Response:
             price=price,
             ref=ref,
         )
-        answer = embedding_list(
-            model=model.id,
-            vectors=result.vectors,
-            usage=result.usage,
-            encoding_format=body.encoding_format,
-            dimensions=body.dimensions,
-        )
+        answer = embedding_list(body, model.id, result.vectors, result.usage)
         return 200, {**answer, "charge": format_money(charged)}
 
     return await idempotent(request, principal, raw, handler)

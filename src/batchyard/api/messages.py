@@ -34,23 +34,16 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import (
-    authenticate,
-    check_tier_limits,
-    json_response,
-    read_json,
-    service_of,
-)
+from batchyard.api.context import check_tier_limits, json_response, service_of
 from batchyard.api.envelope import envelope_of
 from batchyard.api.errors import error_headers
 from batchyard.api.event_streams import sse
-from batchyard.api.openai_door import ModelCall, Streamed, chat_needs, quote, resolve
+from batchyard.api.openai_door import ModelCall, Streamed, chat_needs, quote, read_body, resolve
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
     ANTHROPIC_VERSIONS,
@@ -68,7 +61,6 @@ from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images
-from batchyard.core.tokens import Tokenizer
 from batchyard.engines import tool_calls
 from batchyard.engines.base import Delta
 from batchyard.errors import (
@@ -77,7 +69,6 @@ from batchyard.errors import (
     ModelWarming,
     UpstreamRateLimited,
 )
-from batchyard.service import Service
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import anthropic_message, messages_request
 
@@ -175,32 +166,17 @@ def anthropic_door(
 _Body = TypeVar("_Body", bound=MessagesRequest | CountTokensRequest)
 
 
-@dataclass(frozen=True, slots=True)
-class _Read:
-    """What both routes read first: the caller, the body, the model, the prompt counted."""
-
-    principal: Principal
-    raw: dict[str, Any]
-    svc: Service
-    model: ModelSpec
-    route: RouteSpec
-    tokenizer: Tokenizer
-    #: The prompt as the model reads it, the tools' instructions included.
-    input_tokens: int
-
-
 async def _read(
     request: Request, parse: Callable[[dict[str, Any]], _Body], *, calls: bool
-) -> tuple[_Read, _Body]:
-    """The one prelude of ``/v1/messages`` and ``count_tokens``.
+) -> tuple[Principal, dict[str, Any], _Body, ModelSpec, RouteSpec, int]:
+    """The one prelude of ``/v1/messages`` and ``count_tokens``: the caller, its JSON
+    body, the body checked, the model and its route, and the prompt's tokens as the
+    model reads them (the tools' instructions included).
 
     ``calls``: whether the model will run, so its route must serve what the
     body asks (a stream, tools); counting needs only the model.
     """
-    principal = await authenticate(request, x_api_key=True)
-    raw = await read_json(request)
-    svc = service_of(request)
-    body = parse(raw)
+    principal, raw, svc, body = await read_body(request, parse, x_api_key=True)
     prompt, tools, choice = openai_prompt(body)
     stream = calls and bool(getattr(body, "stream", False))
     needs = chat_needs(stream, tools is not None) if calls else []
@@ -210,8 +186,7 @@ async def _read(
     if tools is not None:  # the embedded engine reads the tools as a system prompt
         guide = {"role": "system", "content": tool_calls.tools_prompt(tools, choice)}
         read = [guide, *tool_calls.plain_messages(prompt)]
-    tok = svc.tokenizer(model)
-    return _Read(principal, raw, svc, model, route, tok, tok.count_messages(read)), body
+    return principal, raw, body, model, route, svc.tokenizer(model).count_messages(read)
 
 
 # -- streams --------------------------------------------------------------------------
@@ -377,13 +352,12 @@ def _replay(whole: dict[str, Any]) -> bytes:
 @router.post("/v1/messages")
 @anthropic_door
 async def create_message(request: Request) -> Response:
-    read, body = await _read(request, parse_messages, calls=True)
-    svc, model, route = read.svc, read.model, read.route
+    principal, raw, body, model, route, counted = await _read(request, parse_messages, calls=True)
+    svc = service_of(request)
     asked = translate(body)
-    q = quote(read.tokenizer, model, [read.input_tokens], body.max_tokens, param="messages")
+    q = quote(svc.tokenizer(model), model, [counted], body.max_tokens, param="messages")
     req = messages_request(asked, model=svc.catalog.engine_name(model.id, route))
-    call_id = new_id("msg", svc.clock.now())
-    call = ModelCall(request, read.principal, model, route, q, "chat", call_id)
+    call = ModelCall(request, principal, model, route, q, "chat", new_id("msg", svc.clock.now()))
 
     def message(result: DispatchResult) -> dict[str, Any]:
         return anthropic_message(
@@ -397,16 +371,13 @@ async def create_message(request: Request) -> Response:
     streamed = None
     if body.stream:
         request_id = envelope_of(request).request_id
-        events = _Events(call.ref, model.id, read.input_tokens, message, request_id)
-        streamed = Streamed(events, _replay)
-    return await call.answer(read.raw, [req], charged, streamed)
+        streamed = Streamed(_Events(call.ref, model.id, counted, message, request_id), _replay)
+    return await call.answer(raw, [req], charged, streamed)
 
 
 @router.post("/v1/messages/count_tokens")
 @anthropic_door
 async def count_tokens(request: Request) -> Response:
-    read, _ = await _read(request, parse_count_tokens, calls=False)
-    await check_tier_limits(
-        request, read.principal, requests=0, tokens=read.input_tokens, kind="estimate"
-    )
-    return json_response({"input_tokens": read.input_tokens})
+    principal, _, _, _, _, counted = await _read(request, parse_count_tokens, calls=False)
+    await check_tier_limits(request, principal, requests=0, tokens=counted, kind="estimate")
+    return json_response({"input_tokens": counted})

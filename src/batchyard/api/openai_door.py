@@ -1,5 +1,6 @@
 """What the model-calling doors share: the model, the quote, the call, and OpenAI's streams.
 
+``read_body`` authenticates the caller and reads its body strictly;
 ``resolve`` turns the body's model into the catalog's model and route, with
 OpenAI's 404 ``model_not_found`` for a name nobody serves and a coded 400
 (``capability_unsupported``) when the route cannot do what is asked.
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from batchyard.api.context import check_tier_limits, idempotent
+from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.event_streams import DONE, Dialect, events, sse
 from batchyard.core.accounts import Principal
 from batchyard.core.catalog import ModelSpec, RouteSpec
@@ -47,7 +48,7 @@ from batchyard.service import Service
 from batchyard.service.deployment import service_of
 from batchyard.service.idempotency import Stream
 from batchyard.work.dispatcher import DispatchResult
-from batchyard.work.openai_wire import chunk
+from batchyard.work.openai_wire import Reply
 
 __all__ = [
     "Capability",
@@ -57,10 +58,25 @@ __all__ = [
     "Streamed",
     "chat_needs",
     "quote",
+    "read_body",
     "resolve",
 ]
 
 Capability = str  # "chat", "completions", "embeddings", "tools", "stream"
+
+_Body = TypeVar("_Body")
+
+
+async def read_body(
+    request: Request, parse: Callable[[dict[str, Any]], _Body], *, x_api_key: bool = False
+) -> tuple[Principal, dict[str, Any], Service, _Body]:
+    """The prelude of every model door: the caller, its JSON body, the service, the body checked.
+
+    ``x_api_key``: also take the key from Anthropic's ``x-api-key`` header.
+    """
+    principal = await authenticate(request, x_api_key=x_api_key)
+    raw = await read_json(request)
+    return principal, raw, service_of(request), parse(raw)
 
 
 def resolve(
@@ -231,10 +247,8 @@ class ModelCall:
 class Chunks:
     """OpenAI's stream ``Dialect``: chat's ``delta`` chunks or completions' ``text`` ones."""
 
-    id: str
+    reply: Reply
     object: str
-    created: int
-    model: str
     n: int
     include_usage: bool
     #: Choice ``i``'s first chunk choice.
@@ -244,18 +258,11 @@ class Chunks:
     #: The whole answer (as saved under a key) from the stream's result.
     render: Callable[[DispatchResult], dict[str, Any]]
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        return sse(
-            chunk(
-                id=self.id,
-                object=self.object,
-                created=self.created,
-                model=self.model,
-                choices=choices,
-                include_usage=self.include_usage,
-                usage=usage,
-            )
-        )
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: Any = None, reply: Reply | None = None
+    ) -> bytes:
+        of = reply or self.reply
+        return sse(of.chunk(self.object, choices, include_usage=self.include_usage, usage=usage))
 
     def opening(self) -> list[bytes]:
         return [self._chunk([self.first(i) for i in range(self.n)])]
@@ -278,18 +285,8 @@ class Chunks:
 
     def replay(self, whole: dict[str, Any], choices: list[dict[str, Any]]) -> bytes:
         """A saved answer as the stream it was: a chunk per choice, the usage, ``[DONE]``."""
-        same: dict[str, Any] = {
-            "id": whole.get("id"),
-            "created": whole.get("created"),
-            "model": whole.get("model"),
-        }
-        parts = [
-            sse(chunk(object=self.object, choices=[c], include_usage=self.include_usage, **same))
-            for c in choices
-        ]
+        saved = Reply(whole["id"], whole["created"], whole["model"])
+        parts = [self._chunk([c], reply=saved) for c in choices]
         if self.include_usage:
-            usage = whole.get("usage")
-            parts.append(
-                sse(chunk(object=self.object, choices=[], include_usage=True, usage=usage, **same))
-            )
+            parts.append(self._chunk([], whole.get("usage"), reply=saved))
         return b"".join([*parts, DONE])

@@ -23,9 +23,9 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from batchyard.core.openai_bodies import validation_error
+from batchyard.core.openai_bodies import validated
 from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
 
 __all__ = [
@@ -451,17 +451,9 @@ class Translated(BaseModel):
 def translate(req: MessagesRequest) -> Translated:
     """A checked Messages request as the OpenAI-shaped request the engines take."""
     messages, tools, choice = openai_prompt(req)
-    return Translated(
-        model=req.model,
-        messages=messages,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        stop=req.stop_sequences or None,
-        tools=tools,
-        tool_choice=choice,
-    )
+    sampling = req.model_dump(include={"model", "max_tokens", "temperature", "top_p", "top_k"})
+    stop = req.stop_sequences or None
+    return Translated(**sampling, messages=messages, stop=stop, tools=tools, tool_choice=choice)
 
 
 def _refuse_unsupported(req: _Prompt) -> None:
@@ -486,10 +478,7 @@ def _check_prompt(req: _Prompt) -> None:
 
 def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
     """A Messages body, checked whole (its translation included); raises a coded 400."""
-    try:
-        req = MessagesRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(MessagesRequest, raw)
     _check_prompt(req)
     for k, stop in enumerate(req.stop_sequences or []):
         if not stop:
@@ -501,10 +490,7 @@ def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
 
 def parse_count_tokens(raw: dict[str, Any]) -> CountTokensRequest:
     """A count_tokens body, checked as strictly as a Messages body; raises a coded 400."""
-    try:
-        req = CountTokensRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(CountTokensRequest, raw)
     _check_prompt(req)
     return req
 

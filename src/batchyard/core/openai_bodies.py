@@ -17,7 +17,7 @@ required one (``model``, ``messages``, ``input``) is still refused as null.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -33,6 +33,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_embedding",
+    "validated",
     "validation_error",
 ]
 
@@ -171,6 +172,17 @@ def _items(given: _Given, param: str) -> list[str | list[int]]:
         if isinstance(item, list) and any(t < 0 for t in item):
             raise InvalidRequest(f"{param}.{n}: token ids are not negative", param=param)
     return items
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def validated(cls: type[_Model], raw: dict[str, Any]) -> _Model:
+    """``raw`` read strictly as ``cls``; its first problem a coded 400 naming the field."""
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
 
 
 def validation_error(exc: ValidationError) -> InvalidRequest:
@@ -343,10 +355,7 @@ def _check_response_format(fmt: dict[str, Any] | None) -> None:
 
 def parse_chat(raw: dict[str, Any]) -> ChatRequest:
     """A chat completions body, checked whole; raises a coded 400."""
-    try:
-        req = ChatRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(ChatRequest, raw)
     check_messages(req.messages)
     _check_tools(req)
     _check_response_format(req.response_format)
@@ -373,10 +382,7 @@ def parse_chat(raw: dict[str, Any]) -> ChatRequest:
 
 def parse_completion(raw: dict[str, Any]) -> CompletionTextRequest:
     """A text completions body, checked whole; raises a coded 400."""
-    try:
-        req = CompletionTextRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(CompletionTextRequest, raw)
     req.prompts()
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options needs stream: true", param="stream_options")
@@ -389,10 +395,7 @@ def parse_completion(raw: dict[str, Any]) -> CompletionTextRequest:
 
 def parse_embedding(raw: dict[str, Any]) -> EmbeddingRequest:
     """An embeddings body, checked whole; raises a coded 400."""
-    try:
-        req = EmbeddingRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(EmbeddingRequest, raw)
     req.inputs()
     return req
 

@@ -10,7 +10,8 @@ adds beside OpenAI's (``charge``, where it was answered).
 A body is checked by ``core.openai_bodies`` (strict rules, no I/O) into its
 typed request; here that request becomes the engines' ``CompletionRequest``
 (``chat_request``, ``text_requests``), and an engine's answer becomes the body
-OpenAI's API returns, the ``openai`` SDK's types being the reference:
+OpenAI's API returns (``Reply``, ``embedding_list``), the ``openai`` SDK's
+types being the reference:
 ``message.refusal`` is null, ``logprobs`` is null unless asked for and then
 ``{content, refusal}`` with every token's ``top_logprobs`` list,
 ``system_fingerprint`` is null, and ``usage`` has
@@ -30,6 +31,7 @@ import base64
 import struct
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from batchyard.core.anthropic_bodies import Translated, message_object
@@ -43,18 +45,16 @@ __all__ = [
     "ENDPOINTS",
     "MESSAGES",
     "LineRequest",
+    "Reply",
     "anthropic_message",
-    "chat_completion",
     "chat_first",
     "chat_piece",
     "chat_replay",
     "chat_request",
-    "chunk",
     "embedding_list",
     "line_request",
     "matched_stop",
     "messages_request",
-    "text_completion",
     "text_piece",
     "text_replay",
     "text_requests",
@@ -93,6 +93,19 @@ def line_request(endpoint: str, body: dict[str, Any]) -> LineRequest:
     return _LINE_TYPES[endpoint].model_validate(body)
 
 
+def _sampling(body: ChatRequest | CompletionTextRequest) -> dict[str, Any]:
+    """What OpenAI's chat and text completions both ask of the sampler."""
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "n": body.n,
+        "stop": body.stop_list(),
+        "seed": body.seed,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+    }
+
+
 def chat_request(body: ChatRequest, *, model: str, max_tokens: int) -> CompletionRequest:
     """A chat body as the engine request; ``model`` is the route's name for the model.
 
@@ -104,18 +117,12 @@ def chat_request(body: ChatRequest, *, model: str, max_tokens: int) -> Completio
         model=model,
         messages=body.messages,
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        n=body.n,
-        stop=body.stop_list(),
-        seed=body.seed,
         response_format=body.response_format,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs,
         tools=body.tools if using_tools else None,
         tool_choice=body.tool_choice if using_tools else None,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
+        **_sampling(body),
     )
 
 
@@ -129,33 +136,17 @@ def text_requests(
             messages=[{"role": "user", "content": prompt}],
             prompt=prompt,
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            n=body.n,
-            stop=body.stop_list(),
-            seed=body.seed,
             logprobs=body.logprobs is not None,
             top_logprobs=body.logprobs,
-            frequency_penalty=body.frequency_penalty,
-            presence_penalty=body.presence_penalty,
+            **_sampling(body),
         )
         for prompt in prompts
     ]
 
 
 def messages_request(body: Translated, *, model: str) -> CompletionRequest:
-    """A Messages request, translated, as the engine request."""
-    return CompletionRequest(
-        model=model,
-        messages=body.messages,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        stop=body.stop,
-        tools=body.tools,
-        tool_choice=body.tool_choice,
-    )
+    """A Messages request, translated, as the engine request (its fields are the engine's)."""
+    return CompletionRequest(model=model, **body.model_dump(exclude={"model"}))
 
 
 # -- answers ----------------------------------------------------------------------------
@@ -209,21 +200,6 @@ def _chat_choice(i: int, ch: Choice, logprobs: bool) -> dict[str, Any]:
     }
 
 
-def chat_completion(
-    *, id: str, created: int, model: str, completion: Completion, logprobs: bool
-) -> dict[str, Any]:
-    """A ``chat.completion``; ``logprobs``: whether the request asked for them."""
-    return {
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [_chat_choice(i, ch, logprobs) for i, ch in enumerate(completion.choices)],
-        "usage": usage_body(completion.usage),
-    }
-
-
 def _text_logprobs(ch: Choice) -> dict[str, Any] | None:
     if ch.logprobs is None:
         return None
@@ -238,46 +214,76 @@ def _text_logprobs(ch: Choice) -> dict[str, Any] | None:
     }
 
 
-def text_completion(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    completion: Completion,
-    logprobs: bool,
-    echoed: Sequence[str] = (),
-    n: int = 1,
-) -> dict[str, Any]:
-    """A ``text_completion``; ``echoed``: the prompts, where ``echo`` asked for them.
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What every OpenAI answer and chunk starts with: its ID, when (Unix seconds), the model."""
 
-    Choices go prompt by prompt, ``n`` each, so choice ``i`` echoes prompt ``i // n``.
-    """
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
+    id: str
+    created: int
+    model: str
+
+    def _head(self, object: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def chat(self, completion: Completion, *, logprobs: bool) -> dict[str, Any]:
+        """A ``chat.completion``; ``logprobs``: whether the request asked for them."""
+        choices = [_chat_choice(i, ch, logprobs) for i, ch in enumerate(completion.choices)]
+        return {
+            **self._head("chat.completion"),
+            "choices": choices,
+            "usage": usage_body(completion.usage),
+        }
+
+    def text(
+        self, completion: Completion, body: CompletionTextRequest, prompts: Sequence[str]
+    ) -> dict[str, Any]:
+        """A ``text_completion`` of ``body``'s ``prompts`` (echoed where it asks).
+
+        Choices go prompt by prompt, ``n`` each, so choice ``i`` is of prompt ``i // n``.
+        """
+
+        def choice(i: int, ch: Choice) -> dict[str, Any]:
+            echoed = prompts[i // body.n] if body.echo else ""
+            return {
                 "index": i,
-                "text": (echoed[i // n] if echoed else "") + ch.text,
+                "text": echoed + ch.text,
                 "finish_reason": ch.finish_reason,
-                "logprobs": _text_logprobs(ch) if logprobs else None,
+                "logprobs": _text_logprobs(ch) if body.logprobs is not None else None,
             }
-            for i, ch in enumerate(completion.choices)
-        ],
-        "usage": usage_body(completion.usage),
-    }
+
+        return {
+            **self._head("text_completion"),
+            "choices": [choice(i, ch) for i, ch in enumerate(completion.choices)],
+            "usage": usage_body(completion.usage),
+        }
+
+    def chunk(
+        self,
+        object: str,
+        choices: list[dict[str, Any]],
+        *,
+        include_usage: bool,
+        usage: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One chunk of a stream: ``chat.completion.chunk`` or a ``text_completion`` piece.
+
+        With ``stream_options.include_usage`` every chunk carries ``usage`` (null
+        until the last, which has no choices); without it, none has the key.
+        """
+        body = {**self._head(object), "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return body
 
 
 def embedding_list(
-    *,
-    model: str,
-    vectors: list[list[float]],
-    usage: Usage,
-    encoding_format: str = "float",
-    dimensions: int | None = None,
+    body: EmbeddingRequest, model: str, vectors: list[list[float]], usage: Usage
 ) -> dict[str, Any]:
     """An embeddings answer: a ``list`` of ``embedding`` objects; base64 is little-endian float32.
 
@@ -287,9 +293,9 @@ def embedding_list(
     """
 
     def encoded(vector: list[float]) -> list[float] | str:
-        if dimensions is not None:
-            vector = vector[:dimensions]
-        if encoding_format == "base64":
+        if body.dimensions is not None:
+            vector = vector[: body.dimensions]
+        if body.encoding_format == "base64":
             return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
         return vector
 
@@ -332,34 +338,6 @@ def anthropic_message(
 
 
 # -- chunks -----------------------------------------------------------------------------
-
-
-def chunk(
-    *,
-    id: str,
-    object: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    include_usage: bool,
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One chunk of a stream: ``chat.completion.chunk`` or a ``text_completion`` piece.
-
-    With ``stream_options.include_usage`` every chunk carries ``usage`` (null
-    until the last, which has no choices); without it, none has the key.
-    """
-    body: dict[str, Any] = {
-        "id": id,
-        "object": object,
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
-    if include_usage:
-        body["usage"] = usage
-    return body
 
 
 def chat_first(i: int) -> dict[str, Any]:

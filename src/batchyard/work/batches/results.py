@@ -32,7 +32,7 @@ from batchyard.store import activity, ledger
 from batchyard.store import batches as store
 from batchyard.store.database import Database
 from batchyard.work.batches.sealing import result_aad
-from batchyard.work.openai_wire import chat_completion
+from batchyard.work.openai_wire import Reply
 
 __all__ = ["Claimed", "finish_failed", "record_failure", "record_success"]
 
@@ -198,15 +198,9 @@ def _completion_body(
     job: Claimed, completion: Completion, charged: int, now: datetime
 ) -> dict[str, Any]:
     """The chat completion a batch result carries, with what it cost and on which route."""
-    answer = chat_completion(
-        id=new_id("chatcmpl", now),
-        created=int(now.timestamp()),
-        model=job.item.model,
-        completion=completion,
-        logprobs=job.request.logprobs,
-    )
+    reply = Reply(new_id("chatcmpl", now), int(now.timestamp()), job.item.model)
     return {
-        **answer,
+        **reply.chat(completion, logprobs=job.request.logprobs),
         "route": job.route.id,
         "charge": format_money(charged),
         "reservation_id": job.reservation_id,

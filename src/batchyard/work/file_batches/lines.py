@@ -52,13 +52,12 @@ from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.openai_wire import (
     LineRequest,
+    Reply,
     anthropic_message,
-    chat_completion,
     chat_request,
     embedding_list,
     line_request,
     messages_request,
-    text_completion,
     text_requests,
 )
 
@@ -135,7 +134,18 @@ def _line_id(now: datetime) -> str:
     return new_id("breq", now)
 
 
-def _seal(sealer: Sealer, batch_id: str, line: int, obj: dict[str, Any]) -> tuple[bytes, int]:
+def _result_line(
+    sealer: Sealer,
+    batch_id: str,
+    line: int,
+    custom_id: str,
+    now: datetime,
+    *,
+    response: dict[str, Any] | None = None,
+    error: dict[str, str] | None = None,
+) -> tuple[bytes, int]:
+    """A line of the output or error file, sealed: the answer's ``response`` or an ``error``."""
+    obj = {"id": _line_id(now), "custom_id": custom_id, "response": response, "error": error}
     text = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
     return sealer.seal(text, out_aad(batch_id, line)), len(text)
 
@@ -145,17 +155,8 @@ def never_answered(
 ) -> Ended:
     """A line ended without an answer: its error-file line."""
     code, message = NEVER_ANSWERED[state]
-    out, size = _seal(
-        sealer,
-        batch_id,
-        line,
-        {
-            "id": _line_id(now),
-            "custom_id": custom_id,
-            "response": None,
-            "error": {"code": code, "message": message},
-        },
-    )
+    error = {"code": code, "message": message}
+    out, size = _result_line(sealer, batch_id, line, custom_id, now, error=error)
     return Ended(line, state, out, size)
 
 
@@ -192,46 +193,19 @@ async def _call(
 
 
 def _answer_body(
-    request: LineRequest,
-    answered: Completion | Embeddings,
-    request_id: str,
-    now: datetime,
-    plan: Plan,
+    request: LineRequest, answered: Completion | Embeddings, reply: Reply
 ) -> dict[str, Any]:
     """The answer as the line's door gives it on the wire."""
-    model, created = plan.model.id, int(now.timestamp())
     if isinstance(answered, Embeddings):
         assert isinstance(request, EmbeddingRequest)
-        return embedding_list(
-            model=model,
-            vectors=answered.vectors,
-            usage=answered.usage,
-            encoding_format=request.encoding_format,
-            dimensions=request.dimensions,
-        )
+        return embedding_list(request, reply.model, answered.vectors, answered.usage)
     if isinstance(request, Translated):
-        return anthropic_message(
-            id=request_id, model=model, completion=answered, stops=request.stop
-        )
+        stops = request.stop
+        return anthropic_message(id=reply.id, model=reply.model, completion=answered, stops=stops)
     if isinstance(request, CompletionTextRequest):
-        prompts = as_texts(request.prompts(), "prompt")
-        return text_completion(
-            id=request_id,
-            created=created,
-            model=model,
-            completion=answered,
-            logprobs=request.logprobs is not None,
-            echoed=prompts if request.echo else (),
-            n=request.n,
-        )
+        return reply.text(answered, request, as_texts(request.prompts(), "prompt"))
     assert isinstance(request, ChatRequest)
-    return chat_completion(
-        id=request_id,
-        created=created,
-        model=model,
-        completion=answered,
-        logprobs=bool(request.logprobs),
-    )
+    return reply.chat(answered, logprobs=bool(request.logprobs))
 
 
 _ID_PREFIXES = {
@@ -259,7 +233,6 @@ async def answer(
     None when the call was never made (``on_send`` refused: the worker is
     stopping, or the line is no longer its own): the line waits again.
     """
-    request_id: str | None = None
     err: BatchyardError | None = None
     request: LineRequest | None = None
     try:
@@ -290,21 +263,10 @@ async def answer(
             log.warning("batch line failed", extra={"error_type": type(exc).__name__})
             err = UpstreamError(f"the engine failed ({type(exc).__name__})")
     if err is not None:
-        now = now_of()
-        out, size = _seal(
-            sealer,
-            batch_id,
-            claimed.line,
-            {
-                "id": _line_id(now),
-                "custom_id": claimed.custom_id,
-                "response": {
-                    "status_code": err.status,
-                    "request_id": request_id,
-                    "body": err.to_body(),
-                },
-                "error": None,
-            },
+        # A failed call's answer is its error body, with no request ID (nothing answered it).
+        failed = {"status_code": err.status, "request_id": None, "body": err.to_body()}
+        out, size = _result_line(
+            sealer, batch_id, claimed.line, claimed.custom_id, now_of(), response=failed
         )
         return Ended(claimed.line, "failed", out, size, route=plan.route.id)
     now = now_of()
@@ -312,18 +274,12 @@ async def answer(
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
     assert request is not None
     request_id = new_id(_ID_PREFIXES[type(request)], now)
-    body = _answer_body(request, answered, request_id, now, plan)
+    reply = Reply(request_id, int(now.timestamp()), plan.model.id)
+    body = _answer_body(request, answered, reply)
     result = {**body, "charge": format_money(charge), "route": plan.route.id}
-    out, size = _seal(
-        sealer,
-        batch_id,
-        claimed.line,
-        {
-            "id": _line_id(now),
-            "custom_id": claimed.custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": result},
-            "error": None,
-        },
+    answered_line = {"status_code": 200, "request_id": request_id, "body": result}
+    out, size = _result_line(
+        sealer, batch_id, claimed.line, claimed.custom_id, now, response=answered_line
     )
     return Ended(
         claimed.line,
