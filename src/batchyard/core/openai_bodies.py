@@ -3,7 +3,9 @@
 ``parse_chat``, ``parse_completion`` and ``parse_embedding`` take a decoded
 JSON object and return a typed request or raise a coded 400; they touch no
 service, so a line of an OpenAI batch file can be checked by the same code
-as a request on the wire.
+as a request on the wire, and ``check_images`` refuses an image for a
+text-only model on both. ``work.openai_wire`` turns the typed request into the
+engines' request and renders the answer.
 
 Strict means what OpenAI documents and nothing else: every documented field
 is accepted (those that change nothing here, such as ``user`` or ``store``, are
