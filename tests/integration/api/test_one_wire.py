@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from batchyard.engines.base import Completion, CompletionRequest
 from batchyard.engines.memory import ScriptedEngine
 from tests.support.accounts import make_account
-from tests.support.batches import submit
+from tests.support.batches import chat, submit
 from tests.support.batches import worker as market_worker
 from tests.support.file_batches import create, jsonl, parse_lines, upload
 from tests.support.file_batches import worker as file_worker
@@ -91,11 +91,7 @@ async def test_a_chat_completion_is_one_object_from_the_door_a_file_batch_and_a_
 ):
     _engine(service)
     acct = make_account(service, credit="1")
-    body = {
-        "model": "kettei-core",
-        "messages": [{"role": "user", "content": "Summarize this public release note."}],
-        "max_tokens": 16,
-    }
+    body = chat()
     async with asgi_client(service, worker=False) as http:
         door = await http.post("/v1/chat/completions", json=body, headers=acct.headers)
         assert door.status_code == 200, door.text
@@ -128,12 +124,7 @@ async def test_a_chat_completion_is_one_object_from_the_door_a_file_batch_and_a_
 async def test_logprobs_are_the_same_from_the_door_and_a_file_batch_and_read_by_the_sdk(service):
     _engine(service)
     acct = make_account(service, credit="1")
-    body = {
-        "model": "kettei-core",
-        "messages": [{"role": "user", "content": "Say it."}],
-        "max_tokens": 8,
-        "logprobs": True,
-    }
+    body = chat("Say it.", logprobs=True)
     async with asgi_client(service, worker=False) as http:
         door = (await http.post("/v1/chat/completions", json=body, headers=acct.headers)).json()
         filed = await _file_batch(http, acct.headers, "/v1/chat/completions", body, service)

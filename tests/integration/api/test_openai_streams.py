@@ -18,6 +18,7 @@ from batchyard.engines.memory import ScriptedEngine
 from batchyard.store import accounts, activity, ledger
 from batchyard.store.tables import idempotency_keys
 from tests.support.accounts import make_account
+from tests.support.batches import eventually
 from tests.support.server import asgi_client, live_server
 
 CHAT = {
@@ -254,10 +255,7 @@ async def test_a_keyed_stream_cut_short_frees_its_key_for_the_retry(service, eng
                 if seen == 3:
                     break
                 service.clock.advance(1.0)
-        for _ in range(200):
-            if charges(service, acct.org_id):
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: bool(charges(service, acct.org_id)))
         engine.stream_delay_s = 0.0
         for _ in range(200):  # the key is freed just after the partial charge
             retry = await http.post("/v1/chat/completions", json=CHAT, headers=h)

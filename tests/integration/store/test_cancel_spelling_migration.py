@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from sqlalchemy import text
 
 from batchyard.store.migrations import downgrade, upgrade
+from batchyard.store.tables import organisations
 
 STATES = ("in_progress", "cancelling", "cancelled", "completed")
 
@@ -20,13 +21,8 @@ def test_0015_renames_cancelling_and_cancelled_rows_and_back(fresh_db):
     upgrade(fresh_db.engine, "0012")
     now = datetime(2026, 1, 1, tzinfo=UTC)
     with fresh_db.engine.begin() as c:
-        c.execute(
-            text(
-                "INSERT INTO organisations (id, name, tier, zero_data_retention, created_at) "
-                "VALUES ('org.1', 'acme', 0, false, :now)"
-            ),
-            {"now": now},
-        )
+        org = {"id": "org.1", "name": "acme", "tier": 0, "zero_data_retention": False}
+        c.execute(organisations.insert().values(**org, created_at=now))
         for n, status in enumerate(STATES):
             c.execute(
                 text(
