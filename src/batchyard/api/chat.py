@@ -23,7 +23,6 @@ from fastapi.responses import Response
 from batchyard.api.openai_door import (
     Chunks,
     ModelCall,
-    Streamed,
     chat_needs,
     quote,
     read_body,
@@ -70,7 +69,7 @@ async def chat_completions(request: Request) -> Response:
             "created_at": isoformat(now),
         }
 
-    streamed = None
+    chunks = None
     if body.stream:
         chunks = Chunks(
             reply=reply,
@@ -80,6 +79,6 @@ async def chat_completions(request: Request) -> Response:
             first=chat_first,
             choice=lambda d: chat_piece(d, logprobs),
             render=render,
+            replayed=chat_replay,
         )
-        streamed = Streamed(chunks, lambda saved: chunks.replay(saved, chat_replay(saved)))
-    return await call.answer(raw, [req], render, streamed)
+    return await call.answer(raw, [req], render, chunks)

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.openai_door import Chunks, ModelCall, Streamed, quote, read_body, resolve
+from batchyard.api.openai_door import Chunks, ModelCall, quote, read_body, resolve
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_completion
@@ -59,7 +59,7 @@ async def completions(request: Request) -> Response:
             "reservation_id": result.reservation_id,
         }
 
-    streamed = None
+    chunks = None
     if body.stream:
         echo = prompts[0] if body.echo else ""
         chunks = Chunks(
@@ -70,6 +70,6 @@ async def completions(request: Request) -> Response:
             first=lambda i: text_piece(Delta(i, echo)),
             choice=text_piece,
             render=render,
+            replayed=text_replay,
         )
-        streamed = Streamed(chunks, lambda saved: chunks.replay(saved, text_replay(saved)))
-    return await call.answer(raw, reqs, render, streamed)
+    return await call.answer(raw, reqs, render, chunks)

@@ -5,7 +5,8 @@ the same stream underneath: the dispatcher's pieces of the answer, then its
 settled result. ``events`` walks that stream once for both; a ``Dialect``
 only says what each step looks like on the wire: the opening events, the
 events of one piece (perhaps none), the whole answer and the closing events,
-and the error event a failure after the status line becomes.
+the error event a failure after the status line becomes, and a saved answer
+replayed as the stream it was.
 
 The events end with the whole answer (``service.idempotency.Whole``), which
 ``run_once`` keeps under the request's Idempotency-Key; a stream that does not
@@ -59,6 +60,10 @@ class Dialect(Protocol):
 
     def error(self, exc: BatchyardError) -> bytes:
         """A failure after the status line has gone, as the dialect's clients read it."""
+        ...
+
+    def replay(self, whole: dict[str, Any]) -> bytes:
+        """A kept answer as the stream it was (the same request again under its key)."""
         ...
 
 

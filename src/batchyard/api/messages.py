@@ -43,7 +43,7 @@ from batchyard.api.context import check_tier_limits, json_response, service_of
 from batchyard.api.envelope import envelope_of
 from batchyard.api.errors import error_headers
 from batchyard.api.event_streams import sse
-from batchyard.api.openai_door import ModelCall, Streamed, chat_needs, quote, read_body, resolve
+from batchyard.api.openai_door import ModelCall, chat_needs, quote, read_body, resolve
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
     ANTHROPIC_VERSIONS,
@@ -327,6 +327,9 @@ class _Events:
         body = anthropic_error(_status(exc), exc.message, exc.code, self._request_id, {})
         return sse(body, "error")
 
+    def replay(self, whole: dict[str, Any]) -> bytes:
+        return _replay(whole)
+
 
 def _replay(whole: dict[str, Any]) -> bytes:
     """A saved message as the stream it was: each block whole, then the end."""
@@ -368,11 +371,11 @@ async def create_message(request: Request) -> Response:
         envelope_of(request).extra_headers["x-batchyard-charge"] = format_money(result.charge)
         return message(result)
 
-    streamed = None
+    events = None
     if body.stream:
         request_id = envelope_of(request).request_id
-        streamed = Streamed(_Events(call.ref, model.id, counted, message, request_id), _replay)
-    return await call.answer(raw, [req], charged, streamed)
+        events = _Events(call.ref, model.id, counted, message, request_id)
+    return await call.answer(raw, [req], charged, events)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -55,7 +55,6 @@ __all__ = [
     "Chunks",
     "ModelCall",
     "Quote",
-    "Streamed",
     "chat_needs",
     "quote",
     "read_body",
@@ -165,14 +164,6 @@ def quote(
 
 
 @dataclass(frozen=True, slots=True)
-class Streamed:
-    """How a streamed call is written: its dialect, and a saved answer replayed as a stream."""
-
-    dialect: Dialect
-    replay: Callable[[dict[str, Any]], bytes]
-
-
-@dataclass(frozen=True, slots=True)
 class ModelCall:
     """One paid model call at a door: who asked, which model and route, the quote, its ID."""
 
@@ -189,9 +180,9 @@ class ModelCall:
         raw: dict[str, Any],
         requests: Sequence[CompletionRequest],
         render: Callable[[DispatchResult], dict[str, Any]],
-        streamed: Streamed | None = None,
+        stream: Dialect | None = None,
     ) -> Response:
-        """Limits, reserve → call → settle, under the key: ``render``'s body, or the stream.
+        """Limits, reserve → call → settle, under the key: ``render``'s body, or ``stream``'s.
 
         ``requests`` pair with the quote's counts; several (a list of prompts)
         are one call to the caller: one hold, one charge, one answer.
@@ -212,9 +203,10 @@ class ModelCall:
                 self.request, self.principal, requests=1, tokens=self.quote.input_tokens
             )
 
-        if streamed is not None:
+        if stream is not None:
+            dialect = stream
 
-            async def stream() -> tuple[int, Any]:
+            async def streamed() -> tuple[int, Any]:
                 await limits()
                 pieces = svc.dispatcher.stream(
                     request=requests[0],
@@ -223,10 +215,10 @@ class ModelCall:
                     **pay,
                 )
                 first = await anext(pieces)
-                return 200, Stream(events(streamed.dialect, first, pieces))
+                return 200, Stream(events(dialect, first, pieces))
 
             return await idempotent(
-                self.request, self.principal, raw, stream, stream_replay=streamed.replay
+                self.request, self.principal, raw, streamed, stream_replay=dialect.replay
             )
 
         async def whole() -> tuple[int, Any]:
@@ -257,6 +249,8 @@ class Chunks:
     choice: Callable[[Delta], dict[str, Any]]
     #: The whole answer (as saved under a key) from the stream's result.
     render: Callable[[DispatchResult], dict[str, Any]]
+    #: A saved answer's choices as chunk choices, one each.
+    replayed: Callable[[dict[str, Any]], list[dict[str, Any]]]
 
     def _chunk(
         self, choices: list[dict[str, Any]], usage: Any = None, reply: Reply | None = None
@@ -283,10 +277,10 @@ class Chunks:
         # The status line has gone; OpenAI's clients read an error event.
         return sse(exc.to_body())
 
-    def replay(self, whole: dict[str, Any], choices: list[dict[str, Any]]) -> bytes:
+    def replay(self, whole: dict[str, Any]) -> bytes:
         """A saved answer as the stream it was: a chunk per choice, the usage, ``[DONE]``."""
         saved = Reply(whole["id"], whole["created"], whole["model"])
-        parts = [self._chunk([c], reply=saved) for c in choices]
+        parts = [self._chunk([c], reply=saved) for c in self.replayed(whole)]
         if self.include_usage:
             parts.append(self._chunk([], whole.get("usage"), reply=saved))
         return b"".join([*parts, DONE])
