@@ -12,6 +12,9 @@
 - Every test: each answer it got from an app started by ``tests.support.server`` is checked
   against that app's OpenAPI document (``tests.support.wire_check``); a mismatch fails the
   test, and the run ends by saying how many answers were checked.
+- Hypothesis tests check properties, not speed: its wall-time checks (the 200 ms deadline,
+  the "input generation is slow" health check) are off, since a loaded machine (two test
+  processes beside other builds) made them fail tests whose code was right.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy import Engine, create_engine, text
 
 from batchyard.core.clock import ManualClock
@@ -37,6 +42,11 @@ PG_ADMIN = os.environ.get(
     "BATCHYARD_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 REDIS_URL = os.environ.get("BATCHYARD_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+hypothesis_settings.register_profile(
+    "batchyard", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+hypothesis_settings.load_profile("batchyard")
 
 
 @pytest.fixture

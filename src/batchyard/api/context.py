@@ -11,11 +11,12 @@ whole and a NaN never reaches the store.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import Connection
 
 from batchyard.api.envelope import HeldSlot, envelope_of
@@ -33,7 +34,7 @@ from batchyard.errors import (
 )
 from batchyard.service.access import access_for
 from batchyard.service.deployment import service_of
-from batchyard.service.idempotency import run_once
+from batchyard.service.idempotency import Stream, run_once, unkeyed
 from batchyard.store import accounts
 
 __all__ = [
@@ -90,6 +91,8 @@ async def authenticate(request: Request, *, x_api_key: bool = False) -> Principa
     envelope_of(request).peek = (svc.limiter, f"org:{principal.org_id}", limits)
     return principal
 
+
+EVENT_STREAM = "text/event-stream"
 
 #: How long past its time a refused request's place in line waits for it to come back.
 LINE_HOLD_S = 5.0
@@ -198,12 +201,15 @@ async def idempotent(
     min_len: int = 1,
     required: bool = False,
     answers_text: bool = True,
+    stream_replay: Callable[[Any], bytes] | None = None,
 ) -> Response:
     """Run ``handler`` once per Idempotency-Key, replaying its saved answer (see ``run_once``).
 
     Without the header the handler simply runs, unless ``required``.
     ``answers_text=False`` marks an answer with no customer text in it (a
-    submission's batch object), kept even under zero data retention.
+    submission's batch object), kept even under zero data retention. A
+    handler that answers with a ``Stream`` is sent as server-sent events, and
+    ``stream_replay`` writes its saved answer back as the stream it was.
     """
     svc = service_of(request)
     key = request.headers.get("idempotency-key")
@@ -215,11 +221,18 @@ async def idempotent(
                 code="idempotency_key_required",
             )
         status, payload = await handler()
+        if isinstance(payload, Stream):
+            return StreamingResponse(unkeyed(payload), status, media_type=EVENT_STREAM)
         return json_response(payload, status)
     idem_rules.validate_key(key, min_len=min_len)
     fp = idem_rules.fingerprint(request.method, request.url.path, body)
     answer = await run_once(svc, principal, key, fp, handler, answers_text=answers_text)
-    resp = Response(answer.text, status_code=answer.status, media_type="application/json")
+    if answer.stream is not None:
+        return StreamingResponse(answer.stream, answer.status, media_type=EVENT_STREAM)
+    if answer.replayed and answer.status == 200 and stream_replay is not None:
+        resp = Response(stream_replay(json.loads(answer.text)), media_type=EVENT_STREAM)
+    else:
+        resp = Response(answer.text, status_code=answer.status, media_type="application/json")
     if answer.replayed:
         resp.headers["Idempotent-Replayed"] = "true"
     return resp

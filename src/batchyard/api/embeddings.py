@@ -9,7 +9,8 @@ trained embedding model points a route at one (``serves_embeddings: true``).
 An input may be token ids, as OpenAI takes them: they are read as tiktoken's
 ``cl100k_base`` ids and embedded as the text they encode (``engines.token_ids``),
 so LangChain's ``OpenAIEmbeddings()``, which sends ids by default, gets the
-vectors of its texts.
+vectors of its texts. The answer is ``work.openai_wire.embedding_list``, which
+a file batch's lines share.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
-from batchyard.api.openai_door import resolve
+from batchyard.api.context import check_tier_limits, idempotent
+from batchyard.api.openai_door import read_body, resolve
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
-from batchyard.core.openai_bodies import embedding_data, parse_embedding
+from batchyard.core.openai_bodies import parse_embedding
 from batchyard.core.prices import Price
 from batchyard.engines.token_ids import as_texts
-from batchyard.service.deployment import service_of
+from batchyard.work.openai_wire import embedding_list
 
 __all__ = ["router"]
 
@@ -35,10 +36,7 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
-    principal = await authenticate(request)
-    raw = await read_json(request)
-    svc = service_of(request)
-    body = parse_embedding(raw)
+    principal, raw, svc, body = await read_body(request, parse_embedding)
     texts = as_texts(body.inputs(), "input")
     model, route = resolve(svc, body.model, "embeddings", org_id=principal.org_id)
     tok = svc.tokenizer(model)
@@ -60,20 +58,7 @@ async def embeddings(request: Request) -> Response:
             price=price,
             ref=ref,
         )
-        vectors = result.vectors
-        if body.dimensions is not None:
-            # The first N numbers; a model with fewer gives all it has (the call
-            # has run and been paid for by now, so it is not refused after the fact).
-            vectors = [v[: body.dimensions] for v in vectors]
-        return 200, {
-            "object": "list",
-            "data": embedding_data(vectors, body.encoding_format),
-            "model": model.id,
-            "usage": {
-                "prompt_tokens": result.usage.input_tokens,
-                "total_tokens": result.usage.input_tokens,
-            },
-            "charge": format_money(charged),
-        }
+        answer = embedding_list(body, model.id, result.vectors, result.usage)
+        return 200, {**answer, "charge": format_money(charged)}
 
     return await idempotent(request, principal, raw, handler)

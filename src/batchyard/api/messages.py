@@ -1,15 +1,17 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's door onto the same core.
 
 A Messages body is checked strictly and translated into the OpenAI-shaped
-request every engine already takes (``core.anthropic_bodies``); from there it
-is the chat door's path, not a copy of it: the same authentication and scope
-row (``service.access``), the same quote (``api.chat.quote_chat``: counted
-with the model's tokenizer, ``max_tokens`` and the context window checked),
-the same tier limits and concurrency slot, the same Idempotency-Key rules
-(``api.context.idempotent``, and ``api.keyed_streams`` for streams), and the
-same reserve → call → settle in the dispatcher, which bills a stream cut
-short for the tokens it produced. Tools are answered under a grammar by the
-embedded engine, as for OpenAI's tools.
+request every engine already takes (``core.anthropic_bodies.translate``, the
+request a Message Batch's lines store too); from there it is the chat door's
+path, not a copy of it: the same authentication and scope row
+(``service.access``), the same quote (``openai_door.quote``: counted with the
+model's tokenizer, ``max_tokens`` and the context window checked), and the
+same ``openai_door.ModelCall``: tier limits and concurrency slot, the
+Idempotency-Key rules of ``service.idempotency.run_once`` (streams included),
+and reserve → call → settle in the dispatcher, which bills a stream cut short
+for the tokens it produced. A stream is the one loop of ``api.event_streams``
+written in Anthropic's events (``_Events``). Tools are answered under a
+grammar by the embedded engine, as for OpenAI's tools.
 
 What differs is only the wire: the key may come as ``x-api-key``;
 ``anthropic-version`` is read (an unknown version is refused); answers are
@@ -31,53 +33,44 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.chat import check_images, quote_chat
-from batchyard.api.context import (
-    authenticate,
-    check_tier_limits,
-    idempotent,
-    json_response,
-    read_json,
-    service_of,
-)
+from batchyard.api.context import check_tier_limits, json_response, service_of
 from batchyard.api.envelope import envelope_of
 from batchyard.api.errors import error_headers
-from batchyard.api.keyed_streams import open_stream
-from batchyard.api.openai_door import resolve
-from batchyard.core import idempotency as idem_rules
+from batchyard.api.event_streams import sse
+from batchyard.api.openai_door import ModelCall, chat_needs, quote, read_body, resolve
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
     ANTHROPIC_VERSIONS,
     ERROR_TYPES,
-    message_object,
+    CountTokensRequest,
+    MessagesRequest,
+    openai_prompt,
     parse_count_tokens,
     parse_messages,
-    to_openai_messages,
-    to_openai_tool_choice,
-    to_openai_tools,
     tool_id,
+    translate,
     usage_object,
 )
-from batchyard.core.catalog import ModelSpec
+from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
+from batchyard.core.openai_bodies import check_images
 from batchyard.engines import tool_calls
-from batchyard.engines.base import Completion, CompletionRequest, Delta
+from batchyard.engines.base import Delta
 from batchyard.errors import (
     BatchyardError,
-    InternalError,
     InvalidRequest,
     ModelWarming,
     UpstreamRateLimited,
 )
-from batchyard.service import Service
 from batchyard.work.dispatcher import DispatchResult
+from batchyard.work.openai_wire import anthropic_message, messages_request
 
 __all__ = ["anthropic_door", "anthropic_error", "router"]
 
@@ -170,59 +163,33 @@ def anthropic_door(
 
 # -- the request ----------------------------------------------------------------------
 
-
-def _prompt_messages(
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    choice: str | dict[str, Any] | None,
-) -> list[dict[str, Any]]:
-    """The messages as the embedded engine renders them, for counting: tools' prompt included."""
-    if not tools or choice == "none":
-        return messages
-    guide = {"role": "system", "content": tool_calls.tools_prompt(tools, choice)}
-    return [guide, *tool_calls.plain_messages(messages)]
+_Body = TypeVar("_Body", bound=MessagesRequest | CountTokensRequest)
 
 
-# -- the answer -----------------------------------------------------------------------
+async def _read(
+    request: Request, parse: Callable[[dict[str, Any]], _Body], *, calls: bool
+) -> tuple[Principal, dict[str, Any], _Body, ModelSpec, RouteSpec, int]:
+    """The one prelude of ``/v1/messages`` and ``count_tokens``: the caller, its JSON
+    body, the body checked, the model and its route, and the prompt's tokens as the
+    model reads them (the tools' instructions included).
 
-
-def _matched_stop(completion: Completion, stops: list[str] | None) -> str | None:
-    """The stop sequence that ended the answer, where the engine says which (vLLM does)."""
-    if not stops:
-        return None
-    choices = completion.raw.get("choices") if isinstance(completion.raw, dict) else None
-    first = choices[0] if isinstance(choices, list) and choices else {}
-    said = first.get("stop_reason") if isinstance(first, dict) else None
-    return said if isinstance(said, str) and said in stops else None
-
-
-def _message(
-    call_id: str, model: str, result: DispatchResult, stops: list[str] | None
-) -> dict[str, Any]:
-    """The whole ``message`` object of an answer."""
-    choice = result.completion.choices[0]
-    usage = result.completion.usage
-    return message_object(
-        message_id=call_id,
-        model=model,
-        text=choice.text,
-        tool_calls=choice.tool_calls,
-        finish_reason=choice.finish_reason,
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
-        matched_stop=_matched_stop(result.completion, stops),
-    )
+    ``calls``: whether the model will run, so its route must serve what the
+    body asks (a stream, tools); counting needs only the model.
+    """
+    principal, raw, svc, body = await read_body(request, parse, x_api_key=True)
+    prompt, tools, choice = openai_prompt(body)
+    stream = calls and bool(getattr(body, "stream", False))
+    needs = chat_needs(stream, tools is not None) if calls else []
+    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
+    check_images(prompt, model)
+    read: list[dict[str, Any]] = prompt
+    if tools is not None:  # the embedded engine reads the tools as a system prompt
+        guide = {"role": "system", "content": tool_calls.tools_prompt(tools, choice)}
+        read = [guide, *tool_calls.plain_messages(prompt)]
+    return principal, raw, body, model, route, svc.tokenizer(model).count_messages(read)
 
 
 # -- streams --------------------------------------------------------------------------
-
-
-def _event(name: str, data: dict[str, Any]) -> bytes:
-    return (
-        f"event: {name}\ndata: ".encode()
-        + json.dumps(data, separators=(",", ":")).encode()
-        + (b"\n\n")
-    )
 
 
 def _start(call_id: str, model: str, input_tokens: int) -> bytes:
@@ -237,7 +204,7 @@ def _start(call_id: str, model: str, input_tokens: int) -> bytes:
         "usage": usage_object(input_tokens, 0),
         "container": None,
     }
-    return _event("message_start", {"type": "message_start", "message": message})
+    return sse({"type": "message_start", "message": message}, "message_start")
 
 
 def _end(whole: dict[str, Any]) -> list[bytes]:
@@ -257,7 +224,7 @@ def _end(whole: dict[str, Any]) -> list[bytes]:
             "server_tool_use": None,
         },
     }
-    return [_event("message_delta", delta), _event("message_stop", {"type": "message_stop"})]
+    return [sse(delta, "message_delta"), sse({"type": "message_stop"}, "message_stop")]
 
 
 class _Blocks:
@@ -272,18 +239,13 @@ class _Blocks:
         if self.open is None:
             return []
         self.open = None
-        return [
-            _event("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})
-        ]
+        stop = {"type": "content_block_stop", "index": self.count - 1}
+        return [sse(stop, "content_block_stop")]
 
     def _begin(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self._close()
-        out.append(
-            _event(
-                "content_block_start",
-                {"type": "content_block_start", "index": self.count, "content_block": block},
-            )
-        )
+        start = {"type": "content_block_start", "index": self.count, "content_block": block}
+        out.append(sse(start, "content_block_start"))
         self.count += 1
         self.open = kind
         return out
@@ -325,22 +287,52 @@ def _text_block(text: str) -> dict[str, Any]:
 
 
 def _delta(index: int, delta: dict[str, Any]) -> bytes:
-    return _event(
-        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-    )
+    body = {"type": "content_block_delta", "index": index, "delta": delta}
+    return sse(body, "content_block_delta")
 
 
-def _replay(saved: idem_rules.SavedResponse) -> Response:
-    """A saved answer as the stream it was: each block whole, then the end."""
-    headers = {"Idempotent-Replayed": "true"}
-    if saved.status_code != 200:
-        return Response(
-            saved.body,
-            status_code=saved.status_code,
-            media_type="application/json",
-            headers=headers,
-        )
-    whole = json.loads(saved.body)
+class _Events:
+    """Anthropic's stream ``Dialect``: ``message_start``, content blocks, ``message_stop``."""
+
+    def __init__(
+        self,
+        call_id: str,
+        model: str,
+        input_tokens: int,
+        render: Callable[[DispatchResult], dict[str, Any]],
+        request_id: str,
+    ) -> None:
+        self._call_id, self._model, self._input_tokens = call_id, model, input_tokens
+        self._render, self._request_id = render, request_id
+        self._blocks = _Blocks()
+
+    def opening(self) -> list[bytes]:
+        ping = sse({"type": "ping"}, "ping")
+        return [_start(self._call_id, self._model, self._input_tokens), ping]
+
+    def piece(self, piece: Delta) -> list[bytes]:
+        out = self._blocks.text(piece.text) if piece.text else []
+        for k, call in enumerate(piece.tool_calls or []):
+            out += self._blocks.tool(k, call)
+        return out
+
+    def whole(self, result: DispatchResult) -> dict[str, Any]:
+        return self._render(result)
+
+    def closing(self, whole: dict[str, Any]) -> list[bytes]:
+        return [*self._blocks.finish(), *_end(whole)]
+
+    def error(self, exc: BatchyardError) -> bytes:
+        # The status line has gone: Anthropic's clients read an error event.
+        body = anthropic_error(_status(exc), exc.message, exc.code, self._request_id, {})
+        return sse(body, "error")
+
+    def replay(self, whole: dict[str, Any]) -> bytes:
+        return _replay(whole)
+
+
+def _replay(whole: dict[str, Any]) -> bytes:
+    """A saved message as the stream it was: each block whole, then the end."""
     parts = [_start(whole["id"], whole["model"], whole["usage"]["input_tokens"])]
     blocks = _Blocks()
     for k, block in enumerate(whole["content"]):
@@ -354,61 +346,7 @@ def _replay(saved: idem_rules.SavedResponse) -> Response:
             parts += blocks.tool(k, call)
     parts += blocks.finish()
     parts += _end(whole)
-    return Response(b"".join(parts), media_type="text/event-stream", headers=headers)
-
-
-async def _stream(
-    request: Request,
-    svc: Service,
-    principal: Principal,
-    raw: dict[str, Any],
-    *,
-    call_id: str,
-    model: ModelSpec,
-    input_tokens: int,
-    stops: list[str] | None,
-    start: Callable[[], AsyncIterator[Delta | DispatchResult]],
-    before: Callable[[], Any],
-) -> Response:
-    opened = await open_stream(request, svc, principal, raw, start=start, before=before)
-    if isinstance(opened, idem_rules.SavedResponse):
-        return _replay(opened)
-    request_id = envelope_of(request).request_id
-
-    async def events() -> AsyncIterator[bytes]:
-        finished = False
-        blocks = _Blocks()
-        try:
-            yield _start(call_id, model.id, input_tokens)
-            yield _event("ping", {"type": "ping"})
-            piece: Delta | DispatchResult = opened.first
-            while True:
-                if isinstance(piece, DispatchResult):
-                    whole = _message(call_id, model.id, piece, stops)
-                    for part in [*blocks.finish(), *_end(whole)]:
-                        yield part
-                    finished = True
-                    await opened.save(whole)
-                    return
-                if piece.text:
-                    for part in blocks.text(piece.text):
-                        yield part
-                for k, call in enumerate(piece.tool_calls or []):
-                    for part in blocks.tool(k, call):
-                        yield part
-                piece = await anext(opened.pieces)
-        except BatchyardError as exc:
-            # The status line has gone: Anthropic's clients read an error event.
-            body = anthropic_error(_status(exc), exc.message, exc.code, request_id, {})
-            yield _event("error", body)
-        except StopAsyncIteration:
-            lost = InternalError("the stream ended without a result")
-            yield _event("error", anthropic_error(500, lost.message, lost.code, request_id, {}))
-        finally:
-            if not finished:
-                await opened.abandon()
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return b"".join(parts)
 
 
 # -- the routes -----------------------------------------------------------------------
@@ -417,95 +355,32 @@ async def _stream(
 @router.post("/v1/messages")
 @anthropic_door
 async def create_message(request: Request) -> Response:
-    principal = await authenticate(request, x_api_key=True)
-    raw = await read_json(request)
+    principal, raw, body, model, route, counted = await _read(request, parse_messages, calls=True)
     svc = service_of(request)
-    body = parse_messages(raw)
-    messages = to_openai_messages(body)
-    tools = to_openai_tools(body)
-    choice = to_openai_tool_choice(body)
-    use_tools = bool(tools) and choice != "none"
-    needs = ["chat"]
-    if body.stream:
-        needs.append("stream")
-    if use_tools:
-        needs.append("tools")
-    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
-    check_images(messages, model.reads_images)
-    quote = quote_chat(svc, model, _prompt_messages(messages, tools, choice), body.max_tokens)
-    stops = body.stop_sequences or None
-    req = CompletionRequest(
-        model=svc.catalog.engine_name(model.id, route),
-        messages=messages,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        stop=stops,
-        tools=tools if use_tools else None,
-        tool_choice=choice if use_tools else None,
-    )
-    call_id = new_id("msg", svc.clock.now())
+    asked = translate(body)
+    q = quote(svc.tokenizer(model), model, [counted], body.max_tokens, param="messages")
+    req = messages_request(asked, model=svc.catalog.engine_name(model.id, route))
+    call = ModelCall(request, principal, model, route, q, "chat", new_id("msg", svc.clock.now()))
 
-    async def limits() -> None:
-        await check_tier_limits(request, principal, requests=1, tokens=quote.input_tokens)
-
-    if body.stream:
-        return await _stream(
-            request,
-            svc,
-            principal,
-            raw,
-            call_id=call_id,
-            model=model,
-            input_tokens=quote.input_tokens,
-            stops=stops,
-            start=lambda: svc.dispatcher.stream(
-                org_id=principal.org_id,
-                model=model,
-                route=route,
-                request=req,
-                input_tokens=quote.input_tokens,
-                max_cost=quote.max_cost,
-                price=quote.price,
-                purpose="chat",
-                count_tokens=quote.tokenizer.count,
-                ref=call_id,
-            ),
-            before=limits,
+    def message(result: DispatchResult) -> dict[str, Any]:
+        return anthropic_message(
+            id=call.ref, model=model.id, completion=result.completion, stops=asked.stop
         )
 
-    async def handler() -> tuple[int, Any]:
-        await limits()
-        result = await svc.dispatcher.execute(
-            org_id=principal.org_id,
-            model=model,
-            route=route,
-            request=req,
-            input_tokens=quote.input_tokens,
-            max_cost=quote.max_cost,
-            price=quote.price,
-            purpose="chat",
-            ref=call_id,
-        )
+    def charged(result: DispatchResult) -> dict[str, Any]:
         envelope_of(request).extra_headers["x-batchyard-charge"] = format_money(result.charge)
-        return 200, _message(call_id, model.id, result, stops)
+        return message(result)
 
-    return await idempotent(request, principal, raw, handler)
+    events = None
+    if body.stream:
+        request_id = envelope_of(request).request_id
+        events = _Events(call.ref, model.id, counted, message, request_id)
+    return await call.answer(raw, [req], charged, events)
 
 
 @router.post("/v1/messages/count_tokens")
 @anthropic_door
 async def count_tokens(request: Request) -> Response:
-    principal = await authenticate(request, x_api_key=True)
-    raw = await read_json(request)
-    svc = service_of(request)
-    body = parse_count_tokens(raw)
-    messages = to_openai_messages(body)
-    tools = to_openai_tools(body)
-    choice = to_openai_tool_choice(body)
-    model, _ = resolve(svc, body.model)
-    check_images(messages, model.reads_images)
-    counted = svc.tokenizer(model).count_messages(_prompt_messages(messages, tools, choice))
+    principal, _, _, _, _, counted = await _read(request, parse_count_tokens, calls=False)
     await check_tier_limits(request, principal, requests=0, tokens=counted, kind="estimate")
     return json_response({"input_tokens": counted})

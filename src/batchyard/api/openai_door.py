@@ -1,47 +1,81 @@
-"""What the OpenAI-compatible endpoints share: the model, its capabilities, and streams.
+"""What the model-calling doors share: the model, the quote, the call, and OpenAI's streams.
 
+``read_body`` authenticates the caller and reads its body strictly;
 ``resolve`` turns the body's model into the catalog's model and route, with
 OpenAI's 404 ``model_not_found`` for a name nobody serves and a coded 400
 (``capability_unsupported``) when the route cannot do what is asked.
+``quote`` counts what a call may cost at most and checks it fits.
 
-``sse_response`` sends a dispatcher stream as server-sent events, under the
-same Idempotency-Key rules as every POST (``keyed_streams``, shared with
-Anthropic's door): the key is claimed before the first byte, the whole answer
-is saved when the stream ends, and a replay of the same request gets the saved
-answer back as a stream (one chunk holding the whole text, then the usage
-chunk if asked for, then ``[DONE]``). A stream that stops early (the client
-hung up) saves nothing: the same key runs again, and the partial answer has
-been billed exactly for the tokens produced.
+``ModelCall.answer`` is the rest of every door that calls a model (chat,
+completions and Anthropic's messages): the tier's limits, the dispatcher's
+reserve → call → settle, and the Idempotency-Key rules of
+``service.idempotency.run_once``, the answer whole or streamed. A stream is
+written by a ``Dialect`` (``api.event_streams``): ``Chunks`` here for OpenAI's
+``data:`` chunks, Anthropic's events in ``messages``. A replay of a streamed
+request is the saved answer as the stream it was: for OpenAI, one chunk per
+choice holding its whole text, then the usage chunk if asked for, then
+``[DONE]``. A stream that stops early (the client hung up) saves nothing: the
+same key runs again, and the partial answer has been billed exactly for the
+tokens produced.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from batchyard.api.keyed_streams import open_stream
-from batchyard.core import idempotency as idem_rules
+from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
+from batchyard.api.event_streams import DONE, Dialect, events, sse
 from batchyard.core.accounts import Principal
 from batchyard.core.catalog import ModelSpec, RouteSpec
-from batchyard.engines.base import Delta
+from batchyard.core.money import quote_ticks
+from batchyard.core.prices import Price
+from batchyard.core.tokens import Tokenizer
+from batchyard.engines.base import CompletionRequest, Delta
 from batchyard.errors import (
     BatchyardError,
     CapabilityUnsupported,
-    InternalError,
+    ContextWindowExceeded,
+    InvalidRequest,
     ModelNotFound,
     UnknownModel,
 )
 from batchyard.service import Service
+from batchyard.service.deployment import service_of
+from batchyard.service.idempotency import Stream
 from batchyard.work.dispatcher import DispatchResult
+from batchyard.work.openai_wire import Reply
 
-__all__ = ["Capability", "StreamShape", "resolve", "sse_response"]
+__all__ = [
+    "Capability",
+    "Chunks",
+    "ModelCall",
+    "Quote",
+    "chat_needs",
+    "quote",
+    "read_body",
+    "resolve",
+]
 
 Capability = str  # "chat", "completions", "embeddings", "tools", "stream"
+
+_Body = TypeVar("_Body")
+
+
+async def read_body(
+    request: Request, parse: Callable[[dict[str, Any]], _Body], *, x_api_key: bool = False
+) -> tuple[Principal, dict[str, Any], Service, _Body]:
+    """The prelude of every model door: the caller, its JSON body, the service, the body checked.
+
+    ``x_api_key``: also take the key from Anthropic's ``x-api-key`` header.
+    """
+    principal = await authenticate(request, x_api_key=x_api_key)
+    raw = await read_json(request)
+    return principal, raw, service_of(request), parse(raw)
 
 
 def resolve(
@@ -76,113 +110,177 @@ def resolve(
     return model, route
 
 
-@dataclass(frozen=True)
-class StreamShape:
-    """How one endpoint writes its chunks: chat's ``delta`` or completions' ``text``."""
-
-    object: str
-    first: Callable[[int], dict[str, Any]]
-    piece: Callable[[Delta], dict[str, Any]]
-    #: The chunks that replay a saved answer, one per choice.
-    replay: Callable[[dict[str, Any]], list[dict[str, Any]]]
-    #: The whole answer (as saved under a key) from the stream's result.
-    whole: Callable[[DispatchResult], dict[str, Any]]
+def chat_needs(stream: bool, tools: bool) -> list[Capability]:
+    """What a chat-shaped call (OpenAI's or Anthropic's) needs of its route."""
+    return ["chat", *(["stream"] if stream else []), *(["tools"] if tools else [])]
 
 
-def _event(data: Any) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+@dataclass(frozen=True, slots=True)
+class Quote:
+    """What a call may cost at most: its prompts counted, its price, the hold."""
+
+    tokenizer: Tokenizer
+    #: Each prompt's tokens (one for chat; one per prompt of a list of completions).
+    counts: list[int]
+    price: Price
+    max_cost: int
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(self.counts)
 
 
-_DONE = b"data: [DONE]\n\n"
-
-
-async def sse_response(
-    request: Request,
-    svc: Service,
-    principal: Principal,
-    raw: dict[str, Any],
+def quote(
+    tokenizer: Tokenizer,
+    model: ModelSpec,
+    counts: Sequence[int],
+    max_tokens: int,
+    n: int = 1,
     *,
-    call_id: str,
-    created: int,
-    model: str,
-    n: int,
-    include_usage: bool,
-    shape: StreamShape,
-    start: Callable[[], AsyncIterator[Delta | DispatchResult]],
-    before: Callable[[], Any],
-) -> Response:
-    """Stream ``start()``'s pieces as OpenAI chunks; see the module docstring.
+    param: str,
+) -> Quote:
+    """The most a call can cost: every prompt, and ``max_tokens`` for each of ``n`` samples.
 
-    ``before`` runs after the key is claimed and before the stream starts (the
-    tier's limits), so a refused request leaves the key free.
+    ``max_tokens`` over the model's output limit, or a prompt that leaves no
+    room for it in the context window, is a coded 400 before anything is
+    held; ``param`` names the prompt (``prompt.i`` for one of a list).
     """
-    opened = await open_stream(request, svc, principal, raw, start=start, before=before)
-    if isinstance(opened, idem_rules.SavedResponse):
-        return _replay(opened, shape, include_usage)
-
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": call_id,
-            "object": shape.object,
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if include_usage:
-            body["usage"] = usage
-        return body
-
-    async def events() -> AsyncIterator[bytes]:
-        finished = False
-        try:
-            yield _event(chunk([shape.first(i) for i in range(n)]))
-            piece: Delta | DispatchResult = opened.first
-            while True:
-                if isinstance(piece, DispatchResult):
-                    whole = shape.whole(piece)
-                    if include_usage:
-                        yield _event(chunk([], whole["usage"]))
-                    yield _DONE
-                    finished = True
-                    await opened.save(whole)
-                    return
-                if piece.text or piece.tool_calls or piece.finish_reason:
-                    yield _event(chunk([shape.piece(piece)]))
-                piece = await anext(opened.pieces)
-        except BatchyardError as exc:
-            # The status line has gone; OpenAI's clients read an error event.
-            yield _event(exc.to_body())
-        except StopAsyncIteration:
-            yield _event(InternalError("the stream ended without a result").to_body())
-        finally:
-            if not finished:
-                await opened.abandon()
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _replay(saved: idem_rules.SavedResponse, shape: StreamShape, include_usage: bool) -> Response:
-    """The answer saved under a key, as the stream it was (or its error, as JSON)."""
-    if saved.status_code != 200:
-        return Response(
-            saved.body,
-            status_code=saved.status_code,
-            media_type="application/json",
-            headers={"Idempotent-Replayed": "true"},
+    if max_tokens > model.max_output_tokens:
+        raise InvalidRequest(
+            f"max_tokens can be at most {model.max_output_tokens} for {model.id}",
+            param="max_tokens",
+            code="max_tokens_out_of_range",
         )
-    whole = json.loads(saved.body)
-    base = {k: whole.get(k) for k in ("id", "created", "model")}
-    base |= {"object": shape.object, "system_fingerprint": None}
-    parts = [
-        _event({**base, "choices": c, **({"usage": None} if include_usage else {})})
-        for c in ([ch] for ch in shape.replay(whole))
-    ]
-    if include_usage:
-        parts.append(_event({**base, "choices": [], "usage": whole.get("usage")}))
-    parts.append(_DONE)
-    return Response(
-        b"".join(parts),
-        media_type="text/event-stream",
-        headers={"Idempotent-Replayed": "true"},
-    )
+    for i, count in enumerate(counts):
+        if count + max_tokens > model.context_window:
+            raise ContextWindowExceeded(
+                f"{count} prompt tokens + max_tokens {max_tokens} exceed the "
+                f"{model.context_window}-token context window of {model.id}",
+                param=param if len(counts) == 1 else f"{param}.{i}",
+            )
+    price = Price(model.input_per_mtok, model.output_per_mtok)
+    most = price.cost(sum(counts), max_tokens * n * len(counts))
+    return Quote(tokenizer, list(counts), price, quote_ticks(most))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall:
+    """One paid model call at a door: who asked, which model and route, the quote, its ID."""
+
+    request: Request
+    principal: Principal
+    model: ModelSpec
+    route: RouteSpec
+    quote: Quote
+    purpose: str
+    ref: str
+
+    async def answer(
+        self,
+        raw: dict[str, Any],
+        requests: Sequence[CompletionRequest],
+        render: Callable[[DispatchResult], dict[str, Any]],
+        stream: Dialect | None = None,
+    ) -> Response:
+        """Limits, reserve → call → settle, under the key: ``render``'s body, or ``stream``'s.
+
+        ``requests`` pair with the quote's counts; several (a list of prompts)
+        are one call to the caller: one hold, one charge, one answer.
+        """
+        svc = service_of(self.request)
+        pay: dict[str, Any] = {
+            "org_id": self.principal.org_id,
+            "model": self.model,
+            "route": self.route,
+            "max_cost": self.quote.max_cost,
+            "price": self.quote.price,
+            "purpose": self.purpose,
+            "ref": self.ref,
+        }
+
+        async def limits() -> None:
+            await check_tier_limits(
+                self.request, self.principal, requests=1, tokens=self.quote.input_tokens
+            )
+
+        if stream is not None:
+            dialect = stream
+
+            async def streamed() -> tuple[int, Any]:
+                await limits()
+                pieces = svc.dispatcher.stream(
+                    request=requests[0],
+                    input_tokens=self.quote.input_tokens,
+                    count_tokens=self.quote.tokenizer.count,
+                    **pay,
+                )
+                first = await anext(pieces)
+                return 200, Stream(events(dialect, first, pieces))
+
+            return await idempotent(
+                self.request, self.principal, raw, streamed, stream_replay=dialect.replay
+            )
+
+        async def whole() -> tuple[int, Any]:
+            await limits()
+            if len(requests) > 1:
+                each = list(zip(requests, self.quote.counts, strict=True))
+                result = await svc.dispatcher.execute_all(requests=each, **pay)
+            else:
+                result = await svc.dispatcher.execute(
+                    request=requests[0], input_tokens=self.quote.input_tokens, **pay
+                )
+            return 200, render(result)
+
+        return await idempotent(self.request, self.principal, raw, whole)
+
+
+@dataclass
+class Chunks:
+    """OpenAI's stream ``Dialect``: chat's ``delta`` chunks or completions' ``text`` ones."""
+
+    reply: Reply
+    object: str
+    n: int
+    include_usage: bool
+    #: Choice ``i``'s first chunk choice.
+    first: Callable[[int], dict[str, Any]]
+    #: A piece as a chunk choice.
+    choice: Callable[[Delta], dict[str, Any]]
+    #: The whole answer (as saved under a key) from the stream's result.
+    render: Callable[[DispatchResult], dict[str, Any]]
+    #: A saved answer's choices as chunk choices, one each.
+    replayed: Callable[[dict[str, Any]], list[dict[str, Any]]]
+
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: Any = None, reply: Reply | None = None
+    ) -> bytes:
+        of = reply or self.reply
+        return sse(of.chunk(self.object, choices, include_usage=self.include_usage, usage=usage))
+
+    def opening(self) -> list[bytes]:
+        return [self._chunk([self.first(i) for i in range(self.n)])]
+
+    def piece(self, piece: Delta) -> list[bytes]:
+        if not (piece.text or piece.tool_calls or piece.finish_reason):
+            return []
+        return [self._chunk([self.choice(piece)])]
+
+    def whole(self, result: DispatchResult) -> dict[str, Any]:
+        return self.render(result)
+
+    def closing(self, whole: dict[str, Any]) -> list[bytes]:
+        usage = [self._chunk([], whole["usage"])] if self.include_usage else []
+        return [*usage, DONE]
+
+    def error(self, exc: BatchyardError) -> bytes:
+        # The status line has gone; OpenAI's clients read an error event.
+        return sse(exc.to_body())
+
+    def replay(self, whole: dict[str, Any]) -> bytes:
+        """A saved answer as the stream it was: a chunk per choice, the usage, ``[DONE]``."""
+        saved = Reply(whole["id"], whole["created"], whole["model"])
+        parts = [self._chunk([c], reply=saved) for c in self.replayed(whole)]
+        if self.include_usage:
+            parts.append(self._chunk([], whole.get("usage"), reply=saved))
+        return b"".join([*parts, DONE])

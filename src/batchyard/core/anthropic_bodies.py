@@ -23,9 +23,9 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from batchyard.core.openai_bodies import validation_error
+from batchyard.core.openai_bodies import validated
 from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
 
 __all__ = [
@@ -33,7 +33,9 @@ __all__ = [
     "ERROR_TYPES",
     "CountTokensRequest",
     "MessagesRequest",
+    "Translated",
     "message_object",
+    "openai_prompt",
     "parse_count_tokens",
     "parse_messages",
     "stop_reason",
@@ -41,6 +43,7 @@ __all__ = [
     "to_openai_tool_choice",
     "to_openai_tools",
     "tool_id",
+    "translate",
     "usage_object",
 ]
 
@@ -409,6 +412,50 @@ def to_openai_tool_choice(req: _Prompt) -> str | dict[str, Any] | None:
     )
 
 
+def openai_prompt(
+    req: _Prompt,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The prompt as OpenAI's ``messages``, ``tools`` and ``tool_choice``.
+
+    Tools that ``tool_choice: none`` turns off are left out (both None), so a
+    caller counts and sends the same prompt.
+    """
+    messages = to_openai_messages(req)
+    tools = to_openai_tools(req)
+    choice = to_openai_tool_choice(req)
+    if not tools or choice == "none":
+        return messages, None, None
+    return messages, tools, choice
+
+
+class Translated(BaseModel):
+    """A Messages request in the OpenAI shape the engines take, with Anthropic's ``top_k``.
+
+    What the door sends (``work.openai_wire.messages_request``) and what a line of a
+    Message Batch stores and its worker reads back: one type, so both answer alike.
+    """
+
+    model_config = _STRICT
+
+    model: str = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+def translate(req: MessagesRequest) -> Translated:
+    """A checked Messages request as the OpenAI-shaped request the engines take."""
+    messages, tools, choice = openai_prompt(req)
+    sampling = req.model_dump(include={"model", "max_tokens", "temperature", "top_p", "top_k"})
+    stop = req.stop_sequences or None
+    return Translated(**sampling, messages=messages, stop=stop, tools=tools, tool_choice=choice)
+
+
 def _refuse_unsupported(req: _Prompt) -> None:
     thinking = req.thinking or {}
     used = {
@@ -431,10 +478,7 @@ def _check_prompt(req: _Prompt) -> None:
 
 def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
     """A Messages body, checked whole (its translation included); raises a coded 400."""
-    try:
-        req = MessagesRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(MessagesRequest, raw)
     _check_prompt(req)
     for k, stop in enumerate(req.stop_sequences or []):
         if not stop:
@@ -446,10 +490,7 @@ def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
 
 def parse_count_tokens(raw: dict[str, Any]) -> CountTokensRequest:
     """A count_tokens body, checked as strictly as a Messages body; raises a coded 400."""
-    try:
-        req = CountTokensRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(CountTokensRequest, raw)
     _check_prompt(req)
     return req
 

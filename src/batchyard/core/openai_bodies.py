@@ -3,7 +3,9 @@
 ``parse_chat``, ``parse_completion`` and ``parse_embedding`` take a decoded
 JSON object and return a typed request or raise a coded 400; they touch no
 service, so a line of an OpenAI batch file can be checked by the same code
-as a request on the wire.
+as a request on the wire, and ``check_images`` refuses an image for a
+text-only model on both. ``work.openai_wire`` turns the typed request into the
+engines' request and renders the answer.
 
 Strict means what OpenAI documents and nothing else: every documented field
 is accepted (those that change nothing here, such as ``user`` or ``store``, are
@@ -17,23 +19,23 @@ required one (``model``, ``messages``, ``input``) is still refused as null.
 
 from __future__ import annotations
 
-import base64
-import struct
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
+from batchyard.core.catalog import ModelSpec
+from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField, UnsupportedInput
 
 __all__ = [
     "ChatRequest",
     "CompletionTextRequest",
     "EmbeddingRequest",
     "StreamOptions",
-    "embedding_data",
+    "check_images",
     "parse_chat",
     "parse_completion",
     "parse_embedding",
+    "validated",
     "validation_error",
 ]
 
@@ -172,6 +174,17 @@ def _items(given: _Given, param: str) -> list[str | list[int]]:
         if isinstance(item, list) and any(t < 0 for t in item):
             raise InvalidRequest(f"{param}.{n}: token ids are not negative", param=param)
     return items
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def validated(cls: type[_Model], raw: dict[str, Any]) -> _Model:
+    """``raw`` read strictly as ``cls``; its first problem a coded 400 naming the field."""
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
 
 
 def validation_error(exc: ValidationError) -> InvalidRequest:
@@ -344,10 +357,7 @@ def _check_response_format(fmt: dict[str, Any] | None) -> None:
 
 def parse_chat(raw: dict[str, Any]) -> ChatRequest:
     """A chat completions body, checked whole; raises a coded 400."""
-    try:
-        req = ChatRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(ChatRequest, raw)
     check_messages(req.messages)
     _check_tools(req)
     _check_response_format(req.response_format)
@@ -374,10 +384,7 @@ def parse_chat(raw: dict[str, Any]) -> ChatRequest:
 
 def parse_completion(raw: dict[str, Any]) -> CompletionTextRequest:
     """A text completions body, checked whole; raises a coded 400."""
-    try:
-        req = CompletionTextRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(CompletionTextRequest, raw)
     req.prompts()
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options needs stream: true", param="stream_options")
@@ -390,22 +397,26 @@ def parse_completion(raw: dict[str, Any]) -> CompletionTextRequest:
 
 def parse_embedding(raw: dict[str, Any]) -> EmbeddingRequest:
     """An embeddings body, checked whole; raises a coded 400."""
-    try:
-        req = EmbeddingRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = validated(EmbeddingRequest, raw)
     req.inputs()
     return req
 
 
-def embedding_data(vectors: list[list[float]], encoding: str) -> list[dict[str, Any]]:
-    """OpenAI's ``data`` list of an embeddings answer; base64 is little-endian float32."""
+def check_images(messages: list[dict[str, Any]], model: ModelSpec) -> None:
+    """Refuse image parts for a model that reads text only (a coded 400, nothing charged).
 
-    def encoded(vector: list[float]) -> list[float] | str:
-        if encoding == "base64":
-            return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-        return vector
-
-    return [
-        {"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)
-    ]
+    Shared by the doors and the lines of a batch file, so a line is refused
+    exactly when the same request on the wire would be.
+    """
+    if model.reads_images:
+        return
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") == "image_url" for part in content
+        ):
+            raise UnsupportedInput(
+                f"messages[{i}] has an image, which {model.id} cannot read; "
+                "GET /v1/models lists the models that read images",
+                param=f"messages.{i}.content",
+            )

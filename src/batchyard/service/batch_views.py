@@ -12,8 +12,12 @@ documents it. Where the two name the same thing, one field serves both:
   ``failed`` (calls that failed) beside the seed's count per request state
   (``waiting``, ``dispatched``, ``succeeded``, ``failed``, ``expired``,
   ``canceled``, ``uncertain``); ``failed`` means the same in both.
-- ``status`` is the dialect's own word: OpenAI's for file batches, the seed's
-  for deferred ones (which differ only in ``canceling``/``canceled``).
+- ``status`` is the dialect's own word: OpenAI's for file batches
+  (``cancelling``/``cancelled``, its SDK's literals), batchyard's for deferred
+  ones (``canceling``/``canceled``). Everywhere else (the store, the code,
+  request states, Anthropic's Message Batches) the two states are spelled
+  ``canceling``/``canceled``; ``openai_status`` is the one place that writes
+  OpenAI's spelling.
 
 Fields one dialect lacks are present and null (or the seed's
 ``input_file_id`` of a deferred batch: ``""``, since its requests came inline
@@ -32,7 +36,15 @@ from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
 from batchyard.store import file_batches as fstore
 
-__all__ = ["counts_of", "file_batch_view", "number", "ts"]
+__all__ = ["counts_of", "file_batch_view", "number", "openai_status", "ts"]
+
+#: OpenAI's spelling of the two cancel states (its ``Batch.status`` literals).
+_OPENAI_WORDS = {"canceling": "cancelling", "canceled": "cancelled"}
+
+
+def openai_status(status: str) -> str:
+    """A file batch's status as OpenAI writes it: ``cancelling``/``cancelled``."""
+    return _OPENAI_WORDS.get(status, status)
 
 
 def ts(when: datetime | None) -> int | None:
@@ -79,7 +91,7 @@ def file_batch_view(row: fstore.BatchRow, totals: fstore.Totals | None) -> dict[
         "endpoint": row.endpoint,
         "input_file_id": row.input_file_id,
         "completion_window": row.completion_window,
-        "status": row.status,
+        "status": openai_status(row.status),
         "output_file_id": row.output_file_id,
         "error_file_id": row.error_file_id,
         "errors": {"object": "list", "data": errors} if errors else None,

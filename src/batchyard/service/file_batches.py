@@ -35,7 +35,7 @@ from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.prices import Price
 from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
 from batchyard.service.batch_requests import WINDOWS
-from batchyard.service.batch_views import file_batch_view
+from batchyard.service.batch_views import file_batch_view, openai_status
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import ENDPOINTS
 from batchyard.store import file_batches as store
@@ -297,15 +297,15 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
         row = store.get_batch(conn, principal.org_id, batch_id, lock=True, key_id=own)
         if row is None:
             raise NotFound(f"batch {batch_id} not found", param="batch_id")
-        if row.status in ("completed", "failed", "expired", "cancelled", "finalizing"):
+        if row.status in ("completed", "failed", "expired", "canceled", "finalizing"):
             raise InvalidState(
-                f"batch {batch_id} is already {row.status}; nothing to cancel",
+                f"batch {batch_id} is already {openai_status(row.status)}; nothing to cancel",
                 code="batch_not_cancellable",
             )
-        if row.status != "cancelling":
-            store.set_status(conn, row.id, "cancelling", expect=("in_progress",), cancelling_at=now)
+        if row.status != "canceling":
+            store.set_status(conn, row.id, "canceling", expect=("in_progress",), cancelling_at=now)
         return load_view(conn, principal.org_id, batch_id)
 
     view = await svc.db.transact(tx)
-    log.info("file batch cancelling", extra={"event": "file_batch_cancel", "batch_id": batch_id})
+    log.info("file batch canceling", extra={"event": "file_batch_cancel", "batch_id": batch_id})
     return view

@@ -2,13 +2,18 @@
 
 The API (``api.context.idempotent``) and the workspace's submission form
 share these rules, so a key used in the workspace and then with curl (same
-body) names the same answer.
+body) names the same answer. Streamed answers keep them too: a handler that
+answers with a ``Stream`` has its key claimed and its refusals saved exactly as
+any other (they happen before the first byte), and the answer is kept when the
+stream ends whole; a stream cut short (the client hung up, an error event
+after the status line) keeps nothing and frees the key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,7 +26,21 @@ from batchyard.errors import BatchyardError, StorageUnavailable, error_type
 from batchyard.service.deployment import Service
 from batchyard.store import idempotency as idem_store
 
-__all__ = ["Answer", "run_once"]
+__all__ = ["Answer", "Stream", "Whole", "run_once", "unkeyed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """The end of a streamed answer: the whole of it, to keep under the key (never sent)."""
+
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A 200 answer sent while it is made: its events, then one ``Whole`` if it ends whole."""
+
+    events: AsyncGenerator[bytes | Whole, None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +50,8 @@ class Answer:
     status: int
     text: str
     replayed: bool = False
+    #: A live streamed answer's events (``text`` is then empty).
+    stream: AsyncGenerator[bytes, None] | None = None
 
 
 async def _forget(svc: Service, org: str, key: str) -> None:
@@ -66,7 +87,8 @@ async def run_once(
     batch's ID and status) carries none, so it is kept there too: seed 000's
     exception is about answers, and a retried submission must still name the
     same batch and a changed body still be refused. ``handler`` returns
-    (status, JSON body).
+    (status, JSON body), or (200, ``Stream``): the answer is then kept when its
+    events end with ``Whole``, and the key freed if they end without it.
     """
     now = svc.clock.now()
     ttl = timedelta(seconds=svc.settings.idempotency_ttl_s)
@@ -93,14 +115,58 @@ async def run_once(
     except BaseException:
         await _forget(svc, org, key)
         raise
+    if isinstance(payload, Stream):
+
+        async def keep_whole(whole: Any) -> None:
+            await _keep(svc, org, key, keep, status, json.dumps(whole))
+
+        events = _kept(payload.events, keep_whole, lambda: _forget(svc, org, key))
+        return Answer(status, "", stream=events)
     text = json.dumps(payload)
-    # The call ran (and was charged): its answer must be kept, even across a short
-    # storage outage, or a retry of the key would find it "in progress".
+    await _keep(svc, org, key, keep, status, text)
+    return Answer(status, text)
+
+
+async def _keep(svc: Service, org: str, key: str, keep: bool, status: int, text: str) -> None:
+    """The call ran (and was charged): its answer must be kept, even across a short
+    storage outage, or a retry of the key would find it "in progress"."""
     if keep:
         await svc.db.write_through(lambda c: idem_store.finish(c, org, key, status, text))
     else:
         await svc.db.write_through(lambda c: idem_store.forget(c, org, key))
-    return Answer(status, text)
+
+
+async def _kept(
+    events: AsyncGenerator[bytes | Whole, None],
+    keep: Callable[[Any], Awaitable[None]],
+    free: Callable[[], Awaitable[None]],
+) -> AsyncGenerator[bytes, None]:
+    """A stream's events as sent: its ``Whole`` kept (``keep``), or ``free`` if none comes.
+
+    Closing this (the client hung up) closes ``events``, whose producer then
+    stops the engine, so the dispatcher bills exactly what was produced.
+    """
+    whole = False
+    try:
+        async for event in events:
+            if isinstance(event, Whole):
+                whole = True
+                await asyncio.shield(keep(event.payload))
+            else:
+                yield event
+    finally:
+        if not whole:
+            await events.aclose()
+            await asyncio.shield(free())
+
+
+async def _nothing(*_: Any) -> None:
+    return None
+
+
+def unkeyed(stream: Stream) -> AsyncGenerator[bytes, None]:
+    """A streamed answer sent without an Idempotency-Key: its events, nothing kept."""
+    return _kept(stream.events, _nothing, _nothing)
 
 
 def _typed(status: int, body: str) -> str:

@@ -55,7 +55,7 @@ __all__ = [
 
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _CREATE_KEYS = {"requests", "min_discount"}
-_ENDED = ("completed", "failed", "expired", "cancelled")
+_ENDED = ("completed", "failed", "expired", "canceled")
 
 
 def _jsonl(raw: dict[str, Any]) -> tuple[bytes, Decimal | None]:
@@ -143,8 +143,7 @@ async def create(svc: Service, principal: Principal, raw: dict[str, Any]) -> dic
 
 def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str, Any]:
     per = totals.per_state
-    status = {"cancelling": "canceling"}.get(row.status, row.status)
-    processing = "ended" if row.status in _ENDED else status
+    processing = "ended" if row.status in _ENDED else row.status
     if processing not in ("in_progress", "canceling", "ended"):
         processing = "in_progress"
     ended_at = row.completed_at or row.failed_at or row.expired_at or row.cancelled_at

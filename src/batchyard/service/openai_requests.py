@@ -8,8 +8,11 @@ tokenizer, and the most output tokens it may be billed for. Anything wrong
 is a coded ``InvalidRequest`` whose ``param`` names the field.
 
 The body is checked by the same function as a request on the wire
-(``core.openai_bodies``), so a line is accepted exactly when the same body
-sent to the endpoint would be, with what a batch adds and takes away:
+(``core.openai_bodies``) into the door's own typed request, and what is stored
+is that request's JSON, which the worker reads back as the same type
+(``work.openai_wire.line_request``) and sends through the door's own function.
+A line is accepted exactly when the same body sent to the endpoint would be,
+with what a batch adds and takes away:
 batchyard's ``privacy`` field (redaction before the line is stored), no
 streaming, no tools (a batch has no one to run them), and OpenAI's sampling
 penalties refused by name rather than silently dropped, since a line is
@@ -25,17 +28,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batchyard.core import privacy
-from batchyard.core.anthropic_bodies import parse_messages, to_openai_messages
+from batchyard.core.anthropic_bodies import parse_messages, translate
 from batchyard.core.catalog import Catalog, ModelSpec
-from batchyard.core.openai_bodies import parse_chat, parse_completion, parse_embedding
+from batchyard.core.openai_bodies import (
+    check_images,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
 from batchyard.core.tokens import TokenizerSource
 from batchyard.engines.token_ids import as_texts
-from batchyard.errors import (
-    CapabilityUnsupported,
-    ContextWindowExceeded,
-    InvalidRequest,
-    UnsupportedInput,
-)
+from batchyard.errors import CapabilityUnsupported, ContextWindowExceeded, InvalidRequest
+from batchyard.work.openai_wire import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, MESSAGES
 
 __all__ = [
     "ENDPOINTS",
@@ -45,14 +49,6 @@ __all__ = [
     "Rules",
     "validate_line",
 ]
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
-#: Anthropic's Messages, the endpoint of a Message Batch's requests.
-MESSAGES = "/v1/messages"
-#: Endpoints a batch line may name.
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,37 +137,30 @@ def _model(rules: Rules, model_id: str, need: str = "chat") -> ModelSpec:
     return model
 
 
-def _private_texts(
-    texts: list[str], mode: privacy.PrivacyMode, param: str
-) -> tuple[list[str], int]:
-    """Texts as they may be stored under ``mode`` (raises for a rejected one)."""
-    messages = [{"role": "user", "content": t} for t in texts]
+def _private_messages(
+    messages: list[dict[str, Any]], mode: privacy.PrivacyMode, param: str = "messages"
+) -> tuple[list[dict[str, Any]], int]:
+    """Messages as they may be stored under ``mode``, and how many findings were redacted.
+
+    ``reject`` raises, naming ``param`` and the kinds found (never the text).
+    """
     if mode is privacy.PrivacyMode.REDACT:
-        redacted, found = privacy.redact_messages(messages)
-        return [str(m["content"]) for m in redacted], found
+        return privacy.redact_messages(messages)
     if mode is privacy.PrivacyMode.REJECT:
         try:
             privacy.apply(privacy.PrivacyMode.REJECT, messages)
         except InvalidRequest as exc:
             raise InvalidRequest(exc.message, param=param, code=exc.code) from None
-    return texts, 0
+    return messages, 0
 
 
-def _check_images(messages: list[dict[str, Any]], model: ModelSpec) -> None:
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if (
-                isinstance(part, dict)
-                and part.get("type") == "image_url"
-                and not model.reads_images
-            ):
-                raise UnsupportedInput(
-                    f"messages[{i}] has an image, which {model.id} cannot read",
-                    param=f"messages.{i}.content",
-                )
+def _private_texts(
+    texts: list[str], mode: privacy.PrivacyMode, param: str
+) -> tuple[list[str], int]:
+    """Texts as they may be stored under ``mode`` (raises for a rejected one)."""
+    messages = [{"role": "user", "content": t} for t in texts]
+    kept, found = _private_messages(messages, mode, param)
+    return [str(m["content"]) for m in kept], found
 
 
 def _max_tokens(given: int | None, rules: Rules, model: ModelSpec) -> int:
@@ -199,16 +188,9 @@ def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
     req = parse_chat(rest)
     _batchable(rest)
     model = _model(rules, req.model)
-    _check_images(req.messages, model)
+    check_images(req.messages, model)
     mt = _max_tokens(req.max_completion_tokens or req.max_tokens, rules, model)
-    messages, found = req.messages, 0
-    if mode is privacy.PrivacyMode.REDACT:
-        messages, found = privacy.redact_messages(messages)
-    elif mode is privacy.PrivacyMode.REJECT:
-        try:
-            privacy.apply(privacy.PrivacyMode.REJECT, messages)
-        except InvalidRequest as exc:
-            raise InvalidRequest(exc.message, param="messages", code=exc.code) from None
+    messages, found = _private_messages(req.messages, mode)
     tokens = rules.tokenizers.for_model(model).count_messages(messages)
     _fits(model, tokens, mt, "messages")
     rest["messages"] = messages
@@ -216,11 +198,12 @@ def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
 
 
 def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
-    """An Anthropic Messages body, stored as the OpenAI-shaped request the worker sends.
+    """An Anthropic Messages body, stored as the translated request the door would send.
 
-    The line is checked by the wire's own function and translated once here,
-    so the worker answers it through the same request fields as a chat line;
-    privacy applies to the translated messages, which are what is stored.
+    The line is checked by the wire's own function and translated once here
+    (``core.anthropic_bodies.translate``), so the worker answers it through the
+    door's own request; privacy applies to the translated messages, which are
+    what is stored.
     """
     rest, mode = _split(body, rules)
     req = parse_messages(rest)
@@ -237,26 +220,14 @@ def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
             code="tools_unsupported",
         )
     model = _model(rules, req.model)
-    messages = to_openai_messages(req)
-    _check_images(messages, model)
+    asked = translate(req)
+    check_images(asked.messages, model)
     mt = _max_tokens(req.max_tokens, rules, model)
-    found = 0
-    if mode is privacy.PrivacyMode.REDACT:
-        messages, found = privacy.redact_messages(messages)
-    elif mode is privacy.PrivacyMode.REJECT:
-        try:
-            privacy.apply(privacy.PrivacyMode.REJECT, messages)
-        except InvalidRequest as exc:
-            raise InvalidRequest(exc.message, param="messages", code=exc.code) from None
+    messages, found = _private_messages(asked.messages, mode)
     tokens = rules.tokenizers.for_model(model).count_messages(messages)
     _fits(model, tokens, mt, "messages")
-    stored: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": mt}
-    for name in ("temperature", "top_p", "top_k"):
-        if getattr(req, name) is not None:
-            stored[name] = getattr(req, name)
-    if req.stop_sequences:
-        stored["stop"] = req.stop_sequences
-    return CheckedBody(model, stored, tokens, mt, found)
+    stored = asked.model_copy(update={"messages": messages, "max_tokens": mt})
+    return CheckedBody(model, stored.model_dump(exclude_none=True), tokens, mt, found)
 
 
 def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:

@@ -84,7 +84,7 @@ __all__ = [
 
 LINE_STATES = ("pending", "dispatched", "succeeded", "failed", "expired", "canceled", "uncertain")
 #: Batch statuses in which lines may still be dispatched or finish.
-LIVE = ("validating", "in_progress", "finalizing", "cancelling")
+LIVE = ("validating", "in_progress", "finalizing", "canceling")
 
 file_batches = Table(
     "file_batches",
@@ -93,8 +93,9 @@ file_batches = Table(
     Column("org_id", String(64), ForeignKey("organisations.id"), nullable=False),
     # The creating key: revoking it stops the lines not yet dispatched.
     Column("key_id", String(64), nullable=False),
-    # OpenAI's: validating | failed | in_progress | finalizing | completed |
-    # expired | cancelling | cancelled
+    # validating | failed | in_progress | finalizing | completed | expired |
+    # canceling | canceled: OpenAI's states in batchyard's one spelling (the view
+    # writes OpenAI's cancelling/cancelled, service.batch_views.openai_status)
     Column("status", String(16), nullable=False),
     Column("endpoint", String(64), nullable=False),
     Column("input_file_id", String(64), nullable=False),

@@ -23,6 +23,7 @@ from batchyard.core.accounts import Principal
 from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound
 from batchyard.service import file_batches, files, service_of
+from batchyard.service.batch_views import openai_status
 from batchyard.service.uploads import read_multipart
 from batchyard.store import file_batches as fstore
 from batchyard.web.routes import (
@@ -42,7 +43,8 @@ router = APIRouter(prefix="/workspace", include_in_schema=False)
 
 LINES_PER_PAGE = 50
 REFRESH_S = 5
-LIVE = ("validating", "in_progress", "finalizing", "cancelling")
+#: The live statuses as the page's batch object (OpenAI's view) spells them.
+LIVE = tuple(openai_status(status) for status in fstore.LIVE)
 
 
 def _answer(sealed: bytes | None, opener: Any, batch_id: str, line: int) -> dict[str, Any]:

@@ -12,10 +12,13 @@ import json
 
 import httpx
 import pytest
+from sqlalchemy import func, select
 
 from batchyard.engines.memory import ScriptedEngine
-from batchyard.store import activity, ledger
+from batchyard.store import accounts, activity, ledger
+from batchyard.store.tables import idempotency_keys
 from tests.support.accounts import make_account
+from tests.support.batches import eventually
 from tests.support.server import asgi_client, live_server
 
 CHAT = {
@@ -216,3 +219,52 @@ async def test_log_lines_carry_the_request_id(service, engine, caplog):
     answered = [line for line in lines if line["msg"] == "answered"]
     assert answered and answered[0]["request_id"] == "trace-7"
     assert answered[0]["status"] == 200
+
+
+async def test_a_keyed_stream_under_zero_data_retention_keeps_nothing_and_frees_its_key(
+    service, engine
+):
+    """``run_once``'s rule for streams too: nothing kept, and the key runs again (not 409)."""
+    acct = make_account(service, credit="1")
+    service.db.transact_sync(lambda c: accounts.set_zero_data_retention(c, acct.org_id, True))
+    h = {**acct.headers, "Idempotency-Key": "zdr-stream"}
+    async with asgi_client(service) as http:
+        first = await http.post("/v1/chat/completions", json=CHAT, headers=h)
+        again = await http.post("/v1/chat/completions", json=CHAT, headers=h)
+    assert first.status_code == again.status_code == 200, again.text
+    assert "Idempotent-Replayed" not in again.headers
+    assert events(again.text)[-1] == "[DONE]"
+    assert len(engine.calls) == 2 and len(charges(service, acct.org_id)) == 2
+    kept = service.db.read_sync(
+        lambda c: c.execute(select(func.count()).select_from(idempotency_keys)).scalar_one()
+    )
+    assert kept == 0
+
+
+async def test_a_keyed_stream_cut_short_frees_its_key_for_the_retry(service, engine):
+    """The client reads two words and hangs up: its retry with the key runs, whole."""
+    engine.stream_delay_s = 1.0
+    acct = make_account(service, credit="1")
+    h = {**acct.headers, "Idempotency-Key": "cut-short"}
+    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=CHAT, headers=h) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    seen += 1
+                if seen == 3:
+                    break
+                service.clock.advance(1.0)
+        await eventually(lambda: bool(charges(service, acct.org_id)))
+        engine.stream_delay_s = 0.0
+        for _ in range(200):  # the key is freed just after the partial charge
+            retry = await http.post("/v1/chat/completions", json=CHAT, headers=h)
+            if retry.status_code != 409:
+                break
+            await asyncio.sleep(0.02)
+    assert retry.status_code == 200 and "Idempotent-Replayed" not in retry.headers
+    text = "".join(
+        c["choices"][0]["delta"].get("content", "") for c in events(retry.text)[:-1] if c["choices"]
+    )
+    assert text == ANSWER
+    assert len(engine.calls) == 2

@@ -4,7 +4,9 @@ Each outcome is one transaction: the reservation is settled to real usage at
 the route's offered price (or released on failure), the activity record is
 written, and the item ends with its sealed result. A failure's result has a
 success's shape (``status_code`` and ``body``) with the error body, so the
-results file reads the same either way.
+results file reads the same either way. A success's body is the
+``chat.completion`` of ``work.openai_wire``, the object the chat door answers,
+with what it cost and on which route.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from batchyard.store import activity, ledger
 from batchyard.store import batches as store
 from batchyard.store.database import Database
 from batchyard.work.batches.sealing import result_aad
+from batchyard.work.openai_wire import Reply
 
 __all__ = ["Claimed", "finish_failed", "record_failure", "record_success"]
 
@@ -195,24 +198,9 @@ def _completion_body(
     job: Claimed, completion: Completion, charged: int, now: datetime
 ) -> dict[str, Any]:
     """The chat completion a batch result carries, with what it cost and on which route."""
+    reply = Reply(new_id("chatcmpl", now), int(now.timestamp()), job.item.model)
     return {
-        "id": new_id("chatcmpl", now),
-        "object": "chat.completion",
-        "created": int(now.timestamp()),
-        "model": job.item.model,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": ch.text},
-                "finish_reason": ch.finish_reason,
-            }
-            for i, ch in enumerate(completion.choices)
-        ],
-        "usage": {
-            "prompt_tokens": completion.usage.input_tokens,
-            "completion_tokens": completion.usage.output_tokens,
-            "total_tokens": completion.usage.total_tokens,
-        },
+        **reply.chat(completion, logprobs=job.request.logprobs),
         "route": job.route.id,
         "charge": format_money(charged),
         "reservation_id": job.reservation_id,

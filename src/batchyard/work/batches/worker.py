@@ -55,9 +55,10 @@ from batchyard.core.market import (
     qualifies,
 )
 from batchyard.core.money import from_ticks, quote_ticks
+from batchyard.core.openai_bodies import ChatRequest
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.core.tiers import Tier
-from batchyard.engines.base import Completion, CompletionRequest
+from batchyard.engines.base import Completion
 from batchyard.errors import (
     BatchyardError,
     InsufficientCredit,
@@ -76,6 +77,7 @@ from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.results import Claimed, finish_failed, record_failure, record_success
 from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.dispatcher import Dispatcher
+from batchyard.work.openai_wire import chat_request
 
 __all__ = ["MarketSettings", "MarketWorker", "PassReport"]
 
@@ -409,15 +411,11 @@ class MarketWorker:
             )
             return Claimed(
                 item=item,
-                request=CompletionRequest(
+                # The stored body is a chat body (seed 003's subset), sent as the door sends one.
+                request=chat_request(
+                    ChatRequest.model_validate({"model": item.model, **stored}),
                     model=engine_name(item.model, route),
-                    messages=stored["messages"],
                     max_tokens=item.max_tokens,
-                    temperature=stored.get("temperature"),
-                    top_p=stored.get("top_p"),
-                    stop=stored.get("stop"),
-                    seed=stored.get("seed"),
-                    response_format=stored.get("response_format"),
                 ),
                 route=route,
                 price=offer.price,

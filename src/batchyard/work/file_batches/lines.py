@@ -12,9 +12,12 @@ line that was never answered (``batch_expired``, ``batch_cancelled``,
 ``uncertain``) has ``response`` null and ``error`` ``{code, message}``. vLLM's
 ``run_batch`` writes the same shape.
 
-A line is answered as its endpoint would answer it on the wire: a chat
-completion, a text completion or embeddings, with the same body shape; its
-charge is its share of the batch's one hold, summed when the batch settles.
+A line is answered as its endpoint would answer it on the wire, by the same
+functions (``work.openai_wire``): its stored body is read back as the door's
+own typed request, sent as the door sends it, and its answer is the door's
+body (a chat completion, a text completion, embeddings, or Anthropic's
+message), with the line's ``charge`` and ``route`` added; its charge is its
+share of the batch's one hold, summed when the batch settles.
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from batchyard.core.anthropic_bodies import message_object
+from batchyard.core.anthropic_bodies import Translated
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, engine_name
 from batchyard.core.ids import new_id
 from batchyard.core.market import offer_cost, qualifies
 from batchyard.core.money import charge_ticks, format_money, quote_ticks
-from batchyard.core.openai_bodies import embedding_data
+from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.core.prices import Price
 from batchyard.core.sealing import Sealer, SealError
-from batchyard.engines.base import CompletionRequest, Usage
+from batchyard.engines.base import Completion, Embeddings, Usage
+from batchyard.engines.token_ids import as_texts
 from batchyard.errors import (
     BatchyardError,
     InternalError,
@@ -46,6 +50,16 @@ from batchyard.store.file_batches import Claimed, Ended, out_aad
 from batchyard.store.files import line_aad
 from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.dispatcher import Dispatcher, OnSend
+from batchyard.work.openai_wire import (
+    LineRequest,
+    Reply,
+    anthropic_message,
+    chat_request,
+    embedding_list,
+    line_request,
+    messages_request,
+    text_requests,
+)
 
 __all__ = ["NotSent", "Plan", "answer", "never_answered", "plan_for"]
 
@@ -53,13 +67,6 @@ __all__ = ["NotSent", "Plan", "answer", "never_answered", "plan_for"]
 class NotSent(Exception):
     """Raised by an ``on_send`` that refuses the call: the line waits again."""
 
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
-#: A Message Batch's lines: stored translated (``service.openai_requests``), answered as
-#: Anthropic's ``message``.
-MESSAGES = "/v1/messages"
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -127,7 +134,18 @@ def _line_id(now: datetime) -> str:
     return new_id("breq", now)
 
 
-def _seal(sealer: Sealer, batch_id: str, line: int, obj: dict[str, Any]) -> tuple[bytes, int]:
+def _result_line(
+    sealer: Sealer,
+    batch_id: str,
+    line: int,
+    custom_id: str,
+    now: datetime,
+    *,
+    response: dict[str, Any] | None = None,
+    error: dict[str, str] | None = None,
+) -> tuple[bytes, int]:
+    """A line of the output or error file, sealed: the answer's ``response`` or an ``error``."""
+    obj = {"id": _line_id(now), "custom_id": custom_id, "response": response, "error": error}
     text = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
     return sealer.seal(text, out_aad(batch_id, line)), len(text)
 
@@ -137,131 +155,65 @@ def never_answered(
 ) -> Ended:
     """A line ended without an answer: its error-file line."""
     code, message = NEVER_ANSWERED[state]
-    out, size = _seal(
-        sealer,
-        batch_id,
-        line,
-        {
-            "id": _line_id(now),
-            "custom_id": custom_id,
-            "response": None,
-            "error": {"code": code, "message": message},
-        },
-    )
+    error = {"code": code, "message": message}
+    out, size = _result_line(sealer, batch_id, line, custom_id, now, error=error)
     return Ended(line, state, out, size)
-
-
-def _request(endpoint: str, body: dict[str, Any], model: str, max_tokens: int) -> CompletionRequest:
-    stop = body.get("stop")
-    text_prompt = endpoint == COMPLETIONS
-    prompt = (
-        str(body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][0])
-        if text_prompt
-        else None
-    )
-    return CompletionRequest(
-        model=model,
-        messages=[{"role": "user", "content": prompt}] if text_prompt else body["messages"],
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=body.get("temperature"),
-        top_p=body.get("top_p"),
-        top_k=body.get("top_k"),
-        n=int(body.get("n", 1)),
-        stop=[stop] if isinstance(stop, str) else stop,
-        seed=body.get("seed"),
-        response_format=None if text_prompt else body.get("response_format"),
-        logprobs=False if text_prompt else bool(body.get("logprobs", False)),
-        top_logprobs=None if text_prompt else body.get("top_logprobs"),
-    )
 
 
 async def _call(
     dispatcher: Dispatcher,
-    endpoint: str,
-    body: dict[str, Any],
+    request: LineRequest,
     plan: Plan,
     claimed: Claimed,
     on_send: OnSend,
-) -> tuple[Usage, Any]:
-    """The line's call: its usage, and what the body of its answer is built from."""
-    if endpoint == EMBEDDINGS:
-        texts = [body["input"]] if isinstance(body["input"], str) else list(body["input"])
+) -> tuple[Usage, Completion | Embeddings]:
+    """The line's call, sent as its door sends it: its usage, and the engine's answer."""
+    if isinstance(request, EmbeddingRequest):
+        texts = as_texts(request.inputs(), "input")
         result = await dispatcher.call_embed(
             route=plan.route, texts=texts, input_tokens=claimed.input_tokens, on_send=on_send
         )
         used = result.usage.input_tokens or claimed.input_tokens
-        return Usage(used, 0), result
-    n = max(1, int(body.get("n", 1)))
+        return Usage(used, 0), Embeddings(result.vectors, Usage(used, 0))
     name = engine_name(plan.model.id, plan.route)
-    request = _request(endpoint, body, name, claimed.max_tokens // n)
+    if isinstance(request, Translated):
+        engine_request = messages_request(request, model=name)
+    else:
+        # The hold's output tokens are max_tokens for each of n samples.
+        max_tokens = claimed.max_tokens // max(1, request.n)
+        if isinstance(request, ChatRequest):
+            engine_request = chat_request(request, model=name, max_tokens=max_tokens)
+        else:
+            prompts = as_texts(request.prompts(), "prompt")
+            (engine_request,) = text_requests(request, prompts, model=name, max_tokens=max_tokens)
     completion = await dispatcher.call(
-        route=plan.route, request=request, input_tokens=claimed.input_tokens, on_send=on_send
+        route=plan.route, request=engine_request, input_tokens=claimed.input_tokens, on_send=on_send
     )
     return completion.usage, completion
 
 
 def _answer_body(
-    endpoint: str,
-    body: dict[str, Any],
-    answered: Any,
-    usage: Usage,
-    request_id: str,
-    now: datetime,
-    plan: Plan,
+    request: LineRequest, answered: Completion | Embeddings, reply: Reply
 ) -> dict[str, Any]:
-    """The answer in the shape the endpoint gives on the wire."""
-    usage_json = {
-        "prompt_tokens": usage.input_tokens,
-        "completion_tokens": usage.output_tokens,
-        "total_tokens": usage.total_tokens,
-    }
-    if endpoint == EMBEDDINGS:
-        return {
-            "object": "list",
-            "data": embedding_data(answered.vectors, str(body.get("encoding_format", "float"))),
-            "model": plan.model.id,
-            "usage": {"prompt_tokens": usage.input_tokens, "total_tokens": usage.input_tokens},
-        }
-    if endpoint == MESSAGES:
-        choice = answered.choices[0]
-        return message_object(
-            message_id=request_id,
-            model=plan.model.id,
-            text=choice.text,
-            tool_calls=choice.tool_calls,
-            finish_reason=choice.finish_reason,
-            input_tokens=usage.input_tokens,
-            output_tokens=usage.output_tokens,
-        )
-    if endpoint == COMPLETIONS:
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": int(now.timestamp()),
-            "model": plan.model.id,
-            "choices": [
-                {"index": i, "text": ch.text, "finish_reason": ch.finish_reason, "logprobs": None}
-                for i, ch in enumerate(answered.choices)
-            ],
-            "usage": usage_json,
-        }
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(now.timestamp()),
-        "model": plan.model.id,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": ch.text},
-                "finish_reason": ch.finish_reason,
-                "logprobs": {"content": ch.logprobs} if ch.logprobs is not None else None,
-            }
-            for i, ch in enumerate(answered.choices)
-        ],
-        "usage": usage_json,
-    }
+    """The answer as the line's door gives it on the wire."""
+    if isinstance(answered, Embeddings):
+        assert isinstance(request, EmbeddingRequest)
+        return embedding_list(request, reply.model, answered.vectors, answered.usage)
+    if isinstance(request, Translated):
+        stops = request.stop
+        return anthropic_message(id=reply.id, model=reply.model, completion=answered, stops=stops)
+    if isinstance(request, CompletionTextRequest):
+        return reply.text(answered, request, as_texts(request.prompts(), "prompt"))
+    assert isinstance(request, ChatRequest)
+    return reply.chat(answered, logprobs=bool(request.logprobs))
+
+
+_ID_PREFIXES = {
+    ChatRequest: "chatcmpl",
+    CompletionTextRequest: "cmpl",
+    EmbeddingRequest: "emb",
+    Translated: "msg",
+}
 
 
 async def answer(
@@ -281,15 +233,14 @@ async def answer(
     None when the call was never made (``on_send`` refused: the worker is
     stopping, or the line is no longer its own): the line waits again.
     """
-    request_id: str | None = None
     err: BatchyardError | None = None
-    body: dict[str, Any] = {}
+    request: LineRequest | None = None
     try:
         stored = json.loads(sealer.open(claimed.body, line_aad(input_file_id, claimed.line)))
-        body = stored["body"]
+        request = line_request(endpoint, stored["body"])
     except (SealError, ValueError, KeyError, TypeError):
         err = InternalError("the stored request cannot be read", retryable=False)
-    if err is None:
+    if request is not None:
         sent = False
 
         async def mark() -> None:
@@ -299,11 +250,9 @@ async def answer(
             sent = True
 
         try:
-            usage, answered = await _call(dispatcher, endpoint, body, plan, claimed, mark)
+            usage, answered = await _call(dispatcher, request, plan, claimed, mark)
         except NotSent:
             return None
-        except (KeyError, TypeError, ValueError):
-            err = InternalError("the stored request cannot be read", retryable=False)
         except (StorageUnavailable, LimiterUnavailable):
             if not sent:
                 return None  # the store refused the mark: nothing reached the engine
@@ -314,41 +263,23 @@ async def answer(
             log.warning("batch line failed", extra={"error_type": type(exc).__name__})
             err = UpstreamError(f"the engine failed ({type(exc).__name__})")
     if err is not None:
-        now = now_of()
-        out, size = _seal(
-            sealer,
-            batch_id,
-            claimed.line,
-            {
-                "id": _line_id(now),
-                "custom_id": claimed.custom_id,
-                "response": {
-                    "status_code": err.status,
-                    "request_id": request_id,
-                    "body": err.to_body(),
-                },
-                "error": None,
-            },
+        # A failed call's answer is its error body, with no request ID (nothing answered it).
+        failed = {"status_code": err.status, "request_id": None, "body": err.to_body()}
+        out, size = _result_line(
+            sealer, batch_id, claimed.line, claimed.custom_id, now_of(), response=failed
         )
         return Ended(claimed.line, "failed", out, size, route=plan.route.id)
     now = now_of()
     cap = quote_ticks(plan.direct.cost(claimed.input_tokens, claimed.max_tokens))
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
-    prefixes = {COMPLETIONS: "cmpl", EMBEDDINGS: "emb", MESSAGES: "msg"}
-    request_id = new_id(prefixes.get(endpoint, "chatcmpl"), now)
-    result = _answer_body(endpoint, body, answered, usage, request_id, now, plan)
-    result["charge"] = format_money(charge)
-    result["route"] = plan.route.id
-    out, size = _seal(
-        sealer,
-        batch_id,
-        claimed.line,
-        {
-            "id": _line_id(now),
-            "custom_id": claimed.custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": result},
-            "error": None,
-        },
+    assert request is not None
+    request_id = new_id(_ID_PREFIXES[type(request)], now)
+    reply = Reply(request_id, int(now.timestamp()), plan.model.id)
+    body = _answer_body(request, answered, reply)
+    result = {**body, "charge": format_money(charge), "route": plan.route.id}
+    answered_line = {"status_code": 200, "request_id": request_id, "body": result}
+    out, size = _result_line(
+        sealer, batch_id, claimed.line, claimed.custom_id, now, response=answered_line
     )
     return Ended(
         claimed.line,

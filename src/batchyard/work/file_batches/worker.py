@@ -14,7 +14,7 @@ Each round, in order:
    transaction: the reservation is settled to the sum of its lines' charges
    (the rest released), its output and error files are written from the
    lines' rendered results, and it ends ``completed``, ``expired`` or
-   ``cancelled``.
+   ``canceled`` (OpenAI's ``cancelled`` on the wire).
 3. *Execute.* Batches with unsent lines get a task each (up to
    ``max_active``). A task claims lines (``FOR UPDATE SKIP LOCKED`` on
    PostgreSQL) under this worker's lease, calls them concurrently through the
@@ -306,11 +306,11 @@ class FileBatchWorker:
             if revoked:
                 await self.db.transact(
                     lambda c: store.set_status(
-                        c, batch.id, "cancelling", expect=("in_progress",), cancelling_at=now
+                        c, batch.id, "canceling", expect=("in_progress",), cancelling_at=now
                     )
                 )
                 batch = await self.db.read(partial(_reload, batch=batch))
-        if batch.status == "cancelling":
+        if batch.status == "canceling":
             await self._end_pending(batch, "canceled", now)
         elif now >= batch.expires_at:
             await self._end_pending(batch, "expired", now)
@@ -339,7 +339,7 @@ class FileBatchWorker:
 
         def tx(c: Connection) -> str | None:
             batch = store.load_batch(c, batch_id, lock=True)
-            if batch is None or batch.status not in ("in_progress", "cancelling", "finalizing"):
+            if batch is None or batch.status not in ("in_progress", "canceling", "finalizing"):
                 return None
             totals = store.totals(c, [batch_id])[batch_id]
             per = totals.per_state
@@ -396,8 +396,8 @@ class FileBatchWorker:
                     key_id=batch.key_id,
                 )
                 files[f"{kind}_file_id"] = file_id
-            if batch.status == "cancelling":
-                final, stamp = "cancelled", {"cancelled_at": now}
+            if batch.status == "canceling":
+                final, stamp = "canceled", {"cancelled_at": now}
             elif per["expired"]:
                 final, stamp = "expired", {"expired_at": now}
             else:
