@@ -167,41 +167,50 @@ async def fresh(svc) -> None:
     await svc.engines.embedded().unload_version(None)
 
 
+async def fresh_answers(
+    svc, http: httpx.AsyncClient, headers: dict[str, str], models: tuple[str, ...]
+) -> dict[str, tuple[str, dict[str, float]]]:
+    """Each model's decide probabilities (uncalibrated) and greedy chat answer, each model
+    read on an engine with nothing cached (see ``TOLERANCE``)."""
+    answers: dict[str, tuple[str, dict[str, float]]] = {}
+    for model in models:
+        await fresh(svc)
+        body = {"model": model, "input": {"text": TEXT}, "decisions": [DECISION]}
+        d = await http.post("/v1/decide", json={**body, "calibration": "none"}, headers=headers)
+        assert d.status_code == 200, d.text
+        assert d.json()["fallback"] is None
+        chat = {"model": model, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+        r = await http.post("/v1/chat/completions", json=chat, headers=headers)
+        assert r.status_code == 200, r.text
+        answers[model] = (
+            r.json()["choices"][0]["message"]["content"],
+            d.json()["answers"][0]["probabilities"],
+        )
+    return answers
+
+
+def direct_answers(llm: Any) -> tuple[str, dict[str, float]]:
+    """llama-cpp-python's own chat answer and decide probabilities, the same settings."""
+    try:
+        out = llm.create_chat_completion(messages=CHAT, max_tokens=24, temperature=0)
+        return str(out["choices"][0]["message"]["content"]), _direct_probs(llm)
+    finally:
+        llm.close()
+
+
 async def test_the_versions_answers_are_the_adapters_own_not_the_bases(svc) -> None:
     acct = make_account(svc, credit="5")
     async with asgi_client(svc, timeout=300) as http:
         api = await Api(http, acct.headers).start()
         mv = (await upload(http, acct.headers, api.project, ADAPTER.read_bytes())).json()["id"]
-        answers: dict[str, Any] = {}
-        for model in (mv, "kettei-core"):
-            await fresh(svc)
-            body = {"model": model, "input": {"text": TEXT}, "decisions": [DECISION]}
-            d = await http.post(
-                "/v1/decide", json={**body, "calibration": "none"}, headers=acct.headers
-            )
-            assert d.status_code == 200, d.text
-            assert d.json()["fallback"] is None
-            chat = {"model": model, "messages": CHAT, "max_tokens": 24, "temperature": 0}
-            r = await http.post("/v1/chat/completions", json=chat, headers=acct.headers)
-            assert r.status_code == 200, r.text
-            answers[model] = (
-                r.json()["choices"][0]["message"]["content"],
-                d.json()["answers"][0]["probabilities"],
-            )
+        answers = await fresh_answers(svc, http, acct.headers, (mv, "kettei-core"))
     tuned, base = answers[mv], answers["kettei-core"]
     # llama-cpp-python's own answers, the adapter loaded directly, the same settings.
     loop = asyncio.get_running_loop()
     for lora, (text, probs) in ((True, tuned), (False, base)):
-
-        def direct(lora: bool = lora) -> tuple[str, dict[str, float]]:
-            llm = direct_llama(lora)
-            try:
-                out = llm.create_chat_completion(messages=CHAT, max_tokens=24, temperature=0)
-                return out["choices"][0]["message"]["content"], _direct_probs(llm)
-            finally:
-                llm.close()
-
-        own_text, own_probs = await loop.run_in_executor(None, direct)
+        own_text, own_probs = await loop.run_in_executor(
+            None, lambda lora=lora: direct_answers(direct_llama(lora))
+        )
         assert text == own_text
         # The same numbers, read the same way, to decide's six places.
         for outcome, p in own_probs.items():
@@ -684,21 +693,7 @@ async def test_full_weights_answer_as_llama_cpp_python_with_that_gguf_and_not_as
         )
         assert r.status_code == 201, r.text
         mv = r.json()["id"]
-        answers: dict[str, Any] = {}
-        for model in (mv, "kettei-core"):
-            await fresh(svc)
-            body = {"model": model, "input": {"text": TEXT}, "decisions": [DECISION]}
-            d = await http.post(
-                "/v1/decide", json={**body, "calibration": "none"}, headers=acct.headers
-            )
-            assert d.status_code == 200, d.text
-            chat = {"model": model, "messages": CHAT, "max_tokens": 24, "temperature": 0}
-            c = await http.post("/v1/chat/completions", json=chat, headers=acct.headers)
-            assert c.status_code == 200, c.text
-            answers[model] = (
-                c.json()["choices"][0]["message"]["content"],
-                d.json()["answers"][0]["probabilities"],
-            )
+        answers = await fresh_answers(svc, http, acct.headers, (mv, "kettei-core"))
         engine = svc.engines.embedded()
         # Its own model and scheduler, not an adapter on the base.
         assert engine._slots[mv].model is not None and engine._slots[mv].adapter is None
@@ -708,12 +703,9 @@ async def test_full_weights_answer_as_llama_cpp_python_with_that_gguf_and_not_as
     def direct() -> tuple[str, dict[str, float]]:
         import llama_cpp
 
-        llm = llama_cpp.Llama(str(kept), n_ctx=2048, flash_attn=True, verbose=False)
-        try:
-            out = llm.create_chat_completion(messages=CHAT, max_tokens=24, temperature=0)
-            return str(out["choices"][0]["message"]["content"]), _direct_probs(llm)
-        finally:
-            llm.close()
+        return direct_answers(
+            llama_cpp.Llama(str(kept), n_ctx=2048, flash_attn=True, verbose=False)
+        )
 
     own_text, own_probs = await loop.run_in_executor(None, direct)
     text, probs = answers[mv]
