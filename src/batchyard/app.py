@@ -37,8 +37,10 @@ from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
 from batchyard.service.access import check_complete
 from batchyard.service.metrics import PrometheusRecorder
+from batchyard.service.model_versions import VersionSettings
 from batchyard.service.model_versions import fetcher as version_fetcher
 from batchyard.service.model_versions import folder_for as version_folder
+from batchyard.service.model_versions import gate as version_gate
 from batchyard.store import health, key_check, migrations
 from batchyard.store.database import Database
 from batchyard.work.batches.feed import PriceFeed
@@ -117,6 +119,7 @@ def build_service(
     limiter = MeteredLimiter(
         limiter or limiter_from_url(settings.limiter_url, clock, db.engine), metrics
     )
+    versions = VersionSettings.from_raw(settings.raw.get("model_versions"))
     registry = EngineRegistry(
         embedded_model_path=settings.embedded_model_path,
         embedded_slots=settings.embedded_slots,
@@ -125,6 +128,9 @@ def build_service(
         embedded_prefill_tokens=settings.embedded_prefill_tokens,
         embedded_cache_tokens=settings.embedded_cache_tokens,
         overrides=engines,
+        clock=clock,
+        version_idle_s=versions.idle_s,
+        version_memory_bytes=versions.memory_budget_bytes,
     )
     try:
         registry.check(settings.catalog)  # an unknown engine fails here, not on every call
@@ -145,10 +151,12 @@ def build_service(
             extra={"event": "batch_key_created", "path": key.path},
         )
     market = _market_worker(settings, db, clock, dispatcher, key, policy=policy)
-    # Versions uploaded into projects (mv.…) are found in the store on first use.
+    # Versions uploaded into projects (mv.…) are found in the store on first use,
+    # and checked against it on each use (a delete through any process counts).
     settings.catalog.fetch_with(
         version_fetcher(db, settings.catalog, version_folder(settings.home, settings.raw))
     )
+    registry.gate_with(version_gate(db, settings.catalog))
     return Service(
         settings=settings,
         clock=clock,
@@ -160,7 +168,7 @@ def build_service(
         batch_key=key,
         market=market,
         runs=_run_worker(settings, db, clock, dispatcher, tokenizers),
-        warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher),
+        warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s),
         file_batches=_file_batch_worker(settings, db, clock, dispatcher, key, market.prices),
         holds=HoldSweeper(db=db, clock=clock),
         metrics=metrics,

@@ -13,9 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["F32", "Tensor", "gguf_bytes", "lora_for"]
+__all__ = ["F32", "I32", "Tensor", "gguf_bytes", "lora_for"]
 
 F32 = 0
+I32 = 26
 ALIGN = 32
 
 Tensor = tuple[str, Sequence[int], int]  # name, shape (ne order), ggml type
@@ -47,8 +48,10 @@ def gguf_bytes(
     tensors: Sequence[Tensor],
     *,
     declared_bytes: Mapping[str, int] | None = None,
+    offsets: Mapping[str, int] | None = None,
 ) -> bytes:
-    """A GGUF v3 file; ``declared_bytes`` writes less data than a tensor's shape says."""
+    """A GGUF v3 file; ``declared_bytes`` writes less data than a tensor's shape says,
+    ``offsets`` puts a tensor's data where it says (not after the tensor before it)."""
     head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
     for key, value in metadata.items():
         head += _str(key) + _value(value)
@@ -58,10 +61,10 @@ def gguf_bytes(
         n = 1
         for d in shape:
             n *= d
-        size = n * 4 if kind == F32 else n * 2
+        size = n * {F32: 4, I32: 4}.get(kind, 2)
         head += _str(name) + struct.pack("<I", len(shape))
         head += b"".join(struct.pack("<Q", d) for d in shape)
-        head += struct.pack("<IQ", kind, offset)
+        head += struct.pack("<IQ", kind, (offsets or {}).get(name, offset))
         written = (declared_bytes or {}).get(name, size)
         sizes.append(written)
         offset += -(-written // ALIGN) * ALIGN
@@ -70,8 +73,15 @@ def gguf_bytes(
     return head + data
 
 
-def lora_for(architecture: str, pairs: Mapping[str, tuple[Sequence[int], Sequence[int]]]) -> bytes:
-    """A LoRA adapter file: ``pairs`` maps a base tensor to (lora_a shape, lora_b shape)."""
+def lora_for(
+    architecture: str,
+    pairs: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+    *,
+    extra: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> bytes:
+    """A LoRA adapter file: ``pairs`` maps a base tensor to (lora_a shape, lora_b shape);
+    ``extra`` adds or replaces metadata, ``options`` go to ``gguf_bytes``."""
     tensors: list[Tensor] = []
     for target, (a, b) in pairs.items():
         tensors += [(f"{target}.lora_a", a, F32), (f"{target}.lora_b", b, F32)]
@@ -80,8 +90,9 @@ def lora_for(architecture: str, pairs: Mapping[str, tuple[Sequence[int], Sequenc
         "general.type": "adapter",
         "adapter.type": "lora",
         "adapter.lora.alpha": 16.0,
+        **(extra or {}),
     }
-    return gguf_bytes(meta, tensors)
+    return gguf_bytes(meta, tensors, **options)
 
 
 def write(path: Path, data: bytes) -> Path:

@@ -53,7 +53,7 @@ from batchyard.errors import (
     NotFound,
     UnsupportedInput,
 )
-from batchyard.service import Service
+from batchyard.service import Service, model_versions
 from batchyard.work import decide_scoring as scoring_work
 from batchyard.work.decide_scoring import CalibrationInfo, calibrations_for
 from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
@@ -368,6 +368,7 @@ async def decide(request: Request) -> Response:
     raw = await read_json(request)
     strict(DecideBody, raw)
     svc = service_of(request)
+    await model_versions.resolve(svc, raw.get("model"))
     req, primary, fallback = prepare(svc, raw, principal.org_id)
 
     async def handler() -> tuple[int, Any]:
@@ -385,6 +386,7 @@ async def estimate(request: Request) -> Response:
     raw = await read_json(request)
     strict(DecideBody, raw)
     svc = service_of(request)
+    await model_versions.resolve(svc, raw.get("model"))
     req, first_plan, fallback_plan = prepare(svc, raw, principal.org_id)
 
     async def handler() -> tuple[int, Any]:
@@ -412,6 +414,7 @@ async def keep_warm(request: Request, model_id: str) -> Response:
     raw = await read_json(request)
     minutes = strict(KeepWarmBody, raw).minutes
     svc = service_of(request)
+    await model_versions.resolve(svc, model_id)
     model = svc.catalog.find(model_id, principal.org_id)
     if model is None:
         raise NotFound(f"model {model_id!r} not found")

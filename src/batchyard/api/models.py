@@ -30,7 +30,7 @@ from batchyard.core.catalog import ModelSpec
 from batchyard.core.money import format_money
 from batchyard.errors import BatchyardError, ModelNotFound, ModelUnavailable
 from batchyard.service import Service
-from batchyard.service.model_versions import org_versions
+from batchyard.service.model_versions import org_versions, resolve
 from batchyard.work.warmth import serving
 
 __all__ = ["model_json", "router", "warm_json"]
@@ -57,7 +57,10 @@ def capabilities(svc: Service, m: ModelSpec) -> dict[str, bool]:
         "vision": m.reads_images and route is not None,
         "streaming": bool(route and route.supports_streaming),
         "completions": bool(route and route.serves_completions),
-        "embeddings": bool(route and route.embeddings),
+        # The embedded engine's embeddings come from the base model's own states, so
+        # a version it serves has none of its own.
+        "embeddings": bool(route and route.embeddings)
+        and not (m.type == "version" and route is not None and route.engine == "llama_cpp"),
         "scoring": bool(route and svc.dispatcher.can_score(route)),
     }
 
@@ -141,6 +144,7 @@ async def list_models(request: Request) -> JSONResponse:
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     principal = await authenticate(request)
     svc = service_of(request)
+    await resolve(svc, model_id)
     m = svc.catalog.find(model_id, principal.org_id)
     if m is None:
         raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")

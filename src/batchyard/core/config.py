@@ -170,6 +170,20 @@ class FilesSection(BaseModel):
     max_custom_id: PositiveInt | None = None
 
 
+class ModelVersionsSection(BaseModel):
+    """``model_versions:``: uploaded versions (``service.model_versions.VersionSettings``)."""
+
+    model_config = _Section
+
+    max_lora_bytes: PositiveInt | None = None
+    max_weights_bytes: PositiveInt | None = None
+    folder: str | None = None
+    #: How long a version stays loaded after its last request (keep-warm aside).
+    idle_s: _Seconds | None = None
+    #: The memory the loaded versions may hold together; unset: no budget.
+    memory_budget_bytes: PositiveInt | None = None
+
+
 _DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgres://", "postgresql+psycopg://")
 _LIMITERS = ("memory", "memory://", "sql")
 _LIMITER_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -219,6 +233,7 @@ class SettingsFile(BaseModel):
     runs: RunsSection | None = None
     file_batches: FileBatchesSection | None = None
     files: FilesSection | None = None
+    model_versions: ModelVersionsSection | None = None
 
     @field_validator("database_url")
     @classmethod
@@ -293,7 +308,9 @@ class SettingsFile(BaseModel):
 #: Environment variables that are not ``BATCHYARD_<FIELD>`` (kept from before the model).
 _ENV_NAMES = {"embedded_model_path": "BATCHYARD_MODEL_PATH"}
 _ENV_ALIASES = {"embedded_slots": ("BATCHYARD_EMBEDDED_CONTEXTS",)}
-_SECTIONS = frozenset({"models", "routes", "tiers", "runs", "file_batches", "files"})
+_SECTIONS = frozenset(
+    {"models", "routes", "tiers", "runs", "file_batches", "files", "model_versions"}
+)
 
 
 def env_var(name: str) -> str | None:
@@ -441,7 +458,7 @@ def load_settings(
 def _raw(data: dict[str, Any], model: SettingsFile) -> dict[str, Any]:
     """The file's sections, checked, as the parts that read ``settings.raw`` expect them."""
     raw = dict(data)
-    for name in ("runs", "file_batches", "files"):
+    for name in ("runs", "file_batches", "files", "model_versions"):
         section = getattr(model, name)
         if section is not None:
             raw[name] = section.model_dump(exclude_none=True)

@@ -7,11 +7,26 @@ against the file's real size and fixed limits as it goes, and stops at the
 first one that does not hold, with a coded ``invalid_model_file``; only a file
 whose header and tensor table are consistent with its bytes is handed on.
 
+Tensors must lie one after another in the data section, each at the end of
+the last (padded to the alignment), as ggml's own reader requires.
+
 ``check_lora`` then applies llama.cpp's own adapter rules
 (``llama_adapter_lora_init``): ``general.type`` adapter, ``adapter.type``
-lora, the base's architecture, and for each ``<t>.lora_a``/``<t>.lora_b``
-pair a base tensor ``<t>`` with ``a.ne[0] == t.ne[0]``, ``b.ne[1] == t.ne[1]``
-and ``a.ne[1] == b.ne[0]``, so an adapter that passes loads.
+lora, the base's architecture, ``adapter.lora.alpha`` a 32-bit float when
+given (llama.cpp asserts its type: any other would abort the process that
+loads it), and for each ``<t>.lora_a``/``<t>.lora_b`` pair a base tensor
+``<t>`` with ``a.ne[0] == t.ne[0]``, ``b.ne[1] == t.ne[1]`` and
+``a.ne[1] == b.ne[0]`` (for ``token_embd.weight``, whose pair llama.cpp reads
+the other way round, ``b.ne[1] == t.ne[0]`` and ``a.ne[1] == t.ne[1]``), so an
+adapter that passes loads. Two rules llama.cpp checks only when it computes,
+by aborting the process, are checked here too: a LoRA's tensors must be of a
+type its matrix products take (F32, F16, BF16 or Q8_0, what
+``convert_lora_to_gguf.py`` writes), and ``token_embd.weight`` may not be
+adapted on a base whose output layer is that same tensor (no
+``output.weight``: tied embeddings), since the output's product then reads
+the embedding's pair the wrong way round. An activated LoRA
+(``adapter.alora.*``), which llama.cpp applies only after its invocation
+tokens, is refused: the engine applies an adapter to whole sequences.
 """
 
 from __future__ import annotations
@@ -72,6 +87,9 @@ GGML_TYPES: dict[int, tuple[int, int]] = {
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
 _SCALARS |= {11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_FLOAT32 = 6
+#: The ggml types of a LoRA's tensors: F32, F16, Q8_0, BF16 (convert_lora_to_gguf's).
+LORA_TYPES = {0: "F32", 1: "F16", 8: "Q8_0", 30: "BF16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +108,8 @@ class GgufHeader:
     metadata: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     data_start: int = 0
+    #: Each metadata key's GGUF value type (llama.cpp asserts some of them).
+    kinds: dict[str, int] = field(default_factory=dict)
 
     def string(self, key: str) -> str | None:
         value = self.metadata.get(key)
@@ -176,7 +196,9 @@ def read_header(f: IO[bytes], size: int) -> GgufHeader:
         key = r.string(MAX_KEY)
         if key in header.metadata:
             raise _bad(f"the GGUF file declares the metadata key {key!r} twice")
-        header.metadata[key] = r.value(r.unpack("<I"))
+        kind = r.unpack("<I")
+        header.kinds[key] = kind
+        header.metadata[key] = r.value(kind)
     infos: list[tuple[str, tuple[int, ...], int, int]] = []
     for _ in range(n_tensors):
         name = r.string(MAX_KEY)
@@ -193,6 +215,7 @@ def read_header(f: IO[bytes], size: int) -> GgufHeader:
     start = -(-r.pos // alignment) * alignment
     header.data_start = start
     room = size - start
+    expected = 0
     for name, shape, kind, offset in infos:
         if name in header.tensors:
             raise _bad(f"the GGUF file declares tensor {name!r} twice")
@@ -215,6 +238,12 @@ def read_header(f: IO[bytes], size: int) -> GgufHeader:
                 f"tensor {name!r} declares {nbytes} bytes at offset {offset}, past the end "
                 "of the file (truncated, or a size it does not hold)"
             )
+        if offset != expected:
+            raise _bad(
+                f"tensor {name!r} starts at offset {offset}, not {expected} where the tensor "
+                "before it ends (tensors lie one after another)"
+            )
+        expected = offset + -(-nbytes // alignment) * alignment
         header.tensors[name] = TensorInfo(name, shape, kind, offset, nbytes)
     return header
 
@@ -238,6 +267,16 @@ def check_lora(adapter: GgufHeader, base: GgufHeader) -> int:
             f"{base.architecture!r}",
             "lora_base_mismatch",
         )
+    if "adapter.lora.alpha" in adapter.metadata and adapter.kinds.get("adapter.lora.alpha") != (
+        _FLOAT32
+    ):
+        raise _bad("adapter.lora.alpha must be a 32-bit float (as llama.cpp reads it)")
+    if any(key.startswith("adapter.alora.") for key in adapter.metadata):
+        raise _bad(
+            "the adapter is an activated LoRA (adapter.alora.*), applied only after its "
+            "invocation tokens; the engine applies adapters to whole requests",
+            "alora_unsupported",
+        )
     pairs: dict[str, dict[str, TensorInfo]] = {}
     for name, info in adapter.tensors.items():
         for suffix in (".lora_a", ".lora_b"):
@@ -255,9 +294,26 @@ def check_lora(adapter: GgufHeader, base: GgufHeader) -> int:
         t = base.tensors.get(target)
         if t is None:
             raise _bad(f"the base model has no tensor {target!r}", "lora_base_mismatch")
+        if a.type not in LORA_TYPES or b.type not in LORA_TYPES:
+            raise _bad(
+                f"tensor {target!r}: LoRA tensors are {', '.join(LORA_TYPES.values())}",
+                "invalid_model_file",
+            )
+        if target == "token_embd.weight" and "output.weight" not in base.tensors:
+            raise _bad(
+                "the base model's output layer is its token embedding (tied embeddings), "
+                "which llama.cpp cannot adapt: adapt the other layers",
+                "lora_base_mismatch",
+            )
         if len(a.shape) != 2 or len(b.shape) != 2 or len(t.shape) < 2:
             raise _bad(f"tensor {target!r}: LoRA tensors are matrices", "lora_base_mismatch")
-        if a.shape[0] != t.shape[0] or b.shape[1] != t.shape[1] or a.shape[1] != b.shape[0]:
+        if target.endswith("token_embd.weight"):
+            # llama.cpp reads an embedding's pair the other way round (see llm_build_inp_embd).
+            fits = b.shape[1] == t.shape[0] and a.shape[1] == t.shape[1]
+        else:
+            fits = a.shape[0] == t.shape[0] and b.shape[1] == t.shape[1]
+            fits = fits and a.shape[1] == b.shape[0]
+        if not fits:
             raise _bad(
                 f"tensor {target!r}: lora_a {list(a.shape)} and lora_b {list(b.shape)} do not "
                 f"fit the base's {list(t.shape)}",

@@ -20,7 +20,7 @@ import atexit
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,29 +38,50 @@ from batchyard.engines.llama_sampling import (
     SamplingParams,
     grammar_for,
 )
-from batchyard.engines.llama_scheduler import Branch, Job, Scheduler
+from batchyard.engines.llama_scheduler import Adapter, Branch, Job, Scheduler
+from batchyard.engines.model_files import sha256_of
 from batchyard.engines.tokenizers import ChatTemplate
-from batchyard.errors import ContextWindowExceeded, UnsupportedInput, UpstreamError
+from batchyard.errors import (
+    ContextWindowExceeded,
+    ModelNotFound,
+    ModelUnavailable,
+    ServiceUnavailable,
+    UnsupportedInput,
+    UpstreamError,
+)
 
-__all__ = ["LlamaCppEngine", "VersionSpec"]
+__all__ = ["LlamaCppEngine", "VersionGate", "VersionSpec"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class VersionSpec:
-    """A fine-tuned version: a LoRA adapter on the base GGUF, or a GGUF of its own."""
+    """A fine-tuned version: a LoRA adapter on the base GGUF, or a GGUF of its own.
+
+    ``sha256``, when given, is the file's digest as accepted: it is checked on
+    the loading thread, just before llama.cpp reads the file, so a file changed
+    at rest is refused (``model_version_corrupt``) and the check never blocks
+    the event loop.
+    """
 
     kind: Literal["lora", "gguf"]
     path: Path
+    sha256: str | None = None
+
+
+#: Asked before each use of a version: whether it is still served (a project
+#: version deleted through another process is not). Wired by the composition root.
+VersionGate = Callable[[str], Awaitable[bool]]
 
 
 class _Model:
     """One loaded model: its weights (a small ``Llama``), its template, its scheduler."""
 
-    def __init__(self, llama: Any, scheduler: Scheduler) -> None:
+    def __init__(self, llama: Any, scheduler: Scheduler, version: str | None = None) -> None:
         self.llama = llama
         self.scheduler = scheduler
+        self.version = version
         self.template = ChatTemplate.from_llama(llama)
         self.n_vocab: int = llama.n_vocab()
         end = llama.token_eos()
@@ -96,17 +117,66 @@ def _close_open_models() -> None:
 
 
 class _Slot:
-    """One version: how to load it, and the model once loaded."""
+    """One model or version: how to load it, what is loaded, and how it is used.
 
-    def __init__(self, factory: Callable[[], _Model]) -> None:
-        self.factory = factory
+    The base and a full-weights version load a ``_Model`` (weights, context,
+    scheduler); a LoRA version loads only an ``Adapter`` on the base model,
+    whose scheduler serves its requests beside the base's.
+    """
+
+    def __init__(self, version: str | None, spec: VersionSpec | None) -> None:
+        self.version = version
+        self.spec = spec
         self.model: _Model | None = None
+        self.adapter: Adapter | None = None
         self.lock = asyncio.Lock()
         self.load_seconds: float | None = None
+        # Requests running on it now, when the last one ended, and any keep-warm pin
+        # (all on the engine's clock): what idle eviction and the memory budget read.
+        self.active = 0
+        self.last_used = 0.0
+        self.keep_until = 0.0
+
+    @property
+    def lora(self) -> bool:
+        return self.spec is not None and self.spec.kind == "lora"
 
     @property
     def loaded(self) -> bool:
-        return self.model is not None
+        return self.model is not None or self.adapter is not None
+
+
+def _check_file(version: str, spec: VersionSpec) -> None:
+    """The version's file is the one accepted (on the loading thread, before llama.cpp)."""
+    try:
+        intact = spec.path.is_file() and (
+            spec.sha256 is None or sha256_of(spec.path) == spec.sha256
+        )
+    except OSError:
+        intact = False
+    if not intact:
+        log.warning(
+            "model version file missing or changed at rest",
+            extra={"event": "model_version_corrupt", "id": version},
+        )
+        raise ModelUnavailable(
+            f"model version {version}'s file is missing or was changed since it was "
+            "uploaded; upload it again",
+            param="model",
+            code="model_version_corrupt",
+        )
+
+
+def _kv_bytes(llama: Any, cells: int) -> int:
+    """The bytes of a KV cache of ``cells`` cells (f16 keys and values) for ``llama``'s model."""
+    import llama_cpp
+
+    model = llama._model.model
+    n_layer = llama_cpp.llama_model_n_layer(model)
+    n_head = max(1, llama_cpp.llama_model_n_head(model))
+    n_head_kv = llama_cpp.llama_model_n_head_kv(model)
+    n_embd = llama_cpp.llama_model_n_embd(model)
+    return int(cells * n_layer * 2 * n_head_kv * (n_embd // n_head) * 2)
 
 
 def _response_format(fmt: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
@@ -133,6 +203,14 @@ class LlamaCppEngine:
     are sized up front and shared by every sequence and idle prefix;
     ``prefill_tokens`` bounds the prompt tokens read in one step, so a long
     prompt never stalls the tokens of running streams for long.
+
+    Versions: a LoRA adapter is loaded once, on the base model
+    (``llama_adapter_lora_init``), and its requests are sequences of the base's
+    scheduler, so it costs its own tensors and no second copy of the base;
+    full weights are a model of their own with their own scheduler. A version
+    not used for ``idle_s`` (and not kept warm, ``keep_loaded``) is unloaded by
+    ``evict_idle``; loading one that would take the versions past
+    ``memory_budget`` bytes first unloads the least recently used idle ones.
     """
 
     BASE: str | None = None
@@ -151,9 +229,12 @@ class LlamaCppEngine:
         versions: dict[str, VersionSpec] | None = None,
         score_turn_end: bool = False,
         clock: Clock | None = None,
+        idle_s: float | None = None,
+        memory_budget: int | None = None,
+        gate: VersionGate | None = None,
     ) -> None:
         self.name = name
-        # Only to time loads (reported as warm state); nothing here waits on it.
+        # Times loads, and idle time for eviction (tests move a ManualClock).
         self.clock: Clock = clock or SystemClock()
         # Off by default: small models rarely end a turn right after a bare
         # label ("Positive" then EOT can be 1e-7 likely while "Positive." is
@@ -168,45 +249,17 @@ class LlamaCppEngine:
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
         self.prefill_tokens = max(16, prefill_tokens)
         self.cache_tokens = cache_tokens or self.slots * n_ctx
+        self.idle_s = idle_s
+        self.memory_budget = memory_budget
+        self._gate = gate
         self.versions: dict[str, VersionSpec] = dict(versions or {})
         self.last_load_seconds: float | None = None
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-load")
-        self._slots: dict[str | None, _Slot] = {None: self._slot(None)}
-        for version in self.versions:
-            self._slots[version] = self._slot(version)
+        self._slots: dict[str | None, _Slot] = {None: _Slot(None, None)}
+        for version, spec in self.versions.items():
+            self._slots[version] = _Slot(version, spec)
         self._embedding_model: Any = None
         self._embed_lock = asyncio.Lock()
-
-    def _slot(self, version: str | None) -> _Slot:
-        import llama_cpp
-
-        extra: dict[str, Any] = {}
-        if version is None:
-            path = self.model_path
-        else:
-            spec = self.versions[version]
-            if spec.kind == "lora":
-                path, extra["lora_path"] = self.model_path, str(spec.path)
-            else:
-                path = spec.path
-
-        def factory() -> _Model:
-            # The Llama holds the weights, vocabulary and template; its own
-            # context is kept small, the scheduler's context does the work.
-            llama = llama_cpp.Llama(
-                str(path), n_ctx=256, n_batch=64, n_threads=1, verbose=False, **extra
-            )
-            scheduler = Scheduler(
-                llama,
-                slots=self.slots,
-                n_ctx=self.n_ctx,
-                cache_tokens=self.cache_tokens,
-                threads=self.n_threads,
-                prefill_tokens=self.prefill_tokens,
-            )
-            return _Model(llama, scheduler)
-
-        return _Slot(factory)
 
     # -- load state ------------------------------------------------------------
 
@@ -224,6 +277,42 @@ class LlamaCppEngine:
         """How long the last load of ``version`` took, as measured."""
         return self._slots[self._known(version)].load_seconds
 
+    def warm_until(self, version: str) -> float | None:
+        """When a loaded ``version`` becomes evictable (clock seconds); None: not loaded."""
+        slot = self._slots[self._known(version)]
+        if not slot.loaded:
+            return None
+        if slot.active or self.idle_s is None:
+            return max(self.clock.time() + (self.idle_s or 0.0), slot.keep_until)
+        return max(slot.last_used + self.idle_s, slot.keep_until)
+
+    def version_bytes(self, version: str) -> int:
+        """What ``version`` holds in memory once loaded: measured when loaded, else estimated.
+
+        An adapter: its tensors (about its file's size). Full weights: the model's
+        tensors and its own KV cache of ``cache_tokens`` cells.
+        """
+        slot = self._slots[self._known(version)]
+        if slot.adapter is not None:
+            return slot.adapter.bytes
+        if slot.model is not None:
+            import llama_cpp
+
+            size = int(llama_cpp.llama_model_size(slot.model.llama._model.model))
+            return size + _kv_bytes(slot.model.llama, slot.model.scheduler.n_cells)
+        spec = self.versions[version]
+        try:
+            size = spec.path.stat().st_size
+        except OSError:
+            size = 0
+        base = self._slots[None].model
+        if spec.kind == "gguf" and base is not None:
+            size += _kv_bytes(base.llama, base.scheduler.n_cells)
+        return size
+
+    def loaded_versions(self) -> list[str]:
+        return [v for v, s in self._slots.items() if v is not None and s.loaded]
+
     def _known(self, version: str | None) -> str | None:
         if version is not None and version not in self.versions:
             raise KeyError(f"unknown model version {version!r}")
@@ -232,16 +321,72 @@ class LlamaCppEngine:
     async def load(self) -> None:
         await self.load_version(None)
 
+    def _build(self, path: Path) -> _Model:
+        """Load a GGUF as a model of its own with its scheduler (on the loading thread)."""
+        import llama_cpp
+
+        # The Llama holds the weights, vocabulary and template; its own
+        # context is kept small, the scheduler's context does the work.
+        llama = llama_cpp.Llama(str(path), n_ctx=256, n_batch=64, n_threads=1, verbose=False)
+        try:
+            scheduler = Scheduler(
+                llama,
+                slots=self.slots,
+                n_ctx=self.n_ctx,
+                cache_tokens=self.cache_tokens,
+                threads=self.n_threads,
+                prefill_tokens=self.prefill_tokens,
+            )
+        except BaseException:
+            llama.close()
+            raise
+        return _Model(llama, scheduler)
+
+    def _load_adapter(self, version: str, spec: VersionSpec, base: _Model) -> Adapter:
+        """Load a LoRA adapter on the base model (on the loading thread)."""
+        import llama_cpp
+
+        _check_file(version, spec)
+        handle = llama_cpp.llama_adapter_lora_init(base.llama._model.model, str(spec.path).encode())
+        if not handle:
+            raise ValueError(f"llama.cpp refused the adapter {spec.path.name}")
+        return Adapter(version, handle, 1.0, bytes=spec.path.stat().st_size)
+
     async def load_version(self, version: str | None) -> float:
-        """Load ``version`` (``None``: the base) if needed; returns the load's measured seconds."""
+        """Load ``version`` (``None``: the base) if needed; returns the load's measured seconds.
+
+        A LoRA version loads the base first. Before a version loads, idle
+        versions are unloaded while the versions would exceed ``memory_budget``.
+        """
         slot = self._slots[self._known(version)]
+        base: _Model | None = None
+        if slot.lora:
+            await self.load_version(None)
+            base = self._slots[None].model
         async with slot.lock:
-            if slot.model is not None:
+            if slot.loaded:
                 return slot.load_seconds or 0.0
+            if version is not None:
+                await self._make_room(version)
             loop = asyncio.get_running_loop()
             started = self.clock.time()
+            spec = slot.spec
             try:
-                model = await loop.run_in_executor(self._loader, slot.factory)
+                if spec is None:
+                    model = await loop.run_in_executor(self._loader, self._build, self.model_path)
+                elif spec.kind == "lora":
+                    assert base is not None and version is not None
+                    slot.adapter = await loop.run_in_executor(
+                        self._loader, self._load_adapter, version, spec, base
+                    )
+                else:
+                    assert version is not None
+
+                    def build() -> _Model:
+                        _check_file(version, spec)
+                        return self._build(spec.path)
+
+                    model = await loop.run_in_executor(self._loader, build)
             except (ValueError, OSError, RuntimeError) as exc:
                 raise UpstreamError(
                     f"could not load model version {version or 'base'}: {exc}",
@@ -249,8 +394,11 @@ class LlamaCppEngine:
                     retryable=False,
                 ) from None
             elapsed = self.clock.time() - started
-            slot.model = model
-            _open_models.add(model)
+            if not slot.lora:
+                model.version = version
+                slot.model = model
+                _open_models.add(model)
+            slot.last_used = self.clock.time()
             slot.load_seconds = self.last_load_seconds = elapsed
             log.info(
                 "model loaded",
@@ -259,13 +407,97 @@ class LlamaCppEngine:
             return elapsed
 
     async def unload_version(self, version: str | None) -> None:
-        """Free a version's memory; requests still running on it fail as retryable."""
+        """Free a version's memory; requests still running on it fail as retryable.
+
+        Unloading the base unloads its LoRA versions first (their adapters live
+        on the base model).
+        """
         slot = self._slots[self._known(version)]
+        if version is None:
+            for other in [v for v, s in self._slots.items() if s.lora and s.adapter]:
+                await self.unload_version(other)
         async with slot.lock:
             model, slot.model = slot.model, None
+            adapter, slot.adapter = slot.adapter, None
+            loop = asyncio.get_running_loop()
+            if adapter is not None:
+                base = self._slots[None].model
+                if base is not None:
+                    import llama_cpp
+
+                    def free() -> None:
+                        llama_cpp.llama_adapter_lora_free(adapter.handle)
+
+                    done = base.scheduler.release(adapter, free)
+                    await loop.run_in_executor(self._loader, done.wait)
             if model is not None:
                 _open_models.discard(model)
-                await asyncio.get_running_loop().run_in_executor(self._loader, model.close)
+                await loop.run_in_executor(self._loader, model.close)
+        if version is not None and (adapter is not None or model is not None):
+            log.info("model version unloaded", extra={"engine": self.name, "version": version})
+
+    # -- warmth: idle time, keep-warm and the memory budget ---------------------------
+
+    def keep_loaded(self, version: str, until: float) -> None:
+        """Keep ``version`` loaded until ``until`` (clock seconds), whatever its idle time."""
+        slot = self._slots[self._known(version)]
+        slot.keep_until = max(slot.keep_until, until)
+
+    def _evictable(self, slot: _Slot, now: float) -> bool:
+        return (
+            slot.version is not None
+            and slot.loaded
+            and not slot.active
+            and (slot.keep_until <= now)
+        )
+
+    async def evict_idle(self) -> list[str]:
+        """Unload versions idle for ``idle_s`` (not kept warm, nothing running), and
+        versions the gate says are gone (deleted through another process)."""
+        now = self.clock.time()
+        gone: list[str] = []
+        for version, slot in list(self._slots.items()):
+            if version is None or not slot.loaded:
+                continue
+            if self._gate is not None and not await self._gate(version):
+                await self.remove_version(version)
+                gone.append(version)
+            elif (
+                self.idle_s is not None
+                and self._evictable(slot, now)
+                and now >= slot.last_used + self.idle_s
+            ):
+                await self.unload_version(version)
+                gone.append(version)
+        return gone
+
+    async def _make_room(self, version: str) -> None:
+        """Unload idle versions, least recently used first, until ``version`` fits the budget."""
+        if self.memory_budget is None:
+            return
+        need = self.version_bytes(version)
+        now = self.clock.time()
+        while True:
+            loaded = [self._slots[v] for v in self.loaded_versions() if v != version]
+            used = sum(self.version_bytes(s.version) for s in loaded if s.version is not None)
+            if used + need <= self.memory_budget:
+                return
+            idle = sorted((s for s in loaded if self._evictable(s, now)), key=lambda s: s.last_used)
+            if not idle:
+                raise ServiceUnavailable(
+                    f"model version {version} needs {need} bytes and the versions loaded "
+                    f"here hold {used} of the {self.memory_budget}-byte budget; each is in use "
+                    "or kept warm. Send the request again later",
+                    code="model_memory_full",
+                    retryable=True,
+                    retry_after=30,
+                )
+            assert idle[0].version is not None
+            log.info(
+                "model version evicted for memory",
+                extra={"engine": self.name, "version": idle[0].version, "for": version},
+            )
+            await self.unload_version(idle[0].version)
 
     # -- versions registered at run time (project model versions) -----------------
     # Versions uploaded into a project arrive after the engine is built.
@@ -277,7 +509,7 @@ class LlamaCppEngine:
         if name in self.versions:
             raise ValueError(f"model version {name!r} is already served from another file")
         self.versions[name] = spec
-        self._slots[name] = self._slot(name)
+        self._slots[name] = _Slot(name, spec)
 
     async def remove_version(self, name: str) -> None:
         """Stop serving ``name`` and free its memory."""
@@ -285,16 +517,44 @@ class LlamaCppEngine:
             return
         if self._slots[name].loaded:
             await self.unload_version(name)
-        del self._slots[name], self.versions[name]
+        self._slots.pop(name, None)
+        self.versions.pop(name, None)
 
     # -- running ------------------------------------------------------------------
 
     async def _model(self, version: str | None) -> _Model:
+        """The model that runs ``version``'s requests (a LoRA's: the base), loaded.
+
+        A version is first checked with the gate: one deleted through another
+        process is forgotten here and answered as a model that does not exist.
+        """
+        if version is not None and self._gate is not None and not await self._gate(version):
+            await self.remove_version(version)
+            raise ModelNotFound(f"the model {version!r} does not exist", param="model")
         slot = self._slots[version]
-        if slot.model is None:
+        if not slot.loaded:
             await self.load_version(version)
-        assert slot.model is not None
-        return slot.model
+        model = self._slots[None].model if slot.lora else slot.model
+        assert model is not None
+        return model
+
+    def _adapter(self, request_model: str) -> Adapter | None:
+        """The adapter of a LoRA version's requests (None: the model's own weights)."""
+        version = self.version_for(request_model)
+        return self._slots[version].adapter if version is not None else None
+
+    async def _run(self, model: _Model, job: Job) -> AsyncIterator[Any]:
+        """``model.scheduler.run(job)``, counted as its version's use (for idle eviction)."""
+        slot = self._slots.get(job.adapter.name if job.adapter is not None else model.version)
+        if slot is None:
+            slot = self._slots[None]
+        slot.active += 1
+        try:
+            async for event in model.scheduler.run(job):
+                yield event
+        finally:
+            slot.active -= 1
+            slot.last_used = self.clock.time()
 
     # -- requests as jobs ----------------------------------------------------------
 
@@ -357,7 +617,7 @@ class LlamaCppEngine:
                     top=request.top_logprobs or 0,
                 )
             )
-        job = Job(prompt, branches, adapter=None)
+        job = Job(prompt, branches, adapter=self._adapter(request.model))
         self._check_fits(model, job)
         return job, tools
 
@@ -378,7 +638,7 @@ class LlamaCppEngine:
         finishes = ["stop"] * n
         out = [0] * n
         prompt_tokens = cached = 0
-        async for event in model.scheduler.run(job):
+        async for event in self._run(model, job):
             kind = event[0]
             if kind == "piece":
                 _, i, text, entries = event
@@ -430,7 +690,7 @@ class LlamaCppEngine:
             return
         text: list[str] = []
         finish, out = "stop", 0
-        async for event in model.scheduler.run(job):
+        async for event in self._run(model, job):
             kind = event[0]
             if kind == "piece" and event[2]:
                 text.append(event[2])
@@ -455,7 +715,13 @@ class LlamaCppEngine:
         The embedded default has no embedding model of its own: these come from
         SmolLM2 itself, fine for trying the endpoint and for rough similarity,
         not a replacement for a trained embedding model on a route of its own.
+        A version has none of its own (they would be the base's), so it is refused.
         """
+        if self.version_for(model) is not None:
+            raise UnsupportedInput(
+                f"{model} is a fine-tuned version; embeddings come from its base model",
+                param="model",
+            )
         embedder = await self._embedder()
 
         def work() -> Embeddings:
@@ -536,11 +802,11 @@ class LlamaCppEngine:
                 f"prompt ({len(prompt)} tokens) and the longest candidate ({longest}) "
                 f"exceed the context window of {self.n_ctx}"
             )
-        job = Job(prompt, [Branch(cont=c) for c in conts])
+        job = Job(prompt, [Branch(cont=c) for c in conts], adapter=self._adapter(model))
         self._check_fits(loaded, job)
         scores: list[float] = []
         cached = 0
-        async for event in loaded.scheduler.run(job):
+        async for event in self._run(loaded, job):
             if event[0] == "scores":
                 scores = [sum(lps) for lps in event[1]]
             elif event[0] == "done":

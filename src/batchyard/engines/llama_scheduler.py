@@ -24,10 +24,16 @@ A job whose prompt is read forks its branches off it (each a sequence copy
 of the prompt), so ``n`` samples and a decision's candidates share one read.
 When a job ends, its prompt stays in the cache as an idle prefix for the next.
 
-Each step serves the jobs of one adapter (``Job.adapter``): today every job
-of a scheduler has the same (none, or the version's own LoRA applied when the
-context is made); per-sequence-group LoRA only has to set a different
-adapter key on jobs and apply it in ``_apply_adapter`` before each step.
+LoRA versions share the base model's scheduler. llama.cpp applies adapters
+to a whole context, not per sequence, so each step serves the jobs of one
+adapter (``Job.adapter``: an ``Adapter`` loaded once on the base model, or
+None for the base itself), set on the context just before the step's decode.
+The groups take turns, ``ADAPTER_TURN`` steps each, so every live job gets
+tokens at the same pace whatever its adapter, and a context switches adapters
+(which makes llama.cpp re-plan its compute graph) at most once per turn. An
+idle prefix belongs to the adapter it was read under: its cache holds that
+adapter's keys and values. ``release`` ends an adapter's jobs and prefixes and
+frees it between steps, on the step thread, so no decode ever sees it freed.
 """
 
 from __future__ import annotations
@@ -54,11 +60,29 @@ from batchyard.engines.llama_sampling import (
 )
 from batchyard.errors import UpstreamError
 
-__all__ = ["Branch", "Job", "Scheduler"]
+__all__ = ["ADAPTER_TURN", "Adapter", "Branch", "Job", "Scheduler"]
 
 log = logging.getLogger(__name__)
 
 Event = tuple[Any, ...]
+
+#: Steps one adapter's group runs before the next group's turn. Switching costs
+#: llama.cpp a re-plan of its graph (about a fifth of a one-token step on the
+#: embedded model); a few steps a turn keep that small while streams of every
+#: group still get a token every few steps.
+ADAPTER_TURN = 4
+
+
+@dataclass(eq=False)
+class Adapter:
+    """A LoRA adapter loaded once on the scheduler's model (``llama_adapter_lora_init``)."""
+
+    name: str
+    handle: Any
+    scale: float = 1.0
+    #: Its tensors' bytes, for the engine's memory budget.
+    bytes: int = 0
+    released: bool = False
 
 
 @dataclass(eq=False)
@@ -94,7 +118,7 @@ class Job:
     prompt: list[int]
     branches: list[Branch]
     post: Callable[[Event], None] = lambda _e: None
-    adapter: Any = None
+    adapter: Adapter | None = None
     cancelled: bool = False
     # Run state, owned by the scheduler's thread.
     seq: int = -1
@@ -121,7 +145,7 @@ class _Idle:
     used: int
     logits: Any = None
     #: The adapter the prefix was read under: its cache is no other adapter's.
-    adapter: Any = None
+    adapter: Adapter | None = None
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -177,11 +201,10 @@ class Scheduler:
         self.memory = llama_cpp.llama_get_memory(self.ctx.ctx)
         self.batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
         self._lib = llama_cpp
-        lora = getattr(llama, "_lora_adapter", None)
-        if lora is not None:
-            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(lora)
-            scales = (ctypes.c_float * 1)(float(getattr(llama, "lora_scale", 1.0)))
-            llama_cpp.llama_set_adapters_lora(self.ctx.ctx, adapters, 1, scales)
+        # The adapter set on the context now (None: the base), and the group's turn.
+        self._applied: Adapter | None = None
+        self._turn: tuple[Adapter | None, int] = (None, 0)
+        self._releases: list[tuple[Adapter, Callable[[], None], threading.Event]] = []
         self._on_cached = on_cached
         self._cv = threading.Condition()
         self._inbox: list[Job] = []
@@ -201,6 +224,12 @@ class Scheduler:
         with self._cv:
             if self._closing:
                 raise UpstreamError("the embedded model is closing", code="model_unloaded")
+            if job.adapter is not None and job.adapter.released:
+                raise UpstreamError(
+                    f"model version {job.adapter.name} was unloaded",
+                    code="model_unloaded",
+                    retryable=True,
+                )
             self._inbox.append(job)
             self._cv.notify()
 
@@ -208,6 +237,24 @@ class Scheduler:
         job.cancelled = True
         with self._cv:
             self._cv.notify()
+
+    def release(self, adapter: Adapter, free: Callable[[], None]) -> threading.Event:
+        """End ``adapter``'s jobs and prefixes, then ``free`` it, between two steps.
+
+        Jobs still running on it fail as retryable (the version was unloaded);
+        its idle prefixes are evicted. The returned event is set once ``free``
+        has run (on the step thread, or here when the scheduler is closed).
+        """
+        done = threading.Event()
+        with self._cv:
+            if self._closing:
+                adapter.released = True
+                free()
+                done.set()
+                return done
+            self._releases.append((adapter, free, done))
+            self._cv.notify()
+        return done
 
     async def run(self, job: Job) -> AsyncIterator[Event]:
         """Submit ``job`` and yield its events until it ends; closing early cancels it."""
@@ -244,6 +291,11 @@ class Scheduler:
         self._thread.join()
         for job in [*self._waiting, *self._live, *self._inbox]:
             job.post(("error", UpstreamError("the embedded model was unloaded", retryable=True)))
+        for adapter, free, done in self._releases:
+            adapter.released = True
+            free()
+            done.set()
+        self._releases.clear()
         self._lib.llama_batch_free(self.batch)
         self.ctx.close()
 
@@ -252,13 +304,21 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._closing or self._inbox or self._live or self._waiting):
+                while not (
+                    self._closing or self._inbox or self._live or self._waiting or self._releases
+                ):
                     self._cv.wait()
                 if self._closing:
                     return
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
+                releases, self._releases = self._releases, []
+                for adapter, _, _ in releases:
+                    # From here on ``submit`` refuses its jobs; those already in are failed.
+                    adapter.released = True
             try:
+                for adapter, free, done in releases:
+                    self._release(adapter, free, done)
                 self._step()
             except Exception as exc:  # a native failure: fail what runs, start clean
                 log.exception("embedded model step failed")
@@ -401,13 +461,63 @@ class Scheduler:
         b.n_tokens = i + 1
         return i
 
-    def _apply_adapter(self, adapter: Any) -> None:
-        """Issue 20's hook: set ``adapter`` on the context before a step of its jobs."""
+    def _apply_adapter(self, adapter: Adapter | None) -> None:
+        """Set ``adapter`` (None: none) on the context for the step about to be decoded."""
+        if adapter is self._applied:
+            return
+        lib = self._lib
+        if adapter is None:
+            rc = lib.llama_set_adapters_lora(self.ctx.ctx, None, 0, None)
+        else:
+            handles = (lib.llama_adapter_lora_p_ctypes * 1)(adapter.handle)
+            scales = (ctypes.c_float * 1)(adapter.scale)
+            rc = lib.llama_set_adapters_lora(self.ctx.ctx, handles, 1, scales)
+        if rc != 0:
+            raise RuntimeError(f"llama_set_adapters_lora returned {rc}")
+        self._applied = adapter
+
+    def _next_adapter(self) -> Adapter | None:
+        """The adapter whose jobs this step serves: the groups take turns of ``ADAPTER_TURN``."""
+        groups: list[Adapter | None] = []
+        for job in self._live:
+            if job.adapter not in groups:
+                groups.append(job.adapter)
+        current, steps = self._turn
+        if current in groups and (steps < ADAPTER_TURN or len(groups) == 1):
+            self._turn = (current, steps + 1)
+            return current
+        # The next group after the current one, in the order the live jobs arrived.
+        after = groups.index(current) + 1 if current in groups else 0
+        chosen = groups[after % len(groups)]
+        self._turn = (chosen, 1)
+        return chosen
+
+    def _release(self, adapter: Adapter, free: Callable[[], None], done: threading.Event) -> None:
+        """``release``'s work, on the step thread between two steps."""
+        try:
+            gone = UpstreamError(
+                f"model version {adapter.name} was unloaded", code="model_unloaded", retryable=True
+            )
+            for job in [j for j in self._waiting if j.adapter is adapter]:
+                self._waiting.remove(job)
+                job.post(("error", gone))
+            for job in [j for j in self._live if j.adapter is adapter]:
+                self._finish(job, keep=False)
+                job.post(("error", gone))
+            for idle in [i for i in self._idle if i.adapter is adapter]:
+                self._evict(idle)
+            if self._applied is adapter:
+                self._apply_adapter(None)
+            if self._turn[0] is adapter:
+                self._turn = (None, 0)
+            free()
+        finally:
+            done.set()
 
     def _fill(self) -> list[Job]:
         """One step's batch: decoding branches first, then prompt chunks within the budget."""
         self.batch.n_tokens = 0
-        adapter = self._live[self._tick % len(self._live)].adapter
+        adapter = self._next_adapter()
         self._apply_adapter(adapter)
         group = [j for j in self._live if j.adapter is adapter]
         room = self.capacity

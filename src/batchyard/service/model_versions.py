@@ -16,27 +16,35 @@ checks it on a thread before anything is kept:
 
 Only then is the file renamed to ``<id>.gguf`` and its row written, with the
 file's SHA-256; anything that fails on the way removes the file, so a refused
-upload leaves neither file nor row. Before an engine is pointed at the file
-(the first time a process serves the version) the checksum is checked again,
-so a file changed at rest is refused instead of served.
+upload leaves neither file nor row. The engine checks the checksum again on
+its loading thread each time it loads the file, so a file changed at rest is
+refused (``model_version_corrupt``) instead of served.
 
 Versions are named like catalog models (``model: "mv.…"``, a run's
 ``{"type": "version", "id": "mv.…"}``): the catalog finds one through
-``fetcher`` on first use and serves it on its base's routes, a LoRA on the
-base's GGUF, full weights as a model of their own. A version is its
-organisation's alone; to anyone else it does not exist. Limits (``model_versions:``
-in the config file): 256 MiB for an adapter, 8 GiB for weights.
+``fetcher`` on first use (``resolve`` does that read on a thread, for the
+doors that can wait for it) and serves it on its base's routes, a LoRA as an
+adapter on the base's GGUF, full weights as a model of their own. A version is
+its organisation's alone; to anyone else it does not exist.
+
+A delete is seen by every process of the deployment: the engine asks ``gate``
+(one read of the row by its key) before each use of a project version, and
+its idle sweep asks the same of every version it holds, so a version deleted
+through another process is refused (404) and its adapter freed. Settings
+(``model_versions:`` in the config file): the size limits (256 MiB for an
+adapter, 8 GiB for weights), the folder, how long an idle version stays
+loaded and the memory budget of loaded versions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import tempfile
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -44,15 +52,15 @@ from typing import IO, Any
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
-from batchyard.core.catalog import Catalog, ModelSpec
+from batchyard.core.catalog import PROJECT_VERSION_PREFIX, Catalog, ModelSpec
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.runs import TERMINAL
 from batchyard.engines import gguf_files
+from batchyard.engines.model_files import sha256_of
 from batchyard.errors import (
     Conflict,
     InvalidRequest,
-    ModelUnavailable,
     NotFound,
     PayloadTooLarge,
 )
@@ -70,9 +78,11 @@ __all__ = [
     "fetcher",
     "folder_for",
     "folder_of",
+    "gate",
     "get",
     "list_views",
     "org_versions",
+    "resolve",
     "settings_of",
     "spool",
     "take_in",
@@ -82,22 +92,33 @@ __all__ = [
 log = logging.getLogger("batchyard.model_versions")
 
 TYPES = ("lora", "weights")
-_CHUNK = 1024 * 1024
+
+
+#: How long a version stays loaded after its last request, unless kept warm.
+IDLE_S = 15 * 60.0
 
 
 @dataclass(frozen=True, slots=True)
 class VersionSettings:
+    """``model_versions:`` (checked at start by ``core.config.ModelVersionsSection``)."""
+
     max_lora_bytes: int = 256 * 1024 * 1024
     max_weights_bytes: int = 8 * 1024 * 1024 * 1024
     folder: str | None = None
+    idle_s: float = IDLE_S
+    #: The most memory the loaded versions (adapters, full weights and their
+    #: caches) may hold together; None: no budget, only idle time unloads them.
+    memory_budget_bytes: int | None = None
 
     @classmethod
     def from_raw(cls, raw: Any) -> VersionSettings:
         raw = raw or {}
         given: dict[str, Any] = {}
-        for key in ("max_lora_bytes", "max_weights_bytes"):
-            if key in raw:
+        for key in ("max_lora_bytes", "max_weights_bytes", "memory_budget_bytes"):
+            if raw.get(key) is not None:
                 given[key] = int(raw[key])
+        if raw.get("idle_s") is not None:
+            given["idle_s"] = float(raw["idle_s"])
         if raw.get("folder"):
             given["folder"] = str(raw["folder"])
         return cls(**given)
@@ -227,14 +248,6 @@ def check_fields(svc: Service, fields: dict[str, str]) -> tuple[str, ModelSpec]:
     return kind, base
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _check_weights(path: Path, header: gguf_files.GgufHeader) -> None:
     if header.string("general.type") == "adapter":
         raise InvalidRequest(
@@ -314,7 +327,7 @@ def take_in(
             base=base.id,
             name=name,
             bytes=size,
-            sha256=_sha256(upload_path),
+            sha256=sha256_of(upload_path),
             file=final.name,
             architecture=str(header.architecture),
             created_at=now,
@@ -374,17 +387,81 @@ async def list_views(svc: Service, principal: Principal, project_id: str) -> lis
 
 
 async def org_versions(svc: Service, org_id: str) -> list[ModelSpec]:
-    """Every live version of ``org_id``, known to this process's catalog from now on."""
+    """Every live version of ``org_id``, known to this process's catalog from now on.
+
+    Versions this process knew that the store no longer has (deleted through
+    another process) are forgotten here, and their memory freed.
+    """
     rows = await svc.db.read(lambda c: store.list_versions(c, org_id))
+    live = {r.id for r in rows}
+    for known in svc.catalog.visible(org_id):
+        if known.organization == org_id and known.id not in live:
+            await _forget(svc, known.id)
     found: list[ModelSpec] = []
     for r in rows:
-        try:
-            spec = svc.catalog.find(r.id, org_id)
-        except ModelUnavailable:
-            continue  # its file is gone or changed: not served, so not listed
+        await resolve(svc, r.id)
+        spec = svc.catalog.find(r.id, org_id)
         if spec is not None:
             found.append(spec)
     return found
+
+
+async def resolve(svc: Service, model_id: object) -> None:
+    """Bring this process's catalog up to the store's word on an ``mv.…`` name.
+
+    A name it knows is checked (one read by key: deleted through another
+    process, it is forgotten here, so the door answers 404); a name it does
+    not know is read from the store on a thread. The catalog would read an
+    unknown name on first use by itself (``Catalog.find``), but on the event
+    loop; a door that can wait calls this first. The version's own tokenizer
+    (full weights) is loaded here too, off the loop.
+    """
+    if not isinstance(model_id, str) or not model_id.startswith(PROJECT_VERSION_PREFIX):
+        return
+    if model_id in svc.catalog.models:
+        if not await svc.db.read(lambda c: store.get_version(c, model_id) is not None):
+            await _forget(svc, model_id)
+        return
+    fetch = fetcher(svc.db, svc.catalog, folder_of(svc))
+    got = await asyncio.to_thread(fetch, model_id)
+    if got is None or model_id in svc.catalog.models:
+        return
+    spec, extras = got
+    svc.catalog.add_version(spec, extras)
+    if spec.tokenizer.startswith("gguf:"):
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            await asyncio.to_thread(svc.tokenizer, spec)
+
+
+async def _forget(svc: Service, version_id: str) -> None:
+    """Stop serving a version in this process: its engines free it, the catalog drops it."""
+    for route in svc.catalog.routes_for(version_id):
+        await svc.engines.forget_version(route, version_id)
+    svc.catalog.remove_version(version_id)
+
+
+def gate(db: Database, catalog: Catalog) -> Callable[[str], Awaitable[bool]]:
+    """Whether a project version is still served: its row, read by key, is not deleted.
+
+    The engine asks before each use of a version and at each idle sweep, so a
+    delete through any process of the deployment is seen by all of them. Names
+    that are not project versions (a config file's versions) always pass.
+    """
+
+    async def live(name: str) -> bool:
+        if not name.startswith(PROJECT_VERSION_PREFIX):
+            return True
+        row = await db.read(lambda c: store.get_version(c, name))
+        if row is None:
+            catalog.remove_version(name)
+            log.info(
+                "model version deleted elsewhere, forgotten here",
+                extra={"event": "model_version_forgotten", "id": name},
+            )
+            return False
+        return True
+
+    return live
 
 
 async def delete(
@@ -407,9 +484,7 @@ async def delete(
         return row
 
     row = await svc.db.transact(tx)
-    for route in svc.catalog.routes_for(version_id):
-        await svc.engines.forget_version(route, version_id)
-    svc.catalog.remove_version(version_id)
+    await _forget(svc, version_id)
     (folder_of(svc) / row.file).unlink(missing_ok=True)
     log.info("model version deleted", extra={"event": "model_version_deleted", "id": version_id})
     return {"id": version_id, "object": "model_version", "deleted": True}
@@ -443,7 +518,12 @@ def _spec(row: store.VersionRow, base: ModelSpec, path: Path) -> ModelSpec:
 def fetcher(
     db: Database, catalog: Catalog, folder: Path
 ) -> Callable[[str], tuple[ModelSpec, dict[str, Any]] | None]:
-    """The catalog's look-up of an unseen ``mv.…`` name: the stored version, checked at rest."""
+    """The catalog's look-up of an unseen ``mv.…`` name: the stored version and its file.
+
+    One read of the row by key; the file's checksum is the engine's to check,
+    on its loading thread, when it loads the file (hashing gigabytes of
+    weights here would stall whoever looked the name up).
+    """
 
     def fetch(model_id: str) -> tuple[ModelSpec, dict[str, Any]] | None:
         row = db.read_sync(lambda c: store.get_version(c, model_id))
@@ -453,23 +533,8 @@ def fetcher(
         if base is None:
             return None
         path = folder / row.file
-        try:
-            intact = path.is_file() and _sha256(path) == row.sha256
-        except OSError:
-            intact = False
-        if not intact:
-            log.warning(
-                "model version file missing or changed at rest",
-                extra={"event": "model_version_corrupt", "id": row.id},
-            )
-            raise ModelUnavailable(
-                f"model version {row.id}'s file is missing or was changed since it was "
-                "uploaded; upload it again",
-                param="model",
-                code="model_version_corrupt",
-            )
         key = "lora_path" if row.type == "lora" else "model_path"
-        return _spec(row, base, path), {key: str(path)}
+        return _spec(row, base, path), {key: str(path), "sha256": row.sha256}
 
     return fetch
 

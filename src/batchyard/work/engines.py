@@ -8,18 +8,26 @@ The versions a route lists (``version:`` in the config file, or a project's
 uploaded versions, which the catalog adds at run time) reach an engine that
 can serve them (``add_version``: the embedded one) whenever the route's engine
 is asked for: a LoRA adapter (``lora_path``) on the route's base GGUF, or full
-weights of their own (``model_path``). An entry with neither is a name the
-upstream itself serves, passed through as the request's model.
+weights of their own (``model_path``), with the file's ``sha256`` when the
+store knows it. An entry with neither is a name the upstream itself serves,
+passed through as the request's model.
+
+The embedded engine also gets the deployment's clock, how long an idle
+version stays loaded, the memory budget of its versions, and the gate that
+tells it whether a version is still served (``model_versions`` settings,
+``service.model_versions.gate``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from batchyard.core.catalog import ENGINES, Catalog, RouteSpec, engine_name
+from batchyard.core.clock import Clock
 from batchyard.core.config_errors import ConfigError
 from batchyard.engines.base import Engine
 
@@ -37,6 +45,9 @@ class EngineRegistry:
         embedded_prefill_tokens: int = 512,
         embedded_cache_tokens: int | None = None,
         overrides: dict[str, Engine] | None = None,
+        clock: Clock | None = None,
+        version_idle_s: float | None = None,
+        version_memory_bytes: int | None = None,
     ) -> None:
         self._embedded_model_path = embedded_model_path
         self._slots = embedded_slots
@@ -44,9 +55,20 @@ class EngineRegistry:
         self._threads = embedded_threads
         self._prefill = embedded_prefill_tokens
         self._cache = embedded_cache_tokens
+        self._clock = clock
+        self._idle_s = version_idle_s
+        self._budget = version_memory_bytes
+        self._gate: Callable[[str], Awaitable[bool]] | None = None
         self._engines: dict[str, Engine] = dict(overrides or {})
         self._embedded: Engine | None = None
         self._lock = asyncio.Lock()
+
+    def gate_with(self, gate: Callable[[str], Awaitable[bool]]) -> None:
+        """Whether a version is still served, asked by the embedded engine before each use."""
+        self._gate = gate
+
+    async def _gate_call(self, name: str) -> bool:
+        return True if self._gate is None else await self._gate(name)
 
     def set(self, route_id: str, engine: Engine) -> None:
         """Put an engine behind a route (tests and embedding applications)."""
@@ -69,6 +91,10 @@ class EngineRegistry:
                 n_threads=self._threads,
                 prefill_tokens=self._prefill,
                 cache_tokens=self._cache,
+                clock=self._clock,
+                idle_s=self._idle_s,
+                memory_budget=self._budget,
+                gate=self._gate_call,
             )
         return self._embedded
 
@@ -139,6 +165,13 @@ class EngineRegistry:
         if callable(remove):
             await remove(engine_name(model_id, route))
 
+    def live(self) -> list[Engine]:
+        """Each engine built so far, once (the warmth sweep asks them to evict)."""
+        found: dict[int, Engine] = {}
+        for engine in [*self._engines.values(), *([self._embedded] if self._embedded else [])]:
+            found.setdefault(id(engine), engine)
+        return list(found.values())
+
     async def aclose(self) -> None:
         seen: set[int] = set()
         for engine in [*self._engines.values(), *([self._embedded] if self._embedded else [])]:
@@ -153,8 +186,10 @@ def _version_spec(extras: Any) -> Any:
         return None
     from batchyard.engines.llama_cpp import VersionSpec
 
+    digest = extras.get("sha256")
+    sha256 = str(digest) if digest else None
     if extras.get("lora_path"):
-        return VersionSpec("lora", Path(str(extras["lora_path"])))
+        return VersionSpec("lora", Path(str(extras["lora_path"])), sha256)
     if extras.get("model_path"):
-        return VersionSpec("gguf", Path(str(extras["model_path"])))
+        return VersionSpec("gguf", Path(str(extras["model_path"])), sha256)
     return None

@@ -9,11 +9,15 @@ clock for at most its budget. Decide then either answers with the base model
 and fails retryably. The load goes on in the background either way, so the
 next call finds the version warm.
 
-A version counts as warm until it has been idle for ``idle_s`` and any
-keep-warm window has passed; the background sweep then marks it cold and frees
-an embedded version's memory. The state is per server process: each process
-loads its own copy of an embedded model, and a remote route's load is only
-seen by the process that waited for it.
+Where the engine can say what it holds (the embedded engine: ``is_loaded``),
+its word is the state: a version is warm while loaded, and the engine itself
+counts every request on it (every door, not only decide), unloads it once it
+has been idle for ``idle_s`` past any keep-warm window (``evict_idle``, called
+by the background sweep), and unloads idle ones to keep its versions within
+its memory budget. A remote version counts as warm until it has been idle for
+``idle_s`` and any keep-warm window has passed. The state is per server
+process: each process loads its own copy of an embedded model, and a remote
+route's load is only seen by the process that waited for it.
 """
 
 from __future__ import annotations
@@ -135,11 +139,24 @@ class Warmth:
         if v.loading is not None and not v.loading.done():
             return "loading"
         engine_says = self._engine_loaded(v)
-        if engine_says is False:
-            v.loaded = False
+        if engine_says is not None:
+            # The engine unloads idle versions itself: loaded is warm.
+            v.loaded = engine_says
+            return "warm" if engine_says else "cold"
         if v.loaded and not self._expired(v, self.clock.time()):
             return "warm"
         return "cold"
+
+    def _engine_until(self, v: _Version) -> float | None:
+        """When the engine will unload a loaded version, where it can say."""
+        until = getattr(self.engines.for_route(v.serving.route), "warm_until", None)
+        if not callable(until):
+            return None
+        try:
+            found = until(v.serving.upstream_model)
+        except KeyError:
+            return None
+        return float(found) if found is not None else None
 
     def view(self, model_id: str, where: Serving) -> WarmView:
         v = self._version(model_id, where)
@@ -147,7 +164,7 @@ class Warmth:
         now = self.clock.time()
         until: float | None = None
         if state == "warm":
-            until = max(v.last_used + self.idle_s, v.keep_until)
+            until = self._engine_until(v) or max(v.last_used + self.idle_s, v.keep_until)
         elif v.keep_until > now:
             until = v.keep_until
         when = datetime.fromtimestamp(until, tz=UTC) if until is not None else None
@@ -236,6 +253,9 @@ class Warmth:
         """Keep the version loaded for ``minutes`` from now, starting its load if cold."""
         v = self._version(model_id, where)
         v.keep_until = max(v.keep_until, self.clock.time() + minutes * 60.0)
+        keep = getattr(self.engines.for_route(where.route), "keep_loaded", None)
+        if callable(keep) and self._engine_loaded(v) is not None:
+            keep(where.upstream_model, v.keep_until)
         if self._state(v) == "cold":
             self._start(model_id, v, self._loader(v) or self._probe(v))
         return self.view(model_id, where)
@@ -258,15 +278,19 @@ class Warmth:
     # -- going cold ---------------------------------------------------------------
 
     async def sweep(self) -> None:
-        """Mark idle versions cold and free an embedded version's memory."""
+        """Let each engine unload its idle versions; mark idle remote versions cold."""
+        for engine in self.engines.live():
+            evict = getattr(engine, "evict_idle", None)
+            if callable(evict):
+                for name in await evict():
+                    log.info("model version went cold", extra={"model": name})
         now = self.clock.time()
         for model_id, v in list(self._versions.items()):
+            if self._engine_loaded(v) is not None:
+                continue  # the engine's own sweep, above
             if not v.loaded or v.loading is not None or not self._expired(v, now):
                 continue
             v.loaded = False
-            unload = getattr(self.engines.for_route(v.serving.route), "unload_version", None)
-            if callable(unload) and self._engine_loaded(v):
-                await unload(v.serving.upstream_model)
             log.info("model version went cold", extra={"model": model_id})
 
     async def loop(self, every_s: float = SWEEP_EVERY_S) -> None:

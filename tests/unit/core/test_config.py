@@ -26,7 +26,7 @@ def test_every_setting_is_in_the_reference_with_its_variable():
     page = PAGE.read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `([a-z_]+)` \|(.*)$", page, flags=re.M))
     for name in SettingsFile.model_fields:
-        if name in ("models", "routes", "tiers", "runs", "file_batches", "files"):
+        if name in ("models", "routes", "tiers", "runs", "file_batches", "files", "model_versions"):
             assert f"## `{name}:`" in page, name
             continue
         assert name in rows, f"{name} is missing from {PAGE.name}"
@@ -75,3 +75,20 @@ def test_sections_read_by_the_workers_are_checked_and_kept(tmp_path):
     assert s.raw["runs"] == {"lease_s": 2.0}
     assert s.raw["file_batches"] == {"poll_s": 0.2}
     assert s.raw["files"] == {"max_lines": 10}
+
+
+def test_the_model_versions_section_is_checked_at_start(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("model_versions: {idle_s: 120, memory_budget_bytes: 1000000}\n")
+    s = load_settings(config_file=cfg, database_url="sqlite://")
+    assert s.raw["model_versions"] == {"idle_s": 120.0, "memory_budget_bytes": 1000000}
+    for bad, field in (
+        ("{idle_s: 0}", "model_versions.idle_s"),
+        ("{memory_budget_bytes: -5}", "model_versions.memory_budget_bytes"),
+        ("{idle: 60}", "model_versions.idle"),
+    ):
+        cfg.write_text(f"model_versions: {bad}\n")
+        with pytest.raises(ConfigError) as got:
+            load_settings(config_file=cfg, database_url="sqlite://")
+        assert got.value.field == field, got.value.line()
+        assert "\n" not in got.value.line()

@@ -116,3 +116,20 @@ def test_full_weights_are_not_an_adapter() -> None:
     with pytest.raises(InvalidRequest) as caught:
         g.check_lora(_base(), _base())
     assert caught.value.code == "not_a_lora"
+
+
+def test_an_embedding_pair_is_read_the_way_llama_cpp_reads_it() -> None:
+    """token_embd's pair is (a: ne [rank, n_vocab], b: ne [rank, n_embd]); only on a base
+    with an output layer of its own (on tied embeddings llama.cpp would abort)."""
+    embd = "token_embd.weight"
+    tensors = [(embd, (64, 1000), F32), ("output.weight", (64, 1000), F32)]
+    untied = _read(gguf_bytes({"general.architecture": "llama"}, tensors))
+    tied = _read(gguf_bytes({"general.architecture": "llama"}, tensors[:1]))
+    fits = _read(lora_for("llama", {embd: ((8, 1000), (8, 64))}))
+    assert g.check_lora(fits, untied) == 1
+    with pytest.raises(InvalidRequest) as refused:
+        g.check_lora(fits, tied)
+    assert refused.value.code == "lora_base_mismatch"
+    # The matrix way round, which fits an ordinary weight, does not fit an embedding.
+    with pytest.raises(InvalidRequest):
+        g.check_lora(_read(lora_for("llama", {embd: ((64, 8), (8, 1000))})), untied)
