@@ -9,8 +9,10 @@ text completion, a stream, a tool call or a scoring call into a job (a
 prompt and its branches) and the job's events back into completions.
 
 Scoring (``score``) reads the shared prompt once (a prompt the cache already
-holds costs nothing, not even its last token) and scores each candidate as a
-sequence forked off it, in the same step as other requests' work.
+holds costs nothing, not even its last token) and scores every candidate as
+one token trie decoded beside the prompt's last chunk, in the same step as
+other requests' work: decide sends all outcomes of all decisions of a text
+as one call.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from batchyard.engines.llama_sampling import (
     SamplingParams,
     grammar_for,
 )
-from batchyard.engines.llama_scheduler import Branch, Job, Scheduler
+from batchyard.engines.llama_scheduler import Branch, Job, Scheduler, Scoring
 from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import ContextWindowExceeded, UnsupportedInput, UpstreamError
 
@@ -519,7 +521,7 @@ class LlamaCppEngine:
         Usage: ``input_tokens`` is the prompt, evaluated once (``cached_input_tokens``
         of it came from the cache); ``output_tokens`` is the SUM of every
         candidate's tokens (with the end-of-turn token when ``score_turn_end``),
-        because each one is evaluated.
+        as each one is scored (openings they share are decoded once).
         """
         plain, images = text_messages(messages)
         if images:
@@ -536,8 +538,14 @@ class LlamaCppEngine:
                 f"prompt ({len(prompt)} tokens) and the longest candidate ({longest}) "
                 f"exceed the context window of {self.n_ctx}"
             )
-        job = Job(prompt, [Branch(cont=c) for c in conts])
+        scoring = Scoring(conts)
+        job = Job(prompt, [Branch() for _ in range(scoring.tips)], scoring=scoring)
         self._check_fits(loaded, job)
+        if len(scoring.nodes) > loaded.scheduler.capacity:
+            raise ContextWindowExceeded(
+                f"the candidates need {len(scoring.nodes)} tokens decoded at once; "
+                f"a step of the embedded model holds {loaded.scheduler.capacity}"
+            )
         scores: list[float] = []
         cached = 0
         async for event in loaded.scheduler.run(job):
