@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from batchyard.core import decisions as rules
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
@@ -25,6 +26,8 @@ from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import ModelUnavailable
 from batchyard.service import Service
 from batchyard.store import accounts, activity, ledger
+from batchyard.store import calibration as cal_store
+from batchyard.work import decide_scoring
 from batchyard.work.warmth import serving
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
@@ -775,3 +778,51 @@ def test_a_version_can_be_served_by_its_base_route() -> None:
     assert serving(catalog, catalog.model("kettei-core")).upstream_model == embedded.upstream_model
     with pytest.raises(ModelUnavailable):
         serving(catalog, catalog.model("kettei-fat"))
+
+
+async def test_the_running_mean_lives_in_memory_and_is_written_behind(
+    service, engine, http, monkeypatch
+):
+
+    acct = make_account(service, credit="1")
+    first = await http.post("/v1/decide", json=BODY, headers=acct.headers)
+    assert first.json()["calibration"]["content_free_estimated"] is True
+    await service.calibrations.flush()
+    # From here on a call neither reads nor writes calibration state: the
+    # background writer is held back, and every read of the store is counted.
+    with monkeypatch.context() as m:
+        m.setattr(service.calibrations, "_persist_soon", lambda: None)
+        reads: list[str] = []
+        load = cal_store.load_state
+        m.setattr(decide_scoring.store, "load_state", lambda *a: reads.append("x") or load(*a))
+        seen = []
+        for _ in range(4):
+            service.clock.advance(2)  # under the tier's request rate
+            body = (await http.post("/v1/decide", json=BODY, headers=acct.headers)).json()
+            seen.append(body["calibration"]["texts"])
+        assert reads == []
+    # Each text is calibrated by every text before it, at once (the memory's sums).
+    assert seen == [1, 2, 3, 4]
+    req = rules.parse_request(BODY)
+    fingerprint = decide_scoring.fingerprint("kettei-core", req)
+    stored = service.db.read_sync(lambda c: cal_store.load_state(c, acct.org_id, fingerprint))
+    assert stored is not None and stored.texts == [1, 1]
+    # Written behind, in one write: the store then holds every text.
+    await service.calibrations.flush()
+    stored = service.db.read_sync(lambda c: cal_store.load_state(c, acct.org_id, fingerprint))
+    assert stored is not None and stored.texts == [5, 5]
+    # Another process's texts arrive with the next write (the store's sums are read back).
+    service.db.transact_sync(
+        lambda c: cal_store.add_texts(c, acct.org_id, fingerprint, stored.prob_sums, texts=5)
+    )
+    service.clock.advance(2)
+    await http.post("/v1/decide", json=BODY, headers=acct.headers)
+    await service.calibrations.flush()
+    service.clock.advance(2)
+    after = (await http.post("/v1/decide", json=BODY, headers=acct.headers)).json()
+    assert after["calibration"]["texts"] == 11
+    # A process that starts now reads the shared state once.
+    other = decide_scoring.Calibrations(service.dispatcher)
+    assert await other.prior_known(acct.org_id, "kettei-core", req)
+    await service.calibrations.flush()
+    assert other._running[(acct.org_id, fingerprint)].texts == [12, 12]
