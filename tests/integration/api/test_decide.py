@@ -794,7 +794,12 @@ async def test_the_running_mean_lives_in_memory_and_is_written_behind(
         m.setattr(service.calibrations, "_persist_soon", lambda: None)
         reads: list[str] = []
         load = cal_store.load_state
-        m.setattr(decide_scoring.store, "load_state", lambda *a: reads.append("x") or load(*a))
+
+        def counted(*args: Any) -> Any:
+            reads.append(args[2])
+            return load(*args)
+
+        m.setattr(cal_store, "load_state", counted)
         seen = []
         for _ in range(4):
             service.clock.advance(2)  # under the tier's request rate
