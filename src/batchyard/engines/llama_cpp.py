@@ -378,6 +378,7 @@ class LlamaCppEngine:
         texts = [""] * n
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         finishes = ["stop"] * n
+        matched: list[str | None] = [None] * n
         out = [0] * n
         prompt_tokens = cached = 0
         async for event in model.scheduler.run(job):
@@ -388,9 +389,9 @@ class LlamaCppEngine:
                 if entries:
                     logprobs[i].extend(entries)
             elif kind == "branch":
-                _, i, tail, finish, used = event
+                _, i, tail, finish, used, stop = event
                 texts[i] += tail
-                finishes[i], out[i] = finish, used
+                finishes[i], out[i], matched[i] = finish, used, stop
             elif kind == "done":
                 _, prompt_tokens, cached = event
         choices = []
@@ -406,6 +407,7 @@ class LlamaCppEngine:
                     finish_reason=finish,
                     logprobs=logprobs[i] if wanted else None,
                     tool_calls=calls,
+                    stop_sequence=matched[i] if calls is None else None,
                 )
             )
         return Completion(
@@ -431,14 +433,14 @@ class LlamaCppEngine:
             yield done
             return
         text: list[str] = []
-        finish, out = "stop", 0
+        finish, out, stop = "stop", 0, None
         async for event in model.scheduler.run(job):
             kind = event[0]
             if kind == "piece" and event[2]:
                 text.append(event[2])
                 yield Delta(0, event[2])
             elif kind == "branch":
-                _, _, tail, finish, out = event
+                _, _, tail, finish, out, stop = event
                 if tail:
                     text.append(tail)
                     yield Delta(0, tail)
@@ -447,7 +449,7 @@ class LlamaCppEngine:
                 yield Delta(0, "", finish_reason=finish)
                 yield Completion(
                     model=request.model,
-                    choices=[Choice(text="".join(text), finish_reason=finish)],
+                    choices=[Choice(text="".join(text), finish_reason=finish, stop_sequence=stop)],
                     usage=Usage(prompt_tokens, out, cached_input_tokens=cached),
                 )
 

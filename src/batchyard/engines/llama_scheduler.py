@@ -675,7 +675,8 @@ class Scheduler:
             # Text held back for a stop string that never came is the answer's too.
             tail, _ = branch.matcher.feed(branch.decoder.decode(b"", final=True))
             tail += branch.matcher.flush()
-        job.post(("branch", job.branches.index(branch), tail, finish, branch.out_tokens))
+        matched = branch.matcher.matched if stopped else None
+        job.post(("branch", job.branches.index(branch), tail, finish, branch.out_tokens, matched))
 
     def _maybe_done(self, job: Job) -> None:
         if job.forked and all(b.done for b in job.branches):

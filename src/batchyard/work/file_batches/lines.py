@@ -233,6 +233,7 @@ def _answer_body(
             finish_reason=choice.finish_reason,
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
+            matched_stop=choice.stop_sequence,
         )
     if endpoint == COMPLETIONS:
         return {
