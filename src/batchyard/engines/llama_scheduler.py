@@ -706,6 +706,12 @@ class Scheduler:
             logits = job.logits if n == len(job.prompt) else None
             self._idle.append(_Idle(job.seq, kept, self._tick, logits, job.adapter))
             self._used += n
+            # As many idle prefixes as slots, the least recently used out first: every
+            # step's attention scans the cache up to its highest used cell (row by row,
+            # masked cells included), so idle cells kept beyond what the next requests
+            # can reuse slow every request down; llama-server keeps one per slot too.
+            while len(self._idle) > self.slots:
+                self._evict(min(self._idle, key=lambda i: i.used))
         else:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
             self._free.append(job.seq)
