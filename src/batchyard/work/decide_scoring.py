@@ -247,19 +247,17 @@ class Calibrations:
             known = self._priors.get(key) or await self._load(key, req)
             if known is not None:
                 return known, 0
-            cfs = content_free_requests(req)
-            got = await asyncio.gather(
-                *(
-                    self._score(
-                        route,
-                        upstream_model,
-                        cf,
-                        count(rules.build_messages(cf, "lines")),
-                        lambda _k: None,
-                    )
-                    for cf in cfs
+            # One after another: the set's prior is then the same however busy the engine is.
+            got = [
+                await self._score(
+                    route,
+                    upstream_model,
+                    cf,
+                    count(rules.build_messages(cf, "lines")),
+                    lambda _k: None,
                 )
-            )
+                for cf in content_free_requests(req)
+            ]
             spent = sum(g.input_tokens for g in got)
             prior = [
                 cal.mean_probabilities([g.raw[k] for g in got]) for k in range(len(req.decisions))
