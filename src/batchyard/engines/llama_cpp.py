@@ -10,7 +10,7 @@ prompt and its branches) and the job's events back into completions.
 
 Scoring (``score``) reads the shared prompt once (a prompt the cache already
 holds costs nothing, not even its last token) and scores every candidate as
-one token trie decoded beside the prompt's last chunk, in the same step as
+one token trie in one decode, the step after the prompt is read, beside
 other requests' work: decide sends all outcomes of all decisions of a text
 as one call.
 """

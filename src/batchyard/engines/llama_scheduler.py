@@ -14,8 +14,8 @@ thread that runs the step loop:
    (``llama_memory_seq_cp``) or takes the idle sequence over, and only the
    rest is read;
 3. build one batch: one token of every generating branch, then chunks of
-   prompts being read up to the step's prefill budget (chunked prefill), and
-   with a scoring job's last chunk the whole trie of its candidates;
+   prompts being read up to the step's prefill budget (chunked prefill); a
+   scoring job whose prompt is read puts the whole trie of its candidates in;
 4. ``llama_decode`` once, then sample each branch with its own sampler chain
    from its own logits row; what the step produced is handed to the asyncio
    side in one wake-up per event loop, so streams see tokens as they are
@@ -24,8 +24,8 @@ thread that runs the step loop:
 A generating job whose prompt is read forks its branches off it (each a
 sequence copy of the prompt), so ``n`` samples share one read. A scoring
 job (decide: every outcome of every decision of one text) reads its prompt
-once and decodes its candidates as one token trie in the same
-``llama_decode`` as the prompt's last chunk (``Scoring``). When a job ends,
+once and then decodes all its candidates as one token trie in one
+``llama_decode`` (``Scoring``). When a job ends,
 its prompt stays in the cache as an idle prefix for the next.
 
 Each step serves the jobs of one adapter (``Job.adapter``): today every job
@@ -103,8 +103,8 @@ class Scoring:
     last from its parent's, so single-token candidates cost no decode at all.
     Each *tip* (a decoded node with no decoded child) is one sequence, and a
     node belongs to the sequences of every tip below it (one cache cell, many
-    sequence ids), so every node goes into the same ``llama_decode``, beside
-    the prompt's last chunk.
+    sequence ids), so every node goes into one ``llama_decode``, the step
+    after the prompt's last chunk.
     """
 
     conts: list[list[int]]
@@ -499,11 +499,9 @@ class Scheduler:
         """Issue 20's hook: set ``adapter`` on the context before a step of its jobs."""
 
     def _fill(self) -> list[Job]:
-        """One step's batch: decoding branches first, then prompt chunks within the budget.
-
-        A scoring job's candidate trie goes in with its prompt's last chunk
-        when the batch has room for it, and in the next step otherwise.
-        """
+        """One step's batch: decoding branches and scoring tries first, then prompt chunks
+        within the budget. A scoring job's trie goes in the step after its prompt's last
+        chunk, whole."""
         self.batch.n_tokens = 0
         adapter = self._live[self._tick % len(self._live)].adapter
         self._apply_adapter(adapter)
@@ -543,11 +541,12 @@ class Scheduler:
             job.pos += len(chunk)
             budget -= len(chunk)
             room -= len(chunk)
-            scoring = job.scoring
-            if end and scoring is not None:
-                scoring.due = True
-                if len(scoring.nodes) <= room:
-                    room -= self._add_nodes(job)
+            if end and job.scoring is not None and job.scoring.nodes:
+                # Its trie goes into the next step, not beside this chunk: a row's
+                # attention rounds by the shape of its micro-batch (see
+                # docs/explanation/batch-invariance.md), and read apart a text's
+                # scores are the ones its prompt gives alone.
+                job.scoring.due = True
         return group
 
     def _add_nodes(self, job: Job) -> int:
@@ -592,7 +591,7 @@ class Scheduler:
         if job.row >= 0:
             job.logits = self._row(job.row).copy()
             job.forked = True
-        if job.logits is None or scoring.due or (scoring.nodes and not scoring.rows):
+        if job.logits is None or (scoring.nodes and not scoring.rows):
             return  # the prompt or the trie is still to be decoded
         rows = [job.logits, *(self._row(r) for r in scoring.rows)]
         lse = [_lse(r) for r in rows]
