@@ -47,6 +47,7 @@ from batchyard.work.batches.feed import PriceFeed
 from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.sealing import BatchKey, resolve_key
 from batchyard.work.batches.worker import MarketSettings, MarketWorker
+from batchyard.work.decide_scoring import Calibrations
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.file_batches.worker import FileBatchSettings, FileBatchWorker
@@ -164,6 +165,7 @@ def build_service(
         limiter=limiter,
         engines=registry,
         dispatcher=dispatcher,
+        calibrations=Calibrations(dispatcher),
         tokenizers=tokenizers,
         batch_key=key,
         market=market,

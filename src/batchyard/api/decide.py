@@ -55,7 +55,7 @@ from batchyard.errors import (
 )
 from batchyard.service import Service, model_versions
 from batchyard.work import decide_scoring as scoring_work
-from batchyard.work.decide_scoring import CalibrationInfo, calibrations_for
+from batchyard.work.decide_scoring import CalibrationInfo
 from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
 
 __all__ = ["LOAD_WAIT_BOUND_S", "Plan", "can_score", "prepare", "priced", "router"]
@@ -160,7 +160,7 @@ async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan:
     """The plan, priced with the content-free estimate where this call would make it."""
     if plan.calibration == "none" or plan.prior_pending:
         return plan
-    if await calibrations_for(svc.dispatcher).prior_known(org_id, plan.model.id, req):
+    if await svc.calibrations.prior_known(org_id, plan.model.id, req):
         return plan
     count = svc.tokenizer(plan.model).count_messages
     content_free = sum(
@@ -225,7 +225,7 @@ class _Caller:
 
 async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Caller) -> _Scored:
     tok = svc.tokenizer(plan.model)
-    got = await calibrations_for(svc.dispatcher).score(
+    got = await svc.calibrations.score(
         org_id=caller.org_id,
         model_id=plan.model.id,
         route=plan.serving.route,

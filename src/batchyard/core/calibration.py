@@ -68,7 +68,7 @@ BATCH_PSEUDO_TEXTS = 3.0
 
 # Changing the prompt or the scoring changes what the stored estimates mean;
 # it is part of the fingerprint, so old estimates are never reused.
-SCORING_VERSION = "decide-scoring-2"
+SCORING_VERSION = "decide-scoring-3"
 
 # Probabilities are floored here before division and logarithms, so that an
 # outcome the model all but rules out can't divide by zero.

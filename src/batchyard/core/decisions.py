@@ -1,16 +1,17 @@
 """Decisions about one text: the request's rules, the prompt, and reading the answers.
 
 Seed 000 asks for one text per request with every question about it in the
-same call, so the text is paid once and the answers see each other. Everything
-here is pure (no store, no engine) so the rules can be tested on their own and
-the estimate counts exactly the prompt that decide sends.
+same call, so the text is paid once and every question is read beside the
+others (the prompt lists them all). Everything here is pure (no store, no
+engine) so the rules can be tested on their own and the estimate counts
+exactly the prompt that decide sends.
 
 Answers are always one of a decision's outcome ids. Two ways get there:
 
 - *scoring* (engines that implement ``ScoringEngine``): the model's own
-  log-probability of each outcome's answer line, given the prompt and the
-  answers already chosen; the best one wins and the probabilities are the
-  softmax of those scores;
+  log-probability of each outcome's answer line as the reply's opening, every
+  decision on its own branch off the one prompt (``scoring_candidates``); the
+  best one wins and the probabilities are the softmax of those scores;
 - *generation* (OpenAI-compatible routes): a JSON schema with one enum per
   decision where the route supports it, or answer lines otherwise, parsed
   strictly. Probabilities come from the route's ``top_logprobs`` where it sends
@@ -304,15 +305,17 @@ def needed_output_tokens(
     return sum(max(count(_line(d, o)) for o in d.outcome_ids) + 1 for d in decisions)
 
 
-def scoring_candidates(decisions: Sequence[Decision], k: int, chosen: Sequence[str]) -> list[str]:
-    """Replies to score for decision ``k``: the answers so far, then each outcome's line.
+def scoring_candidates(decisions: Sequence[Decision]) -> list[list[str]]:
+    """Replies to score, per decision: each outcome's answer line, as the reply's opening.
 
-    The shared prefix adds the same log-probability to every candidate, so the
-    softmax over them is the model's distribution over decision ``k`` given
-    the earlier answers.
+    Every decision is asked on its own branch off the one prompt, independent
+    of the other decisions' answers, so a scoring engine reads the prompt once
+    and scores every candidate of every decision in one pass. The line's
+    ``id: `` opening is shared by a decision's candidates and adds the same
+    log-probability to each, so the softmax over them is the model's
+    distribution over that decision's outcomes.
     """
-    prefix = "".join(_line(d, c) + "\n" for d, c in zip(decisions[:k], chosen, strict=True))
-    return [prefix + _line(decisions[k], o) for o in decisions[k].outcome_ids]
+    return [[_line(d, o) for o in d.outcome_ids] for d in decisions]
 
 
 def softmax(scores: Sequence[float]) -> list[float]:

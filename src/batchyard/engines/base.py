@@ -86,6 +86,9 @@ class Choice:
     logprobs: list[dict[str, Any]] | None = None
     # OpenAI's ``message.tool_calls`` where the model called tools.
     tool_calls: list[dict[str, Any]] | None = None
+    #: The caller's stop string that ended the answer, where the engine says which
+    #: (Anthropic's ``stop_sequence``); ``None`` when it ended otherwise or cannot tell.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,10 @@ text completion, a stream, a tool call or a scoring call into a job (a
 prompt and its branches) and the job's events back into completions.
 
 Scoring (``score``) reads the shared prompt once (a prompt the cache already
-holds costs nothing, not even its last token) and scores each candidate as a
-sequence forked off it, in the same step as other requests' work.
+holds costs nothing, not even its last token) and scores every candidate as
+one token trie in one decode, the step after the prompt is read, beside
+other requests' work: decide sends all outcomes of all decisions of a text
+as one call.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from batchyard.engines.llama_sampling import (
     SamplingParams,
     grammar_for,
 )
-from batchyard.engines.llama_scheduler import Adapter, Branch, Job, Scheduler
+from batchyard.engines.llama_scheduler import Adapter, Branch, Job, Scheduler, Scoring
 from batchyard.engines.model_files import sha256_of
 from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import (
@@ -636,6 +638,7 @@ class LlamaCppEngine:
         texts = [""] * n
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         finishes = ["stop"] * n
+        matched: list[str | None] = [None] * n
         out = [0] * n
         prompt_tokens = cached = 0
         async for event in self._run(model, job):
@@ -646,9 +649,9 @@ class LlamaCppEngine:
                 if entries:
                     logprobs[i].extend(entries)
             elif kind == "branch":
-                _, i, tail, finish, used = event
+                _, i, tail, finish, used, stop = event
                 texts[i] += tail
-                finishes[i], out[i] = finish, used
+                finishes[i], out[i], matched[i] = finish, used, stop
             elif kind == "done":
                 _, prompt_tokens, cached = event
         choices = []
@@ -664,6 +667,7 @@ class LlamaCppEngine:
                     finish_reason=finish,
                     logprobs=logprobs[i] if wanted else None,
                     tool_calls=calls,
+                    stop_sequence=matched[i] if calls is None else None,
                 )
             )
         return Completion(
@@ -689,14 +693,14 @@ class LlamaCppEngine:
             yield done
             return
         text: list[str] = []
-        finish, out = "stop", 0
+        finish, out, stop = "stop", 0, None
         async for event in self._run(model, job):
             kind = event[0]
             if kind == "piece" and event[2]:
                 text.append(event[2])
                 yield Delta(0, event[2])
             elif kind == "branch":
-                _, _, tail, finish, out = event
+                _, _, tail, finish, out, stop = event
                 if tail:
                     text.append(tail)
                     yield Delta(0, tail)
@@ -705,7 +709,7 @@ class LlamaCppEngine:
                 yield Delta(0, "", finish_reason=finish)
                 yield Completion(
                     model=request.model,
-                    choices=[Choice(text="".join(text), finish_reason=finish)],
+                    choices=[Choice(text="".join(text), finish_reason=finish, stop_sequence=stop)],
                     usage=Usage(prompt_tokens, out, cached_input_tokens=cached),
                 )
 
@@ -785,7 +789,7 @@ class LlamaCppEngine:
         Usage: ``input_tokens`` is the prompt, evaluated once (``cached_input_tokens``
         of it came from the cache); ``output_tokens`` is the SUM of every
         candidate's tokens (with the end-of-turn token when ``score_turn_end``),
-        because each one is evaluated.
+        as each one is scored (openings they share are decoded once).
         """
         plain, images = text_messages(messages)
         if images:
@@ -802,8 +806,19 @@ class LlamaCppEngine:
                 f"prompt ({len(prompt)} tokens) and the longest candidate ({longest}) "
                 f"exceed the context window of {self.n_ctx}"
             )
-        job = Job(prompt, [Branch(cont=c) for c in conts], adapter=self._adapter(model))
+        scoring = Scoring(conts)
+        job = Job(
+            prompt,
+            [Branch() for _ in range(scoring.tips)],
+            adapter=self._adapter(model),
+            scoring=scoring,
+        )
         self._check_fits(loaded, job)
+        if len(scoring.nodes) > loaded.scheduler.capacity:
+            raise ContextWindowExceeded(
+                f"the candidates need {len(scoring.nodes)} tokens decoded at once; "
+                f"a step of the embedded model holds {loaded.scheduler.capacity}"
+            )
         scores: list[float] = []
         cached = 0
         async for event in self._run(loaded, job):

@@ -152,11 +152,14 @@ class StopMatcher:
 
     ``feed`` returns the text that may be shown now and whether a stop string
     ended the answer; text that could still be the start of a stop string is
-    held back until the next piece decides it.
+    held back until the next piece decides it. ``matched`` is the stop string
+    that ended the answer (the earliest in the text), for Anthropic's
+    ``stop_sequence``.
     """
 
     def __init__(self, stops: list[str] | None) -> None:
         self.stops = [s for s in (stops or []) if s]
+        self.matched: str | None = None
         self.text = ""
         self.shown = 0
 
@@ -166,9 +169,10 @@ class StopMatcher:
             out, self.shown = self.text[self.shown :], len(self.text)
             return out, False
         window = max(0, self.shown - max(len(s) for s in self.stops))
-        hits = [i for i in (self.text.find(s, window) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s, i in ((s, self.text.find(s, window)) for s in self.stops) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:at]
             out, self.shown = self.text[self.shown :], len(self.text)
             return out, True
         hold = 0

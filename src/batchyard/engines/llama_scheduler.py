@@ -13,16 +13,20 @@ thread that runs the step loop:
    starts like a cached or live prompt copies that prefix
    (``llama_memory_seq_cp``) or takes the idle sequence over, and only the
    rest is read;
-3. build one batch: one token of every generating branch, the tokens of
-   every scoring branch, then chunks of prompts being read up to the step's
-   prefill budget (chunked prefill);
+3. build one batch: one token of every generating branch, then chunks of
+   prompts being read up to the step's prefill budget (chunked prefill); a
+   scoring job whose prompt is read puts the whole trie of its candidates in;
 4. ``llama_decode`` once, then sample each branch with its own sampler chain
-   from its own logits row and post what it produced to its job's asyncio
-   queue, so streams see tokens as they are sampled.
+   from its own logits row; what the step produced is handed to the asyncio
+   side in one wake-up per event loop, so streams see tokens as they are
+   sampled without a thread handoff per token.
 
-A job whose prompt is read forks its branches off it (each a sequence copy
-of the prompt), so ``n`` samples and a decision's candidates share one read.
-When a job ends, its prompt stays in the cache as an idle prefix for the next.
+A generating job whose prompt is read forks its branches off it (each a
+sequence copy of the prompt), so ``n`` samples share one read. A scoring
+job (decide: every outcome of every decision of one text) reads its prompt
+once and then decodes all its candidates as one token trie in one
+``llama_decode`` (``Scoring``). When a job ends,
+its prompt stays in the cache as an idle prefix for the next.
 
 LoRA versions share the base model's scheduler. llama.cpp applies adapters
 to a whole context, not per sequence, so each step serves the jobs of one
@@ -87,7 +91,11 @@ class Adapter:
 
 @dataclass(eq=False)
 class Branch:
-    """One sequence forked off a job's prompt: a sample being generated, or a candidate scored."""
+    """One sequence forked off a job's prompt: a sample being generated, or a scoring tip.
+
+    A scoring job's branches only hold the sequences its candidate trie is
+    decoded in (see ``Scoring``); they sample nothing.
+    """
 
     # A generation: how it samples and when it ends.
     params: SamplingParams | None = None
@@ -95,20 +103,60 @@ class Branch:
     stops: list[str] | None = None
     logprobs: bool = False
     top: int = 0
-    # A scoring branch: the continuation whose log-probability is wanted.
-    cont: list[int] | None = None
     # Run state, owned by the scheduler's thread.
     seq: int = -1
     pos: int = 0
     pending: list[int] = field(default_factory=list)
     sampler: Any = None
     out_tokens: int = 0
-    lps: list[float] = field(default_factory=list)
     done: bool = False
     finish: str = "stop"
     matcher: StopMatcher | None = None
     decoder: Any = None
     rows: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Scoring:
+    """Candidate continuations of one prompt, scored as a token trie in one step.
+
+    Candidates that open alike (a decision's ``sentiment: `` before each
+    outcome) share the trie's nodes. Only a node some candidate goes past is
+    decoded (its logits row gives the next token of every candidate through
+    it); a candidate's first token is read from the prompt's own row and its
+    last from its parent's, so single-token candidates cost no decode at all.
+    Each *tip* (a decoded node with no decoded child) is one sequence, and a
+    node belongs to the sequences of every tip below it (one cache cell, many
+    sequence ids), so every node goes into one ``llama_decode``, the step
+    after the prompt's last chunk.
+    """
+
+    conts: list[list[int]]
+    #: Decoded nodes, parents first: (token, depth after the prompt, indexes of its tips).
+    nodes: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    #: Per candidate, per token: the node whose row gives that token (-1: the prompt's row).
+    reads: list[list[int]] = field(default_factory=list)
+    tips: int = 0
+    # Run state, owned by the scheduler's thread.
+    rows: list[int] = field(default_factory=list)
+    due: bool = False
+
+    def __post_init__(self) -> None:
+        index: dict[tuple[int, ...], int] = {}
+        for cont in self.conts:
+            for j in range(1, len(cont)):
+                index.setdefault(tuple(cont[:j]), -1)
+        inner = sorted(index, key=len)
+        index = {p: i for i, p in enumerate(inner)}
+        tips = [p for p in inner if not any(q[:-1] == p for q in inner if len(q) == len(p) + 1)]
+        self.tips = len(tips)
+        self.nodes = [
+            (p[-1], len(p) - 1, [t for t, tip in enumerate(tips) if tip[: len(p)] == p])
+            for p in inner
+        ]
+        self.reads = [
+            [-1, *(index[tuple(cont[:j])] for j in range(1, len(cont)))] for cont in self.conts
+        ]
 
 
 @dataclass(eq=False)
@@ -119,6 +167,8 @@ class Job:
     branches: list[Branch]
     post: Callable[[Event], None] = lambda _e: None
     adapter: Adapter | None = None
+    #: Candidates to score off the prompt (then ``branches`` are its trie's tips).
+    scoring: Scoring | None = None
     cancelled: bool = False
     # Run state, owned by the scheduler's thread.
     seq: int = -1
@@ -132,8 +182,15 @@ class Job:
     @property
     def reserve(self) -> int:
         """Cache cells this job may fill: its prompt and every branch at its longest."""
-        extra = sum(b.max_tokens if b.cont is None else len(b.cont) for b in self.branches)
-        return len(self.prompt) + extra
+        if self.scoring is not None:
+            return len(self.prompt) + len(self.scoring.nodes)
+        return len(self.prompt) + sum(b.max_tokens for b in self.branches)
+
+    def seqs(self) -> list[int]:
+        """The sequences the prompt's tokens go into: a scoring job's tips share its cells."""
+        if self.scoring is None:
+            return [self.seq]
+        return [self.seq, *(b.seq for b in self.branches)]
 
 
 @dataclass(eq=False)
@@ -146,6 +203,18 @@ class _Idle:
     logits: Any = None
     #: The adapter the prefix was read under: its cache is no other adapter's.
     adapter: Adapter | None = None
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
+def _lse(row: Any) -> float:
+    """The log of the sum of exp over a logits row, in float64 (log-probability = logit - this)."""
+    row64 = np.asarray(row, dtype=np.float64)
+    peak = float(row64.max())
+    return peak + float(np.log(np.exp(row64 - peak).sum()))
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -199,7 +268,8 @@ class Scheduler:
         self.ctx: Any = _internals.LlamaContext(model=self.model, params=params, verbose=False)
         self.n_cells: int = llama_cpp.llama_n_ctx(self.ctx.ctx)
         self.memory = llama_cpp.llama_get_memory(self.ctx.ctx)
-        self.batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
+        # Up to every sequence id on one token: a scoring trie's node is in all its tips.
+        self.batch = llama_cpp.llama_batch_init(self.capacity, 0, self.n_seq)
         self._lib = llama_cpp
         # The adapter set on the context now (None: the base), and the group's turn.
         self._applied: Adapter | None = None
@@ -215,6 +285,7 @@ class Scheduler:
         self._used = 0
         self._tick = 0
         self._closing = False
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, Any, Job, Event]] = []
         self._thread = threading.Thread(target=self._run, name="llama-steps", daemon=True)
         self._thread.start()
 
@@ -262,10 +333,8 @@ class Scheduler:
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
         def post(event: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the loop is gone: nobody is listening
-                job.cancelled = True
+            # Collected by the step thread and handed over once a step (``_deliver``).
+            self._outbox.append((loop, queue, job, event))
 
         job.post = post
         self.submit(job)
@@ -291,6 +360,7 @@ class Scheduler:
         self._thread.join()
         for job in [*self._waiting, *self._live, *self._inbox]:
             job.post(("error", UpstreamError("the embedded model was unloaded", retryable=True)))
+        self._deliver()
         for adapter, free, done in self._releases:
             adapter.released = True
             free()
@@ -328,6 +398,24 @@ class Scheduler:
                 self._idle.clear()
                 self._free = list(range(self.n_seq - 1, -1, -1))
                 self._used = 0
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand the step's events to their event loops: one wake-up per loop, not per token."""
+        if not self._outbox:
+            return
+        out, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        jobs: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+        for loop, queue, job, event in out:
+            by_loop.setdefault(loop, []).append((queue, event))
+            jobs.setdefault(loop, []).append(job)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is gone: nobody is listening
+                for job in jobs[loop]:
+                    job.cancelled = True
 
     def _step(self) -> None:
         self._tick += 1
@@ -389,17 +477,16 @@ class Scheduler:
         while self._waiting and len(self._live) < self.slots:
             job = self._waiting[0]
             src, match = self._best_prefix(job)
-            scoring = all(b.cont is not None for b in job.branches)
             reuse_logits = (
                 isinstance(src, _Idle)
-                and scoring
+                and job.scoring is not None
                 and match == len(job.prompt) == len(src.tokens)
                 and src.logits is not None
             )
             if not reuse_logits:
                 match = min(match, len(job.prompt) - 1)
             # Copy an idle prefix while there is room, so the job it came from
-            # (decide's next decision, a chat's next turn) still finds it;
+            # (a chat's next turn, the next text of a decision set) still finds it;
             # take the idle sequence over only when room is short.
             room = (
                 len(self._free) >= len(job.branches) + 1
@@ -436,6 +523,11 @@ class Scheduler:
                 job.logits = src.logits
             for branch in job.branches:
                 branch.seq = self._free.pop()
+                if job.scoring is not None:
+                    # A tip sees the prompt: the copied prefix now, the rest as it is read.
+                    self._lib.llama_memory_seq_rm(self.memory, branch.seq, -1, -1)
+                    if match:
+                        self._lib.llama_memory_seq_cp(self.memory, job.seq, branch.seq, 0, match)
             self._used += job.reserve
             job.pos = job.cached = match
             if match and self._on_cached is not None:
@@ -450,13 +542,15 @@ class Scheduler:
         self._free.append(idle.seq)
         self._used -= len(idle.tokens)
 
-    def _add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+    def _add(self, token: int, pos: int, seqs: list[int], logits: bool) -> int:
         b = self.batch
         i = int(b.n_tokens)
         b.token[i] = token
         b.pos[i] = pos
-        b.n_seq_id[i] = 1
-        b.seq_id[i][0] = seq
+        b.n_seq_id[i] = len(seqs)
+        ids = b.seq_id[i]
+        for k, seq in enumerate(seqs):
+            ids[k] = seq
         b.logits[i] = logits
         b.n_tokens = i + 1
         return i
@@ -515,13 +609,19 @@ class Scheduler:
             done.set()
 
     def _fill(self) -> list[Job]:
-        """One step's batch: decoding branches first, then prompt chunks within the budget."""
+        """One step's batch: decoding branches and scoring tries first, then prompt chunks
+        within the budget. A scoring job's trie goes in the step after its prompt's last
+        chunk, whole."""
         self.batch.n_tokens = 0
         adapter = self._next_adapter()
         self._apply_adapter(adapter)
         group = [j for j in self._live if j.adapter is adapter]
         room = self.capacity
         for job in group:
+            if job.scoring is not None:
+                if job.scoring.due and len(job.scoring.nodes) <= room:
+                    room -= self._add_nodes(job)
+                continue
             if not job.forked:
                 continue
             for branch in job.branches:
@@ -533,23 +633,44 @@ class Scheduler:
                     continue
                 del branch.pending[: len(take)]
                 for token in take:
-                    branch.rows.append(self._add(token, branch.pos, branch.seq, True))
+                    branch.rows.append(self._add(token, branch.pos, [branch.seq], True))
                     branch.pos += 1
                 room -= len(take)
         budget = min(self.prefill, room)
         for job in group:
-            if job.forked or budget <= 0:
-                job.row = -1
+            job.row = -1
+            if job.forked or job.pos >= len(job.prompt) or budget <= 0:
                 continue
             chunk = job.prompt[job.pos : job.pos + budget]
             end = job.pos + len(chunk) == len(job.prompt)
+            seqs = job.seqs()
             row = -1
             for k, token in enumerate(chunk):
-                row = self._add(token, job.pos + k, job.seq, end and k == len(chunk) - 1)
+                row = self._add(token, job.pos + k, seqs, end and k == len(chunk) - 1)
             job.row = row if end else -1
             job.pos += len(chunk)
             budget -= len(chunk)
+            room -= len(chunk)
+            if end and job.scoring is not None and job.scoring.nodes:
+                # Its trie goes into the next step, not beside this chunk: a row's
+                # attention rounds by the shape of its micro-batch (see
+                # docs/explanation/batch-invariance.md), and read apart a text's
+                # scores are the ones its prompt gives alone.
+                job.scoring.due = True
         return group
+
+    def _add_nodes(self, job: Job) -> int:
+        """Every decoded node of a scoring job's trie, in the tips' sequences."""
+        scoring = job.scoring
+        assert scoring is not None
+        n = len(job.prompt)
+        tips = [b.seq for b in job.branches]
+        scoring.rows = [
+            self._add(token, n + depth, [tips[t] for t in under], True)
+            for token, depth, under in scoring.nodes
+        ]
+        scoring.due = False
+        return len(scoring.nodes)
 
     def _row(self, i: int) -> Any:
         return np.ctypeslib.as_array(
@@ -560,6 +681,9 @@ class Scheduler:
         for job in group:
             if job.cancelled:
                 continue
+            if job.scoring is not None:
+                self._scored(job)
+                continue
             if not job.forked:
                 if job.row >= 0:
                     self._fork(job, job.row)
@@ -567,39 +691,50 @@ class Scheduler:
             for branch in job.branches:
                 if branch.done or not branch.rows:
                     continue
-                if branch.cont is not None:
-                    base = len(branch.lps)
-                    for k, row in enumerate(branch.rows):
-                        lps = log_softmax(self._row(row))
-                        branch.lps.append(float(lps[branch.cont[base + k]]))
-                    if len(branch.lps) == len(branch.cont):
-                        branch.done = True
-                else:
-                    self._sample(job, branch, branch.rows[-1])
+                self._sample(job, branch, branch.rows[-1])
             self._maybe_done(job)
 
+    def _scored(self, job: Job) -> None:
+        """A scoring job's rows are in: each candidate's log-probability, summed over its tokens."""
+        scoring = job.scoring
+        assert scoring is not None
+        if job.row >= 0:
+            job.logits = self._row(job.row).copy()
+            job.forked = True
+        if job.logits is None or (scoring.nodes and not scoring.rows):
+            return  # the prompt or the trie is still to be decoded
+        rows = [job.logits, *(self._row(r) for r in scoring.rows)]
+        lse = [_lse(r) for r in rows]
+        scores = [
+            [float(rows[src + 1][t]) - lse[src + 1] for src, t in zip(reads, cont, strict=True)]
+            for reads, cont in zip(scoring.reads, scoring.conts, strict=True)
+        ]
+        for branch in job.branches:
+            branch.done = True
+        self._finish(job, keep=True)
+        job.post(("scores", scores))
+        job.post(("done", len(job.prompt), job.cached))
+
     def _fork(self, job: Job, row: int | None) -> None:
-        """The prompt is read: start every branch off it."""
+        """The prompt is read: start every branch off it (a scoring job: its trie is due)."""
         job.forked = True
+        if job.scoring is not None:
+            if job.scoring.nodes:
+                job.scoring.due = True  # decoded in the next step
+            else:
+                self._scored(job)  # every candidate is one token: the cached row answers all
+            return
+        assert row is not None
         n_prompt = len(job.prompt)
-        if row is not None and any(b.cont is not None for b in job.branches):
-            job.logits = self._row(row).copy()
         for branch in job.branches:
             self._lib.llama_memory_seq_rm(self.memory, branch.seq, -1, -1)
             self._lib.llama_memory_seq_cp(self.memory, job.seq, branch.seq, 0, n_prompt)
             branch.pos = n_prompt
-            if branch.cont is not None:
-                first = log_softmax(job.logits)
-                branch.lps = [float(first[branch.cont[0]])]
-                # The first token's row is the prompt's; only the rest are fed.
-                branch.pending = branch.cont[:-1] if len(branch.cont) > 1 else []
-                branch.done = len(branch.cont) == 1
-            else:
-                assert branch.params is not None and row is not None
-                branch.sampler = build_sampler(self.model, self.n_vocab, branch.params)
-                branch.matcher = StopMatcher(branch.stops)
-                branch.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-                self._sample(job, branch, row)
+            assert branch.params is not None
+            branch.sampler = build_sampler(self.model, self.n_vocab, branch.params)
+            branch.matcher = StopMatcher(branch.stops)
+            branch.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._sample(job, branch, row)
         self._maybe_done(job)
 
     def _sample(self, job: Job, branch: Branch, row: int) -> None:
@@ -649,14 +784,13 @@ class Scheduler:
             # Text held back for a stop string that never came is the answer's too.
             tail, _ = branch.matcher.feed(branch.decoder.decode(b"", final=True))
             tail += branch.matcher.flush()
-        job.post(("branch", job.branches.index(branch), tail, finish, branch.out_tokens))
+        matched = branch.matcher.matched if stopped else None
+        job.post(("branch", job.branches.index(branch), tail, finish, branch.out_tokens, matched))
 
     def _maybe_done(self, job: Job) -> None:
         if job.forked and all(b.done for b in job.branches):
             # Freed before the caller hears: what it sends next finds the room.
             self._finish(job, keep=True)
-            if any(b.cont is not None for b in job.branches):
-                job.post(("scores", [list(b.lps) for b in job.branches]))
             job.post(("done", len(job.prompt), job.cached))
 
     def _finish(self, job: Job, *, keep: bool) -> None:
@@ -681,6 +815,12 @@ class Scheduler:
             logits = job.logits if n == len(job.prompt) else None
             self._idle.append(_Idle(job.seq, kept, self._tick, logits, job.adapter))
             self._used += n
+            # As many idle prefixes as slots, the least recently used out first: every
+            # step's attention scans the cache up to its highest used cell (row by row,
+            # masked cells included), so idle cells kept beyond what the next requests
+            # can reuse slow every request down; llama-server keeps one per slot too.
+            while len(self._idle) > self.slots:
+                self._evict(min(self._idle, key=lambda i: i.used))
         else:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
             self._free.append(job.seq)

@@ -35,6 +35,7 @@ from batchyard.service.metrics import PrometheusRecorder
 from batchyard.store.database import Database
 from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.batches.worker import MarketWorker
+from batchyard.work.decide_scoring import Calibrations
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.file_batches.worker import FileBatchWorker
@@ -60,6 +61,8 @@ class Service:
     limiter: Limiter
     engines: EngineRegistry
     dispatcher: Dispatcher
+    #: Decide's calibration: each decision set's prior and running sums, written behind.
+    calibrations: Calibrations
     tokenizers: Tokenizers
     batch_key: BatchKey
     market: MarketWorker
@@ -134,6 +137,7 @@ class Service:
         if grace_s is not None:
             await self.drain(grace_s)
         await self.stop_workers()
+        await self.calibrations.flush()
         await self.engines.aclose()
         await self.limiter.close()
         self.db.close()

@@ -10,9 +10,10 @@ fingerprint), decision and outcome:
   organisation and set, by the call that first needs it, which pays for it.
 - ``prob_sum`` over ``texts``: the running sum of the raw probabilities of
   every text of this set answered so far, for the batch mean. It is kept as a
-  sum and a count, so that concurrent calls in several processes add to it
-  with one ``UPDATE ... SET prob_sum = prob_sum + :p`` each and never lose an
-  update, on SQLite and PostgreSQL alike.
+  sum and a count, so that several processes add to it with one
+  ``UPDATE ... SET prob_sum = prob_sum + :p, texts = texts + :n`` each (the
+  texts a process answered since its last write, written in the background)
+  and never lose an update, on SQLite and PostgreSQL alike.
 
 It is kept per organisation: one organisation's texts never move another's
 answers, and nothing of a text is stored, only sums of probabilities.
@@ -118,18 +119,24 @@ _ADD = (
         decide_calibration.c.outcome == bindparam("j"),
     )
     .values(
-        texts=decide_calibration.c.texts + 1,
+        texts=decide_calibration.c.texts + bindparam("n"),
         prob_sum=decide_calibration.c.prob_sum + bindparam("p"),
     )
 )
 
 
 def add_texts(
-    conn: Connection, org_id: str, fingerprint: str, probabilities: Sequence[Sequence[float]]
+    conn: Connection,
+    org_id: str,
+    fingerprint: str,
+    probabilities: Sequence[Sequence[float]],
+    *,
+    texts: int = 1,
 ) -> None:
-    """Fold one text's raw probabilities (per decision, per outcome) into the running sums."""
+    """Fold ``texts`` texts into the running sums: ``probabilities`` is the sum of their raw
+    probabilities (per decision, per outcome), one text's when ``texts`` is 1."""
     rows = [
-        {"o": org_id, "f": fingerprint, "d": k, "j": j, "p": float(p)}
+        {"o": org_id, "f": fingerprint, "d": k, "j": j, "n": texts, "p": float(p)}
         for k, probs in enumerate(probabilities)
         for j, p in enumerate(probs)
     ]

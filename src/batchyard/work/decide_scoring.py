@@ -1,7 +1,10 @@
 """Decide's per-outcome scoring, calibrated: what the model's scores say once its bias is out.
 
-For a scoring engine, each decision's outcomes are scored as the reply to
-the one prompt (the text once, every question). Calibration
+For a scoring engine, every outcome of every decision is scored in one call:
+each decision's answer line as the opening of the reply to the one prompt
+(the text once, every question), independent of the other decisions'
+answers (``core.decisions.scoring_candidates``). The embedded engine reads
+the prompt once and decodes all the candidates together. Calibration
 (``batchyard.core.calibration``) adds, per call:
 
 - the decision set's prior: the content-free estimate, made once per
@@ -12,23 +15,27 @@ the one prompt (the text once, every question). Calibration
   holds the pull of the outcome listed first too, and the call reads the one
   prompt an uncalibrated call reads.
 
-Decision *k* is still scored after the answers chosen for decisions 1 to
-*k*−1, and those are the calibrated choices. Every prompt the model reads is
-usage: ``input_tokens`` counts the call's prompt and any content-free
-prompts, and ``calibration_input_tokens`` says how many of them calibration
-added.
+Every prompt the model reads is usage: ``input_tokens`` counts the call's
+prompt and any content-free prompts, and ``calibration_input_tokens`` says
+how many of them calibration added.
 
 The state lives in the store (``batchyard.store.calibration``), so every
-process of a deployment shares one running mean; what a process learns of a
-prior that is already stored is kept in memory, since it never changes.
+process of a deployment shares one running mean, but a call never waits on
+it: ``Calibrations`` keeps each set's prior and running sums in memory (read
+from the store once per set and process), folds each answered text in at
+once, and writes what it added in the background, one write for whatever
+accumulated since the last (``_persist``), reading back the store's sums,
+which hold the other processes' texts too. The composition root builds the
+one ``Calibrations`` of a deployment; ``Service.stop`` writes what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from batchyard.core import calibration as cal
@@ -42,9 +49,10 @@ __all__ = [
     "CalibrationInfo",
     "Calibrations",
     "ScoredAnswers",
-    "calibrations_for",
     "content_free_requests",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def content_free_requests(req: rules.DecideRequest) -> list[rules.DecideRequest]:
@@ -90,6 +98,15 @@ class ScoredAnswers:
     calibration: CalibrationInfo | None
 
 
+def _write_sums(
+    taken: list[tuple[tuple[str, str], tuple[int, list[list[float]]]]], conn: Any
+) -> list[store.SetState | None]:
+    """Add each set's pending texts to the store, and read back its sums (everyone's)."""
+    for (org_id, fp), (n, sums) in taken:
+        store.add_texts(conn, org_id, fp, sums, texts=n)
+    return [store.load_state(conn, org_id, fp) for (org_id, fp), _ in taken]
+
+
 @dataclass
 class _Raw:
     chosen: list[str]
@@ -100,22 +117,87 @@ class _Raw:
 
 
 @dataclass
+class _Running:
+    """One set's running sums as this process knows them: the store's, and its own not yet written.
+
+    ``texts`` and ``sums`` already include the ``pending`` texts (and their
+    ``pending_sums``), which ``Calibrations._persist`` has still to write.
+    """
+
+    texts: list[int]
+    sums: list[list[float]]
+    pending: int = 0
+    pending_sums: list[list[float]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, state: store.SetState | None, shape: list[int]) -> _Running:
+        if state is None:
+            return cls([0] * len(shape), [[0.0] * n for n in shape])
+        return cls(list(state.texts), [list(s) for s in state.prob_sums])
+
+    def add(self, raw: list[list[float]]) -> None:
+        if not self.pending:
+            self.pending_sums = [[0.0] * len(r) for r in raw]
+        self.pending += 1
+        for k, probs in enumerate(raw):
+            self.texts[k] += 1
+            for j, p in enumerate(probs):
+                self.sums[k][j] += p
+                self.pending_sums[k][j] += p
+
+    def take(self) -> tuple[int, list[list[float]]]:
+        """The pending texts and their sums, to be written; none are pending after."""
+        got = (self.pending, self.pending_sums)
+        self.pending, self.pending_sums = 0, []
+        return got
+
+    def give_back(self, n: int, sums: list[list[float]]) -> None:
+        """Texts a failed write took: pending again, before any added since."""
+        if self.pending:
+            sums = [
+                [a + b for a, b in zip(x, y, strict=True)]
+                for x, y in zip(sums, self.pending_sums, strict=True)
+            ]
+        self.pending, self.pending_sums = self.pending + n, sums
+
+    def rebase(self, state: store.SetState) -> None:
+        """The store's sums (everyone's written texts) plus what is still pending here."""
+        self.texts = [n + self.pending for n in state.texts]
+        self.sums = [list(s) for s in state.prob_sums]
+        if self.pending:
+            for k, probs in enumerate(self.pending_sums):
+                for j, p in enumerate(probs):
+                    self.sums[k][j] += p
+
+
+@dataclass
 class Calibrations:
     """One deployment's calibration: the store's shared state and this process's memory of it."""
 
     dispatcher: Dispatcher
     _priors: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
+    _running: dict[tuple[str, str], _Running] = field(default_factory=dict)
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    _writer: asyncio.Task[None] | None = None
 
     async def prior_known(self, org_id: str, model_id: str, req: rules.DecideRequest) -> bool:
         """Whether the set's content-free prior is stored (a call then needn't estimate it)."""
         key = (org_id, fingerprint(model_id, req))
         if key in self._priors:
             return True
+        return await self._load(key, req) is not None
+
+    async def _load(
+        self, key: tuple[str, str], req: rules.DecideRequest
+    ) -> list[list[float]] | None:
+        """The stored prior, kept with the stored running sums: one read a set and process."""
         state = await self.dispatcher.db.read(lambda c: store.load_state(c, *key))
-        if state is not None:
-            self._priors[key] = state.content_free
-        return state is not None
+        if state is None:
+            return None
+        self._priors[key] = state.content_free
+        if key not in self._running:
+            self._running[key] = _Running.of(state, [len(d.outcomes) for d in req.decisions])
+        return state.content_free
 
     async def _score(
         self,
@@ -125,31 +207,29 @@ class Calibrations:
         prompt_tokens: int,
         prior_of: Callable[[int], list[float] | None],
     ) -> _Raw:
-        messages = rules.build_messages(req, "lines")
-        decisions = req.decisions
+        """Every outcome of every decision in one scoring call, each decision on its own."""
+        groups = rules.scoring_candidates(req.decisions)
+        scores, usage = await self.dispatcher.score(
+            route=route,
+            model=upstream_model,
+            messages=rules.build_messages(req, "lines"),
+            candidates=[c for group in groups for c in group],
+            input_tokens=prompt_tokens,
+        )
         chosen: list[str] = []
         raws: list[list[float]] = []
         finals: list[list[float]] = []
-        read: int | None = None
-        for k, decision in enumerate(decisions):
-            candidates = rules.scoring_candidates(decisions, k, chosen)
-            scores, usage = await self.dispatcher.score(
-                route=route,
-                model=upstream_model,
-                messages=messages,
-                candidates=candidates,
-                input_tokens=prompt_tokens,
-            )
-            # Every decision reads the same prompt; it is paid once.
-            read = usage.input_tokens if read is None else read
-            raw = rules.softmax(scores)
+        at = 0
+        for k, decision in enumerate(req.decisions):
+            raw = rules.softmax(scores[at : at + len(groups[k])])
+            at += len(groups[k])
             prior = prior_of(k)
             final = cal.calibrate(raw, prior) if prior is not None else raw
             best = max(range(len(final)), key=final.__getitem__)
             chosen.append(decision.outcomes[best].id)
             raws.append(raw)
             finals.append(final)
-        return _Raw(chosen, raws, finals, read or 0)
+        return _Raw(chosen, raws, finals, usage.input_tokens)
 
     async def _content_free(
         self,
@@ -160,29 +240,31 @@ class Calibrations:
         count: Callable[[list[dict[str, Any]]], int],
     ) -> tuple[list[list[float]], int]:
         """The set's content-free prior and the prompt tokens spent estimating it (0: known)."""
+        known = self._priors.get(key)
+        if known is not None:
+            return known, 0
         async with self._locks.setdefault(key, asyncio.Lock()):
-            known = self._priors.get(key)
-            if known is None:
-                state = await self.dispatcher.db.read(lambda c: store.load_state(c, *key))
-                known = state.content_free if state is not None else None
+            known = self._priors.get(key) or await self._load(key, req)
             if known is not None:
-                self._priors[key] = known
                 return known, 0
-            samples: list[list[list[float]]] = []
-            spent = 0
-            for cf in content_free_requests(req):
-                tokens = count(rules.build_messages(cf, "lines"))
-                got = await self._score(route, upstream_model, cf, tokens, lambda _k: None)
-                samples.append(got.raw)
-                spent += got.input_tokens
+            # One after another: the set's prior is then the same however busy the engine is.
+            got = [
+                await self._score(
+                    route,
+                    upstream_model,
+                    cf,
+                    count(rules.build_messages(cf, "lines")),
+                    lambda _k: None,
+                )
+                for cf in content_free_requests(req)
+            ]
+            spent = sum(g.input_tokens for g in got)
             prior = [
-                cal.mean_probabilities([s[k] for s in samples]) for k in range(len(req.decisions))
+                cal.mean_probabilities([g.raw[k] for g in got]) for k in range(len(req.decisions))
             ]
             await self.dispatcher.db.write(lambda c: store.save_content_free(c, *key, prior))
             # Another process may have stored its estimate first: use the stored one.
-            state = await self.dispatcher.db.read(lambda c: store.load_state(c, *key))
-            self._priors[key] = state.content_free if state is not None else prior
-            return self._priors[key], spent
+            return await self._load(key, req) or prior, spent
 
     async def score(
         self,
@@ -215,19 +297,18 @@ class Calibrations:
             return ScoredAnswers(got.chosen, by_id(got.final), None, usage, 0, None)
         key = (org_id, fingerprint(model_id, req))
         content_free, cf_tokens = await self._content_free(key, route, upstream_model, req, count)
-        texts = [0] * len(req.decisions)
-        sums = [[0.0] * len(o) for o in ids]
-        if mode == "batch":
-            state = await self.dispatcher.db.read(lambda c: store.load_state(c, *key))
-            if state is not None:
-                texts, sums = state.texts, state.prob_sums
+        shape = [len(o) for o in ids]
+        running = self._running.setdefault(key, _Running.of(None, shape))
+        texts = list(running.texts) if mode == "batch" else [0] * len(shape)
+        sums = [list(s) for s in running.sums] if mode == "batch" else [[0.0] * n for n in shape]
 
         def prior_of(k: int) -> list[float]:
             return cal.blend_prior(content_free[k], sums[k], texts[k])
 
         got = await self._score(route, upstream_model, req, prompt_tokens, prior_of)
         if mode == "batch" and retain:
-            await self.dispatcher.db.write(lambda c: store.add_texts(c, *key, got.raw))
+            running.add(got.raw)
+            self._persist_soon()
         answer = rules.answer_text(req.decisions, got.chosen, "lines")
         return ScoredAnswers(
             got.chosen,
@@ -239,13 +320,42 @@ class Calibrations:
             CalibrationInfo(mode, min(texts), cf_tokens > 0),
         )
 
+    # -- writing the running sums, off the call's path ------------------------------
 
-_registry: weakref.WeakKeyDictionary[Dispatcher, Calibrations] = weakref.WeakKeyDictionary()
+    def _persist_soon(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._persist())
 
+    async def _persist(self) -> None:
+        """Write every set's pending texts, one write a round, until none are pending.
 
-def calibrations_for(dispatcher: Dispatcher) -> Calibrations:
-    """The deployment's calibration state (made on first use), one per dispatcher."""
-    found = _registry.get(dispatcher)
-    if found is None:
-        found = _registry[dispatcher] = Calibrations(dispatcher)
-    return found
+        Texts answered while a write is in flight go in the next round, so a
+        burst of calls costs a write or two, not one each. After each write
+        the store's sums (which hold other processes' texts too) replace this
+        process's, plus what is pending here. A failed write keeps the texts
+        pending for the next round, started by the next answered text or by
+        ``flush``.
+        """
+        while True:
+            taken = [(key, r.take()) for key, r in self._running.items() if r.pending]
+            if not taken:
+                return
+
+            try:
+                states = await self.dispatcher.db.write(partial(_write_sums, taken))
+            except Exception as exc:
+                log.warning(
+                    "could not write decide's running calibration sums (kept for later): %s", exc
+                )
+                for key, (n, sums) in taken:
+                    self._running[key].give_back(n, sums)
+                return
+            for (key, _), state in zip(taken, states, strict=True):
+                if state is not None:
+                    self._running[key].rebase(state)
+
+    async def flush(self) -> None:
+        """Write whatever is pending now (at shutdown, and in tests)."""
+        if self._writer is not None and not self._writer.done():
+            await self._writer
+        await self._persist()

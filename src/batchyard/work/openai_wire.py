@@ -311,9 +311,12 @@ def embedding_list(
 
 
 def matched_stop(completion: Completion, stops: list[str] | None) -> str | None:
-    """The stop sequence that ended the answer, where the engine says which (vLLM does)."""
+    """The stop sequence that ended the answer, where the engine says which (the embedded
+    engine and vLLM do)."""
     if not stops:
         return None
+    if completion.choices and completion.choices[0].stop_sequence in stops:
+        return completion.choices[0].stop_sequence
     choices = completion.raw.get("choices") if isinstance(completion.raw, dict) else None
     first = choices[0] if isinstance(choices, list) and choices else {}
     said = first.get("stop_reason") if isinstance(first, dict) else None

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from batchyard.core import decisions as rules
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
@@ -25,6 +26,8 @@ from batchyard.engines.memory import ScriptedEngine
 from batchyard.errors import ModelUnavailable
 from batchyard.service import Service
 from batchyard.store import accounts, activity, ledger
+from batchyard.store import calibration as cal_store
+from batchyard.work import decide_scoring
 from batchyard.work.warmth import serving
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
@@ -69,10 +72,9 @@ def text_scorer(model: str, messages: list[dict[str, Any]], candidates: list[str
 
 
 def runs(engine: ScriptedEngine, body: dict[str, Any] = BODY) -> int:
-    """How often the model answered ``body``'s text: each decision scored once."""
+    """How often the model answered ``body``'s text: one scoring call for every decision."""
     text = body["input"]["text"]
-    scored = [c for c in engine.score_calls if text in str(c.messages)]
-    return len(scored) // len(body["decisions"])
+    return sum(text in str(c.messages) for c in engine.score_calls)
 
 
 def words(messages: list[dict[str, Any]]) -> int:
@@ -129,18 +131,26 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
         assert math.isclose(sum(probs.values()), 1.0, abs_tol=1e-5)
         assert max(probs, key=probs.get) == answer["outcome"]
     # Calibration: first the set's content-free prior (three texts that say
-    # nothing, every decision), then the text, every decision, under the one
-    # prompt an uncalibrated call reads.
+    # nothing, one call each), then the text: one call, every outcome of every
+    # decision, under the one prompt an uncalibrated call reads.
     calls = engine.score_calls
-    assert len(calls) == 3 * 2 + 2
-    content_free, real = calls[:6], calls[6:]
+    assert len(calls) == 3 + 1
+    content_free, real = calls[:3], calls[3:]
     assert all(TEXT not in str(c.messages) for c in content_free)
     listing = "- positive: pleased\n  - negative: unhappy\n  - neutral: neither"
     assert all(listing in c.messages[-1]["content"] for c in calls)
     listed = real[0].messages
-    assert real[1].messages == listed and str(listed).count(TEXT) == 1
-    # Decision 2 is scored after decision 1's (calibrated) answer.
-    assert real[1].candidates[0].startswith("sentiment: negative\ntopic: ")
+    assert str(listed).count(TEXT) == 1
+    # Each decision's answer line opens the reply on its own, whatever the
+    # other decision answers: no call waits for another's answer.
+    assert real[0].candidates == [
+        "sentiment: positive",
+        "sentiment: negative",
+        "sentiment: neutral",
+        "topic: battery",
+        "topic: screen",
+        "topic: price",
+    ]
     # Each prompt is paid once however many decisions read it; calibration's are said apart.
     cf_prompts = {str(c.messages): words(c.messages) for c in content_free}
     assert len(cf_prompts) == 3
@@ -167,7 +177,7 @@ async def test_every_decision_answered_in_one_call_with_the_text_paid_once(servi
     # call does, and is calibrated by the first.
     service.clock.advance(2)
     again = (await http.post("/v1/decide", json=BODY, headers=acct.headers)).json()
-    assert len(engine.score_calls) == 8 + 2
+    assert len(engine.score_calls) == 4 + 1
     assert again["usage"]["input_tokens"] == words(listed)
     assert again["usage"]["calibration_input_tokens"] == 0
     assert again["calibration"]["texts"] == 1
@@ -415,7 +425,7 @@ async def test_a_newcomers_sequence(service, engine, http):
     assert broke.json()["error"]["code"] == "insufficient_credit"
     bal = balance(service, acct.org_id)
     assert bal.settled == to_ticks(Decimal(first.json()["charge"])) and bal.held == 0
-    assert len(engine.score_calls) == 2
+    assert len(engine.score_calls) == 1
 
 
 # -- OpenAI-compatible routes (generation, parsed strictly) -------------------------------
@@ -768,3 +778,56 @@ def test_a_version_can_be_served_by_its_base_route() -> None:
     assert serving(catalog, catalog.model("kettei-core")).upstream_model == embedded.upstream_model
     with pytest.raises(ModelUnavailable):
         serving(catalog, catalog.model("kettei-fat"))
+
+
+async def test_the_running_mean_lives_in_memory_and_is_written_behind(
+    service, engine, http, monkeypatch
+):
+
+    acct = make_account(service, credit="1")
+    first = await http.post("/v1/decide", json=BODY, headers=acct.headers)
+    assert first.json()["calibration"]["content_free_estimated"] is True
+    await service.calibrations.flush()
+    # From here on a call neither reads nor writes calibration state: the
+    # background writer is held back, and every read of the store is counted.
+    with monkeypatch.context() as m:
+        m.setattr(service.calibrations, "_persist_soon", lambda: None)
+        reads: list[str] = []
+        load = cal_store.load_state
+
+        def counted(*args: Any) -> Any:
+            reads.append(args[2])
+            return load(*args)
+
+        m.setattr(cal_store, "load_state", counted)
+        seen = []
+        for _ in range(4):
+            service.clock.advance(2)  # under the tier's request rate
+            body = (await http.post("/v1/decide", json=BODY, headers=acct.headers)).json()
+            seen.append(body["calibration"]["texts"])
+        assert reads == []
+    # Each text is calibrated by every text before it, at once (the memory's sums).
+    assert seen == [1, 2, 3, 4]
+    req = rules.parse_request(BODY)
+    fingerprint = decide_scoring.fingerprint("kettei-core", req)
+    stored = service.db.read_sync(lambda c: cal_store.load_state(c, acct.org_id, fingerprint))
+    assert stored is not None and stored.texts == [1, 1]
+    # Written behind, in one write: the store then holds every text.
+    await service.calibrations.flush()
+    stored = service.db.read_sync(lambda c: cal_store.load_state(c, acct.org_id, fingerprint))
+    assert stored is not None and stored.texts == [5, 5]
+    # Another process's texts arrive with the next write (the store's sums are read back).
+    service.db.transact_sync(
+        lambda c: cal_store.add_texts(c, acct.org_id, fingerprint, stored.prob_sums, texts=5)
+    )
+    service.clock.advance(2)
+    await http.post("/v1/decide", json=BODY, headers=acct.headers)
+    await service.calibrations.flush()
+    service.clock.advance(2)
+    after = (await http.post("/v1/decide", json=BODY, headers=acct.headers)).json()
+    assert after["calibration"]["texts"] == 11
+    # A process that starts now reads the shared state once.
+    other = decide_scoring.Calibrations(service.dispatcher)
+    assert await other.prior_known(acct.org_id, "kettei-core", req)
+    await service.calibrations.flush()
+    assert other._running[(acct.org_id, fingerprint)].texts == [12, 12]

@@ -247,7 +247,7 @@ def _direct_probs(llm: Any) -> dict[str, float]:
     llm.eval(p_tokens)
     after_prompt = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
     scores = []
-    for candidate in rules.scoring_candidates(req.decisions, 0, []):
+    for candidate in rules.scoring_candidates(req.decisions)[0]:
         full = llm.tokenize(prompt + candidate.encode(), add_bos=False, special=True)
         assert full[:n_prompt] == p_tokens
         tokens = full[n_prompt:]

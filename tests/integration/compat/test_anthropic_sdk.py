@@ -85,6 +85,35 @@ def test_max_tokens_is_reported_as_the_stop_reason(gateway):
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 2
 
 
+def test_a_stop_sequence_is_named_as_anthropic_names_it(gateway):
+    sdk = client(gateway, gateway.org("stops"))
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 40,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Count from one to ten in words."}],
+    }
+    whole = sdk.messages.create(**ask)
+    assert isinstance(whole.content[0], TextBlock)
+    text = whole.content[0].text
+    # A stop string the answer is known to reach (at temperature 0 it repeats
+    # itself), beside one it never writes: Anthropic names the one that ended it.
+    words = [w.strip(" ,.") for w in text.split() if w.strip(" ,.")]
+    assert len(words) >= 3, text
+    stop = words[2]
+    cut = text[: text.index(stop)]
+    message = sdk.messages.create(**ask, stop_sequences=["never written here", stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert isinstance(message.content[0], TextBlock) and message.content[0].text == cut
+    with sdk.messages.stream(**ask, stop_sequences=[stop]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == cut
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    # Without a stop string in play, the field stays null.
+    assert whole.stop_sequence is None and whole.stop_reason in ("end_turn", "max_tokens")
+
+
 def test_a_stream_is_events_of_the_sdks_own_types(gateway):
     sdk = client(gateway, gateway.org("stream"))
     adapter: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)

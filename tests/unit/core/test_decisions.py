@@ -136,16 +136,13 @@ def test_raw_probabilities_go_beside_the_calibrated_ones() -> None:
     assert "raw_probabilities" not in d.answers_json(req.decisions[:1], ["negative"], probs[:1])[0]
 
 
-def test_scoring_candidates_carry_the_answers_so_far() -> None:
+def test_scoring_candidates_ask_each_decision_on_its_own() -> None:
     req = parsed()
-    assert d.scoring_candidates(req.decisions, 0, []) == [
-        "sentiment: positive",
-        "sentiment: negative",
-        "sentiment: neutral",
-    ]
-    assert d.scoring_candidates(req.decisions, 1, ["negative"]) == [
-        "sentiment: negative\ntopic: battery",
-        "sentiment: negative\ntopic: screen",
+    # Every decision's answer line opens the reply, whatever the others answer:
+    # all of them are scored off the one prompt, together.
+    assert d.scoring_candidates(req.decisions) == [
+        ["sentiment: positive", "sentiment: negative", "sentiment: neutral"],
+        ["topic: battery", "topic: screen"],
     ]
 
 

@@ -52,3 +52,13 @@ def test_log_softmax_and_top_logprobs() -> None:
     top = top_logprobs(lps, 2)
     assert [t for t, _ in top] == [1, 2]
     assert top[0][1] == float(lps[1]) and top_logprobs(lps, 0) == []
+
+
+def test_the_stop_string_that_ended_the_text_is_named() -> None:
+    # Two stop strings end in the same piece: the one that starts first is named.
+    matcher = StopMatcher(["world", "lo w"])
+    out, stopped = matcher.feed("Hello world")
+    assert stopped and out == "Hel" and matcher.matched == "lo w"
+    quiet = StopMatcher(["END"])
+    quiet.feed("no stop here")
+    assert quiet.matched is None
