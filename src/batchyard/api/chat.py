@@ -31,12 +31,13 @@ from batchyard.api.openai_door import StreamShape, resolve, sse_response
 from batchyard.core.catalog import ModelSpec
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
-from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_chat
 from batchyard.core.prices import Price
+from batchyard.core.quotes import check_context, direct_price, quote
 from batchyard.core.tokens import Tokenizer
 from batchyard.engines.base import Choice, CompletionRequest, Delta
-from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
+from batchyard.errors import InvalidRequest, UnsupportedInput
 from batchyard.service import Service
 from batchyard.work.dispatcher import DispatchResult
 
@@ -84,14 +85,9 @@ def quote_chat(
         )
     tok = svc.tokenizer(model)
     input_tokens = tok.count_messages(messages)
-    if input_tokens + max_tokens > model.context_window:
-        raise ContextWindowExceeded(
-            f"{input_tokens} prompt tokens + max_tokens {max_tokens} exceed the "
-            f"{model.context_window}-token context window of {model.id}",
-            param="messages",
-        )
-    price = Price(model.input_per_mtok, model.output_per_mtok)
-    return Quote(tok, input_tokens, price, quote_ticks(price.cost(input_tokens, max_tokens * n)))
+    check_context(model, input_tokens, max_tokens, param="messages")
+    price = direct_price(model)
+    return Quote(tok, input_tokens, price, quote(model, input_tokens, max_tokens, n))
 
 
 def _logprobs(ch: Choice, wanted: bool) -> dict[str, Any] | None:

@@ -18,12 +18,12 @@ from fastapi.responses import Response
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.openai_door import StreamShape, resolve, sse_response
 from batchyard.core.ids import new_id
-from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_completion
-from batchyard.core.prices import Price
+from batchyard.core.quotes import check_context, direct_price, quote
 from batchyard.engines.base import Choice, CompletionRequest, Delta
 from batchyard.engines.token_ids import as_texts
-from batchyard.errors import CapabilityUnsupported, ContextWindowExceeded, InvalidRequest
+from batchyard.errors import CapabilityUnsupported, InvalidRequest
 from batchyard.service.deployment import service_of
 from batchyard.work.dispatcher import DispatchResult
 
@@ -75,16 +75,12 @@ async def completions(request: Request) -> Response:
     # Each prompt and the start-of-text token the model reads first.
     counts = [n + 1 for n in tok.count_batch(prompts)]
     for i, count in enumerate(counts):
-        if count + max_tokens > model.context_window:
-            where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-            raise ContextWindowExceeded(
-                f"{count} prompt tokens + max_tokens {max_tokens} exceed the "
-                f"{model.context_window}-token context window of {model.id}",
-                param=where,
-            )
+        check_context(
+            model, count, max_tokens, param="prompt" if len(prompts) == 1 else f"prompt.{i}"
+        )
     input_tokens = sum(counts)
-    price = Price(model.input_per_mtok, model.output_per_mtok)
-    max_cost = quote_ticks(price.cost(input_tokens, max_tokens * body.n * len(prompts)))
+    price = direct_price(model)
+    max_cost = quote(model, input_tokens, max_tokens, body.n * len(prompts))
     wants_logprobs = body.logprobs is not None
     reqs = [
         CompletionRequest(

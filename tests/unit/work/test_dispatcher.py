@@ -275,7 +275,6 @@ async def test_decide_s_separate_settle_is_capped_at_the_hold_and_keeps_its_deta
     res = await d.reserve(org, 1000, purpose="decide", ref="dec.1")
 
     charged = await d.settle(
-        org_id=org,
         reservation_id=res.id,
         charge=5000,
         model="m",

@@ -15,6 +15,8 @@ line that was never answered (``batch_expired``, ``batch_cancelled``,
 A line is answered as its endpoint would answer it on the wire: a chat
 completion, a text completion or embeddings, with the same body shape; its
 charge is its share of the batch's one hold, summed when the batch settles.
+The runner (``work.runner``) makes the call (``call``) and hands its answer
+or its failure to ``result``, which renders the line.
 """
 
 from __future__ import annotations
@@ -30,28 +32,20 @@ from batchyard.core.anthropic_bodies import message_object
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, engine_name
 from batchyard.core.ids import new_id
 from batchyard.core.market import offer_cost, qualifies
-from batchyard.core.money import charge_ticks, format_money, quote_ticks
+from batchyard.core.money import charge_ticks, format_money
 from batchyard.core.openai_bodies import embedding_data
 from batchyard.core.prices import Price
+from batchyard.core.quotes import direct_price, quote
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.base import CompletionRequest, Usage
-from batchyard.errors import (
-    BatchyardError,
-    InternalError,
-    LimiterUnavailable,
-    StorageUnavailable,
-    UpstreamError,
-)
+from batchyard.errors import InternalError
 from batchyard.store.file_batches import Claimed, Ended, out_aad
 from batchyard.store.files import line_aad
 from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.dispatcher import Dispatcher, OnSend
+from batchyard.work.runner import Answered, Failed
 
-__all__ = ["NotSent", "Plan", "answer", "never_answered", "plan_for"]
-
-
-class NotSent(Exception):
-    """Raised by an ``on_send`` that refuses the call: the line waits again."""
+__all__ = ["Answer", "Plan", "call", "never_answered", "plan_for", "result"]
 
 
 CHAT = "/v1/chat/completions"
@@ -106,7 +100,7 @@ def plan_for(
     model = catalog.find(model_id)
     if model is None or not catalog.is_available(model_id):
         return None
-    direct = Price(model.input_per_mtok, model.output_per_mtok)
+    direct = direct_price(model)
     if min_discount is None:
         return Plan(model, catalog.route_for(model_id), direct, direct)
     best = None
@@ -176,29 +170,50 @@ def _request(endpoint: str, body: dict[str, Any], model: str, max_tokens: int) -
     )
 
 
-async def _call(
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a line's call came back with: its request body, usage, and the engine's answer."""
+
+    body: dict[str, Any]
+    usage: Usage
+    answered: Any
+
+
+def _unreadable() -> InternalError:
+    return InternalError("the stored request cannot be read", retryable=False)
+
+
+async def call(
     dispatcher: Dispatcher,
+    sealer: Sealer,
     endpoint: str,
-    body: dict[str, Any],
-    plan: Plan,
+    input_file_id: str,
     claimed: Claimed,
+    plan: Plan,
     on_send: OnSend,
-) -> tuple[Usage, Any]:
-    """The line's call: its usage, and what the body of its answer is built from."""
+) -> Answer:
+    """The line's call, as its endpoint makes it; its body unsealed from the input file."""
+    try:
+        stored = json.loads(sealer.open(claimed.body, line_aad(input_file_id, claimed.line)))
+        body = stored["body"]
+        if endpoint == EMBEDDINGS:
+            texts = [body["input"]] if isinstance(body["input"], str) else list(body["input"])
+        else:
+            n = max(1, int(body.get("n", 1)))
+            name = engine_name(plan.model.id, plan.route)
+            request = _request(endpoint, body, name, claimed.max_tokens // n)
+    except (SealError, ValueError, KeyError, TypeError):
+        raise _unreadable() from None
     if endpoint == EMBEDDINGS:
-        texts = [body["input"]] if isinstance(body["input"], str) else list(body["input"])
         result = await dispatcher.call_embed(
             route=plan.route, texts=texts, input_tokens=claimed.input_tokens, on_send=on_send
         )
         used = result.usage.input_tokens or claimed.input_tokens
-        return Usage(used, 0), result
-    n = max(1, int(body.get("n", 1)))
-    name = engine_name(plan.model.id, plan.route)
-    request = _request(endpoint, body, name, claimed.max_tokens // n)
+        return Answer(body, Usage(used, 0), result)
     completion = await dispatcher.call(
         route=plan.route, request=request, input_tokens=claimed.input_tokens, on_send=on_send
     )
-    return completion.usage, completion
+    return Answer(body, completion.usage, completion)
 
 
 def _answer_body(
@@ -264,57 +279,18 @@ def _answer_body(
     }
 
 
-async def answer(
-    *,
-    dispatcher: Dispatcher,
+def result(
     sealer: Sealer,
     endpoint: str,
     batch_id: str,
-    input_file_id: str,
     claimed: Claimed,
     plan: Plan,
-    now_of: Any,
-    on_send: OnSend | None = None,
-) -> Ended | None:
-    """Call one line and render its result; never raises (a failure is a result too).
-
-    None when the call was never made (``on_send`` refused: the worker is
-    stopping, or the line is no longer its own): the line waits again.
-    """
-    request_id: str | None = None
-    err: BatchyardError | None = None
-    body: dict[str, Any] = {}
-    try:
-        stored = json.loads(sealer.open(claimed.body, line_aad(input_file_id, claimed.line)))
-        body = stored["body"]
-    except (SealError, ValueError, KeyError, TypeError):
-        err = InternalError("the stored request cannot be read", retryable=False)
-    if err is None:
-        sent = False
-
-        async def mark() -> None:
-            nonlocal sent
-            if on_send is not None:
-                await on_send()
-            sent = True
-
-        try:
-            usage, answered = await _call(dispatcher, endpoint, body, plan, claimed, mark)
-        except NotSent:
-            return None
-        except (KeyError, TypeError, ValueError):
-            err = InternalError("the stored request cannot be read", retryable=False)
-        except (StorageUnavailable, LimiterUnavailable):
-            if not sent:
-                return None  # the store refused the mark: nothing reached the engine
-            raise
-        except BatchyardError as exc:
-            err = exc
-        except Exception as exc:
-            log.warning("batch line failed", extra={"error_type": type(exc).__name__})
-            err = UpstreamError(f"the engine failed ({type(exc).__name__})")
-    if err is not None:
-        now = now_of()
+    attempt: Answered[Answer] | Failed,
+    now: datetime,
+) -> Ended:
+    """The line's end, rendered and sealed: its answer (charged), or its failure's error body."""
+    if isinstance(attempt, Failed):
+        err = attempt.error
         out, size = _seal(
             sealer,
             batch_id,
@@ -322,23 +298,19 @@ async def answer(
             {
                 "id": _line_id(now),
                 "custom_id": claimed.custom_id,
-                "response": {
-                    "status_code": err.status,
-                    "request_id": request_id,
-                    "body": err.to_body(),
-                },
+                "response": {"status_code": err.status, "request_id": None, "body": err.to_body()},
                 "error": None,
             },
         )
         return Ended(claimed.line, "failed", out, size, route=plan.route.id)
-    now = now_of()
-    cap = quote_ticks(plan.direct.cost(claimed.input_tokens, claimed.max_tokens))
+    body, usage, answered = attempt.value.body, attempt.value.usage, attempt.value.answered
+    cap = quote(plan.model, claimed.input_tokens, claimed.max_tokens)
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
     prefixes = {COMPLETIONS: "cmpl", EMBEDDINGS: "emb", MESSAGES: "msg"}
     request_id = new_id(prefixes.get(endpoint, "chatcmpl"), now)
-    result = _answer_body(endpoint, body, answered, usage, request_id, now, plan)
-    result["charge"] = format_money(charge)
-    result["route"] = plan.route.id
+    rendered = _answer_body(endpoint, body, answered, usage, request_id, now, plan)
+    rendered["charge"] = format_money(charge)
+    rendered["route"] = plan.route.id
     out, size = _seal(
         sealer,
         batch_id,
@@ -346,7 +318,7 @@ async def answer(
         {
             "id": _line_id(now),
             "custom_id": claimed.custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": result},
+            "response": {"status_code": 200, "request_id": request_id, "body": rendered},
             "error": None,
         },
     )
