@@ -14,7 +14,7 @@ from batchyard.core.money import quote_ticks
 from batchyard.core.prices import Price
 from batchyard.errors import ContextWindowExceeded
 
-__all__ = ["check_context", "direct_price", "fits", "quote"]
+__all__ = ["check_context", "direct_price", "fits", "quote", "room"]
 
 
 def direct_price(model: ModelSpec) -> Price:
@@ -30,9 +30,14 @@ def quote(model: ModelSpec, input_tokens: int, max_tokens: int, n: int = 1) -> i
     return quote_ticks(direct_price(model).cost(input_tokens, max_tokens * max(1, n)))
 
 
+def room(model: ModelSpec, max_tokens: int) -> int:
+    """The most prompt tokens that leave room for an answer of ``max_tokens`` in the window."""
+    return model.context_window - max_tokens
+
+
 def fits(model: ModelSpec, prompt_tokens: int, max_tokens: int) -> bool:
     """Whether ``prompt_tokens`` and an answer of ``max_tokens`` fit the model's context window."""
-    return prompt_tokens + max_tokens <= model.context_window
+    return prompt_tokens <= room(model, max_tokens)
 
 
 def check_context(

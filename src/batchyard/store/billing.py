@@ -87,12 +87,6 @@ def reserve(
     return res
 
 
-def _resolved(conn: Connection, reservation_id: str) -> Resolved | None:
-    """The hold as another path already resolved it (locked); None while it is still held."""
-    res = ledger.get_reservation(conn, reservation_id, lock=True)
-    return None if res.state == "held" else Resolved(res, False)
-
-
 def settle(
     conn: Connection,
     reservation_id: str,
@@ -104,20 +98,7 @@ def settle(
     if_held: bool = False,
 ) -> Resolved:
     """Charge ``charge`` (capped at the hold), release the rest, and record the ``charge``."""
-    if if_held and (done := _resolved(conn, reservation_id)) is not None:
-        return done
-    settled = ledger.settle(conn, reservation_id, charge, now)
-    activity.record(
-        conn,
-        settled.org_id,
-        "charge",
-        now,
-        ref=ref,
-        reservation_id=reservation_id,
-        amount=settled.charged,
-        detail=detail,
-    )
-    return Resolved(settled, True)
+    return _resolve(conn, reservation_id, now, charge, ref, detail, if_held)
 
 
 def release(
@@ -130,17 +111,36 @@ def release(
     if_held: bool = False,
 ) -> Resolved:
     """Charge nothing: void the hold and record the ``release`` (``detail`` says why)."""
-    if if_held and (done := _resolved(conn, reservation_id)) is not None:
-        return done
-    released = ledger.release(conn, reservation_id, now)
+    return _resolve(conn, reservation_id, now, None, ref, detail, if_held)
+
+
+def _resolve(
+    conn: Connection,
+    reservation_id: str,
+    now: datetime,
+    charge: int | None,
+    ref: str | None,
+    detail: dict[str, Any],
+    if_held: bool,
+) -> Resolved:
+    """Settle the hold to ``charge`` (None: release it) and record it, its amount what moved."""
+    if if_held:
+        res = ledger.get_reservation(conn, reservation_id, lock=True)
+        if res.state != "held":
+            return Resolved(res, False)
+    if charge is None:
+        done, kind, amount = ledger.release(conn, reservation_id, now), "release", None
+    else:
+        done, kind = ledger.settle(conn, reservation_id, charge, now), "charge"
+        amount = done.charged
     activity.record(
         conn,
-        released.org_id,
-        "release",
+        done.org_id,
+        kind,
         now,
         ref=ref,
         reservation_id=reservation_id,
-        amount=released.amount,
+        amount=done.amount if amount is None else amount,
         detail=detail,
     )
-    return Resolved(released, True)
+    return Resolved(done, True)

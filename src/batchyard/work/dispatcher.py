@@ -250,16 +250,7 @@ class Dispatcher:
             reason = getattr(exc, "code", type(exc).__name__)
             await asyncio.shield(self.release(res.id, reason=str(reason)))
             raise
-        charged = await self.settle(
-            reservation_id=res.id,
-            charge=charge_ticks(_settled(price, route, completion.usage)),
-            model=model.id,
-            route=route.id,
-            usage=completion.usage,
-            purpose=purpose,
-            ref=ref,
-        )
-        return DispatchResult(completion, charged, res.id, route.id)
+        return await self._settled_call(res.id, completion, model, route, price, purpose, ref)
 
     async def execute_all(
         self,
@@ -385,16 +376,9 @@ class Dispatcher:
                             done = Completion(done.model, done.choices, Usage(input_tokens, out))
                         await self._answered(route, done)
                         resolved = True
-                        charged = await self.settle(
-                            reservation_id=res.id,
-                            charge=charge_ticks(_settled(price, route, done.usage)),
-                            model=model.id,
-                            route=route.id,
-                            usage=done.usage,
-                            purpose=purpose,
-                            ref=ref,
+                        yield await self._settled_call(
+                            res.id, done, model, route, price, purpose, ref
                         )
-                        yield DispatchResult(done, charged, res.id, route.id)
                         return
                     seen.setdefault(piece.index, []).append(piece.text)
                     yield piece
@@ -476,6 +460,28 @@ class Dispatcher:
         return await self._paced(
             route, len(candidates), input_tokens, lambda: engine.score(model, messages, candidates)
         )
+
+    async def _settled_call(
+        self,
+        reservation_id: str,
+        completion: Completion,
+        model: ModelSpec,
+        route: RouteSpec,
+        price: Price,
+        purpose: str,
+        ref: str | None,
+    ) -> DispatchResult:
+        """A call answered: settled to its real usage (cached prompt tokens at their price)."""
+        charged = await self.settle(
+            reservation_id=reservation_id,
+            charge=charge_ticks(_settled(price, route, completion.usage)),
+            model=model.id,
+            route=route.id,
+            usage=completion.usage,
+            purpose=purpose,
+            ref=ref,
+        )
+        return DispatchResult(completion, charged, reservation_id, route.id)
 
     async def settle(
         self,

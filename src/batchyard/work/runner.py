@@ -51,6 +51,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from sqlalchemy import Connection
 
 from batchyard.core.clock import Clock
+from batchyard.core.ids import new_id
 from batchyard.core.leases import Lease
 from batchyard.core.telemetry import Recorder
 from batchyard.errors import (
@@ -81,6 +82,7 @@ __all__ = [
     "count_recovered",
     "failure",
     "recover_lapsed",
+    "uncertain_detail",
 ]
 
 log = logging.getLogger("batchyard.runner")
@@ -140,9 +142,19 @@ class Runner:
     poll must not stand still with it.
     """
 
-    def __init__(self, *, name: str, clock: Clock, poll_s: float, timed: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        clock: Clock,
+        poll_s: float,
+        timed: bool = False,
+        owner: str | None = None,
+    ) -> None:
         self.name = name
         self.clock = clock
+        #: This worker's name in every lease it takes (unique per process and start).
+        self.owner = owner or new_id("wkr", clock.now())
         self.poll_s = poll_s
         self.timed = timed
         #: Set by ``drain``: claim nothing more, send nothing more.
@@ -248,6 +260,28 @@ class Runner:
                 return
             if self._active:
                 await asyncio.wait(list(self._active.values()), return_when=asyncio.FIRST_COMPLETED)
+
+    def new_pipeline(
+        self,
+        db: Database,
+        metrics: Recorder,
+        *,
+        lease_s: float,
+        renew_s: float,
+        flush_s: float,
+        outage_pause_s: float = 1.0,
+    ) -> Pipeline:
+        """A claim pipeline of this worker: it claims and sends nothing more once it drains."""
+        return Pipeline(
+            db=db,
+            clock=self.clock,
+            metrics=metrics,
+            lease_s=lease_s,
+            renew_s=renew_s,
+            flush_s=flush_s,
+            draining=lambda: self.draining,
+            outage_pause_s=outage_pause_s,
+        )
 
     # The tasks a round starts.
 
@@ -480,6 +514,14 @@ class LeaseQueue(Protocol[K, U, R_contra]):
     def lapsed(self, conn: Connection, now: datetime) -> bool:
         """A cheap read first: is any claim lapsed (so an idle worker writes nothing)?"""
         ...
+
+
+def uncertain_detail(name: str, keys: Sequence[Any], *, cut_off: bool) -> dict[str, Any]:
+    """What an ``uncertain`` activity record says: which units (the first 100), how many, why."""
+    detail: dict[str, Any] = {name: list(keys)[:100], "count": len(keys)}
+    if cut_off:
+        detail["reason"] = "the worker stopped (its grace period ended) during the calls"
+    return detail
 
 
 def count_recovered(metrics: Recorder, kind: str, recovered: Recovered, *, lapsed: bool) -> None:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import inspect, text
 
 from batchyard.store.migrations import downgrade, upgrade
+from tests.integration.store.conftest import add_deferred_item
 
 LEASED = ("batch_inference_runs", "file_batch_lines", "batch_items")
 ONE_LEASE = {"lease_owner", "lease_expires_at", "lease_token"}
@@ -36,31 +37,9 @@ def test_0013_renames_the_item_lease_adds_its_owner_and_keeps_existing_rows(fres
     assert not _columns(fresh_db, "batch_items") >= ONE_LEASE
     now = datetime(2026, 1, 1, tzinfo=UTC)
     expiry = now + timedelta(minutes=2)
-    with fresh_db.engine.begin() as c:
-        c.execute(
-            text(
-                "INSERT INTO organisations (id, name, tier, zero_data_retention, created_at) "
-                "VALUES ('org.1', 'acme', 0, false, :now)"
-            ),
-            {"now": now},
-        )
-        c.execute(
-            text(
-                "INSERT INTO batches (id, org_id, key_id, status, min_discount, "
-                "completion_window, request_count, created_at, deadline) VALUES "
-                "('b.1', 'org.1', 'k.1', 'in_progress', '0', '24h', 1, :now, :now)"
-            ),
-            {"now": now},
-        )
-        c.execute(
-            text(
-                "INSERT INTO batch_items (id, batch_id, org_id, key_id, position, custom_id, "
-                "status, model, min_discount, input_tokens, max_tokens, created_at, deadline, "
-                "reservation_id, lease_until, lease_token) VALUES ('i.1', 'b.1', 'org.1', "
-                "'k.1', 0, 'a', 'dispatched', 'm', '0', 1, 1, :now, :now, 'res.1', :expiry, 3)"
-            ),
-            {"now": now, "expiry": expiry},
-        )
+    add_deferred_item(
+        fresh_db.engine, now, reservation_id="res.1", lease_until=expiry, lease_token=3
+    )
 
     upgrade(fresh_db.engine, "0013")
     assert all(_columns(fresh_db, t) >= ONE_LEASE for t in LEASED)

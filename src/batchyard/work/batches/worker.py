@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
-from batchyard.core.ids import new_id
 from batchyard.core.market import Item, LearningPolicy, Policy, RouteOffer, qualifies
 from batchyard.core.sealing import Sealer
 from batchyard.core.tiers import Tier
@@ -59,7 +58,7 @@ from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.batches.results import Claimed
 from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.dispatcher import Dispatcher, OnSend
-from batchyard.work.runner import Answered, Failed, Pipeline, Runner, recover_lapsed
+from batchyard.work.runner import Answered, Failed, Runner, recover_lapsed
 
 __all__ = ["MarketSettings", "MarketWorker", "PassReport"]
 
@@ -109,7 +108,9 @@ class MarketWorker(Runner):
     ) -> None:
         self.settings = settings or MarketSettings()
         # The market is checked on the clock ("about every 15 seconds"), not polled.
-        super().__init__(name="deferred", clock=clock, poll_s=self.settings.interval_s, timed=True)
+        super().__init__(
+            name="deferred", clock=clock, poll_s=self.settings.interval_s, owner=owner, timed=True
+        )
         self.db = db
         self.catalog = catalog
         self.dispatcher = dispatcher
@@ -120,18 +121,15 @@ class MarketWorker(Runner):
         self.book = prices.book
         self.policy = policy
         self.feed = feed
-        self.owner = owner or new_id("wkr", clock.now())
         self.per_pass = self.settings.per_pass
         self.scan_limit = self.settings.scan_limit
         self.memory = MarketMemory(db, clock, policy)
-        self.pipeline = Pipeline(
-            db=db,
-            clock=clock,
-            metrics=dispatcher.metrics,
+        self.pipeline = self.new_pipeline(
+            db,
+            dispatcher.metrics,
             lease_s=self.settings.lease_s,
             renew_s=self.settings.lease_s / 3,
             flush_s=self.settings.flush_s,
-            draining=lambda: self.draining,
         )
         self._feed_task: asyncio.Task[None] | None = None
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import Connection
 
@@ -28,7 +27,7 @@ from batchyard.core.sealing import Sealer
 from batchyard.store import activity
 from batchyard.store import file_batches as store
 from batchyard.work.file_batches.lines import Plan, never_answered
-from batchyard.work.runner import Claim, Recovered, Renewal
+from batchyard.work.runner import Claim, Recovered, Renewal, uncertain_detail
 
 __all__ = ["Line", "LineQueue"]
 
@@ -121,9 +120,6 @@ class LineQueue:
             batch = store.load_batch(conn, line_batch)
             if batch is None:
                 continue
-            detail: dict[str, Any] = {"lines": [e.line for e in ends][:100], "count": len(ends)}
-            if held is not None:
-                detail["reason"] = "the worker stopped (its grace period ended) during the calls"
             activity.record(
                 conn,
                 batch.org_id,
@@ -131,7 +127,7 @@ class LineQueue:
                 now,
                 ref=line_batch,
                 reservation_id=batch.reservation_id,
-                detail=detail,
+                detail=uncertain_detail("lines", [e.line for e in ends], cut_off=held is not None),
             )
         return Recovered(leases=len(lapsed) + returned, uncertain=len(lapsed), returned=returned)
 

@@ -57,7 +57,7 @@ from batchyard.work.batches.sealing import BatchKey
 from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.file_batches import lines
 from batchyard.work.file_batches.line_queue import Line, LineQueue
-from batchyard.work.runner import Answered, Ended, Failed, NotSent, Pipeline, Runner, recover_lapsed
+from batchyard.work.runner import Answered, Ended, Failed, NotSent, Runner, recover_lapsed
 
 __all__ = ["FileBatchSettings", "FileBatchWorker"]
 
@@ -113,23 +113,20 @@ class FileBatchWorker(Runner):
         owner: str | None = None,
     ) -> None:
         self.settings = settings or FileBatchSettings()
-        super().__init__(name="file_batches", clock=clock, poll_s=self.settings.poll_s)
+        super().__init__(name="file_batches", clock=clock, poll_s=self.settings.poll_s, owner=owner)
         self.db = db
         self.catalog = catalog
         self.dispatcher = dispatcher
         self.key = key
         self.prices = prices
-        self.owner = owner or new_id("wkr", clock.now())
         self._swept: datetime | None = None
         # A line's lease is renewed with every step, a few times a lease at least.
-        self.pipeline = Pipeline(
-            db=db,
-            clock=clock,
-            metrics=dispatcher.metrics,
+        self.pipeline = self.new_pipeline(
+            db,
+            dispatcher.metrics,
             lease_s=self.settings.lease_s,
             renew_s=self.settings.lease_s / 3,
             flush_s=self.settings.flush_s,
-            draining=lambda: self.draining,
         )
 
     # -- the rounds ---------------------------------------------------------------------

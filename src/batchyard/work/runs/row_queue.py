@@ -22,7 +22,7 @@ from batchyard.core.runs import RunStatus
 from batchyard.store import activity, run_leases, work_items
 from batchyard.store.runs import Run
 from batchyard.store.work_items import ItemResult, WorkItem
-from batchyard.work.runner import Claim, Recovered, Renewal
+from batchyard.work.runner import Claim, Recovered, Renewal, uncertain_detail
 
 __all__ = ["Row", "RowQueue"]
 
@@ -75,9 +75,6 @@ class RowQueue:
         run = self.run
         uncertain, returned = work_items.recover_dispatched(conn, run.id, now)
         if uncertain:
-            detail: dict[str, Any] = {"rows": uncertain[:100], "count": len(uncertain)}
-            if held is not None:
-                detail["reason"] = "the worker stopped (its grace period ended) during the calls"
             activity.record(
                 conn,
                 run.org_id,
@@ -85,7 +82,7 @@ class RowQueue:
                 now,
                 ref=run.id,
                 reservation_id=run.reservation_id,
-                detail=detail,
+                detail=uncertain_detail("rows", uncertain, cut_off=held is not None),
             )
         work_items.recount(conn, run.id, now)
         if held is not None:

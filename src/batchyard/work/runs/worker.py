@@ -33,7 +33,6 @@ from sqlalchemy import Connection
 
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
-from batchyard.core.ids import new_id
 from batchyard.core.runs import BlockedReason, RunSettings, RunStatus
 from batchyard.core.tiers import Tier
 from batchyard.core.tokens import TokenizerSource
@@ -48,7 +47,7 @@ from batchyard.store.run_leases import (
 )
 from batchyard.store.runs import Run, load_run, update_run
 from batchyard.work.dispatcher import Dispatcher
-from batchyard.work.runner import Pipeline, Runner, recover_lapsed
+from batchyard.work.runner import Runner, recover_lapsed
 from batchyard.work.runs.canceling import stop_runs_of_revoked_keys
 from batchyard.work.runs.executor import RunExecutor
 from batchyard.work.runs.funding import fund
@@ -82,12 +81,11 @@ class RunWorker(Runner):
         owner: str | None = None,
     ) -> None:
         self.settings = settings or RunSettings()
-        super().__init__(name="runs", clock=clock, poll_s=self.settings.poll_s)
+        super().__init__(name="runs", clock=clock, poll_s=self.settings.poll_s, owner=owner)
         self.db = db
         self.dispatcher = dispatcher
         self.tiers = tiers
         self.billing_review_threshold = billing_review_threshold
-        self.owner = owner or new_id("wkr", clock.now())
         # (run ID, status when claimed) of every claim, for operators and tests.
         self.claims: list[tuple[str, str]] = []
         self._quotes = QuotePreparer(
@@ -107,14 +105,12 @@ class RunWorker(Runner):
             dispatcher=dispatcher,
             owner=self.owner,
             settings=self.settings,
-            pipeline=Pipeline(
-                db=db,
-                clock=clock,
-                metrics=dispatcher.metrics,
+            pipeline=self.new_pipeline(
+                db,
+                dispatcher.metrics,
                 lease_s=self.settings.lease_s,
                 renew_s=self.settings.heartbeat_s,
                 flush_s=self.settings.flush_s,
-                draining=lambda: self.draining,
                 outage_pause_s=self.settings.heartbeat_s,
             ),
         )
