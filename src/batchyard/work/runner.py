@@ -35,6 +35,29 @@ before its engine call (``on_send``, after the route's pace and concurrency
 slot). A unit claimed but never sent (the worker is draining, the store
 refused the mark, the unit is no longer ours) waits again; a sent one whose
 worker stopped mid-call becomes ``uncertain`` and is never sent twice.
+
+A new kind of leased work (a webhook delivery outbox, say) needs four things:
+
+1. Its table keeps the lease as every leased table does: ``lease_owner``,
+   ``lease_expires_at``, ``lease_token`` (and ``sent_at`` for the sent mark),
+   written only through ``store.leases`` (``claim``, ``renew``,
+   ``held_by_each``, ``mark_sent``, ``LET_GO``).
+2. A ``LeaseQueue`` over it (connection-level; see the protocol below and
+   ``store``'s per-table helpers): ``claim`` the due units under leases,
+   ``renew`` the held leases (``Renewal.GOING``, or ``STOPPING`` when the
+   kind should claim no more), ``record`` results fenced by each lease,
+   ``mark_sent``, ``requeue`` claimed units never sent, ``let_go`` (sent:
+   whatever the kind says an interrupted unit becomes; unsent: waiting), and
+   a cheap ``lapsed`` read.
+3. A ``call(unit, on_send)`` that awaits ``on_send()`` right before the
+   outside effect (the HTTP POST) and returns what came back, raising a coded
+   ``BatchyardError`` for a failure; and a ``render(unit, attempt)`` that turns
+   ``Answered`` or ``Failed`` into the result ``record`` writes.
+4. A ``Runner`` subclass whose ``round`` recovers (``recover_lapsed``) and
+   starts ``self.new_pipeline(...).run(queue, width=..., call=..., render=...)``
+   with ``self.start(key, ...)`` while there is work; ``app.build_service``
+   adds it to the service's ``workers``. Drain, stop, recovery metrics and the
+   wake (``notify``) then come with it.
 """
 
 from __future__ import annotations

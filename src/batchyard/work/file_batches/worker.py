@@ -27,8 +27,10 @@ Each round, in order:
 A batch that waits for a discount (``metadata.min_discount``) claims lines
 only while a route's fresh price meets it (``lines.plan_for``).
 
-``drain`` is the graceful stop: nothing more is claimed or sent, lines in
-flight land, and lines claimed but not sent go back to pending at once.
+``drain`` is the graceful stop (the runner's, ``work.runner``): nothing more
+is claimed or sent, lines in flight land, and lines claimed but not sent go
+back to pending at once; a line the grace period cuts off mid-call is
+``uncertain`` at once, as a run's row or a deferred item is.
 """
 
 from __future__ import annotations
