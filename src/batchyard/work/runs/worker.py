@@ -1,8 +1,9 @@
 """The run worker: takes runs through leases and hands each to what it needs.
 
 One loop per process (``work.runner``'s, which the service runs beside the
-other workers) takes runs through leases in the store, so any number of processes can share the work and a dead
-one's runs are taken over once its lease expires:
+other workers) takes runs through leases in the store, so any number of
+processes can share the work and a dead one's runs are taken over once its
+lease expires:
 
 - *preparing* runs are quoted (``work.runs.quoting``);
 - *blocked* runs are retried: ``funds`` when credit may have arrived,
