@@ -18,11 +18,16 @@ import asyncio
 import os
 import signal
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from batchyard.app import file_batch_worker, market_worker, run_worker
+from batchyard.service import Service
 from batchyard.store import activity, ledger
 from tests.support.accounts import make_account
 from tests.support.batches import chat, item_rows, submit
@@ -59,6 +64,25 @@ async def exited(workers: Workers, proc: WorkerProcess) -> int:
     return code
 
 
+#: A deployment's service and HTTP client, its one worker process, and a funded account.
+Started = tuple[Service, httpx.AsyncClient, WorkerProcess, Any]
+
+
+@pytest.fixture
+def one_worker(
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+) -> Callable[..., AbstractAsyncContextManager[Started]]:
+    """A deployment over ``up`` with one real ``batchyard worker`` and a funded account."""
+
+    @asynccontextmanager
+    async def start(up: FakeUpstream, *, credit: str, **config: Any) -> AsyncIterator[Started]:
+        async with deployment(make_service, tmp_path, database_url, upstream=up, **config) as dep:
+            proc = workers.start(config=dep.config, database_url=database_url)
+            yield dep.service, dep.http, proc, make_account(dep.service, credit=credit)
+
+    return start
+
+
 def batch(texts: list[str]) -> dict:
     return {
         "min_discount": 90,
@@ -67,16 +91,11 @@ def batch(texts: list[str]) -> dict:
 
 
 async def test_a_worker_drains_a_deferred_pass_on_sigterm(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+    workers: Workers, one_worker: Any
 ) -> None:
     with FakeUpstream() as up:
         up.hold(after=0)
-        async with deployment(
-            make_service, tmp_path, database_url, upstream=up, route={"concurrency": 1}
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="1")
+        async with one_worker(up, credit="1", route={"concurrency": 1}) as (svc, http, proc, acct):
             bid = (await submit(http, acct.headers, batch(TEXTS))).json()["id"]
 
             def stuck() -> bool:
@@ -111,22 +130,15 @@ async def test_a_worker_drains_a_deferred_pass_on_sigterm(
     assert not [a for a in acts if a["kind"] in ("uncertain", "hold_unresolved")]
 
 
-async def test_a_worker_drains_a_run_on_sigterm(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
-) -> None:
+async def test_a_worker_drains_a_run_on_sigterm(workers: Workers, one_worker: Any) -> None:
     with FakeUpstream() as up:
         up.hold(after=3)
-        async with deployment(
-            make_service,
-            tmp_path,
-            database_url,
-            upstream=up,
-            runs=FAST_RUNS,
-            route={"concurrency": 2},
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="5")
+        async with one_worker(up, credit="5", runs=FAST_RUNS, route={"concurrency": 2}) as (
+            svc,
+            http,
+            proc,
+            acct,
+        ):
             api = await Api(http, acct.headers).start()
             ds = await api.upload(ROWS)
             run_id = (await api.create({**RUN, "datasetId": ds["id"]})).json()["id"]
@@ -169,22 +181,12 @@ async def file_batch(http: httpx.AsyncClient, headers: dict[str, str]) -> str:
     return str(batch["id"])
 
 
-async def test_a_worker_drains_a_file_batch_on_sigterm(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
-) -> None:
+async def test_a_worker_drains_a_file_batch_on_sigterm(workers: Workers, one_worker: Any) -> None:
     with FakeUpstream() as up:
         up.hold(after=3)
-        async with deployment(
-            make_service,
-            tmp_path,
-            database_url,
-            upstream=up,
-            file_batches=FAST_FILES,
-            route={"concurrency": 2},
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="5")
+        async with one_worker(
+            up, credit="5", file_batches=FAST_FILES, route={"concurrency": 2}
+        ) as (svc, http, proc, acct):
             bid = await file_batch(http, acct.headers)
             await workers.until(lambda: up.held == 2, "two calls are in flight")
             sigterm(proc)
@@ -211,22 +213,13 @@ async def test_a_worker_drains_a_file_batch_on_sigterm(
 
 
 async def test_a_file_batch_line_the_grace_period_cuts_off_is_uncertain_at_once(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+    workers: Workers, one_worker: Any
 ) -> None:
     with FakeUpstream() as up:
         up.hold(after=0)  # and never released while the worker lives
-        async with deployment(
-            make_service,
-            tmp_path,
-            database_url,
-            upstream=up,
-            file_batches=FAST_FILES,
-            route={"concurrency": 1},
-            shutdown_grace_s=0.5,
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="1")
+        async with one_worker(
+            up, credit="1", file_batches=FAST_FILES, route={"concurrency": 1}, shutdown_grace_s=0.5
+        ) as (svc, http, proc, acct):
             bid = await file_batch(http, acct.headers)
             await workers.until(lambda: up.held == 1, "one call is in flight")
             sigterm(proc)
@@ -301,21 +294,16 @@ async def test_serve_finishes_the_requests_in_progress_on_sigterm(
 
 
 async def test_only_a_call_the_grace_period_cuts_off_is_uncertain(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+    workers: Workers, one_worker: Any
 ) -> None:
     with FakeUpstream() as up:
         up.hold(after=0)  # and never released while the worker lives
-        async with deployment(
-            make_service,
-            tmp_path,
-            database_url,
-            upstream=up,
-            route={"concurrency": 1},
-            shutdown_grace_s=0.5,
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="1")
+        async with one_worker(up, credit="1", route={"concurrency": 1}, shutdown_grace_s=0.5) as (
+            svc,
+            http,
+            proc,
+            acct,
+        ):
             bid = (await submit(http, acct.headers, batch(TEXTS))).json()["id"]
 
             def stuck() -> bool:

@@ -290,17 +290,21 @@ class Runner:
         metrics: Recorder,
         *,
         lease_s: float,
-        renew_s: float,
         flush_s: float,
+        renew_s: float | None = None,
         outage_pause_s: float = 1.0,
     ) -> Pipeline:
-        """A claim pipeline of this worker: it claims and sends nothing more once it drains."""
+        """A claim pipeline of this worker: it claims and sends nothing more once it drains.
+
+        Leases are renewed every ``renew_s``, by default a third of a lease: a
+        worker that misses two renewals in a row still holds its work.
+        """
         return Pipeline(
             db=db,
             clock=self.clock,
             metrics=metrics,
             lease_s=lease_s,
-            renew_s=renew_s,
+            renew_s=lease_s / 3 if renew_s is None else renew_s,
             flush_s=flush_s,
             draining=lambda: self.draining,
             outage_pause_s=outage_pause_s,

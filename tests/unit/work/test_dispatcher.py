@@ -47,18 +47,23 @@ def most(max_tokens: int = 16) -> int:
     return quote_ticks(PRICE.cost(4, max_tokens))
 
 
+def paid(org_id: str, **route_limits: Any) -> dict[str, Any]:
+    """What a paid call of these tests names: its organisation, model, route, request and hold."""
+    return {
+        "org_id": org_id,
+        "model": MODEL,
+        "route": route(**route_limits),
+        "request": request(),
+        "input_tokens": 4,
+        "max_cost": most(),
+        "price": PRICE,
+        "purpose": "chat",
+        "ref": "chat.1",
+    }
+
+
 async def execute(d: Dispatcher, org_id: str, **route_limits: Any) -> Any:
-    return await d.execute(
-        org_id=org_id,
-        model=MODEL,
-        route=route(**route_limits),
-        request=request(),
-        input_tokens=4,
-        max_cost=most(),
-        price=PRICE,
-        purpose="chat",
-        ref="chat.1",
-    )
+    return await d.execute(**paid(org_id, **route_limits))
 
 
 def held_reservations(db: Database) -> list[ledger.Reservation]:
@@ -450,19 +455,8 @@ async def test_more_429s_than_the_retries_allowed_fail_the_call_and_release_it(
 
 
 def stream(d: Dispatcher, org_id: str, on_send: Any = None, **route_limits: Any) -> Any:
-    return d.stream(
-        org_id=org_id,
-        model=MODEL,
-        route=route(**route_limits),
-        request=request(),
-        input_tokens=4,
-        max_cost=most(),
-        price=PRICE,
-        purpose="chat",
-        count_tokens=lambda text: len(text.split()),
-        ref="chat.1",
-        on_send=on_send,
-    )
+    words = lambda text: len(text.split())  # noqa: E731
+    return d.stream(**paid(org_id, **route_limits), count_tokens=words, on_send=on_send)
 
 
 async def test_a_stream_refused_before_its_first_piece_is_waited_out_on_the_same_hold(

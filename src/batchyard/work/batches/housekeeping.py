@@ -29,6 +29,7 @@ from batchyard.core.clock import Clock
 from batchyard.store import activity, billing, idempotency
 from batchyard.store import batches as store
 from batchyard.store.database import Database
+from batchyard.work.batches.results import item_detail
 
 __all__ = [
     "RESULTS_KEPT",
@@ -77,14 +78,7 @@ def settle_as_uncertain(conn: Connection, item: store.ItemRow, now: datetime, wh
         ref=item.id,
         reservation_id=item.reservation_id,
         amount=held,
-        detail={
-            "purpose": "batch",
-            "batch_id": item.batch_id,
-            "custom_id": item.custom_id,
-            "route": item.route,
-            "reason": why,
-            "action": UNCERTAIN_ACTION,
-        },
+        detail=item_detail(item, route=item.route, reason=why, action=UNCERTAIN_ACTION),
     )
     log.warning(
         "batch item uncertain",
@@ -118,13 +112,7 @@ def _release_hold(
         item.reservation_id,
         now,
         ref=item.id,
-        detail={
-            "purpose": "batch",
-            "batch_id": item.batch_id,
-            "custom_id": item.custom_id,
-            "reason": reason,
-            "note": note,
-        },
+        detail=item_detail(item, reason=reason, note=note),
         if_held=True,
     ).reservation.amount
 

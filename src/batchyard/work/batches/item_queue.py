@@ -39,7 +39,7 @@ from batchyard.store import accounts, billing
 from batchyard.store import batches as store
 from batchyard.work.batches import housekeeping
 from batchyard.work.batches.prices import MarketPrices
-from batchyard.work.batches.results import Claimed, fail, finish_failed, succeed
+from batchyard.work.batches.results import Claimed, fail, finish_failed, item_detail, succeed
 from batchyard.work.runner import Claim, Recovered, Renewal
 
 __all__ = ["ItemEnd", "ItemQueue", "PassReport"]
@@ -145,13 +145,7 @@ class ItemQueue:
                 ref=item.id,
                 tiers=self.tiers,
                 record="dispatch",
-                detail={
-                    "purpose": "batch",
-                    "batch_id": item.batch_id,
-                    "custom_id": item.custom_id,
-                    "model": item.model,
-                    "route": route.id,
-                },
+                detail=item_detail(item, model=item.model, route=route.id),
                 savepoint=True,
             )
         except InsufficientCredit as exc:

@@ -32,7 +32,7 @@ from batchyard.store import batches as store
 from batchyard.store import billing
 from batchyard.work.batches.sealing import result_aad
 
-__all__ = ["Claimed", "fail", "finish_failed", "succeed"]
+__all__ = ["Claimed", "fail", "finish_failed", "item_detail", "succeed"]
 
 log = logging.getLogger("batchyard.market")
 
@@ -48,6 +48,11 @@ class Claimed:
     reservation_id: str
     #: This dispatch's lease (``store.batches.mark_dispatched``): every write names it.
     lease: Lease
+
+
+def item_detail(item: store.ItemRow, **more: Any) -> dict[str, Any]:
+    """What an item's activity records say of it (its batch and custom ID), and ``more``."""
+    return {"purpose": "batch", "batch_id": item.batch_id, "custom_id": item.custom_id, **more}
 
 
 def finish_failed(
@@ -100,15 +105,13 @@ def succeed(
         charge,
         now,
         ref=item.id,
-        detail={
-            "purpose": "batch",
-            "batch_id": item.batch_id,
-            "custom_id": item.custom_id,
-            "model": item.model,
-            "route": job.route.id,
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-        },
+        detail=item_detail(
+            item,
+            model=item.model,
+            route=job.route.id,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+        ),
         if_held=True,
     )
     charged = settled.charged if settled.now else charge

@@ -125,11 +125,7 @@ class MarketWorker(Runner):
         self.scan_limit = self.settings.scan_limit
         self.memory = MarketMemory(db, clock, policy)
         self.pipeline = self.new_pipeline(
-            db,
-            dispatcher.metrics,
-            lease_s=self.settings.lease_s,
-            renew_s=self.settings.lease_s / 3,
-            flush_s=self.settings.flush_s,
+            db, dispatcher.metrics, lease_s=self.settings.lease_s, flush_s=self.settings.flush_s
         )
         self._feed_task: asyncio.Task[None] | None = None
 

@@ -122,13 +122,8 @@ class FileBatchWorker(Runner):
         self.key = key
         self.prices = prices
         self._swept: datetime | None = None
-        # A line's lease is renewed with every step, a few times a lease at least.
         self.pipeline = self.new_pipeline(
-            db,
-            dispatcher.metrics,
-            lease_s=self.settings.lease_s,
-            renew_s=self.settings.lease_s / 3,
-            flush_s=self.settings.flush_s,
+            db, dispatcher.metrics, lease_s=self.settings.lease_s, flush_s=self.settings.flush_s
         )
 
     # -- the rounds ---------------------------------------------------------------------
