@@ -8,8 +8,9 @@ its concurrency). The bare loop sends the same number of requests at that
 concurrency straight to the upstream; then the file is uploaded
 (``POST /v1/files``), a batch created over it, and polled until it ends.
 Reported: lines per second from creation to the end against the bare loop's
-rate (target ≥ 0.5), the upload's own rate, and the server's peak resident
-memory (``VmHWM``, target ≤ 256 MB). Every line must be answered once and
+rate (target ≥ 0.5), the upload's own rate, the server's CPU time per line
+from creation to the end, and the server's peak resident memory (``VmHWM``,
+target ≤ 256 MB). Every line must be answered once and
 charged: the batch's charge equals the sum of its lines' charges, nothing
 is held, and the ledger audit is clean.
 
@@ -39,7 +40,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from bench.dispatch import UPSTREAM, drive, free_port, wait_healthy  # noqa: E402
+from bench.dispatch import UPSTREAM, cpu_seconds, drive, free_port, wait_healthy  # noqa: E402
 
 from batchyard.core.accounts import Scope  # noqa: E402
 from batchyard.core.clock import SystemClock  # noqa: E402
@@ -157,7 +158,7 @@ def main() -> None:
                 )
             upload_s = time.perf_counter() - t0
             up.raise_for_status()
-            t1 = time.perf_counter()
+            t1, cpu0 = time.perf_counter(), cpu_seconds(server.pid)
             batch = http.post(
                 "/v1/batches",
                 json={
@@ -170,6 +171,7 @@ def main() -> None:
                 time.sleep(0.2)
                 batch = http.get(f"/v1/batches/{batch['id']}").json()
             batch_s = time.perf_counter() - t1
+            batch_cpu = cpu_seconds(server.pid) - cpu0
             lines_charge = 0
             out = http.get(f"/v1/files/{batch['output_file_id']}/content").text.splitlines()
             for line in out:
@@ -200,6 +202,9 @@ def main() -> None:
     ratio = rate / bare.rate() if bare.rate() else 0.0
     console.print(f"ratio batch / bare: [bold]{ratio:.2f}[/] (target ≥ 0.50)")
     console.print(f"server peak memory: [bold]{peak:.0f} MB[/] (target ≤ 256 MB)")
+    if batch_cpu:
+        # Less at the mercy of a busy machine than the rates: what each line cost the server.
+        console.print(f"server CPU: {batch_cpu * 1000 / n:.2f} ms per line (created → completed)")
     answered = batch["request_counts"]["completed"]
     charge = to_ticks(parse_money(batch["charge"]))
     sound = (

@@ -52,8 +52,9 @@ from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.file_batches.worker import FileBatchSettings, FileBatchWorker
 from batchyard.work.holds import HoldSweeper
+from batchyard.work.runner import Periodic
 from batchyard.work.runs.worker import RunWorker
-from batchyard.work.warmth import Warmth
+from batchyard.work.warmth import SWEEP_EVERY_S, Warmth
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -152,6 +153,10 @@ def build_service(
             extra={"event": "batch_key_created", "path": key.path},
         )
     market = _market_worker(settings, db, clock, dispatcher, key, policy=policy)
+    runs = _run_worker(settings, db, clock, dispatcher, tokenizers)
+    file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, market.prices)
+    warmth = Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s)
+    holds = HoldSweeper(db=db, clock=clock)
     # Versions uploaded into projects (mv.…) are found in the store on first use,
     # and checked against it on each use (a delete through any process counts).
     settings.catalog.fetch_with(
@@ -169,11 +174,18 @@ def build_service(
         tokenizers=tokenizers,
         batch_key=key,
         market=market,
-        runs=_run_worker(settings, db, clock, dispatcher, tokenizers),
-        warmth=Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s),
-        file_batches=_file_batch_worker(settings, db, clock, dispatcher, key, market.prices),
-        holds=HoldSweeper(db=db, clock=clock),
+        runs=runs,
+        warmth=warmth,
+        file_batches=file_batches,
+        holds=holds,
         metrics=metrics,
+        workers=[
+            market,  # deferred batches
+            runs,  # batch inference runs
+            file_batches,  # OpenAI file batches (and Anthropic's Message Batches on them)
+            Periodic("warmth", clock, SWEEP_EVERY_S, warmth.sweep, close=warmth.aclose),
+            Periodic("holds", clock, holds.interval_s, holds.sweep),
+        ],
     )
 
 
@@ -317,7 +329,6 @@ def _file_batch_worker(
         key=key,
         prices=prices,
         settings=FileBatchSettings.from_raw(s.raw.get("file_batches")),
-        embedded_contexts=s.embedded_contexts,
         owner=owner,
     )
 
@@ -371,7 +382,6 @@ def _run_worker(
         tiers=s.tiers,
         settings=RunSettings.from_raw(s.raw.get("runs")),
         billing_review_threshold=s.billing_review_threshold,
-        embedded_contexts=s.embedded_contexts,
         owner=owner,
     )
 

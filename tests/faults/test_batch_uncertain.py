@@ -87,7 +87,7 @@ async def test_killed_mid_call_becomes_uncertain_and_releases_its_hold(
             up.release()
             for cid in in_flight:
                 assert before[cid].status == "dispatched" and before[cid].reservation_id
-            leases = [before[cid].lease_until for cid in in_flight]
+            leases = [before[cid].lease_expires_at for cid in in_flight]
 
             # Another worker, before the leases lapse: the items are not touched.
             survivor = market_worker(svc)
@@ -177,7 +177,7 @@ async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(mar
     for _ in range(6):  # 6 minutes of a long call, heartbeats every 40 s
         clock.advance(40)
         await eventually(  # the heartbeat pushed the lease out again
-            lambda: item_rows(svc, bid)[0].lease_until > clock.now() + timedelta(seconds=80)
+            lambda: item_rows(svc, bid)[0].lease_expires_at > clock.now() + timedelta(seconds=80)
         )
         await other.run_pass()
         assert item_rows(svc, bid)[0].status == "dispatched"

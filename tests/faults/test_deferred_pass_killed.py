@@ -82,7 +82,7 @@ async def test_killed_mid_pass_only_the_started_call_is_uncertain(
 
             # Before the leases lapse another worker changes nothing.
             survivor = market_worker(svc)
-            leases = [i.lease_until for i in before.values()]
+            leases = [i.lease_expires_at for i in before.values()]
             dep.clock.set(min(leases) - timedelta(milliseconds=1))
             early = await survivor.run_pass()
             assert (early.uncertain, early.returned, early.dispatched) == (0, 0, 0)

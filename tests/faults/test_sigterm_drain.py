@@ -1,5 +1,8 @@
 """SIGTERM drains: calls in flight land, nothing else is sent, and nothing ends ``uncertain``.
 
+Each kind of leased work drains through the one runner (``work.runner``):
+deferred batches, batch inference runs and file batches, below.
+
 Real ``batchyard worker`` and ``batchyard serve`` processes get SIGTERM while
 a fake upstream holds their calls open; the upstream then lets the calls
 finish within the grace period. What was sent is answered and charged once;
@@ -15,15 +18,21 @@ import asyncio
 import os
 import signal
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
-from batchyard.app import market_worker, run_worker
+from batchyard.app import file_batch_worker, market_worker, run_worker
+from batchyard.service import Service
 from batchyard.store import activity, ledger
 from tests.support.accounts import make_account
 from tests.support.batches import chat, item_rows, submit
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.file_batches import chat_line, create, jsonl, lines_of, upload
 from tests.support.processes import WorkerProcess, Workers, deployment
 from tests.support.runs import Api
 from tests.support.server import free_port
@@ -38,6 +47,8 @@ RUN = {
     "sampling": {"maxOutputTokens": 8},
 }
 FAST_RUNS = {"lease_s": 30, "heartbeat_s": 0.1, "poll_s": 0.05, "flush_s": 0.05}
+FAST_FILES = {"lease_s": 30, "poll_s": 0.05, "flush_s": 0.05}
+LINES = [f"Summarize public release line {i}." for i in range(10)]
 
 
 def sigterm(proc: WorkerProcess) -> None:
@@ -53,6 +64,25 @@ async def exited(workers: Workers, proc: WorkerProcess) -> int:
     return code
 
 
+#: A deployment's service and HTTP client, its one worker process, and a funded account.
+Started = tuple[Service, httpx.AsyncClient, WorkerProcess, Any]
+
+
+@pytest.fixture
+def one_worker(
+    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+) -> Callable[..., AbstractAsyncContextManager[Started]]:
+    """A deployment over ``up`` with one real ``batchyard worker`` and a funded account."""
+
+    @asynccontextmanager
+    async def start(up: FakeUpstream, *, credit: str, **config: Any) -> AsyncIterator[Started]:
+        async with deployment(make_service, tmp_path, database_url, upstream=up, **config) as dep:
+            proc = workers.start(config=dep.config, database_url=database_url)
+            yield dep.service, dep.http, proc, make_account(dep.service, credit=credit)
+
+    return start
+
+
 def batch(texts: list[str]) -> dict:
     return {
         "min_discount": 90,
@@ -61,16 +91,11 @@ def batch(texts: list[str]) -> dict:
 
 
 async def test_a_worker_drains_a_deferred_pass_on_sigterm(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+    workers: Workers, one_worker: Any
 ) -> None:
     with FakeUpstream() as up:
         up.hold(after=0)
-        async with deployment(
-            make_service, tmp_path, database_url, upstream=up, route={"concurrency": 1}
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="1")
+        async with one_worker(up, credit="1", route={"concurrency": 1}) as (svc, http, proc, acct):
             bid = (await submit(http, acct.headers, batch(TEXTS))).json()["id"]
 
             def stuck() -> bool:
@@ -105,22 +130,15 @@ async def test_a_worker_drains_a_deferred_pass_on_sigterm(
     assert not [a for a in acts if a["kind"] in ("uncertain", "hold_unresolved")]
 
 
-async def test_a_worker_drains_a_run_on_sigterm(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
-) -> None:
+async def test_a_worker_drains_a_run_on_sigterm(workers: Workers, one_worker: Any) -> None:
     with FakeUpstream() as up:
         up.hold(after=3)
-        async with deployment(
-            make_service,
-            tmp_path,
-            database_url,
-            upstream=up,
-            runs=FAST_RUNS,
-            route={"concurrency": 2},
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="5")
+        async with one_worker(up, credit="5", runs=FAST_RUNS, route={"concurrency": 2}) as (
+            svc,
+            http,
+            proc,
+            acct,
+        ):
             api = await Api(http, acct.headers).start()
             ds = await api.upload(ROWS)
             run_id = (await api.create({**RUN, "datasetId": ds["id"]})).json()["id"]
@@ -153,6 +171,72 @@ async def test_a_worker_drains_a_run_on_sigterm(
     assert final["results"]["rowsUncertain"] == 0 and failures["data"] == []
     sent = Counter(up.arrived)
     assert len(sent) == len(ROWS) and max(sent.values()) == 1
+
+
+async def file_batch(http: httpx.AsyncClient, headers: dict[str, str]) -> str:
+    content = jsonl([chat_line(f"l{i}", text, max_tokens=8) for i, text in enumerate(LINES)])
+    f = (await upload(http, headers, content)).json()
+    batch = (await create(http, headers, f["id"])).json()
+    assert batch["status"] == "in_progress", batch
+    return str(batch["id"])
+
+
+async def test_a_worker_drains_a_file_batch_on_sigterm(workers: Workers, one_worker: Any) -> None:
+    with FakeUpstream() as up:
+        up.hold(after=3)
+        async with one_worker(
+            up, credit="5", file_batches=FAST_FILES, route={"concurrency": 2}
+        ) as (svc, http, proc, acct):
+            bid = await file_batch(http, acct.headers)
+            await workers.until(lambda: up.held == 2, "two calls are in flight")
+            sigterm(proc)
+            await workers.until(lambda: "draining" in proc.output(), "the worker drains")
+            up.release()
+            assert await exited(workers, proc) == 0
+            handed = Counter(r.state for r in lines_of(svc, bid))
+            sent_by_worker = len(up.arrived)
+
+            # Another worker continues the batch at once: nothing of it is held.
+            await file_batch_worker(svc, owner="next").run_until_idle()
+            done = (await http.get(f"/v1/batches/{bid}", headers=acct.headers)).json()
+            bal = svc.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+            acts = svc.db.read_sync(lambda c: activity.list_activity(c, acct.org_id))
+
+    assert handed == {"succeeded": sent_by_worker, "pending": len(LINES) - sent_by_worker}
+    assert sent_by_worker == 5  # three answered at once, two in flight at the SIGTERM
+    assert done["status"] == "completed"
+    assert done["request_counts"]["completed"] == len(LINES)
+    sent = Counter(up.arrived)
+    assert sorted(sent) == sorted(LINES) and max(sent.values()) == 1
+    assert bal.held == 0 and bal.settled > 0
+    assert not [a for a in acts if a["kind"] in ("uncertain", "hold_unresolved")]
+
+
+async def test_a_file_batch_line_the_grace_period_cuts_off_is_uncertain_at_once(
+    workers: Workers, one_worker: Any
+) -> None:
+    with FakeUpstream() as up:
+        up.hold(after=0)  # and never released while the worker lives
+        async with one_worker(
+            up, credit="1", file_batches=FAST_FILES, route={"concurrency": 1}, shutdown_grace_s=0.5
+        ) as (svc, http, proc, acct):
+            bid = await file_batch(http, acct.headers)
+            await workers.until(lambda: up.held == 1, "one call is in flight")
+            sigterm(proc)
+            assert await exited(workers, proc) == 0
+            up.release()
+            # Well inside the 30 s lease: the worker let go of its lines as it stopped.
+            lines = {r.line: r for r in lines_of(svc, bid)}
+            acts = svc.db.read_sync(lambda c: activity.list_activity(c, acct.org_id))
+
+    (cut,) = [n for n, r in lines.items() if r.state == "uncertain"]
+    assert up.arrived == [LINES[cut - 1]]
+    assert {n: r.state for n, r in lines.items() if n != cut} == {
+        n: "pending" for n in lines if n != cut
+    }
+    assert all(r.lease_owner is None for r in lines.values())
+    uncertain = [a for a in acts if a["kind"] == "uncertain"]
+    assert [(a["ref"], a["detail"]["lines"]) for a in uncertain] == [(bid, [cut])]
 
 
 async def test_serve_finishes_the_requests_in_progress_on_sigterm(
@@ -210,21 +294,16 @@ async def test_serve_finishes_the_requests_in_progress_on_sigterm(
 
 
 async def test_only_a_call_the_grace_period_cuts_off_is_uncertain(
-    tmp_path: Path, database_url: str, workers: Workers, make_service: ServiceFactory
+    workers: Workers, one_worker: Any
 ) -> None:
     with FakeUpstream() as up:
         up.hold(after=0)  # and never released while the worker lives
-        async with deployment(
-            make_service,
-            tmp_path,
-            database_url,
-            upstream=up,
-            route={"concurrency": 1},
-            shutdown_grace_s=0.5,
-        ) as dep:
-            svc, http = dep.service, dep.http
-            proc = workers.start(config=dep.config, database_url=database_url)
-            acct = make_account(svc, credit="1")
+        async with one_worker(up, credit="1", route={"concurrency": 1}, shutdown_grace_s=0.5) as (
+            svc,
+            http,
+            proc,
+            acct,
+        ):
             bid = (await submit(http, acct.headers, batch(TEXTS))).json()["id"]
 
             def stuck() -> bool:

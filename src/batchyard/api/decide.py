@@ -42,8 +42,9 @@ from batchyard.core import decisions as rules
 from batchyard.core.calibration import CalibrationMode
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
-from batchyard.core.money import charge_ticks, format_money, quote_ticks
+from batchyard.core.money import charge_ticks, format_money
 from batchyard.core.prices import Price
+from batchyard.core.quotes import check_context, direct_price, quote
 from batchyard.engines.base import Completion, CompletionRequest, Usage
 from batchyard.errors import (
     ContextWindowExceeded,
@@ -131,16 +132,10 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
             code="max_output_tokens_out_of_range",
         )
     prompt_tokens = tok.count_messages(messages)
-    if prompt_tokens + max_out > model.context_window:
-        raise ContextWindowExceeded(
-            f"the prompt is {prompt_tokens} tokens and the answers need up to {max_out}: "
-            f"over the {model.context_window}-token context window of {model.id}; "
-            "shorten the text",
-            param="input.text",
-        )
-    price = Price(model.input_per_mtok, model.output_per_mtok)
+    check_context(model, prompt_tokens, max_out, param="input.text", output="max_output_tokens")
+    price = direct_price(model)
     mode: CalibrationMode = req.calibration if scoring else "none"
-    max_cost = quote_ticks(price.cost(prompt_tokens, max_out))
+    max_cost = quote(model, prompt_tokens, max_out)
     return Plan(
         model,
         where,
@@ -171,7 +166,7 @@ async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan:
         plan,
         input_tokens=input_tokens,
         content_free_tokens=content_free,
-        max_cost=quote_ticks(plan.price.cost(input_tokens, plan.max_output_tokens)),
+        max_cost=quote(plan.model, input_tokens, plan.max_output_tokens),
         prior_pending=True,
     )
 
@@ -318,11 +313,10 @@ async def _decide(
         answered = _read(used, req, result)
     except BaseException as exc:
         reason = str(getattr(exc, "code", type(exc).__name__))
-        await asyncio.shield(svc.dispatcher.release(res.id, org_id=org_id, reason=reason))
+        await asyncio.shield(svc.dispatcher.release(res.id, reason=reason))
         raise
     usage = answered.usage
     charged = await svc.dispatcher.settle(
-        org_id=org_id,
         reservation_id=res.id,
         charge=charge_ticks(used.price.cost(usage.input_tokens, usage.output_tokens)),
         model=used.model.id,

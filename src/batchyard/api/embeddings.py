@@ -23,9 +23,9 @@ from fastapi.responses import Response
 from batchyard.api.context import check_tier_limits, idempotent
 from batchyard.api.openai_door import read_body, resolve
 from batchyard.core.ids import new_id
-from batchyard.core.money import format_money, quote_ticks
+from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_embedding
-from batchyard.core.prices import Price
+from batchyard.core.quotes import direct_price, quote
 from batchyard.engines.token_ids import as_texts
 from batchyard.work.openai_wire import embedding_list
 
@@ -41,8 +41,8 @@ async def embeddings(request: Request) -> Response:
     model, route = resolve(svc, body.model, "embeddings", org_id=principal.org_id)
     tok = svc.tokenizer(model)
     input_tokens = sum(tok.count_batch(texts)) + len(texts)
-    price = Price(model.input_per_mtok, model.output_per_mtok)
-    max_cost = quote_ticks(price.cost(input_tokens, 0))
+    price = direct_price(model)
+    max_cost = quote(model, input_tokens, 0)
     now = svc.clock.now()
     ref = new_id("emb", now)
 

@@ -32,14 +32,14 @@ from batchyard.api.context import authenticate, check_tier_limits, idempotent, r
 from batchyard.api.event_streams import DONE, Dialect, events, sse
 from batchyard.core.accounts import Principal
 from batchyard.core.catalog import ModelSpec, RouteSpec
-from batchyard.core.money import quote_ticks
 from batchyard.core.prices import Price
+from batchyard.core.quotes import check_context, direct_price
+from batchyard.core.quotes import quote as quote_most
 from batchyard.core.tokens import Tokenizer
 from batchyard.engines.base import CompletionRequest, Delta
 from batchyard.errors import (
     BatchyardError,
     CapabilityUnsupported,
-    ContextWindowExceeded,
     InvalidRequest,
     ModelNotFound,
     UnknownModel,
@@ -152,15 +152,9 @@ def quote(
             code="max_tokens_out_of_range",
         )
     for i, count in enumerate(counts):
-        if count + max_tokens > model.context_window:
-            raise ContextWindowExceeded(
-                f"{count} prompt tokens + max_tokens {max_tokens} exceed the "
-                f"{model.context_window}-token context window of {model.id}",
-                param=param if len(counts) == 1 else f"{param}.{i}",
-            )
-    price = Price(model.input_per_mtok, model.output_per_mtok)
-    most = price.cost(sum(counts), max_tokens * n * len(counts))
-    return Quote(tokenizer, list(counts), price, quote_ticks(most))
+        check_context(model, count, max_tokens, param=param if len(counts) == 1 else f"{param}.{i}")
+    most = quote_most(model, sum(counts), max_tokens, n * len(counts))
+    return Quote(tokenizer, list(counts), direct_price(model), most)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ from typing import Any
 from batchyard.core import privacy
 from batchyard.core.inputs import Shape, strict
 from batchyard.core.market import effective_min_discount
-from batchyard.errors import ContextWindowExceeded, InvalidRequest, UnsupportedInput
+from batchyard.core.quotes import check_context
+from batchyard.errors import InvalidRequest, UnsupportedInput
 from batchyard.service.deployment import Service
 
 __all__ = [
@@ -351,12 +352,13 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
                 ) from None
         model = svc.catalog.model(req.model)
         tokens = svc.tokenizer(model).count_messages(messages)
-        if tokens + req.max_tokens > model.context_window:
-            raise ContextWindowExceeded(
-                f"requests[{i}]: {tokens} prompt tokens + max_tokens {req.max_tokens} exceed the "
-                f"{model.context_window}-token context window of {model.id}",
-                param=f"requests[{i}].body.messages",
-            )
+        check_context(
+            model,
+            tokens,
+            req.max_tokens,
+            param=f"requests[{i}].body.messages",
+            where=f"requests[{i}]: ",
+        )
         stored = {**req.stored, "messages": messages}
         out.append(
             ParsedRequest(

@@ -2,8 +2,10 @@
 
 A ``Service`` holds what the composition root (``batchyard.app``) built:
 settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
-encryption key, and the four background workers (deferred batches, runs,
-warm state of fine-tuned versions, file batches). It builds nothing itself, so a test hands
+encryption key, and its background workers as one list (``workers``: each a
+``work.runner.Worker``; today the deferred market, batch inference runs, file
+batches, and two sweeps: fine-tuned versions going cold, stranded holds),
+with the ones a door wakes also by name. It builds nothing itself, so a test hands
 in a ``ManualClock`` or a scripted engine once, at the root, and every part of
 the system sees the same one; and each worker was given only the parts it
 uses, never the ``Service``.
@@ -20,9 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from batchyard.core.catalog import Catalog, ModelSpec
 from batchyard.core.clock import Clock
@@ -40,6 +41,7 @@ from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.file_batches.worker import FileBatchWorker
 from batchyard.work.holds import HoldSweeper
+from batchyard.work.runner import Worker
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import Warmth
 
@@ -72,6 +74,8 @@ class Service:
     holds: HoldSweeper
     #: What the parts count, served at ``/metrics`` (``service.metrics``).
     metrics: PrometheusRecorder
+    #: Every background loop, started, drained and stopped alike.
+    workers: list[Worker] = field(default_factory=list)
     started: bool = field(default=False, init=False)
     #: True from the start of ``drain``: ``/readyz`` answers 503 so traffic moves away.
     draining: bool = field(default=False, init=False)
@@ -91,30 +95,20 @@ class Service:
                 return t
         return self.settings.tiers[0]
 
-    def _background(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
-        return [
-            self.market.run,  # deferred batches (seed 003)
-            self.runs.run_forever,  # batch inference runs (seed 002)
-            self.warmth.loop,  # fine-tuned versions going cold (seed 000)
-            self.file_batches.run_forever,  # OpenAI-dialect file batches
-            self.holds.loop,  # stranded holds shown in their owners' activity
-        ]
-
     async def start(self, *, worker: bool = True) -> None:
         """Migrate the store, then run the background workers unless ``worker`` is off."""
         await asyncio.get_running_loop().run_in_executor(None, self.db.migrate)
         if worker:
-            for work in self._background():
-                self._tasks.append(asyncio.create_task(work()))
+            for w in self.workers:
+                self._tasks.append(asyncio.create_task(w.run_forever(), name=w.name))
         self.started = True
 
     def begin_drain(self) -> None:
         """Claim and send nothing more (a SIGTERM's first step); in-flight calls go on."""
         if not self.draining:
             self.draining = True
-            self.market.drain()
-            self.runs.drain()
-            self.file_batches.drain()
+            for w in self.workers:
+                w.drain()
             log.info("draining", extra={"event": "drain_started"})
 
     async def drain(self, grace_s: float) -> None:
@@ -122,14 +116,11 @@ class Service:
 
         Only calls still in flight when the grace period ends are cut off (and
         become ``uncertain``); claimed work never sent goes back to waiting.
+        Every worker waits out the same grace period, side by side.
         """
         self.begin_drain()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        idle = await self.market.wait_idle(grace_s)
-        idle = await self.runs.wait_idle(max(0.0, deadline - loop.time())) and idle
-        idle = await self.file_batches.wait_idle(max(0.0, deadline - loop.time())) and idle
-        log.info("drained", extra={"event": "drain_finished", "cut_off": not idle})
+        idle = await asyncio.gather(*(w.wait_idle(grace_s) for w in self.workers))
+        log.info("drained", extra={"event": "drain_finished", "cut_off": not all(idle)})
         await self.stop_workers()
 
     async def stop(self, *, grace_s: float | None = None) -> None:

@@ -32,15 +32,15 @@ from sqlalchemy import Connection
 from batchyard.core.accounts import Principal
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
-from batchyard.core.prices import Price
+from batchyard.core.quotes import direct_price
 from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
 from batchyard.service.batch_requests import WINDOWS
 from batchyard.service.batch_views import file_batch_view, openai_status
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import ENDPOINTS
+from batchyard.store import billing
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
-from batchyard.store import ledger
 from batchyard.store.files import line_aad
 
 __all__ = ["BODY_KEYS", "cancel", "create", "load_view", "parse_create"]
@@ -185,7 +185,7 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
                     code="model_unavailable",
                     details={"line": line},
                 )
-            cost += Price(model.input_per_mtok, model.output_per_mtok).cost(tokens_in, tokens_out)
+            cost += direct_price(model).cost(tokens_in, tokens_out)
         max_cost = quote_ticks(cost)
         row = store.BatchRow(
             id=batch_id,
@@ -230,16 +230,16 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
             store.create_batch(conn, row)
             return load_view(conn, principal.org_id, batch_id)
         try:
-            with conn.begin_nested():
-                res = ledger.reserve(
-                    conn,
-                    principal.org_id,
-                    max_cost,
-                    now,
-                    purpose="file_batch",
-                    ref=batch_id,
-                    tiers=svc.settings.tiers,
-                )
+            res = billing.reserve(
+                conn,
+                principal.org_id,
+                max_cost,
+                now,
+                purpose="file_batch",
+                ref=batch_id,
+                tiers=svc.settings.tiers,
+                savepoint=True,
+            )
         except InsufficientCredit as exc:
             error = {
                 "code": exc.code,

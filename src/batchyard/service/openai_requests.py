@@ -36,9 +36,10 @@ from batchyard.core.openai_bodies import (
     parse_completion,
     parse_embedding,
 )
+from batchyard.core.quotes import check_context
 from batchyard.core.tokens import TokenizerSource
 from batchyard.engines.token_ids import as_texts
-from batchyard.errors import CapabilityUnsupported, ContextWindowExceeded, InvalidRequest
+from batchyard.errors import CapabilityUnsupported, InvalidRequest
 from batchyard.work.openai_wire import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, MESSAGES
 
 __all__ = [
@@ -174,15 +175,6 @@ def _max_tokens(given: int | None, rules: Rules, model: ModelSpec) -> int:
     return mt
 
 
-def _fits(model: ModelSpec, prompt_tokens: int, max_tokens: int, param: str) -> None:
-    if prompt_tokens + max_tokens > model.context_window:
-        raise ContextWindowExceeded(
-            f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} exceed the "
-            f"{model.context_window}-token context window of {model.id}",
-            param=param,
-        )
-
-
 def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_chat(rest)
@@ -192,7 +184,7 @@ def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
     mt = _max_tokens(req.max_completion_tokens or req.max_tokens, rules, model)
     messages, found = _private_messages(req.messages, mode)
     tokens = rules.tokenizers.for_model(model).count_messages(messages)
-    _fits(model, tokens, mt, "messages")
+    check_context(model, tokens, mt, param="messages")
     rest["messages"] = messages
     return CheckedBody(model, rest, tokens, mt * req.n, found)
 
@@ -225,7 +217,7 @@ def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
     mt = _max_tokens(req.max_tokens, rules, model)
     messages, found = _private_messages(asked.messages, mode)
     tokens = rules.tokenizers.for_model(model).count_messages(messages)
-    _fits(model, tokens, mt, "messages")
+    check_context(model, tokens, mt, param="messages")
     stored = asked.model_copy(update={"messages": messages, "max_tokens": mt})
     return CheckedBody(model, stored.model_dump(exclude_none=True), tokens, mt, found)
 
@@ -241,7 +233,7 @@ def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:
     prompts, found = _private_texts(as_texts(req.prompts(), "prompt"), mode, "prompt")
     # As /v1/completions counts: the raw prompt and the start-of-text token before it.
     counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(prompts)]
-    _fits(model, max(counts), mt, "prompt")
+    check_context(model, max(counts), mt, param="prompt")
     # Token ids are stored as the text they encode, which is what the line runs.
     one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
     rest["prompt"] = prompts[0] if one else prompts
@@ -255,12 +247,7 @@ def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
     inputs, found = _private_texts(as_texts(req.inputs(), "input"), mode, "input")
     # As /v1/embeddings counts: each input and the start-of-text token before it.
     counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(inputs)]
-    if max(counts) > model.context_window:
-        raise ContextWindowExceeded(
-            f"an input of {max(counts)} tokens exceeds the {model.context_window}-token "
-            f"context window of {model.id}",
-            param="input",
-        )
+    check_context(model, max(counts), 0, param="input")
     one = isinstance(req.input, str) or isinstance(req.input[0], int)
     rest["input"] = inputs[0] if one else inputs
     return CheckedBody(model, rest, sum(counts), 0, found)

@@ -83,8 +83,10 @@ batch_items = Table(
     Column("body", LargeBinary, nullable=True),
     Column("route", String(200), nullable=True),
     Column("reservation_id", String(64), nullable=True),
-    Column("lease_until", UtcDateTime(), nullable=True),
-    # The fencing token: one more at each claim (``store.batches.claim``).
+    # The lease of a dispatched item, as every leased row keeps it (``store.leases``).
+    Column("lease_owner", String(64), nullable=True),
+    Column("lease_expires_at", UtcDateTime(), nullable=True),
+    # The fencing token: one more at each claim.
     Column("lease_token", BigInteger, nullable=False, default=0, server_default="0"),
     Column("dispatched_at", UtcDateTime(), nullable=True),
     # Written durably just before the engine call: a dispatched item without it

@@ -4,15 +4,15 @@ The tables and item states are ``store.batch_tables``. Item states:
 ``waiting → dispatched → succeeded | failed``; ``waiting → expired |
 canceled``; ``dispatched`` whose lease lapsed ``→ uncertain`` if its call was
 sent (``sent_at``, written just before the engine call), or back ``→ waiting``
-(its hold released) if it never was. The worker
-claims a waiting item by locking its row (``FOR UPDATE SKIP LOCKED``
-on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already makes the writer alone)
-and marking it dispatched in the transaction that reserves its credit.
+(its hold released) if it never was. The worker claims a waiting item by
+locking its row and leasing it (``store.leases``: the one way every queue
+claims) in the transaction that reserves its credit; every later write of
+the dispatch is fenced by that lease.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from decimal import Decimal
@@ -20,6 +20,8 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
+from batchyard.core.leases import Lease
+from batchyard.store import leases
 from batchyard.store.batch_tables import ACTIVE, ITEM_STATES, TERMINAL, batch_items, batches
 from batchyard.store.tables import api_keys, organisations
 
@@ -34,7 +36,6 @@ __all__ = [
     "create_batch",
     "dispatched_item",
     "expire_due",
-    "extend_lease",
     "finish_item",
     "get_batch",
     "items_of",
@@ -47,6 +48,7 @@ __all__ = [
     "pending_count",
     "purge_due",
     "refresh_batch",
+    "renew",
     "results_of",
     "return_to_waiting",
     "waiting_candidates",
@@ -99,9 +101,16 @@ class ItemRow:
     deadline: datetime
     route: str | None
     reservation_id: str | None
-    lease_until: datetime | None
+    lease_expires_at: datetime | None
     result_status: int | None
     sent_at: datetime | None = None
+    lease_owner: str | None = None
+    lease_token: int = 0
+
+    @property
+    def lease(self) -> Lease:
+        """The lease this item was read under (its holder and the fencing token of that claim)."""
+        return Lease(self.lease_owner or "", self.lease_token)
 
 
 _ITEM_COLUMNS = [batch_items.c[f.name] for f in fields(ItemRow)]
@@ -351,14 +360,12 @@ def cancel_for_revoked_keys(conn: Connection, now: datetime) -> int:
     )
 
 
-def lapsed_leases(conn: Connection, now: datetime) -> list[ItemRow]:
+def lapsed_leases(conn: Connection, now: datetime, *, lock: bool = True) -> list[ItemRow]:
     """Dispatched items whose worker stopped renewing: their outcome is unknown."""
     q = select(*_ITEM_COLUMNS).where(
-        batch_items.c.status == "dispatched", batch_items.c.lease_until < now
+        batch_items.c.status == "dispatched", leases.lapsed(batch_items, now)
     )
-    if conn.dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)
-    return [_item(r) for r in conn.execute(q).all()]
+    return [_item(r) for r in conn.execute(leases.lock_skipping(conn, q) if lock else q).all()]
 
 
 def mark_uncertain(
@@ -372,7 +379,10 @@ def mark_uncertain(
             batch_items.c.status == "dispatched",
             batch_items.c.reservation_id == item.reservation_id,
         )
-        .values(status="uncertain", reason=reason, finished_at=now, lease_until=None, body=None)
+        # The owner and token stay: a late answer of this very dispatch may still land.
+        .values(
+            status="uncertain", reason=reason, finished_at=now, lease_expires_at=None, body=None
+        )
     ).rowcount
     if done:
         refresh_batch(conn, item.batch_id, now)
@@ -393,8 +403,8 @@ def return_to_waiting(conn: Connection, item: ItemRow, now: datetime) -> bool:
             status="waiting",
             route=None,
             reservation_id=None,
-            lease_until=None,
             dispatched_at=None,
+            **leases.LET_GO,
         )
     ).rowcount
     return bool(done)
@@ -403,16 +413,14 @@ def return_to_waiting(conn: Connection, item: ItemRow, now: datetime) -> bool:
 def dispatched_item(
     conn: Connection,
     item_id: str,
-    reservation_id: str,
-    token: int,
+    lease: Lease,
     states: Sequence[str] = ("dispatched",),
 ) -> ItemRow | None:
     """The item if it is still in ``states`` under this claim (locked on PostgreSQL)."""
     q = select(*_ITEM_COLUMNS).where(
         batch_items.c.id == item_id,
         batch_items.c.status.in_(list(states)),
-        batch_items.c.reservation_id == reservation_id,
-        batch_items.c.lease_token == token,
+        leases.held_by(batch_items, lease),
     )
     if conn.dialect.name == "postgresql":
         q = q.with_for_update()
@@ -420,21 +428,19 @@ def dispatched_item(
     return _item(row) if row is not None else None
 
 
-def mark_sent(
-    conn: Connection, item_id: str, reservation_id: str, token: int, now: datetime
-) -> bool:
-    """Record that the item's call is about to start; False if the item is no longer ours."""
-    done = conn.execute(
-        update(batch_items)
-        .where(
-            batch_items.c.id == item_id,
+def mark_sent(conn: Connection, held: Mapping[str, Lease], now: datetime) -> set[str]:
+    """Record that these items' calls are about to start; the items that are still ours."""
+    return leases.mark_sent(
+        conn,
+        batch_items,
+        batch_items.c.id,
+        list(held),
+        now,
+        where=[
             batch_items.c.status == "dispatched",
-            batch_items.c.reservation_id == reservation_id,
-            batch_items.c.lease_token == token,
-        )
-        .values(sent_at=now)
-    ).rowcount
-    return bool(done)
+            leases.held_by_each(batch_items, batch_items.c.id, held),
+        ],
+    )
 
 
 def purge_due(conn: Connection, before: datetime, now: datetime) -> list[str]:
@@ -475,13 +481,15 @@ def waiting_candidates(conn: Connection, now: datetime, limit: int) -> list[Item
 
 
 def claim(conn: Connection, item_id: str) -> tuple[ItemRow, bytes] | None:
-    """Lock a waiting item and read its sealed body; None if another worker has it."""
+    """Lock a waiting item and read its sealed body; None if another worker has it.
+
+    The item is leased (``mark_dispatched``) only once its price and its hold
+    are settled in the same transaction.
+    """
     q = select(*_ITEM_COLUMNS, batch_items.c.body).where(
         batch_items.c.id == item_id, batch_items.c.status == "waiting"
     )
-    if conn.dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)
-    row = conn.execute(q).first()
+    row = conn.execute(leases.lock_skipping(conn, q)).first()
     if row is None or row.body is None:
         return None
     return _item(row), bytes(row.body)
@@ -489,48 +497,47 @@ def claim(conn: Connection, item_id: str) -> tuple[ItemRow, bytes] | None:
 
 def mark_dispatched(
     conn: Connection,
-    item_id: str,
+    item: ItemRow,
+    owner: str,
+    until: datetime,
     *,
     route: str,
     reservation_id: str,
     now: datetime,
-    lease_until: datetime,
-) -> int:
-    """Dispatch a claimed item under a new lease; the lease's fencing token.
+) -> Lease:
+    """Dispatch an item ``claim`` locked, leased to ``owner``; its lease (owner and token).
 
-    The token grows by one at each dispatch; the worker names it (with the
-    dispatch's reservation) in every later write of the item.
+    The token grows by one at each dispatch; every later write of the item
+    names the lease.
     """
-    conn.execute(
-        update(batch_items)
-        .where(batch_items.c.id == item_id, batch_items.c.status == "waiting")
-        .values(
-            status="dispatched",
-            route=route,
-            reservation_id=reservation_id,
-            dispatched_at=now,
-            lease_until=lease_until,
-            lease_token=batch_items.c.lease_token + 1,
-        )
-    )
-    token = conn.execute(
-        select(batch_items.c.lease_token).where(batch_items.c.id == item_id)
-    ).scalar_one()
-    return int(token)
+    return leases.take(
+        conn,
+        batch_items,
+        batch_items.c.id,
+        {item.id: item.lease_token},
+        owner,
+        until,
+        where=[batch_items.c.status == "waiting"],
+        values={
+            "status": "dispatched",
+            "route": route,
+            "reservation_id": reservation_id,
+            "dispatched_at": now,
+        },
+    )[item.id]
 
 
-def extend_lease(conn: Connection, item_id: str, token: int, until: datetime) -> bool:
-    """Renew a dispatched item's lease; False if it is no longer under the claim ``token``."""
-    result = conn.execute(
-        update(batch_items)
-        .where(
-            batch_items.c.id == item_id,
-            batch_items.c.status == "dispatched",
-            batch_items.c.lease_token == token,
-        )
-        .values(lease_until=until)
-    )
-    return bool(result.rowcount)
+def renew(conn: Connection, held: Mapping[str, Lease], until: datetime) -> set[str]:
+    """Renew the leases of dispatched items still under these claims; those renewed."""
+    if not held:
+        return set()
+    fence = [
+        batch_items.c.status == "dispatched",
+        leases.held_by_each(batch_items, batch_items.c.id, held),
+    ]
+    if leases.renew(conn, batch_items, until, where=fence) == len(held):
+        return set(held)
+    return set(conn.execute(select(batch_items.c.id).where(*fence)).scalars())
 
 
 def finish_item(
@@ -543,30 +550,26 @@ def finish_item(
     result_status: int | None = None,
     result: bytes | None = None,
     from_states: Sequence[str] = ("waiting", "dispatched", "uncertain"),
-    reservation_id: str | None = None,
-    token: int | None = None,
+    lease: Lease | None = None,
 ) -> bool:
     """End an item with its result; False when it had already left ``from_states``.
 
-    With ``reservation_id`` and ``token``, only the dispatch under that hold and
-    that claim is ended: an item that went back to waiting and was claimed
-    again is not finished by the old one.
+    With ``lease``, only the dispatch under that claim is ended: an item that
+    went back to waiting and was claimed again is not finished by the old one.
     """
     if status not in TERMINAL:
         raise ValueError(f"{status!r} is not a final item state")
     q = update(batch_items).where(
         batch_items.c.id == item.id, batch_items.c.status.in_(from_states)
     )
-    if reservation_id is not None:
-        q = q.where(batch_items.c.reservation_id == reservation_id)
-    if token is not None:
-        q = q.where(batch_items.c.lease_token == token)
+    if lease is not None:
+        q = q.where(leases.held_by(batch_items, lease))
     done = conn.execute(
         q.values(
             status=status,
             reason=reason,
             finished_at=now,
-            lease_until=None,
+            lease_expires_at=None,
             body=None,
             result_status=result_status,
             result=result,

@@ -35,6 +35,7 @@ from sqlalchemy.exc import DatabaseError, DBAPIError, InterfaceError, Operationa
 from sqlalchemy.exc import InternalError as SqlInternalError
 from sqlalchemy.pool import StaticPool
 
+from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.sealing import Sealer
 from batchyard.errors import StorageUnavailable
 
@@ -89,9 +90,20 @@ def _create_private(path: Path) -> None:
 
 
 class Database:
-    def __init__(self, url: str, *, pool_size: int = 8, sealer: Sealer | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 8,
+        sealer: Sealer | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.url = url
         self.sealer = sealer
+        # How long a write that must land waits out an outage (``write_through``). A
+        # store outage is one of real time, so this is the real clock unless a test
+        # hands in its own.
+        self.clock: Clock = clock or SystemClock()
         self.is_sqlite = url.startswith("sqlite")
         self._lock: threading.Lock | None = None
         self._writer: threading.RLock | None = None
@@ -265,17 +277,17 @@ class Database:
         fn: Callable[[Connection], T],
         patience_s: float,
     ) -> T:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + patience_s
+        clock = self.clock
+        deadline = clock.time() + patience_s
         pause = 0.05
         while True:
             try:
                 return await run(fn)
             except StorageUnavailable:
-                if loop.time() + pause > deadline:
+                if clock.time() + pause > deadline:
                     raise
                 log.warning("store unavailable; retrying a write", extra={"event": "write_retry"})
-                await asyncio.sleep(pause)
+                await clock.sleep(pause)
                 pause = min(pause * 2, 2.0)
 
     def write_later(self, fn: Callable[[Connection], Any], *, patience_s: float = 600.0) -> None:

@@ -2,8 +2,8 @@
 
 A file batch is a run whose rows are the request lines of an uploaded file:
 its whole quote is held in one reservation when it is created, its lines are
-claimed by workers under leases (``SELECT … FOR UPDATE SKIP LOCKED`` on
-PostgreSQL, the single writer on SQLite), each answered line is charged to
+claimed by workers under leases (each line its own, ``store.leases``),
+each answered line is charged to
 its real usage once, and the reservation is settled with the sum when the
 batch finalizes. Line states::
 
@@ -30,7 +30,6 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Column,
-    ColumnElement,
     Connection,
     ForeignKey,
     Index,
@@ -45,10 +44,11 @@ from sqlalchemy import (
     insert,
     literal,
     select,
-    tuple_,
     update,
 )
 
+from batchyard.core.leases import Lease
+from batchyard.store import leases
 from batchyard.store.files import file_lines
 from batchyard.store.tables import UtcDateTime, metadata
 
@@ -65,21 +65,23 @@ __all__ = [
     "file_batch_lines",
     "file_batches",
     "get_batch",
-    "heartbeat",
+    "has_unsent_lapsed",
     "lapsed_lines",
     "list_batches",
     "live_batch_reads",
     "live_batches",
     "load_batch",
+    "mark_sent",
     "models_of",
     "out_aad",
     "output_lines",
     "page_lines",
     "pending_lines",
     "record_results",
+    "renew",
+    "requeue_unsent",
     "set_status",
     "totals",
-    "unclaim",
 ]
 
 LINE_STATES = ("pending", "dispatched", "succeeded", "failed", "expired", "canceled", "uncertain")
@@ -192,7 +194,7 @@ class Claimed:
     input_tokens: int
     max_tokens: int
     body: bytes  # sealed under (input file id, line)
-    token: int  # the fencing token of this claim of the line
+    lease: Lease  # this claim of the line: the worker's name and its fencing token
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,37 +387,27 @@ def claim_lines(
     now: datetime,
     lease_until: datetime,
 ) -> list[Claimed]:
-    """Take up to ``n`` pending lines, lowest first, under ``owner``'s lease.
+    """Take up to ``n`` pending lines, lowest first, each under a lease of its own.
 
     Each line's fencing token grows by one; the worker keeps each line's
-    (``Claimed.token``) and names it in every later write of that line.
+    (``Claimed.lease``) and names it in every later write of that line.
     """
     if n <= 0:
         return []
     fbl = file_batch_lines
-    q = (
-        select(fbl.c.line)
-        .where(fbl.c.batch_id == batch.id, fbl.c.state == "pending")
-        .order_by(fbl.c.line)
-        .limit(n)
+    taken = leases.claim(
+        conn,
+        fbl,
+        fbl.c.line,
+        owner,
+        lease_until,
+        where=[fbl.c.batch_id == batch.id, fbl.c.state == "pending"],
+        order_by=[fbl.c.line],
+        limit=n,
+        values={"state": "dispatched", "updated_at": now, "sent_at": None},
     )
-    if conn.dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)
-    picked = list(conn.execute(q).scalars())
-    if not picked:
+    if not taken:
         return []
-    conn.execute(
-        update(fbl)
-        .where(fbl.c.batch_id == batch.id, fbl.c.state == "pending", fbl.c.line.in_(picked))
-        .values(
-            state="dispatched",
-            lease_owner=owner,
-            lease_expires_at=lease_until,
-            lease_token=fbl.c.lease_token + 1,
-            updated_at=now,
-            sent_at=None,
-        )
-    )
     rows = conn.execute(
         select(
             fbl.c.line,
@@ -424,7 +416,6 @@ def claim_lines(
             fbl.c.input_tokens,
             fbl.c.max_tokens,
             file_lines.c.body,
-            fbl.c.lease_token,
         )
         .select_from(
             fbl.join(
@@ -432,38 +423,30 @@ def claim_lines(
                 and_(file_lines.c.file_id == batch.input_file_id, file_lines.c.line == fbl.c.line),
             )
         )
-        .where(fbl.c.batch_id == batch.id, fbl.c.line.in_(picked))
+        .where(fbl.c.batch_id == batch.id, fbl.c.line.in_(list(taken)))
         .order_by(fbl.c.line)
     ).all()
-    return [Claimed(r[0], r[1], r[2], r[3], r[4], bytes(r[5]), int(r[6])) for r in rows]
+    return [Claimed(r[0], r[1], r[2], r[3], r[4], bytes(r[5]), taken[r[0]]) for r in rows]
 
 
-def _held(owner: str, held: Mapping[int, int]) -> ColumnElement[bool]:
-    """Lines still under these claims: ``owner``'s, each with the token its claim gave."""
-    fbl = file_batch_lines
-    return and_(
-        fbl.c.lease_owner == owner,
-        tuple_(fbl.c.line, fbl.c.lease_token).in_(list(held.items())),
-    )
-
-
-def heartbeat(
-    conn: Connection, batch_id: str, owner: str, held: Mapping[int, int], lease_until: datetime
+def renew(
+    conn: Connection, batch_id: str, held: Mapping[int, Lease], lease_until: datetime
 ) -> str | None:
-    """Extend the leases of the ``held`` lines (line → token); the batch's status (None if gone).
+    """Extend the leases of the ``held`` lines (line → lease); the batch's status (None if gone).
 
     A line claimed since by another worker (or again by this one) has another
     token, so its lease is not extended by a stale holder.
     """
     if held:
-        conn.execute(
-            update(file_batch_lines)
-            .where(
+        leases.renew(
+            conn,
+            file_batch_lines,
+            lease_until,
+            where=[
                 file_batch_lines.c.batch_id == batch_id,
                 file_batch_lines.c.state == "dispatched",
-                _held(owner, held),
-            )
-            .values(lease_expires_at=lease_until)
+                leases.held_by_each(file_batch_lines, file_batch_lines.c.line, held),
+            ],
         )
     status = conn.execute(
         select(file_batches.c.status).where(file_batches.c.id == batch_id)
@@ -474,17 +457,15 @@ def heartbeat(
 def record_results(
     conn: Connection,
     batch_id: str,
-    owner: str,
-    held: Mapping[int, int],
+    held: Mapping[int, Lease],
     ended: Sequence[Ended],
     now: datetime,
 ) -> int:
-    """Write answered lines; only lines still dispatched under ``owner``'s claim are written.
+    """Write answered lines; only lines still dispatched under their claim in ``held``.
 
-    The fence (owner and each line's token in ``held``) is what makes "charged
-    at most once" hold: a worker that lost its lease (its lines went
-    ``uncertain``, or were claimed again) writes nothing, and no line can be
-    answered twice.
+    The fence (each line's owner and token) is what makes "charged at most
+    once" hold: a worker that lost its lease (its lines went ``uncertain``, or
+    were claimed again) writes nothing, and no line can be answered twice.
     """
     ended = [e for e in ended if e.line in held]
     if not ended:
@@ -496,7 +477,7 @@ def record_results(
             fbl.c.batch_id == batch_id,
             fbl.c.line == bindparam("b_line"),
             fbl.c.state == "dispatched",
-            fbl.c.lease_owner == owner,
+            fbl.c.lease_owner == bindparam("b_owner"),
             fbl.c.lease_token == bindparam("b_token"),
         )
         .values(
@@ -507,14 +488,14 @@ def record_results(
             charge=bindparam("b_ch"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
-            lease_owner=None,
-            lease_expires_at=None,
             updated_at=now,
+            **leases.LET_GO,
         ),
         [
             {
                 "b_line": e.line,
-                "b_token": held[e.line],
+                "b_owner": held[e.line].owner,
+                "b_token": held[e.line].token,
                 "b_state": e.state,
                 "b_route": e.route,
                 "b_ui": e.usage_input,
@@ -538,31 +519,34 @@ def pending_lines(conn: Connection, batch_id: str, limit: int) -> list[tuple[int
         .order_by(fbl.c.line)
         .limit(limit)
     )
-    if conn.dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)
-    return [(r[0], r[1]) for r in conn.execute(q)]
+    return [(r[0], r[1]) for r in conn.execute(leases.lock_skipping(conn, q))]
 
 
 def lapsed_lines(
-    conn: Connection, now: datetime, limit: int, *, lock: bool = True
+    conn: Connection,
+    now: datetime,
+    limit: int,
+    *,
+    lock: bool = True,
+    batch_id: str | None = None,
+    held: Mapping[int, Lease] | None = None,
 ) -> list[tuple[str, int, str]]:
     """``(batch, line, custom_id)`` of sent lines whose worker stopped renewing.
 
-    A lapsed line that was never sent is not here: ``requeue_unsent`` puts it back.
+    With ``batch_id`` and ``held``: the sent lines of these claims instead, whose
+    worker is stopping with their calls cut off. A line that was never sent is
+    not here: ``requeue_unsent`` puts it back.
     """
     fbl = file_batch_lines
-    q = (
-        select(fbl.c.batch_id, fbl.c.line, fbl.c.custom_id)
-        .where(
-            fbl.c.state == "dispatched",
-            fbl.c.lease_expires_at < now,
-            fbl.c.sent_at.is_not(None),
-        )
-        .limit(limit)
+    q = select(fbl.c.batch_id, fbl.c.line, fbl.c.custom_id).where(
+        fbl.c.state == "dispatched", fbl.c.sent_at.is_not(None)
     )
-    if lock and conn.dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)
-    return [(r[0], r[1], r[2]) for r in conn.execute(q)]
+    if held is not None:
+        q = q.where(fbl.c.batch_id == batch_id, leases.held_by_each(fbl, fbl.c.line, held))
+    else:
+        q = q.where(leases.lapsed(fbl, now))
+    q = q.limit(limit)
+    return [(r[0], r[1], r[2]) for r in conn.execute(leases.lock_skipping(conn, q) if lock else q)]
 
 
 def end_lines(
@@ -583,9 +567,8 @@ def end_lines(
             state=bindparam("b_state"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
-            lease_owner=None,
-            lease_expires_at=None,
             updated_at=now,
+            **leases.LET_GO,
         ),
         [
             {"b_line": e.line, "b_state": e.state, "b_out": e.out, "b_ob": e.out_bytes}
@@ -620,7 +603,7 @@ def has_unsent_lapsed(conn: Connection, now: datetime) -> bool:
     """Whether a lapsed dispatched line was never sent (a cheap read first)."""
     fbl = file_batch_lines
     q = select(fbl.c.line).where(
-        fbl.c.state == "dispatched", fbl.c.lease_expires_at < now, fbl.c.sent_at.is_(None)
+        fbl.c.state == "dispatched", leases.lapsed(fbl, now), fbl.c.sent_at.is_(None)
     )
     return conn.execute(q.limit(1)).first() is not None
 
@@ -630,62 +613,43 @@ def requeue_unsent(
     now: datetime,
     *,
     batch_id: str | None = None,
-    owner: str | None = None,
-    held: Mapping[int, int] | None = None,
+    held: Mapping[int, Lease] | None = None,
 ) -> int:
     """Dispatched lines that never reached the engine go back to ``pending``.
 
-    Those of a worker whose lease lapsed (``now``), or, with ``owner`` and
-    ``held`` (line → token), those a worker that is stopping still holds.
+    Those of a worker whose lease lapsed (``now``), or, with ``batch_id`` and
+    ``held`` (line → lease), those of these claims (a worker that gives them up).
     """
     fbl = file_batch_lines
     q = update(fbl).where(fbl.c.state == "dispatched", fbl.c.sent_at.is_(None))
-    if owner is not None:
+    if held is not None:
         if not held:
             return 0
-        q = q.where(_held(owner, held))
+        q = q.where(fbl.c.batch_id == batch_id, leases.held_by_each(fbl, fbl.c.line, held))
     else:
-        q = q.where(fbl.c.lease_expires_at < now)
-    if batch_id is not None:
-        q = q.where(fbl.c.batch_id == batch_id)
-    done = conn.execute(q.values(state="pending", lease_owner=None, lease_expires_at=None))
+        q = q.where(leases.lapsed(fbl, now))
+        if batch_id is not None:
+            q = q.where(fbl.c.batch_id == batch_id)
+    done = conn.execute(q.values(state="pending", **leases.LET_GO))
     return int(done.rowcount or 0)
 
 
-def mark_lines_sent(
-    conn: Connection,
-    batch_id: str,
-    lines: Sequence[int],
-    owner: str,
-    held: Mapping[int, int],
-    now: datetime,
+def mark_sent(
+    conn: Connection, batch_id: str, held: Mapping[int, Lease], now: datetime
 ) -> set[int]:
     """Record that these lines' calls are about to start; the lines that are still ours."""
     fbl = file_batch_lines
-    mine = and_(
-        fbl.c.batch_id == batch_id,
-        fbl.c.state == "dispatched",
-        _held(owner, {line: held[line] for line in lines if line in held}),
-    )
-    done = conn.execute(update(fbl).where(mine).values(sent_at=now)).rowcount
-    if done == len(lines):
-        return set(lines)
-    return {r[0] for r in conn.execute(select(fbl.c.line).where(mine))}
-
-
-def unclaim(conn: Connection, batch_id: str, owner: str, line: int, token: int) -> None:
-    """Put a claimed line back to ``pending``: it was never sent (its route stopped qualifying)."""
-    fbl = file_batch_lines
-    conn.execute(
-        update(fbl)
-        .where(
+    return leases.mark_sent(
+        conn,
+        fbl,
+        fbl.c.line,
+        list(held),
+        now,
+        where=[
             fbl.c.batch_id == batch_id,
-            fbl.c.line == line,
             fbl.c.state == "dispatched",
-            fbl.c.lease_owner == owner,
-            fbl.c.lease_token == token,
-        )
-        .values(state="pending", lease_owner=None, lease_expires_at=None)
+            leases.held_by_each(fbl, fbl.c.line, held),
+        ],
     )
 
 

@@ -34,7 +34,7 @@ from sqlalchemy import Connection, select
 
 from batchyard.core.money import format_money
 from batchyard.errors import InvalidState
-from batchyard.store import activity, ledger
+from batchyard.store import billing, ledger
 from batchyard.store.batch_tables import batch_items
 from batchyard.store.file_batches import LIVE as FILE_BATCH_LIVE
 from batchyard.store.file_batches import file_batches
@@ -120,7 +120,7 @@ def stranded(conn: Connection, now: datetime, *, org_id: str | None = None) -> l
                 batch_items.c.reservation_id,
                 batch_items.c.id,
                 batch_items.c.status,
-                batch_items.c.lease_until,
+                batch_items.c.lease_expires_at,
                 batch_items.c.sent_at,
             ).where(batch_items.c.reservation_id.in_(ids))
         )
@@ -178,7 +178,7 @@ def _judge(r: Any, item: Any, run: Any, now: datetime) -> Stranded | None:
         if status == "uncertain":
             return make("its deferred item is uncertain", sent=True)
         if status == "dispatched":
-            lease = item.lease_until
+            lease = item.lease_expires_at
             if lease is not None and lease + LEASE_SLACK < now:
                 sent = item.sent_at is not None
                 why = "its deferred item's lease lapsed " + (
@@ -237,25 +237,7 @@ def resolve(
     res = ledger.get_reservation(conn, reservation_id, lock=True)
     if res.state != "held":
         raise InvalidState(f"reservation {reservation_id} is already {res.state}")
+    detail = {"purpose": res.purpose, "reason": "operator", "note": reason, "operator": operator}
     if charge is None:
-        done = ledger.release(conn, reservation_id, now)
-        kind = "release"
-    else:
-        done = ledger.settle(conn, reservation_id, charge, now)
-        kind = "charge"
-    activity.record(
-        conn,
-        res.org_id,
-        kind,
-        now,
-        ref=res.ref,
-        reservation_id=res.id,
-        amount=done.charged if charge is not None else res.amount,
-        detail={
-            "purpose": res.purpose,
-            "reason": "operator",
-            "note": reason,
-            "operator": operator,
-        },
-    )
-    return done
+        return billing.release(conn, reservation_id, now, ref=res.ref, detail=detail).reservation
+    return billing.settle(conn, reservation_id, charge, now, ref=res.ref, detail=detail).reservation

@@ -38,6 +38,7 @@ from sqlalchemy import (
 import batchyard.store.projects  # noqa: F401
 from batchyard.core.leases import Lease
 from batchyard.errors import NotFound
+from batchyard.store import leases
 from batchyard.store.tables import UtcDateTime, metadata
 
 __all__ = [
@@ -258,7 +259,7 @@ def update_run(
     if expect is not None:
         q = q.where(runs.c.status.in_(list(expect)))
     if lease is not None:
-        q = q.where(runs.c.lease_owner == lease.owner, runs.c.lease_token == lease.token)
+        q = q.where(leases.held_by(runs, lease))
     if "error" in values and values["error"] is not None:
         values["error"] = json.dumps(values["error"])
     return conn.execute(q.values(updated_at=now, **values)).rowcount == 1

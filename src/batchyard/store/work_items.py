@@ -29,6 +29,7 @@ from sqlalchemy import (
 
 from batchyard.core.leases import Lease
 from batchyard.core.runs import ItemState
+from batchyard.store import leases
 from batchyard.store.at_rest import open_text, seal_text
 from batchyard.store.projects import dataset_rows as dr
 from batchyard.store.projects import row_aad
@@ -51,12 +52,13 @@ __all__ = [
     "claim_items",
     "clear_items",
     "list_failures",
-    "mark_rows_sent",
+    "mark_sent",
     "mark_uncertain",
     "mark_written",
     "record_results",
     "recount",
     "recover_dispatched",
+    "requeue_unsent",
     "succeeded_unwritten",
 ]
 
@@ -159,22 +161,8 @@ def record_results(
     """Write finished rows and their usage, and add them to the run's counters.
 
     Only rows still ``dispatched`` are written, so a row is recorded (and its
-    usage counted) once, even if a result arrives after a takeover. A result
-    in state ``pending`` is a row whose call was never made: it waits again.
+    usage counted) once, even if a result arrives after a takeover.
     """
-    unsent = [r.row_id for r in results if r.state == ItemState.PENDING]
-    if unsent:
-        conn.execute(
-            update(run_items)
-            .where(
-                run_items.c.run_id == run_id,
-                run_items.c.row_id.in_(unsent),
-                run_items.c.state == ItemState.DISPATCHED,
-                run_items.c.sent_at.is_(None),
-            )
-            .values(state=ItemState.PENDING, updated_at=now)
-        )
-        results = [r for r in results if r.state != ItemState.PENDING]
     if not results:
         return
     params = [
@@ -248,23 +236,43 @@ def _set_state(
     return ids
 
 
-def mark_rows_sent(
+def mark_sent(
     conn: Connection, run_id: str, row_ids: Sequence[int], lease: Lease, now: datetime
 ) -> set[int]:
-    """Record that these rows' calls are about to start; the rows that are still ours."""
-    ours = select(runs.c.id).where(
-        runs.c.id == run_id, runs.c.lease_owner == lease.owner, runs.c.lease_token == lease.token
+    """Record that these rows' calls are about to start; the rows that are still ours.
+
+    A row has no lease of its own: it is the run holder's, so the fence is the run's lease.
+    """
+    ours = select(runs.c.id).where(runs.c.id == run_id, leases.held_by(runs, lease))
+    return leases.mark_sent(
+        conn,
+        run_items,
+        run_items.c.row_id,
+        row_ids,
+        now,
+        where=[
+            run_items.c.run_id == run_id,
+            run_items.c.state == ItemState.DISPATCHED,
+            run_items.c.run_id.in_(ours),
+        ],
     )
-    mine = and_(
-        run_items.c.run_id == run_id,
-        run_items.c.row_id.in_(list(row_ids)),
-        run_items.c.state == ItemState.DISPATCHED,
-        run_items.c.run_id.in_(ours),
-    )
-    done = conn.execute(update(run_items).where(mine).values(sent_at=now)).rowcount
-    if done == len(row_ids):
-        return set(row_ids)
-    return {r[0] for r in conn.execute(select(run_items.c.row_id).where(mine))}
+
+
+def requeue_unsent(conn: Connection, run_id: str, row_ids: Sequence[int], now: datetime) -> int:
+    """Claimed rows whose call was never made wait again (``pending``); how many."""
+    if not row_ids:
+        return 0
+    done = conn.execute(
+        update(run_items)
+        .where(
+            run_items.c.run_id == run_id,
+            run_items.c.row_id.in_(list(row_ids)),
+            run_items.c.state == ItemState.DISPATCHED,
+            run_items.c.sent_at.is_(None),
+        )
+        .values(state=ItemState.PENDING, updated_at=now)
+    ).rowcount
+    return int(done or 0)
 
 
 def recover_dispatched(conn: Connection, run_id: str, now: datetime) -> tuple[list[int], int]:

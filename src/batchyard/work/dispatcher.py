@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -50,8 +50,8 @@ from batchyard.engines.base import (
     StreamingEngine,
     Usage,
 )
-from batchyard.errors import CapabilityUnsupported, UpstreamRateLimited
-from batchyard.store import activity, ledger
+from batchyard.errors import CapabilityUnsupported, UpstreamError, UpstreamRateLimited
+from batchyard.store import billing, ledger
 from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.route_pacing import RoutePacer
@@ -107,27 +107,20 @@ class Dispatcher:
     async def reserve(
         self, org_id: str, amount: int, *, purpose: str, ref: str | None = None
     ) -> ledger.Reservation:
+        """Hold the most a call can cost (``store.billing``); 402 before anything runs."""
         now = self.clock.now()
         return await self.db.write(
-            lambda c: ledger.reserve(
+            lambda c: billing.reserve(
                 c, org_id, amount, now, purpose=purpose, ref=ref, tiers=self.tiers
             )
         )
 
-    async def release(self, reservation_id: str, *, org_id: str, reason: str) -> None:
+    async def release(self, reservation_id: str, *, reason: str) -> None:
+        """Charge nothing: the hold is released with its activity record (``reason``)."""
         now = self.clock.now()
 
         def tx(c: Connection) -> None:
-            res = ledger.release(c, reservation_id, now)
-            activity.record(
-                c,
-                org_id,
-                "release",
-                now,
-                reservation_id=reservation_id,
-                amount=res.amount,
-                detail={"reason": reason},
-            )
+            billing.release(c, reservation_id, now, ref=None, detail={"reason": reason})
 
         await self.db.write_through(tx)
 
@@ -136,15 +129,14 @@ class Dispatcher:
         await self.pacer.admit(route, input_tokens, max_output_tokens)
 
     def concurrency(self, route: RouteSpec) -> int | None:
-        """How many calls the route runs at once, where it has a bound.
+        """How many calls the route runs at once, where it has a bound: the one answer.
 
         The route's own ``concurrency`` setting, else its engine's (the embedded
-        model's contexts); ``None`` for an upstream that says nothing.
+        model's slots); ``None`` for an upstream that says nothing. The workers
+        keep this many calls in flight (or their own default where it is None),
+        ``/v1/models`` shows it.
         """
-        if route.concurrency:
-            return route.concurrency
-        contexts = getattr(self.engines.for_route(route), "contexts", None)
-        return contexts if isinstance(contexts, int) and contexts > 0 else None
+        return route.concurrency or self.engines.slots(route)
 
     def can_score(self, route: RouteSpec) -> bool:
         """Whether the route's engine scores candidate replies (decide's per-outcome scoring)."""
@@ -157,45 +149,40 @@ class Dispatcher:
         input_tokens: int,
         send: Callable[[], Awaitable[T]],
         on_send: OnSend | None = None,
+        *,
+        hold: contextlib.AsyncExitStack | None = None,
     ) -> T:
         """Pace the route, then ``send``; an upstream 429 is waited out and sent again.
 
-        A 429 means the upstream did not process the call, so sending it again
-        cannot charge twice. Its Retry-After becomes a penalty on the route
-        that every caller of the route waits out, not only this one.
-        ``on_send`` runs right before each ``send``, inside the concurrency slot.
+        Every engine call goes through here: a chat, a batch line, a score, an
+        embedding and a stream. A 429 means the upstream did not process the
+        call, so sending it again cannot charge twice. Its Retry-After becomes
+        a penalty on the route that every caller of the route waits out, not
+        only this one. ``on_send`` runs right before each ``send``, inside the
+        concurrency slot.
+
+        ``hold`` is a stream's: ``send`` opens it (up to its first piece, where
+        a 429 shows), the route's slots (the cold gate, the concurrency slot)
+        stay taken in ``hold`` until the caller closes it, and the caller
+        counts the answer when the stream ends.
         """
         sem = self._semaphore(route)
         attempt = 0
-
-        async def go() -> T:
-            if on_send is not None:
-                await on_send()
-            await self.pacer.send(route)
-            try:
-                result = await send()
-            except BaseException as exc:
-                self.metrics.model_call(route.id, outcome_of(exc))
-                raise
-            self.metrics.model_call(route.id, "ok")
-            if (usage := usage_of(result)) is not None:
-                self.metrics.tokens(route.id, usage.input_tokens, usage.output_tokens)
-                if usage.cached_input_tokens:
-                    self.metrics.prompt_tokens_cached(route.id, usage.cached_input_tokens)
-            return result
-
         while True:
-            # Until a route without a declared rate first answers, only a few
-            # calls go out: its headers (or its 429) say what the rate is.
-            async with self.pacer.cold(route):
+            async with contextlib.AsyncExitStack() as slot:
+                # Until a route without a declared rate first answers, only a few
+                # calls go out: its headers (or its 429) say what the rate is.
+                await slot.enter_async_context(self.pacer.cold(route))
                 await self.pace(route, input_tokens, cost_tokens)
+                if sem is not None:
+                    await slot.enter_async_context(sem)
+                if on_send is not None:
+                    await on_send()
+                await self.pacer.send(route)
                 try:
-                    if sem is None:
-                        result = await go()
-                    else:
-                        async with sem:
-                            result = await go()
+                    result = await send()
                 except UpstreamRateLimited as exc:
+                    self.metrics.model_call(route.id, outcome_of(exc))
                     attempt += 1
                     wait = exc.retry_after if exc.retry_after is not None else 1.0
                     await self.pacer.refused(route, wait, _signal_of(exc))
@@ -204,8 +191,23 @@ class Dispatcher:
                         raise
                     log.info("upstream 429", extra={"route": route.id, "retry_after": wait})
                     continue
-                await self.pacer.answered(route, _signal_of(result))
+                except BaseException as exc:
+                    self.metrics.model_call(route.id, outcome_of(exc))
+                    raise
+                if hold is not None:
+                    hold.push_async_exit(slot.pop_all())
+                    return result
+                await self._answered(route, result)
                 return result
+
+    async def _answered(self, route: RouteSpec, result: object) -> None:
+        """A call came back: count it and its tokens, and learn from its rate-limit headers."""
+        self.metrics.model_call(route.id, "ok")
+        if (usage := usage_of(result)) is not None:
+            self.metrics.tokens(route.id, usage.input_tokens, usage.output_tokens)
+            if usage.cached_input_tokens:
+                self.metrics.prompt_tokens_cached(route.id, usage.cached_input_tokens)
+        await self.pacer.answered(route, _signal_of(result))
 
     async def call(
         self,
@@ -246,19 +248,9 @@ class Dispatcher:
             completion = await self.call(route=route, request=request, input_tokens=input_tokens)
         except BaseException as exc:
             reason = getattr(exc, "code", type(exc).__name__)
-            await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))
+            await asyncio.shield(self.release(res.id, reason=str(reason)))
             raise
-        charged = await self.settle(
-            org_id=org_id,
-            reservation_id=res.id,
-            charge=charge_ticks(_settled(price, route, completion.usage)),
-            model=model.id,
-            route=route.id,
-            usage=completion.usage,
-            purpose=purpose,
-            ref=ref,
-        )
-        return DispatchResult(completion, charged, res.id, route.id)
+        return await self._settled_call(res.id, completion, model, route, price, purpose, ref)
 
     async def execute_all(
         self,
@@ -292,7 +284,7 @@ class Dispatcher:
         except BaseException as exc:
             first = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
             reason = getattr(first, "code", type(first).__name__)
-            await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))
+            await asyncio.shield(self.release(res.id, reason=str(reason)))
             if first is not exc:
                 raise first from None
             raise
@@ -304,7 +296,6 @@ class Dispatcher:
             done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
         )
         charged = await self.settle(
-            org_id=org_id,
             reservation_id=res.id,
             charge=charge_ticks(price.cost(usage.input_tokens, usage.output_tokens)),
             model=model.id,
@@ -329,29 +320,32 @@ class Dispatcher:
         purpose: str,
         count_tokens: Callable[[str], int],
         ref: str | None = None,
+        on_send: OnSend | None = None,
     ) -> AsyncIterator[Delta | DispatchResult]:
         """Reserve, then the engine's pieces as they come, then the settled result, last.
 
-        The charge is the tokens really produced. A stream that stops early (the
-        client hung up, an error half-way) is settled to what was produced until
-        then, counted with ``count_tokens``; one that produced nothing is
-        released. Either way the reservation resolves exactly once.
+        The stream is opened through the same paced call as every other call
+        (the cold-route gate, the 429 retry, ``on_send``); its route slots stay
+        taken until it ends. The charge is the tokens really produced. A
+        stream that stops early (the client hung up, an error half-way) is
+        settled to what was produced until then, counted with
+        ``count_tokens``; one that produced nothing is released. Either way
+        the reservation resolves exactly once.
         """
         engine = self.engines.for_route(route)
         if not isinstance(engine, StreamingEngine):
             raise CapabilityUnsupported(f"route {route.id} cannot stream", param="stream")
         res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
         seen: dict[int, list[str]] = {}
-        resolved = False
+        resolved = opened = False
 
         async def resolve_partial(reason: str) -> None:
             text = "".join("".join(parts) for parts in seen.values())
             if not text:
-                await self.release(res.id, org_id=org_id, reason=reason)
+                await self.release(res.id, reason=reason)
                 return
             usage = Usage(input_tokens, count_tokens(text))
             await self.settle(
-                org_id=org_id,
                 reservation_id=res.id,
                 charge=charge_ticks(price.cost(usage.input_tokens, usage.output_tokens)),
                 model=model.id,
@@ -362,51 +356,37 @@ class Dispatcher:
                 detail={"stopped": reason},
             )
 
-        sem = self._semaphore(route)
         try:
-            await self.pace(route, input_tokens, request.max_tokens * max(1, request.n))
-            async with sem if sem is not None else contextlib.nullcontext():
-                await self.pacer.send(route)
-                pieces = engine.stream(request)
-                try:
-                    async for piece in pieces:
-                        if isinstance(piece, Completion):
-                            done = piece
-                            if done.raw.get("usage_missing"):
-                                out = sum(count_tokens(c.text) for c in done.choices)
-                                done = Completion(
-                                    done.model, done.choices, Usage(input_tokens, out)
-                                )
-                            await self.pacer.answered(route, done.rate_limit)
-                            self.metrics.model_call(route.id, "ok")
-                            self.metrics.tokens(
-                                route.id, done.usage.input_tokens, done.usage.output_tokens
-                            )
-                            if done.usage.cached_input_tokens:
-                                self.metrics.prompt_tokens_cached(
-                                    route.id, done.usage.cached_input_tokens
-                                )
-                            resolved = True
-                            charged = await self.settle(
-                                org_id=org_id,
-                                reservation_id=res.id,
-                                charge=charge_ticks(_settled(price, route, done.usage)),
-                                model=model.id,
-                                route=route.id,
-                                usage=done.usage,
-                                purpose=purpose,
-                                ref=ref,
-                            )
-                            yield DispatchResult(done, charged, res.id, route.id)
-                            return
-                        seen.setdefault(piece.index, []).append(piece.text)
-                        yield piece
-                finally:
-                    await pieces.aclose()  # type: ignore[attr-defined]
+            async with contextlib.AsyncExitStack() as slot:
+                pieces = await self._paced(
+                    route,
+                    request.max_tokens * max(1, request.n),
+                    input_tokens,
+                    lambda: _opened(engine.stream(request)),
+                    on_send,
+                    hold=slot,
+                )
+                opened = True
+                slot.push_async_callback(pieces.aclose)
+                async for piece in pieces:
+                    if isinstance(piece, Completion):
+                        done = piece
+                        if done.raw.get("usage_missing"):
+                            out = sum(count_tokens(c.text) for c in done.choices)
+                            done = Completion(done.model, done.choices, Usage(input_tokens, out))
+                        await self._answered(route, done)
+                        resolved = True
+                        yield await self._settled_call(
+                            res.id, done, model, route, price, purpose, ref
+                        )
+                        return
+                    seen.setdefault(piece.index, []).append(piece.text)
+                    yield piece
         except BaseException as exc:
             if not resolved:
                 resolved = True
-                self.metrics.model_call(route.id, outcome_of(exc))
+                if opened:  # a failure before the stream opened was counted where it happened
+                    self.metrics.model_call(route.id, outcome_of(exc))
                 reason = str(getattr(exc, "code", type(exc).__name__))
                 await asyncio.shield(resolve_partial(reason))
             raise
@@ -445,11 +425,10 @@ class Dispatcher:
             result = await self.call_embed(route=route, texts=texts, input_tokens=input_tokens)
         except BaseException as exc:
             reason = getattr(exc, "code", type(exc).__name__)
-            await asyncio.shield(self.release(res.id, org_id=org_id, reason=str(reason)))
+            await asyncio.shield(self.release(res.id, reason=str(reason)))
             raise
         used = result.usage.input_tokens or input_tokens
         charged = await self.settle(
-            org_id=org_id,
             reservation_id=res.id,
             charge=charge_ticks(price.cost(used, 0)),
             model=model.id,
@@ -482,10 +461,31 @@ class Dispatcher:
             route, len(candidates), input_tokens, lambda: engine.score(model, messages, candidates)
         )
 
+    async def _settled_call(
+        self,
+        reservation_id: str,
+        completion: Completion,
+        model: ModelSpec,
+        route: RouteSpec,
+        price: Price,
+        purpose: str,
+        ref: str | None,
+    ) -> DispatchResult:
+        """A call answered: settled to its real usage (cached prompt tokens at their price)."""
+        charged = await self.settle(
+            reservation_id=reservation_id,
+            charge=charge_ticks(_settled(price, route, completion.usage)),
+            model=model.id,
+            route=route.id,
+            usage=completion.usage,
+            purpose=purpose,
+            ref=ref,
+        )
+        return DispatchResult(completion, charged, reservation_id, route.id)
+
     async def settle(
         self,
         *,
-        org_id: str,
         reservation_id: str,
         charge: int,
         model: str,
@@ -503,15 +503,12 @@ class Dispatcher:
         now = self.clock.now()
 
         def tx(c: Connection) -> int:
-            settled = ledger.settle(c, reservation_id, charge, now)
-            activity.record(
+            return billing.settle(
                 c,
-                org_id,
-                "charge",
+                reservation_id,
+                charge,
                 now,
                 ref=ref,
-                reservation_id=reservation_id,
-                amount=settled.charged,
                 detail={
                     "purpose": purpose,
                     "model": model,
@@ -520,8 +517,7 @@ class Dispatcher:
                     "output_tokens": usage.output_tokens,
                     **(detail or {}),
                 },
-            )
-            return settled.charged or 0
+            ).charged
 
         charged = await asyncio.shield(self.db.write_through(tx))
         self.metrics.charged(purpose, from_ticks(charged))
@@ -555,3 +551,30 @@ def _signal_of(answer: object) -> RateLimitSignal | None:
     """The upstream's ``x-ratelimit-*`` signal an answer or a raised error carries, if any."""
     signal = getattr(answer, "rate_limit", None)
     return signal if isinstance(signal, RateLimitSignal) else None
+
+
+async def _opened(
+    pieces: AsyncIterator[Delta | Completion],
+) -> AsyncGenerator[Delta | Completion, None]:
+    """A stream opened: its first piece read (an upstream's refusal shows there), then the rest.
+
+    Returned as a stream of its own, so the paced call that opens it can retry
+    a 429 before anything reached the caller.
+    """
+    try:
+        first = await anext(pieces)
+    except StopAsyncIteration:
+        raise UpstreamError("the engine's stream ended without an answer") from None
+    except BaseException:
+        await pieces.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def rest() -> AsyncGenerator[Delta | Completion, None]:
+        try:
+            yield first
+            async for piece in pieces:
+                yield piece
+        finally:
+            await pieces.aclose()  # type: ignore[attr-defined]
+
+    return rest()

@@ -74,6 +74,18 @@ class EngineRegistry:
         """Put an engine behind a route (tests and embedding applications)."""
         self._engines[route_id] = engine
 
+    def slots(self, route: RouteSpec) -> int | None:
+        """How many calls the route's engine runs at once, where it has a bound.
+
+        The engine's own ``contexts`` (the embedded model's sequences), or, for
+        an embedded route whose engine does not say, the configured slots;
+        ``None`` for an upstream that says nothing.
+        """
+        contexts = getattr(self.for_route(route), "contexts", None)
+        if isinstance(contexts, int) and contexts > 0:
+            return contexts
+        return max(1, self._slots) if route.engine == "llama_cpp" else None
+
     def embedded(self) -> Engine:
         if self._embedded is None:
             from batchyard.engines.llama_cpp import LlamaCppEngine

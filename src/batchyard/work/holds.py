@@ -26,7 +26,7 @@ log = logging.getLogger("batchyard.holds")
 
 
 class HoldSweeper:
-    """Flags stranded holds in their owners' activity; ``loop`` every ``interval_s``."""
+    """Flags stranded holds in their owners' activity; the service sweeps every ``interval_s``."""
 
     def __init__(self, *, db: Database, clock: Clock, interval_s: float = 60.0) -> None:
         self.db = db
@@ -69,11 +69,3 @@ class HoldSweeper:
                 "stranded holds flagged", extra={"event": "holds_flagged", "count": flagged}
             )
         return flagged
-
-    async def loop(self) -> None:
-        while True:
-            try:
-                await self.sweep()
-            except Exception:
-                log.exception("hold sweep failed", extra={"event": "holds_sweep_error"})
-            await self.clock.sleep(self.interval_s)

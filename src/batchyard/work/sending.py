@@ -29,7 +29,8 @@ K = TypeVar("K", bound=Hashable)
 class SentMarks(Generic[K]):
     """``await marks.mark(key)``: True once ``key`` is durably marked sent, False if not ours.
 
-    ``write_many(conn, keys, now)`` marks the keys in one statement and returns
+    ``write(keys, now)``, called on the event loop, gives the write that marks
+    the keys in one statement (run on the database threads) and returns
     those it marked (the others are no longer this worker's).
     """
 
@@ -37,11 +38,11 @@ class SentMarks(Generic[K]):
         self,
         db: Database,
         clock: Clock,
-        write_many: Callable[[Connection, list[K], datetime], set[K]],
+        write: Callable[[list[K], datetime], Callable[[Connection], set[K]]],
     ) -> None:
         self._db = db
         self._clock = clock
-        self._write_many = write_many
+        self._write = write
         self._pending: dict[K, asyncio.Future[bool]] = {}
         self._flushing: asyncio.Task[None] | None = None
 
@@ -53,19 +54,13 @@ class SentMarks(Generic[K]):
             self._flushing = loop.create_task(self._flush())
         return await fut
 
-    def _writer(self, keys: list[K], now: datetime) -> Callable[[Connection], set[K]]:
-        def write(conn: Connection) -> set[K]:
-            return self._write_many(conn, keys, now)
-
-        return write
-
     async def _flush(self) -> None:
         try:
             while self._pending:
                 await asyncio.sleep(0)  # the marks asked for in this turn join the write
                 batch, self._pending = self._pending, {}
                 try:
-                    marked = await self._db.write(self._writer(list(batch), self._clock.now()))
+                    marked = await self._db.write(self._write(list(batch), self._clock.now()))
                 except BaseException as exc:
                     for fut in batch.values():
                         if not fut.done():

@@ -9,7 +9,7 @@ from batchyard.store import migrations
 
 
 def test_0003_creates_batches_and_items_and_downgrades_cleanly(fresh_db):
-    fresh_db.migrate()
+    migrations.upgrade(fresh_db.engine, "0003")
     insp = inspect(fresh_db.engine)
     assert {"batches", "batch_items"} <= set(insp.get_table_names())
     cols = {c["name"] for c in insp.get_columns("batch_items")}
@@ -18,6 +18,7 @@ def test_0003_creates_batches_and_items_and_downgrades_cleanly(fresh_db):
         "ix_batch_items_status",
         "ix_batch_items_org",
     }
+    fresh_db.migrate()
     with fresh_db.engine.connect() as conn:
         heads = {r[0] for r in conn.execute(text("SELECT version_num FROM alembic_version"))}
     # The latest (0003 is under it): whichever revision is the scripts' one head.

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from sqlalchemy import inspect, text
 
 from batchyard.store.migrations import downgrade, upgrade
+from tests.integration.store.conftest import add_deferred_item
 
 LEASED = ("batch_inference_runs", "file_batch_lines", "batch_items")
 
@@ -19,31 +20,7 @@ def test_0010_adds_lease_token_to_each_leased_table_and_existing_rows_start_at_z
     upgrade(fresh_db.engine, "0009")
     assert all("lease_token" not in _columns(fresh_db, t) for t in LEASED)
     now = datetime(2026, 1, 1, tzinfo=UTC)
-    with fresh_db.engine.begin() as c:
-        c.execute(
-            text(
-                "INSERT INTO organisations (id, name, tier, zero_data_retention, created_at) "
-                "VALUES ('org.1', 'acme', 0, false, :now)"
-            ),
-            {"now": now},
-        )
-        c.execute(
-            text(
-                "INSERT INTO batches (id, org_id, key_id, status, min_discount, "
-                "completion_window, request_count, created_at, deadline) VALUES "
-                "('b.1', 'org.1', 'k.1', 'in_progress', '0', '24h', 1, :now, :now)"
-            ),
-            {"now": now},
-        )
-        c.execute(
-            text(
-                "INSERT INTO batch_items (id, batch_id, org_id, key_id, position, custom_id, "
-                "status, model, min_discount, input_tokens, max_tokens, created_at, deadline) "
-                "VALUES ('i.1', 'b.1', 'org.1', 'k.1', 0, 'a', 'dispatched', 'm', '0', 1, 1, "
-                ":now, :now)"
-            ),
-            {"now": now},
-        )
+    add_deferred_item(fresh_db.engine, now)
 
     upgrade(fresh_db.engine, "0010")
     assert all("lease_token" in _columns(fresh_db, t) for t in LEASED)

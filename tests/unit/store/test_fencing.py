@@ -15,6 +15,7 @@ from sqlalchemy import Connection, insert, select
 
 from batchyard.core.clock import ManualClock
 from batchyard.core.ids import new_id
+from batchyard.core.leases import Lease
 from batchyard.store import batches as bstore
 from batchyard.store import file_batches as fstore
 from batchyard.store.batch_tables import batch_items, batches
@@ -121,37 +122,24 @@ def test_a_line_claimed_again_fences_out_every_write_of_its_old_claim(
     [second] = db.transact_sync(
         lambda c: fstore.claim_lines(c, batch, "wkr.a", 1, now, now + LEASE)
     )
-    assert second.token == first.token + 1
+    assert second.lease.token == first.lease.token + 1
 
-    stale, current = {1: first.token}, {1: second.token}
+    stale, current = {1: first.lease}, {1: second.lease}
     later = now + LEASE * 3
+    assert db.transact_sync(lambda c: fstore.mark_sent(c, batch.id, stale, now)) == set()
+    db.transact_sync(lambda c: fstore.renew(c, batch.id, stale, later))
     assert (
-        db.transact_sync(lambda c: fstore.mark_lines_sent(c, batch.id, [1], "wkr.a", stale, now))
-        == set()
+        db.transact_sync(lambda c: fstore.record_results(c, batch.id, stale, [_ended(1)], now)) == 0
     )
-    db.transact_sync(lambda c: fstore.heartbeat(c, batch.id, "wkr.a", stale, later))
-    assert (
-        db.transact_sync(
-            lambda c: fstore.record_results(c, batch.id, "wkr.a", stale, [_ended(1)], now)
-        )
-        == 0
-    )
-    db.transact_sync(lambda c: fstore.unclaim(c, batch.id, "wkr.a", 1, first.token))
-    db.transact_sync(
-        lambda c: fstore.requeue_unsent(c, now, batch_id=batch.id, owner="wkr.a", held=stale)
-    )
+    db.transact_sync(lambda c: fstore.requeue_unsent(c, now, batch_id=batch.id, held=stale))
     row = _line(db, batch.id, 1)
     assert (row["state"], row["charge"], row["sent_at"]) == ("dispatched", None, None)
-    assert (row["lease_token"], row["lease_expires_at"]) == (second.token, now + LEASE)
+    assert (row["lease_token"], row["lease_expires_at"]) == (second.lease.token, now + LEASE)
 
     # The current claim's writes land: sent, then answered and charged once.
-    assert db.transact_sync(
-        lambda c: fstore.mark_lines_sent(c, batch.id, [1], "wkr.a", current, now)
-    ) == {1}
+    assert db.transact_sync(lambda c: fstore.mark_sent(c, batch.id, current, now)) == {1}
     assert (
-        db.transact_sync(
-            lambda c: fstore.record_results(c, batch.id, "wkr.a", current, [_ended(1)], now)
-        )
+        db.transact_sync(lambda c: fstore.record_results(c, batch.id, current, [_ended(1)], now))
         == 1
     )
     row = _line(db, batch.id, 1)
@@ -169,17 +157,12 @@ def test_another_worker_s_claim_fences_out_the_first_even_with_its_own_token_num
     db.transact_sync(lambda c: fstore.requeue_unsent(c, now))
     second = db.transact_sync(lambda c: fstore.claim_lines(c, batch, "wkr.b", 2, now, now + LEASE))
     # wkr.a names the current tokens, but not its own name: still nothing.
-    current = {c.line: c.token for c in second}
-    assert {c.line: c.token + 1 for c in first} == current
+    current = {c.line: c.lease for c in second}
+    assert {c.line: c.lease.token + 1 for c in first} == {k: v.token for k, v in current.items()}
     ended = [_ended(1), _ended(2)]
-    assert (
-        db.transact_sync(lambda c: fstore.record_results(c, batch.id, "wkr.a", current, ended, now))
-        == 0
-    )
-    assert (
-        db.transact_sync(lambda c: fstore.record_results(c, batch.id, "wkr.b", current, ended, now))
-        == 2
-    )
+    as_a = {line: Lease("wkr.a", lease.token) for line, lease in current.items()}
+    assert db.transact_sync(lambda c: fstore.record_results(c, batch.id, as_a, ended, now)) == 0
+    assert db.transact_sync(lambda c: fstore.record_results(c, batch.id, current, ended, now)) == 2
 
 
 def _deferred_item(db: Database, clock: ManualClock) -> str:
@@ -238,42 +221,45 @@ def test_a_deferred_item_dispatched_again_fences_out_its_old_dispatch(
     item_id = _deferred_item(db, clock)
     now = clock.now()
 
-    def dispatch(res: str) -> int:
-        return db.transact_sync(
-            lambda c: bstore.mark_dispatched(
-                c, item_id, route="fake", reservation_id=res, now=now, lease_until=now + LEASE
+    def dispatch(res: str) -> Lease:
+        def tx(c: Connection) -> Lease:
+            got = bstore.claim(c, item_id)
+            assert got is not None
+            return bstore.mark_dispatched(
+                c, got[0], "wkr.a", now + LEASE, route="fake", reservation_id=res, now=now
             )
-        )
+
+        return db.transact_sync(tx)
 
     first = dispatch("res.1")
     # Never sent, lease lapsed: back to waiting, then dispatched again under the same hold id
     # (the reservation alone would not tell the two dispatches apart; the token does).
-    held = db.read_sync(lambda c: bstore.dispatched_item(c, item_id, "res.1", first))
+    held = db.read_sync(lambda c: bstore.dispatched_item(c, item_id, first))
     assert held is not None
     assert db.transact_sync(lambda c: bstore.return_to_waiting(c, held, now))
     second = dispatch("res.1")
-    assert second == first + 1
+    assert (second.owner, second.token) == (first.owner, first.token + 1)
 
     later = now + LEASE * 3
-    assert db.transact_sync(lambda c: bstore.extend_lease(c, item_id, first, later)) is False
-    assert db.transact_sync(lambda c: bstore.mark_sent(c, item_id, "res.1", first, now)) is False
-    assert db.read_sync(lambda c: bstore.dispatched_item(c, item_id, "res.1", first)) is None
-    item = db.read_sync(lambda c: bstore.dispatched_item(c, item_id, "res.1", second))
+    assert db.transact_sync(lambda c: bstore.renew(c, {item_id: first}, later)) == set()
+    assert db.transact_sync(lambda c: bstore.mark_sent(c, {item_id: first}, now)) == set()
+    assert db.read_sync(lambda c: bstore.dispatched_item(c, item_id, first)) is None
+    item = db.read_sync(lambda c: bstore.dispatched_item(c, item_id, second))
     assert item is not None
     ended = db.transact_sync(
-        lambda c: bstore.finish_item(
-            c, item, status="succeeded", now=now, reservation_id="res.1", token=first
-        )
+        lambda c: bstore.finish_item(c, item, status="succeeded", now=now, lease=first)
     )
     assert ended is False
     row = _item(db, item_id)
-    assert (row["status"], row["sent_at"], row["lease_until"]) == ("dispatched", None, now + LEASE)
+    assert (row["status"], row["sent_at"], row["lease_expires_at"]) == (
+        "dispatched",
+        None,
+        now + LEASE,
+    )
 
-    assert db.transact_sync(lambda c: bstore.extend_lease(c, item_id, second, later)) is True
-    assert db.transact_sync(lambda c: bstore.mark_sent(c, item_id, "res.1", second, now)) is True
+    assert db.transact_sync(lambda c: bstore.renew(c, {item_id: second}, later)) == {item_id}
+    assert db.transact_sync(lambda c: bstore.mark_sent(c, {item_id: second}, now)) == {item_id}
     assert db.transact_sync(
-        lambda c: bstore.finish_item(
-            c, item, status="succeeded", now=now, reservation_id="res.1", token=second
-        )
+        lambda c: bstore.finish_item(c, item, status="succeeded", now=now, lease=second)
     )
     assert _item(db, item_id)["status"] == "succeeded"

@@ -18,14 +18,7 @@ from batchyard.core.leases import Lease
 from batchyard.core.runs import BlockedReason, ItemState, RunStatus
 from batchyard.store import work_items
 from batchyard.store.database import Database
-from batchyard.store.run_leases import (
-    blocked_runs,
-    claim_run,
-    heartbeat,
-    release_lease,
-    renew_lease,
-    work_waiting,
-)
+from batchyard.store.run_leases import blocked_runs, claim_run, release, renew, work_waiting
 from batchyard.store.runs import Run, update_run
 from tests.support.run_store import add_dataset, add_org, add_run, load
 
@@ -126,14 +119,13 @@ def test_an_expired_lease_is_claimable_and_its_old_owner_keeps_nothing(
 
     until = clock.now() + LEASE * 2
     old = first.lease
-    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, old, until)) is None
-    assert runs.db.transact_sync(lambda c: renew_lease(c, run_id, old, until)) is None
-    runs.db.transact_sync(lambda c: release_lease(c, run_id, old))
+    assert runs.db.transact_sync(lambda c: renew(c, run_id, old, until)) is None
+    runs.db.transact_sync(lambda c: release(c, run_id, old))
     run = load(runs.db, run_id)
     assert (run.lease_owner, run.lease_expires_at) == ("wkr.b", taken.lease_expires_at)
 
 
-def test_the_owner_s_heartbeat_and_renewal_extend_its_lease(runs: Runs, clock: ManualClock) -> None:
+def test_the_owner_s_renewals_extend_its_lease(runs: Runs, clock: ManualClock) -> None:
     run_id = runs.add(S.QUEUED)
     claimed = runs.claim("wkr.a")
     assert claimed is not None
@@ -141,14 +133,14 @@ def test_the_owner_s_heartbeat_and_renewal_extend_its_lease(runs: Runs, clock: M
 
     clock.advance(50)
     until = clock.now() + LEASE
-    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, lease, until)) == S.QUEUED
+    assert runs.db.transact_sync(lambda c: renew(c, run_id, lease, until)) == S.QUEUED
     assert load(runs.db, run_id).lease_expires_at == until
 
     clock.advance(50)  # past the first lease, within the renewed one
     assert runs.claim("wkr.b") is None
     later = clock.now() + LEASE
-    renewed = runs.db.transact_sync(lambda c: renew_lease(c, run_id, lease, later))
-    assert renewed is not None and renewed.lease_expires_at == later
+    assert runs.db.transact_sync(lambda c: renew(c, run_id, lease, later)) == S.QUEUED
+    assert load(runs.db, run_id).lease_expires_at == later
 
 
 def test_only_the_owner_releases_a_lease(runs: Runs) -> None:
@@ -157,9 +149,9 @@ def test_only_the_owner_releases_a_lease(runs: Runs) -> None:
     assert claimed is not None
 
     other = Lease("wkr.b", claimed.lease_token)
-    runs.db.transact_sync(lambda c: release_lease(c, run_id, other))
+    runs.db.transact_sync(lambda c: release(c, run_id, other))
     assert load(runs.db, run_id).lease_owner == "wkr.a"
-    runs.db.transact_sync(lambda c: release_lease(c, run_id, claimed.lease))
+    runs.db.transact_sync(lambda c: release(c, run_id, claimed.lease))
     run = load(runs.db, run_id)
     assert (run.lease_owner, run.lease_expires_at) == (None, None)
     assert runs.claim("wkr.b") is not None
@@ -236,9 +228,8 @@ def test_each_claim_hands_out_a_greater_token_and_a_stale_one_writes_nothing(
     assert (second.lease_owner, first.lease_owner) == ("wkr.a", "wkr.a")
 
     stale, until, now = first.lease, clock.now() + LEASE * 5, clock.now()
-    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, stale, until)) is None
-    assert runs.db.transact_sync(lambda c: renew_lease(c, run_id, stale, until)) is None
-    runs.db.transact_sync(lambda c: release_lease(c, run_id, stale))
+    assert runs.db.transact_sync(lambda c: renew(c, run_id, stale, until)) is None
+    runs.db.transact_sync(lambda c: release(c, run_id, stale))
     changed = runs.db.transact_sync(
         lambda c: update_run(c, run_id, now, lease=stale, status=S.COMPLETED, charge=1)
     )
@@ -249,7 +240,7 @@ def test_each_claim_hands_out_a_greater_token_and_a_stale_one_writes_nothing(
 
     # The current claim's writes land.
     current = second.lease
-    assert runs.db.transact_sync(lambda c: heartbeat(c, run_id, current, until)) == S.RUNNING
+    assert runs.db.transact_sync(lambda c: renew(c, run_id, current, until)) == S.RUNNING
     assert load(runs.db, run_id).lease_expires_at == until
 
 
@@ -270,9 +261,8 @@ def test_a_stale_token_marks_no_row_sent(runs: Runs, clock: ManualClock) -> None
 
     stale, current, now = first.lease, second.lease, clock.now()
     assert (
-        runs.db.transact_sync(lambda c: work_items.mark_rows_sent(c, run_id, [1], stale, now))
-        == set()
+        runs.db.transact_sync(lambda c: work_items.mark_sent(c, run_id, [1], stale, now)) == set()
     )
-    assert runs.db.transact_sync(
-        lambda c: work_items.mark_rows_sent(c, run_id, [1], current, now)
-    ) == {1}
+    assert runs.db.transact_sync(lambda c: work_items.mark_sent(c, run_id, [1], current, now)) == {
+        1
+    }

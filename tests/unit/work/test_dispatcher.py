@@ -47,18 +47,23 @@ def most(max_tokens: int = 16) -> int:
     return quote_ticks(PRICE.cost(4, max_tokens))
 
 
+def paid(org_id: str, **route_limits: Any) -> dict[str, Any]:
+    """What a paid call of these tests names: its organisation, model, route, request and hold."""
+    return {
+        "org_id": org_id,
+        "model": MODEL,
+        "route": route(**route_limits),
+        "request": request(),
+        "input_tokens": 4,
+        "max_cost": most(),
+        "price": PRICE,
+        "purpose": "chat",
+        "ref": "chat.1",
+    }
+
+
 async def execute(d: Dispatcher, org_id: str, **route_limits: Any) -> Any:
-    return await d.execute(
-        org_id=org_id,
-        model=MODEL,
-        route=route(**route_limits),
-        request=request(),
-        input_tokens=4,
-        max_cost=most(),
-        price=PRICE,
-        purpose="chat",
-        ref="chat.1",
-    )
+    return await d.execute(**paid(org_id, **route_limits))
 
 
 def held_reservations(db: Database) -> list[ledger.Reservation]:
@@ -275,7 +280,6 @@ async def test_decide_s_separate_settle_is_capped_at_the_hold_and_keeps_its_deta
     res = await d.reserve(org, 1000, purpose="decide", ref="dec.1")
 
     charged = await d.settle(
-        org_id=org,
         reservation_id=res.id,
         charge=5000,
         model="m",
@@ -445,6 +449,64 @@ async def test_more_429s_than_the_retries_allowed_fail_the_call_and_release_it(
     verdict = await d.limiter.try_acquire("route:r", [])
     assert not verdict.allowed
     assert verdict.retry_after == pytest.approx(1.0)
+
+
+# -- streams ------------------------------------------------------------------------
+
+
+def stream(d: Dispatcher, org_id: str, on_send: Any = None, **route_limits: Any) -> Any:
+    words = lambda text: len(text.split())  # noqa: E731
+    return d.stream(**paid(org_id, **route_limits), count_tokens=words, on_send=on_send)
+
+
+async def test_a_stream_refused_before_its_first_piece_is_waited_out_on_the_same_hold(
+    db: Database, clock: SleepWatchingClock, org: str
+) -> None:
+    """A stream goes through the one paced call: its 429 is retried, its send is marked."""
+    engine = ScriptedEngine(
+        "a b c", clock=clock, failures=[UpstreamRateLimited("slow down", retry_after=2.0)]
+    )
+    d = make_dispatcher(db, clock, engine)
+    marks: list[int] = []
+
+    async def on_send() -> None:
+        marks.append(len(engine.calls))  # before the engine: its calls so far
+
+    async def read() -> list[Any]:
+        return [piece async for piece in stream(d, org, on_send)]
+
+    pieces = asyncio.create_task(read())
+    assert await clock.next_sleep() == pytest.approx(2.0)  # the upstream's Retry-After
+    clock.advance(2.0)
+    got = await pieces
+
+    assert len(engine.calls) == 2 and marks == [0, 1]
+    assert "".join(p.text for p in got[:-1]) == "a b c"
+    result = got[-1]
+    [res] = held_reservations(db)  # the 429 did not cost a second hold
+    assert res.id == result.reservation_id and result.charge == to_ticks(Decimal("0.010"))
+    assert [a["kind"] for a in activity_of(db, org)] == ["charge"]
+
+
+async def test_a_stream_holds_its_route_s_concurrency_slot_until_it_ends(
+    db: Database, clock: SleepWatchingClock, org: str
+) -> None:
+    engine = ScriptedEngine("a b c", clock=clock)
+    d = make_dispatcher(db, clock, engine)
+    pieces = stream(d, org, concurrency=1)
+    first = await anext(pieces)
+    assert first.text == "a"
+
+    other = asyncio.create_task(
+        d.call(route=route(concurrency=1), request=request(), input_tokens=4)
+    )
+    await spin()
+    assert len(engine.calls) == 1  # the other call waits for the stream's slot
+
+    rest = [piece async for piece in pieces]
+    assert rest[-1].charge == to_ticks(Decimal("0.010"))
+    await other
+    assert len(engine.calls) == 2
 
 
 # -- scoring ------------------------------------------------------------------------

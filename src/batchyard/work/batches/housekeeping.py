@@ -1,6 +1,7 @@
 """Recovery and housekeeping of deferred batch items, run at the top of every market pass.
 
-*Recovery*: a dispatched item whose lease lapsed belonged to a worker that
+*Recovery* (the runner's, through ``work.batches.item_queue``): a dispatched
+item whose lease lapsed belonged to a worker that
 stopped. If its call was sent (``sent_at``, written just before the engine
 call), whether it ran is unknown, so it becomes ``uncertain`` and is never
 sent again; like an uncertain file-batch line or run row, it is charged
@@ -25,16 +26,16 @@ from typing import NamedTuple
 from sqlalchemy import Connection
 
 from batchyard.core.clock import Clock
-from batchyard.store import activity, idempotency, ledger
+from batchyard.store import activity, billing, idempotency
 from batchyard.store import batches as store
 from batchyard.store.database import Database
+from batchyard.work.batches.results import item_detail
 
 __all__ = [
     "RESULTS_KEPT",
     "UNCERTAIN_ACTION",
     "Swept",
     "housekeep",
-    "recover_lapsed",
     "settle_as_uncertain",
     "unwind_unsent",
 ]
@@ -77,14 +78,7 @@ def settle_as_uncertain(conn: Connection, item: store.ItemRow, now: datetime, wh
         ref=item.id,
         reservation_id=item.reservation_id,
         amount=held,
-        detail={
-            "purpose": "batch",
-            "batch_id": item.batch_id,
-            "custom_id": item.custom_id,
-            "route": item.route,
-            "reason": why,
-            "action": UNCERTAIN_ACTION,
-        },
+        detail=item_detail(item, route=item.route, reason=why, action=UNCERTAIN_ACTION),
     )
     log.warning(
         "batch item uncertain",
@@ -113,26 +107,14 @@ def _release_hold(
     """Release ``item``'s hold if it still holds, with its activity record; the hold's amount."""
     if item.reservation_id is None:
         return None
-    res = ledger.get_reservation(conn, item.reservation_id, lock=True)
-    if res.state == "held":
-        ledger.release(conn, item.reservation_id, now)
-        activity.record(
-            conn,
-            item.org_id,
-            "release",
-            now,
-            ref=item.id,
-            reservation_id=item.reservation_id,
-            amount=res.amount,
-            detail={
-                "purpose": "batch",
-                "batch_id": item.batch_id,
-                "custom_id": item.custom_id,
-                "reason": reason,
-                "note": note,
-            },
-        )
-    return res.amount
+    return billing.release(
+        conn,
+        item.reservation_id,
+        now,
+        ref=item.id,
+        detail=item_detail(item, reason=reason, note=note),
+        if_held=True,
+    ).reservation.amount
 
 
 class Swept(NamedTuple):
@@ -141,23 +123,6 @@ class Swept(NamedTuple):
     expired: int
     canceled: int
     purged: int
-
-
-async def recover_lapsed(db: Database, clock: Clock) -> tuple[int, int]:
-    """Dispatched items whose lease lapsed: (became uncertain, went back to waiting)."""
-    now = clock.now()
-
-    def tx(conn: Connection) -> tuple[int, int]:
-        uncertain = waiting = 0
-        for item in store.lapsed_leases(conn, now):
-            if item.sent_at is not None:
-                why = "the worker stopped during the call; its outcome is unknown"
-                uncertain += settle_as_uncertain(conn, item, now, why)
-            else:
-                waiting += unwind_unsent(conn, item, now, "the worker stopped before the call")
-        return uncertain, waiting
-
-    return await db.transact(tx)
 
 
 async def housekeep(db: Database, clock: Clock) -> Swept:

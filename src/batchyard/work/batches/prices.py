@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from batchyard.core.catalog import Catalog, RouteSpec
 from batchyard.core.market import RouteOffer
 from batchyard.core.prices import Price, PriceBook
+from batchyard.core.quotes import direct_price
 
 __all__ = ["MarketPrices"]
 
@@ -27,8 +28,7 @@ class MarketPrices:
         self.max_age = max_age
 
     def direct(self, model_id: str) -> Price:
-        model = self.catalog.model(model_id)
-        return Price(model.input_per_mtok, model.output_per_mtok)
+        return direct_price(self.catalog.model(model_id))
 
     def route_price(self, route: RouteSpec, now: datetime) -> Price | None:
         """The route's fresh price, or None when it has none that may authorise a spend."""

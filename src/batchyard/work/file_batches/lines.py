@@ -17,7 +17,9 @@ functions (``work.openai_wire``): its stored body is read back as the door's
 own typed request, sent as the door sends it, and its answer is the door's
 body (a chat completion, a text completion, embeddings, or Anthropic's
 message), with the line's ``charge`` and ``route`` added; its charge is its
-share of the batch's one hold, summed when the batch settles.
+share of the batch's one hold, summed when the batch settles. The runner
+(``work.runner``) makes the call (``call``) and hands its answer or its
+failure to ``result``, which renders the line.
 """
 
 from __future__ import annotations
@@ -33,19 +35,14 @@ from batchyard.core.anthropic_bodies import Translated
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, engine_name
 from batchyard.core.ids import new_id
 from batchyard.core.market import offer_cost, qualifies
-from batchyard.core.money import charge_ticks, format_money, quote_ticks
+from batchyard.core.money import charge_ticks, format_money
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.core.prices import Price
+from batchyard.core.quotes import direct_price, quote
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.base import Completion, Embeddings, Usage
 from batchyard.engines.token_ids import as_texts
-from batchyard.errors import (
-    BatchyardError,
-    InternalError,
-    LimiterUnavailable,
-    StorageUnavailable,
-    UpstreamError,
-)
+from batchyard.errors import InternalError
 from batchyard.store.file_batches import Claimed, Ended, out_aad
 from batchyard.store.files import line_aad
 from batchyard.work.batches.prices import MarketPrices
@@ -60,13 +57,9 @@ from batchyard.work.openai_wire import (
     messages_request,
     text_requests,
 )
+from batchyard.work.runner import Answered, Failed
 
-__all__ = ["NotSent", "Plan", "answer", "never_answered", "plan_for"]
-
-
-class NotSent(Exception):
-    """Raised by an ``on_send`` that refuses the call: the line waits again."""
-
+__all__ = ["Answer", "Plan", "call", "never_answered", "plan_for", "result"]
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -113,7 +106,7 @@ def plan_for(
     model = catalog.find(model_id)
     if model is None or not catalog.is_available(model_id):
         return None
-    direct = Price(model.input_per_mtok, model.output_per_mtok)
+    direct = direct_price(model)
     if min_discount is None:
         return Plan(model, catalog.route_for(model_id), direct, direct)
     best = None
@@ -160,21 +153,38 @@ def never_answered(
     return Ended(line, state, out, size)
 
 
-async def _call(
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a line's call came back with: its typed request, usage, and the engine's answer."""
+
+    request: LineRequest
+    usage: Usage
+    answered: Completion | Embeddings
+
+
+async def call(
     dispatcher: Dispatcher,
-    request: LineRequest,
-    plan: Plan,
+    sealer: Sealer,
+    endpoint: str,
+    input_file_id: str,
     claimed: Claimed,
+    plan: Plan,
     on_send: OnSend,
-) -> tuple[Usage, Completion | Embeddings]:
-    """The line's call, sent as its door sends it: its usage, and the engine's answer."""
+) -> Answer:
+    """The line's call, sent as its door sends it; its body unsealed from the input file
+    and read back as the door's own typed request."""
+    try:
+        stored = json.loads(sealer.open(claimed.body, line_aad(input_file_id, claimed.line)))
+        request = line_request(endpoint, stored["body"])
+    except (SealError, ValueError, KeyError, TypeError):
+        raise InternalError("the stored request cannot be read", retryable=False) from None
     if isinstance(request, EmbeddingRequest):
         texts = as_texts(request.inputs(), "input")
         result = await dispatcher.call_embed(
             route=plan.route, texts=texts, input_tokens=claimed.input_tokens, on_send=on_send
         )
         used = result.usage.input_tokens or claimed.input_tokens
-        return Usage(used, 0), Embeddings(result.vectors, Usage(used, 0))
+        return Answer(request, Usage(used, 0), Embeddings(result.vectors, Usage(used, 0)))
     name = engine_name(plan.model.id, plan.route)
     if isinstance(request, Translated):
         engine_request = messages_request(request, model=name)
@@ -189,7 +199,7 @@ async def _call(
     completion = await dispatcher.call(
         route=plan.route, request=engine_request, input_tokens=claimed.input_tokens, on_send=on_send
     )
-    return completion.usage, completion
+    return Answer(request, completion.usage, completion)
 
 
 def _answer_body(
@@ -216,68 +226,34 @@ _ID_PREFIXES = {
 }
 
 
-async def answer(
-    *,
-    dispatcher: Dispatcher,
+def result(
     sealer: Sealer,
-    endpoint: str,
     batch_id: str,
-    input_file_id: str,
     claimed: Claimed,
     plan: Plan,
-    now_of: Any,
-    on_send: OnSend | None = None,
-) -> Ended | None:
-    """Call one line and render its result; never raises (a failure is a result too).
-
-    None when the call was never made (``on_send`` refused: the worker is
-    stopping, or the line is no longer its own): the line waits again.
-    """
-    err: BatchyardError | None = None
-    request: LineRequest | None = None
-    try:
-        stored = json.loads(sealer.open(claimed.body, line_aad(input_file_id, claimed.line)))
-        request = line_request(endpoint, stored["body"])
-    except (SealError, ValueError, KeyError, TypeError):
-        err = InternalError("the stored request cannot be read", retryable=False)
-    if request is not None:
-        sent = False
-
-        async def mark() -> None:
-            nonlocal sent
-            if on_send is not None:
-                await on_send()
-            sent = True
-
-        try:
-            usage, answered = await _call(dispatcher, request, plan, claimed, mark)
-        except NotSent:
-            return None
-        except (StorageUnavailable, LimiterUnavailable):
-            if not sent:
-                return None  # the store refused the mark: nothing reached the engine
-            raise
-        except BatchyardError as exc:
-            err = exc
-        except Exception as exc:
-            log.warning("batch line failed", extra={"error_type": type(exc).__name__})
-            err = UpstreamError(f"the engine failed ({type(exc).__name__})")
-    if err is not None:
+    attempt: Answered[Answer] | Failed,
+    now: datetime,
+) -> Ended:
+    """The line's end, rendered and sealed: its answer (charged), or its failure's error body."""
+    if isinstance(attempt, Failed):
+        err = attempt.error
         # A failed call's answer is its error body, with no request ID (nothing answered it).
         failed = {"status_code": err.status, "request_id": None, "body": err.to_body()}
         out, size = _result_line(
-            sealer, batch_id, claimed.line, claimed.custom_id, now_of(), response=failed
+            sealer, batch_id, claimed.line, claimed.custom_id, now, response=failed
         )
         return Ended(claimed.line, "failed", out, size, route=plan.route.id)
-    now = now_of()
-    cap = quote_ticks(plan.direct.cost(claimed.input_tokens, claimed.max_tokens))
+    request, usage, answered = attempt.value.request, attempt.value.usage, attempt.value.answered
+    cap = quote(plan.model, claimed.input_tokens, claimed.max_tokens)
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
-    assert request is not None
     request_id = new_id(_ID_PREFIXES[type(request)], now)
     reply = Reply(request_id, int(now.timestamp()), plan.model.id)
-    body = _answer_body(request, answered, reply)
-    result = {**body, "charge": format_money(charge), "route": plan.route.id}
-    answered_line = {"status_code": 200, "request_id": request_id, "body": result}
+    body = {**_answer_body(request, answered, reply), "charge": format_money(charge)}
+    answered_line = {
+        "status_code": 200,
+        "request_id": request_id,
+        "body": {**body, "route": plan.route.id},
+    }
     out, size = _result_line(
         sealer, batch_id, claimed.line, claimed.custom_id, now, response=answered_line
     )

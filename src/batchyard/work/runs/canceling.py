@@ -17,17 +17,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection
 
 from batchyard.core.runs import TERMINAL, BlockedReason, RunStatus, check_transition
-from batchyard.store import activity, ledger, work_items
-from batchyard.store.runs import Run, load_run, run_of, runs, update_run
-from batchyard.store.tables import api_keys
+from batchyard.store import billing, work_items
+from batchyard.store.leases import LET_GO
+from batchyard.store.run_leases import runs_of_revoked_keys
+from batchyard.store.runs import Run, load_run, update_run
 
 __all__ = [
     "KEY_REVOKED",
     "canceled_by_owner",
-    "revoked_runs_exist",
     "stop_run",
     "stop_runs_of_revoked_keys",
 ]
@@ -63,21 +63,12 @@ def stop_run(c: Connection, run: Run, now: datetime, *, error: dict[str, Any] | 
     extra: dict[str, Any] = {"error": error} if error is not None else {}
     if held or (run.status == S.BLOCKED and run.blocked_reason == BlockedReason.PAYMENT):
         # A worker finishes it: in-flight calls land, outputs are written, usage settled.
-        lease = {} if held else {"lease_owner": None, "lease_expires_at": None}
+        lease = {} if held else LET_GO
         update_run(c, run.id, now, status=S.STOPPING, **lease, **extra)
     else:
         if run.reservation_id is not None:
-            res = ledger.release(c, run.reservation_id, now)
-            activity.record(
-                c,
-                run.org_id,
-                "release",
-                now,
-                ref=run.id,
-                reservation_id=res.id,
-                amount=res.amount,
-                detail={"reason": "canceled" if error is None else error["code"]},
-            )
+            reason = "canceled" if error is None else error["code"]
+            billing.release(c, run.reservation_id, now, ref=run.id, detail={"reason": reason})
         work_items.cancel_pending(c, run.id, now)
         update_run(
             c,
@@ -86,34 +77,16 @@ def stop_run(c: Connection, run: Run, now: datetime, *, error: dict[str, Any] | 
             status=S.CANCELED,
             blocked_reason=None,
             charge=0 if run.reservation_id else None,
-            lease_owner=None,
-            lease_expires_at=None,
+            **LET_GO,
             **extra,
         )
     return load_run(c, run.id)
 
 
-def _revoked() -> Any:
-    active = select(api_keys.c.id).where(api_keys.c.revoked_at.is_(None))
-    return (
-        runs.c.status.not_in([*TERMINAL, S.STOPPING]),
-        runs.c.key_id.is_not(None),
-        runs.c.key_id.not_in(active),
-    )
-
-
-def revoked_runs_exist(c: Connection) -> bool:
-    """Whether any live run's key was revoked: a read, before any write is asked for."""
-    return c.execute(select(runs.c.id).where(*_revoked()).limit(1)).first() is not None
-
-
 def stop_runs_of_revoked_keys(c: Connection, now: datetime, *, limit: int = 100) -> list[str]:
     """Stop every live run whose key was revoked (or deleted); their IDs."""
-    q = select(runs).where(*_revoked()).limit(limit)
-    if c.dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)
     stopped = []
-    for row in c.execute(q).all():
-        stop_run(c, run_of(row), now, error=KEY_REVOKED)
-        stopped.append(str(row.id))
+    for run in runs_of_revoked_keys(c, limit=limit):
+        stop_run(c, run, now, error=KEY_REVOKED)
+        stopped.append(run.id)
     return stopped

@@ -1,23 +1,23 @@
 """Executing a queued run: answering its rows, then writing outputs and settling.
 
-Rows are dispatched concurrently (the embedded engine's pool of contexts, or
-the route's concurrency) through ``dispatcher.call``, which paces each route
-by its limits. Finished rows are written with their usage in the same
-transaction that marks them succeeded, batched with the next claim and the
-lease renewal, so a fast upstream costs one commit per handful of rows, not
-one per row. A long streak of failures means the route is broken, not the
-rows, and the run stops instead of burning through every row.
+Rows are answered through the runner's claim pipeline (``work.runner``) over
+the run's ``RowQueue``: concurrently (the route's concurrency, or the
+embedded engine's slots) through ``dispatcher.call``, which paces each route
+by its limits; finished rows are written with their usage in the same
+transaction that renews the run's lease and claims the next ones. A long
+streak of failures means the route is broken, not the rows, and the run
+stops instead of burning through every row.
 
 The run's one reservation pays for every row; it is settled once, at the end,
-with the sum of the rows' charges. A settlement that fails leaves the run
-``blocked`` on ``payment``, and a worker retries it later.
+with the sum of the rows' charges (``store.billing``). A settlement that
+fails leaves the run ``blocked`` on ``payment``, and a worker retries it
+later.
 
-Each row is marked sent (durably, through the dispatcher's ``on_send``) just
-before its engine call. A row that was claimed but never sent (the run was
-stopping, the worker draining, the store refused the mark) is not failed:
-it waits again. When a drain's grace period ends with calls in flight, the
-run is handed back in one transaction: answered rows recorded, sent rows
-``uncertain``, unsent rows pending, lease released.
+A row whose call never started (the run was stopping, the worker draining,
+the store refused the sent mark) is not failed: it waits again. When a
+drain's grace period ends with calls in flight, the run is handed back in
+one transaction: answered rows recorded, sent rows ``uncertain``, unsent rows
+pending, lease released.
 """
 
 from __future__ import annotations
@@ -27,16 +27,18 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection
 
-from batchyard.core.catalog import Catalog, RouteSpec
+from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.leases import Lease
-from batchyard.core.money import charge_ticks, from_ticks, quote_ticks
+from batchyard.core.money import charge_ticks, from_ticks
 from batchyard.core.prices import Price
+from batchyard.core.quotes import direct_price, quote
 from batchyard.core.runs import (
     BlockedReason,
     ItemState,
@@ -45,22 +47,20 @@ from batchyard.core.runs import (
     prompt_messages,
     resolve_model,
 )
-from batchyard.engines.base import CompletionRequest
-from batchyard.errors import BatchyardError, LimiterUnavailable, StorageUnavailable
-from batchyard.store import activity, ledger, work_items
+from batchyard.engines.base import Completion, CompletionRequest
+from batchyard.errors import BatchyardError, InvalidRequest
+from batchyard.store import billing, work_items
 from batchyard.store.database import Database
-from batchyard.store.run_leases import heartbeat, release_lease
+from batchyard.store.leases import LET_GO
+from batchyard.store.run_leases import release
 from batchyard.store.runs import Run, load_run, update_run
-from batchyard.store.work_items import ItemResult, WorkItem
-from batchyard.work.dispatcher import Dispatcher
+from batchyard.store.work_items import ItemResult
+from batchyard.work.dispatcher import Dispatcher, OnSend
+from batchyard.work.runner import Answered, Ended, Failed, Pipeline
 from batchyard.work.runs.outputs import write_outputs
-from batchyard.work.sending import SentMarks
+from batchyard.work.runs.row_queue import Row, RowQueue
 
 __all__ = ["RunExecutor"]
-
-
-class _NotSent(Exception):
-    """The row's call was not made: it waits again."""
 
 
 log = logging.getLogger("batchyard.runs")
@@ -71,6 +71,7 @@ S = RunStatus
 class _Plan:
     """What every call of one run shares."""
 
+    model: ModelSpec
     route: RouteSpec
     upstream: str
     price: Price
@@ -82,7 +83,7 @@ class _Plan:
 
     def row_cap(self, input_tokens: int) -> int:
         """The most one row may be charged: its own share of the quote."""
-        return quote_ticks(self.price.cost(input_tokens, self.max_tokens * self.samples))
+        return quote(self.model, input_tokens, self.max_tokens, self.samples)
 
 
 def _plan(catalog: Catalog, run: Run) -> _Plan:
@@ -90,9 +91,10 @@ def _plan(catalog: Catalog, run: Run) -> _Plan:
     model, route, upstream = resolve_model(catalog, run.spec["model"])
     sampling = run.spec["sampling"]
     return _Plan(
+        model=model,
         route=route,
         upstream=upstream,
-        price=Price(model.input_per_mtok, model.output_per_mtok),
+        price=direct_price(model),
         source=run.spec["input"],
         max_tokens=int(sampling["maxOutputTokens"]),
         samples=int(sampling["samplesPerRow"]),
@@ -113,42 +115,35 @@ class RunExecutor:
         dispatcher: Dispatcher,
         owner: str,
         settings: RunSettings,
-        lease_until: Callable[[], datetime],
-        embedded_contexts: int = 1,
+        pipeline: Pipeline | None = None,
         draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.db = db
-        self._draining = draining
         self.clock = clock
         self.catalog = catalog
         self.dispatcher = dispatcher
-        self.embedded_contexts = embedded_contexts
         self.owner = owner
         self.settings = settings
-        self._lease_until = lease_until
+        self.pipeline = pipeline or Pipeline(
+            db=db,
+            clock=clock,
+            metrics=dispatcher.metrics,
+            lease_s=settings.lease_s,
+            renew_s=settings.heartbeat_s,
+            flush_s=settings.flush_s,
+            draining=draining,
+            outage_pause_s=settings.heartbeat_s,
+        )
 
-    def _concurrency(self, route: RouteSpec) -> int:
-        if route.concurrency:
-            return route.concurrency
-        if route.engine == "llama_cpp":
-            return max(1, self.embedded_contexts)
-        return self.settings.default_concurrency
+    def _lease_until(self) -> datetime:
+        return self.clock.now() + timedelta(seconds=self.settings.lease_s)
 
-    async def _answer(
-        self,
-        marks: SentMarks[int],
-        plan: _Plan,
-        item: WorkItem,
-        data: dict[str, Any] | None,
-        stopping: Callable[[], bool],
-    ) -> ItemResult:
+    async def _call(self, plan: _Plan, row: Row, on_send: OnSend) -> Completion:
+        """A row's call: its frozen prompt, the run's sampling, on the run's route."""
+        item, data = row
         messages = prompt_messages(data or {}, plan.source)
         if messages is None:
-            return ItemResult(
-                item.row_id,
-                ItemState.FAILED,
-                error={"code": "missing_input", "message": "the frozen row has no prompt"},
-            )
+            raise InvalidRequest("the frozen row has no prompt", code="missing_input")
         request = CompletionRequest(
             model=plan.upstream,
             messages=messages,
@@ -157,37 +152,18 @@ class RunExecutor:
             top_p=plan.top_p,
             n=plan.samples,
         )
-        sent = False
+        return await self.dispatcher.call(
+            route=plan.route, request=request, input_tokens=item.input_tokens, on_send=on_send
+        )
 
-        async def on_send() -> None:
-            nonlocal sent
-            if stopping() or not await marks.mark(item.row_id):
-                raise _NotSent
-            sent = True
-
-        try:
-            c = await self.dispatcher.call(
-                route=plan.route, request=request, input_tokens=item.input_tokens, on_send=on_send
-            )
-        except _NotSent:
-            return ItemResult(item.row_id, ItemState.PENDING)
-        except BatchyardError as exc:
-            if not sent and isinstance(exc, StorageUnavailable | LimiterUnavailable):
-                # The store refused the mark, or the limiter could not admit the call:
-                # nothing reached the engine, the row waits again. Not at once: the
-                # outage is still on, and claiming it back now would only spin.
-                await self.clock.sleep(self.settings.heartbeat_s)
-                return ItemResult(item.row_id, ItemState.PENDING)
-            return ItemResult(
-                item.row_id, ItemState.FAILED, error={"code": exc.code, "message": exc.message}
-            )
-        except Exception as exc:
-            log.exception("row call failed", extra={"row_id": item.row_id})
-            return ItemResult(
-                item.row_id,
-                ItemState.FAILED,
-                error={"code": "internal_error", "message": type(exc).__name__},
-            )
+    @staticmethod
+    def _result(plan: _Plan, row: Row, attempt: Answered[Completion] | Failed) -> ItemResult:
+        """A row's result: its answers and usage, charged within its share of the quote."""
+        item, _ = row
+        if isinstance(attempt, Failed):
+            error = {"code": attempt.error.code, "message": attempt.error.message}
+            return ItemResult(item.row_id, ItemState.FAILED, error=error)
+        c = attempt.value
         charge = charge_ticks(plan.price.cost(c.usage.input_tokens, c.usage.output_tokens))
         return ItemResult(
             item.row_id,
@@ -207,7 +183,7 @@ class RunExecutor:
         try:
             await self._execute(run)
         except asyncio.CancelledError:
-            if self._draining():
+            if self.pipeline.draining():
                 # Cut off by the end of a drain's grace period: let another worker
                 # take the run now rather than when the lease expires.
                 await asyncio.shield(self._release(run.id, run.lease))
@@ -215,7 +191,7 @@ class RunExecutor:
 
     async def _release(self, run_id: str, lease: Lease) -> None:
         with contextlib.suppress(BatchyardError):
-            await self.db.transact(lambda c: release_lease(c, run_id, lease))
+            await self.db.transact(lambda c: release(c, run_id, lease))
 
     async def _execute(self, run: Run) -> None:
         if run.status in (S.RUNNING, S.STOPPING):
@@ -239,166 +215,30 @@ class RunExecutor:
         await self.settle(run.id, run.lease)
 
     async def _dispatch_rows(self, run: Run, plan: _Plan) -> bool:
-        """Answer every pending row; ``False`` if the lease was lost on the way.
-
-        Commits are pipelined with the calls: while one transaction records
-        finished rows and claims the next ones, the calls still in flight go
-        on, so the engine's slots stay busy and each commit covers many rows.
-        """
-        width = self._concurrency(plan.route)
-        loop = asyncio.get_running_loop()
-        interval = min(self.settings.heartbeat_s, self.settings.flush_s)
-        flying: dict[asyncio.Task[ItemResult], int] = {}
-        stepping: asyncio.Task[Any] | None = None
-        asked = 0
-        done: list[ItemResult] = []
-        stop = exhausted = False
-        streak, last_step = 0, float("-inf")
-        error: dict[str, Any] | None = None
-
-        def stopping() -> bool:
-            return stop or self._draining()
-
-        lease = run.lease
-        marks: SentMarks[int] = SentMarks(
-            self.db,
-            self.clock,
-            lambda c, keys, now: work_items.mark_rows_sent(c, run.id, keys, lease, now),
+        """Answer every pending row; ``False`` if the run was handed over or its lease lost."""
+        streak = self.settings.failure_streak
+        ran = await self.pipeline.run(
+            RowQueue(run),
+            width=self.dispatcher.concurrency(plan.route) or self.settings.default_concurrency,
+            call=partial(self._call, plan),
+            render=partial(self._result, plan),
+            failure_streak=streak,
         )
-
-        try:
-            while True:
-                idle = stopping() or exhausted
-                if stepping is None:
-                    due = loop.time() - last_step >= interval
-                    claim = not idle and len(flying) <= width - max(1, width // 4)
-                    if claim or due or (done and not flying):
-                        asked = 0 if idle else width - len(flying)
-                        stepping = asyncio.create_task(self._step(run, done, asked))
-                        done, last_step = [], loop.time()
-                    elif idle and not flying:
-                        break
-                waiting: set[asyncio.Task[Any]] = set(flying)
-                if stepping is not None:
-                    waiting.add(stepping)
-                timeout = max(0.0, last_step + interval - loop.time())
-                finished, _ = await asyncio.wait(
-                    waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-                for task in finished:
-                    if task is stepping:
-                        stepping = None
-                        step = task.result()
-                        if step is None:
-                            # Another claim holds the run: what landed here is not written.
-                            log.warning(
-                                "run lease lost",
-                                extra={"run_id": run.id, "lease_token": run.lease_token},
-                            )
-                            return False
-                        status, claimed = step
-                        stop = stop or status == S.STOPPING
-                        exhausted = exhausted or (asked > 0 and len(claimed) < asked)
-                        for item, data in claimed:
-                            answer = asyncio.create_task(
-                                self._answer(marks, plan, item, data, stopping)
-                            )
-                            flying[answer] = item.row_id
-                        continue
-                    del flying[task]
-                    result = task.result()
-                    done.append(result)
-                    if result.state == ItemState.PENDING:
-                        exhausted = False  # it waits again: the run is not done with it
-                    else:
-                        streak = 0 if result.state == ItemState.SUCCEEDED else streak + 1
-                if streak >= self.settings.failure_streak and error is None:
-                    last = done[-1].error if done else None
-                    error = {
-                        "code": "too_many_failures",
-                        "message": f"{streak} rows in a row failed (last: "
-                        f"{(last or {}).get('message')}); the route looks broken, so the run "
-                        "stopped",
-                    }
-                    stop = True
-        except asyncio.CancelledError:
-            if self._draining():
-                done += [
-                    t.result()
-                    for t in flying
-                    if t.done() and not t.cancelled() and t.exception() is None
-                ]
-                for task in flying:
-                    task.cancel()
-                if stepping is not None:
-                    with contextlib.suppress(BaseException):
-                        await asyncio.shield(stepping)
-                    stepping = None
-                await asyncio.shield(self._hand_over(run.id, lease, done))
-            raise
-        finally:
-            for task in flying:
-                task.cancel()
-            if stepping is not None:
-                stepping.cancel()
-        if self._draining() and not stop and not exhausted:
-            # Every call in flight landed: hand the run over with its rows recorded.
-            await self._hand_over(run.id, lease, done)
+        if ran.ended is Ended.LOST:
+            # Another claim holds the run: what landed here is not written.
+            log.warning("run lease lost", extra={"run_id": run.id, "lease_token": run.lease_token})
             return False
-        await self._begin_finish(run.id, lease, error=error)
+        if ran.ended is Ended.HANDED_OVER:
+            return False
+        error: dict[str, Any] | None = None
+        if ran.streak_error is not None:
+            error = {
+                "code": "too_many_failures",
+                "message": f"{streak} rows in a row failed (last: {ran.streak_error.message}); "
+                "the route looks broken, so the run stopped",
+            }
+        await self._begin_finish(run.id, run.lease, error=error)
         return True
-
-    async def _hand_over(self, run_id: str, lease: Lease, results: list[ItemResult]) -> None:
-        """Record what landed, settle what did not (sent: uncertain; unsent: pending), let go."""
-        now = self.clock.now()
-
-        def tx(c: Connection) -> None:
-            if heartbeat(c, run_id, lease, now) is None:
-                return  # no longer ours: its new owner decides
-            work_items.record_results(c, run_id, results, now)
-            uncertain, _ = work_items.recover_dispatched(c, run_id, now)
-            self.dispatcher.metrics.uncertain("runs", len(uncertain))
-            run = load_run(c, run_id)
-            if uncertain:
-                activity.record(
-                    c,
-                    run.org_id,
-                    "uncertain",
-                    now,
-                    ref=run_id,
-                    reservation_id=run.reservation_id,
-                    detail={
-                        "rows": uncertain[:100],
-                        "count": len(uncertain),
-                        "reason": "the worker stopped (its grace period ended) during the calls",
-                    },
-                )
-            work_items.recount(c, run_id, now)
-            release_lease(c, run_id, lease)
-
-        try:
-            await self.db.transact(tx)
-        except BatchyardError:
-            log.warning("could not hand a run over", extra={"run_id": run_id})
-
-    async def _step(
-        self, run: Run, results: list[ItemResult], free: int
-    ) -> tuple[str, list[tuple[WorkItem, dict[str, Any] | None]]] | None:
-        """Record finished rows, renew the lease and claim more: one transaction."""
-        now, until = self.clock.now(), self._lease_until()
-
-        def tx(c: Connection) -> tuple[str, list[Any]] | None:
-            status = heartbeat(c, run.id, run.lease, until)
-            if status is None:
-                return None
-            work_items.record_results(c, run.id, results, now)
-            if status == S.STOPPING:
-                return status, []
-            return status, work_items.claim_items(c, run.id, run.dataset_id, free, now)
-
-        # Finished rows are answers already paid for upstream: record them through
-        # a short storage outage rather than lose them (and make them uncertain).
-        return await asyncio.shield(self.db.transact_through(tx, patience_s=10.0))
 
     async def _begin_finish(
         self, run_id: str, lease: Lease, *, error: dict[str, Any] | None
@@ -427,6 +267,7 @@ class RunExecutor:
         Only under ``lease``: a worker that lost the run charges nothing.
         """
         now = self.clock.now()
+        metrics = self.dispatcher.metrics
 
         def tx(c: Connection) -> str | None:
             run = load_run(c, run_id, lock=True)
@@ -439,30 +280,25 @@ class RunExecutor:
             )
             charged = 0
             if run.reservation_id is not None:
-                res = ledger.get_reservation(c, run.reservation_id, lock=True)
-                if res.state == "held":
-                    settled = ledger.settle(c, run.reservation_id, run.charge_accum, now)
-                    charged = settled.charged or 0
-                    self.dispatcher.metrics.charged("run", from_ticks(charged))
-                    activity.record(
-                        c,
-                        run.org_id,
-                        "charge",
-                        now,
-                        ref=run.id,
-                        reservation_id=run.reservation_id,
-                        amount=charged,
-                        detail={
-                            "purpose": "run",
-                            "model": run.spec["model"].get("id"),
-                            "rows": run.rows_done,
-                            "uncertain": run.rows_uncertain,
-                            "input_tokens": run.input_tokens,
-                            "output_tokens": run.output_tokens,
-                        },
-                    )
-                else:
-                    charged = res.charged or 0
+                settled = billing.settle(
+                    c,
+                    run.reservation_id,
+                    run.charge_accum,
+                    now,
+                    ref=run.id,
+                    detail={
+                        "purpose": "run",
+                        "model": run.spec["model"].get("id"),
+                        "rows": run.rows_done,
+                        "uncertain": run.rows_uncertain,
+                        "input_tokens": run.input_tokens,
+                        "output_tokens": run.output_tokens,
+                    },
+                    if_held=True,
+                )
+                charged = settled.charged
+                if settled.now:
+                    metrics.charged("run", from_ticks(charged))
             update_run(
                 c,
                 run_id,
@@ -471,8 +307,7 @@ class RunExecutor:
                 charge=charged,
                 blocked_reason=None,
                 outcome=final,
-                lease_owner=None,
-                lease_expires_at=None,
+                **LET_GO,
             )
             return final
 
@@ -492,8 +327,7 @@ class RunExecutor:
                     status=S.BLOCKED,
                     outcome=S.CANCELED if canceled else run.outcome,
                     blocked_reason=BlockedReason.PAYMENT,
-                    lease_owner=None,
-                    lease_expires_at=None,
+                    **LET_GO,
                 )
 
             await self.db.transact(block)

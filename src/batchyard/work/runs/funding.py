@@ -19,7 +19,7 @@ from batchyard.core.money import from_ticks
 from batchyard.core.runs import BlockedReason, RunStatus
 from batchyard.core.tiers import Tier
 from batchyard.errors import InsufficientCredit, InvalidState
-from batchyard.store import ledger
+from batchyard.store import billing
 from batchyard.store.runs import Run, load_run, update_run
 
 __all__ = ["approve", "fund"]
@@ -45,7 +45,7 @@ def fund(
         update_run(conn, run.id, now, status=S.BLOCKED, blocked_reason=BlockedReason.BILLING_REVIEW)
         return S.BLOCKED
     try:
-        res = ledger.reserve(conn, run.org_id, cost, now, purpose="run", ref=run.id, tiers=tiers)
+        res = billing.reserve(conn, run.org_id, cost, now, purpose="run", ref=run.id, tiers=tiers)
     except InsufficientCredit:
         if run.status != S.BLOCKED or run.blocked_reason != BlockedReason.FUNDS:
             update_run(conn, run.id, now, status=S.BLOCKED, blocked_reason=BlockedReason.FUNDS)

@@ -24,8 +24,8 @@ from batchyard.core.runs import prompt_messages
 from batchyard.store import projects as pstore
 from batchyard.store import row_versions, work_items
 from batchyard.store.database import Database
-from batchyard.store.run_leases import renew_lease
-from batchyard.store.runs import update_run
+from batchyard.store.run_leases import renew
+from batchyard.store.runs import load_run, update_run
 
 __all__ = ["write_outputs"]
 
@@ -52,9 +52,9 @@ async def write_outputs(
 
 def _write_batch(c: Connection, run_id: str, lease: Lease, now: Any, until: Any, limit: int) -> int:
     """Write one batch of answered rows and mark them written; 0 when done (or not ours)."""
-    run = renew_lease(c, run_id, lease, until)
-    if run is None:
+    if renew(c, run_id, lease, until) is None:
         return 0
+    run = load_run(c, run_id)
     batch = work_items.succeeded_unwritten(c, run_id, limit)
     if not batch:
         return 0

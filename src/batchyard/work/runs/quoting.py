@@ -24,8 +24,7 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock, isoformat
 from batchyard.core.filters import compile_filter
-from batchyard.core.money import quote_ticks
-from batchyard.core.prices import Price
+from batchyard.core.quotes import quote, room
 from batchyard.core.runs import (
     ItemState,
     RunSettings,
@@ -35,7 +34,7 @@ from batchyard.core.runs import (
     resolve_model,
 )
 from batchyard.core.tokens import TokenizerSource
-from batchyard.errors import BatchyardError
+from batchyard.errors import BatchyardError, ContextWindowExceeded
 from batchyard.store import projects as pstore
 from batchyard.store import work_items
 from batchyard.store.database import Database
@@ -96,7 +95,7 @@ class QuotePreparer:
         after, rows, tokens = 0, 0, 0
         too_long = json.dumps(
             {
-                "code": "context_window_exceeded",
+                "code": ContextWindowExceeded.code,
                 "message": (
                     f"the prompt and maxOutputTokens exceed the {model.context_window}-token "
                     f"context window of {model.id}"
@@ -148,7 +147,7 @@ class QuotePreparer:
             work_items.add_items(c, run.id, items)
             return True
 
-        fits = model.context_window - max_out
+        fits = room(model, max_out)  # the one context-window rule, as a threshold per row
         # Reading and parsing the next batch and saving the last one run on a
         # second thread while this one counts: the tokenizer releases the GIL
         # inside llama.cpp, so the store's work hides behind the counting
@@ -197,9 +196,7 @@ class QuotePreparer:
             return
         samples = int(spec["sampling"]["samplesPerRow"])
         out_tokens = rows * max_out * samples
-        cost = quote_ticks(
-            Price(model.input_per_mtok, model.output_per_mtok).cost(tokens, out_tokens)
-        )
+        cost = quote(model, tokens, rows * max_out, samples)
 
         def finish(c: Connection) -> None:
             now = clock.now()

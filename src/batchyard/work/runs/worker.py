@@ -1,8 +1,9 @@
 """The run worker: takes runs through leases and hands each to what it needs.
 
-One loop per process (the service owns it and runs it) takes runs through
-leases in the store, so any number of processes can share the work and a dead
-one's runs are taken over once its lease expires:
+One loop per process (``work.runner``'s, which the service runs beside the
+other workers) takes runs through leases in the store, so any number of
+processes can share the work and a dead one's runs are taken over once its
+lease expires:
 
 - *preparing* runs are quoted (``work.runs.quoting``);
 - *blocked* runs are retried: ``funds`` when credit may have arrived,
@@ -25,31 +26,34 @@ in flight when the grace period ends become ``uncertain``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import Any
 
 from sqlalchemy import Connection
 
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
-from batchyard.core.ids import new_id
 from batchyard.core.runs import BlockedReason, RunSettings, RunStatus
 from batchyard.core.tiers import Tier
 from batchyard.core.tokens import TokenizerSource
-from batchyard.errors import StorageUnavailable
-from batchyard.store import activity, work_items
 from batchyard.store import projects as pstore
 from batchyard.store.database import Database
-from batchyard.store.run_leases import HELD, blocked_runs, claim_run, work_waiting
+from batchyard.store.run_leases import (
+    HELD,
+    blocked_runs,
+    claim_run,
+    revoked_run_exists,
+    work_waiting,
+)
 from batchyard.store.runs import Run, load_run, update_run
 from batchyard.work.dispatcher import Dispatcher
-from batchyard.work.runs.canceling import revoked_runs_exist, stop_runs_of_revoked_keys
+from batchyard.work.runner import Runner, recover_lapsed
+from batchyard.work.runs.canceling import stop_runs_of_revoked_keys
 from batchyard.work.runs.executor import RunExecutor
 from batchyard.work.runs.funding import fund
 from batchyard.work.runs.quoting import QuotePreparer
+from batchyard.work.runs.row_queue import RowQueue
 
 __all__ = ["RunWorker"]
 
@@ -61,8 +65,8 @@ CLAIMABLE = (S.PREPARING, S.QUEUED, *HELD)
 STALE_UPLOAD = timedelta(hours=1)
 
 
-class RunWorker:
-    """One process's share of the run work; ``run_forever`` is its loop."""
+class RunWorker(Runner):
+    """One process's share of the run work: the runner's loop over runs' rules."""
 
     def __init__(
         self,
@@ -75,23 +79,16 @@ class RunWorker:
         tiers: tuple[Tier, ...],
         settings: RunSettings | None = None,
         billing_review_threshold: Decimal | None = None,
-        embedded_contexts: int = 1,
         owner: str | None = None,
     ) -> None:
+        self.settings = settings or RunSettings()
+        super().__init__(name="runs", clock=clock, poll_s=self.settings.poll_s, owner=owner)
         self.db = db
-        self.clock = clock
+        self.dispatcher = dispatcher
         self.tiers = tiers
         self.billing_review_threshold = billing_review_threshold
-        self.owner = owner or new_id("wkr", clock.now())
-        self.settings = settings or RunSettings()
-        self._active: dict[str, asyncio.Task[None]] = {}
         # (run ID, status when claimed) of every claim, for operators and tests.
         self.claims: list[tuple[str, str]] = []
-        self._wake: asyncio.Event | None = None
-        # Tells a quote being prepared on a thread to give up (the loop stopped).
-        self._stopping = False
-        #: Set by ``drain``: claim nothing more, send nothing more.
-        self.draining = False
         self._quotes = QuotePreparer(
             db=db,
             clock=clock,
@@ -100,7 +97,7 @@ class RunWorker:
             owner=self.owner,
             settings=self.settings,
             lease_until=self._lease_until,
-            stopping=lambda: self._stopping,
+            stopping=lambda: self.stopped,
         )
         self._executor = RunExecutor(
             db=db,
@@ -109,108 +106,41 @@ class RunWorker:
             dispatcher=dispatcher,
             owner=self.owner,
             settings=self.settings,
-            lease_until=self._lease_until,
-            embedded_contexts=embedded_contexts,
-            draining=lambda: self.draining,
+            pipeline=self.new_pipeline(
+                db,
+                dispatcher.metrics,
+                lease_s=self.settings.lease_s,
+                renew_s=self.settings.heartbeat_s,
+                flush_s=self.settings.flush_s,
+                outage_pause_s=self.settings.heartbeat_s,
+            ),
         )
 
-    # -- the loop ----------------------------------------------------------------
-
-    def notify(self) -> None:
-        """Wake the loop now (a run was created, confirmed or canceled)."""
-        if self._wake is not None:
-            self._wake.set()
-
-    async def run_forever(self) -> None:
-        self._wake = asyncio.Event()
-        self._stopping = False
-        try:
-            while True:
-                try:
-                    await self.tick()
-                except StorageUnavailable as exc:
-                    # An outage, not a bug: no traceback; the next tick reconnects.
-                    log.warning(
-                        "store unavailable; the worker waits for it",
-                        extra={"worker": self.owner, "code": exc.code},
-                    )
-                except Exception:
-                    log.exception("run worker tick failed", extra={"worker": self.owner})
-                # A poll interval, not a time rule: leases and quotes read the clock.
-                # (asyncio.wait, not wait_for: on Python 3.11 a wait_for cancelled
-                # just as its event is set can hang the cancellation forever.)
-                waiter = asyncio.ensure_future(self._wake.wait())
-                try:
-                    await asyncio.wait({waiter}, timeout=self.settings.poll_s)
-                finally:
-                    waiter.cancel()
-                self._wake.clear()
-        finally:
-            await self.stop()
-
-    def drain(self) -> None:
-        """Stop claiming and sending; calls in flight go on (see ``wait_idle``)."""
-        self.draining = True
-        self.notify()
-
-    async def wait_idle(self, grace_s: float) -> bool:
-        """Wait up to ``grace_s`` seconds for active runs to hand over; True if none is left."""
-        tasks = [t for t in self._active.values() if not t.done()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace_s)
-        return all(t.done() for t in self._active.values())
-
-    async def stop(self) -> None:
-        """Abandon active runs: as a crash would, or, while draining, handing each one back."""
-        self._stopping = True
-        tasks = list(self._active.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._active.clear()
-
-    async def tick(self) -> int:
-        """One round: start what can be started; returns how many runs are active."""
-        for run_id, task in list(self._active.items()):
-            if task.done():
-                del self._active[run_id]
-                if not task.cancelled() and task.exception() is not None:
-                    log.error(
-                        "run task failed",
-                        extra={"run_id": run_id, "error_type": type(task.exception()).__name__},
-                    )
+    async def round(self) -> bool:
+        """Start what can be started: quotes, blocked runs, runs to execute."""
         if self.draining:
-            return len(self._active)
-        now, exclude = self.clock.now(), list(self._active)
+            return False
+        now, exclude = self.clock.now(), list(self.active)
         claimable, funds = await self.db.read(lambda c: work_waiting(c, now, CLAIMABLE, exclude))
         await self._housekeep(now)
         if funds:
             await self._retry_blocked_funds()
-        while claimable and len(self._active) < self.settings.max_active_runs:
+        while claimable and len(self.active) < self.settings.max_active_runs:
             run = await self._claim()
             if run is None:
                 break
             self.claims.append((run.id, run.status))
-            self._active[run.id] = asyncio.create_task(self._work(run), name=f"run {run.id}")
-        return len(self._active)
-
-    async def run_until_idle(self, *, rounds: int = 10_000) -> None:
-        """Work until nothing is left to start or finish (tests, benchmarks, CLI)."""
-        for _ in range(rounds):
-            if not await self.tick():
-                return
-            await asyncio.wait(list(self._active.values()), return_when=asyncio.FIRST_COMPLETED)
+            self.start(run.id, self._work(run))
+        return False
 
     def _lease_until(self) -> datetime:
         return self.clock.now() + timedelta(seconds=self.settings.lease_s)
 
     async def _claim(self) -> Run | None:
         now, until = self.clock.now(), self._lease_until()
-        exclude = list(self._active)
+        exclude = list(self.active)
 
-        def tx(c: Connection) -> Run | None:
+        def tx(c: Connection) -> tuple[Run, bool] | None:
             run = claim_run(
                 c,
                 self.owner,
@@ -231,42 +161,26 @@ class RunWorker:
                 return None
             if run.status == S.QUEUED:
                 update_run(c, run.id, now, status=S.RUNNING)
-            elif run.status in HELD:
-                self._take_over(c, run, now)
-            return load_run(c, run.id)
+            return load_run(c, run.id), run.status in HELD
 
-        return await self.db.transact(tx)
+        claimed = await self.db.transact(tx)
+        if claimed is None:
+            return None
+        run, taken_over = claimed
+        if taken_over:
+            # A stopped worker's run: its sent rows become uncertain, its unsent ones wait.
+            await recover_lapsed(self.db, self.clock, self.dispatcher.metrics, RowQueue(run))
+        return run
 
     async def _housekeep(self, now: datetime) -> None:
         """Stop runs of revoked keys; purge uploads that stopped part-way. Cheap reads first."""
-        if await self.db.read(revoked_runs_exist):
+        if await self.db.read(revoked_run_exists):
             stopped = await self.db.transact(lambda c: stop_runs_of_revoked_keys(c, now))
             if stopped:
                 log.info("runs of revoked keys stopped", extra={"runs": stopped})
                 self.notify()
         if await self.db.read(lambda c: pstore.unready_before(c, now - STALE_UPLOAD)):
             await self.db.transact(lambda c: pstore.purge_unready(c, now - STALE_UPLOAD))
-
-    def _take_over(self, c: Connection, run: Run, now: Any) -> None:
-        """A stopped worker's run: its sent rows become uncertain, its unsent ones wait again."""
-        uncertain, _ = work_items.recover_dispatched(c, run.id, now)
-        self._executor.dispatcher.metrics.leases_recovered("runs", 1)
-        self._executor.dispatcher.metrics.uncertain("runs", len(uncertain))
-        if uncertain:
-            activity.record(
-                c,
-                run.org_id,
-                "uncertain",
-                now,
-                ref=run.id,
-                reservation_id=run.reservation_id,
-                detail={"rows": uncertain[:100], "count": len(uncertain)},
-            )
-            log.warning(
-                "run taken over with calls in flight",
-                extra={"run_id": run.id, "uncertain": len(uncertain), "worker": self.owner},
-            )
-        work_items.recount(c, run.id, now)
 
     async def _retry_blocked_funds(self) -> None:
         now = self.clock.now()

@@ -105,7 +105,6 @@ def executor(
         dispatcher=make_dispatcher(db, clock, engine),
         owner=OWNER,
         settings=settings or RunSettings(),
-        lease_until=lambda: clock.now() + LEASE,
     )
 
 
@@ -458,7 +457,6 @@ async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
         dispatcher=make_dispatcher(db, clock, engine),
         owner=OWNER,
         settings=RunSettings(default_concurrency=3),
-        lease_until=lambda: clock.now() + LEASE,
         draining=lambda: stopping[0],
     )
     task = asyncio.create_task(ex.execute(load(db, run_id)))

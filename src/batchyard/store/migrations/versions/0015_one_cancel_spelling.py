@@ -10,7 +10,7 @@ so nothing a client reads changes.
 from alembic import op
 
 revision = "0015"
-down_revision = "0012"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
