@@ -30,7 +30,8 @@ from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook
 from batchyard.core.runs import RunSettings
-from batchyard.core.telemetry import MeteredLimiter
+from batchyard.core.telemetry import MeteredLimiter, Recorder
+from batchyard.core.webhook_rules import WebhookSettings
 from batchyard.engines.base import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.errors import StorageUnavailable
@@ -55,6 +56,7 @@ from batchyard.work.holds import HoldSweeper
 from batchyard.work.runner import Periodic
 from batchyard.work.runs.worker import RunWorker
 from batchyard.work.warmth import SWEEP_EVERY_S, Warmth
+from batchyard.work.webhook_sender import WebhookSender
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -157,6 +159,7 @@ def build_service(
     file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, market.prices)
     warmth = Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s)
     holds = HoldSweeper(db=db, clock=clock)
+    webhooks = webhook_sender_of(settings, db, clock, metrics)
     # Versions uploaded into projects (mv.…) are found in the store on first use,
     # and checked against it on each use (a delete through any process counts).
     settings.catalog.fetch_with(
@@ -178,11 +181,13 @@ def build_service(
         warmth=warmth,
         file_batches=file_batches,
         holds=holds,
+        webhooks=webhooks,
         metrics=metrics,
         workers=[
             market,  # deferred batches
             runs,  # batch inference runs
             file_batches,  # OpenAI file batches (and Anthropic's Message Batches on them)
+            webhooks,  # the webhook outbox: batches' ends told to their owners' endpoints
             Periodic("warmth", clock, SWEEP_EVERY_S, warmth.sweep, close=warmth.aclose),
             Periodic("holds", clock, holds.interval_s, holds.sweep),
         ],
@@ -333,6 +338,26 @@ def _file_batch_worker(
     )
 
 
+def webhook_sender_of(
+    s: Settings, db: Database, clock: Clock, metrics: Recorder, *, owner: str | None = None
+) -> WebhookSender:
+    """The webhook outbox's sender, with the ``webhooks:`` settings (another one in tests)."""
+    return WebhookSender(
+        db=db,
+        clock=clock,
+        metrics=metrics,
+        settings=WebhookSettings.from_raw(s.raw.get("webhooks")),
+        owner=owner,
+    )
+
+
+def webhook_sender(service: Service, *, owner: str | None = None) -> WebhookSender:
+    """Another webhook sender over ``service``'s parts (a second process, in tests)."""
+    return webhook_sender_of(
+        service.settings, service.db, service.clock, service.metrics, owner=owner
+    )
+
+
 def _market_worker(
     s: Settings,
     db: Database,
@@ -472,6 +497,7 @@ def create_app(
         projects,
         runs,
         scrape,
+        webhooks,
     )
     from batchyard.api.envelope import EnvelopeMiddleware
     from batchyard.api.errors import install_error_handlers
@@ -543,6 +569,7 @@ def create_app(
     app.include_router(projects.router)
     app.include_router(runs.router)
     app.include_router(scrape.router)  # /metrics
+    app.include_router(webhooks.router)  # /v1/webhook-endpoints
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
     app.include_router(file_pages.router)  # ... and its file batches
     install_openapi(app)
