@@ -2,7 +2,8 @@
 
 ``build_service`` turns settings into a ``Service``: the store, the limiter
 the settings ask for, the engines, the dispatcher, the batch encryption key
-and the four background workers, each handed only the parts it uses.
+and the background workers (the webhook sender among them), each handed only
+the parts it uses.
 ``create_app`` mounts the API's routers and the workspace's pages over that
 service, with ``/healthz`` (the process is up) and ``/readyz`` (it can serve:
 each of ``READINESS`` passes). The CLI (``serve``, ``worker``), the tests and

@@ -218,7 +218,9 @@ def batch_ended(conn: Connection, batch_id: str, now: datetime) -> list[str]:
         return []
     message_batch = batch.endpoint == MESSAGES
     event = event_for(batch.status, message_batch=message_batch)
-    if event is None:
+    if event is None or (message_batch and batch.status == "failed"):
+        # A Message Batch fails only at its creation, which answered the error itself
+        # (402) and gave out no batch id: there is nothing to tell.
         return []
     per = fstore.totals(conn, [batch_id])[batch_id].per_state
     data: dict[str, Any]
