@@ -12,9 +12,14 @@ name that moved to 169.254.169.254 since it was registered is refused); the
 delivery is marked sent, durably; then one POST of the stored payload, signed
 the Standard Webhooks way (``core.webhook_rules.sign``), with a timeout and no
 redirects (a 3xx is a failure like any non-2xx: following it would reach a
-target nobody checked). A 2xx is delivered; anything else is retried after
-``retry_delay`` of the clock until ``max_attempts``, then ``failed``. Each
-attempt is recorded in the organisation's ``/v1/activity``.
+target nobody checked). A 2xx is delivered (the answer's body is never read);
+anything else is retried after ``retry_delay`` of the clock until
+``max_attempts``, then ``failed``. Each attempt is recorded in the
+organisation's ``/v1/activity``.
+
+The address check and httpx's own connection resolve the host separately, so a
+name whose DNS answer changes between the two within one attempt is not caught
+(an IP-literal URL is checked exactly); the check is repeated at every attempt.
 
 Where a model call is never sent twice (a lapsed line is ``uncertain``), a
 delivery is: a worker that died mid-POST leaves a claim that lapses, and
@@ -197,7 +202,10 @@ class WebhookSender(Runner):
         }
         await on_send()
         try:
-            response = await http.post(d.url, content=d.payload, headers=headers)
+            # Streamed, and the body never read: a receiver's answer is its status alone,
+            # however much it sends.
+            async with http.stream("POST", d.url, content=d.payload, headers=headers) as response:
+                return response.status_code
         except httpx.TimeoutException:
             raise UpstreamTimeout(
                 f"no answer within {self.settings.timeout_s:g} s", code="webhook_timeout"
@@ -207,7 +215,6 @@ class WebhookSender(Runner):
                 f"the receiver could not be reached ({type(exc).__name__})",
                 code="webhook_unreachable",
             ) from None
-        return response.status_code
 
     def render(self, d: store.Delivery, attempt: Answered[int] | Failed) -> store.Attempted:
         """The delivery's next state: delivered (2xx), due again later, or given up."""
