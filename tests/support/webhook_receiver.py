@@ -6,11 +6,13 @@ the reference library (``Webhook(secret).verify(body, headers)``, which also
 refuses a timestamp more than five minutes from the wall clock, so tests set
 their clock to the real time), keeps the events it accepted, and dedupes on
 ``webhook-id`` as the contract asks. It can answer an error for a while
-(``status``), or not listen at all (``stop``) and come back on the same port.
+(``status``), not listen at all (``stop``) and come back on the same port, or
+hold a POST open unanswered (``holding``) while the test kills its sender.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +37,15 @@ class Receiver:
     #: Every POST that arrived: (webhook-id, the status answered).
     seen: list[tuple[str, int]] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    #: While set, a POST is held open (never answered) until ``release``: a sender killed mid-POST.
+    holding: bool = False
+    _released: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
+
+    def release(self) -> None:
+        """Answer the held POSTs (503: not accepted) and hold no more."""
+        self.holding = False
+        self._released.set()
 
     @property
     def url(self) -> str:
@@ -44,6 +54,10 @@ class Receiver:
     async def _hook(self, request: web.Request) -> web.Response:
         body = await request.read()
         msg_id = request.headers.get("webhook-id", "")
+        if self.holding:
+            self.seen.append((msg_id, 0))
+            await self._released.wait()
+            return web.Response(status=503)
         if self.status >= 300:
             self.seen.append((msg_id, self.status))
             return web.Response(status=self.status)
