@@ -740,8 +740,11 @@ class LlamaCppEngine:
             vectors = [list(map(float, embedder.embed(t, normalize=True))) for t in texts]
             return Embeddings(vectors, Usage(sum(counts), 0))
 
+        # On the base model's step thread, between its steps: one thread decodes for the
+        # whole process, so llama.cpp's OpenMP threads stay one team (``Scheduler.call``).
+        base = await self._model(None)
         async with self._embed_lock:
-            return await asyncio.get_running_loop().run_in_executor(self._loader, work)
+            return await base.scheduler.call(work)
 
     async def _embedder(self) -> Any:
         async with self._embed_lock:
