@@ -39,6 +39,7 @@ from batchyard.core.ids import is_id, new_id
 from batchyard.core.money import format_money
 from batchyard.core.runs import TERMINAL, RunStatus, message_for
 from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, QuoteExpired
+from batchyard.service import model_versions
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
 from batchyard.store import work_items
@@ -152,6 +153,10 @@ async def create_run(request: Request, project_id: str) -> Response:
         return pstore.get_dataset(c, org, dataset_id, project_id)
 
     ds = await svc.db.read(lookup)
+    named = raw.get("model")
+    if isinstance(named, dict):
+        # A project version is read from the store off the event loop.
+        await model_versions.resolve(svc, named.get("id"))
     spec = validate_run_request(svc, raw, ds)
     keep = compile_filter(spec["filter"])
 
