@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from batchyard.cli.text_runner import client_options
-from batchyard.client.base import Call, Settings, error_from_response
+from batchyard.client.retries import Call, Settings, error_from_response
 from batchyard.errors import BatchyardError
 
 __all__ = ["batches"]

@@ -18,7 +18,8 @@ from typing import Any, cast
 import httpx
 
 from batchyard.client import calls
-from batchyard.client.base import (
+from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
+from batchyard.client.retries import (
     Call,
     RetryPolicy,
     Settings,
@@ -28,7 +29,6 @@ from batchyard.client.base import (
     log_retry,
     request_kwargs,
 )
-from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
 from batchyard.client.types import (
     Account,
     Batch,

@@ -1,6 +1,6 @@
 """``check``: score labelled texts with one or more models and compare accuracy.
 
-The seed's advice before a long run is to score a few hundred texts whose
+The advice of docs/how-to/score-texts.md before a long run is to score a few hundred texts whose
 answers you know. This sends them exactly as ``run`` would (same pace, same
 per-text idempotency keys, so checking twice costs nothing the second time)
 and counts, per model and decision, how often the answer matches the label.
@@ -8,7 +8,7 @@ A text that failed counts in ``failed``, not as a wrong answer: accuracy is
 over the texts a model actually answered.
 
 Beside accuracy, each model and decision gets balanced accuracy, the
-confusion matrix and the expected calibration error (``client.metrics``),
+confusion matrix and the expected calibration error (``client.accuracy``),
 for the answers as given (calibrated, where the server calibrates) and for
 the raw probabilities the server returns beside them (``raw_probabilities``):
 the argmax of the model's own scores, before its bias was removed.
@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from batchyard.client.accuracy import Quality
 from batchyard.client.async_client import AsyncClient
 from batchyard.client.fleet import Job, local_tokens, plan_pace, send_all
 from batchyard.client.inputs import LabelledText
 from batchyard.client.keys import request_hash, text_key
-from batchyard.client.metrics import Quality
 from batchyard.client.pacer import PaceClock
 from batchyard.client.types import Answer, DecideResponse, Decision
 from batchyard.errors import BatchyardError

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.base import REPLAYED
 from batchyard.client.keys import resend_key
 from batchyard.client.pacer import PaceClock, Pacer
+from batchyard.client.retries import REPLAYED
 from batchyard.client.types import Account, DecideResponse, Decision
 from batchyard.errors import BatchyardError, Forbidden
 

@@ -19,7 +19,7 @@ from typing import Any, cast
 import httpx
 
 from batchyard.client import calls
-from batchyard.client.base import (
+from batchyard.client.retries import (
     Call,
     RetryPolicy,
     Settings,

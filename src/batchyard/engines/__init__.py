@@ -11,7 +11,7 @@ import os
 # setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from batchyard.engines.base import (
+from batchyard.engines.protocol import (
     Choice,
     Completion,
     CompletionRequest,

@@ -16,7 +16,7 @@ rendered and sealed (``out``) with its size, so finalizing is two sums and
 downloading is reading the lines in order: nothing is recomputed, and the
 file's ``bytes`` is exact.
 
-The seed's deferred batches have their own tables (``store.batch_tables``);
+Deferred batches have their own tables (``store.deferred_batch_tables``);
 both kinds share the ``bat.`` prefix and one listing at ``/v1/batches``.
 """
 

@@ -16,10 +16,10 @@ from sqlalchemy import Connection, insert, select
 from batchyard.core.clock import ManualClock
 from batchyard.core.ids import new_id
 from batchyard.core.leases import Lease
-from batchyard.store import batches as bstore
+from batchyard.store import deferred_batches as bstore
 from batchyard.store import file_batches as fstore
-from batchyard.store.batch_tables import batch_items, batches
 from batchyard.store.database import Database
+from batchyard.store.deferred_batch_tables import batch_items, batches
 from batchyard.store.file_batches import BatchRow, Ended, file_batch_lines
 from batchyard.store.files import file_lines, files
 from tests.support.run_store import add_org

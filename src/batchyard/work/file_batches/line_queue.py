@@ -26,7 +26,7 @@ from batchyard.core.leases import Lease
 from batchyard.core.sealing import Sealer
 from batchyard.store import activity
 from batchyard.store import file_batches as store
-from batchyard.work.file_batches.lines import Plan, never_answered
+from batchyard.work.file_batches.lines import LinePlan, never_answered
 from batchyard.work.runner import Claim, Recovered, Renewal, uncertain_detail
 
 __all__ = ["Line", "LineQueue"]
@@ -37,7 +37,7 @@ class Line:
     """A claimed line and where it goes: its route and price now (None: none qualifies)."""
 
     claimed: store.Claimed
-    plan: Plan | None
+    plan: LinePlan | None
 
 
 class LineQueue:
@@ -54,7 +54,7 @@ class LineQueue:
         *,
         owner: str = "",
         batch: store.BatchRow | None = None,
-        plan: Callable[[str], Plan | None] | None = None,
+        plan: Callable[[str], LinePlan | None] | None = None,
         chunk: int = 1000,
     ) -> None:
         self.sealer = sealer
@@ -71,9 +71,9 @@ class LineQueue:
         self, conn: Connection, want: int, now: datetime, until: datetime
     ) -> list[Claim[int, Line]]:
         batch = self._the_batch()
-        plans: dict[str, Plan | None] = {}  # prices are read afresh at each claim
+        plans: dict[str, LinePlan | None] = {}  # prices are read afresh at each claim
 
-        def plan(model: str) -> Plan | None:
+        def plan(model: str) -> LinePlan | None:
             if model not in plans:
                 plans[model] = self._plan(model) if self._plan is not None else None
             return plans[model]
