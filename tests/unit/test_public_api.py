@@ -73,3 +73,33 @@ def test_the_python_reference_lists_exactly_the_public_names():
     ]
     named = {name for line in table for name in re.findall(r"`(\w+)`", line.split("|")[1])}
     assert named == DOCUMENTED
+
+
+# ``batchyard.client``'s names, as docs/reference/python.md and the how-tos use them. The
+# modules behind them are internals; a name added here is a promise to users.
+CLIENT = [
+    "AsyncClient",
+    "Client",
+    "ConnectionFailed",
+    "InputError",
+    "MonotonicClock",
+    "PaceClock",
+    "Pacer",
+    "RetryPolicy",
+    "SyncMonotonicClock",
+    "SyncPaceClock",
+    "SyncPacer",
+    "TextItem",
+    "load_decisions",
+    "read_texts",
+]
+
+
+def test_the_client_package_exposes_exactly_its_pinned_names():
+    import batchyard.client
+
+    assert batchyard.client.__all__ == CLIENT
+    public = {n for n in vars(batchyard.client) if not n.startswith("_")}
+    # Submodules are attributes of their package once imported; they are not its names.
+    modules = {n for n in public if type(getattr(batchyard.client, n)).__name__ == "module"}
+    assert public - modules == set(CLIENT)
