@@ -24,6 +24,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "batchyard"
 PAGE = ROOT / "docs" / "architecture.md"
@@ -154,11 +156,6 @@ def registries(rel: Path, tree: ast.Module) -> list[str]:
     return found
 
 
-def test_no_module_level_registry() -> None:
-    found = [hit for rel, tree in _trees() for hit in registries(rel, tree)]
-    assert found == [], f"module-level mutable state (hand it in from app.build_service): {found}"
-
-
 def test_the_registry_rule_fails_on_a_registry() -> None:
     tree = ast.parse(
         "import weakref\n"
@@ -223,11 +220,6 @@ def raw_sql(rel: Path, tree: ast.Module) -> list[str]:
     return found
 
 
-def test_no_raw_sql_outside_the_store() -> None:
-    found = [hit for rel, tree in _trees() for hit in raw_sql(rel, tree)]
-    assert found == [], f"SQL belongs in store/, built with SQLAlchemy Core: {found}"
-
-
 def test_the_sql_rule_fails_on_raw_sql() -> None:
     tree = ast.parse(
         "from sqlalchemy import text\n"
@@ -277,11 +269,6 @@ def clock_reads(rel: Path, tree: ast.Module) -> list[str]:
     return found
 
 
-def test_nothing_reads_a_clock_but_the_clock() -> None:
-    found = [hit for rel, tree in _trees() for hit in clock_reads(rel, tree)]
-    assert found == [], f"read time through an injected core.clock.Clock: {found}"
-
-
 def test_the_clock_rule_fails_on_a_clock_read() -> None:
     tree = ast.parse(
         "import asyncio, time, datetime\n"
@@ -293,6 +280,21 @@ def test_the_clock_rule_fails_on_a_clock_read() -> None:
         "    datetime.datetime.now()\n"
     )
     assert len(clock_reads(Path("work/x.py"), tree)) == 4
+
+
+# -- the three rules over every module ---------------------------------------------
+
+RULES = {
+    "module-level mutable state (hand it in from app.build_service)": registries,
+    "SQL belongs in store/, built with SQLAlchemy Core": raw_sql,
+    "read time through an injected core.clock.Clock": clock_reads,
+}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=["no registry", "no raw SQL", "one clock"])
+def test_every_module_keeps_the_rule(rule: str) -> None:
+    found = [hit for rel, tree in _trees() for hit in RULES[rule](rel, tree)]
+    assert found == [], f"{rule}: {found}"
 
 
 # -- the unit tier needs no server ---------------------------------------------------
