@@ -23,7 +23,7 @@ from typing import Any
 
 from batchyard.client.accuracy import Quality
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.fleet import Job, local_tokens, plan_pace, send_all
+from batchyard.client.fleet import TextJob, local_tokens, plan_pace, send_all
 from batchyard.client.inputs import LabelledText
 from batchyard.client.keys import request_hash, text_key
 from batchyard.client.pacer import PaceClock
@@ -171,11 +171,11 @@ async def check_models(
     clock: PaceClock | None = None,
 ) -> CheckReport:
     """Score every labelled text with every model under one shared pace."""
-    jobs: list[Job] = []
+    jobs: list[TextJob] = []
     for model in models:
         req_hash = request_hash(decisions, model, max_output_tokens, fallback)
         jobs.extend(
-            Job(t.id, t.text, text_key(t.id, req_hash, key_suffix), model, local_tokens(t.text))
+            TextJob(t.id, t.text, text_key(t.id, req_hash, key_suffix), model, local_tokens(t.text))
             for t in labelled
         )
     answers: dict[str, dict[str, list[Answer]]] = {m: {} for m in models}
@@ -183,7 +183,7 @@ async def check_models(
     fallbacks = dict.fromkeys(models, 0)
     errors: dict[str, dict[str, str]] = {m: {} for m in models}
 
-    def collect(job: Job, answer: DecideResponse | None, error: BatchyardError | None) -> None:
+    def collect(job: TextJob, answer: DecideResponse | None, error: BatchyardError | None) -> None:
         if answer is not None:
             answers[job.model][job.id] = list(answer["answers"])
             costs[job.model] += Decimal(str(answer.get("charge") or "0"))

@@ -25,7 +25,7 @@ from typing import Any
 
 from batchyard.client.answers import AnswerFile
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.fleet import Job, Pace, TextRunAborted, local_tokens, plan_pace, send_all
+from batchyard.client.fleet import Pace, TextJob, TextRunAborted, local_tokens, plan_pace, send_all
 from batchyard.client.inputs import InputError, TextItem
 from batchyard.client.keys import decision_set_hash, request_hash, resend_key, text_key
 from batchyard.client.pacer import MonotonicClock, PaceClock
@@ -334,7 +334,7 @@ async def run_texts(
 
     jobs = iter(
         [
-            Job(item.id, item.text, key, model, math.ceil(local_tokens(item.text) * ratio))
+            TextJob(item.id, item.text, key, model, math.ceil(local_tokens(item.text) * ratio))
             for item, key in todo
         ]
     )
@@ -349,7 +349,9 @@ async def run_texts(
         else:
             deferred.append((item_id, row, error))
 
-    def on_result(job: Job, answer: DecideResponse | None, error: BatchyardError | None) -> None:
+    def on_result(
+        job: TextJob, answer: DecideResponse | None, error: BatchyardError | None
+    ) -> None:
         if answer is not None:
             row: dict[str, Any] = {
                 "id": job.id,

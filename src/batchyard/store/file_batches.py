@@ -57,7 +57,7 @@ __all__ = [
     "LIVE",
     "BatchRow",
     "Claimed",
-    "Ended",
+    "LineEnd",
     "Totals",
     "claim_lines",
     "create_batch",
@@ -198,7 +198,7 @@ class Claimed:
 
 
 @dataclass(frozen=True, slots=True)
-class Ended:
+class LineEnd:
     """A line's end: its state, usage and charge, and its rendered, sealed file line."""
 
     line: int
@@ -458,7 +458,7 @@ def record_results(
     conn: Connection,
     batch_id: str,
     held: Mapping[int, Lease],
-    ended: Sequence[Ended],
+    ended: Sequence[LineEnd],
     now: datetime,
 ) -> int:
     """Write answered lines; only lines still dispatched under their claim in ``held``.
@@ -550,7 +550,7 @@ def lapsed_lines(
 
 
 def end_lines(
-    conn: Connection, batch_id: str, from_state: str, ended: Sequence[Ended], now: datetime
+    conn: Connection, batch_id: str, from_state: str, ended: Sequence[LineEnd], now: datetime
 ) -> int:
     """End lines that no call answered (expired, canceled, uncertain) with their file lines."""
     if not ended:

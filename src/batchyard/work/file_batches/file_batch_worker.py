@@ -339,7 +339,7 @@ class FileBatchWorker(Runner):
         sealer: Sealer,
         line: Line,
         attempt: Answered[lines.LineAnswer] | Failed,
-    ) -> store.Ended:
+    ) -> store.LineEnd:
         assert line.plan is not None  # a line without a route is never called
         return lines.result(sealer, batch.id, line.claimed, line.plan, attempt, self.clock.now())
 

@@ -41,7 +41,7 @@ class Line:
 
 
 class LineQueue:
-    """The lines of a file batch (``LeaseQueue[int, Line, store.Ended]``).
+    """The lines of a file batch (``LeaseQueue[int, Line, store.LineEnd]``).
 
     ``batch`` None: the queue of every batch's lines, for recovery alone.
     """
@@ -93,7 +93,7 @@ class LineQueue:
         self,
         conn: Connection,
         held: Mapping[int, Lease],
-        results: Sequence[store.Ended],
+        results: Sequence[store.LineEnd],
         now: datetime,
     ) -> int:
         return store.record_results(conn, self._the_batch().id, held, results, now)
@@ -109,7 +109,7 @@ class LineQueue:
     ) -> Recovered:
         batch_id = None if held is None else self._the_batch().id
         lapsed = store.lapsed_lines(conn, now, self.chunk, batch_id=batch_id, held=held)
-        by_batch: dict[str, list[store.Ended]] = {}
+        by_batch: dict[str, list[store.LineEnd]] = {}
         for line_batch, line, custom_id in lapsed:
             ended = never_answered(self.sealer, line_batch, line, custom_id, "uncertain", now)
             by_batch.setdefault(line_batch, []).append(ended)

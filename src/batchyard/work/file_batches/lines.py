@@ -43,7 +43,7 @@ from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.protocol import Completion, Embeddings, Usage
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import InternalError
-from batchyard.store.file_batches import Claimed, Ended, out_aad
+from batchyard.store.file_batches import Claimed, LineEnd, out_aad
 from batchyard.store.files import line_aad
 from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.market_prices import MarketPrices
@@ -145,12 +145,12 @@ def _result_line(
 
 def never_answered(
     sealer: Sealer, batch_id: str, line: int, custom_id: str, state: str, now: datetime
-) -> Ended:
+) -> LineEnd:
     """A line ended without an answer: its error-file line."""
     code, message = NEVER_ANSWERED[state]
     error = {"code": code, "message": message}
     out, size = _result_line(sealer, batch_id, line, custom_id, now, error=error)
-    return Ended(line, state, out, size)
+    return LineEnd(line, state, out, size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +233,7 @@ def result(
     plan: LinePlan,
     attempt: Answered[LineAnswer] | Failed,
     now: datetime,
-) -> Ended:
+) -> LineEnd:
     """The line's end, rendered and sealed: its answer (charged), or its failure's error body."""
     if isinstance(attempt, Failed):
         err = attempt.error
@@ -242,7 +242,7 @@ def result(
         out, size = _result_line(
             sealer, batch_id, claimed.line, claimed.custom_id, now, response=failed
         )
-        return Ended(claimed.line, "failed", out, size, route=plan.route.id)
+        return LineEnd(claimed.line, "failed", out, size, route=plan.route.id)
     request, usage, answered = attempt.value.request, attempt.value.usage, attempt.value.answered
     cap = quote(plan.model, claimed.input_tokens, claimed.max_tokens)
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
@@ -257,7 +257,7 @@ def result(
     out, size = _result_line(
         sealer, batch_id, claimed.line, claimed.custom_id, now, response=answered_line
     )
-    return Ended(
+    return LineEnd(
         claimed.line,
         "succeeded",
         out,
