@@ -39,7 +39,7 @@ __all__ = [
     "view_of",
 ]
 
-log = logging.getLogger("batchyard.api.batches")
+log = logging.getLogger("batchyard.deferred_batches")
 
 MAX_PENDING = 200
 SUBMISSIONS_PER_MINUTE = 10
