@@ -36,7 +36,7 @@ from batchyard.core.prices import Price
 from batchyard.core.quotes import check_context, direct_price
 from batchyard.core.quotes import quote as quote_most
 from batchyard.core.tokens import Tokenizer
-from batchyard.engines.base import CompletionRequest, Delta
+from batchyard.engines.protocol import CompletionRequest, Delta
 from batchyard.errors import (
     BatchyardError,
     CapabilityUnsupported,

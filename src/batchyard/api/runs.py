@@ -1,6 +1,6 @@
 """Batch inference runs: ``/v1/projects/{projectId}/batch-inference-runs``.
 
-Wire format as seed 002 writes it (camelCase). Creating a run validates the
+Wire format as docs/reference/runs.md writes it (camelCase). Creating a run validates the
 request against the dataset and answers the run in ``preparing`` at once; the
 worker freezes the rows and prices them (``awaiting_confirmation`` with a
 ``quote``). Nothing is reserved before ``confirm``, and nothing is charged
@@ -67,7 +67,7 @@ def _output(run: rstore.Run) -> dict[str, Any]:
 
 
 def run_json(run: rstore.Run) -> dict[str, Any]:
-    """A run as the seed writes it."""
+    """A run as docs/reference/runs.md writes it."""
     quote: dict[str, Any] | None = None
     max_cost = expires = None
     if run.quote_max_cost is not None and run.quote_expires_at is not None:

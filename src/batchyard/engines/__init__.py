@@ -24,7 +24,7 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from batchyard.engines.base import (
+from batchyard.engines.protocol import (
     Choice,
     Completion,
     CompletionRequest,

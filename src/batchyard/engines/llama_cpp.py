@@ -31,7 +31,6 @@ from typing import Any, Literal
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.tokens import text_messages
 from batchyard.engines import tool_calls
-from batchyard.engines.base import Choice, Completion, CompletionRequest, Delta, Embeddings, Usage
 from batchyard.engines.llama_sampling import (
     CHAT_TEMPERATURE,
     DEFAULT_TOP_K,
@@ -42,6 +41,14 @@ from batchyard.engines.llama_sampling import (
 )
 from batchyard.engines.llama_scheduler import Adapter, Branch, Job, Scheduler, Scoring
 from batchyard.engines.model_files import sha256_of
+from batchyard.engines.protocol import (
+    Choice,
+    Completion,
+    CompletionRequest,
+    Delta,
+    Embeddings,
+    Usage,
+)
 from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import (
     ContextWindowExceeded,
