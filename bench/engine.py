@@ -76,6 +76,10 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+#: The environment as the bench was started, before importing batchyard's engines sets
+#: its OpenMP waiting (``batchyard.engines``): llama.cpp's own tools run with their own
+#: defaults, as a user of llama-server runs them, and batchyard's server with its own.
+OUTSIDE_ENV = dict(os.environ)
 
 from bench.llama_build import DISTRIBUTION, Build, build_llama_cpp  # noqa: E402
 
@@ -646,7 +650,9 @@ def batched_bench(build: Build, model: Path, threads: int, quick: bool) -> None:
         *("--output-format", "jsonl"),
     ]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        done = subprocess.run(
+            cmd, env=OUTSIDE_ENV, capture_output=True, text=True, timeout=600, check=False
+        )
     except subprocess.TimeoutExpired:
         console.print("[yellow]llama-batched-bench took over 600 s; skipped[/]")
         return
@@ -763,7 +769,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="batchyard-engine-bench-"))
     env = {
-        **os.environ,
+        **OUTSIDE_ENV,
         "BATCHYARD_HOME": str(tmp / "home"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
     }
@@ -786,7 +792,7 @@ def main() -> None:
                 start(
                     "llama-server",
                     [server_bin, *common, "--port", str(ports[0]), "-c", str(SLOTS * SLOT_CTX)],
-                    dict(os.environ),
+                    dict(OUTSIDE_ENV),
                     f"http://127.0.0.1:{ports[0]}",
                     tmp,
                 )
@@ -800,7 +806,7 @@ def main() -> None:
                             *(server_bin, *common, "--port", str(ports[1])),
                             *("-c", str(SLOTS * 512), "--embedding", "--pooling", "mean"),
                         ],
-                        dict(os.environ),
+                        dict(OUTSIDE_ENV),
                         f"http://127.0.0.1:{ports[1]}",
                         tmp,
                     )

@@ -6,7 +6,7 @@ bottleneck), this bench starts N real ``batchyard serve --no-worker``
 processes on N ports (the client round-robins over them) and N real
 ``batchyard worker`` processes, all on one fresh database, and measures:
 
-- **rows per second of batch inference runs** (seed 002, end to end over
+- **rows per second of batch inference runs** (docs/reference/runs.md, end to end over
   HTTP): a project, ``--runs`` datasets uploaded, a run on each, quoted,
   confirmed, every row answered by the workers, outputs written, settled;
 - **completions per second** of ``POST /v1/chat/completions`` from

@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from batchyard.engines import llama_scheduler
-from batchyard.engines.base import CompletionRequest
 from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
 from batchyard.engines.model_files import default_model_path
+from batchyard.engines.protocol import CompletionRequest
 
 ADAPTER = Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2-sentiment-lora.gguf"
 WORDS = [

@@ -92,7 +92,7 @@ def serve(home: Path, port: int, rpm: int) -> None:
     from batchyard.core.config import load_settings
     from batchyard.core.money import to_ticks
     from batchyard.core.tiers import Tier
-    from batchyard.engines.memory import ScriptedEngine
+    from batchyard.engines.scripted import ScriptedEngine
     from batchyard.store import accounts, ledger
 
     settings = load_settings(database_url=f"sqlite:///{home / 'batchyard.db'}")

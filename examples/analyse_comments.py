@@ -1,6 +1,6 @@
 """Analyse every comment on a post: price it, check it on labelled comments, run it, sum it up.
 
-The seed's advice for a long run, end to end, on the comments under a
+The advice of docs/how-to/score-texts.md for a long run, end to end, on the comments under a
 product launch post (``examples/data/comments.jsonl``) and two decisions,
 sentiment and topic (``examples/data/decisions.yaml``):
 

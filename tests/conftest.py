@@ -8,7 +8,8 @@
 - ``settings`` / ``make_service`` / ``service``: services built by the composition root on
   the test's clock and database (``tests.support.services``); each ends with the ledger
   audit.
-- ``market``: makes deferred-batch services on a scripted market (``tests.support.batches``).
+- ``market``: makes deferred-batch services on a scripted market
+  (``tests.support.deferred_batches``).
 - Every test: each answer it got from an app started by ``tests.support.server`` is checked
   against that app's OpenAPI document (``tests.support.wire_check``); a mismatch fails the
   test, and the run ends by saying how many answers were checked.
@@ -167,7 +168,7 @@ def service(make_service: ServiceFactory) -> Service:
 
 @pytest.fixture
 def market(make_service: ServiceFactory) -> Callable[..., Service]:
-    from tests.support.batches import market_factory
+    from tests.support.deferred_batches import market_factory
 
     return market_factory(make_service)
 

@@ -2,7 +2,8 @@
 
 ``Market`` turns a trace into what the worker sees at each check: one
 ``RouteOffer`` per route with fresh ``Decimal`` prices (none while a feed is
-dark). ``replay`` runs a policy exactly as ``batchyard.work.batches.worker`` does:
+dark). ``replay`` runs a policy exactly as the deferred-batch worker
+(``batchyard.work.deferred_batches.deferred_batch_worker``) does:
 pending items most urgent deadline first, ``choose`` for each until ten are
 chosen in the pass, the market shown to a learning policy at every check,
 quiet or not, every pending item asked in order (a policy may learn the queue

@@ -33,7 +33,7 @@ from batchyard.core.prices import PriceBook
 from batchyard.core.runs import RunSettings
 from batchyard.core.telemetry import MeteredLimiter, Recorder
 from batchyard.core.webhook_rules import WebhookSettings
-from batchyard.engines.base import Engine
+from batchyard.engines.protocol import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
@@ -45,17 +45,20 @@ from batchyard.service.model_versions import folder_for as version_folder
 from batchyard.service.model_versions import gate as version_gate
 from batchyard.store import health, key_check, migrations
 from batchyard.store.database import Database
-from batchyard.work.batches.feed import PriceFeed
-from batchyard.work.batches.prices import MarketPrices
-from batchyard.work.batches.sealing import BatchKey, resolve_key
-from batchyard.work.batches.worker import MarketSettings, MarketWorker
+from batchyard.work.batch_key import BatchKey, resolve_key
 from batchyard.work.decide_scoring import Calibrations
+from batchyard.work.deferred_batches.deferred_batch_worker import (
+    DeferredBatchSettings,
+    DeferredBatchWorker,
+)
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
-from batchyard.work.file_batches.worker import FileBatchSettings, FileBatchWorker
+from batchyard.work.file_batches.file_batch_worker import FileBatchSettings, FileBatchWorker
 from batchyard.work.holds import HoldSweeper
+from batchyard.work.market_prices import MarketPrices
+from batchyard.work.price_feed import PriceFeed
 from batchyard.work.runner import Periodic
-from batchyard.work.runs.worker import RunWorker
+from batchyard.work.runs.run_worker import RunWorker
 from batchyard.work.warmth import SWEEP_EVERY_S, Warmth
 from batchyard.work.webhook_sender import WebhookSender
 
@@ -70,10 +73,10 @@ __all__ = [
     "build_service",
     "create_app",
     "create_metrics_app",
+    "deferred_batch_worker",
     "file_batch_worker",
     "limiter_from_url",
     "limiter_reachable",
-    "market_worker",
     "migrations_current",
     "run_worker",
     "store_writable",
@@ -155,9 +158,9 @@ def build_service(
             "created a batch encryption key",
             extra={"event": "batch_key_created", "path": key.path},
         )
-    market = _market_worker(settings, db, clock, dispatcher, key, policy=policy)
+    deferred_batches = _deferred_batch_worker(settings, db, clock, dispatcher, key, policy=policy)
     runs = _run_worker(settings, db, clock, dispatcher, tokenizers)
-    file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, market.prices)
+    file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, deferred_batches.prices)
     warmth = Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s)
     holds = HoldSweeper(db=db, clock=clock)
     webhooks = webhook_sender_of(settings, db, clock, metrics)
@@ -177,7 +180,7 @@ def build_service(
         calibrations=Calibrations(dispatcher),
         tokenizers=tokenizers,
         batch_key=key,
-        market=market,
+        deferred_batches=deferred_batches,
         runs=runs,
         warmth=warmth,
         file_batches=file_batches,
@@ -185,7 +188,7 @@ def build_service(
         webhooks=webhooks,
         metrics=metrics,
         workers=[
-            market,  # deferred batches
+            deferred_batches,
             runs,  # batch inference runs
             file_batches,  # OpenAI file batches (and Anthropic's Message Batches on them)
             webhooks,  # the webhook outbox: batches' ends told to their owners' endpoints
@@ -267,19 +270,19 @@ def _verify_key(settings: Settings, db: Database, key: BatchKey, now: datetime) 
     )
 
 
-def market_worker(
+def deferred_batch_worker(
     service: Service,
     *,
     policy: Policy | None = None,
     book: PriceBook | None = None,
     **knobs: Any,
-) -> MarketWorker:
+) -> DeferredBatchWorker:
     """Another deferred-batch worker over ``service``'s parts (a second process, in tests).
 
     Workers in one process may share a ``book``; each polls its own feed.
-    ``knobs`` override ``MarketSettings`` (``per_pass``, ``lease_s``, ...).
+    ``knobs`` override ``DeferredBatchSettings`` (``per_pass``, ``lease_s``, ...).
     """
-    return _market_worker(
+    return _deferred_batch_worker(
         service.settings,
         service.db,
         service.clock,
@@ -311,7 +314,7 @@ def file_batch_worker(service: Service, *, owner: str | None = None) -> FileBatc
         service.clock,
         service.dispatcher,
         service.batch_key,
-        service.market.prices,
+        service.deferred_batches.prices,
         owner=owner,
     )
 
@@ -359,7 +362,7 @@ def webhook_sender(service: Service, *, owner: str | None = None) -> WebhookSend
     )
 
 
-def _market_worker(
+def _deferred_batch_worker(
     s: Settings,
     db: Database,
     clock: Clock,
@@ -369,14 +372,14 @@ def _market_worker(
     policy: Policy | None = None,
     book: PriceBook | None = None,
     **knobs: Any,
-) -> MarketWorker:
+) -> DeferredBatchWorker:
     book = book if book is not None else PriceBook()
-    settings = MarketSettings(
+    settings = DeferredBatchSettings(
         interval_s=s.market_interval_s,
         feed_interval_s=s.price_feed_interval_s,
         lease_s=s.market_lease_s,
     )
-    return MarketWorker(
+    return DeferredBatchWorker(
         db=db,
         clock=clock,
         catalog=s.catalog,

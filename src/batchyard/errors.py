@@ -271,7 +271,7 @@ class InvalidApiKey(Unauthorized):
 
 
 class InsufficientCredit(BatchyardError):
-    """Nothing was charged; after buying credit the same key can succeed (seed 000)."""
+    """Nothing was charged; after buying credit the same key can succeed."""
 
     code = "insufficient_credit"
     status = 402

@@ -9,7 +9,7 @@ amount so the owner can check before resubmitting. ``batchyard audit`` is clean.
 The deferred pass runs on a real ``batchyard worker`` process, killed with
 SIGKILL while its calls are held open by a fake upstream on loopback: no
 ``finally`` block or cancellation handler of the worker runs. The test's own
-market worker then takes over, its clock moved to each side of the dead
+deferred-batch worker then takes over, its clock moved to each side of the dead
 worker's leases.
 """
 
@@ -22,10 +22,10 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from batchyard.app import market_worker
+from batchyard.app import deferred_batch_worker
 from batchyard.store import ledger
 from tests.support.accounts import make_account
-from tests.support.batches import (
+from tests.support.deferred_batches import (
     BlockingEngine,
     batch_body,
     chat,
@@ -90,7 +90,7 @@ async def test_killed_mid_call_becomes_uncertain_and_releases_its_hold(
             leases = [before[cid].lease_expires_at for cid in in_flight]
 
             # Another worker, before the leases lapse: the items are not touched.
-            survivor = market_worker(svc)
+            survivor = deferred_batch_worker(svc)
             dep.clock.set(min(leases) - timedelta(milliseconds=1))
             assert (await survivor.run_pass()).uncertain == 0
             after = {i.custom_id: i for i in item_rows(svc, bid)}
@@ -170,10 +170,10 @@ async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(mar
     async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(1))).json()["id"]
     set_price(svc, "spot", "0.008", "0.03")
-    slow = market_worker(svc, lease_s=120, book=worker(svc).book)
+    slow = deferred_batch_worker(svc, lease_s=120, book=worker(svc).book)
     task = asyncio.create_task(slow.run_pass())
     await asyncio.wait_for(engine.entered.wait(), 5)
-    other = market_worker(svc, book=worker(svc).book)
+    other = deferred_batch_worker(svc, book=worker(svc).book)
     for _ in range(6):  # 6 minutes of a long call, heartbeats every 40 s
         clock.advance(40)
         await eventually(  # the heartbeat pushed the lease out again

@@ -22,10 +22,10 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
-from batchyard.app import market_worker
+from batchyard.app import deferred_batch_worker
 from batchyard.store import activity, holds, ledger
 from tests.support.accounts import make_account
-from tests.support.batches import chat, item_rows, submit
+from tests.support.deferred_batches import chat, item_rows, submit
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.processes import Workers, deployment
 from tests.support.services import ServiceFactory
@@ -81,7 +81,7 @@ async def test_killed_mid_pass_only_the_started_call_is_uncertain(
             up.release()  # from now on the upstream answers at once
 
             # Before the leases lapse another worker changes nothing.
-            survivor = market_worker(svc)
+            survivor = deferred_batch_worker(svc)
             leases = [i.lease_expires_at for i in before.values()]
             dep.clock.set(min(leases) - timedelta(milliseconds=1))
             early = await survivor.run_pass()

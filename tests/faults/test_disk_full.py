@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.batches import chat
+from tests.support.deferred_batches import chat
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.processes import Workers, worker_config
 from tests.support.server import free_port

@@ -26,11 +26,11 @@ from typing import Any
 import httpx
 import pytest
 
-from batchyard.app import file_batch_worker, market_worker, run_worker
+from batchyard.app import deferred_batch_worker, file_batch_worker, run_worker
 from batchyard.service import Service
 from batchyard.store import activity, ledger
 from tests.support.accounts import make_account
-from tests.support.batches import chat, item_rows, submit
+from tests.support.deferred_batches import chat, item_rows, submit
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.file_batches import chat_line, create, jsonl, lines_of, upload
 from tests.support.processes import WorkerProcess, Workers, deployment
@@ -113,7 +113,7 @@ async def test_a_worker_drains_a_deferred_pass_on_sigterm(
             sent_by_worker = list(up.arrived)
 
             # The next worker takes what was never sent.
-            report = await market_worker(svc).run_pass()
+            report = await deferred_batch_worker(svc).run_pass()
             final = {i.custom_id: i for i in item_rows(svc, bid)}
             acts = svc.db.read_sync(lambda c: activity.list_activity(c, acct.org_id))
 

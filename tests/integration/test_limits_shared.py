@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from batchyard.app import limiter_from_url
 from batchyard.core.clock import ManualClock
 from batchyard.core.limits import PENALTY, PLACE_SLACK_S, Admission, InMemoryLimiter, Limit
-from batchyard.engines.base import RateLimitSignal
+from batchyard.engines.protocol import RateLimitSignal
 from batchyard.errors import RateLimited
 from batchyard.store.redis_limiter import RedisLimiter
 from batchyard.store.sql_limiter import SqlLimiter

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from batchyard.core.tiers import DEFAULT_TIERS
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import make_account
 from tests.support.runs import Api, runs_raw
 from tests.support.server import live_server

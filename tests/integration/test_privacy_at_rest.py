@@ -14,10 +14,10 @@ import re
 
 from batchyard.app import run_worker
 from batchyard.core.tokens import message_text
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.store import activity
 from tests.support.accounts import make_account
-from tests.support.batches import (
+from tests.support.deferred_batches import (
     all_items,
     feed_route,
     set_price,

@@ -14,7 +14,7 @@ from batchyard.app import run_worker
 from batchyard.core.accounts import Scope
 from batchyard.store import accounts
 from tests.support.accounts import add_key, make_account
-from tests.support.batches import batch_body, submit, worker
+from tests.support.deferred_batches import batch_body, submit, worker
 from tests.support.runs import Api, GatedEngine, runs_raw
 from tests.support.server import asgi_client
 

@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from batchyard.store.tables import idempotency_keys
 from tests.support.accounts import make_account
-from tests.support.batches import batch_body, feed_route, submit
+from tests.support.deferred_batches import batch_body, feed_route, submit
 from tests.support.server import asgi_client
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))

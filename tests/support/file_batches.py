@@ -10,7 +10,7 @@ import httpx
 from batchyard.app import file_batch_worker
 from batchyard.service import Service
 from batchyard.store import file_batches as fstore
-from batchyard.work.file_batches.worker import FileBatchWorker
+from batchyard.work.file_batches.file_batch_worker import FileBatchWorker
 
 CHAT = "/v1/chat/completions"
 

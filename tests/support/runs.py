@@ -13,7 +13,7 @@ import httpx
 
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.config import Settings
-from batchyard.engines.base import Completion, CompletionRequest
+from batchyard.engines.protocol import Completion, CompletionRequest
 
 RUNS = {"poll_s": 0.02, "heartbeat_s": 0.2}
 ISO = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$"
@@ -150,7 +150,7 @@ class GatedEngine:
         self.prompts: list[str] = []
 
     async def complete(self, request: CompletionRequest) -> Completion:
-        from batchyard.engines.base import Choice, Usage
+        from batchyard.engines.protocol import Choice, Usage
 
         text = request.messages[-1]["content"]
         self.prompts.append(text)

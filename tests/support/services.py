@@ -14,7 +14,7 @@ from typing import Any
 from batchyard.app import build_service
 from batchyard.core.clock import Clock
 from batchyard.core.config import Settings
-from batchyard.engines.base import Engine
+from batchyard.engines.protocol import Engine
 from batchyard.service import Service
 from batchyard.store import ledger
 

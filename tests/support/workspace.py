@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.service import Service
 
 _CSRF = re.compile(r'name="csrf" value="([^"]+)"')

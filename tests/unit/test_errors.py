@@ -44,7 +44,7 @@ def test_status_and_retryable_are_sane(cls):
     assert 400 <= cls.status <= 599
     assert isinstance(cls.retryable, bool)
     # Client errors are the caller's to fix, except waiting out a limit or a busy
-    # key, and buying credit (seed 000: "buy credit ... then send them again").
+    # key, and buying credit (docs/reference/errors.md: "buy credit ... then send them again").
     if cls.status < 500 and cls.status != 429:
         expected = cls.code in ("idempotency_in_progress", "insufficient_credit")
         assert cls.retryable is expected, cls

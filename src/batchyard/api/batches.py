@@ -3,12 +3,12 @@
 The body of ``POST /v1/batches`` says which dialect is meant. One that names
 ``input_file_id`` or ``endpoint`` is OpenAI's file batch
 (``service.file_batches``: its lines are an uploaded file's, its quote is
-held at once, ``work.file_batches`` runs it). Any other is seed 003's
-deferred batch, exactly as the seed says: inline ``requests`` checked whole
+held at once, ``work.file_batches`` runs it). Any other is a
+deferred batch, exactly as docs/reference/batches.md says: inline ``requests`` checked whole
 (``service.batch_requests``), sealed and written in one transaction, a
-required Idempotency-Key, executed by the market worker (``work.batches``).
+required Idempotency-Key, executed by the deferred-batch worker (``work.deferred_batches``).
 Reads, lists and cancels serve both with one object
-(``service.batch_views``); ``/results`` is the seed's NDJSON, and a file
+(``service.batch_views``); ``/results`` is the deferred batch's NDJSON, and a file
 batch's results are its output and error files.
 
 Scopes (``service.access``): ``full`` and ``inference`` keys create and cancel;
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
 from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
 from batchyard.errors import InvalidRequest
-from batchyard.service import batch_listing, batches, file_batches
+from batchyard.service import batch_listing, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 
 __all__ = ["router"]
@@ -55,7 +55,7 @@ async def create_batch(request: Request) -> Response:
     sub = parse_submission(svc, raw, principal.org_id)
 
     async def handler() -> tuple[int, Any]:
-        return 201, await batches.submit(svc, principal, sub)
+        return 201, await deferred_batches.submit(svc, principal, sub)
 
     # A submission's answer is the batch's ID and status, no text: its key holds under
     # zero data retention too (same body: the same batch; another body: 409).
@@ -113,7 +113,7 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
             view = await file_batches.cancel(svc, principal, batch_id)
             svc.file_batches.notify()
             return 200, view
-        return 200, await batches.cancel(svc, principal, batch_id)
+        return 200, await deferred_batches.cancel(svc, principal, batch_id)
 
     return await idempotent(request, principal, body, handler, answers_text=False)
 
@@ -122,5 +122,5 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
 async def batch_results(request: Request, batch_id: str) -> Response:
     principal = await authenticate(request)
     _batch_id(batch_id)
-    lines = await batches.result_lines(service_of(request), principal, batch_id)
+    lines = await deferred_batches.result_lines(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-ndjson")

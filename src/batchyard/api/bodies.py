@@ -7,7 +7,7 @@ the rules between fields stay with each door's own checks
 (``core.decisions``, ``api.run_requests``), which keep their specific codes.
 The fuzz tests generate bodies from these same classes.
 
-Field names are the wire's: snake_case for decide, camelCase for seed 002's
+Field names are the wire's: snake_case for decide, camelCase for the runs API's
 runs, so some classes break Python's naming conventions on purpose.
 """
 
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-# -- decide (seed 000) ---------------------------------------------------------------
+# -- decide (docs/reference/decide.md) -----------------------------------------------------------
 
 
 class DecideOutcome(Shape):
@@ -64,7 +64,7 @@ class KeepWarmBody(Shape):
     minutes: float
 
 
-# -- projects, datasets and rows (seed 002) -------------------------------------------
+# -- projects, datasets and rows (docs/reference/runs.md) ---------------------------------------
 
 
 class ProjectBody(Shape):
@@ -86,7 +86,7 @@ class RowPatchBody(Shape):
     data: dict[str, Any]
 
 
-# -- batch inference runs (seed 002) --------------------------------------------------
+# -- batch inference runs (docs/reference/runs.md) ----------------------------------------------
 
 
 class RunModelRef(Shape):

@@ -20,7 +20,7 @@ from batchyard.api.openai_door import Chunks, ModelCall, quote, read_body, resol
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_completion
-from batchyard.engines.base import Delta
+from batchyard.engines.protocol import Delta
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import CapabilityUnsupported
 from batchyard.work.dispatcher import DispatchResult

@@ -1,6 +1,6 @@
 """What every handler needs: the service, the caller, the body, its key.
 
-Authentication accepts ``Authorization: Bearer <key>`` and seed 002's
+Authentication accepts ``Authorization: Bearer <key>`` and the runs API's
 ``Authorization: ApiKey <key>`` (and, at Anthropic's door, ``x-api-key``);
 what each scope may call is the one table in ``service.access``, looked up by
 the route that matched. Bodies are read with a size cap and parsed strictly

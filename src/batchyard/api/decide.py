@@ -45,7 +45,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import charge_ticks, format_money
 from batchyard.core.prices import Price
 from batchyard.core.quotes import check_context, direct_price, quote
-from batchyard.engines.base import Completion, CompletionRequest, Usage
+from batchyard.engines.protocol import Completion, CompletionRequest, Usage
 from batchyard.errors import (
     ContextWindowExceeded,
     InvalidRequest,

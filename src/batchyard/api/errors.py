@@ -58,7 +58,7 @@ def _encodable(value: Any) -> Any:
 def should_retry(exc: BatchyardError) -> bool:
     """Whether an immediate retry of the same request can succeed.
 
-    A 402 is retryable in the seed's sense (after buying credit, the same key
+    A 402 is retryable in the documented sense (after buying credit, the same key
     succeeds) but not soon: an SDK's automatic retries would only be refused again.
     """
     return exc.retryable and exc.status != 402

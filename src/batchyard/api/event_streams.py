@@ -20,7 +20,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
-from batchyard.engines.base import Delta
+from batchyard.engines.protocol import Delta
 from batchyard.errors import BatchyardError, InternalError
 from batchyard.service.idempotency import Whole
 from batchyard.work.dispatcher import DispatchResult

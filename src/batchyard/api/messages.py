@@ -62,7 +62,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images
 from batchyard.engines import tool_calls
-from batchyard.engines.base import Delta
+from batchyard.engines.protocol import Delta
 from batchyard.errors import (
     BatchyardError,
     InvalidRequest,

@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the catalog with its prices (seed 000's "Pricing").
+"""``GET /v1/models``: the catalog with its prices (docs/reference/http.md).
 
 Each model is an OpenAI model object (``id``, ``object``, ``created``,
 ``owned_by``) with batchyard's own fields beside: its prices, its

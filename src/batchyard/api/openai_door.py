@@ -36,7 +36,7 @@ from batchyard.core.prices import Price
 from batchyard.core.quotes import check_context, direct_price
 from batchyard.core.quotes import quote as quote_most
 from batchyard.core.tokens import Tokenizer
-from batchyard.engines.base import CompletionRequest, Delta
+from batchyard.engines.protocol import CompletionRequest, Delta
 from batchyard.errors import (
     BatchyardError,
     CapabilityUnsupported,
@@ -44,7 +44,7 @@ from batchyard.errors import (
     ModelNotFound,
     UnknownModel,
 )
-from batchyard.service import Service
+from batchyard.service import Service, model_versions
 from batchyard.service.deployment import service_of
 from batchyard.service.idempotency import Stream
 from batchyard.work.dispatcher import DispatchResult
@@ -75,7 +75,10 @@ async def read_body(
     """
     principal = await authenticate(request, x_api_key=x_api_key)
     raw = await read_json(request)
-    return principal, raw, service_of(request), parse(raw)
+    svc = service_of(request)
+    # A project version named here is read from the store off the event loop.
+    await model_versions.resolve(svc, raw.get("model"))
+    return principal, raw, svc, parse(raw)
 
 
 def resolve(

@@ -309,7 +309,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         _Open,
         (*_WRITE, 402, 429, 503),
         (BatchBody, FileBatchBody),
-        summary="Submit a batch: deferred (201, seed 003's body) or a file batch (200, OpenAI's)",
+        summary="Submit a batch: deferred (201, batchyard's body) or a file batch (200, OpenAI's)",
         also=(200,),
     ),
     ("get", "/v1/batches"): Operation(200, ListOf, _READ, summary="Batches of both dialects"),

@@ -47,7 +47,7 @@ def validate_run_request(svc: Any, body: dict[str, Any], ds: pstore.Dataset) -> 
     model_in = _object(body, "model")
     model, _, _ = resolve_model(svc.catalog, model_in, ds.org_id)
     if model.project_id is not None and model.project_id != ds.project_id:
-        # Seed 002: "a model version in this project".
+        # docs/reference/runs.md: "a model version in this project".
         raise UnknownModel(
             f"model version {model.id} is not in project {ds.project_id}", param="model.id"
         )

@@ -1,6 +1,6 @@
 """Batch inference runs: ``/v1/projects/{projectId}/batch-inference-runs``.
 
-Wire format as seed 002 writes it (camelCase). Creating a run validates the
+Wire format as docs/reference/runs.md writes it (camelCase). Creating a run validates the
 request against the dataset and answers the run in ``preparing`` at once; the
 worker freezes the rows and prices them (``awaiting_confirmation`` with a
 ``quote``). Nothing is reserved before ``confirm``, and nothing is charged
@@ -39,6 +39,7 @@ from batchyard.core.ids import is_id, new_id
 from batchyard.core.money import format_money
 from batchyard.core.runs import TERMINAL, RunStatus, message_for
 from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, QuoteExpired
+from batchyard.service import model_versions
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
 from batchyard.store import work_items
@@ -66,7 +67,7 @@ def _output(run: rstore.Run) -> dict[str, Any]:
 
 
 def run_json(run: rstore.Run) -> dict[str, Any]:
-    """A run as the seed writes it."""
+    """A run as docs/reference/runs.md writes it."""
     quote: dict[str, Any] | None = None
     max_cost = expires = None
     if run.quote_max_cost is not None and run.quote_expires_at is not None:
@@ -152,6 +153,10 @@ async def create_run(request: Request, project_id: str) -> Response:
         return pstore.get_dataset(c, org, dataset_id, project_id)
 
     ds = await svc.db.read(lookup)
+    named = raw.get("model")
+    if isinstance(named, dict):
+        # A project version is read from the store off the event loop.
+        await model_versions.resolve(svc, named.get("id"))
     spec = validate_run_request(svc, raw, ds)
     keep = compile_filter(spec["filter"])
 

@@ -135,7 +135,7 @@ def keys_revoke(key_id: str, config_file: str | None, database_url: str | None) 
     from batchyard.core.accounts import ApiKey
     from batchyard.core.clock import SystemClock
     from batchyard.store import accounts
-    from batchyard.store import batches as batch_store
+    from batchyard.store import deferred_batches as batch_store
     from batchyard.work.runs.canceling import stop_runs_of_revoked_keys
 
     db = open_database(config_file, database_url)

@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from batchyard.cli.text_runner import client_options
-from batchyard.client.base import Call, Settings, error_from_response
+from batchyard.client.retries import Call, ClientSettings, error_from_response
 from batchyard.errors import BatchyardError
 
 __all__ = ["batches"]
@@ -41,7 +41,7 @@ class _Gateway:
     """A small synchronous client over the Files and Batches endpoints."""
 
     def __init__(self, base_url: str | None, api_key: str | None) -> None:
-        self.settings = Settings.resolve(base_url, api_key, 300.0)
+        self.settings = ClientSettings.resolve(base_url, api_key, 300.0)
         self.http = httpx.Client(base_url=self.settings.base_url, timeout=300.0)
 
     def _headers(self) -> dict[str, str]:

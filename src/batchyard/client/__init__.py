@@ -6,9 +6,9 @@ Parquet input needs the ``parquet`` extra. Errors are the classes of
 """
 
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.base import ConnectionFailed, RetryPolicy
 from batchyard.client.inputs import InputError, TextItem, load_decisions, read_texts
 from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
+from batchyard.client.retries import ConnectionFailed, RetryPolicy
 from batchyard.client.sync_client import Client
 from batchyard.client.sync_pacer import SyncMonotonicClock, SyncPaceClock, SyncPacer
 

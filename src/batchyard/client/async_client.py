@@ -18,17 +18,17 @@ from typing import Any, cast
 import httpx
 
 from batchyard.client import calls
-from batchyard.client.base import (
+from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
+from batchyard.client.retries import (
     Call,
+    ClientSettings,
     RetryPolicy,
-    Settings,
     connection_failed,
     decode,
     error_from_response,
     log_retry,
     request_kwargs,
 )
-from batchyard.client.pacer import MonotonicClock, PaceClock, Pacer
 from batchyard.client.types import (
     Account,
     Batch,
@@ -69,7 +69,7 @@ class AsyncClient:
         clock: PaceClock | None = None,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
-        self.settings = Settings.resolve(base_url, api_key, timeout)
+        self.settings = ClientSettings.resolve(base_url, api_key, timeout)
         self.retry = RetryPolicy(max_retries=max_retries)
         self.pacer = pacer
         self._clock: PaceClock = clock or (pacer.clock if pacer else MonotonicClock())

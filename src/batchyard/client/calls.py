@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from batchyard.client.base import Call, new_idempotency_key
+from batchyard.client.retries import Call, new_idempotency_key
 from batchyard.client.types import BatchRequest, DecideInput, Decision
 
 __all__ = [

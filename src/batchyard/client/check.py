@@ -1,6 +1,6 @@
 """``check``: score labelled texts with one or more models and compare accuracy.
 
-The seed's advice before a long run is to score a few hundred texts whose
+The advice of docs/how-to/score-texts.md before a long run is to score a few hundred texts whose
 answers you know. This sends them exactly as ``run`` would (same pace, same
 per-text idempotency keys, so checking twice costs nothing the second time)
 and counts, per model and decision, how often the answer matches the label.
@@ -8,7 +8,7 @@ A text that failed counts in ``failed``, not as a wrong answer: accuracy is
 over the texts a model actually answered.
 
 Beside accuracy, each model and decision gets balanced accuracy, the
-confusion matrix and the expected calibration error (``client.metrics``),
+confusion matrix and the expected calibration error (``client.accuracy``),
 for the answers as given (calibrated, where the server calibrates) and for
 the raw probabilities the server returns beside them (``raw_probabilities``):
 the argmax of the model's own scores, before its bias was removed.
@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from batchyard.client.accuracy import Quality
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.fleet import Job, local_tokens, plan_pace, send_all
+from batchyard.client.fleet import TextJob, local_tokens, plan_pace, send_all
 from batchyard.client.inputs import LabelledText
 from batchyard.client.keys import request_hash, text_key
-from batchyard.client.metrics import Quality
 from batchyard.client.pacer import PaceClock
 from batchyard.client.types import Answer, DecideResponse, Decision
 from batchyard.errors import BatchyardError
@@ -171,11 +171,11 @@ async def check_models(
     clock: PaceClock | None = None,
 ) -> CheckReport:
     """Score every labelled text with every model under one shared pace."""
-    jobs: list[Job] = []
+    jobs: list[TextJob] = []
     for model in models:
         req_hash = request_hash(decisions, model, max_output_tokens, fallback)
         jobs.extend(
-            Job(t.id, t.text, text_key(t.id, req_hash, key_suffix), model, local_tokens(t.text))
+            TextJob(t.id, t.text, text_key(t.id, req_hash, key_suffix), model, local_tokens(t.text))
             for t in labelled
         )
     answers: dict[str, dict[str, list[Answer]]] = {m: {} for m in models}
@@ -183,7 +183,7 @@ async def check_models(
     fallbacks = dict.fromkeys(models, 0)
     errors: dict[str, dict[str, str]] = {m: {} for m in models}
 
-    def collect(job: Job, answer: DecideResponse | None, error: BatchyardError | None) -> None:
+    def collect(job: TextJob, answer: DecideResponse | None, error: BatchyardError | None) -> None:
         if answer is not None:
             answers[job.model][job.id] = list(answer["answers"])
             costs[job.model] += Decimal(str(answer.get("charge") or "0"))

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.base import REPLAYED
 from batchyard.client.keys import resend_key
 from batchyard.client.pacer import PaceClock, Pacer
+from batchyard.client.retries import REPLAYED
 from batchyard.client.types import Account, DecideResponse, Decision
 from batchyard.errors import BatchyardError, Forbidden
 
@@ -56,9 +56,9 @@ __all__ = [
     "IN_PROGRESS_PATIENCE_S",
     "RATE_LIMITED_REQUEUES",
     "WAITING_CODES",
-    "Job",
     "Pace",
     "ResultHandler",
+    "TextJob",
     "TextRunAborted",
     "local_tokens",
     "plan_pace",
@@ -108,7 +108,7 @@ class TextRunAborted(Exception):
 
 
 @dataclass(frozen=True)
-class Job:
+class TextJob:
     id: str
     text: str
     key: str
@@ -171,12 +171,12 @@ def local_tokens(text: str) -> int:
     return max(1, math.ceil(len(text.encode("utf-8")) / 3))
 
 
-ResultHandler = Callable[[Job, DecideResponse | None, BatchyardError | None], None]
+ResultHandler = Callable[[TextJob, DecideResponse | None, BatchyardError | None], None]
 
 
 async def send_all(
     client: AsyncClient,
-    jobs: Iterable[Job],
+    jobs: Iterable[TextJob],
     *,
     decisions: Sequence[Decision],
     pace: Pace,
@@ -189,14 +189,14 @@ async def send_all(
     pacer = Pacer(pace.rpm, pace.tpm, clock=clock)
     paced = client.with_pacer(pacer)
     fresh = iter(jobs)
-    again: deque[Job] = deque()
+    again: deque[TextJob] = deque()
     requeued: Counter[str] = Counter()
     rekeyed: Counter[str] = Counter()
     waiting_since: dict[str, float] = {}
     wait_clock = pacer.clock
     fatal: list[BatchyardError] = []
 
-    def next_job() -> Job | None:
+    def next_job() -> TextJob | None:
         if again:
             return again.popleft()
         return next(fresh, None)

@@ -19,10 +19,10 @@ from typing import Any, cast
 import httpx
 
 from batchyard.client import calls
-from batchyard.client.base import (
+from batchyard.client.retries import (
     Call,
+    ClientSettings,
     RetryPolicy,
-    Settings,
     connection_failed,
     decode,
     error_from_response,
@@ -70,7 +70,7 @@ class Client:
         clock: SyncPaceClock | None = None,
         http_client: httpx.Client | None = None,
     ) -> None:
-        self.settings = Settings.resolve(base_url, api_key, timeout)
+        self.settings = ClientSettings.resolve(base_url, api_key, timeout)
         self.retry = RetryPolicy(max_retries=max_retries)
         self.pacer = pacer
         self._clock: SyncPaceClock = clock or (pacer.clock if pacer else SyncMonotonicClock())

@@ -1,10 +1,10 @@
 """The text runner: ``run_texts`` scores a file of texts, resumable, paced, priced first.
 
-Not to be confused with a batch inference run (seed 002), which the server
+Not to be confused with a batch inference run (docs/reference/runs.md), which the server
 executes over a stored dataset: this one runs on the caller's machine, one
 decide request a text, hence the ``TextRun…`` names.
 
-The order is the seed's advice made mechanical: check every input locally,
+The order is docs/how-to/score-texts.md's advice made mechanical: check every input locally,
 price a sample with the free estimate, refuse when credit will not cover it,
 then send one text a request at a steady pace, writing each answer the
 moment it lands. A rerun of the same command picks up where the last one
@@ -25,7 +25,7 @@ from typing import Any
 
 from batchyard.client.answers import AnswerFile
 from batchyard.client.async_client import AsyncClient
-from batchyard.client.fleet import Job, Pace, TextRunAborted, local_tokens, plan_pace, send_all
+from batchyard.client.fleet import Pace, TextJob, TextRunAborted, local_tokens, plan_pace, send_all
 from batchyard.client.inputs import InputError, TextItem
 from batchyard.client.keys import decision_set_hash, request_hash, resend_key, text_key
 from batchyard.client.pacer import MonotonicClock, PaceClock
@@ -79,7 +79,8 @@ class TextRunEstimate:
     #: Seconds the first text took to answer, measured before the rest were sent.
     measured_latency_s: float | None = None
     concurrency_source: str = "default"
-    #: The one-off calibration prompts (content-free, seed 000) the run's first call sends
+    #: The one-off calibration prompts (content-free, docs/explanation/calibration.md) the
+    #: run's first call sends
     #: where the organisation has no prior for this decision set yet: paid once, not a text.
     calibration_input_tokens: int = 0
     calibration_cost: Decimal = Decimal(0)
@@ -333,7 +334,7 @@ async def run_texts(
 
     jobs = iter(
         [
-            Job(item.id, item.text, key, model, math.ceil(local_tokens(item.text) * ratio))
+            TextJob(item.id, item.text, key, model, math.ceil(local_tokens(item.text) * ratio))
             for item, key in todo
         ]
     )
@@ -348,7 +349,9 @@ async def run_texts(
         else:
             deferred.append((item_id, row, error))
 
-    def on_result(job: Job, answer: DecideResponse | None, error: BatchyardError | None) -> None:
+    def on_result(
+        job: TextJob, answer: DecideResponse | None, error: BatchyardError | None
+    ) -> None:
         if answer is not None:
             row: dict[str, Any] = {
                 "id": job.id,

@@ -8,7 +8,7 @@ ignored; those no engine here can honour, such as extended thinking or server
 tools, are refused with ``capability_unsupported``), an unknown field is
 ``unknown_field`` naming it, and nothing is coerced.
 
-The engines take one request shape, OpenAI's (``engines.base.CompletionRequest``),
+The engines take one request shape, OpenAI's (``engines.protocol.CompletionRequest``),
 so a Messages body is translated rather than answered by a second path:
 ``to_openai_messages`` writes the system prompt as a system message, content
 blocks as content parts, ``tool_use`` blocks as an assistant's ``tool_calls``

@@ -82,7 +82,7 @@ class ManualClock:
 
 
 def isoformat(when: datetime) -> str:
-    """ISO 8601 in UTC with a ``Z``, milliseconds kept: the seeds' pattern."""
+    """ISO 8601 in UTC with a ``Z``, milliseconds kept: every timestamp on the wire."""
     utc = when.astimezone(UTC)
     return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
 

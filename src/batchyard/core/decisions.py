@@ -1,6 +1,6 @@
 """Decisions about one text: the request's rules, the prompt, and reading the answers.
 
-Seed 000 asks for one text per request with every question about it in the
+docs/reference/decide.md asks for one text per request with every question about it in the
 same call, so the text is paid once and every question is read beside the
 others (the prompt lists them all). Everything here is pure (no store, no
 engine) so the rules can be tested on their own and the estimate counts
@@ -258,7 +258,7 @@ def build_messages(request: DecideRequest, fmt: AnswerFormat) -> list[dict[str, 
     """The one prompt: every question, then the text once, then the answer format.
 
     The questions come first because they are the same for every text of a
-    batch (the seed asks for that): an engine that keeps the prompt prefix it
+    batch (docs/reference/decide.md asks for that): an engine that keeps the prompt prefix it
     last read (the embedded one does) reads them once, and each text then costs
     only its own tokens and the answer format. The text sits right before the
     format it is answered in; on tuning tweets this order scored as well as the

@@ -1,6 +1,6 @@
 """Idempotency keys: one mechanism for every POST that takes ``Idempotency-Key``.
 
-Stripe's rules, with the seeds' codes: the first response for a key is saved
+Stripe's rules, with batchyard's codes: the first response for a key is saved
 and returned again for the same body; another body under the same key is 409
 ``idempotency_conflict``; a saved response lasts 24 hours, then the key answers
 409 ``idempotency_response_expired`` and never runs again. A retryable failure

@@ -176,7 +176,7 @@ class Policy(Protocol):
 @runtime_checkable
 class LearningPolicy(Policy, Protocol):
     """A policy that learns from the market: the worker shows it quiet passes
-    too, and saves and restores what it learnt (``work.batches.memory``)."""
+    too, and saves and restores what it learnt (``work.deferred_batches.price_memory``)."""
 
     memory: timedelta
 

@@ -6,7 +6,7 @@ or observed price, and what a call is charged (``Price.cost``).
 Deferred batches spend only against *fresh* prices: "a historical or observed
 floor cannot authorize a spend". So the book keeps when each price was seen,
 and ``PriceBook.fresh`` answers ``None`` for a price past its freshness bound.
-A feed (``work.batches.feed``) that turns bad changes nothing: the last good
+A feed (``work.price_feed``) that turns bad changes nothing: the last good
 points stay in the book, age, and stop authorising anything once they are
 stale. That fails closed without a second mechanism.
 """

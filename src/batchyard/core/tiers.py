@@ -1,6 +1,6 @@
 """Tiers: the limits an organisation lives under, and how credit moves it up.
 
-Seed 000: a new organisation starts at tier 0, whose requests limit is 30 a
+docs/reference/http.md: a new organisation starts at tier 0, whose requests limit is 30 a
 minute (1,800 texts an hour), and buying credit moves it to a higher tier. The
 thresholds are cumulative credit bought, so a refund-free ledger decides the
 tier by itself and nobody has to remember to promote anyone.

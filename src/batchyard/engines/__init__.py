@@ -2,16 +2,29 @@
 
 import os
 
-# llama.cpp's CPU backend runs its threads under OpenMP, whose idle threads spin
-# by default between decodes. On a machine whose cores other work keeps busy
-# the spinning thread takes the core the step loop needs (measured on the
-# 2-core machine under load: 8 tokens took 74 s with two spinning threads,
-# 2.7 s with passive ones). libgomp reads this once, when llama_cpp is first
-# imported, and every import of it is below this package; an operator's own
-# setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# llama.cpp's CPU backend runs its threads under OpenMP (libgomp in the wheel this
+# project builds). How its idle threads wait decides the embedded model's speed:
+#
+# - libgomp's default spins about 300,000 times before sleeping, long enough to
+#   spin across the gap between two decodes. On a machine whose cores other work
+#   keeps busy the spinning thread takes the core the step loop and the event
+#   loop need (measured under load: 8 tokens took 74 s).
+# - ``OMP_WAIT_POLICY=PASSIVE`` (this project's earlier default) sleeps at once,
+#   also between the dozens of operations inside one decode: one sequence
+#   decoded at a third of the speed the cores allow (33 against 94 tokens/s on
+#   the quiet 2-core machine).
+# - A short spin (``GOMP_SPINCOUNT=10000``, some microseconds) bridges the gaps
+#   inside a decode and sleeps between decodes: 92-95 tokens/s quiet, and the
+#   best of the three with two CPU-busy processes on the same cores
+#   (docs/explanation/embedded-speed.md has the table).
+#
+# libgomp reads this once, when llama_cpp is first imported, and every import of
+# it is below this package. An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT
+# wins (GOMP_SPINCOUNT overrides the policy in libgomp, so it is left unset then).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from batchyard.engines.base import (
+from batchyard.engines.protocol import (
     Choice,
     Completion,
     CompletionRequest,

@@ -31,7 +31,6 @@ from typing import Any, Literal
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.tokens import text_messages
 from batchyard.engines import tool_calls
-from batchyard.engines.base import Choice, Completion, CompletionRequest, Delta, Embeddings, Usage
 from batchyard.engines.llama_sampling import (
     CHAT_TEMPERATURE,
     DEFAULT_TOP_K,
@@ -42,6 +41,14 @@ from batchyard.engines.llama_sampling import (
 )
 from batchyard.engines.llama_scheduler import Adapter, Branch, Job, Scheduler, Scoring
 from batchyard.engines.model_files import sha256_of
+from batchyard.engines.protocol import (
+    Choice,
+    Completion,
+    CompletionRequest,
+    Delta,
+    Embeddings,
+    Usage,
+)
 from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import (
     ContextWindowExceeded,
@@ -740,8 +747,11 @@ class LlamaCppEngine:
             vectors = [list(map(float, embedder.embed(t, normalize=True))) for t in texts]
             return Embeddings(vectors, Usage(sum(counts), 0))
 
+        # On the base model's step thread, between its steps: one thread decodes for the
+        # whole process, so llama.cpp's OpenMP threads stay one team (``Scheduler.call``).
+        base = await self._model(None)
         async with self._embed_lock:
-            return await asyncio.get_running_loop().run_in_executor(self._loader, work)
+            return await base.scheduler.call(work)
 
     async def _embedder(self) -> Any:
         async with self._embed_lock:

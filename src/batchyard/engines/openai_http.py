@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from batchyard.core.clock import Clock, SystemClock
-from batchyard.engines.base import (
+from batchyard.engines.protocol import (
     Choice,
     Completion,
     CompletionRequest,

@@ -65,7 +65,7 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/metrics"): PUBLIC,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
-    # the account (seed 000: an inference key cannot read it)
+    # the account (docs/reference/scopes.md: an inference key cannot read it)
     ("GET", "/v1/account"): _key(F, R),
     ("GET", "/v1/activity"): _key(F, R),
     # models

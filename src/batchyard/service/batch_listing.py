@@ -14,11 +14,11 @@ from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
 from batchyard.errors import NotFound
-from batchyard.service import batches as deferred
+from batchyard.service import deferred_batches as deferred
 from batchyard.service import file_batches
 from batchyard.service.batch_views import file_batch_view
 from batchyard.service.deployment import Service
-from batchyard.store import batches as deferred_store
+from batchyard.store import deferred_batches as deferred_store
 from batchyard.store import file_batches as file_store
 
 __all__ = ["is_file_batch", "list_views", "load_view"]

@@ -1,4 +1,4 @@
-"""What a deferred batch submission may say, and the check of one (seed 003).
+"""What a deferred batch submission may say, and the check of one (docs/reference/batches.md).
 
 A submission is checked whole before anything is kept: every request is
 validated first, and only then does privacy run (``redact`` or ``reject``)

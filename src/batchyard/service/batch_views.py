@@ -1,15 +1,15 @@
 """One batch object for both dialects of ``/v1/batches``.
 
-Every batch, deferred (seed 003) or from a file (OpenAI's), is shown with
-OpenAI's Batch fields and the seed's fields together, so the ``openai`` SDK
-can retrieve and list every batch and a seed client reads its own as the seed
-documents it. Where the two name the same thing, one field serves both:
+Every batch, deferred or from a file (OpenAI's), is shown with
+OpenAI's Batch fields and batchyard's own fields together, so the ``openai`` SDK
+can retrieve and list every batch and a client of the deferred dialect reads its own
+as docs/reference/batches.md documents it. Where the two name the same thing, one field serves both:
 
 - ``created_at``, ``completed_at`` and the other ``*_at`` are Unix seconds
-  (OpenAI's type); the seed's ``deadline`` stays an ISO 8601 string and says
+  (OpenAI's type); the deferred dialect's ``deadline`` stays an ISO 8601 string and says
   the same instant as OpenAI's ``expires_at``.
 - ``request_counts`` holds OpenAI's ``total``, ``completed`` (answered) and
-  ``failed`` (calls that failed) beside the seed's count per request state
+  ``failed`` (calls that failed) beside the deferred dialect's count per request state
   (``waiting``, ``dispatched``, ``succeeded``, ``failed``, ``expired``,
   ``canceled``, ``uncertain``); ``failed`` means the same in both.
 - ``status`` is the dialect's own word: OpenAI's for file batches
@@ -19,7 +19,7 @@ documents it. Where the two name the same thing, one field serves both:
   ``canceling``/``canceled``; ``openai_status`` is the one place that writes
   OpenAI's spelling.
 
-Fields one dialect lacks are present and null (or the seed's
+Fields one dialect lacks are present and null (or the deferred dialect's
 ``input_file_id`` of a deferred batch: ``""``, since its requests came inline
 and OpenAI's type requires a string). ``dialect`` says which one a batch is.
 docs/explanation/batch-dialects.md gives the reasons.
@@ -59,7 +59,7 @@ def number(d: Decimal) -> int | float:
 def counts_of(per_state: dict[str, int]) -> dict[str, int]:
     """Both dialects' request counts from the count of requests in each state."""
     per = dict(per_state)
-    if "pending" in per:  # a file batch's not-yet-sent lines are the seed's "waiting"
+    if "pending" in per:  # a file batch's not-yet-sent lines are the deferred dialect's "waiting"
         per["waiting"] = per.pop("pending")
     return {
         "total": sum(per.values()),
@@ -107,7 +107,7 @@ def file_batch_view(row: fstore.BatchRow, totals: fstore.Totals | None) -> dict[
         "request_counts": counts,
         "metadata": json.loads(row.metadata) if row.metadata else None,
         "usage": _usage(totals.input_tokens, totals.output_tokens) if totals else None,
-        # The seed's fields.
+        # The deferred dialect's fields.
         "deadline": isoformat(row.expires_at),
         "min_discount": number(Decimal(row.min_discount)) if row.min_discount else None,
         "results_url": None,

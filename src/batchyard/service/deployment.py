@@ -3,7 +3,7 @@
 A ``Service`` holds what the composition root (``batchyard.app``) built:
 settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
 encryption key, and its background workers as one list (``workers``: each a
-``work.runner.Worker``; today the deferred market, batch inference runs, file
+``work.runner.Worker``; today deferred batches, batch inference runs, file
 batches, the webhook sender, and two sweeps: fine-tuned versions going cold,
 stranded holds),
 with the ones a door wakes also by name. It builds nothing itself, so a test hands
@@ -35,15 +35,15 @@ from batchyard.core.tokens import Tokenizer
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.service.metrics import PrometheusRecorder
 from batchyard.store.database import Database
-from batchyard.work.batches.sealing import BatchKey
-from batchyard.work.batches.worker import MarketWorker
+from batchyard.work.batch_key import BatchKey
 from batchyard.work.decide_scoring import Calibrations
+from batchyard.work.deferred_batches.deferred_batch_worker import DeferredBatchWorker
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
-from batchyard.work.file_batches.worker import FileBatchWorker
+from batchyard.work.file_batches.file_batch_worker import FileBatchWorker
 from batchyard.work.holds import HoldSweeper
 from batchyard.work.runner import Worker
-from batchyard.work.runs.worker import RunWorker
+from batchyard.work.runs.run_worker import RunWorker
 from batchyard.work.warmth import Warmth
 from batchyard.work.webhook_sender import WebhookSender
 
@@ -69,7 +69,7 @@ class Service:
     calibrations: Calibrations
     tokenizers: Tokenizers
     batch_key: BatchKey
-    market: MarketWorker
+    deferred_batches: DeferredBatchWorker
     runs: RunWorker
     warmth: Warmth
     file_batches: FileBatchWorker

@@ -26,7 +26,7 @@ from batchyard.errors import BatchyardError, StorageUnavailable, error_type
 from batchyard.service.deployment import Service
 from batchyard.store import idempotency as idem_store
 
-__all__ = ["Answer", "Stream", "Whole", "run_once", "unkeyed"]
+__all__ = ["KeyedAnswer", "Stream", "Whole", "run_once", "unkeyed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class Stream:
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class KeyedAnswer:
     """What a call under an Idempotency-Key answered: status and JSON text, perhaps replayed."""
 
     status: int
@@ -74,7 +74,7 @@ async def run_once(
     handler: Callable[[], Awaitable[tuple[int, Any]]],
     *,
     answers_text: bool = True,
-) -> Answer:
+) -> KeyedAnswer:
     """Run ``handler`` once per (organisation, key), or replay the answer saved for it.
 
     The rules of every idempotent call, whichever door it came through: a
@@ -84,7 +84,7 @@ async def run_once(
     failures are not, so a retry runs again; and nothing is saved for an
     organisation with zero data retention when the answer carries text
     (``answers_text``: a model's answer). A submission's answer (a deferred
-    batch's ID and status) carries none, so it is kept there too: seed 000's
+    batch's ID and status) carries none, so it is kept there too: docs/reference/privacy.md's
     exception is about answers, and a retried submission must still name the
     same batch and a changed body still be refused. ``handler`` returns
     (status, JSON body), or (200, ``Stream``): the answer is then kept when its
@@ -99,7 +99,7 @@ async def run_once(
 
     saved = await svc.db.write(claim)
     if saved is not None:
-        return Answer(saved.status_code, _typed(saved.status_code, saved.body), replayed=True)
+        return KeyedAnswer(saved.status_code, _typed(saved.status_code, saved.body), replayed=True)
     keep = not (answers_text and principal.zero_data_retention)
     try:
         status, payload = await handler()
@@ -121,10 +121,10 @@ async def run_once(
             await _keep(svc, org, key, keep, status, json.dumps(whole))
 
         events = _kept(payload.events, keep_whole, lambda: _forget(svc, org, key))
-        return Answer(status, "", stream=events)
+        return KeyedAnswer(status, "", stream=events)
     text = json.dumps(payload)
     await _keep(svc, org, key, keep, status, text)
-    return Answer(status, text)
+    return KeyedAnswer(status, text)
 
 
 async def _keep(svc: Service, org: str, key: str, keep: bool, status: int, text: str) -> None:

@@ -1,7 +1,7 @@
 """The activity log: what was dispatched and charged, with reservation IDs.
 
-Seed 003 asks users to "inspect Activity before resubmitting" after an
-interrupted call; this is where a held reservation of an ``uncertain`` call
+An ``uncertain`` call's error tells its owner to inspect Activity before sending it
+again; this is where a held reservation of an ``uncertain`` call
 shows up, beside every charge and release.
 """
 

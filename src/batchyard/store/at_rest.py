@@ -1,6 +1,6 @@
 """Customer text at rest: sealed with the deployment's key wherever the store keeps it.
 
-Deferred batch bodies and results were sealed from the start (``work.batches``);
+Deferred batch bodies and results were sealed from the start (``work.deferred_batches``);
 the same key now seals every other place customer text or model output lands
 in the store: dataset rows, a run's answers waiting to be written, and the
 answers saved under an Idempotency-Key (a chat completion can echo an e-mail

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, func, select
 
-from batchyard.store.batch_tables import batch_items
+from batchyard.store.deferred_batch_tables import batch_items
 from batchyard.store.file_batches import file_batch_lines
 from batchyard.store.runs import run_items, runs
 from batchyard.store.tables import reservations

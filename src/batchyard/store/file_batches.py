@@ -16,7 +16,7 @@ rendered and sealed (``out``) with its size, so finalizing is two sums and
 downloading is reading the lines in order: nothing is recomputed, and the
 file's ``bytes`` is exact.
 
-The seed's deferred batches have their own tables (``store.batch_tables``);
+Deferred batches have their own tables (``store.deferred_batch_tables``);
 both kinds share the ``bat.`` prefix and one listing at ``/v1/batches``.
 """
 
@@ -57,7 +57,7 @@ __all__ = [
     "LIVE",
     "BatchRow",
     "Claimed",
-    "Ended",
+    "LineEnd",
     "Totals",
     "claim_lines",
     "create_batch",
@@ -198,7 +198,7 @@ class Claimed:
 
 
 @dataclass(frozen=True, slots=True)
-class Ended:
+class LineEnd:
     """A line's end: its state, usage and charge, and its rendered, sealed file line."""
 
     line: int
@@ -458,7 +458,7 @@ def record_results(
     conn: Connection,
     batch_id: str,
     held: Mapping[int, Lease],
-    ended: Sequence[Ended],
+    ended: Sequence[LineEnd],
     now: datetime,
 ) -> int:
     """Write answered lines; only lines still dispatched under their claim in ``held``.
@@ -550,7 +550,7 @@ def lapsed_lines(
 
 
 def end_lines(
-    conn: Connection, batch_id: str, from_state: str, ended: Sequence[Ended], now: datetime
+    conn: Connection, batch_id: str, from_state: str, ended: Sequence[LineEnd], now: datetime
 ) -> int:
     """End lines that no call answered (expired, canceled, uncertain) with their file lines."""
     if not ended:

@@ -35,7 +35,7 @@ from sqlalchemy import Connection, select
 from batchyard.core.money import format_money
 from batchyard.errors import InvalidState
 from batchyard.store import billing, ledger
-from batchyard.store.batch_tables import batch_items
+from batchyard.store.deferred_batch_tables import batch_items
 from batchyard.store.file_batches import LIVE as FILE_BATCH_LIVE
 from batchyard.store.file_batches import file_batches
 from batchyard.store.runs import runs

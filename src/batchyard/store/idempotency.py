@@ -121,7 +121,7 @@ def forget(conn: Connection, org_id: str, key: str) -> None:
 def purge(conn: Connection, now: datetime) -> int:
     """Drop saved bodies past their 24 hours, keeping each key's tombstone for good.
 
-    Seed 000 promises that an expired key "never runs the text again", with no
+    docs/reference/http.md promises that an expired key "never runs the text again", with no
     end date, so the tombstone (organisation, key, body fingerprint, expiry:
     no customer text, a few hundred bytes) is never deleted: forgetting it
     would let the key run again. ``forget`` still frees a key whose request

@@ -34,7 +34,7 @@ from sqlalchemy import (
 
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.store.at_rest import PREFIX
-from batchyard.store.batch_tables import batch_items
+from batchyard.store.deferred_batch_tables import batch_items
 from batchyard.store.file_batches import file_batch_lines
 from batchyard.store.files import file_lines, line_aad
 from batchyard.store.projects import dataset_rows

@@ -16,7 +16,7 @@ result, release) carries ``held_by``: a holder whose claim was superseded
 changes nothing.
 
 The per-table modules (``store.run_leases``, ``store.file_batches``,
-``store.batches``) say *which* rows (their states, their order); this module
+``store.deferred_batches``) say *which* rows (their states, their order); this module
 says *how*, once.
 """
 

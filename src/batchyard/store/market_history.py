@@ -1,4 +1,4 @@
-"""What the market worker saw, per route, kept so that a restart does not start blind.
+"""What the deferred-batch worker saw, per route, kept so that a restart does not start blind.
 
 ``DeadlineAware`` builds its scenarios from each route's own past (see
 ``batchyard.core.outlook``); a worker that forgot that past at every deploy

@@ -1,4 +1,4 @@
-"""The Batches workspace: server-rendered pages for deferred batches (seed 003).
+"""The Batches workspace: server-rendered pages for deferred batches (docs/reference/batches.md).
 
 A front door like ``api``: it submits, shows, cancels and downloads batches
 through the API module's own functions, for people who would rather paste

@@ -1,10 +1,10 @@
-"""The Batches workspace: server-rendered pages over the deferred-batch API (seed 003).
+"""The Batches workspace: server-rendered pages over the deferred-batch API.
 
 Every page is plain HTML from Jinja2 with autoescaping on; there is no
 script at all (a non-terminal batch refreshes with ``<meta refresh>``), so
 the Content-Security-Policy can forbid scripts outright. Pages read the
 store through the same queries as ``/v1/batches`` and change it only
-through ``service.batches``, the functions the API calls too, so the
+through ``service.deferred_batches``, the functions the API calls too, so the
 workspace cannot queue, cancel or show anything the API would not.
 
 Sign-in takes an API key once and leaves a sealed, expiring cookie that
@@ -34,18 +34,18 @@ from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound, PayloadTooLarge
-from batchyard.service import batches as service_batches
+from batchyard.service import deferred_batches as service_batches
 from batchyard.service import service_of
 from batchyard.service.access import SESSION
 from batchyard.service.batch_requests import MAX_BODY_BYTES
 from batchyard.service.batch_views import file_batch_view
 from batchyard.store import accounts
-from batchyard.store import batches as store
+from batchyard.store import deferred_batches as store
 from batchyard.store import file_batches as file_store
-from batchyard.store.batch_tables import ITEM_STATES
+from batchyard.store.deferred_batch_tables import ITEM_STATES
 from batchyard.web.sessions import Session, Sessions, principal_of, same_token
 from batchyard.web.submission import EXAMPLE, submit_text
-from batchyard.work.batches.sealing import result_aad
+from batchyard.work.batch_key import result_aad
 
 __all__ = [
     "SECURITY_HEADERS",
@@ -300,7 +300,7 @@ async def _list_page(
 
     def load(
         conn: Connection,
-    ) -> tuple[list[store.BatchRow], dict[str, dict[str, int]], list[dict[str, Any]]]:
+    ) -> tuple[list[store.DeferredBatchRow], dict[str, dict[str, int]], list[dict[str, Any]]]:
         own = principal.key_id if principal.own_only else None
         org = principal.org_id
         rows = store.list_batches(conn, org, after=after, limit=PAGE_SIZE, key_id=own)
@@ -386,7 +386,9 @@ async def _batch_page(
 
     def load(
         conn: Connection,
-    ) -> tuple[store.BatchRow, dict[str, int], list[store.ItemRow], dict[str, bytes]] | None:
+    ) -> (
+        tuple[store.DeferredBatchRow, dict[str, int], list[store.ItemRow], dict[str, bytes]] | None
+    ):
         own = principal.key_id if principal.own_only else None
         batch = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
         if batch is None:

@@ -2,7 +2,7 @@
 
 The form posts the same JSON body as ``POST /v1/batches`` and an
 Idempotency-Key. Parsing, privacy, sealing, the submission rate and the
-pending limit are ``service.batches``' and the idempotency rules are
+pending limit are ``service.deferred_batches``' and the idempotency rules are
 ``service.idempotency.run_once``, with the record fingerprinted as ``POST
 /v1/batches``: a key used in the workspace and then with curl (same body)
 names the same batch, and a double-clicked submit replays the first answer
@@ -20,18 +20,18 @@ from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
 from batchyard.core.inputs import parse_json
 from batchyard.errors import InvalidJson, PayloadTooLarge
-from batchyard.service import Service, batches
+from batchyard.service import Service, deferred_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 from batchyard.service.idempotency import run_once
 
-__all__ = ["EXAMPLE", "Outcome", "submit_text"]
+__all__ = ["EXAMPLE", "Submitted", "submit_text"]
 
 log = logging.getLogger("batchyard.web")
 
 #: The path the idempotency fingerprint names, so both doors share keys.
 API_PATH = "/v1/batches"
 
-#: What the New batch form starts with: seed 003's example on the local model.
+#: What the New batch form starts with: the example of docs/reference/batches.md on the local model.
 EXAMPLE = {
     "min_discount": 90,
     "completion_window": "24h",
@@ -50,7 +50,7 @@ EXAMPLE = {
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class Submitted:
     """What a submission answered: the status and JSON body the API would have sent."""
 
     status: int
@@ -69,7 +69,7 @@ def _parse_json(text: str) -> dict[str, Any]:
     return raw
 
 
-async def submit_text(svc: Service, principal: Principal, text: str, key: str) -> Outcome:
+async def submit_text(svc: Service, principal: Principal, text: str, key: str) -> Submitted:
     """Submit the form's JSON under ``key``; raises the API's errors, queueing nothing."""
     svc.batch_key.require()
     raw = _parse_json(text)
@@ -77,11 +77,11 @@ async def submit_text(svc: Service, principal: Principal, text: str, key: str) -
     idem_rules.validate_key(key, min_len=8)
 
     async def handler() -> tuple[int, Any]:
-        return 201, await batches.submit(svc, principal, sub)
+        return 201, await deferred_batches.submit(svc, principal, sub)
 
     fingerprint = idem_rules.fingerprint("POST", API_PATH, raw)
     answer = await run_once(svc, principal, key, fingerprint, handler, answers_text=False)
-    outcome = Outcome(answer.status, json.loads(answer.text), replayed=answer.replayed)
+    outcome = Submitted(answer.status, json.loads(answer.text), replayed=answer.replayed)
     log.info(
         "workspace submission",
         extra={

@@ -1,1 +1,1 @@
-"""The work between the front doors and the engines: dispatcher, worker, queues."""
+"""The work between the front doors and the engines: dispatcher, runner, workers, queues."""

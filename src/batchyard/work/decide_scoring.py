@@ -41,7 +41,7 @@ from typing import Any
 from batchyard.core import calibration as cal
 from batchyard.core import decisions as rules
 from batchyard.core.catalog import RouteSpec
-from batchyard.engines.base import Usage
+from batchyard.engines.protocol import Usage
 from batchyard.store import calibration as store
 from batchyard.work.dispatcher import Dispatcher
 

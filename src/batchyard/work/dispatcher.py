@@ -39,7 +39,7 @@ from batchyard.core.money import charge_ticks, from_ticks
 from batchyard.core.prices import Price
 from batchyard.core.telemetry import NO_RECORDER, Recorder
 from batchyard.core.tiers import Tier
-from batchyard.engines.base import (
+from batchyard.engines.protocol import (
     Completion,
     CompletionRequest,
     Delta,

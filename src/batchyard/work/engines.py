@@ -29,7 +29,7 @@ from typing import Any
 from batchyard.core.catalog import ENGINES, Catalog, RouteSpec, engine_name
 from batchyard.core.clock import Clock
 from batchyard.core.config_errors import ConfigError
-from batchyard.engines.base import Engine
+from batchyard.engines.protocol import Engine
 
 __all__ = ["EngineRegistry"]
 
@@ -147,7 +147,7 @@ class EngineRegistry:
         if route.engine == "llama_cpp":
             engine = self.embedded()
         elif route.engine == "memory":
-            from batchyard.engines.memory import ScriptedEngine
+            from batchyard.engines.scripted import ScriptedEngine
 
             engine = ScriptedEngine(name=route.id)
         else:

@@ -3,7 +3,7 @@
 Every path that answers in OpenAI's shapes goes through here: the HTTP doors
 (``api.chat``, ``api.completions``, ``api.embeddings``), the lines of an OpenAI
 file batch (``work.file_batches.lines``) and the results of a deferred batch
-(``work.batches.results``). So a ``chat.completion`` is one object whichever
+(``work.deferred_batches.results``). So a ``chat.completion`` is one object whichever
 way it was asked for; the three differ only in the batchyard fields each caller
 adds beside OpenAI's (``charge``, where it was answered).
 
@@ -36,7 +36,7 @@ from typing import Any
 
 from batchyard.core.anthropic_bodies import Translated, message_object
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
-from batchyard.engines.base import Choice, Completion, CompletionRequest, Delta, Usage
+from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Delta, Usage
 
 __all__ = [
     "CHAT",

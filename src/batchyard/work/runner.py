@@ -158,7 +158,7 @@ class Runner:
     ``opening`` and ``closing``); the lifecycle and the bookkeeping of the
     tasks a round starts (``start``) are this class's.
 
-    The pause is a time rule where ``timed`` (the deferred market's "about
+    The pause is a time rule where ``timed`` (deferred batches' "about
     every 15 seconds": on the clock, so a test moves a ``ManualClock``), and
     otherwise only a poll: the clock's seconds or the same real seconds,
     whichever come first, since leases and deadlines read the clock and a

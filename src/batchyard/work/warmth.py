@@ -1,7 +1,7 @@
 """Whether a fine-tuned model version is loaded, and waiting for it when it is not.
 
-A version that has been idle may need to load before it can answer (seed 000,
-"Warm a fine-tuned model first"). How long that takes is *observed*, never
+A version that has been idle may need to load before it can answer
+(docs/how-to/model-versions.md). How long that takes is *observed*, never
 assumed: the load starts as a task (the engine's ``load_version`` where it has
 one, otherwise the first call itself) and the caller waits on the injected
 clock for at most its budget. Decide then either answers with the base model
@@ -32,7 +32,7 @@ from typing import Any, Literal, TypeVar
 
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.clock import Clock, isoformat
-from batchyard.engines.base import CompletionRequest
+from batchyard.engines.protocol import CompletionRequest
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 
@@ -292,17 +292,6 @@ class Warmth:
                 continue
             v.loaded = False
             log.info("model version went cold", extra={"model": model_id})
-
-    async def loop(self, every_s: float = SWEEP_EVERY_S) -> None:
-        try:
-            while True:
-                await self.clock.sleep(every_s)
-                try:
-                    await self.sweep()
-                except Exception:
-                    log.exception("warmth sweep failed")
-        finally:
-            await self.aclose()
 
     async def aclose(self) -> None:
         """Stop loads still in flight (the service is going down)."""

@@ -10,10 +10,10 @@ from sqlalchemy import func, select
 
 from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
-from batchyard.engines.memory import ScriptedEngine
-from batchyard.store.batch_tables import batch_items
+from batchyard.engines.scripted import ScriptedEngine
+from batchyard.store.deferred_batch_tables import batch_items
 from tests.support.accounts import add_key, make_account
-from tests.support.batches import (
+from tests.support.deferred_batches import (
     all_items,
     batch_body,
     chat,

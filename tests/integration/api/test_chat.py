@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.store import ledger
 from tests.support.accounts import make_account
 from tests.support.server import asgi_client

@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import make_account
 from tests.support.server import live_server
 

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 
 from batchyard import errors
 from batchyard.core.accounts import Scope
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.service import Service
 from batchyard.store import accounts, ledger
 from batchyard.store.tables import activity, idempotency_keys, ledger_entries
@@ -311,12 +311,12 @@ async def test_an_expired_key_never_runs_again_after_housekeeping_years_later(
     h = {**acct.headers, "Idempotency-Key": "forever-expired"}
     assert (await http.post(CHAT, json=BODY, headers=h)).status_code == 200
     clock.advance(24 * 3600)
-    await svc.market.housekeep()
+    await svc.deferred_batches.housekeep()
     saved = svc.db.read_sync(lambda c: c.execute(select(idempotency_keys)).one())
     assert (saved.state, saved.response) == ("expired", None)  # the answer's text is gone
     for _ in range(4):
         clock.advance(365 * 24 * 3600)
-        await svc.market.housekeep()
+        await svc.deferred_batches.housekeep()
     r = await http.post(CHAT, json=BODY, headers=h)
     assert (r.status_code, r.json()["error"]["code"]) == (409, "idempotency_response_expired")
     assert len(engine.calls) == 1

@@ -1,4 +1,4 @@
-"""POST /v1/decide over real HTTP: one text, every decision, paid once, with the seed's rules.
+"""POST /v1/decide over real HTTP: one text, every decision, paid once, as documented.
 
 Engines are scripted on the service's ManualClock, so limits, the 24-hour
 idempotency window and a version's slow load are driven by moving the clock.
@@ -21,8 +21,8 @@ from batchyard.core.accounts import Scope
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, default_catalog
 from batchyard.core.money import charge_ticks, format_money, to_ticks, token_cost
 from batchyard.core.tiers import DEFAULT_TIERS
-from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Usage
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import ModelUnavailable
 from batchyard.service import Service
 from batchyard.store import accounts, activity, ledger

@@ -9,7 +9,7 @@ from batchyard.core.accounts import Scope
 from batchyard.core.money import from_ticks, parse_money, to_ticks
 from batchyard.store import ledger
 from tests.support.accounts import add_key, make_account
-from tests.support.batches import BlockingEngine, batch_body, eventually, submit
+from tests.support.deferred_batches import BlockingEngine, batch_body, eventually, submit
 from tests.support.file_batches import (
     chat_line,
     create,

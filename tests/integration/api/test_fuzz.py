@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from sqlalchemy import func, select
 
 # Every table on the metadata: these modules declare their own.
-import batchyard.store.batches
+import batchyard.store.deferred_batches
 import batchyard.store.market_history
 import batchyard.store.work_items  # noqa: F401
 from batchyard.api.bodies import DecideBody, KeepWarmBody, ProjectBody, RowPatchBody, RunBody
@@ -40,13 +40,13 @@ from batchyard.core.clock import ManualClock
 from batchyard.core.ids import new_id
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.core.sealing import generate_key, key_text
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.service import Service
 from batchyard.service.batch_requests import BatchBody
 from batchyard.store import ledger
 from batchyard.store.tables import metadata
 from tests.support.accounts import Account, make_account
-from tests.support.batches import batch_body, chat
+from tests.support.deferred_batches import batch_body, chat
 from tests.support.file_batches import chat_line, upload
 from tests.support.file_batches import jsonl as file_jsonl
 from tests.support.fuzz import MALFORMED, encode, from_model, mutations

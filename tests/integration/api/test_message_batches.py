@@ -12,7 +12,7 @@ from batchyard.core.accounts import Scope
 from batchyard.core.money import parse_money, to_ticks
 from batchyard.store import ledger
 from tests.support.accounts import add_key, make_account
-from tests.support.batches import BlockingEngine, eventually
+from tests.support.deferred_batches import BlockingEngine, eventually
 from tests.support.file_batches import lines_of, worker
 from tests.support.server import asgi_client
 from tests.support.workspace import answer_with

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from batchyard.core.accounts import Scope
-from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Usage
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import ModelWarming, UpstreamRateLimited
 from batchyard.store import activity, ledger
 from tests.support.accounts import add_key, make_account

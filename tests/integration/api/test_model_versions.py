@@ -524,7 +524,7 @@ async def _until(check: Any, what: str, limit_s: float = 120.0) -> None:
 async def test_an_evicted_version_warms_with_a_real_load_and_keep_warm_holds_it(
     make_service,
 ) -> None:
-    """Seed 000's warming: idle time on the clock, the loads real (the adapter on the base).
+    """Warming: idle time on the clock, the loads real (the adapter on the base).
 
     The engine loads on one thread; holding that thread with a blocker keeps a real
     load pending while the clock passes the 10-second fallback.

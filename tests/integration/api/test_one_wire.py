@@ -23,11 +23,11 @@ from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
-from batchyard.engines.base import Completion, CompletionRequest
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.protocol import Completion, CompletionRequest
+from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import make_account
-from tests.support.batches import chat, submit
-from tests.support.batches import worker as market_worker
+from tests.support.deferred_batches import chat, submit
+from tests.support.deferred_batches import worker as deferred_batch_worker
 from tests.support.file_batches import create, jsonl, parse_lines, upload
 from tests.support.file_batches import worker as file_worker
 from tests.support.server import asgi_client
@@ -98,7 +98,7 @@ async def test_a_chat_completion_is_one_object_from_the_door_a_file_batch_and_a_
         filed = await _file_batch(http, acct.headers, "/v1/chat/completions", body, service)
         batch = {"min_discount": 90, "requests": [{"custom_id": "a", "body": body}]}
         deferred = (await submit(http, acct.headers, batch)).json()
-        assert (await market_worker(service).run_pass()).succeeded == 1
+        assert (await deferred_batch_worker(service).run_pass()).succeeded == 1
         results = await http.get(deferred["results_url"], headers=acct.headers)
     (line,) = [json.loads(x) for x in results.content.splitlines()]
     bodies = [door.json(), filed, line["result"]["body"]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import tiktoken
 
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.service.files import rules_of
 from batchyard.service.openai_requests import validate_line

@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletion
 
 from batchyard.core.clock import SystemClock
 from tests.support.accounts import make_account
-from tests.support.batches import batch_body, submit
+from tests.support.deferred_batches import batch_body, submit
 from tests.support.file_batches import chat_line, jsonl
 from tests.support.server import live_server
 
@@ -82,7 +82,7 @@ async def test_files_and_batches_with_the_official_sdk_on_the_embedded_model(mak
         strict(FileObject, raw.http_response.json())
         assert raw.parse().bytes == len(content.content)
 
-        # A deferred batch of seed 003 shows in the same listing, and both validate.
+        # A deferred batch shows in the same listing, and both validate.
         async with httpx.AsyncClient(base_url=base) as http:
             assert (await submit(http, acct.headers, batch_body(1))).status_code == 201
         raw = await client.batches.with_raw_response.list(limit=10)

@@ -14,11 +14,11 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.store import accounts, activity, ledger
 from batchyard.store.tables import idempotency_keys
 from tests.support.accounts import make_account
-from tests.support.batches import eventually
+from tests.support.deferred_batches import eventually
 from tests.support.server import asgi_client, live_server
 
 CHAT = {

@@ -2,7 +2,7 @@
 
 Every test's answers are already checked against the document on the side
 (``tests.support.wire_check``); these tests make the cases the issue found
-explicit. The lists of seed 002 (dataset rows, runs, a run's failures) carry
+explicit. The lists of the runs API (dataset rows, runs, a run's failures) carry
 ``object: "list"`` as the document says; a body field the server refuses to go
 without is required in the document, and a field the document requires is one
 the server refuses to go without; a call that takes no body takes none.
@@ -19,9 +19,9 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from batchyard.core.sealing import generate_key, key_text
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import Account, make_account
-from tests.support.batches import batch_body, chat
+from tests.support.deferred_batches import batch_body, chat
 from tests.support.file_batches import chat_line, jsonl, upload
 from tests.support.runs import jsonl as rows_jsonl
 from tests.support.server import asgi_app

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from batchyard.core.accounts import Scope
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import add_key, make_account
 from tests.support.server import asgi_client
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from batchyard.app import run_worker
 from batchyard.core.money import to_ticks
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.store import activity, ledger
 from tests.support.accounts import make_account
@@ -333,7 +333,7 @@ async def test_confirm_rules_invalid_state_and_quote_expired(svc):
     assert expired.status_code == 409 and expired.json()["error"]["code"] == "quote_expired"
     assert after["status"] == "awaiting_confirmation"
     assert canceled["status"] == "canceled" and canceled["charge"] is None
-    # Seed 002: "failure or cancellation details" (issue 22: it was null).
+    # docs/reference/runs.md: "failure or cancellation details" (issue 22: it was null).
     assert canceled["error"]["code"] == "canceled"
     assert canceled["error"]["canceledByKeyId"] == acct.key_id
     assert canceled["error"]["canceledAt"].endswith("Z")

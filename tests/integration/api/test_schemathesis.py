@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from batchyard.core.clock import SystemClock
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.service import Service
 from tests.support.threaded_server import Gateway, ServerThread
 

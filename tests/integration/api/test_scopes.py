@@ -22,7 +22,7 @@ from batchyard.core.clock import ManualClock
 from batchyard.core.ids import new_id
 from batchyard.service.access import ACCESS, access_for, app_routes, check_complete
 from tests.support.accounts import add_key, make_account
-from tests.support.batches import batch_body, feed_route, submit
+from tests.support.deferred_batches import batch_body, feed_route, submit
 from tests.support.server import asgi_client
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "reference" / "scopes.md"

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.support.accounts import make_account
-from tests.support.batches import batch_body, submit
+from tests.support.deferred_batches import batch_body, submit
 from tests.support.runs import Api, jsonl
 from tests.support.server import asgi_client
 
@@ -30,7 +30,7 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture
 async def api(market):
-    from tests.support.batches import feed_route
+    from tests.support.deferred_batches import feed_route
 
     svc = market(feed_route("spot"))
     acct = make_account(svc, credit="5", tier=3)

@@ -24,7 +24,7 @@ from batchyard.client.async_client import AsyncClient
 from batchyard.core.clock import SystemClock
 from batchyard.core.config import Settings
 from batchyard.core.tiers import Tier
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.service import Service
 from tests.support.accounts import Account, make_account

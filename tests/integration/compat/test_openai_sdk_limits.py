@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from batchyard.core.tiers import DEFAULT_TIERS, Tier
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from tests.support.threaded_server import Gateway, ServerThread
 
 SPEED = 20

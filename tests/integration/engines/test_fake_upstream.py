@@ -155,7 +155,7 @@ def _ask(client: httpx.AsyncClient, up: FakeUpstream, text: str) -> Any:
 async def test_hold_keeps_calls_in_flight_until_release_and_counts_each_arrival() -> None:
     import asyncio
 
-    from tests.support.batches import eventually
+    from tests.support.deferred_batches import eventually
 
     with FakeUpstream() as up:
         up.hold(after=1)

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from batchyard.engines.base import CompletionRequest, Engine, ScoringEngine
 from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
 from batchyard.engines.model_files import default_model_path
+from batchyard.engines.protocol import CompletionRequest, Engine, ScoringEngine
 from batchyard.engines.tokenizers import GgufTokenizer, tokenizer_for
 from batchyard.errors import ContextWindowExceeded, UnsupportedInput
 

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from batchyard.engines.base import Completion, CompletionRequest, Delta
 from batchyard.engines.llama_cpp import LlamaCppEngine
 from batchyard.engines.model_files import default_model_path
+from batchyard.engines.protocol import Completion, CompletionRequest, Delta
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio(loop_scope="module")]
 

@@ -19,9 +19,9 @@ import pytest
 
 from batchyard.core.clock import ManualClock
 from batchyard.engines import llama_scheduler
-from batchyard.engines.base import CompletionRequest
 from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
 from batchyard.engines.model_files import default_model_path
+from batchyard.engines.protocol import CompletionRequest
 from batchyard.errors import BatchyardError
 
 pytestmark = pytest.mark.model

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from batchyard.core.clock import ManualClock
-from batchyard.engines.base import CompletionRequest, Engine, RateLimitSignal
 from batchyard.engines.openai_http import (
     OpenAIHttpEngine,
     parse_rate_limit,
@@ -19,6 +18,7 @@ from batchyard.engines.openai_http import (
     parse_retry_after,
     rate_limit_of,
 )
+from batchyard.engines.protocol import CompletionRequest, Engine, RateLimitSignal
 from batchyard.errors import UpstreamError, UpstreamRateLimited, UpstreamTimeout
 from tests.support.fake_upstream import FakeUpstream
 

@@ -13,7 +13,7 @@ from batchyard.core.accounts import Scope
 from batchyard.store import accounts
 from batchyard.web.submission import EXAMPLE
 from tests.support.accounts import add_key, make_account
-from tests.support.batches import all_items, item_rows, submit, worker
+from tests.support.deferred_batches import all_items, item_rows, submit, worker
 from tests.support.server import asgi_app, asgi_client
 from tests.support.workspace import (
     answer_with,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.accounts import make_account
-from tests.support.batches import item_rows, worker
+from tests.support.deferred_batches import item_rows, worker
 from tests.support.server import live_server
 from tests.support.workspace import answer_with
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from tests.support.accounts import make_account
-from tests.support.batches import batch_body, worker
+from tests.support.deferred_batches import batch_body, worker
 from tests.support.file_batches import chat_line, jsonl
 from tests.support.file_batches import worker as file_worker
 from tests.support.server import asgi_app

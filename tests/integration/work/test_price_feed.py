@@ -16,7 +16,7 @@ import pytest
 
 from batchyard.core.clock import ManualClock
 from batchyard.core.prices import Price, PriceBook
-from batchyard.work.batches.feed import PriceFeed
+from batchyard.work.price_feed import PriceFeed
 
 T0 = datetime(2026, 3, 2, 12, 0, tzinfo=UTC)
 FIVE_MIN = timedelta(minutes=5)
@@ -46,7 +46,7 @@ async def test_file_feed_malformed_keeps_old_points_which_go_stale(
 
     clock.advance(60)
     path.write_text('{"prices": [{"route": "r", "input_per_mtok": "-0.1", "output_per_mtok": "1"}]')
-    with caplog.at_level(logging.WARNING, logger="batchyard.market.feed"):
+    with caplog.at_level(logging.WARNING, logger="batchyard.price_feed"):
         assert await feed.refresh() is False
     record = next(r for r in caplog.records if getattr(r, "event", "") == "price_feed_rejected")
     assert record.source == str(path)  # type: ignore[attr-defined]
@@ -127,7 +127,7 @@ async def test_http_feed_on_loopback(
     assert book.fresh("r", clock.now() + timedelta(minutes=4), FIVE_MIN) is None
 
     handler.status = 503
-    with caplog.at_level(logging.WARNING, logger="batchyard.market.feed"):
+    with caplog.at_level(logging.WARNING, logger="batchyard.price_feed"):
         assert await feed.refresh() is False
     record = next(r for r in caplog.records if getattr(r, "event", "") == "price_feed_rejected")
     assert record.reason == "HTTP 503"  # type: ignore[attr-defined]

@@ -144,7 +144,7 @@ def test_without_raw_probabilities_raw_is_the_answer_itself() -> None:
 
 
 def test_expected_calibration_error_by_hand() -> None:
-    from batchyard.client.metrics import balanced_accuracy, expected_calibration_error
+    from batchyard.client.accuracy import balanced_accuracy, expected_calibration_error
 
     assert expected_calibration_error([], []) is None
     assert expected_calibration_error([1.0, 1.0], [True, True]) == 0.0

@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from batchyard.client import AsyncClient, Client, ConnectionFailed
-from batchyard.client.base import RetryPolicy, RetryStep, error_from_response
 from batchyard.client.pacer import Pacer
+from batchyard.client.retries import RetryPolicy, RetryStep, error_from_response
 from batchyard.client.sync_pacer import SyncPacer
 from batchyard.errors import (
     IdempotencyConflict,

@@ -27,7 +27,7 @@ def test_default_catalog_serves_kettei_core_on_the_embedded_model():
     core = cat.model("kettei-core")
     assert not core.reads_images
     assert cat.model("kettei-fat").reads_images
-    # kettei-core is the cheapest (seed 000).
+    # kettei-core is the cheapest (docs/reference/http.md).
     assert all(
         core.input_per_mtok <= m.input_per_mtok and core.output_per_mtok <= m.output_per_mtok
         for m in cat.models.values()

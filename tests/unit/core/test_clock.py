@@ -10,7 +10,7 @@ import pytest
 
 from batchyard.core.clock import Clock, ManualClock, SystemClock, isoformat, parse_iso
 
-# Seed 002's pattern for createdAt/updatedAt.
+# The runs API's pattern for createdAt/updatedAt (docs/reference/runs.md).
 SEED_ISO = re.compile(
     r"^(?:(?:\d\d[2468][048]|\d\d[13579][26]|\d\d0[48]|[02468][048]00|[13579][26]00)-02-29|"
     r"\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)|"

@@ -1,4 +1,4 @@
-"""Prefixed UUIDv7 IDs: the seeds' shape, sortable by creation time."""
+"""Prefixed UUIDv7 IDs: the wire's shape, sortable by creation time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import timedelta
 from batchyard.core.clock import ManualClock
 from batchyard.core.ids import ID_PATTERN, is_id, new_id, uuid7
 
-# Seed 002's project ID pattern, as written there.
+# The runs API's project ID pattern (docs/reference/runs.md).
 SEED_PP = re.compile(r"^pp\.[0-9a-f]{8}-[0-9a-f]{4}-[7][0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 

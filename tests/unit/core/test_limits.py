@@ -27,7 +27,7 @@ from batchyard.core.limits import (
     gcra_many,
     penalty_until,
 )
-from batchyard.engines.base import RateLimitSignal
+from batchyard.engines.protocol import RateLimitSignal
 from batchyard.errors import RateLimited
 from tests.support.clocks import SleepWatchingClock
 

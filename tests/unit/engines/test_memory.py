@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from batchyard.core.clock import ManualClock
-from batchyard.engines.base import CompletionRequest, Engine, RateLimitSignal, ScoringEngine
-from batchyard.engines.memory import ScriptedEngine, word_count
+from batchyard.engines.protocol import CompletionRequest, Engine, RateLimitSignal, ScoringEngine
+from batchyard.engines.scripted import ScriptedEngine, word_count
 from batchyard.errors import UpstreamError, UpstreamRateLimited
 
 

@@ -16,11 +16,11 @@ from sqlalchemy import Connection, insert, select
 from batchyard.core.clock import ManualClock
 from batchyard.core.ids import new_id
 from batchyard.core.leases import Lease
-from batchyard.store import batches as bstore
+from batchyard.store import deferred_batches as bstore
 from batchyard.store import file_batches as fstore
-from batchyard.store.batch_tables import batch_items, batches
 from batchyard.store.database import Database
-from batchyard.store.file_batches import BatchRow, Ended, file_batch_lines
+from batchyard.store.deferred_batch_tables import batch_items, batches
+from batchyard.store.file_batches import BatchRow, LineEnd, file_batch_lines
 from batchyard.store.files import file_lines, files
 from tests.support.run_store import add_org
 
@@ -102,8 +102,8 @@ def _line(db: Database, batch_id: str, line: int) -> dict[str, object]:
     )
 
 
-def _ended(line: int) -> Ended:
-    return Ended(
+def _ended(line: int) -> LineEnd:
+    return LineEnd(
         line, "succeeded", b"out", 3, route="fake", usage_input=3, usage_output=2, charge=7
     )
 

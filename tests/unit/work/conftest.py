@@ -23,7 +23,7 @@ from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.limits import InMemoryLimiter
 from batchyard.core.prices import Price
 from batchyard.core.tiers import DEFAULT_TIERS
-from batchyard.engines.base import Engine
+from batchyard.engines.protocol import Engine
 from batchyard.store import ledger
 from batchyard.store.database import Database
 from batchyard.work.dispatcher import Dispatcher

@@ -8,7 +8,7 @@ import pytest
 
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
 from batchyard.core.telemetry import MemoryRecorder
-from batchyard.engines.base import Choice, Completion, CompletionRequest, Usage
+from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Usage
 from batchyard.store.database import Database
 from tests.support.clocks import SleepWatchingClock
 from tests.support.run_store import add_org, balance

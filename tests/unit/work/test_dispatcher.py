@@ -22,8 +22,8 @@ from batchyard.core.catalog import RouteSpec
 from batchyard.core.limits import PENALTY, InMemoryLimiter, RateLimitSignal
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
 from batchyard.core.route_pace import PACE_MARGIN
-from batchyard.engines.base import CompletionRequest, Usage
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.protocol import CompletionRequest, Usage
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import InsufficientCredit, UpstreamError, UpstreamRateLimited
 from batchyard.store import activity, ledger
 from batchyard.store.database import Database
@@ -266,7 +266,7 @@ async def test_settlement_and_its_activity_record_commit_together_or_not_at_all(
         await execute(d, org)
 
     # The settle entry rolled back with the record: the hold stays, as for any
-    # call whose outcome the ledger did not learn (seed 003: inspect Activity).
+    # call whose outcome the ledger did not learn (its error says: inspect Activity).
     [res] = held_reservations(db)
     assert res.state == "held"
     assert entries_of(db, res.id) == {"reserve": most()}

@@ -8,7 +8,7 @@ import pytest
 
 from batchyard.core.catalog import Catalog, RouteSpec, default_catalog
 from batchyard.core.config_errors import ConfigError
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.work.engines import EngineRegistry
 
 

@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletion
 
 from batchyard.core.anthropic_bodies import Translated, parse_messages, translate
 from batchyard.core.openai_bodies import parse_chat, parse_completion, parse_embedding
-from batchyard.engines.base import Choice, Completion, Usage
+from batchyard.engines.protocol import Choice, Completion, Usage
 from batchyard.work.openai_wire import (
     CHAT,
     MESSAGES,

@@ -26,7 +26,7 @@ from batchyard.core.leases import Lease
 from batchyard.core.sealing import Sealer
 from batchyard.store import activity
 from batchyard.store import file_batches as store
-from batchyard.work.file_batches.lines import Plan, never_answered
+from batchyard.work.file_batches.lines import LinePlan, never_answered
 from batchyard.work.runner import Claim, Recovered, Renewal, uncertain_detail
 
 __all__ = ["Line", "LineQueue"]
@@ -37,11 +37,11 @@ class Line:
     """A claimed line and where it goes: its route and price now (None: none qualifies)."""
 
     claimed: store.Claimed
-    plan: Plan | None
+    plan: LinePlan | None
 
 
 class LineQueue:
-    """The lines of a file batch (``LeaseQueue[int, Line, store.Ended]``).
+    """The lines of a file batch (``LeaseQueue[int, Line, store.LineEnd]``).
 
     ``batch`` None: the queue of every batch's lines, for recovery alone.
     """
@@ -54,7 +54,7 @@ class LineQueue:
         *,
         owner: str = "",
         batch: store.BatchRow | None = None,
-        plan: Callable[[str], Plan | None] | None = None,
+        plan: Callable[[str], LinePlan | None] | None = None,
         chunk: int = 1000,
     ) -> None:
         self.sealer = sealer
@@ -71,9 +71,9 @@ class LineQueue:
         self, conn: Connection, want: int, now: datetime, until: datetime
     ) -> list[Claim[int, Line]]:
         batch = self._the_batch()
-        plans: dict[str, Plan | None] = {}  # prices are read afresh at each claim
+        plans: dict[str, LinePlan | None] = {}  # prices are read afresh at each claim
 
-        def plan(model: str) -> Plan | None:
+        def plan(model: str) -> LinePlan | None:
             if model not in plans:
                 plans[model] = self._plan(model) if self._plan is not None else None
             return plans[model]
@@ -93,7 +93,7 @@ class LineQueue:
         self,
         conn: Connection,
         held: Mapping[int, Lease],
-        results: Sequence[store.Ended],
+        results: Sequence[store.LineEnd],
         now: datetime,
     ) -> int:
         return store.record_results(conn, self._the_batch().id, held, results, now)
@@ -109,7 +109,7 @@ class LineQueue:
     ) -> Recovered:
         batch_id = None if held is None else self._the_batch().id
         lapsed = store.lapsed_lines(conn, now, self.chunk, batch_id=batch_id, held=held)
-        by_batch: dict[str, list[store.Ended]] = {}
+        by_batch: dict[str, list[store.LineEnd]] = {}
         for line_batch, line, custom_id in lapsed:
             ended = never_answered(self.sealer, line_batch, line, custom_id, "uncertain", now)
             by_batch.setdefault(line_batch, []).append(ended)

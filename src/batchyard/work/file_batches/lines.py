@@ -40,13 +40,13 @@ from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, Emb
 from batchyard.core.prices import Price
 from batchyard.core.quotes import direct_price, quote
 from batchyard.core.sealing import Sealer, SealError
-from batchyard.engines.base import Completion, Embeddings, Usage
+from batchyard.engines.protocol import Completion, Embeddings, Usage
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import InternalError
-from batchyard.store.file_batches import Claimed, Ended, out_aad
+from batchyard.store.file_batches import Claimed, LineEnd, out_aad
 from batchyard.store.files import line_aad
-from batchyard.work.batches.prices import MarketPrices
 from batchyard.work.dispatcher import Dispatcher, OnSend
+from batchyard.work.market_prices import MarketPrices
 from batchyard.work.openai_wire import (
     LineRequest,
     Reply,
@@ -59,7 +59,7 @@ from batchyard.work.openai_wire import (
 )
 from batchyard.work.runner import Answered, Failed
 
-__all__ = ["Answer", "Plan", "call", "never_answered", "plan_for", "result"]
+__all__ = ["LineAnswer", "LinePlan", "call", "never_answered", "plan_for", "result"]
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -80,7 +80,7 @@ NEVER_ANSWERED = {
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class LinePlan:
     """Where a model's lines go and what they are charged: the route and its price."""
 
     model: ModelSpec
@@ -95,12 +95,12 @@ def plan_for(
     model_id: str,
     min_discount: Decimal | None,
     now: datetime,
-) -> Plan | None:
+) -> LinePlan | None:
     """The route for a model's lines now; None while none meets the batch's discount.
 
     Without ``min_discount`` a line goes to the model's route at its direct
     price, as a chat completion would. With one, it waits for the cheapest
-    route whose fresh price meets the discount (the seed's rule, with hard
+    route whose fresh price meets the discount (the deferred batches' rule, with hard
     price caps), exactly as a deferred item does.
     """
     model = catalog.find(model_id)
@@ -108,7 +108,7 @@ def plan_for(
         return None
     direct = direct_price(model)
     if min_discount is None:
-        return Plan(model, catalog.route_for(model_id), direct, direct)
+        return LinePlan(model, catalog.route_for(model_id), direct, direct)
     best = None
     for offer in prices.offers(model_id, now):
         if offer.price is None or not qualifies(offer, direct, min_discount):
@@ -120,7 +120,7 @@ def plan_for(
         return None
     offer = best[1]
     assert offer.price is not None
-    return Plan(model, catalog.routes[offer.route], offer.price, direct)
+    return LinePlan(model, catalog.routes[offer.route], offer.price, direct)
 
 
 def _line_id(now: datetime) -> str:
@@ -145,16 +145,16 @@ def _result_line(
 
 def never_answered(
     sealer: Sealer, batch_id: str, line: int, custom_id: str, state: str, now: datetime
-) -> Ended:
+) -> LineEnd:
     """A line ended without an answer: its error-file line."""
     code, message = NEVER_ANSWERED[state]
     error = {"code": code, "message": message}
     out, size = _result_line(sealer, batch_id, line, custom_id, now, error=error)
-    return Ended(line, state, out, size)
+    return LineEnd(line, state, out, size)
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class LineAnswer:
     """What a line's call came back with: its typed request, usage, and the engine's answer."""
 
     request: LineRequest
@@ -168,9 +168,9 @@ async def call(
     endpoint: str,
     input_file_id: str,
     claimed: Claimed,
-    plan: Plan,
+    plan: LinePlan,
     on_send: OnSend,
-) -> Answer:
+) -> LineAnswer:
     """The line's call, sent as its door sends it; its body unsealed from the input file
     and read back as the door's own typed request."""
     try:
@@ -184,7 +184,7 @@ async def call(
             route=plan.route, texts=texts, input_tokens=claimed.input_tokens, on_send=on_send
         )
         used = result.usage.input_tokens or claimed.input_tokens
-        return Answer(request, Usage(used, 0), Embeddings(result.vectors, Usage(used, 0)))
+        return LineAnswer(request, Usage(used, 0), Embeddings(result.vectors, Usage(used, 0)))
     name = engine_name(plan.model.id, plan.route)
     if isinstance(request, Translated):
         engine_request = messages_request(request, model=name)
@@ -199,7 +199,7 @@ async def call(
     completion = await dispatcher.call(
         route=plan.route, request=engine_request, input_tokens=claimed.input_tokens, on_send=on_send
     )
-    return Answer(request, completion.usage, completion)
+    return LineAnswer(request, completion.usage, completion)
 
 
 def _answer_body(
@@ -230,10 +230,10 @@ def result(
     sealer: Sealer,
     batch_id: str,
     claimed: Claimed,
-    plan: Plan,
-    attempt: Answered[Answer] | Failed,
+    plan: LinePlan,
+    attempt: Answered[LineAnswer] | Failed,
     now: datetime,
-) -> Ended:
+) -> LineEnd:
     """The line's end, rendered and sealed: its answer (charged), or its failure's error body."""
     if isinstance(attempt, Failed):
         err = attempt.error
@@ -242,7 +242,7 @@ def result(
         out, size = _result_line(
             sealer, batch_id, claimed.line, claimed.custom_id, now, response=failed
         )
-        return Ended(claimed.line, "failed", out, size, route=plan.route.id)
+        return LineEnd(claimed.line, "failed", out, size, route=plan.route.id)
     request, usage, answered = attempt.value.request, attempt.value.usage, attempt.value.answered
     cap = quote(plan.model, claimed.input_tokens, claimed.max_tokens)
     charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
@@ -257,7 +257,7 @@ def result(
     out, size = _result_line(
         sealer, batch_id, claimed.line, claimed.custom_id, now, response=answered_line
     )
-    return Ended(
+    return LineEnd(
         claimed.line,
         "succeeded",
         out,

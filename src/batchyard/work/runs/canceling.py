@@ -43,7 +43,7 @@ KEY_REVOKED = {
 
 
 def canceled_by_owner(key_id: str | None, now: datetime) -> dict[str, Any]:
-    """The error a run canceled by its owner carries: seed 002's "cancellation details"."""
+    """What a run canceled by its owner carries: docs/reference/runs.md's cancellation details."""
     return {
         "code": "canceled",
         "message": "the run was canceled by its owner (POST …/cancel); answered rows are "

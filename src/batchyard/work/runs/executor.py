@@ -47,7 +47,7 @@ from batchyard.core.runs import (
     prompt_messages,
     resolve_model,
 )
-from batchyard.engines.base import Completion, CompletionRequest
+from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.errors import BatchyardError, InvalidRequest
 from batchyard.store import billing, work_items
 from batchyard.store.database import Database

@@ -22,8 +22,8 @@ from batchyard.core.clock import ManualClock
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
 from batchyard.core.runs import BlockedReason, ItemState, RunSettings, RunStatus
 from batchyard.core.tokens import FallbackTokenizer
-from batchyard.engines.base import CompletionRequest
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.protocol import CompletionRequest
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import ServiceUnavailable, UpstreamError
 from batchyard.store import activity, ledger, work_items
 from batchyard.store import projects as pstore
@@ -445,7 +445,7 @@ async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
     db: Database, clock: SleepWatchingClock
 ) -> None:
     """The sent row becomes uncertain; the rows still waiting for their turn wait again."""
-    from tests.support.batches import BlockingEngine
+    from tests.support.deferred_batches import BlockingEngine
 
     _, run_id = running_run(db, clock, [{"text": f"row {i}"} for i in range(5)])
     engine = BlockingEngine()

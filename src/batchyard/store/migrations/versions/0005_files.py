@@ -1,4 +1,4 @@
-"""files and file batches: OpenAI's Files and Batches beside the seed's deferred batches"""
+"""files and file batches: OpenAI's Files and Batches beside deferred batches"""
 
 import sqlalchemy as sa
 from alembic import op

@@ -1,6 +1,6 @@
-"""Deferred batch items as the runner sees them: the lease queue of the market.
+"""Deferred batch items as the runner sees them: the lease queue of deferred batches.
 
-A pass of the market worker chooses items and routes (its policy, on fresh
+A pass of the deferred-batch worker chooses items and routes (its policy, on fresh
 prices); this queue then claims them for the runner's pipeline, one claim per
 chosen item, each rechecked at the moment it is taken: the deadline, the
 submitting key, the route's price now (the one that authorises the spend),
@@ -10,10 +10,10 @@ lease. No qualifying route, no reservation: funds are never held while
 waiting.
 
 Recording an item settles its hold to real usage at the route's offered
-price, or releases it on failure (``work.batches.results``). An item whose
+price, or releases it on failure (``work.deferred_batches.results``). An item whose
 call never started goes back to waiting with its hold released; a sent one
 whose worker stopped (``let_go``) becomes ``uncertain``, charged nothing
-(``work.batches.housekeeping``).
+(``work.deferred_batches.housekeeping``).
 """
 
 from __future__ import annotations
@@ -34,24 +34,30 @@ from batchyard.core.openai_bodies import ChatRequest
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.core.telemetry import Recorder
 from batchyard.core.tiers import Tier
-from batchyard.engines.base import Completion
+from batchyard.engines.protocol import Completion
 from batchyard.errors import BatchyardError, InsufficientCredit, InternalError
 from batchyard.store import accounts, billing
-from batchyard.store import batches as store
-from batchyard.work.batches import housekeeping
-from batchyard.work.batches.prices import MarketPrices
-from batchyard.work.batches.results import Claimed, fail, finish_failed, item_detail, succeed
+from batchyard.store import deferred_batches as store
+from batchyard.work.deferred_batches import housekeeping
+from batchyard.work.deferred_batches.results import (
+    ClaimedItem,
+    fail,
+    finish_failed,
+    item_detail,
+    succeed,
+)
+from batchyard.work.market_prices import MarketPrices
 from batchyard.work.openai_wire import chat_request
 from batchyard.work.runner import Claim, Recovered, Renewal
 
 __all__ = ["ItemEnd", "ItemQueue", "PassReport"]
 
-log = logging.getLogger("batchyard.market")
+log = logging.getLogger("batchyard.deferred_batches")
 
 
 @dataclass
 class PassReport:
-    """What one pass of the market worker did, for logs and tests."""
+    """What one pass of the deferred-batch worker did, for logs and tests."""
 
     uncertain: int = 0
     #: Dispatched items never sent, back to waiting with their holds released.
@@ -69,14 +75,14 @@ class PassReport:
 class ItemEnd:
     """A dispatched item's call came back: its completion, or its error."""
 
-    job: Claimed
+    job: ClaimedItem
     completion: Completion | None = None
     error: BatchyardError | None = None
 
 
 @dataclass
 class ItemQueue:
-    """The market's items (``LeaseQueue[str, Claimed, ItemEnd]``); ``chosen``: this pass's."""
+    """Deferred batch items (``LeaseQueue[str, ClaimedItem, ItemEnd]``); ``chosen``: this pass's."""
 
     owner: str
     sealer: Sealer
@@ -90,8 +96,8 @@ class ItemQueue:
 
     def claim(
         self, conn: Connection, want: int, now: datetime, until: datetime
-    ) -> list[Claim[str, Claimed]]:
-        taken: list[Claim[str, Claimed]] = []
+    ) -> list[Claim[str, ClaimedItem]]:
+        taken: list[Claim[str, ClaimedItem]] = []
         while self.chosen and len(taken) < want:
             cand, offer = self.chosen.pop(0)
             got = self._claim_one(conn, cand, offer, now, until)
@@ -106,7 +112,7 @@ class ItemQueue:
         chosen: RouteOffer,
         now: datetime,
         until: datetime,
-    ) -> Claimed | None:
+    ) -> ClaimedItem | None:
         """Lock a chosen item, recheck it, reserve its most, and lease it; None: not now."""
         report = self.report
         route = self.catalog.routes[chosen.route]
@@ -167,9 +173,10 @@ class ItemQueue:
                 "reservation_id": res.id,
             },
         )
-        return Claimed(
+        return ClaimedItem(
             item=item,
-            # The stored body is a chat body (seed 003's subset), sent as the door sends one.
+            # The stored body is a chat body (the subset docs/reference/batches.md takes),
+            # sent as the door sends one.
             request=chat_request(
                 ChatRequest.model_validate({"model": item.model, **stored}),
                 model=engine_name(item.model, route),

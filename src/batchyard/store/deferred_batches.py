@@ -1,6 +1,6 @@
 """Deferred batches and their items: the queries the door and the worker need.
 
-The tables and item states are ``store.batch_tables``. Item states:
+The tables and item states are ``store.deferred_batch_tables``. Item states:
 ``waiting → dispatched → succeeded | failed``; ``waiting → expired |
 canceled``; ``dispatched`` whose lease lapsed ``→ uncertain`` if its call was
 sent (``sent_at``, written just before the engine call), or back ``→ waiting``
@@ -22,11 +22,17 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from batchyard.core.leases import Lease
 from batchyard.store import leases
-from batchyard.store.batch_tables import ACTIVE, ITEM_STATES, TERMINAL, batch_items, batches
+from batchyard.store.deferred_batch_tables import (
+    ACTIVE,
+    ITEM_STATES,
+    TERMINAL,
+    batch_items,
+    batches,
+)
 from batchyard.store.tables import api_keys, organisations
 
 __all__ = [
-    "BatchRow",
+    "DeferredBatchRow",
     "ItemRow",
     "NewItem",
     "cancel_batch",
@@ -56,7 +62,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class BatchRow:
+class DeferredBatchRow:
     id: str
     org_id: str
     key_id: str
@@ -116,9 +122,9 @@ class ItemRow:
 _ITEM_COLUMNS = [batch_items.c[f.name] for f in fields(ItemRow)]
 
 
-def _batch(row: Any) -> BatchRow:
-    values = {f.name: row._mapping[f.name] for f in fields(BatchRow)}
-    return BatchRow(**{**values, "min_discount": Decimal(values["min_discount"])})
+def _batch(row: Any) -> DeferredBatchRow:
+    values = {f.name: row._mapping[f.name] for f in fields(DeferredBatchRow)}
+    return DeferredBatchRow(**{**values, "min_discount": Decimal(values["min_discount"])})
 
 
 def _item(row: Any) -> ItemRow:
@@ -204,7 +210,7 @@ def create_batch(
 
 def get_batch(
     conn: Connection, org_id: str, batch_id: str, *, key_id: str | None = None
-) -> BatchRow | None:
+) -> DeferredBatchRow | None:
     """The batch if ``org_id`` owns it (and ``key_id`` submitted it, when given); else None."""
     q = select(batches).where(batches.c.id == batch_id, batches.c.org_id == org_id)
     if key_id is not None:
@@ -220,7 +226,7 @@ def list_batches(
     after: str | None = None,
     limit: int = 20,
     key_id: str | None = None,
-) -> list[BatchRow]:
+) -> list[DeferredBatchRow]:
     """Newest first; ``after`` is the last ID of the previous page; ``key_id``: its own only."""
     q = select(batches).where(batches.c.org_id == org_id)
     if key_id is not None:

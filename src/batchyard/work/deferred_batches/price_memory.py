@@ -1,4 +1,4 @@
-"""The market worker's memory of prices, for a policy that learns from them.
+"""The deferred-batch worker's memory of prices, for a policy that learns from them.
 
 ``DeadlineAware`` builds its scenarios from each route's past week. Kept only
 in the worker, that week would be lost at every deploy and the policy would
@@ -17,15 +17,15 @@ from batchyard.core.route_history import slot_index
 from batchyard.store import market_history
 from batchyard.store.database import Database
 
-__all__ = ["MarketMemory"]
+__all__ = ["PriceMemory"]
 
-log = logging.getLogger("batchyard.market")
+log = logging.getLogger("batchyard.deferred_batches")
 
 #: Prune old slots once in this many slots (an hour), not on every pass.
 _PRUNE_EVERY = 240
 
 
-class MarketMemory:
+class PriceMemory:
     """Saves and restores one worker's policy history."""
 
     def __init__(self, db: Database, clock: Clock, policy: Policy) -> None:

@@ -6,7 +6,7 @@ until the batch's results are purged. Everything else (custom IDs, statuses,
 token counts, reservation IDs) is metadata and stays, so a purged batch still
 answers "what happened and what did it cost".
 
-The queries over these tables are ``store.batches``; importing that module
+The queries over these tables are ``store.deferred_batches``; importing that module
 registers these tables on the shared metadata too.
 """
 

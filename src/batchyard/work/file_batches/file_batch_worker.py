@@ -54,11 +54,11 @@ from batchyard.store import accounts, billing, webhook_deliveries
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.database import Database
-from batchyard.work.batches.prices import MarketPrices
-from batchyard.work.batches.sealing import BatchKey
+from batchyard.work.batch_key import BatchKey
 from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.file_batches import lines
 from batchyard.work.file_batches.line_queue import Line, LineQueue
+from batchyard.work.market_prices import MarketPrices
 from batchyard.work.runner import Answered, Ended, Failed, NotSent, Runner, recover_lapsed
 
 __all__ = ["FileBatchSettings", "FileBatchWorker"]
@@ -315,14 +315,14 @@ class FileBatchWorker(Runner):
 
     # -- executing -------------------------------------------------------------------------
 
-    def _plan(self, batch: store.BatchRow, model: str) -> lines.Plan | None:
+    def _plan(self, batch: store.BatchRow, model: str) -> lines.LinePlan | None:
         """Where a line of ``model`` goes now (None while no route meets the batch's discount)."""
         min_discount = Decimal(batch.min_discount) if batch.min_discount else None
         return lines.plan_for(self.catalog, self.prices, model, min_discount, self.clock.now())
 
     async def _call(
         self, batch: store.BatchRow, sealer: Sealer, line: Line, on_send: OnSend
-    ) -> lines.Answer:
+    ) -> lines.LineAnswer:
         if line.plan is None:  # the market moved: back to waiting, never sent
             raise NotSent("no route meets the batch's discount now", stop=True)
         return await lines.call(
@@ -340,8 +340,8 @@ class FileBatchWorker(Runner):
         batch: store.BatchRow,
         sealer: Sealer,
         line: Line,
-        attempt: Answered[lines.Answer] | Failed,
-    ) -> store.Ended:
+        attempt: Answered[lines.LineAnswer] | Failed,
+    ) -> store.LineEnd:
         assert line.plan is not None  # a line without a route is never called
         return lines.result(sealer, batch.id, line.claimed, line.plan, attempt, self.clock.now())
 

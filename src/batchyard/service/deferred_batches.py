@@ -3,8 +3,8 @@
 The API (``api.batches``) and the workspace (``web``) call these same
 functions, so the workspace cannot queue, cancel or show anything the API
 would not: one submission rate, one pending limit, one way of sealing bodies
-and one view of a batch. Execution is the market worker's
-(``work.batches.worker``).
+and one view of a batch. Execution is the deferred-batch worker's
+(``work.deferred_batches.deferred_batch_worker``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from batchyard.errors import InvalidState, NotFound, PendingLimitExceeded, RateL
 from batchyard.service.batch_requests import WINDOWS, Submission
 from batchyard.service.batch_views import counts_of, number, ts
 from batchyard.service.deployment import Service
-from batchyard.store import batches as store
-from batchyard.work.batches.housekeeping import RESULTS_KEPT
-from batchyard.work.batches.sealing import result_aad
+from batchyard.store import deferred_batches as store
+from batchyard.work.batch_key import result_aad
+from batchyard.work.deferred_batches.housekeeping import RESULTS_KEPT
 
 __all__ = [
     "MAX_PENDING",
@@ -39,16 +39,16 @@ __all__ = [
     "view_of",
 ]
 
-log = logging.getLogger("batchyard.api.batches")
+log = logging.getLogger("batchyard.deferred_batches")
 
 MAX_PENDING = 200
 SUBMISSIONS_PER_MINUTE = 10
 
 
 def view_of(
-    batch: store.BatchRow, per: dict[str, int], items: list[store.ItemRow] | None
+    batch: store.DeferredBatchRow, per: dict[str, int], items: list[store.ItemRow] | None
 ) -> dict[str, Any]:
-    """The seed's batch as the one object both dialects share (``service.batch_views``)."""
+    """A deferred batch as the one object both dialects share (``service.batch_views``)."""
     ended = batch.completed_at
     view: dict[str, Any] = {
         "id": batch.id,

@@ -1,19 +1,19 @@
-"""The market worker: dispatch waiting items when a route meets their discount.
+"""The deferred-batch worker: dispatch waiting items when a route meets their discount.
 
 Each pass, in order:
 
 1. *Recover.* A dispatched item whose lease lapsed becomes ``uncertain``,
    its reservation still held, if its call was sent; nothing is retried or
    released. One that was never sent goes back to waiting and its hold is
-   released (``work.batches.housekeeping``).
+   released (``work.deferred_batches.housekeeping``).
 2. *Housekeep.* Overdue waiting items expire, those of revoked keys are
    canceled, and results of batches completed 24 hours ago are purged.
 3. *Choose.* For each waiting item (most urgent first), the policy picks a
    route among those that qualify on fresh prices, or says wait.
    A policy that learns from the market has what it saw saved
-   (``work.batches.memory``), and restored when a worker starts.
+   (``work.deferred_batches.price_memory``), and restored when a worker starts.
 4. *Claim.* The chosen items go through the runner's claim pipeline
-   (``work.runner``) over an ``ItemQueue`` (``work.batches.item_queue``):
+   (``work.runner``) over an ``ItemQueue`` (``work.deferred_batches.item_queue``):
    each is locked, its deadline, submitting key and price rechecked, the
    most its call can cost on that route reserved, and the item marked
    ``dispatched`` with its reservation and a lease, all before the engine is
@@ -24,7 +24,7 @@ Each pass, in order:
    are renewed while the calls run. The result is settled to real usage at
    the route's offered price in one transaction with the item's result and
    its activity record; a failure is released and recorded, and never
-   retried (``work.batches.results``).
+   retried (``work.deferred_batches.results``).
 
 A crash mid-call leaves the item ``dispatched``; the lease lapses and the
 next pass of any worker makes it ``uncertain`` (sent) or waiting again (not
@@ -32,7 +32,7 @@ sent). A graceful stop (``drain``) claims nothing more and sends nothing
 more: items still waiting for their turn go back to waiting at once, calls
 in flight may finish until the grace period ends, and only those cut off
 then become ``uncertain``. Without a batch encryption key
-(``work.batches.sealing``) the worker does nothing and the door answers 503.
+(``work.batch_key``) the worker does nothing and the door answers 503.
 """
 
 from __future__ import annotations
@@ -47,27 +47,27 @@ from batchyard.core.clock import Clock
 from batchyard.core.market import Item, LearningPolicy, Policy, RouteOffer, qualifies
 from batchyard.core.sealing import Sealer
 from batchyard.core.tiers import Tier
-from batchyard.engines.base import Completion
-from batchyard.store import batches as store
+from batchyard.engines.protocol import Completion
+from batchyard.store import deferred_batches as store
 from batchyard.store.database import Database
-from batchyard.work.batches import housekeeping
-from batchyard.work.batches.feed import PriceFeed
-from batchyard.work.batches.item_queue import ItemEnd, ItemQueue, PassReport
-from batchyard.work.batches.memory import MarketMemory
-from batchyard.work.batches.prices import MarketPrices
-from batchyard.work.batches.results import Claimed
-from batchyard.work.batches.sealing import BatchKey
+from batchyard.work.batch_key import BatchKey
+from batchyard.work.deferred_batches import housekeeping
+from batchyard.work.deferred_batches.item_queue import ItemEnd, ItemQueue, PassReport
+from batchyard.work.deferred_batches.price_memory import PriceMemory
+from batchyard.work.deferred_batches.results import ClaimedItem
 from batchyard.work.dispatcher import Dispatcher, OnSend
+from batchyard.work.market_prices import MarketPrices
+from batchyard.work.price_feed import PriceFeed
 from batchyard.work.runner import Answered, Failed, Runner, recover_lapsed
 
-__all__ = ["MarketSettings", "MarketWorker", "PassReport"]
+__all__ = ["DeferredBatchSettings", "DeferredBatchWorker", "PassReport"]
 
-log = logging.getLogger("batchyard.market")
+log = logging.getLogger("batchyard.deferred_batches")
 
 
 @dataclass(frozen=True, slots=True)
-class MarketSettings:
-    """How often and how much the worker does: seed 003's numbers by default."""
+class DeferredBatchSettings:
+    """How often and how much the worker does: by default, docs/reference/batches.md's numbers."""
 
     #: Seconds between idle passes ("checks the market about every 15 seconds").
     interval_s: float = 15.0
@@ -83,7 +83,7 @@ class MarketSettings:
     flush_s: float = 0.25
 
 
-class MarketWorker(Runner):
+class DeferredBatchWorker(Runner):
     """Passes over the waiting items of every organisation; see the module docstring.
 
     Several workers, in one process or many, may share a database: a claim
@@ -103,10 +103,10 @@ class MarketWorker(Runner):
         prices: MarketPrices,
         policy: Policy,
         feed: PriceFeed | None = None,
-        settings: MarketSettings | None = None,
+        settings: DeferredBatchSettings | None = None,
         owner: str | None = None,
     ) -> None:
-        self.settings = settings or MarketSettings()
+        self.settings = settings or DeferredBatchSettings()
         # The market is checked on the clock ("about every 15 seconds"), not polled.
         super().__init__(
             name="deferred", clock=clock, poll_s=self.settings.interval_s, owner=owner, timed=True
@@ -123,7 +123,7 @@ class MarketWorker(Runner):
         self.feed = feed
         self.per_pass = self.settings.per_pass
         self.scan_limit = self.settings.scan_limit
-        self.memory = MarketMemory(db, clock, policy)
+        self.memory = PriceMemory(db, clock, policy)
         self.pipeline = self.new_pipeline(
             db, dispatcher.metrics, lease_s=self.settings.lease_s, flush_s=self.settings.flush_s
         )
@@ -207,9 +207,9 @@ class MarketWorker(Runner):
             (report.dispatched, report.expired, report.canceled, report.uncertain, report.returned)
         ):
             log.info(
-                "market pass",
+                "deferred-batch pass",
                 extra={
-                    "event": "market_pass",
+                    "event": "deferred_batch_pass",
                     "dispatched": report.dispatched,
                     "succeeded": report.succeeded,
                     "failed": report.failed,
@@ -221,7 +221,7 @@ class MarketWorker(Runner):
             )
         return report
 
-    async def _call(self, job: Claimed, on_send: OnSend) -> Completion:
+    async def _call(self, job: ClaimedItem, on_send: OnSend) -> Completion:
         return await self.dispatcher.call(
             route=job.route,
             request=job.request,
@@ -230,7 +230,7 @@ class MarketWorker(Runner):
         )
 
     @staticmethod
-    def _end(job: Claimed, attempt: Answered[Completion] | Failed) -> ItemEnd:
+    def _end(job: ClaimedItem, attempt: Answered[Completion] | Failed) -> ItemEnd:
         if isinstance(attempt, Failed):
             return ItemEnd(job, error=attempt.error)
         return ItemEnd(job, completion=attempt.value)

@@ -1,6 +1,6 @@
 """The operator's price feed: a JSON file or HTTP(S) URL polled into the ``PriceBook``.
 
-The feed is I/O at the edge of the market worker; what a feed *means* (which
+The feed is I/O at the edge of the deferred-batch worker; what a feed *means* (which
 points are valid, when a price is fresh) is ``core.prices``. A feed that turns
 bad (unreadable, malformed, a negative price) changes nothing: the last good
 points stay in the book and stop authorising anything once they are stale.
@@ -21,7 +21,7 @@ from batchyard.core.prices import MAX_FEED_BYTES, FeedError, PriceBook, parse_fe
 
 __all__ = ["PriceFeed"]
 
-log = logging.getLogger("batchyard.market.feed")
+log = logging.getLogger("batchyard.price_feed")
 
 
 class PriceFeed:

@@ -18,7 +18,7 @@ from typing import Any
 
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.tokens import message_text
-from batchyard.engines.base import (
+from batchyard.engines.protocol import (
     Choice,
     Completion,
     CompletionRequest,
@@ -30,7 +30,7 @@ from batchyard.engines.base import (
 
 __all__ = ["ScoreCall", "ScriptedEngine", "word_count"]
 
-Answer = str | Callable[[CompletionRequest], str]
+Script = str | Callable[[CompletionRequest], str]
 Scorer = Callable[[str, list[dict[str, Any]], list[str]], list[float]]
 
 
@@ -72,7 +72,7 @@ class ScriptedEngine:
 
     def __init__(
         self,
-        answer: Answer = "ok",
+        answer: Script = "ok",
         *,
         name: str = "scripted",
         failures: Iterable[BaseException | None] = (),

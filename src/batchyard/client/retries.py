@@ -29,11 +29,11 @@ __all__ = [
     "REPLAYED",
     "USER_AGENT",
     "Call",
+    "ClientSettings",
     "ConnectionFailed",
     "ReadTimedOut",
     "RetryPolicy",
     "RetryStep",
-    "Settings",
     "connection_failed",
     "decode",
     "error_from_response",
@@ -97,7 +97,7 @@ class Call:
 
 
 @dataclass
-class Settings:
+class ClientSettings:
     """Where to send requests and as whom; the key never appears in ``repr``."""
 
     base_url: str
@@ -105,7 +105,9 @@ class Settings:
     timeout: float = DEFAULT_TIMEOUT_S
 
     @classmethod
-    def resolve(cls, base_url: str | None, api_key: str | None, timeout: float | None) -> Settings:
+    def resolve(
+        cls, base_url: str | None, api_key: str | None, timeout: float | None
+    ) -> ClientSettings:
         url = base_url or os.environ.get("BATCHYARD_BASE_URL") or DEFAULT_BASE_URL
         key = api_key if api_key is not None else os.environ.get("BATCHYARD_API_KEY")
         if timeout is None and os.environ.get("BATCHYARD_TIMEOUT"):
@@ -266,7 +268,7 @@ def connection_failed(exc: httpx.TransportError, base_url: str) -> ConnectionFai
     return ConnectionFailed(f"could not talk to {base_url}: {type(exc).__name__}: {exc}")
 
 
-def request_kwargs(settings: Settings, call: Call) -> dict[str, Any]:
+def request_kwargs(settings: ClientSettings, call: Call) -> dict[str, Any]:
     """Arguments for ``httpx.(Async)Client.request`` shared by both clients."""
     kwargs: dict[str, Any] = {
         "headers": settings.headers(call),

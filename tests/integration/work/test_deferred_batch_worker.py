@@ -1,4 +1,4 @@
-"""The market worker walks every item state, on a scripted market and a manual clock."""
+"""The deferred-batch worker walks every item state, on a scripted market and a manual clock."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from decimal import Decimal
 
 import pytest
 
-from batchyard.app import market_worker
+from batchyard.app import deferred_batch_worker
 from batchyard.core.market import DeadlineAware, FirstEligible, RouteOffer
 from batchyard.core.prices import Price
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import UpstreamError
 from batchyard.store import accounts, ledger
 from batchyard.store.activity import list_activity
 from tests.support.accounts import make_account
-from tests.support.batches import (
+from tests.support.deferred_batches import (
     BlockingEngine,
     all_items,
     batch_body,
@@ -177,7 +177,9 @@ async def test_the_key_is_rechecked_just_before_dispatch(market, clock):
     acct = make_account(svc)
     bid = await _submit(svc, acct, batch_body(1))
     set_price(svc, "spot", *CHEAP)
-    w = market_worker(svc, policy=RevokeWhileChoosing(svc, acct.key_id), book=worker(svc).book)
+    w = deferred_batch_worker(
+        svc, policy=RevokeWhileChoosing(svc, acct.key_id), book=worker(svc).book
+    )
     report = await w.run_pass()
     assert report.dispatched == 0 and report.canceled == 1 and engine.calls == []
     assert statuses(svc, bid) == ["canceled"]
@@ -230,7 +232,7 @@ async def test_cancel_stops_waiting_items_while_claimed_work_finishes(market, cl
     engine = BlockingEngine("late answer")
     svc.engines.set("spot", engine)
     acct = make_account(svc)
-    w = market_worker(svc, per_pass=1, book=worker(svc).book)
+    w = deferred_batch_worker(svc, per_pass=1, book=worker(svc).book)
     async with asgi_client(svc, worker=False) as http:
         bid = (await submit(http, acct.headers, batch_body(3))).json()["id"]
         set_price(svc, "spot", *CHEAP)
@@ -336,11 +338,11 @@ async def test_the_worker_follows_the_policy_but_never_past_the_rule(market, clo
     set_price(svc, "spot", *CHEAP)
     set_price(svc, "nocaps", "0", "0")
     book = worker(svc).book
-    assert (await market_worker(svc, policy=Waits(), book=book).run_pass()).dispatched == 0
-    assert (await market_worker(svc, policy=Rogue(), book=book).run_pass()).dispatched == 0
+    assert (await deferred_batch_worker(svc, policy=Waits(), book=book).run_pass()).dispatched == 0
+    assert (await deferred_batch_worker(svc, policy=Rogue(), book=book).run_pass()).dispatched == 0
     assert statuses(svc, bid) == ["waiting"] and engine.calls == []
     assert balance(svc, acct).held == 0
-    assert (await market_worker(svc, book=book).run_pass()).succeeded == 1
+    assert (await deferred_batch_worker(svc, book=book).run_pass()).succeeded == 1
 
 
 @pytest.mark.postgres
@@ -358,7 +360,7 @@ async def test_on_postgres_with_a_configured_key(make_service):
     set_price(svc, "spot", *CHEAP)
     # Two workers on one database: each item is claimed once.
     book = worker(svc).book
-    a, b = market_worker(svc, book=book), market_worker(svc, book=book)
+    a, b = deferred_batch_worker(svc, book=book), deferred_batch_worker(svc, book=book)
     ra, rb = await asyncio.gather(a.run_pass(), b.run_pass())
     assert ra.dispatched + rb.dispatched == 3
     assert statuses(svc, bid) == ["succeeded"] * 3
@@ -382,7 +384,7 @@ def test_offers_carry_fallbacks_and_survive_cycles(market, clock):
 
 async def test_a_body_sealed_under_another_key_fails_once_instead_of_every_pass(market, clock):
     from batchyard.core.sealing import Sealer, generate_key
-    from batchyard.work.batches.sealing import BatchKey
+    from batchyard.work.batch_key import BatchKey
 
     svc = market(feed_route("spot"))
     engine = ScriptedEngine("x", clock=clock)
@@ -390,7 +392,7 @@ async def test_a_body_sealed_under_another_key_fails_once_instead_of_every_pass(
     acct = make_account(svc)
     bid = await _submit(svc, acct, batch_body(1))
     set_price(svc, "spot", *CHEAP)
-    w = market_worker(svc, book=worker(svc).book)
+    w = deferred_batch_worker(svc, book=worker(svc).book)
     w.key = BatchKey(Sealer(generate_key()))  # the operator swapped the key
     report = await w.run_pass()
     assert report.failed == 1 and engine.calls == []
@@ -406,18 +408,18 @@ async def test_a_restarted_worker_restores_the_market_history_it_learns_from(mar
     svc.engines.set("spot", ScriptedEngine("x", clock=clock))
     set_price(svc, "spot", *HALF)
     book = worker(svc).book
-    first = market_worker(svc, policy=DeadlineAware(), book=book)
+    first = deferred_batch_worker(svc, policy=DeadlineAware(), book=book)
     for _ in range(3):  # quiet passes: the market is watched and saved all the same
         await first.run_pass()
         clock.advance(120)
     stored = svc.db.read_sync(lambda c: load_history(c, 0))
     assert [len(bins) for bins in stored.values()] == [3]
     assert all(best == pytest.approx(50.0) for _, best in next(iter(stored.values())))
-    again = market_worker(svc, policy=DeadlineAware(), book=book)
+    again = deferred_batch_worker(svc, policy=DeadlineAware(), book=book)
     assert await again.memory.restore() == 3
     assert again.policy.saved() == first.policy.saved()  # type: ignore[attr-defined]
     # A policy that learns nothing is left alone.
-    assert await market_worker(svc, book=book).memory.restore() == 0
+    assert await deferred_batch_worker(svc, book=book).memory.restore() == 0
 
 
 async def test_a_history_that_cannot_be_saved_does_not_stop_dispatch(market, clock, monkeypatch):
@@ -433,5 +435,5 @@ async def test_a_history_that_cannot_be_saved_does_not_stop_dispatch(market, clo
     bid = await _submit(svc, acct, batch_body(1))
     set_price(svc, "spot", *CHEAP)
     book = worker(svc).book
-    report = await market_worker(svc, policy=DeadlineAware(), book=book).run_pass()
+    report = await deferred_batch_worker(svc, policy=DeadlineAware(), book=book).run_pass()
     assert report.succeeded == 1 and statuses(svc, bid) == ["succeeded"]

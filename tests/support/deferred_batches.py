@@ -19,12 +19,12 @@ import httpx
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.clock import ManualClock
 from batchyard.core.prices import Price, PricePoint
-from batchyard.engines.base import Completion, CompletionRequest
-from batchyard.engines.memory import ScriptedEngine
+from batchyard.engines.protocol import Completion, CompletionRequest
+from batchyard.engines.scripted import ScriptedEngine
 from batchyard.service import Service
-from batchyard.store import batches as bstore
-from batchyard.store.batch_tables import batch_items
-from batchyard.work.batches.worker import MarketWorker
+from batchyard.store import deferred_batches as bstore
+from batchyard.store.deferred_batch_tables import batch_items
+from batchyard.work.deferred_batches.deferred_batch_worker import DeferredBatchWorker
 from tests.support.services import ServiceFactory
 
 CORE = ModelSpec(
@@ -125,13 +125,13 @@ def all_items(service: Service) -> list[Any]:
 
 
 def set_price(service: Service, route: str, inp: str, out: str) -> None:
-    service.market.book.update(
+    service.deferred_batches.book.update(
         [PricePoint(route, Price(Decimal(inp), Decimal(out)), service.clock.now())]
     )
 
 
-def worker(service: Service) -> MarketWorker:
-    return service.market
+def worker(service: Service) -> DeferredBatchWorker:
+    return service.deferred_batches
 
 
 class BlockingEngine:

@@ -1,7 +1,7 @@
 """The end of a dispatched batch item: money settled or released, and the result sealed.
 
 Each outcome is written in one transaction (the runner's, see
-``work.batches.item_queue``): the reservation is settled to real usage at
+``work.deferred_batches.item_queue``): the reservation is settled to real usage at
 the route's offered price (or released on failure) with its activity record
 (``store.billing``), and the item ends with its sealed result. A failure's
 result has a success's shape (``status_code`` and ``body``) with the error
@@ -28,20 +28,20 @@ from batchyard.core.leases import Lease
 from batchyard.core.money import charge_ticks, format_money
 from batchyard.core.prices import Price
 from batchyard.core.sealing import Sealer
-from batchyard.engines.base import Completion, CompletionRequest
+from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.errors import BatchyardError
-from batchyard.store import batches as store
 from batchyard.store import billing
-from batchyard.work.batches.sealing import result_aad
+from batchyard.store import deferred_batches as store
+from batchyard.work.batch_key import result_aad
 from batchyard.work.openai_wire import Reply
 
-__all__ = ["Claimed", "fail", "finish_failed", "item_detail", "succeed"]
+__all__ = ["ClaimedItem", "fail", "finish_failed", "item_detail", "succeed"]
 
-log = logging.getLogger("batchyard.market")
+log = logging.getLogger("batchyard.deferred_batches")
 
 
 @dataclass(frozen=True, slots=True)
-class Claimed:
+class ClaimedItem:
     """An item the worker dispatched: what to call, where, at what price, under which hold."""
 
     item: store.ItemRow
@@ -49,7 +49,7 @@ class Claimed:
     route: RouteSpec
     price: Price
     reservation_id: str
-    #: This dispatch's lease (``store.batches.mark_dispatched``): every write names it.
+    #: This dispatch's lease (``store.deferred_batches.mark_dispatched``): every write names it.
     lease: Lease
 
 
@@ -82,7 +82,7 @@ def finish_failed(
     )
 
 
-def _still_ours(conn: Connection, job: Claimed) -> bool:
+def _still_ours(conn: Connection, job: ClaimedItem) -> bool:
     """Whether the item is still under this dispatch (its hold and its claim's fencing token).
 
     Checked (and the row locked) before any money moves: a worker whose claim was
@@ -94,7 +94,7 @@ def _still_ours(conn: Connection, job: Claimed) -> bool:
 
 
 def succeed(
-    conn: Connection, sealer: Sealer, job: Claimed, completion: Completion, now: datetime
+    conn: Connection, sealer: Sealer, job: ClaimedItem, completion: Completion, now: datetime
 ) -> int:
     """Settle the hold to real usage and keep the sealed completion; the ticks this posted."""
     item = job.item
@@ -140,7 +140,7 @@ def succeed(
 
 
 def fail(
-    conn: Connection, sealer: Sealer, job: Claimed, exc: BatchyardError, now: datetime
+    conn: Connection, sealer: Sealer, job: ClaimedItem, exc: BatchyardError, now: datetime
 ) -> None:
     """Release the hold and keep the sealed error as the item's result; never retried."""
     item = job.item
@@ -170,7 +170,7 @@ def fail(
 
 
 def _completion_body(
-    job: Claimed, completion: Completion, charged: int, now: datetime
+    job: ClaimedItem, completion: Completion, charged: int, now: datetime
 ) -> dict[str, Any]:
     """The chat completion a batch result carries, with what it cost and on which route."""
     reply = Reply(new_id("chatcmpl", now), int(now.timestamp()), job.item.model)

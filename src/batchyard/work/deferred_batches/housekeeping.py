@@ -1,6 +1,6 @@
-"""Recovery and housekeeping of deferred batch items, run at the top of every market pass.
+"""Recovery and housekeeping of deferred batch items, run at the top of every deferred-batch pass.
 
-*Recovery* (the runner's, through ``work.batches.item_queue``): a dispatched
+*Recovery* (the runner's, through ``work.deferred_batches.item_queue``): a dispatched
 item whose lease lapsed belonged to a worker that
 stopped. If its call was sent (``sent_at``, written just before the engine
 call), whether it ran is unknown, so it becomes ``uncertain`` and is never
@@ -27,9 +27,9 @@ from sqlalchemy import Connection
 
 from batchyard.core.clock import Clock
 from batchyard.store import activity, billing, idempotency
-from batchyard.store import batches as store
+from batchyard.store import deferred_batches as store
 from batchyard.store.database import Database
-from batchyard.work.batches.results import item_detail
+from batchyard.work.deferred_batches.results import item_detail
 
 __all__ = [
     "RESULTS_KEPT",
@@ -40,7 +40,7 @@ __all__ = [
     "unwind_unsent",
 ]
 
-log = logging.getLogger("batchyard.market")
+log = logging.getLogger("batchyard.deferred_batches")
 
 #: Results are kept this long after their batch completes, then purged.
 RESULTS_KEPT = timedelta(hours=24)
