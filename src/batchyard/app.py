@@ -2,7 +2,8 @@
 
 ``build_service`` turns settings into a ``Service``: the store, the limiter
 the settings ask for, the engines, the dispatcher, the batch encryption key
-and the four background workers, each handed only the parts it uses.
+and the background workers (the webhook sender among them), each handed only
+the parts it uses.
 ``create_app`` mounts the API's routers and the workspace's pages over that
 service, with ``/healthz`` (the process is up) and ``/readyz`` (it can serve:
 each of ``READINESS`` passes). The CLI (``serve``, ``worker``), the tests and
@@ -30,7 +31,8 @@ from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook
 from batchyard.core.runs import RunSettings
-from batchyard.core.telemetry import MeteredLimiter
+from batchyard.core.telemetry import MeteredLimiter, Recorder
+from batchyard.core.webhook_rules import WebhookSettings
 from batchyard.engines.protocol import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.errors import StorageUnavailable
@@ -58,6 +60,7 @@ from batchyard.work.price_feed import PriceFeed
 from batchyard.work.runner import Periodic
 from batchyard.work.runs.run_worker import RunWorker
 from batchyard.work.warmth import SWEEP_EVERY_S, Warmth
+from batchyard.work.webhook_sender import WebhookSender
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -160,6 +163,7 @@ def build_service(
     file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, deferred_batches.prices)
     warmth = Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s)
     holds = HoldSweeper(db=db, clock=clock)
+    webhooks = webhook_sender_of(settings, db, clock, metrics)
     # Versions uploaded into projects (mv.…) are found in the store on first use,
     # and checked against it on each use (a delete through any process counts).
     settings.catalog.fetch_with(
@@ -181,11 +185,13 @@ def build_service(
         warmth=warmth,
         file_batches=file_batches,
         holds=holds,
+        webhooks=webhooks,
         metrics=metrics,
         workers=[
             deferred_batches,
             runs,  # batch inference runs
             file_batches,  # OpenAI file batches (and Anthropic's Message Batches on them)
+            webhooks,  # the webhook outbox: batches' ends told to their owners' endpoints
             Periodic("warmth", clock, SWEEP_EVERY_S, warmth.sweep, close=warmth.aclose),
             Periodic("holds", clock, holds.interval_s, holds.sweep),
         ],
@@ -336,6 +342,26 @@ def _file_batch_worker(
     )
 
 
+def webhook_sender_of(
+    s: Settings, db: Database, clock: Clock, metrics: Recorder, *, owner: str | None = None
+) -> WebhookSender:
+    """The webhook outbox's sender, with the ``webhooks:`` settings (another one in tests)."""
+    return WebhookSender(
+        db=db,
+        clock=clock,
+        metrics=metrics,
+        settings=WebhookSettings.from_raw(s.raw.get("webhooks")),
+        owner=owner,
+    )
+
+
+def webhook_sender(service: Service, *, owner: str | None = None) -> WebhookSender:
+    """Another webhook sender over ``service``'s parts (a second process, in tests)."""
+    return webhook_sender_of(
+        service.settings, service.db, service.clock, service.metrics, owner=owner
+    )
+
+
 def _deferred_batch_worker(
     s: Settings,
     db: Database,
@@ -475,6 +501,7 @@ def create_app(
         projects,
         runs,
         scrape,
+        webhooks,
     )
     from batchyard.api.envelope import EnvelopeMiddleware
     from batchyard.api.errors import install_error_handlers
@@ -546,6 +573,7 @@ def create_app(
     app.include_router(projects.router)
     app.include_router(runs.router)
     app.include_router(scrape.router)  # /metrics
+    app.include_router(webhooks.router)  # /v1/webhook-endpoints
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
     app.include_router(file_pages.router)  # ... and its file batches
     install_openapi(app)

@@ -24,6 +24,7 @@ __all__ = [
     "ProjectBody",
     "RowPatchBody",
     "RunBody",
+    "WebhookEndpointBody",
 ]
 
 
@@ -125,3 +126,14 @@ class RunBody(Shape):
     input: RunInput | None = None
     sampling: RunSampling | None = None
     filter: dict[str, Any] | None = None
+
+
+# -- webhook endpoints ---------------------------------------------------------------
+
+
+class WebhookEndpointBody(Shape):
+    """``POST /v1/webhook-endpoints``: where to send which events."""
+
+    url: str
+    events: list[str] | None = None
+    description: str | None = None

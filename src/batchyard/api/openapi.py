@@ -33,6 +33,7 @@ from batchyard.api.bodies import (
     ProjectBody,
     RowPatchBody,
     RunBody,
+    WebhookEndpointBody,
 )
 from batchyard.core.anthropic_bodies import CountTokensRequest, MessagesRequest
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
@@ -481,6 +482,7 @@ def _anthropic_errors(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
 _REQUIRED_TOO: dict[str, tuple[str, ...]] = {
     "DecideBody": ("decisions",),
     "BatchBody": ("min_discount",),
+    "WebhookEndpointBody": ("events",),
 }
 
 
@@ -512,6 +514,61 @@ def _model_version_operations() -> dict[tuple[str, str], Operation]:
 
 
 OPERATIONS.update(_model_version_operations())
+
+
+class WebhookEndpoint(BaseModel):
+    """A webhook endpoint; ``secret`` only in the answers that make one (create, rotate)."""
+
+    id: str
+    object: Literal["webhook_endpoint"]
+    url: str
+    description: str | None
+    events: list[str]
+    created_at: str
+    updated_at: str
+    secret: str | None = None
+
+
+class WebhookEndpointList(BaseModel):
+    object: Literal["list"]
+    data: list[WebhookEndpoint]
+    has_more: bool
+    last_id: str | None
+
+
+class WebhookEndpointDeleted(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint.deleted"]
+    deleted: bool
+
+
+def _webhook_operations() -> dict[tuple[str, str], Operation]:
+    """Webhook endpoints (kept apart so other edits of the table merge)."""
+    path = "/v1/webhook-endpoints"
+    one = path + "/{endpoint_id}"
+    return {
+        ("post", path): Operation(
+            201,
+            WebhookEndpoint,
+            _WRITE,
+            WebhookEndpointBody,
+            summary="Register a webhook endpoint (its secret is in this answer only)",
+        ),
+        ("get", path): Operation(200, WebhookEndpointList, _READ, summary="Webhook endpoints"),
+        ("get", one): Operation(200, WebhookEndpoint, _READ),
+        ("delete", one): Operation(200, WebhookEndpointDeleted, _READ),
+        ("post", one + "/rotate-secret"): Operation(
+            200,
+            WebhookEndpoint,
+            _WRITE,
+            EmptyBody,
+            body_required=False,
+            summary="A new signing secret, in this answer only",
+        ),
+    }
+
+
+OPERATIONS.update(_webhook_operations())
 
 _REASONS = {
     200: "OK",

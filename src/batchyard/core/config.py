@@ -184,6 +184,37 @@ class ModelVersionsSection(BaseModel):
     memory_budget_bytes: PositiveInt | None = None
 
 
+class WebhooksSection(BaseModel):
+    """``webhooks:``: where deliveries may go and how they are retried (``core.webhook_rules``)."""
+
+    model_config = _Section
+
+    #: CIDR blocks a webhook URL may reach besides public addresses (SSRF allow-list).
+    allowed_networks: list[str] | None = None
+    timeout_s: _Seconds | None = None
+    max_attempts: PositiveInt | None = None
+    base_delay_s: _Seconds | None = None
+    max_delay_s: _Seconds | None = None
+    jitter: Annotated[float, Field(ge=0, lt=1)] | None = None
+    concurrency: PositiveInt | None = None
+    lease_s: _Seconds | None = None
+    poll_s: _Seconds | None = None
+    flush_s: _Seconds | None = None
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _networks(cls, value: list[str] | None) -> list[str] | None:
+        from batchyard.core.webhook_rules import parse_networks
+
+        try:
+            parse_networks(value or ())
+        except ValueError as exc:
+            raise ConfigError(
+                "", str(exc), "give CIDR blocks such as 10.0.0.0/8 or 127.0.0.0/8"
+            ) from None
+        return value
+
+
 _DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgres://", "postgresql+psycopg://")
 _LIMITERS = ("memory", "memory://", "sql")
 _LIMITER_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -234,6 +265,7 @@ class SettingsFile(BaseModel):
     file_batches: FileBatchesSection | None = None
     files: FilesSection | None = None
     model_versions: ModelVersionsSection | None = None
+    webhooks: WebhooksSection | None = None
 
     @field_validator("database_url")
     @classmethod
@@ -309,7 +341,7 @@ class SettingsFile(BaseModel):
 _ENV_NAMES = {"embedded_model_path": "BATCHYARD_MODEL_PATH"}
 _ENV_ALIASES = {"embedded_slots": ("BATCHYARD_EMBEDDED_CONTEXTS",)}
 _SECTIONS = frozenset(
-    {"models", "routes", "tiers", "runs", "file_batches", "files", "model_versions"}
+    {"models", "routes", "tiers", "runs", "file_batches", "files", "model_versions", "webhooks"}
 )
 
 
@@ -458,7 +490,7 @@ def load_settings(
 def _raw(data: dict[str, Any], model: SettingsFile) -> dict[str, Any]:
     """The file's sections, checked, as the parts that read ``settings.raw`` expect them."""
     raw = dict(data)
-    for name in ("runs", "file_batches", "files", "model_versions"):
+    for name in ("runs", "file_batches", "files", "model_versions", "webhooks"):
         section = getattr(model, name)
         if section is not None:
             raw[name] = section.model_dump(exclude_none=True)

@@ -53,6 +53,8 @@ SESSION = Access("session", frozenset((F, INF)), frozenset((INF,)))
 _PROJECT = "/v1/projects/{project_id}"
 _DATASET = _PROJECT + "/datasets/{dataset_id}"
 _RUNS = _PROJECT + "/batch-inference-runs"
+_HOOKS = "/v1/webhook-endpoints"
+_HOOK = _HOOKS + "/{endpoint_id}"
 
 #: (method, path) -> who may call it. HEAD is looked up as GET.
 ACCESS: dict[tuple[str, str], Access] = {
@@ -116,6 +118,12 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("POST", _RUNS + "/{run_id}/confirm"): _key(F),
     ("POST", _RUNS + "/{run_id}/cancel"): _key(F),
     ("GET", _RUNS + "/{run_id}/failures"): _key(F, R),
+    # webhook endpoints: where the organisation hears that its batches ended (secrets: full)
+    ("POST", _HOOKS): _key(F),
+    ("GET", _HOOKS): _key(F, R),
+    ("GET", _HOOK): _key(F, R),
+    ("DELETE", _HOOK): _key(F),
+    ("POST", _HOOK + "/rotate-secret"): _key(F),
     # the Batches workspace (web/): a session opened with a full or inference key
     ("GET", "/workspace/"): PUBLIC,  # the sign-in form
     ("POST", "/workspace/sign-in"): SESSION,

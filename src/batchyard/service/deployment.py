@@ -4,7 +4,8 @@ A ``Service`` holds what the composition root (``batchyard.app``) built:
 settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
 encryption key, and its background workers as one list (``workers``: each a
 ``work.runner.Worker``; today deferred batches, batch inference runs, file
-batches, and two sweeps: fine-tuned versions going cold, stranded holds),
+batches, the webhook sender, and two sweeps: fine-tuned versions going cold,
+stranded holds),
 with the ones a door wakes also by name. It builds nothing itself, so a test hands
 in a ``ManualClock`` or a scripted engine once, at the root, and every part of
 the system sees the same one; and each worker was given only the parts it
@@ -44,6 +45,7 @@ from batchyard.work.holds import HoldSweeper
 from batchyard.work.runner import Worker
 from batchyard.work.runs.run_worker import RunWorker
 from batchyard.work.warmth import Warmth
+from batchyard.work.webhook_sender import WebhookSender
 
 if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
@@ -72,6 +74,8 @@ class Service:
     warmth: Warmth
     file_batches: FileBatchWorker
     holds: HoldSweeper
+    #: The webhook outbox's sender (``work.webhook_sender``).
+    webhooks: WebhookSender
     #: What the parts count, served at ``/metrics`` (``service.metrics``).
     metrics: PrometheusRecorder
     #: Every background loop, started, drained and stopped alike.

@@ -38,7 +38,7 @@ from batchyard.service.batch_requests import WINDOWS
 from batchyard.service.batch_views import file_batch_view, openai_status
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import ENDPOINTS
-from batchyard.store import billing
+from batchyard.store import billing, webhook_deliveries
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.files import line_aad
@@ -228,6 +228,7 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
                 in_progress_at=None,
             )
             store.create_batch(conn, row)
+            webhook_deliveries.batch_ended(conn, batch_id, now)
             return load_view(conn, principal.org_id, batch_id)
         try:
             res = billing.reserve(
@@ -256,6 +257,7 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
                 row, status="failed", errors=json.dumps([error]), failed_at=now, in_progress_at=None
             )
             store.create_batch(conn, row)
+            webhook_deliveries.batch_ended(conn, batch_id, now)
         else:
             store.create_batch(conn, _replace(row, reservation_id=res.id))
         return load_view(conn, principal.org_id, batch_id)

@@ -34,6 +34,7 @@ PARAMS = {
     "batch_id": new_id("bat", NOW),
     "file_id": new_id("file", NOW),
     "version_id": new_id("mv", NOW),
+    "endpoint_id": new_id("we", NOW),
     "model_id": "kettei-core",
     "row_id": "1",
 }

@@ -26,7 +26,8 @@ def test_every_setting_is_in_the_reference_with_its_variable():
     page = PAGE.read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `([a-z_]+)` \|(.*)$", page, flags=re.M))
     for name in SettingsFile.model_fields:
-        if name in ("models", "routes", "tiers", "runs", "file_batches", "files", "model_versions"):
+        sections = ("models", "routes", "tiers", "runs", "file_batches", "files", "model_versions")
+        if name in (*sections, "webhooks"):
             assert f"## `{name}:`" in page, name
             continue
         assert name in rows, f"{name} is missing from {PAGE.name}"
@@ -92,3 +93,16 @@ def test_the_model_versions_section_is_checked_at_start(tmp_path):
             load_settings(config_file=cfg, database_url="sqlite://")
         assert got.value.field == field, got.value.line()
         assert "\n" not in got.value.line()
+
+
+def test_webhooks_allowed_networks_are_checked_at_start(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("webhooks:\n  allowed_networks: ['127.0.0.0/8', '10.0.0.300/8']\n")
+    with pytest.raises(ConfigError) as got:
+        load_settings(config_file=cfg, database_url="sqlite://")
+    line = got.value.line()
+    assert "webhooks.allowed_networks" in line and "'10.0.0.300/8'" in line
+    assert "\n" not in line
+    cfg.write_text("webhooks:\n  allowed_networks: ['127.0.0.0/8']\n  max_attempts: 3\n")
+    s = load_settings(config_file=cfg, database_url="sqlite://")
+    assert s.raw["webhooks"] == {"allowed_networks": ["127.0.0.0/8"], "max_attempts": 3}

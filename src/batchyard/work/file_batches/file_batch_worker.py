@@ -50,7 +50,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
 from batchyard.core.money import from_ticks
 from batchyard.core.sealing import Sealer
-from batchyard.store import accounts, billing
+from batchyard.store import accounts, billing, webhook_deliveries
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.database import Database
@@ -304,6 +304,8 @@ class FileBatchWorker(Runner):
                 **files,
                 **stamp,
             )
+            # The webhooks of its end, in the transaction that ends it (the outbox).
+            webhook_deliveries.batch_ended(c, batch_id, now)
             return final
 
         final = await asyncio.shield(self.db.transact(tx))

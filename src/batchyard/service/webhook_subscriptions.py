@@ -1,0 +1,213 @@
+"""An organisation's webhook endpoints: registered, listed, shown, deleted, their secret rotated.
+
+What an endpoint may be is checked here, before anything is written: an
+``http(s)`` URL (no credentials in it, no fragment), at least one event and
+only known ones, and a target deliveries may reach. The target rule is
+``core.webhook_rules.address_allowed``: by default only public addresses
+(a URL naming 10.0.0.1, 169.254.169.254 or localhost, or a host name that
+resolves to one, is refused: SSRF), plus the networks the operator allows
+in ``webhooks.allowed_networks``. The host is resolved again at every
+delivery (``work.webhook_sender``), since DNS can change after registration.
+
+The secret (``whsec_...``) is made here and shown once, in the answer to the
+create or the rotation; the store keeps it sealed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from sqlalchemy import Connection
+
+from batchyard.core.accounts import Principal
+from batchyard.core.clock import isoformat
+from batchyard.core.webhook_rules import (
+    EVENTS,
+    WebhookSettings,
+    address_allowed,
+    new_secret,
+    parse_target,
+)
+from batchyard.errors import InvalidRequest, NotFound
+from batchyard.service.deployment import Service
+from batchyard.store import webhook_deliveries, webhook_endpoints
+from batchyard.store.webhook_endpoints import Endpoint
+
+__all__ = [
+    "check_events",
+    "create",
+    "delete",
+    "endpoint_view",
+    "get",
+    "list_page",
+    "rotate",
+    "settings_of",
+]
+
+#: The most endpoints one organisation may have.
+MAX_ENDPOINTS = 20
+_MAX_DESCRIPTION = 500
+
+
+def settings_of(svc: Service) -> WebhookSettings:
+    """The deployment's webhook settings (``webhooks:`` in the config, checked at start)."""
+    return svc.webhooks.settings
+
+
+def endpoint_view(e: Endpoint, secret: str | None = None) -> dict[str, Any]:
+    """The endpoint as the API shows it; ``secret`` only in the answer that made it."""
+    view: dict[str, Any] = {
+        "id": e.id,
+        "object": "webhook_endpoint",
+        "url": e.url,
+        "description": e.description,
+        "events": list(e.events),
+        "created_at": isoformat(e.created_at),
+        "updated_at": isoformat(e.updated_at),
+    }
+    if secret is not None:
+        view["secret"] = secret
+    return view
+
+
+def check_events(events: Any) -> list[str]:
+    """A non-empty list of known event names, each once."""
+    if not isinstance(events, list) or not events:
+        raise InvalidRequest(
+            f"events must be a non-empty list of event names ({', '.join(EVENTS)})",
+            param="events",
+        )
+    seen: list[str] = []
+    for i, name in enumerate(events):
+        if not isinstance(name, str) or name not in EVENTS:
+            raise InvalidRequest(
+                f"events[{i}] is not an event this server sends; use {', '.join(EVENTS)}",
+                param=f"events[{i}]",
+                code="unknown_webhook_event",
+            )
+        if name not in seen:
+            seen.append(name)
+    return seen
+
+
+def _description(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > _MAX_DESCRIPTION:
+        raise InvalidRequest(
+            f"description must be a string of at most {_MAX_DESCRIPTION} characters",
+            param="description",
+        )
+    return value
+
+
+async def check_url(url: Any, settings: WebhookSettings) -> str:
+    """A URL deliveries may go to, or its coded 400 (``invalid_webhook_url``,
+    ``webhook_target_not_allowed``)."""
+    try:
+        target = parse_target(url)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="url", code="invalid_webhook_url") from None
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    except OSError:
+        raise InvalidRequest(
+            f"the host {target.host!r} does not resolve", param="url", code="invalid_webhook_url"
+        ) from None
+    for address in sorted({str(info[4][0]) for info in infos}):
+        if not address_allowed(address, settings.allowed_networks):
+            raise InvalidRequest(
+                f"the url's host {target.host!r} is (or resolves to) {address}, a private, "
+                "loopback, link-local or reserved address; webhooks go to public addresses "
+                "unless the operator allows the network (webhooks.allowed_networks)",
+                param="url",
+                code="webhook_target_not_allowed",
+            )
+    return target.url
+
+
+async def create(
+    svc: Service, principal: Principal, url: str, events: Any, description: Any
+) -> dict[str, Any]:
+    """Register an endpoint; its view with the secret, shown this once."""
+    checked = check_events(events)
+    text = _description(description)
+    url = await check_url(url, settings_of(svc))
+    secret = new_secret()
+    now = svc.clock.now()
+
+    def tx(c: Connection) -> Endpoint:
+        org = principal.org_id
+        live = webhook_endpoints.list_endpoints(c, org, after=None, limit=MAX_ENDPOINTS)
+        if len(live) >= MAX_ENDPOINTS:
+            raise InvalidRequest(
+                f"an organisation has at most {MAX_ENDPOINTS} webhook endpoints; delete one",
+                code="too_many_webhook_endpoints",
+            )
+        return webhook_endpoints.create_endpoint(
+            c, principal.org_id, url, checked, text, secret, now
+        )
+
+    endpoint = await svc.db.transact(tx)
+    return endpoint_view(endpoint, secret)
+
+
+def _missing(endpoint_id: str) -> NotFound:
+    return NotFound(f"webhook endpoint {endpoint_id} not found", param="endpoint_id")
+
+
+async def get(svc: Service, principal: Principal, endpoint_id: str) -> dict[str, Any]:
+    found = await svc.db.read(
+        lambda c: webhook_endpoints.get_endpoint(c, principal.org_id, endpoint_id)
+    )
+    if found is None:
+        raise _missing(endpoint_id)
+    return endpoint_view(found)
+
+
+async def list_page(
+    svc: Service, principal: Principal, *, after: str | None, limit: int
+) -> dict[str, Any]:
+    """Oldest first; ``after`` is the last id of the previous page."""
+    org = principal.org_id
+    rows = await svc.db.read(
+        lambda c: webhook_endpoints.list_endpoints(c, org, after=after, limit=limit + 1)
+    )
+    more = len(rows) > limit
+    data = [endpoint_view(e) for e in rows[:limit]]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": more,
+        "last_id": data[-1]["id"] if data else None,
+    }
+
+
+async def delete(svc: Service, principal: Principal, endpoint_id: str) -> dict[str, Any]:
+    """Delete an endpoint: no new events, and its waiting deliveries are given up."""
+    now = svc.clock.now()
+
+    def tx(c: Connection) -> bool:
+        if not webhook_endpoints.delete_endpoint(c, principal.org_id, endpoint_id, now):
+            return False
+        webhook_deliveries.give_up_endpoint(c, endpoint_id, now)
+        return True
+
+    if not await svc.db.transact(tx):
+        raise _missing(endpoint_id)
+    return {"id": endpoint_id, "object": "webhook_endpoint.deleted", "deleted": True}
+
+
+async def rotate(svc: Service, principal: Principal, endpoint_id: str) -> dict[str, Any]:
+    """A new secret (shown this once); the old one signs nothing from now on."""
+    secret = new_secret()
+    now = svc.clock.now()
+    found = await svc.db.transact(
+        lambda c: webhook_endpoints.rotate_secret(c, principal.org_id, endpoint_id, secret, now)
+    )
+    if found is None:
+        raise _missing(endpoint_id)
+    return endpoint_view(found, secret)
