@@ -634,6 +634,7 @@ class LlamaCppEngine:
     async def complete(self, request: CompletionRequest) -> Completion:
         model = await self._model(self.version_for(request.model))
         job, tools = self._job(model, request)
+        job.whole = True
         n = len(job.branches)
         texts = [""] * n
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
