@@ -790,7 +790,10 @@ class Scheduler:
     def _sample(self, job: Job, branch: Branch, row: int) -> None:
         lib = self._lib
         lps = log_softmax(self._row(row)) if branch.logprobs else None
-        token = int(lib.llama_sampler_sample(branch.sampler.sampler, self.ctx.ctx, row))
+        if branch.params is not None and branch.params.plain_greedy:
+            token = int(np.argmax(self._row(row)))
+        else:
+            token = int(lib.llama_sampler_sample(branch.sampler.sampler, self.ctx.ctx, row))
         if lib.llama_vocab_is_eog(self.vocab, token):
             self._end(job, branch, "stop", stopped=False)
             return
