@@ -683,7 +683,8 @@ class LlamaCppEngine:
             text, finish, calls = texts[i], finishes[i], None
             if tools:
                 text, calls = tool_calls.parse_answer(text, finish_reason=finish)
-                finish = "tool_calls" if calls else "stop"
+                # A plain reply cut at max_tokens says so; a complete one stopped.
+                finish = "tool_calls" if calls else ("length" if finish == "length" else "stop")
             wanted = request.logprobs and calls is None
             choices.append(
                 Choice(
