@@ -188,6 +188,29 @@ def _kv_bytes(llama: Any, cells: int) -> int:
     return int(cells * n_layer * 2 * n_head_kv * (n_embd // n_head) * 2)
 
 
+def _after_last_special(model: _Model, text: str, tokens: list[int]) -> tuple[str, list[int]]:
+    """The prompt from its last special token on, as text and tokens (the whole when none).
+
+    Tokenizing the returned text gives the returned tokens (checked); then text
+    appended to it tokenizes as it would appended to the whole prompt.
+    """
+    import llama_cpp
+
+    vocab = model.llama._model.vocab
+    for i in range(len(tokens) - 1, -1, -1):
+        if not llama_cpp.llama_vocab_is_control(vocab, tokens[i]):
+            continue
+        piece = model.llama.detokenize([tokens[i]], special=True).decode("utf-8", "replace")
+        at = text.rfind(piece) if piece else -1
+        if at < 0:
+            break
+        head_text, head = text[at:], tokens[i:]
+        if model.llama.tokenize(head_text.encode("utf-8"), False, True) == head:
+            return head_text, head
+        break
+    return text, tokens
+
+
 def _response_format(fmt: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
     """Whether OpenAI's ``response_format`` asks for JSON, and under which schema."""
     if not fmt:
@@ -641,6 +664,7 @@ class LlamaCppEngine:
     async def complete(self, request: CompletionRequest) -> Completion:
         model = await self._model(self.version_for(request.model))
         job, tools = self._job(model, request)
+        job.whole = True
         n = len(job.branches)
         texts = [""] * n
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
@@ -666,7 +690,8 @@ class LlamaCppEngine:
             text, finish, calls = texts[i], finishes[i], None
             if tools:
                 text, calls = tool_calls.parse_answer(text, finish_reason=finish)
-                finish = "tool_calls" if calls else "stop"
+                # A plain reply cut at max_tokens says so; a complete one stopped.
+                finish = "tool_calls" if calls else ("length" if finish == "length" else "stop")
             wanted = request.logprobs and calls is None
             choices.append(
                 Choice(
@@ -778,11 +803,20 @@ class LlamaCppEngine:
         self, model: _Model, prompt_text: str, prompt: list[int], candidates: list[str]
     ) -> list[list[int]]:
         tokenize = model.llama.tokenize
+        # Each candidate is tokenized after the prompt's last special token, not after
+        # the whole prompt: llama.cpp splits a text at its special tokens before it
+        # tokenizes the pieces, so what follows one is tokenized the same either way,
+        # and a decide call's seven candidates no longer re-read its whole prompt on
+        # the event loop (on the cores the model decodes on).
+        head_text, head = _after_last_special(model, prompt_text, prompt)
         conts: list[list[int]] = []
         for candidate in candidates:
-            full = tokenize((prompt_text + candidate).encode("utf-8"), False, True)
-            if full[: len(prompt)] == prompt:
-                tokens = full[len(prompt) :]
+            full = tokenize((head_text + candidate).encode("utf-8"), False, True)
+            if full[: len(head)] != head:
+                full = tokenize((prompt_text + candidate).encode("utf-8"), False, True)
+                head = prompt
+            if full[: len(head)] == head:
+                tokens = full[len(head) :]
             else:
                 tokens = tokenize(candidate.encode("utf-8"), False, False)
             if self.score_turn_end or not tokens:

@@ -116,6 +116,10 @@ class Branch:
     matcher: StopMatcher | None = None
     decoder: Any = None
     rows: list[int] = field(default_factory=list)
+    #: A whole job's text and logprob entries so far, held here until the branch ends
+    #: (``Job.whole``), instead of one ``piece`` event a token.
+    held: list[str] = field(default_factory=list)
+    held_entries: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -171,6 +175,11 @@ class Job:
     adapter: Adapter | None = None
     #: Candidates to score off the prompt (then ``branches`` are its trie's tips).
     scoring: Scoring | None = None
+    #: The caller wants each branch's answer whole, not token by token (a completion
+    #: that is not streamed): its text is posted once, when the branch ends, so the
+    #: event loop is not woken for every token. On two cores a wake-up a token took a
+    #: core from llama.cpp's threads for every token of a lone request.
+    whole: bool = False
     cancelled: bool = False
     # Run state, owned by the scheduler's thread.
     seq: int = -1
@@ -781,7 +790,10 @@ class Scheduler:
     def _sample(self, job: Job, branch: Branch, row: int) -> None:
         lib = self._lib
         lps = log_softmax(self._row(row)) if branch.logprobs else None
-        token = int(lib.llama_sampler_sample(branch.sampler.sampler, self.ctx.ctx, row))
+        if branch.params is not None and branch.params.plain_greedy:
+            token = int(np.argmax(self._row(row)))
+        else:
+            token = int(lib.llama_sampler_sample(branch.sampler.sampler, self.ctx.ctx, row))
         if lib.llama_vocab_is_eog(self.vocab, token):
             self._end(job, branch, "stop", stopped=False)
             return
@@ -808,7 +820,12 @@ class Scheduler:
                     ],
                 }
             ]
-        if text or entries:
+        if job.whole:
+            if text:
+                branch.held.append(text)
+            if entries:
+                branch.held_entries.extend(entries)
+        elif text or entries:
             job.post(("piece", job.branches.index(branch), text, entries))
         if stopped:
             self._end(job, branch, "stop", stopped=True)
@@ -826,7 +843,11 @@ class Scheduler:
             tail, _ = branch.matcher.feed(branch.decoder.decode(b"", final=True))
             tail += branch.matcher.flush()
         matched = branch.matcher.matched if stopped else None
-        job.post(("branch", job.branches.index(branch), tail, finish, branch.out_tokens, matched))
+        index = job.branches.index(branch)
+        if branch.held or branch.held_entries:
+            job.post(("piece", index, "".join(branch.held), branch.held_entries))
+            branch.held, branch.held_entries = [], []
+        job.post(("branch", index, tail, finish, branch.out_tokens, matched))
 
     def _maybe_done(self, job: Job) -> None:
         if job.forked and all(b.done for b in job.branches):

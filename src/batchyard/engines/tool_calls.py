@@ -15,6 +15,7 @@ produced as, the result as a user-visible tool turn.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -89,12 +90,18 @@ def parse_answer(text: str, *, finish_reason: str) -> tuple[str, list[dict[str, 
     """(reply text, tool calls) from a grammar-constrained answer.
 
     The grammar makes the answer valid JSON unless generation stopped at
-    ``max_tokens`` mid-object; that is ``model_output_invalid`` (nothing is
-    charged for it), with the advice to allow more tokens.
+    ``max_tokens`` mid-object. A plain reply cut there is a reply cut at
+    ``max_tokens``, as any chat answer is: its text so far comes back (the
+    caller reports ``finish_reason`` ``length``). A tool call cut there has no
+    complete arguments: that is ``model_output_invalid`` (nothing is charged
+    for it), with the advice to allow more tokens.
     """
     try:
         data = json.loads(text)
     except ValueError:
+        cut = _cut_reply(text) if finish_reason == "length" else None
+        if cut is not None:
+            return cut, None
         raise ModelOutputInvalid(
             "the model's tool call was cut off before it was complete "
             f"(finish_reason {finish_reason}); allow more max_tokens",
@@ -113,6 +120,26 @@ def parse_answer(text: str, *, finish_reason: str) -> tuple[str, list[dict[str, 
     if isinstance(data, dict) and isinstance(data.get("content"), str):
         return data["content"], None
     raise ModelOutputInvalid("the model's answer is neither a tool call nor a reply")
+
+
+_CUT_REPLY = re.compile(r'\s*\{\s*"content"\s*:\s*"')
+
+
+def _cut_reply(text: str) -> str | None:
+    """The text of a ``{"content": "...`` reply cut before its string closed; else None."""
+    opening = _CUT_REPLY.match(text)
+    if opening is None:
+        return None
+    body = text[opening.end() :]
+    # The string as far as it reads: an escape cut in two (a lone backslash, a "\u"
+    # short of its four hex digits) is left out.
+    for end in range(len(body), max(-1, len(body) - 6), -1):
+        try:
+            got = json.loads('"' + body[:end] + '"')
+        except ValueError:
+            continue
+        return got if isinstance(got, str) else None
+    return None
 
 
 def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -68,6 +68,22 @@ async def test_scoring_prefers_the_right_answer(engine: LlamaCppEngine) -> None:
     assert again.index(max(again)) == 0
 
 
+async def test_candidates_tokenize_as_they_would_after_the_whole_prompt(
+    engine: LlamaCppEngine,
+) -> None:
+    # Scoring tokenizes each candidate after the prompt's last special token only.
+    await engine.load()
+    model = engine._slots[None].model
+    assert model is not None
+    tokenize = model.llama.tokenize
+    messages = [*CAPITAL, {"role": "assistant", "content": "Paris."}, *CAPITAL]
+    text = model.prompt_text(messages)
+    prompt = tokenize(text.encode("utf-8"), False, True)
+    candidates = ["Paris", " Paris", "paris: yes", "Ünïcödé ✓", "<|im_end|>", "a\nb"]
+    whole = [tokenize((text + c).encode("utf-8"), False, True)[len(prompt) :] for c in candidates]
+    assert engine._conts(model, text, prompt, candidates) == whole
+
+
 async def test_json_schema_constrains_the_output(engine: LlamaCppEngine) -> None:
     schema = {
         "type": "object",

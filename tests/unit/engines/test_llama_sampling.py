@@ -62,3 +62,14 @@ def test_the_stop_string_that_ended_the_text_is_named() -> None:
     quiet = StopMatcher(["END"])
     quiet.feed("no stop here")
     assert quiet.matched is None
+
+
+def test_only_a_chain_that_is_greedy_alone_picks_by_argmax() -> None:
+    from batchyard.engines.llama_sampling import SamplingParams
+
+    assert SamplingParams(temperature=0.0).plain_greedy
+    assert not SamplingParams(temperature=0.2).plain_greedy
+    assert not SamplingParams(temperature=0.0, grammar=object()).plain_greedy
+    assert not SamplingParams(temperature=0.0, logit_bias={1: 5.0}).plain_greedy
+    assert not SamplingParams(temperature=0.0, presence_penalty=0.5).plain_greedy
+    assert not SamplingParams(temperature=0.0, frequency_penalty=0.5).plain_greedy
