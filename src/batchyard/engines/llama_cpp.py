@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import os
 import weakref
@@ -62,6 +63,34 @@ from batchyard.errors import (
 __all__ = ["LlamaCppEngine", "VersionGate", "VersionSpec"]
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _route_llama_logs() -> Any:
+    """Send llama.cpp's log lines to ``batchyard.engines.llama``, errors only above debug.
+
+    llama-cpp-python's own callback maps ggml's levels by an older enum (ggml now
+    counts 1 debug, 2 info, 3 warn, 4 error), so its quiet mode printed warnings raw
+    to stderr (the shared cache's ``n_ctx_seq > n_ctx_train``, which does not apply
+    to a cache of many sequences) and hid errors. Installed once, after the first
+    ``Llama`` set llama-cpp-python's own; the cache keeps the C callback alive.
+    """
+    import ctypes
+
+    import llama_cpp
+
+    llama_log = logging.getLogger("batchyard.engines.llama")
+    last = [logging.DEBUG]  # a continuation line (5) keeps the level of the line before
+
+    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+    def callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if level != 5:
+            last[0] = logging.ERROR if level == 4 else logging.DEBUG
+        if llama_log.isEnabledFor(last[0]):
+            llama_log.log(last[0], "llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    return callback
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +389,7 @@ class LlamaCppEngine:
         # The Llama holds the weights, vocabulary and template; its own
         # context is kept small, the scheduler's context does the work.
         llama = llama_cpp.Llama(str(path), n_ctx=256, n_batch=64, n_threads=1, verbose=False)
+        _route_llama_logs()
         try:
             scheduler = Scheduler(
                 llama,

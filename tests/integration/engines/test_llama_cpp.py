@@ -176,3 +176,36 @@ async def test_tokenizer_never_undercounts_the_engine(
     done = await engine.complete(ask(messages, max_tokens=2))
     assert tokenizer.count_messages(messages) >= done.usage.input_tokens
     assert tokenizer.count_messages(messages) == done.usage.input_tokens  # exact, in fact
+
+
+async def test_llama_cpp_warnings_do_not_reach_stderr_raw() -> None:
+    """llama.cpp's log lines go through logging, not printed raw over a JSON log.
+
+    llama-cpp-python's quiet mode maps ggml's levels by an older enum, so its
+    warnings (the shared cache's ``n_ctx_seq > n_ctx_train``) were printed to
+    stderr. A fresh process, since the callback is installed once per process.
+    """
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio\n"
+        "from batchyard.engines.llama_cpp import LlamaCppEngine\n"
+        "from batchyard.engines.model_files import default_model_path\n"
+        "async def main():\n"
+        "    eng = LlamaCppEngine(default_model_path(), n_ctx=16384, contexts=2)\n"
+        "    await eng.load()\n"
+        "    await eng.aclose()\n"
+        "asyncio.run(main())\n"
+    )
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "n_ctx_seq" not in done.stderr
+    assert "llama_context" not in done.stderr
