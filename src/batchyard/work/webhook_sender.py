@@ -17,9 +17,12 @@ anything else is retried after ``retry_delay`` of the clock until
 ``max_attempts``, then ``failed``. Each attempt is recorded in the
 organisation's ``/v1/activity``.
 
-The address check and httpx's own connection resolve the host separately, so a
-name whose DNS answer changes between the two within one attempt is not caught
-(an IP-literal URL is checked exactly); the check is repeated at every attempt.
+The POST goes to the address that was checked, not to the name: the URL's host
+is replaced by that address, the ``Host`` header and TLS's server name (and so
+the certificate's check) keep the registered name. A name whose DNS answer
+changes between the check and the connection (DNS rebinding) cannot move the
+POST, and each attempt closes its connection, so no connection made for one
+name carries another's delivery.
 
 Where a model call is never sent twice (a lapsed line is ``uncertain``), a
 delivery is: a worker that died mid-POST leaves a claim that lapses, and
@@ -200,11 +203,19 @@ class WebhookSender(Runner):
             "webhook-timestamp": str(timestamp),
             "webhook-signature": sign(d.secret, d.id, timestamp, d.payload),
         }
+        url = httpx.URL(d.url)
+        # To the address checked, under the registered name (Host, TLS server name).
+        headers["host"] = url.netloc.decode("ascii")
+        headers["connection"] = "close"
+        pinned = url.copy_with(host=addresses[0])
+        extensions = {"sni_hostname": url.raw_host.decode("ascii")} if url.scheme == "https" else {}
         await on_send()
         try:
             # Streamed, and the body never read: a receiver's answer is its status alone,
             # however much it sends.
-            async with http.stream("POST", d.url, content=d.payload, headers=headers) as response:
+            async with http.stream(
+                "POST", pinned, content=d.payload, headers=headers, extensions=extensions
+            ) as response:
                 return response.status_code
         except httpx.TimeoutException:
             raise UpstreamTimeout(
