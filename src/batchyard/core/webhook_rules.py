@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from batchyard.core.sections import section_settings
+
 __all__ = [
     "BATCH_EVENTS",
     "EVENTS",
@@ -190,12 +192,4 @@ class WebhookSettings:
     @classmethod
     def from_raw(cls, raw: Any) -> WebhookSettings:
         """The ``webhooks:`` section as the config model checked it (a ``ValueError`` if not)."""
-        given: dict[str, Any] = {}
-        for key, value in dict(raw or {}).items():
-            if key == "allowed_networks":
-                given[key] = parse_networks(value or ())
-            elif key in ("max_attempts", "concurrency"):
-                given[key] = int(value)
-            elif key in cls.__dataclass_fields__:
-                given[key] = float(value)
-        return cls(**given)
+        return section_settings(cls, raw, allowed_networks=lambda v: parse_networks(v or ()))

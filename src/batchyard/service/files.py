@@ -36,6 +36,7 @@ from batchyard.core import privacy
 from batchyard.core.accounts import Principal
 from batchyard.core.ids import new_id
 from batchyard.core.inputs import parse_json
+from batchyard.core.sections import section_settings
 from batchyard.errors import (
     BatchyardError,
     Conflict,
@@ -81,8 +82,7 @@ class FileSettings:
 
     @classmethod
     def from_raw(cls, raw: Any) -> FileSettings:
-        given = {k: int(v) for k, v in (raw or {}).items() if k in cls.__dataclass_fields__}
-        return cls(**given)
+        return section_settings(cls, raw)
 
 
 def settings_of(svc: Service) -> FileSettings:

@@ -50,6 +50,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
 from batchyard.core.money import from_ticks
 from batchyard.core.sealing import Sealer
+from batchyard.core.sections import section_settings
 from batchyard.store import accounts, billing, webhook_deliveries
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
@@ -90,13 +91,7 @@ class FileBatchSettings:
 
     @classmethod
     def from_raw(cls, raw: Any) -> FileBatchSettings:
-        given: dict[str, Any] = {}
-        for k, v in dict(raw or {}).items():
-            if k in ("poll_s", "lease_s", "flush_s"):
-                given[k] = float(v)
-            elif k in cls.__dataclass_fields__:
-                given[k] = int(v)
-        return cls(**given)
+        return section_settings(cls, raw)
 
 
 class FileBatchWorker(Runner):
