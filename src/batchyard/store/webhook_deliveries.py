@@ -276,7 +276,10 @@ def _live_endpoint() -> Any:
 
 
 def _due(now: datetime) -> list[Any]:
-    return [_wd.c.status == "pending", _wd.c.next_attempt_at <= now, leases.free(_wd, now)]
+    # Unclaimed only: a claim that lapsed is taken back by recovery (``let_go``), which
+    # records an attempt cut off mid-POST; claiming it directly would erase its sent mark
+    # and that record with it.
+    return [_wd.c.status == "pending", _wd.c.next_attempt_at <= now, _wd.c.lease_owner.is_(None)]
 
 
 def due(conn: Connection, now: datetime) -> bool:

@@ -185,3 +185,21 @@ def test_a_deleted_endpoint_gets_nothing_more(db, clock):
     assert _row(db, msg_id).status == "failed"
     assert _event(db, clock, org_id) == []
     assert _claim(db, clock, "w1") == []
+
+
+def test_a_lapsed_claim_is_taken_back_by_recovery_not_claimed_over(db, clock):
+    """Claiming a lapsed claim directly would erase its sent mark and its cut-off record."""
+    org_id, _ = _setup(db, clock)
+    (msg_id,) = _event(db, clock, org_id)
+    (claim,) = _claim(db, clock, "dead")
+    now = clock.now()
+    held = {claim.key: claim.lease}
+    db.transact_sync(lambda c: DeliveryQueue("dead").mark_sent(c, held, now))
+    clock.advance(61)
+    assert _claim(db, clock, "w2") == []  # lapsed, but not free until recovered
+    now = clock.now()
+    assert db.transact_sync(lambda c: outbox.let_go(c, None, now)) == (1, 1)
+    (again,) = _claim(db, clock, "w2")
+    assert again.key == msg_id
+    log = db.read_sync(lambda c: activity.list_activity(c, org_id))
+    assert [a["detail"]["outcome"] for a in log] == ["interrupted"]
