@@ -13,16 +13,19 @@ import os
 #   also between the dozens of operations inside one decode: one sequence
 #   decoded at a third of the speed the cores allow (33 against 94 tokens/s on
 #   the quiet 2-core machine).
-# - A short spin (``GOMP_SPINCOUNT=10000``, some microseconds) bridges the gaps
-#   inside a decode and sleeps between decodes: 92-95 tokens/s quiet, and the
-#   best of the three with two CPU-busy processes on the same cores
-#   (docs/explanation/embedded-speed.md has the table).
+# - A bounded spin (``GOMP_SPINCOUNT=50000``) bridges the gaps inside a decode
+#   and the step loop's own work between two decodes (a tenth of a millisecond
+#   or two), then sleeps: as fast as the default on quiet cores, and the best
+#   with two CPU-busy processes on the same cores. A shorter spin (10,000, the
+#   earlier default) let the helper thread fall asleep between two decodes of a
+#   lone sequence, and waking it cost every token: 5-10 % slower quiet
+#   (docs/explanation/embedded-speed.md has the tables).
 #
 # libgomp reads this once, when llama_cpp is first imported, and every import of
 # it is below this package. An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT
 # wins (GOMP_SPINCOUNT overrides the policy in libgomp, so it is left unset then).
 if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "50000")
 
 from batchyard.engines.protocol import (
     Choice,

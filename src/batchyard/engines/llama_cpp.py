@@ -799,7 +799,11 @@ class LlamaCppEngine:
                     "window of the embedding model",
                     param="input",
                 )
-            vectors = [list(map(float, embedder.embed(t, normalize=True))) for t in texts]
+            # All inputs in one call: llama-cpp-python packs them as sequences of one
+            # decode (up to the batch's size), as llama-server's /embedding does, instead
+            # of one decode an input.
+            got = embedder.embed(list(texts), normalize=True)
+            vectors = [list(map(float, v)) for v in got]
             return Embeddings(vectors, Usage(sum(counts), 0))
 
         # On the base model's step thread, between its steps: one thread decodes for the

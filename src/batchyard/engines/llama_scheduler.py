@@ -185,6 +185,8 @@ class Job:
     seq: int = -1
     pos: int = 0
     cached: int = 0
+    #: Its cached opening was copied from another scoring prompt's (``_finish`` keeps less).
+    after_scoring: bool = False
     forked: bool = False
     finished: bool = False
     row: int = -1
@@ -214,6 +216,8 @@ class _Idle:
     logits: Any = None
     #: The adapter the prefix was read under: its cache is no other adapter's.
     adapter: Adapter | None = None
+    #: A scoring job's prompt (decide's), not a generation's.
+    scoring: bool = False
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -580,6 +584,10 @@ class Scheduler:
                         self._lib.llama_memory_seq_cp(self.memory, job.seq, branch.seq, 0, match)
             self._used += job.reserve
             job.pos = job.cached = match
+            if match and src is not None:
+                job.after_scoring = (
+                    src.scoring if isinstance(src, _Idle) else src.scoring is not None
+                )
             if match and self._on_cached is not None:
                 self._on_cached(match)
             self._live.append(job)
@@ -869,13 +877,26 @@ class Scheduler:
                 branch.sampler.close()
                 branch.sampler = None
         n = min(job.pos, len(job.prompt))
+        if job.scoring is not None and job.after_scoring and n // 2 <= job.cached < n:
+            # A scoring prompt that began with most of another scoring prompt (the
+            # next text of a decision set: the set's questions, then its own text)
+            # keeps only the opening they share. Its text is rarely asked again, and
+            # every idle cell widens the span each step's attention runs over (a
+            # unified cache attends up to its highest used cell): eight idle texts of
+            # a set tripled that span (docs/explanation/embedded-speed.md). The
+            # first text of a set, which shares only the chat template's opening
+            # with what came before, stays whole: its questions are the opening the
+            # next texts copy.
+            n = job.cached
         kept = job.prompt[:n]
         if keep and any(i.tokens == kept and i.adapter is job.adapter for i in self._idle):
             keep = False  # the cache already holds this prompt (it was copied from it)
         if keep and n > 0:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, n, -1)
             logits = job.logits if n == len(job.prompt) else None
-            self._idle.append(_Idle(job.seq, kept, self._tick, logits, job.adapter))
+            self._idle.append(
+                _Idle(job.seq, kept, self._tick, logits, job.adapter, job.scoring is not None)
+            )
             self._used += n
             # As many idle prefixes as slots, the least recently used out first: every
             # step's attention scans the cache up to its highest used cell (row by row,

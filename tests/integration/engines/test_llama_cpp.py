@@ -209,3 +209,14 @@ async def test_llama_cpp_warnings_do_not_reach_stderr_raw() -> None:
     assert done.returncode == 0, done.stderr
     assert "n_ctx_seq" not in done.stderr
     assert "llama_context" not in done.stderr
+
+
+async def test_inputs_embedded_together_equal_each_alone(engine: LlamaCppEngine) -> None:
+    """One call packs its inputs as sequences of one decode; each vector is its own."""
+    texts = ["The cat sat on the mat.", "hello", "Prices rose sharply in March, analysts said."]
+    together = await engine.embed("smollm2", texts)
+    alone = [await engine.embed("smollm2", [t]) for t in texts]
+    for got, one in zip(together.vectors, alone, strict=True):
+        assert got == pytest.approx(one.vectors[0], abs=1e-5)
+        assert math.fsum(x * x for x in got) == pytest.approx(1.0, abs=1e-5)
+    assert together.usage.input_tokens == sum(one.usage.input_tokens for one in alone)

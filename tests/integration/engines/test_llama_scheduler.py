@@ -124,3 +124,41 @@ async def test_a_full_cache_queues_instead_of_failing() -> None:
         assert all(d.usage.output_tokens > 0 for d in done)
     finally:
         await eng.aclose()
+
+
+async def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> None:
+    """The first text of a set stays whole in the cache; later ones keep the set's opening.
+
+    Their own texts are rarely asked again, and every idle cell widens what each
+    step attends over; the opening is what the next text copies.
+    """
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
+    await eng.load()
+    try:
+        head = (
+            "Questions:\nmood: Is the writer happy?\n  - yes\n  - no\n"
+            "tone: How formal is it?\n  - formal\n  - casual\n\nText:\n"
+        )
+        candidates = ["mood: yes", "mood: no"]
+
+        def scored(text: str) -> list[dict[str, str]]:
+            return [{"role": "user", "content": head + text}]
+
+        happy, sad = "I love this new phone.", "Terrible service, never again."
+        first, _ = await eng.score("smollm2", scored(happy), candidates)
+        second, u2 = await eng.score("smollm2", scored(sad), candidates)
+        assert 0 < u2.cached_input_tokens < u2.input_tokens
+        _, u3 = await eng.score("smollm2", scored("The meeting is at noon."), candidates)
+        assert u3.cached_input_tokens == u2.cached_input_tokens  # the opening is still held
+        # The first stays whole: asked again, nothing of it is read.
+        again_first, a1 = await eng.score("smollm2", scored(happy), candidates)
+        assert a1.cached_input_tokens == a1.input_tokens
+        # A later text kept only the opening: asked again, its own part is read again,
+        # and its scores are the same.
+        again_second, a2 = await eng.score("smollm2", scored(sad), candidates)
+        assert a2.cached_input_tokens == u2.cached_input_tokens
+        # Read alone each time, its trie in a step of its own: the same scores.
+        assert again_first == pytest.approx(first, abs=1e-4)
+        assert again_second == pytest.approx(second, abs=1e-4)
+    finally:
+        await eng.aclose()
