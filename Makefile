@@ -75,6 +75,7 @@ bench: install
 	$(BIN)/python bench/decide_quality.py
 	# Builds llama-server from llama-cpp-python's llama.cpp on first use (cached in ~/.cache/batchyard).
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/cache_span.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
