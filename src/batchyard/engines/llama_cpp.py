@@ -799,11 +799,12 @@ class LlamaCppEngine:
                     "window of the embedding model",
                     param="input",
                 )
-            # All inputs in one call: llama-cpp-python packs them as sequences of one
-            # decode (up to the batch's size), as llama-server's /embedding does, instead
-            # of one decode an input.
-            got = embedder.embed(list(texts), normalize=True)
-            vectors = [list(map(float, v)) for v in got]
+            # One decode an input, not all of them packed into one: a packed batch of 64
+            # rows or more takes flash attention's tiled kernel, which rounds otherwise
+            # than a lone input's row-by-row one (docs/explanation/batch-invariance.md),
+            # and a text's vector would then depend on what it was sent with (4e-5 apart
+            # for LangChain's query against the same text among its documents).
+            vectors = [list(map(float, embedder.embed(t, normalize=True))) for t in texts]
             return Embeddings(vectors, Usage(sum(counts), 0))
 
         # On the base model's step thread, between its steps: one thread decodes for the

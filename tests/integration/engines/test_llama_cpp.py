@@ -212,8 +212,16 @@ async def test_llama_cpp_warnings_do_not_reach_stderr_raw() -> None:
 
 
 async def test_inputs_embedded_together_equal_each_alone(engine: LlamaCppEngine) -> None:
-    """One call packs its inputs as sequences of one decode; each vector is its own."""
-    texts = ["The cat sat on the mat.", "hello", "Prices rose sharply in March, analysts said."]
+    """A text's vector does not depend on what it was sent with (each input is read alone)."""
+    texts = [
+        "The cat sat on the mat, watching the rain run down the window all afternoon.",
+        "hello",
+        "Prices rose sharply in March, analysts said, as shipping costs climbed again "
+        "and retailers passed the increase on to customers across the region.",
+        "A short note.",
+        "Our quarterly report shows revenue up eight percent, costs flat, and a new "
+        "office opening in Lisbon next spring, pending the board's approval in May.",
+    ]
     together = await engine.embed("smollm2", texts)
     alone = [await engine.embed("smollm2", [t]) for t in texts]
     for got, one in zip(together.vectors, alone, strict=True):
