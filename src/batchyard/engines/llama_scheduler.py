@@ -26,7 +26,10 @@ sequence copy of the prompt), so ``n`` samples share one read. A scoring
 job (decide: every outcome of every decision of one text) reads its prompt
 once and then decodes all its candidates as one token trie in one
 ``llama_decode`` (``Scoring``). When a job ends,
-its prompt stays in the cache as an idle prefix for the next.
+its prompt stays in the cache as an idle prefix for the next (at most one
+idle prefix a slot; a decision set's later texts keep only the opening they
+share with the set's first: idle cells are not free, since every step attends
+over every cell up to the highest one in use).
 
 LoRA versions share the base model's scheduler. llama.cpp applies adapters
 to a whole context, not per sequence, so each step serves the jobs of one
@@ -883,7 +886,7 @@ class Scheduler:
             # keeps only the opening they share. Its text is rarely asked again, and
             # every idle cell widens the span each step's attention runs over (a
             # unified cache attends up to its highest used cell): eight idle texts of
-            # a set tripled that span (docs/explanation/embedded-speed.md). The
+            # a set doubled that span (docs/explanation/embedded-speed.md). The
             # first text of a set, which shares only the chat template's opening
             # with what came before, stays whole: its questions are the opening the
             # next texts copy.
