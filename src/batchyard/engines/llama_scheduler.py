@@ -219,8 +219,8 @@ class _Idle:
     logits: Any = None
     #: The adapter the prefix was read under: its cache is no other adapter's.
     adapter: Adapter | None = None
-    #: A scoring job's prompt (decide's), not a generation's.
-    scoring: bool = False
+    #: Left by a scoring job (decide's prompt), not by a generation.
+    scoring_prompt: bool = False
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -589,7 +589,7 @@ class Scheduler:
             job.pos = job.cached = match
             if match and src is not None:
                 job.after_scoring = (
-                    src.scoring if isinstance(src, _Idle) else src.scoring is not None
+                    src.scoring_prompt if isinstance(src, _Idle) else src.scoring is not None
                 )
             if match and self._on_cached is not None:
                 self._on_cached(match)
