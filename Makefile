@@ -76,6 +76,7 @@ bench: install
 	# Builds llama-server from llama-cpp-python's llama.cpp on first use (cached in ~/.cache/batchyard).
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/cache_span.py
+	$(BIN)/python bench/idle_packing.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -162,3 +162,73 @@ async def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> Non
         assert again_second == pytest.approx(second, abs=1e-4)
     finally:
         await eng.aclose()
+
+
+def _trie_size(prompts: list[list[int]]) -> int:
+    """Cells a set of prompts needs when every shared opening is held once."""
+    nodes: set[tuple[int, ...]] = set()
+    for tokens in prompts:
+        nodes.update(tuple(tokens[: k + 1]) for k in range(len(tokens)))
+    return len(nodes)
+
+
+async def test_idle_prefixes_are_packed_when_a_burst_ends() -> None:
+    """After a burst, the prompts kept for reuse move to the lowest cells, unchanged.
+
+    Every step attends over the cache up to its highest used cell, so idle
+    prefixes left where a burst placed them slowed the next lone request; once
+    nothing runs they are packed (``Scheduler._compact``). Answers, scores and
+    cache hits are the same after as before, and openings stay shared.
+    """
+    import ctypes
+
+    import llama_cpp
+
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8)
+    await eng.load()
+    try:
+        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+        head = "Questions:\nmood: Is the writer happy?\n  - yes\n  - no\n\nText:\n"
+        candidates = ["mood: yes", "mood: no"]
+
+        def scored(text: str) -> list[dict[str, str]]:
+            return [{"role": "user", "content": head + text}]
+
+        question = ask("Which planet is the largest?", max_tokens=12, temperature=0.0)
+        before = await eng.complete(question)
+        happy, _ = await eng.score("smollm2", scored("I love this new phone."), candidates)
+        sad, u_sad = await eng.score("smollm2", scored("Terrible service."), candidates)
+        # A burst of long answers spreads the cache well past the idle prefixes.
+        stories = [f"Tell me a long story about {t}." for t in ("a dragon", "the sea", "a robot")]
+        burst = await asyncio.gather(
+            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in stories]
+        )
+        assert sum(b.usage.output_tokens for b in burst) >= 300
+        await scheduler.call(lambda: None)  # the step thread has gone quiet
+
+        def cells() -> int:
+            ctx = scheduler.ctx.ctx
+            size = llama_cpp.llama_state_seq_get_size(ctx, -1)
+            data = (ctypes.c_uint8 * size)()
+            assert llama_cpp.llama_state_seq_get_data(ctx, data, size, -1) == size
+            # A magic number and the sequence id (llama_context::state_seq_get_data),
+            # then the stream count and the stream's cells (llama_kv_cache::state_write).
+            return int.from_bytes(bytes(data[12:16]), "little")
+
+        assert scheduler._idle and scheduler._high == scheduler._used  # it was packed
+        held = await scheduler.call(cells)
+        assert held == _trie_size([i.tokens for i in scheduler._idle])
+
+        again = await eng.complete(question)
+        assert again.text == before.text
+        assert again.usage.cached_input_tokens == again.usage.input_tokens - 1
+        happy_again, u_happy = await eng.score(
+            "smollm2", scored("I love this new phone."), candidates
+        )
+        assert u_happy.cached_input_tokens == u_happy.input_tokens
+        assert happy_again == pytest.approx(happy, abs=1e-4)
+        sad_again, u_sad_again = await eng.score("smollm2", scored("Terrible service."), candidates)
+        assert u_sad_again.cached_input_tokens == u_sad.cached_input_tokens
+        assert sad_again == pytest.approx(sad, abs=1e-4)
+    finally:
+        await eng.aclose()
