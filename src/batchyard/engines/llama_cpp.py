@@ -93,6 +93,35 @@ def _route_llama_logs() -> Any:
     return callback
 
 
+#: Flash attention's CPU kernel tiles a micro-batch of this many query rows or more
+#: (``GGML_FA_TILE_Q``) and reads fewer row by row; the two round differently.
+FA_TILE_ROWS = 64
+
+
+def _embedding_packs(counts: list[int]) -> list[list[int]]:
+    """The inputs (by index, in order) read together in one decode each: under 64 rows.
+
+    Short inputs read alone leave most of a decode's matrix work idle (a 20-token
+    input costs nearly what a 60-token one does), so consecutive inputs share a
+    decode while their tokens stay under ``FA_TILE_ROWS``. Under it every row
+    takes the row-by-row attention kernel over its own sequence's cells, in order,
+    exactly as when read alone, so a text's vector does not depend on what it was
+    sent with; at 64 rows or more the tiled kernel rounds otherwise (4e-5 apart
+    for LangChain's query against the same text among its documents,
+    docs/explanation/batch-invariance.md), so a longer input is read alone.
+    """
+    packs: list[list[int]] = []
+    rows = FA_TILE_ROWS
+    for i, n in enumerate(counts):
+        if rows + n < FA_TILE_ROWS:
+            packs[-1].append(i)
+            rows += n
+        else:
+            packs.append([i])
+            rows = n
+    return packs
+
+
 @dataclass(frozen=True, slots=True)
 class VersionSpec:
     """A fine-tuned version: a LoRA adapter on the base GGUF, or a GGUF of its own.
@@ -799,12 +828,11 @@ class LlamaCppEngine:
                     "window of the embedding model",
                     param="input",
                 )
-            # One decode an input, not all of them packed into one: a packed batch of 64
-            # rows or more takes flash attention's tiled kernel, which rounds otherwise
-            # than a lone input's row-by-row one (docs/explanation/batch-invariance.md),
-            # and a text's vector would then depend on what it was sent with (4e-5 apart
-            # for LangChain's query against the same text among its documents).
-            vectors = [list(map(float, embedder.embed(t, normalize=True))) for t in texts]
+            vectors: list[list[float]] = [[] for _ in texts]
+            for pack in _embedding_packs(counts):
+                got = embedder.embed([texts[i] for i in pack], normalize=True)
+                for i, vector in zip(pack, got, strict=True):
+                    vectors[i] = list(map(float, vector))
             return Embeddings(vectors, Usage(sum(counts), 0))
 
         # On the base model's step thread, between its steps: one thread decodes for the
@@ -827,6 +855,10 @@ class LlamaCppEngine:
                         n_threads=self.n_threads,
                         embedding=True,
                         pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                        # As the scheduler's context: with it, a row's attention skips
+                        # other sequences' cells, so inputs read together in one decode
+                        # (``_embedding_packs``) get the vectors they get alone.
+                        flash_attn=True,
                         verbose=False,
                     )
 

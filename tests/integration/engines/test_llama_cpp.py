@@ -212,7 +212,12 @@ async def test_llama_cpp_warnings_do_not_reach_stderr_raw() -> None:
 
 
 async def test_inputs_embedded_together_equal_each_alone(engine: LlamaCppEngine) -> None:
-    """A text's vector does not depend on what it was sent with (each input is read alone)."""
+    """A text's vector does not depend on what it was sent with.
+
+    Short inputs share a decode while their rows stay under 64 (flash attention's
+    row-by-row kernel, as when read alone); a float's last bit may move with the
+    pooling's matrix shape, nothing more.
+    """
     texts = [
         "The cat sat on the mat, watching the rain run down the window all afternoon.",
         "hello",
@@ -225,6 +230,6 @@ async def test_inputs_embedded_together_equal_each_alone(engine: LlamaCppEngine)
     together = await engine.embed("smollm2", texts)
     alone = [await engine.embed("smollm2", [t]) for t in texts]
     for got, one in zip(together.vectors, alone, strict=True):
-        assert got == pytest.approx(one.vectors[0], abs=1e-5)
+        assert got == pytest.approx(one.vectors[0], abs=1e-6)
         assert math.fsum(x * x for x in got) == pytest.approx(1.0, abs=1e-5)
     assert together.usage.input_tokens == sum(one.usage.input_tokens for one in alone)
