@@ -88,6 +88,11 @@ ADAPTER_TURN = 4
 #: has spread at least that far past them.
 SPAN_PAD = 256
 
+#: The most idle-prefix state packing copies (out and back in, a few milliseconds
+#: at memory speed): past it the idle prompts are long, and a request that arrives
+#: meanwhile would wait for the copy; they stay where they are.
+PACK_BYTES = 64 << 20
+
 
 @dataclass(eq=False)
 class Adapter:
@@ -551,13 +556,18 @@ class Scheduler:
         prefix that begins like one already back shares that one's cells again,
         as it did before (``llama_memory_seq_cp``). Cells keep their order, so
         attention sums in the same order: answers are unchanged. It costs a copy
-        of the idle cells (tens of kilobytes a token), and runs only when the
-        burst spread the cache at least one span step (``SPAN_PAD``) past them.
+        of the idle cells (tens of kilobytes a token, at most ``PACK_BYTES``),
+        and runs only when the burst spread the cache at least one span step
+        (``SPAN_PAD``) past them.
         """
         lib, ctx = self._lib, self.ctx.ctx
+        self._high = self._used
+        longest_first = sorted(self._idle, key=lambda i: -len(i.tokens))
+        sizes = [lib.llama_state_seq_get_size(ctx, idle.seq) for idle in longest_first]
+        if sum(sizes) > PACK_BYTES:
+            return  # long idle prompts: copying them would stall the next request
         saved: list[tuple[_Idle, Any]] = []
-        for idle in sorted(self._idle, key=lambda i: -len(i.tokens)):
-            size = lib.llama_state_seq_get_size(ctx, idle.seq)
+        for idle, size in zip(longest_first, sizes, strict=True):
             data = (ctypes.c_uint8 * size)()
             if lib.llama_state_seq_get_data(ctx, data, size, idle.seq) != size:
                 return  # nothing moved yet: leave the cache as it is
@@ -580,7 +590,6 @@ class Scheduler:
                 lib.llama_memory_seq_rm(self.memory, idle.seq, 0, shared)
                 lib.llama_memory_seq_cp(self.memory, src.seq, idle.seq, 0, shared)
             back.append(idle)
-        self._high = self._used
 
     def _reap(self) -> None:
         if any(j.cancelled for j in self._waiting):

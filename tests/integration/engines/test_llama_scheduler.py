@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from batchyard.engines import llama_scheduler
 from batchyard.engines.llama_cpp import LlamaCppEngine
 from batchyard.engines.model_files import default_model_path
 from batchyard.engines.protocol import Completion, CompletionRequest, Delta
@@ -172,7 +173,9 @@ def _trie_size(prompts: list[list[int]]) -> int:
     return len(nodes)
 
 
-async def test_idle_prefixes_are_packed_when_a_burst_ends() -> None:
+async def test_idle_prefixes_are_packed_when_a_burst_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """After a burst, the prompts kept for reuse move to the lowest cells, unchanged.
 
     Every step attends over the cache up to its highest used cell, so idle
@@ -218,6 +221,27 @@ async def test_idle_prefixes_are_packed_when_a_burst_ends() -> None:
         assert scheduler._idle and scheduler._high == scheduler._used  # it was packed
         held = await scheduler.call(cells)
         assert held == _trie_size([i.tokens for i in scheduler._idle])
+
+        # Idle prompts too long to copy quickly stay where they are.
+        restored: list[int] = []
+        lib = scheduler._lib
+
+        class Counting:
+            def __getattr__(self, name: str) -> object:
+                return getattr(lib, name)
+
+            def llama_state_seq_set_data(self, *args: object) -> int:
+                restored.append(1)
+                return int(lib.llama_state_seq_set_data(*args))
+
+        monkeypatch.setattr(llama_scheduler, "PACK_BYTES", 0)
+        monkeypatch.setattr(scheduler, "_lib", Counting())
+        await asyncio.gather(
+            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in stories]
+        )
+        await scheduler.call(lambda: None)
+        assert restored == [] and scheduler._high == scheduler._used
+        assert await scheduler.call(cells) == _trie_size([i.tokens for i in scheduler._idle])
 
         again = await eng.complete(question)
         assert again.text == before.text
