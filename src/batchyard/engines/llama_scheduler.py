@@ -12,7 +12,9 @@ thread that runs the step loop:
    (idle prefixes are evicted least recently used first); a job whose prompt
    starts like a cached or live prompt copies that prefix
    (``llama_memory_seq_cp``) or takes the idle sequence over, and only the
-   rest is read;
+   rest is read; one whose opening another live job is still reading waits
+   a step or two for it and copies it (``_follow``), so requests that start
+   together read a shared opening once;
 3. build one batch: one token of every generating branch, then chunks of
    prompts being read up to the step's prefill budget (chunked prefill); a
    scoring job whose prompt is read puts the whole trie of its candidates in;
@@ -92,6 +94,10 @@ SPAN_PAD = 256
 #: at memory speed): past it the idle prompts are long, and a request that arrives
 #: meanwhile would wait for the copy; they stay where they are.
 PACK_BYTES = 64 << 20
+
+#: The fewest prompt tokens worth waiting a step or two for while another live job
+#: reads them (``_follow``); fewer are read again at once.
+FOLLOW_MIN = 16
 
 
 @dataclass(eq=False)
@@ -202,6 +208,11 @@ class Job:
     cached: int = 0
     #: Its cached opening was copied from another scoring prompt's (``_finish`` keeps less).
     after_scoring: bool = False
+    #: A live job still reading a longer opening of this prompt than the cache held
+    #: when this one was admitted: this one waits for it and copies it (``_follow``).
+    lead: Job | None = None
+    #: How much of the prompt it copies from ``lead`` once ``lead`` has read that far.
+    lead_at: int = 0
     forked: bool = False
     finished: bool = False
     row: int = -1
@@ -245,6 +256,11 @@ def _lse(row: Any) -> float:
     row64 = np.asarray(row, dtype=np.float64)
     peak = float(row64.max())
     return peak + float(np.log(np.exp(row64 - peak).sum()))
+
+
+def _left_by_scoring(src: _Idle | Job) -> bool:
+    """Whether a prefix source is a scoring prompt (decide's), idle or live."""
+    return src.scoring_prompt if isinstance(src, _Idle) else src.scoring is not None
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -511,6 +527,7 @@ class Scheduler:
                     )
                 )
             return
+        self._follow()
         rows = self._fill()
         if self.batch.n_tokens == 0:
             return
@@ -627,6 +644,7 @@ class Scheduler:
             )
             if not reuse_logits:
                 match = min(match, len(job.prompt) - 1)
+            lead, lead_at = self._leader(job, match)
             # Copy an idle prefix while there is room, so the job it came from
             # (a chat's next turn, the next text of a decision set) still finds it;
             # take the idle sequence over only when room is short.
@@ -673,14 +691,66 @@ class Scheduler:
             self._used += job.reserve
             job.pos = job.cached = match
             if match and src is not None:
-                job.after_scoring = (
-                    src.scoring_prompt if isinstance(src, _Idle) else src.scoring is not None
-                )
+                job.after_scoring = _left_by_scoring(src)
             if match and self._on_cached is not None:
                 self._on_cached(match)
+            job.lead, job.lead_at = lead, lead_at
             self._live.append(job)
             if reuse_logits and job.logits is not None:
                 self._fork(job, None)
+
+    def _leader(self, new: Job, have: int) -> tuple[Job | None, int]:
+        """A live job still reading at least ``FOLLOW_MIN`` more of ``new``'s opening.
+
+        Requests that start together and share a long opening (the rows of a run
+        under one system prompt, the first texts of a decision set) would each
+        read it: the cache holds it only once one has. The newcomer waits for
+        the one reading it instead, and copies it (``_follow``): the opening is
+        read once, and the cache holds one copy of it, not one a request (four
+        decide texts starting together had left four whole prompts idle, 420
+        cells that slowed the rest of their load by a tenth).
+        """
+        best: Job | None = None
+        most = have + FOLLOW_MIN - 1
+        for job in self._live:
+            if job.adapter is not new.adapter or job.finished:
+                continue
+            n = min(_common(job.prompt, new.prompt), len(new.prompt) - 1)
+            if n > most and job.pos < n:  # read that far already: ``_best_prefix`` had it
+                best, most = job, n
+        return best, (most if best is not None else 0)
+
+    def _follow(self) -> None:
+        """Jobs waiting on another's reading copy what it has read (see ``_leader``)."""
+        for job in self._live:
+            lead = job.lead
+            if lead is None:
+                continue
+            if lead.finished or lead.cancelled:
+                # It ended first (a one-token answer) or was cancelled: what it read
+                # may be an idle prefix now; else the rest is read here.
+                job.lead = None
+                src, n = self._best_prefix(job)
+                n = min(n, len(job.prompt) - 1)
+                if src is not None and n > job.pos:
+                    self._copy_opening(job, src, n)
+                continue
+            if lead.lead is None and lead.pos >= job.lead_at:
+                job.lead = None
+                self._copy_opening(job, lead, job.lead_at)
+
+    def _copy_opening(self, job: Job, src: _Idle | Job, n: int) -> None:
+        """Replace what ``job`` holds of its prompt by the first ``n`` tokens of ``src``'s."""
+        lib = self._lib
+        for seq in job.seqs():
+            lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            lib.llama_memory_seq_cp(self.memory, src.seq, seq, 0, n)
+        if isinstance(src, _Idle):
+            src.used = self._tick
+        if self._on_cached is not None:
+            self._on_cached(n - job.cached)
+        job.pos = job.cached = n
+        job.after_scoring = _left_by_scoring(src)
 
     def _evict(self, idle: _Idle) -> None:
         self._idle.remove(idle)
@@ -785,7 +855,7 @@ class Scheduler:
         budget = min(self.prefill, room)
         for job in group:
             job.row = -1
-            if job.forked or job.pos >= len(job.prompt) or budget <= 0:
+            if job.forked or job.lead is not None or job.pos >= len(job.prompt) or budget <= 0:
                 continue
             chunk = job.prompt[job.pos : job.pos + budget]
             end = job.pos + len(chunk) == len(job.prompt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -256,3 +257,86 @@ async def test_idle_prefixes_are_packed_when_a_burst_ends(
         assert sad_again == pytest.approx(sad, abs=1e-4)
     finally:
         await eng.aclose()
+
+
+OPENING = (
+    "You label customer messages for a support team. Read the message, decide how the "
+    "writer feels and what the message is about, and answer with the labels only. "
+    "Be strict: a polite complaint is still a complaint, and a question is not praise."
+)
+
+
+async def test_requests_that_start_together_read_a_shared_opening_once() -> None:
+    """Four texts of one decision set sent at once: one reads the opening, three copy it.
+
+    Before, each read it (nothing held it yet), and each kept its whole prompt
+    in the cache afterwards: four copies of the opening, idle.
+    """
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
+    await eng.load()
+    try:
+        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+        texts = ["I love it.", "It broke in a day.", "Where is my parcel?", "Too expensive."]
+        candidates = ["mood: happy", "mood: upset"]
+        # Hold the step thread so that all four are admitted in one step.
+        inside, go = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            inside.set()
+            go.wait()
+
+        held_step = asyncio.ensure_future(scheduler.call(hold))
+        await asyncio.to_thread(inside.wait)
+        calls = asyncio.gather(
+            *[
+                eng.score("smollm2", [{"role": "user", "content": f"{OPENING}\n\n{t}"}], candidates)
+                for t in texts
+            ]
+        )
+        while len(scheduler._inbox) < len(texts):
+            await asyncio.sleep(0)
+        go.set()
+        await held_step
+        got = await calls
+        opening = len(eng._slots[None].model.llama.tokenize(OPENING.encode()))  # type: ignore[union-attr]
+        cached = sorted(usage.cached_input_tokens for _, usage in got)
+        assert cached[0] < opening // 2  # the one that read it
+        assert all(c >= opening for c in cached[1:])  # the three that copied it
+        for scores, _ in got:
+            assert len(scores) == 2 and all(s < 0 for s in scores)
+        await scheduler.call(lambda: None)
+        # The cache holds the opening once: every idle prefix shares its cells.
+        tokens = [i.tokens for i in scheduler._idle]
+        held = await scheduler.call(lambda: _cells(scheduler))
+        assert held == _trie_size(tokens)
+        assert held < 2 * max(len(t) for t in tokens)
+    finally:
+        await eng.aclose()
+
+
+async def test_a_copy_waits_for_an_opening_whose_reader_ended_first() -> None:
+    """The reader of a shared opening may end in the step it read it (one token):
+    the one waiting copies the opening from the prompt it left in the cache."""
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
+    await eng.load()
+    try:
+        question = ask(f"{OPENING} Which planet is the largest?", max_tokens=1, temperature=0.0)
+        first, second = await asyncio.gather(eng.complete(question), eng.complete(question))
+        assert first.text == second.text
+        reads = sorted(c.usage.input_tokens - c.usage.cached_input_tokens for c in (first, second))
+        assert reads[0] == 1  # the copy reads only the last token, for its logits
+        assert reads[1] > 40
+    finally:
+        await eng.aclose()
+
+
+def _cells(scheduler: object) -> int:
+    import ctypes
+
+    import llama_cpp
+
+    ctx = scheduler.ctx.ctx  # type: ignore[attr-defined]
+    size = llama_cpp.llama_state_seq_get_size(ctx, -1)
+    data = (ctypes.c_uint8 * size)()
+    assert llama_cpp.llama_state_seq_get_data(ctx, data, size, -1) == size
+    return int.from_bytes(bytes(data[12:16]), "little")
