@@ -675,8 +675,6 @@ class Scheduler:
                 self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
                 if src is not None and match > 0:
                     self._lib.llama_memory_seq_cp(self.memory, src.seq, job.seq, 0, match)
-                    if isinstance(src, _Idle):
-                        src.used = self._tick
                 else:
                     match = 0
             if reuse_logits and isinstance(src, _Idle):
@@ -689,11 +687,7 @@ class Scheduler:
                     if match:
                         self._lib.llama_memory_seq_cp(self.memory, job.seq, branch.seq, 0, match)
             self._used += job.reserve
-            job.pos = job.cached = match
-            if match and src is not None:
-                job.after_scoring = _left_by_scoring(src)
-            if match and self._on_cached is not None:
-                self._on_cached(match)
+            self._opened(job, src, match)
             job.lead, job.lead_at = lead, lead_at
             self._live.append(job)
             if reuse_logits and job.logits is not None:
@@ -713,7 +707,7 @@ class Scheduler:
         best: Job | None = None
         most = have + FOLLOW_MIN - 1
         for job in self._live:
-            if job.adapter is not new.adapter or job.finished:
+            if job.adapter is not new.adapter:
                 continue
             n = min(_common(job.prompt, new.prompt), len(new.prompt) - 1)
             if n > most and job.pos < n:  # read that far already: ``_best_prefix`` had it
@@ -745,12 +739,17 @@ class Scheduler:
         for seq in job.seqs():
             lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
             lib.llama_memory_seq_cp(self.memory, src.seq, seq, 0, n)
-        if isinstance(src, _Idle):
-            src.used = self._tick
-        if self._on_cached is not None:
-            self._on_cached(n - job.cached)
+        self._opened(job, src, n)
+
+    def _opened(self, job: Job, src: _Idle | Job | None, n: int) -> None:
+        """Record that ``job`` holds the first ``n`` tokens of its prompt, from ``src``."""
+        if n and src is not None:
+            if isinstance(src, _Idle):
+                src.used = self._tick
+            job.after_scoring = _left_by_scoring(src)
+            if self._on_cached is not None:
+                self._on_cached(n - job.cached)
         job.pos = job.cached = n
-        job.after_scoring = _left_by_scoring(src)
 
     def _evict(self, idle: _Idle) -> None:
         self._idle.remove(idle)

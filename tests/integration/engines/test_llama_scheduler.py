@@ -184,10 +184,6 @@ async def test_idle_prefixes_are_packed_when_a_burst_ends(
     nothing runs they are packed (``Scheduler._compact``). Answers, scores and
     cache hits are the same after as before, and openings stay shared.
     """
-    import ctypes
-
-    import llama_cpp
-
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8)
     await eng.load()
     try:
@@ -209,18 +205,8 @@ async def test_idle_prefixes_are_packed_when_a_burst_ends(
         )
         assert sum(b.usage.output_tokens for b in burst) >= 300
         await scheduler.call(lambda: None)  # the step thread has gone quiet
-
-        def cells() -> int:
-            ctx = scheduler.ctx.ctx
-            size = llama_cpp.llama_state_seq_get_size(ctx, -1)
-            data = (ctypes.c_uint8 * size)()
-            assert llama_cpp.llama_state_seq_get_data(ctx, data, size, -1) == size
-            # A magic number and the sequence id (llama_context::state_seq_get_data),
-            # then the stream count and the stream's cells (llama_kv_cache::state_write).
-            return int.from_bytes(bytes(data[12:16]), "little")
-
         assert scheduler._idle and scheduler._high == scheduler._used  # it was packed
-        held = await scheduler.call(cells)
+        held = await scheduler.call(lambda: _cells(scheduler))
         assert held == _trie_size([i.tokens for i in scheduler._idle])
 
         # Idle prompts too long to copy quickly stay where they are.
@@ -242,7 +228,9 @@ async def test_idle_prefixes_are_packed_when_a_burst_ends(
         )
         await scheduler.call(lambda: None)
         assert restored == [] and scheduler._high == scheduler._used
-        assert await scheduler.call(cells) == _trie_size([i.tokens for i in scheduler._idle])
+        assert await scheduler.call(lambda: _cells(scheduler)) == _trie_size(
+            [i.tokens for i in scheduler._idle]
+        )
 
         again = await eng.complete(question)
         assert again.text == before.text
@@ -331,6 +319,7 @@ async def test_a_copy_waits_for_an_opening_whose_reader_ended_first() -> None:
 
 
 def _cells(scheduler: object) -> int:
+    """Cells in use in the scheduler's cache, read from llama.cpp's own state (step thread)."""
     import ctypes
 
     import llama_cpp
@@ -339,4 +328,6 @@ def _cells(scheduler: object) -> int:
     size = llama_cpp.llama_state_seq_get_size(ctx, -1)
     data = (ctypes.c_uint8 * size)()
     assert llama_cpp.llama_state_seq_get_data(ctx, data, size, -1) == size
+    # A magic number and the sequence id (llama_context::state_seq_get_data), then
+    # the stream count and the stream's cell count (llama_kv_cache::state_write).
     return int.from_bytes(bytes(data[12:16]), "little")
