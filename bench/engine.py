@@ -45,7 +45,13 @@ the rounds, beside its target (chat ≥ 1.0 at every client count, decide ≥
 what the cores allow. Every server is stopped on exit, Ctrl-C and SIGTERM
 included; nothing listens beyond 127.0.0.1.
 
+The same comparison on other inputs: ``--chat-prompts`` and ``--texts`` (one a
+line; a line that is a JSON string may hold newlines), ``--system`` (a file whose
+text is every chat's system prompt) and ``--decisions`` (a JSON list of decisions as
+``POST /v1/decide`` takes them). llama-server's slots grow to fit the longest prompt.
+
     python bench/engine.py [--quick] [--rounds N] [--clients 1,4,8,16] [--max-tokens 64]
+        [--chat-prompts FILE] [--system FILE] [--texts FILE] [--decisions FILE]
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ from batchyard.core import decisions as rules  # noqa: E402
 from batchyard.core.tokens import text_messages  # noqa: E402
 from batchyard.engines.model_files import default_model_path  # noqa: E402
 from batchyard.engines.tokenizers import ChatTemplate  # noqa: E402
+from batchyard.errors import BatchyardError  # noqa: E402
 
 console = Console()
 
@@ -94,7 +101,8 @@ MODEL = "kettei-core"
 TARGETS = {"chat": 1.0, "decide": 1.3}
 # llama-server's slots: the configuration of issue 19's comparison.
 SLOTS = 8
-# Context per llama-server slot: room for the longest prompt here and its reply.
+# Context per llama-server slot: room for the generated prompts and their replies
+# (``fit_slot`` raises it for longer prompts of a user's own).
 SLOT_CTX = 1024
 EMBED_INPUTS_PER_REQUEST = 4
 
@@ -323,11 +331,13 @@ DECISIONS = [
 STYLES = ("", " Keep it simple.", " Be cheerful.", " Use plain words.", " Make it vivid.")
 
 
+def chat_pool() -> list[str]:
+    return [f"{t} {p}.{s}" for t in TASKS for p in TOPICS for s in STYLES]
+
+
 def chat_prompts(seed: int, n: int) -> list[str]:
-    """``n`` distinct requests; a seed of their own per round and client count."""
-    rng = random.Random(seed)
-    pool = [f"{t} {p}.{s}" for t in TASKS for p in TOPICS for s in STYLES]
-    return rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
+    """``n`` of the generated chat prompts, drawn with ``seed``."""
+    return _draw(chat_pool(), seed, n)
 
 
 def review_texts(seed: int, n: int) -> list[str]:
@@ -347,14 +357,87 @@ def review_texts(seed: int, n: int) -> list[str]:
     return out
 
 
-def decide_body(text: str) -> dict[str, Any]:
-    return {"model": MODEL, "input": {"text": text}, "decisions": DECISIONS}
+def read_text(path: Path, what: str) -> str:
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{what} file {path}: {exc}; give a UTF-8 text file") from None
+    if not raw.strip():
+        raise SystemExit(f"{what} file {path} is empty")
+    return raw
+
+
+def read_lines(path: Path, what: str) -> list[str]:
+    """One entry a line; a line that is a JSON string is decoded (so an entry may hold newlines)."""
+    raw = read_text(path, what)
+    out: list[str] = []
+    for line in raw.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith('"'):
+            with contextlib.suppress(ValueError):
+                decoded = json.loads(line)
+                if isinstance(decoded, str):
+                    line = decoded
+        out.append(line)
+    return out
+
+
+def read_decisions(path: Path) -> list[dict[str, Any]]:
+    """A JSON list of decisions as ``POST /v1/decide`` takes them, or a body holding one."""
+    try:
+        data = json.loads(read_text(path, "decisions"))
+    except ValueError as exc:
+        raise SystemExit(f"decisions file {path}: {exc}; give a JSON list of decisions") from None
+    decisions = data.get("decisions") if isinstance(data, dict) else data
+    if not isinstance(decisions, list):
+        raise SystemExit(f"decisions file {path}: give a JSON list of decisions") from None
+    try:
+        rules.parse_request({"model": MODEL, "input": {"text": "x"}, "decisions": decisions})
+    except BatchyardError as exc:  # the API's own validation, as one line
+        raise SystemExit(f"decisions file {path}: {exc}".splitlines()[0]) from None
+    return decisions
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both contenders are asked: chat prompts, decide and embedding texts, decisions.
+
+    The defaults are generated; ``--chat-prompts``, ``--system``, ``--texts`` and
+    ``--decisions`` replace them with a user's own, so the comparison can be rerun on
+    other inputs. Each round draws its own sample (fresh where the pool is large enough).
+    """
+
+    prompts: list[str]
+    texts: list[str] | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=lambda: DECISIONS)
+    system: str | None = None
+
+    def chat_prompts(self, seed: int, n: int) -> list[str]:
+        """``n`` requests; a seed of their own per round and client count."""
+        return _draw(self.prompts, seed, n)
+
+    def decide_texts(self, seed: int, n: int) -> list[str]:
+        return review_texts(seed, n) if self.texts is None else _draw(self.texts, seed, n)
+
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        head = [] if self.system is None else [{"role": "system", "content": self.system}]
+        return [*head, {"role": "user", "content": prompt}]
+
+    def decide_body(self, text: str) -> dict[str, Any]:
+        return {"model": MODEL, "input": {"text": text}, "decisions": self.decisions}
+
+
+def _draw(pool: list[str], seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    return rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
 
 
 class Prompts:
     """Decide's prompt as the embedded engine renders it: the GGUF's own chat template."""
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, work: Workload) -> None:
         import llama_cpp
         from llama_cpp._utils import suppress_stdout_stderr
 
@@ -364,11 +447,15 @@ class Prompts:
         if template is None:
             raise SystemExit(f"{model_path} has no chat template")
         self.template = template
+        self.work = work
 
     def decide(self, text: str) -> str:
-        req = rules.parse_request(decide_body(text))
+        req = rules.parse_request(self.work.decide_body(text))
         plain, _ = text_messages(rules.build_messages(req, "lines"))
         return self.template.prompt(plain)
+
+    def chat(self, prompt: str) -> str:
+        return self.template.prompt(self.work.messages(prompt))
 
     def count(self, prompt: str) -> int:
         return len(self.llama.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
@@ -449,11 +536,12 @@ class Contender:
     decide_url: str
     embed_url: str
     embed_pid: int
+    work: Workload
 
     def chat_body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         return {
             "model": MODEL,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": self.work.messages(prompt),
             "max_tokens": max_tokens,
             "temperature": 0,
         }
@@ -461,7 +549,7 @@ class Contender:
 
 def decide_bodies(who: str, prompts: Prompts, texts: list[str]) -> list[dict[str, Any]]:
     if who == "batchyard":
-        return [decide_body(t) for t in texts]
+        return [prompts.work.decide_body(t) for t in texts]
     return [
         {"prompt": prompts.decide(t), "n_predict": 1, "cache_prompt": True, "temperature": 0}
         for t in texts
@@ -493,6 +581,9 @@ class Plan:
     decide_texts: int
     decide_clients: int
     embed_inputs: int
+    #: Chat requests of one measurement at least: one client's two requests were
+    #: too few to measure (one reply that stops early swung its ratio by 0.2).
+    min_chat: int = 2
 
 
 @dataclass
@@ -510,13 +601,13 @@ def measure(
     if what == "chat":
         bodies = [
             who.chat_body(p, plan.max_tokens)
-            for p in chat_prompts(seed, max(2, clients * plan.per_client))
+            for p in who.work.chat_prompts(seed, max(plan.min_chat, clients * plan.per_client))
         ]
         return asyncio.run(
             drive(who.chat_url, bodies, clients, who.headers, chat_tokens, who.server.proc.pid)
         )
     if what == "decide":
-        texts = review_texts(seed, plan.decide_texts)
+        texts = who.work.decide_texts(seed, plan.decide_texts)
         bodies = decide_bodies(who.name, prompts, texts)
         return asyncio.run(
             drive(
@@ -528,7 +619,7 @@ def measure(
                 who.server.proc.pid,
             )
         )
-    texts = review_texts(seed, plan.embed_inputs)
+    texts = who.work.decide_texts(seed, plan.embed_inputs)
     bodies = embed_bodies(who.name, texts)
     return asyncio.run(
         drive(who.embed_url, bodies, plan.decide_clients, who.headers, embed_count, who.embed_pid)
@@ -682,6 +773,21 @@ def batched_bench(build: Build, model: Path, threads: int, quick: bool) -> None:
 # -- main -------------------------------------------------------------------------
 
 
+def fit_slot(prompts: Prompts, plan: Plan) -> int:
+    """llama-server's context per slot: ``SLOT_CTX``, or room for the longest prompt and reply.
+
+    batchyard's embedded default gives each sequence 2,048 tokens; a slot too small
+    for a user's own prompts would make llama-server refuse them, not measure them.
+    """
+    work = prompts.work
+    longest = max(
+        [prompts.count(prompts.chat(p)) for p in work.prompts]
+        + [prompts.count(prompts.decide(t)) for t in (work.texts or review_texts(1, 8))]
+    )
+    need = longest + max(plan.max_tokens, 8) + 16
+    return max(SLOT_CTX, -(-need // 256) * 256)
+
+
 def _terminate(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -705,7 +811,7 @@ def check_prompts(
     by: Contender, ls: Contender, prompts: Prompts, text: str, max_tokens: int
 ) -> None:
     """Both read the same prompts: decide's rendered prompt, and chat's template."""
-    b = httpx.post(by.decide_url, json=decide_body(text), headers=by.headers, timeout=600)
+    b = httpx.post(by.decide_url, json=by.work.decide_body(text), headers=by.headers, timeout=600)
     b.raise_for_status()
     rendered = prompts.decide(text)
     body = {"prompt": rendered, "n_predict": 1, "cache_prompt": True, "temperature": 0}
@@ -716,7 +822,7 @@ def check_prompts(
         f"(the rendered prompt is {prompts.count(rendered)}), llama-server evaluated "
         f"{lr.get('tokens_evaluated')}; fallback {fallback}"
     )
-    prompt = chat_prompts(0, 1)[0]
+    prompt = by.work.chat_prompts(0, 1)[0]
     got = [
         httpx.post(c.chat_url, json=c.chat_body(prompt, max_tokens), headers=c.headers, timeout=600)
         .raise_for_status()
@@ -739,7 +845,23 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the first build")
     ap.add_argument("--rebuild", action="store_true", help="build llama.cpp again")
     ap.add_argument("--no-embeddings", action="store_true")
+    ap.add_argument(
+        "--chat-prompts", type=Path, help="chat prompts, one a line (default: generated)"
+    )
+    ap.add_argument("--system", type=Path, help="a file whose text is every chat's system prompt")
+    ap.add_argument(
+        "--texts", type=Path, help="decide and embedding texts, one a line (default: generated)"
+    )
+    ap.add_argument(
+        "--decisions", type=Path, help="a JSON list of decisions as POST /v1/decide takes them"
+    )
     args = ap.parse_args()
+    work = Workload(
+        prompts=chat_pool() if args.chat_prompts is None else read_lines(args.chat_prompts, "chat"),
+        texts=None if args.texts is None else read_lines(args.texts, "texts"),
+        decisions=DECISIONS if args.decisions is None else read_decisions(args.decisions),
+        system=None if args.system is None else read_text(args.system, "system").strip(),
+    )
     quick = args.quick
     plan = Plan(
         rounds=args.rounds or (2 if quick else 4),
@@ -749,6 +871,7 @@ def main() -> None:
         decide_texts=16 if quick else 48,
         decide_clients=args.decide_clients,
         embed_inputs=32 if quick else 96,
+        min_chat=4 if quick else 8,
     )
     cores = sorted(os.sched_getaffinity(0))
     threads = len(cores)
@@ -780,7 +903,8 @@ def main() -> None:
     console.print(cli(env, "credit", "add", "--org", "bench", "5000"))
 
     started: list[Server] = []
-    prompts = Prompts(model)
+    prompts = Prompts(model, work)
+    slot_ctx = fit_slot(prompts, plan)
     failed = 0
     try:
         with servers_stopped(started):
@@ -791,7 +915,7 @@ def main() -> None:
             started.append(
                 start(
                     "llama-server",
-                    [server_bin, *common, "--port", str(ports[0]), "-c", str(SLOTS * SLOT_CTX)],
+                    [server_bin, *common, "--port", str(ports[0]), "-c", str(SLOTS * slot_ctx)],
                     dict(OUTSIDE_ENV),
                     f"http://127.0.0.1:{ports[0]}",
                     tmp,
@@ -835,6 +959,7 @@ def main() -> None:
                 f"{by_server.base}/v1/decide",
                 f"{by_server.base}/v1/embeddings",
                 by_server.proc.pid,
+                work,
             )
             ls = Contender(
                 "llama-server",
@@ -844,6 +969,7 @@ def main() -> None:
                 f"{ls_server.base}/completion",
                 f"{embed_server.base}/embedding",
                 embed_server.proc.pid,
+                work,
             )
             # Warm both (the embedded model loads on first use, decide's set
             # estimates its content-free prior once): not measured.
@@ -855,7 +981,7 @@ def main() -> None:
                         raise SystemExit(f"{who.name} failed its warm-up {what}")
             if not embeddings:
                 console.print("embeddings skipped (--no-embeddings)")
-            check_prompts(by, ls, prompts, review_texts(1, 1)[0], plan.max_tokens)
+            check_prompts(by, ls, prompts, work.decide_texts(1, 1)[0], plan.max_tokens)
             tallies, failed, agree = run_rounds(plan, by, ls, prompts, embeddings)
             rss = {s.name: peak_rss_mb(s.proc.pid) for s in started}
     finally:
