@@ -77,6 +77,7 @@ bench: install
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/cache_span.py
 	$(BIN)/python bench/idle_packing.py
+	$(BIN)/python bench/idle_tails.py
 	$(BIN)/python bench/embed_packing.py
 
 clean:

@@ -30,8 +30,10 @@ once and then decodes all its candidates as one token trie in one
 ``llama_decode`` (``Scoring``). When a job ends,
 its prompt stays in the cache as an idle prefix for the next (at most one
 idle prefix a slot; a decision set's later texts keep only the opening they
-share with the set's first: idle cells are not free, since every step attends
-over every cell up to the highest one in use). When a burst ends, the idle
+share with the set's first, and while no request lately reused a whole
+prompt, older generation prompts are cut back to the opening they share
+(``_trim``): idle cells are not free, since every step attends over every
+cell up to the highest one in use). When a burst ends, the idle
 prefixes are packed into the lowest cells (``_compact``), so the next lone
 request does not attend over the span the burst left behind.
 
@@ -98,6 +100,10 @@ PACK_BYTES = 64 << 20
 #: The fewest prompt tokens worth waiting a step or two for while another live job
 #: reads them (``_follow``); fewer are read again at once.
 FOLLOW_MIN = 16
+
+#: Generation prompts kept whole while no request has reused a whole prompt lately
+#: (``Scheduler._trim``); older ones keep only the opening they share.
+WHOLE_KEPT = 2
 
 
 @dataclass(eq=False)
@@ -244,6 +250,10 @@ class _Idle:
     adapter: Adapter | None = None
     #: Left by a scoring job (decide's prompt), not by a generation.
     scoring_prompt: bool = False
+    #: A generation's whole prompt, not yet cut back to its opening (``Scheduler._trim``).
+    whole: bool = False
+    #: The step it was left on: the newest whole prompts are kept whole.
+    born: int = 0
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -335,6 +345,9 @@ class Scheduler:
         #: prefixes were last packed (``_compact``): how far the cache may have spread.
         self._high = 0
         self._tick = 0
+        #: Per generation admitted lately: whether it copied a whole idle prompt (a
+        #: chat's next turn, a repeated request). None lately: tails are not kept.
+        self._reuse: deque[bool] = deque(maxlen=4 * self.slots)
         self._closing = False
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Any, Job, Event]] = []
         self._thread = threading.Thread(target=self._run, name="llama-steps", daemon=True)
@@ -687,6 +700,12 @@ class Scheduler:
                     if match:
                         self._lib.llama_memory_seq_cp(self.memory, job.seq, branch.seq, 0, match)
             self._used += job.reserve
+            if job.scoring is None:
+                # A next turn holds its last turn's whole prompt, a repeat all of it
+                # but the token read again for its logits.
+                self._reuse.append(
+                    isinstance(src, _Idle) and src.whole and match >= len(src.tokens) - 1
+                )
             self._opened(job, src, match)
             job.lead, job.lead_at = lead, lead_at
             self._live.append(job)
@@ -750,6 +769,45 @@ class Scheduler:
             if self._on_cached is not None:
                 self._on_cached(n - job.cached)
         job.pos = job.cached = n
+
+    def _trim(self) -> None:
+        """Cut older whole generation prompts back to the opening they share with another.
+
+        An idle prompt is worth its cells only if a request copies it, and every
+        idle cell widens the span each step attends over. The rows of a batch run
+        share their instructions (the system prompt, the chat template's opening)
+        and never their own text: eight such prompts kept whole held 1,700 cells
+        that no request read again, and a lone request paid for them every token.
+        While no request lately reused a whole prompt (``_reuse``), only the
+        ``WHOLE_KEPT`` newest stay whole; the others keep the longest opening
+        they share with another idle prompt or a live one, or go. A chat's next
+        turn copies its last turn's whole prompt: once one does, tails are kept
+        again (as llama-server keeps each slot's last prompt), until none has for
+        ``4 x slots`` requests.
+        """
+        whole = sorted((i for i in self._idle if i.whole), key=lambda i: i.born, reverse=True)
+        for idle in whole[WHOLE_KEPT:]:
+            idle.whole = False
+            shared = 0
+            for other in self._idle:
+                if other is not idle and other.adapter is idle.adapter:
+                    shared = max(shared, _common(idle.tokens, other.tokens))
+            for job in self._live:
+                if job.adapter is idle.adapter:
+                    shared = max(shared, min(_common(idle.tokens, job.prompt), job.pos))
+            if shared == len(idle.tokens) or shared == 0:
+                # Another prompt holds all of it (it shares the cells), or none of it
+                # is shared: nothing here is worth a cell of its own.
+                self._evict(idle)
+                continue
+            self._lib.llama_memory_seq_rm(self.memory, idle.seq, shared, -1)
+            self._used -= len(idle.tokens) - shared
+            idle.tokens, idle.logits = idle.tokens[:shared], None
+            if any(
+                o is not idle and o.adapter is idle.adapter and o.tokens[:shared] == idle.tokens
+                for o in self._idle
+            ):
+                self._evict(idle)  # the other holds this opening: its cells stay
 
     def _evict(self, idle: _Idle) -> None:
         self._idle.remove(idle)
@@ -1051,10 +1109,22 @@ class Scheduler:
         if keep and n > 0:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, n, -1)
             logits = job.logits if n == len(job.prompt) else None
+            scoring = job.scoring is not None
             self._idle.append(
-                _Idle(job.seq, kept, self._tick, logits, job.adapter, job.scoring is not None)
+                _Idle(
+                    job.seq,
+                    kept,
+                    self._tick,
+                    logits,
+                    job.adapter,
+                    scoring,
+                    whole=not scoring and n == len(job.prompt),
+                    born=self._tick,
+                )
             )
             self._used += n
+            if not scoring and not any(self._reuse):
+                self._trim()
             # As many idle prefixes as slots, the least recently used out first: every
             # step's attention scans the cache up to its highest used cell (row by row,
             # masked cells included), so idle cells kept beyond what the next requests
