@@ -252,8 +252,6 @@ class _Idle:
     scoring_prompt: bool = False
     #: A generation's whole prompt, not yet cut back to its opening (``Scheduler._trim``).
     whole: bool = False
-    #: The step it was left on: the newest whole prompts are kept whole.
-    born: int = 0
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -785,29 +783,35 @@ class Scheduler:
         again (as llama-server keeps each slot's last prompt), until none has for
         ``4 x slots`` requests.
         """
-        whole = sorted((i for i in self._idle if i.whole), key=lambda i: i.born, reverse=True)
-        for idle in whole[WHOLE_KEPT:]:
+        # ``_idle`` is in the order its prompts were left: the newest whole ones last.
+        whole = [i for i in self._idle if i.whole]
+        for idle in whole[: max(0, len(whole) - WHOLE_KEPT)]:
             idle.whole = False
-            shared = 0
-            for other in self._idle:
-                if other is not idle and other.adapter is idle.adapter:
-                    shared = max(shared, _common(idle.tokens, other.tokens))
-            for job in self._live:
-                if job.adapter is idle.adapter:
-                    shared = max(shared, min(_common(idle.tokens, job.prompt), job.pos))
-            if shared == len(idle.tokens) or shared == 0:
-                # Another prompt holds all of it (it shares the cells), or none of it
-                # is shared: nothing here is worth a cell of its own.
+            held = max(
+                (
+                    _common(idle.tokens, other.tokens)
+                    for other in self._idle
+                    if other is not idle and other.adapter is idle.adapter
+                ),
+                default=0,
+            )
+            live = max(
+                (
+                    min(_common(idle.tokens, job.prompt), job.pos)
+                    for job in self._live
+                    if job.adapter is idle.adapter
+                ),
+                default=0,
+            )
+            if live <= held or live == len(idle.tokens):
+                # Another idle prompt holds what it shares (the cells stay), none of it
+                # is shared, or a live prompt holds all of it: nothing is its own.
                 self._evict(idle)
                 continue
-            self._lib.llama_memory_seq_rm(self.memory, idle.seq, shared, -1)
-            self._used -= len(idle.tokens) - shared
-            idle.tokens, idle.logits = idle.tokens[:shared], None
-            if any(
-                o is not idle and o.adapter is idle.adapter and o.tokens[:shared] == idle.tokens
-                for o in self._idle
-            ):
-                self._evict(idle)  # the other holds this opening: its cells stay
+            # A live prompt shares a longer opening than any idle one: keep that much.
+            self._lib.llama_memory_seq_rm(self.memory, idle.seq, live, -1)
+            self._used -= len(idle.tokens) - live
+            idle.tokens, idle.logits = idle.tokens[:live], None
 
     def _evict(self, idle: _Idle) -> None:
         self._idle.remove(idle)
@@ -1119,7 +1123,6 @@ class Scheduler:
                     job.adapter,
                     scoring,
                     whole=not scoring and n == len(job.prompt),
-                    born=self._tick,
                 )
             )
             self._used += n
