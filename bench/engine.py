@@ -22,8 +22,12 @@ Three servers start on loopback, all on the cores this process may use:
 
 Then, in rounds, each measurement runs on one contender and then the other
 (the order flips every round, so neither always runs first), on the same
-inputs, fresh each round (so no round is served from a cache the last round
-filled), at temperature 0 and the same ``max_tokens``:
+inputs, at temperature 0 and the same ``max_tokens``. No input is asked twice in
+a run while its pool lasts (``Deck``): llama-server keeps every prompt it has read
+in host memory (``--cache-ram``, 8 GiB by default) and answers a prompt it has
+seen from there, so a prompt drawn again would measure the two servers' caches,
+not their batching. Where a pool is smaller than the run, the end says how many
+inputs were drawn a second time.
 
 - chat: output tokens/s at 1, 4, 8 and 16 concurrent clients,
   ``/v1/chat/completions`` on both;
@@ -105,6 +109,8 @@ SLOTS = 8
 # (``fit_slot`` raises it for longer prompts of a user's own).
 SLOT_CTX = 1024
 EMBED_INPUTS_PER_REQUEST = 4
+#: The decks' shuffle: every run of the same inputs asks them in the same order.
+SEED = 1000
 
 # -- processes --------------------------------------------------------------------
 
@@ -340,6 +346,17 @@ def chat_prompts(seed: int, n: int) -> list[str]:
     return _draw(chat_pool(), seed, n)
 
 
+def review_pool() -> list[str]:
+    """Every generated review text (decide's and embeddings' default inputs)."""
+    return [
+        " ".join((o.format(p=p), v, c))
+        for p in PRODUCTS
+        for o in OPENINGS
+        for v in VERDICTS
+        for c in CLOSINGS
+    ]
+
+
 def review_texts(seed: int, n: int) -> list[str]:
     rng = random.Random(seed)
     seen: set[str] = set()
@@ -406,7 +423,7 @@ class Workload:
 
     The defaults are generated; ``--chat-prompts``, ``--system``, ``--texts`` and
     ``--decisions`` replace them with a user's own, so the comparison can be rerun on
-    other inputs. Each round draws its own sample (fresh where the pool is large enough).
+    other inputs. The measurements draw from them through ``decks``.
     """
 
     prompts: list[str]
@@ -421,12 +438,61 @@ class Workload:
     def decide_texts(self, seed: int, n: int) -> list[str]:
         return review_texts(seed, n) if self.texts is None else _draw(self.texts, seed, n)
 
+    def decks(self, seed: int) -> dict[str, Deck]:
+        """One deck per kind of work, each shuffled by ``seed`` alone."""
+        texts = review_pool() if self.texts is None else self.texts
+        return {
+            "chat": Deck("chat prompts", self.prompts, random.Random(seed)),
+            "decide": Deck("decide texts", texts, random.Random(seed + 1)),
+            "embed": Deck("embedding texts", texts, random.Random(seed + 2)),
+        }
+
     def messages(self, prompt: str) -> list[dict[str, str]]:
         head = [] if self.system is None else [{"role": "system", "content": self.system}]
         return [*head, {"role": "user", "content": prompt}]
 
     def decide_body(self, text: str) -> dict[str, Any]:
         return {"model": MODEL, "input": {"text": text}, "decisions": self.decisions}
+
+
+@dataclass
+class Deck:
+    """A pool's inputs dealt in a shuffled order, none twice until all are dealt.
+
+    Both contenders of a measurement get the same hand. An input dealt again (the
+    pool ran out: it is shuffled anew) could be answered from a cache an earlier
+    measurement filled (llama-server's ``--cache-ram`` keeps every prompt it read),
+    so ``repeats`` counts them and the run prints it.
+    """
+
+    name: str
+    pool: list[str]
+    rng: random.Random
+    dealt: int = 0
+    _left: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pool = list(dict.fromkeys(self.pool))
+
+    def take(self, n: int) -> list[str]:
+        hand: list[str] = []
+        while len(hand) < n:
+            if not self._left:
+                self._left = self.pool[:]
+                self.rng.shuffle(self._left)
+            hand.append(self._left.pop())
+        self.dealt += n
+        return hand
+
+    @property
+    def repeats(self) -> int:
+        return max(0, self.dealt - len(self.pool))
+
+    def summary(self) -> str:
+        said = f"{self.name}: {self.dealt} drawn of {len(self.pool)}"
+        if self.repeats:
+            return f"{said}, {self.repeats} of them again (the pool is smaller than the run)"
+        return f"{said}, none twice"
 
 
 def _draw(pool: list[str], seed: int, n: int) -> list[str]:
@@ -595,20 +661,23 @@ class Tally:
     chat_cpu: dict[str, float] = field(default_factory=dict)
 
 
+def wanted(plan: Plan, what: str, clients: int) -> int:
+    """How many inputs one measurement of ``what`` asks."""
+    if what == "chat":
+        return max(plan.min_chat, clients * plan.per_client)
+    return plan.decide_texts if what == "decide" else plan.embed_inputs
+
+
 def measure(
-    who: Contender, what: str, plan: Plan, seed: int, prompts: Prompts, clients: int
+    who: Contender, what: str, plan: Plan, inputs: list[str], prompts: Prompts, clients: int
 ) -> Load:
     if what == "chat":
-        bodies = [
-            who.chat_body(p, plan.max_tokens)
-            for p in who.work.chat_prompts(seed, max(plan.min_chat, clients * plan.per_client))
-        ]
+        bodies = [who.chat_body(p, plan.max_tokens) for p in inputs]
         return asyncio.run(
             drive(who.chat_url, bodies, clients, who.headers, chat_tokens, who.server.proc.pid)
         )
     if what == "decide":
-        texts = who.work.decide_texts(seed, plan.decide_texts)
-        bodies = decide_bodies(who.name, prompts, texts)
+        bodies = decide_bodies(who.name, prompts, inputs)
         return asyncio.run(
             drive(
                 who.decide_url,
@@ -619,15 +688,19 @@ def measure(
                 who.server.proc.pid,
             )
         )
-    texts = who.work.decide_texts(seed, plan.embed_inputs)
-    bodies = embed_bodies(who.name, texts)
+    bodies = embed_bodies(who.name, inputs)
     return asyncio.run(
         drive(who.embed_url, bodies, plan.decide_clients, who.headers, embed_count, who.embed_pid)
     )
 
 
 def run_rounds(
-    plan: Plan, by: Contender, ls: Contender, prompts: Prompts, embeddings: bool
+    plan: Plan,
+    by: Contender,
+    ls: Contender,
+    prompts: Prompts,
+    embeddings: bool,
+    decks: dict[str, Deck],
 ) -> tuple[list[Tally], int, list[tuple[int, int]]]:
     """Each measurement on both contenders back to back; who goes first flips each round."""
     tallies: list[Tally] = []
@@ -643,11 +716,11 @@ def run_rounds(
             tally.rates[who.name] = {}
             tally.chat_tokens[who.name] = 0.0
             tally.chat_cpu[who.name] = 0.0
-        for w, (what, clients) in enumerate(works):
-            seed = 1000 * (r + 1) + w
+        for what, clients in works:
+            inputs = decks[what].take(wanted(plan, what, clients))
             loads = {}
             for who in order:
-                load = measure(who, what, plan, seed, prompts, clients)
+                load = measure(who, what, plan, inputs, prompts, clients)
                 failed += load.failed
                 loads[who.name] = load
                 key = f"chat, {clients} client{'s' * (clients > 1)}" if what == "chat" else what
@@ -808,7 +881,7 @@ def servers_stopped(started: list[Server]) -> Iterator[None]:
 
 
 def check_prompts(
-    by: Contender, ls: Contender, prompts: Prompts, text: str, max_tokens: int
+    by: Contender, ls: Contender, prompts: Prompts, text: str, prompt: str, max_tokens: int
 ) -> None:
     """Both read the same prompts: decide's rendered prompt, and chat's template."""
     b = httpx.post(by.decide_url, json=by.work.decide_body(text), headers=by.headers, timeout=600)
@@ -822,7 +895,6 @@ def check_prompts(
         f"(the rendered prompt is {prompts.count(rendered)}), llama-server evaluated "
         f"{lr.get('tokens_evaluated')}; fallback {fallback}"
     )
-    prompt = by.work.chat_prompts(0, 1)[0]
     got = [
         httpx.post(c.chat_url, json=c.chat_body(prompt, max_tokens), headers=c.headers, timeout=600)
         .raise_for_status()
@@ -974,15 +1046,18 @@ def main() -> None:
             # Warm both (the embedded model loads on first use, decide's set
             # estimates its content-free prior once): not measured.
             warm = Plan(1, [1], 8, 1, 2, 2, 4)
-            for who in (by, ls):
-                for what in ("chat", "decide", *(("embed",) if embeddings else ())):
-                    load = measure(who, what, warm, 7, prompts, 1)
+            decks = work.decks(SEED)
+            for what in ("chat", "decide", *(("embed",) if embeddings else ())):
+                inputs = decks[what].take(wanted(warm, what, 1))
+                for who in (by, ls):
+                    load = measure(who, what, warm, inputs, prompts, 1)
                     if load.failed:
                         raise SystemExit(f"{who.name} failed its warm-up {what}")
             if not embeddings:
                 console.print("embeddings skipped (--no-embeddings)")
-            check_prompts(by, ls, prompts, work.decide_texts(1, 1)[0], plan.max_tokens)
-            tallies, failed, agree = run_rounds(plan, by, ls, prompts, embeddings)
+            text, prompt = decks["decide"].take(1)[0], decks["chat"].take(1)[0]
+            check_prompts(by, ls, prompts, text, prompt, plan.max_tokens)
+            tallies, failed, agree = run_rounds(plan, by, ls, prompts, embeddings, decks)
             rss = {s.name: peak_rss_mb(s.proc.pid) for s in started}
     finally:
         prompts.close()
@@ -992,6 +1067,9 @@ def main() -> None:
     same = sum(a for a, _ in agree)
     total = sum(n for _, n in agree)
     console.print(f"chat replies identical on both at temperature 0: {same} of {total}")
+    console.print(
+        "inputs (warm-up included): " + "; ".join(d.summary() for d in decks.values() if d.dealt)
+    )
     console.print(
         "peak resident memory: "
         + ", ".join(f"{name} {mb:.0f} MB" for name, mb in rss.items())
