@@ -435,9 +435,6 @@ class Workload:
         """``n`` requests; a seed of their own per round and client count."""
         return _draw(self.prompts, seed, n)
 
-    def decide_texts(self, seed: int, n: int) -> list[str]:
-        return review_texts(seed, n) if self.texts is None else _draw(self.texts, seed, n)
-
     def decks(self, seed: int) -> dict[str, Deck]:
         """One deck per kind of work, each shuffled by ``seed`` alone."""
         texts = review_pool() if self.texts is None else self.texts
