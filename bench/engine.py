@@ -358,20 +358,8 @@ def review_pool() -> list[str]:
 
 
 def review_texts(seed: int, n: int) -> list[str]:
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    out: list[str] = []
-    for _ in range(n * 50):
-        if len(out) == n:
-            break
-        p = rng.choice(PRODUCTS)
-        text = " ".join(
-            (rng.choice(OPENINGS).format(p=p), rng.choice(VERDICTS), rng.choice(CLOSINGS))
-        )
-        if text not in seen:
-            seen.add(text)
-            out.append(text)
-    return out
+    """``n`` distinct generated review texts, drawn with ``seed``."""
+    return _draw(review_pool(), seed, n)
 
 
 def read_text(path: Path, what: str) -> str:
@@ -435,9 +423,13 @@ class Workload:
         """``n`` requests; a seed of their own per round and client count."""
         return _draw(self.prompts, seed, n)
 
+    def text_pool(self) -> list[str]:
+        """Decide's and embeddings' texts: the user's, or every generated review."""
+        return review_pool() if self.texts is None else self.texts
+
     def decks(self, seed: int) -> dict[str, Deck]:
         """One deck per kind of work, each shuffled by ``seed`` alone."""
-        texts = review_pool() if self.texts is None else self.texts
+        texts = self.text_pool()
         return {
             "chat": Deck("chat prompts", self.prompts, random.Random(seed)),
             "decide": Deck("decide texts", texts, random.Random(seed + 1)),
@@ -852,7 +844,7 @@ def fit_slot(prompts: Prompts, plan: Plan) -> int:
     work = prompts.work
     longest = max(
         [prompts.count(prompts.chat(p)) for p in work.prompts]
-        + [prompts.count(prompts.decide(t)) for t in (work.texts or review_texts(1, 8))]
+        + [prompts.count(prompts.decide(t)) for t in work.text_pool()]
     )
     need = longest + max(plan.max_tokens, 8) + 16
     return max(SLOT_CTX, -(-need // 256) * 256)
