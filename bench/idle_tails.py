@@ -1,15 +1,16 @@
-"""What cutting idle prompts back to their shared opening buys the requests that follow.
+"""What moving idle prompts to the shelf buys the requests that follow.
 
 A finished request's prompt stays in the embedded scheduler's unified cache for
 reuse (an idle prefix), and every step of every request attends over every idle
-cell. The rows of a batch run share their instructions and never their own text,
-so while no request lately reused a whole prompt, the scheduler keeps only the
-two newest whole and cuts older ones back to the opening they share with another
-(``Scheduler._trim``). This bench runs, in one process and on one model, lone
-requests one after another two ways, alternated in rounds (these machines are
-noisy): ``trimmed`` is the scheduler as it ships; ``whole`` keeps every idle
-prompt whole (one a slot, as before). Each way first runs untimed requests so the
-cache holds what that way keeps, then times the next ones. Two workloads:
+cell. So when a request is admitted, the scheduler moves what it and the live
+requests do not share of the idle prompts to host memory (the shelf,
+``Scheduler._shelve``) and copies a shelved prompt back when a request starts
+like it. This bench runs, in one process and on one model, lone requests one
+after another two ways, alternated in rounds (these machines are noisy):
+``shelved`` is the scheduler as it ships; ``kept`` keeps every idle prompt
+whole in the cache (one a slot, the least recently used out first). Each way
+first runs untimed requests so the cache holds what that way keeps, then times
+the next ones. Two workloads:
 
 - ``unique``: ~230-token prompts that share only the chat template's opening
   (``bench/workloads/summaries/prompts.txt``: summarise four support tickets);
@@ -66,27 +67,31 @@ async def run(args: argparse.Namespace) -> None:
     engine = LlamaCppEngine(default_model_path(), slots=8)
     await engine.load()
     scheduler = engine._slots[None].model.scheduler  # type: ignore[union-attr]
-    trim = scheduler._trim
+    shelve, shelved_prefix = scheduler._shelve, scheduler._shelved_prefix
     rates: dict[tuple[str, str], list[float]] = {}
     try:
         for r in range(args.rounds):
             for name, work in workloads().items():
-                order = ("trimmed", "whole") if r % 2 == 0 else ("whole", "trimmed")
+                order = ("shelved", "kept") if r % 2 == 0 else ("kept", "shelved")
                 for k, how in enumerate(order):
-                    scheduler._trim = trim if how == "trimmed" else (lambda: None)
+                    on = how == "shelved"
+                    scheduler._shelve = shelve if on else (lambda _job: None)
+                    scheduler._shelved_prefix = (
+                        shelved_prefix if on else (lambda _job, have: (None, have))
+                    )
                     drawn = work.chat_prompts(1000 * r + 10 * k, 2 * args.requests)
                     await lone(engine, work, drawn[: args.requests])  # the cache settles
                     rate = await lone(engine, work, drawn[args.requests :])
                     rates.setdefault((name, how), []).append(rate)
                     print(f"round {r + 1} {name:>6} {how:>7}: {rate:6.1f} tok/s", flush=True)
     finally:
-        scheduler._trim = trim
+        scheduler._shelve, scheduler._shelved_prefix = shelve, shelved_prefix
         await engine.aclose()
     for name in workloads():
-        a, b = (statistics.median(rates[(name, h)]) for h in ("trimmed", "whole"))
+        a, b = (statistics.median(rates[(name, h)]) for h in ("shelved", "kept"))
         print(
             f"{name}: lone chats, median of {args.rounds} rounds: "
-            f"trimmed {a:.1f} tok/s, whole {b:.1f} tok/s, {a / b:.2f}×"
+            f"shelved {a:.1f} tok/s, kept {b:.1f} tok/s, {a / b:.2f}×"
         )
 
 

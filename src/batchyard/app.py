@@ -135,6 +135,7 @@ def build_service(
         embedded_threads=settings.embedded_threads,
         embedded_prefill_tokens=settings.embedded_prefill_tokens,
         embedded_cache_tokens=settings.embedded_cache_tokens,
+        embedded_shelf_mb=settings.embedded_shelf_mb,
         overrides=engines,
         clock=clock,
         version_idle_s=versions.idle_s,

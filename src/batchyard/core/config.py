@@ -89,6 +89,9 @@ class Settings:
     embedded_prefill_tokens: int = 512
     #: The embedded engine's shared KV cache in tokens; None: slots x n_ctx.
     embedded_cache_tokens: int | None = None
+    #: Host memory (MiB) for prompts moved out of the embedded engine's KV cache
+    #: and put back when a request starts like them (the shelf); 0: none.
+    embedded_shelf_mb: int = 256
     warm_fallback_after_s: float = 10.0
     #: On SIGTERM, how long calls in flight may take to land before they are cut off.
     shutdown_grace_s: float = 30.0
@@ -253,6 +256,7 @@ class SettingsFile(BaseModel):
     embedded_threads: PositiveInt | None = None
     embedded_prefill_tokens: Annotated[int, Field(ge=16, le=65536)] = 512
     embedded_cache_tokens: PositiveInt | None = None
+    embedded_shelf_mb: Annotated[int, Field(ge=0, le=1048576)] = 256
     warm_fallback_after_s: _Seconds = 10.0
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
     limits_queue_s: Annotated[float, Field(ge=0)] = 10.0

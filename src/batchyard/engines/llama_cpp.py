@@ -40,7 +40,14 @@ from batchyard.engines.llama_sampling import (
     SamplingParams,
     grammar_for,
 )
-from batchyard.engines.llama_scheduler import Adapter, Branch, Job, Scheduler, Scoring
+from batchyard.engines.llama_scheduler import (
+    SHELF_BYTES,
+    Adapter,
+    Branch,
+    Job,
+    Scheduler,
+    Scoring,
+)
 from batchyard.engines.model_files import sha256_of
 from batchyard.engines.protocol import (
     Choice,
@@ -292,7 +299,9 @@ class LlamaCppEngine:
     ``n_ctx`` tokens; ``cache_tokens`` cache cells (default ``slots × n_ctx``)
     are sized up front and shared by every sequence and idle prefix;
     ``prefill_tokens`` bounds the prompt tokens read in one step, so a long
-    prompt never stalls the tokens of running streams for long.
+    prompt never stalls the tokens of running streams for long. Up to
+    ``shelf_bytes`` of host memory a loaded model keeps prompts moved out of
+    the cache, for a later request that starts like them (the scheduler's shelf).
 
     Versions: a LoRA adapter is loaded once, on the base model
     (``llama_adapter_lora_init``), and its requests are sequences of the base's
@@ -316,6 +325,7 @@ class LlamaCppEngine:
         n_threads: int | None = None,
         prefill_tokens: int = 512,
         cache_tokens: int | None = None,
+        shelf_bytes: int = SHELF_BYTES,
         versions: dict[str, VersionSpec] | None = None,
         score_turn_end: bool = False,
         clock: Clock | None = None,
@@ -339,6 +349,7 @@ class LlamaCppEngine:
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
         self.prefill_tokens = max(16, prefill_tokens)
         self.cache_tokens = cache_tokens or self.slots * n_ctx
+        self.shelf_bytes = max(0, shelf_bytes)
         self.idle_s = idle_s
         self.memory_budget = memory_budget
         self._gate = gate
@@ -427,6 +438,7 @@ class LlamaCppEngine:
                 cache_tokens=self.cache_tokens,
                 threads=self.n_threads,
                 prefill_tokens=self.prefill_tokens,
+                shelf_bytes=self.shelf_bytes,
             )
         except BaseException:
             llama.close()

@@ -30,12 +30,13 @@ once and then decodes all its candidates as one token trie in one
 ``llama_decode`` (``Scoring``). When a job ends,
 its prompt stays in the cache as an idle prefix for the next (at most one
 idle prefix a slot; a decision set's later texts keep only the opening they
-share with the set's first, and while no request lately reused a whole
-prompt, older generation prompts are cut back to the opening they share
-(``_trim``): idle cells are not free, since every step attends over every
-cell up to the highest one in use). When a burst ends, the idle
-prefixes are packed into the lowest cells (``_compact``), so the next lone
-request does not attend over the span the burst left behind.
+share with the set's first). Idle cells are not free: every step attends
+over every cell up to the highest one in use. So when a job is admitted,
+what no one about to run shares of the idle prompts moves to the shelf, a
+host-memory store (``_shelve``), and comes back by copy, not by reading it
+again, when a request starts like it (``_restore``). When a burst ends, the
+idle prefixes are packed into the lowest cells (``_compact``), so the next
+lone request does not attend over the span the burst left behind.
 
 LoRA versions share the base model's scheduler. llama.cpp applies adapters
 to a whole context, not per sequence, so each step serves the jobs of one
@@ -74,7 +75,7 @@ from batchyard.engines.llama_sampling import (
 )
 from batchyard.errors import UpstreamError
 
-__all__ = ["ADAPTER_TURN", "Adapter", "Branch", "Job", "Scheduler"]
+__all__ = ["ADAPTER_TURN", "SHELF_BYTES", "Adapter", "Branch", "Job", "Scheduler"]
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +102,14 @@ PACK_BYTES = 64 << 20
 #: reads them (``_follow``); fewer are read again at once.
 FOLLOW_MIN = 16
 
-#: Generation prompts kept whole while no request has reused a whole prompt lately
-#: (``Scheduler._trim``); older ones keep only the opening they share.
-WHOLE_KEPT = 2
+#: Host memory the shelf may hold by default (``Scheduler.shelf_bytes``): prompts
+#: moved out of the cache, kept for a later request that starts like them. The
+#: embedded model's cells are about 23 KB a token, so this keeps some 11,000 tokens.
+SHELF_BYTES = 256 << 20
+
+#: The fewest tokens a shelved prompt must match beyond what the cache itself
+#: holds before it is put back: fewer are cheaper to read than to copy in.
+SHELF_MIN = 8
 
 
 @dataclass(eq=False)
@@ -250,8 +256,23 @@ class _Idle:
     adapter: Adapter | None = None
     #: Left by a scoring job (decide's prompt), not by a generation.
     scoring_prompt: bool = False
-    #: A generation's whole prompt, not yet cut back to its opening (``Scheduler._trim``).
-    whole: bool = False
+
+
+@dataclass(eq=False)
+class _Shelved:
+    """A prompt's cells copied to host memory (``llama_state_seq_get_data``).
+
+    It is put back into a free sequence (``llama_state_seq_set_data``) when a
+    request starts like it: milliseconds of copying instead of reading it again.
+    """
+
+    tokens: list[int]
+    data: Any
+    used: int
+    adapter: Adapter | None = None
+    scoring_prompt: bool = False
+    #: The last prompt token's logits row, kept with a whole scoring prompt.
+    logits: Any = None
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -266,9 +287,9 @@ def _lse(row: Any) -> float:
     return peak + float(np.log(np.exp(row64 - peak).sum()))
 
 
-def _left_by_scoring(src: _Idle | Job) -> bool:
-    """Whether a prefix source is a scoring prompt (decide's), idle or live."""
-    return src.scoring_prompt if isinstance(src, _Idle) else src.scoring is not None
+def _left_by_scoring(src: _Idle | _Shelved | Job) -> bool:
+    """Whether a prefix source is a scoring prompt (decide's), live, idle or shelved."""
+    return src.scoring is not None if isinstance(src, Job) else src.scoring_prompt
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -292,6 +313,7 @@ class Scheduler:
         threads: int,
         prefill_tokens: int,
         on_cached: Callable[[int], None] | None = None,
+        shelf_bytes: int = SHELF_BYTES,
     ) -> None:
         import llama_cpp
         from llama_cpp import _internals
@@ -337,15 +359,16 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._live: list[Job] = []
         self._idle: list[_Idle] = []
+        #: Prompts moved out of the cache to host memory, oldest use first (``_shelve``).
+        self._shelf: list[_Shelved] = []
+        self.shelf_bytes = max(0, shelf_bytes)
+        self._shelf_held = 0
         self._free = list(range(self.n_seq - 1, -1, -1))
         self._used = 0
         #: The most cells the live and idle sequences held at once since the idle
         #: prefixes were last packed (``_compact``): how far the cache may have spread.
         self._high = 0
         self._tick = 0
-        #: Per generation admitted lately: whether it copied a whole idle prompt (a
-        #: chat's next turn, a repeated request). None lately: tails are not kept.
-        self._reuse: deque[bool] = deque(maxlen=4 * self.slots)
         self._closing = False
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Any, Job, Event]] = []
         self._thread = threading.Thread(target=self._run, name="llama-steps", daemon=True)
@@ -626,6 +649,7 @@ class Scheduler:
             self._finish(job, keep=job.pos > 0)
 
     def _best_prefix(self, new: Job) -> tuple[_Idle | Job | None, int]:
+        """The idle or live prompt that starts most like ``new``'s, and how much it shares."""
         prompt = new.prompt
         best: _Idle | Job | None = None
         most = 0
@@ -643,12 +667,26 @@ class Scheduler:
                 best, most = job, n
         return best, most
 
+    def _shelved_prefix(self, new: Job, have: int) -> tuple[_Shelved | None, int]:
+        """A shelved prompt that shares at least ``SHELF_MIN`` more of ``new``'s than ``have``."""
+        best: _Shelved | None = None
+        most = have + SHELF_MIN - 1
+        for shelved in self._shelf:
+            if shelved.adapter is new.adapter:
+                n = _common(shelved.tokens, new.prompt)
+                if n > most:
+                    best, most = shelved, n
+        return best, (most if best is not None else have)
+
     def _admit(self) -> None:
         while self._waiting and len(self._live) < self.slots:
             job = self._waiting[0]
-            src, match = self._best_prefix(job)
+            self._shelve(job)
+            kept, match = self._best_prefix(job)
+            shelved, match = self._shelved_prefix(job, match)
+            src: _Idle | _Shelved | Job | None = shelved or kept
             reuse_logits = (
-                isinstance(src, _Idle)
+                isinstance(src, _Idle | _Shelved)
                 and job.scoring is not None
                 and match == len(job.prompt) == len(src.tokens)
                 and src.logits is not None
@@ -666,10 +704,13 @@ class Scheduler:
             take = isinstance(src, _Idle) and match > 0 and not room
             ids = len(job.branches) + (0 if take else 1)
             cells = job.reserve - (len(src.tokens) if take and isinstance(src, _Idle) else 0)
+            if isinstance(src, _Shelved):
+                cells += len(src.tokens) - match  # put back whole, then cut to ``match``
             for idle in sorted(self._idle, key=lambda i: i.used):
                 if len(self._free) >= ids and self._used + cells <= self.n_cells:
                     break
                 if idle is not src or not take:
+                    self._save(idle)
                     self._evict(idle)
                     if idle is src:
                         src, match, reuse_logits = None, 0, False
@@ -684,11 +725,14 @@ class Scheduler:
             else:
                 job.seq = self._free.pop()
                 self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
-                if src is not None and match > 0:
+                if isinstance(src, _Shelved):
+                    if not self._restore(src, job.seq, match):
+                        src, match = None, 0
+                elif src is not None and match > 0:
                     self._lib.llama_memory_seq_cp(self.memory, src.seq, job.seq, 0, match)
                 else:
                     match = 0
-            if reuse_logits and isinstance(src, _Idle):
+            if reuse_logits and isinstance(src, _Idle | _Shelved):
                 job.logits = src.logits
             for branch in job.branches:
                 branch.seq = self._free.pop()
@@ -698,12 +742,6 @@ class Scheduler:
                     if match:
                         self._lib.llama_memory_seq_cp(self.memory, job.seq, branch.seq, 0, match)
             self._used += job.reserve
-            if job.scoring is None:
-                # A next turn holds its last turn's whole prompt, a repeat all of it
-                # but the token read again for its logits.
-                self._reuse.append(
-                    isinstance(src, _Idle) and src.whole and match >= len(src.tokens) - 1
-                )
             self._opened(job, src, match)
             job.lead, job.lead_at = lead, lead_at
             self._live.append(job)
@@ -758,60 +796,98 @@ class Scheduler:
             lib.llama_memory_seq_cp(self.memory, src.seq, seq, 0, n)
         self._opened(job, src, n)
 
-    def _opened(self, job: Job, src: _Idle | Job | None, n: int) -> None:
+    def _opened(self, job: Job, src: _Idle | _Shelved | Job | None, n: int) -> None:
         """Record that ``job`` holds the first ``n`` tokens of its prompt, from ``src``."""
         if n and src is not None:
-            if isinstance(src, _Idle):
+            if not isinstance(src, Job):
                 src.used = self._tick
             job.after_scoring = _left_by_scoring(src)
             if self._on_cached is not None:
                 self._on_cached(n - job.cached)
         job.pos = job.cached = n
 
-    def _trim(self) -> None:
-        """Cut older whole generation prompts back to the opening they share with another.
+    def _shelve(self, job: Job) -> None:
+        """Before ``job`` is placed, move out of the cache what no one about to run shares.
 
-        An idle prompt is worth its cells only if a request copies it, and every
-        idle cell widens the span each step attends over. The rows of a batch run
-        share their instructions (the system prompt, the chat template's opening)
-        and never their own text: eight such prompts kept whole held 1,700 cells
-        that no request read again, and a lone request paid for them every token.
-        While no request lately reused a whole prompt (``_reuse``), only the
-        ``WHOLE_KEPT`` newest stay whole; the others keep the longest opening
-        they share with another idle prompt or a live one, or go. A chat's next
-        turn copies its last turn's whole prompt: once one does, tails are kept
-        again (as llama-server keeps each slot's last prompt), until none has for
-        ``4 x slots`` requests.
+        Every step attends over every cell up to the highest one in use, idle
+        ones included (``bench/cache_span.py``): a decision set's prompt left
+        idle slowed every token of the chats that followed it by 5-8 %, and a
+        finished chat's own text, which the next rows of a run never share, as
+        much. An idle prompt's cells that neither ``job`` nor a live job shares
+        are copied to host memory (the shelf) and freed; the part they share
+        stays. A later request that starts like a shelved prompt gets it back
+        in milliseconds (``_restore``) instead of reading it again, as
+        ``llama-server``'s host prompt cache (``--cache-ram``) does for its
+        slots. Each slot of ``llama-server`` attends only over its own cells;
+        this is how one unified cache attends over little more.
         """
-        # ``_idle`` is in the order its prompts were left: the newest whole ones last.
-        whole = [i for i in self._idle if i.whole]
-        for idle in whole[: max(0, len(whole) - WHOLE_KEPT)]:
-            idle.whole = False
-            held = max(
-                (
-                    _common(idle.tokens, other.tokens)
-                    for other in self._idle
-                    if other is not idle and other.adapter is idle.adapter
-                ),
-                default=0,
-            )
-            live = max(
-                (
-                    min(_common(idle.tokens, job.prompt), job.pos)
-                    for job in self._live
-                    if job.adapter is idle.adapter
-                ),
-                default=0,
-            )
-            if live <= held or live == len(idle.tokens):
-                # Another idle prompt holds what it shares (the cells stay), none of it
-                # is shared, or a live prompt holds all of it: nothing is its own.
-                self._evict(idle)
+        for idle in list(self._idle):
+            share = _common(idle.tokens, job.prompt) if idle.adapter is job.adapter else 0
+            for live in self._live:
+                if live.adapter is idle.adapter:
+                    share = max(share, min(_common(idle.tokens, live.prompt), live.pos))
+            if share >= len(idle.tokens):
                 continue
-            # A live prompt shares a longer opening than any idle one: keep that much.
-            self._lib.llama_memory_seq_rm(self.memory, idle.seq, live, -1)
-            self._used -= len(idle.tokens) - live
-            idle.tokens, idle.logits = idle.tokens[:live], None
+            self._save(idle)
+            held = any(
+                other is not idle
+                and other.adapter is idle.adapter
+                and _common(other.tokens, idle.tokens) >= share
+                for other in self._idle
+            )
+            if share == 0 or held:
+                self._evict(idle)
+            else:
+                self._lib.llama_memory_seq_rm(self.memory, idle.seq, share, -1)
+                self._used -= len(idle.tokens) - share
+                idle.tokens, idle.logits = idle.tokens[:share], None
+
+    def _save(self, idle: _Idle) -> None:
+        """Copy an idle prompt's cells to the shelf, unless it holds them already."""
+        n = len(idle.tokens)
+        if n < SHELF_MIN or not self.shelf_bytes:
+            return
+        same = [s for s in self._shelf if s.adapter is idle.adapter]
+        for shelved in same:
+            if len(shelved.tokens) >= n and shelved.tokens[:n] == idle.tokens:
+                shelved.used = max(shelved.used, idle.used)
+                return
+        lib, ctx = self._lib, self.ctx.ctx
+        size = int(lib.llama_state_seq_get_size(ctx, idle.seq))
+        if size > self.shelf_bytes:
+            return
+        data = (ctypes.c_uint8 * size)()
+        if lib.llama_state_seq_get_data(ctx, data, size, idle.seq) != size:
+            return
+        for shelved in same:  # a shorter opening of it is now redundant
+            if shelved.tokens == idle.tokens[: len(shelved.tokens)]:
+                self._drop(shelved)
+        self._shelf.append(
+            _Shelved(
+                idle.tokens,
+                data,
+                idle.used,
+                idle.adapter,
+                idle.scoring_prompt,
+                idle.logits,
+            )
+        )
+        self._shelf_held += size
+        while self._shelf_held > self.shelf_bytes:
+            self._drop(min(self._shelf, key=lambda s: s.used))
+
+    def _drop(self, shelved: _Shelved) -> None:
+        self._shelf.remove(shelved)
+        self._shelf_held -= len(shelved.data)
+
+    def _restore(self, shelved: _Shelved, seq: int, n: int) -> bool:
+        """Put the first ``n`` tokens of a shelved prompt back into ``seq`` (False: no room)."""
+        lib = self._lib
+        data = shelved.data
+        if lib.llama_state_seq_set_data(self.ctx.ctx, data, len(data), seq) == 0:
+            return False  # no run of free cells long enough: the prompt is read instead
+        lib.llama_memory_seq_rm(self.memory, seq, n, -1)
+        return True
 
     def _evict(self, idle: _Idle) -> None:
         self._idle.remove(idle)
@@ -877,6 +953,8 @@ class Scheduler:
                 job.post(("error", gone))
             for idle in [i for i in self._idle if i.adapter is adapter]:
                 self._evict(idle)
+            for shelved in [s for s in self._shelf if s.adapter is adapter]:
+                self._drop(shelved)
             if self._applied is adapter:
                 self._apply_adapter(None)
             if self._turn[0] is adapter:
@@ -1122,18 +1200,17 @@ class Scheduler:
                     logits,
                     job.adapter,
                     scoring,
-                    whole=not scoring and n == len(job.prompt),
                 )
             )
             self._used += n
-            if not scoring and not any(self._reuse):
-                self._trim()
-            # As many idle prefixes as slots, the least recently used out first: every
-            # step's attention scans the cache up to its highest used cell (row by row,
-            # masked cells included), so idle cells kept beyond what the next requests
-            # can reuse slow every request down; llama-server keeps one per slot too.
+            # As many idle prefixes as slots, the least recently used to the shelf first:
+            # every step's attention scans the cache up to its highest used cell (row by
+            # row, masked cells included), so idle cells kept beyond what the next
+            # requests can reuse slow every request down.
             while len(self._idle) > self.slots:
-                self._evict(min(self._idle, key=lambda i: i.used))
+                oldest = min(self._idle, key=lambda i: i.used)
+                self._save(oldest)
+                self._evict(oldest)
         else:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
             self._free.append(job.seq)

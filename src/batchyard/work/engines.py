@@ -44,6 +44,7 @@ class EngineRegistry:
         embedded_threads: int | None = None,
         embedded_prefill_tokens: int = 512,
         embedded_cache_tokens: int | None = None,
+        embedded_shelf_mb: int = 256,
         overrides: dict[str, Engine] | None = None,
         clock: Clock | None = None,
         version_idle_s: float | None = None,
@@ -55,6 +56,7 @@ class EngineRegistry:
         self._threads = embedded_threads
         self._prefill = embedded_prefill_tokens
         self._cache = embedded_cache_tokens
+        self._shelf_mb = embedded_shelf_mb
         self._clock = clock
         self._idle_s = version_idle_s
         self._budget = version_memory_bytes
@@ -103,6 +105,7 @@ class EngineRegistry:
                 n_threads=self._threads,
                 prefill_tokens=self._prefill,
                 cache_tokens=self._cache,
+                shelf_bytes=self._shelf_mb << 20,
                 clock=self._clock,
                 idle_s=self._idle_s,
                 memory_budget=self._budget,

@@ -227,7 +227,7 @@ async def test_idle_prefixes_are_packed_when_a_burst_ends(
 
         question = ask("Which planet is the largest?", max_tokens=12, temperature=0.0)
         before = await eng.complete(question)
-        # Asked twice: a whole prompt reused, so whole prompts are kept (``_trim``).
+        # Asked twice: the whole prompt is reused.
         assert (await eng.complete(question)).text == before.text
         happy, _ = await eng.score("smollm2", scored("I love this new phone."), candidates)
         sad, u_sad = await eng.score("smollm2", scored("Terrible service."), candidates)
@@ -251,13 +251,29 @@ async def test_idle_prefixes_are_packed_when_a_burst_ends(
                 return getattr(lib, name)
 
             def llama_state_seq_set_data(self, *args: object) -> int:
-                restored.append(1)
+                if packing:  # the shelf's put-backs use the same call
+                    restored.append(1)
                 return int(lib.llama_state_seq_set_data(*args))
+
+        packing: list[bool] = []
+        compact = scheduler._compact
+
+        def counted_compact() -> None:
+            packing.append(True)
+            try:
+                compact()
+            finally:
+                packing.clear()
+
+        monkeypatch.setattr(scheduler, "_compact", counted_compact)
 
         monkeypatch.setattr(llama_scheduler, "PACK_BYTES", 0)
         monkeypatch.setattr(scheduler, "_lib", Counting())
+        # Other stories: the first burst's are on the shelf, and a prompt put back
+        # from it holds its own copy of the chat template's opening.
+        others = [f"Tell me a long story about {t}." for t in ("a castle", "the wind", "a cat")]
         await asyncio.gather(
-            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in stories]
+            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in others]
         )
         await scheduler.call(lambda: None)
         assert restored == [] and scheduler._high == scheduler._used
@@ -322,13 +338,14 @@ async def test_requests_that_start_together_read_a_shared_opening_once() -> None
         await eng.aclose()
 
 
-async def test_rows_of_a_run_keep_only_their_shared_opening_until_a_prompt_is_reused() -> None:
+async def test_rows_of_a_run_leave_their_opening_and_shelve_their_texts() -> None:
     """Rows under one system prompt leave its opening idle, not their own texts.
 
     A unified cache attends over every idle cell, and a row's own text is not
     asked again: after the rows, the cache holds the opening and the newest
-    prompts only. A chat's next turn copies its last turn whole; from then on
-    whole prompts are kept, so a third turn finds the second.
+    prompt only; the others' own texts went to the shelf in host memory. A
+    chat's next turn copies its last turn whole, and a third turn finds the
+    second's prompt (on the shelf by then) after other rows ran between them.
     """
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8)
     await eng.load()
@@ -347,12 +364,16 @@ async def test_rows_of_a_run_keep_only_their_shared_opening_until_a_prompt_is_re
         assert all(d.usage.cached_input_tokens == opening for d in done[1:])
         await scheduler.call(lambda: None)
         idle = scheduler._idle
-        assert sum(i.whole for i in idle) == llama_scheduler.WHOLE_KEPT
+        # Beyond the opening, only the newest row's whole prompt is idle.
+        assert [len(i.tokens) for i in idle if len(i.tokens) > opening + 1] == [
+            done[-1].usage.input_tokens
+        ]
         held = await scheduler.call(lambda: _cells(scheduler))
         assert held == _trie_size([i.tokens for i in idle])
-        # The opening once, and the newest rows' own tails: not six rows' worth.
+        # The opening once, and the newest row's own tail: not six rows' worth.
         tail = done[-1].usage.input_tokens - opening
-        assert held <= opening + llama_scheduler.WHOLE_KEPT * (tail + 2)
+        assert held <= opening + tail + 2
+        assert len(scheduler._shelf) == len(rows) - 1
 
         # A conversation: its second turn copies the first turn's whole prompt.
         first = await eng.complete(row("Hello, who are you?"))
@@ -400,3 +421,44 @@ def _cells(scheduler: object) -> int:
     # A magic number and the sequence id (llama_context::state_seq_get_data), then
     # the stream count and the stream's cell count (llama_kv_cache::state_write).
     return int.from_bytes(bytes(data[12:16]), "little")
+
+
+async def test_the_shelf_keeps_within_its_budget_and_can_be_turned_off() -> None:
+    """Prompts moved out of the cache fill the shelf up to its bytes, oldest use out first.
+
+    With no shelf the same requests still run and the cache still holds only
+    what is shared; a prompt asked again is then read again.
+    """
+    topics = ("the moon", "volcanoes", "honey bees", "the Roman empire", "glaciers", "octopuses")
+    prompts = [f"Tell me one fact about {t}, in plain words for a young reader." for t in topics]
+    for budget in (None, 0):
+        eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
+        await eng.load()
+        try:
+            scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+            first = await eng.complete(ask(prompts[0], max_tokens=4, temperature=0.0))
+            size = await scheduler.call(
+                lambda: scheduler._lib.llama_state_seq_get_size(
+                    scheduler.ctx.ctx, scheduler._idle[0].seq
+                )
+            )
+            # Room for three such prompts (their cells are about 23 KB a token), or none.
+            scheduler.shelf_bytes = 3 * size + size // 2 if budget is None else 0
+            for prompt in prompts[1:]:
+                await eng.complete(ask(prompt, max_tokens=4, temperature=0.0))
+            await scheduler.call(lambda: None)
+            held = scheduler._shelf_held
+            assert held == sum(len(s.data) for s in scheduler._shelf) <= scheduler.shelf_bytes
+            again = await eng.complete(ask(prompts[0], max_tokens=4, temperature=0.0))
+            assert again.text == first.text
+            if budget is None:
+                # The oldest prompts went first; the newest shelved are there to copy.
+                assert len(scheduler._shelf) == 3
+                late = await eng.complete(ask(prompts[-2], max_tokens=4, temperature=0.0))
+                assert late.usage.cached_input_tokens == late.usage.input_tokens - 1
+            else:
+                assert scheduler._shelf == []
+            # The first prompt was long gone from the shelf (or there was none): read again.
+            assert again.usage.cached_input_tokens < again.usage.input_tokens - 1
+        finally:
+            await eng.aclose()

@@ -50,7 +50,21 @@ def test_the_defaults_without_a_file():
     s = load_settings(database_url="sqlite://")
     assert (s.embedded_slots, s.embedded_n_ctx, s.embedded_prefill_tokens) == (8, 2048, 512)
     assert s.embedded_threads is None and s.embedded_cache_tokens is None
+    assert s.embedded_shelf_mb == 256
     assert set(s.catalog.routes) == {"embedded"}
+
+
+def test_the_shelf_size_is_read_and_checked(tmp_path, monkeypatch):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("embedded_shelf_mb: 0\n")
+    assert load_settings(config_file=cfg, database_url="sqlite://").embedded_shelf_mb == 0
+    monkeypatch.setenv("BATCHYARD_EMBEDDED_SHELF_MB", "1024")
+    assert load_settings(config_file=cfg, database_url="sqlite://").embedded_shelf_mb == 1024
+    monkeypatch.setenv("BATCHYARD_EMBEDDED_SHELF_MB", "-1")
+    with pytest.raises(ConfigError) as got:
+        load_settings(config_file=cfg, database_url="sqlite://")
+    assert got.value.source == "environment variable BATCHYARD_EMBEDDED_SHELF_MB"
+    assert got.value.field == "embedded_shelf_mb"
 
 
 def test_an_error_names_its_source_and_field(tmp_path, monkeypatch):
