@@ -273,6 +273,8 @@ class _Shelved:
     scoring_prompt: bool = False
     #: The last prompt token's logits row, kept with a whole scoring prompt.
     logits: Any = None
+    #: Host bytes it holds: its cells, and its logits row if any.
+    size: int = 0
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -862,6 +864,8 @@ class Scheduler:
         for shelved in same:  # a shorter opening of it is now redundant
             if shelved.tokens == idle.tokens[: len(shelved.tokens)]:
                 self._drop(shelved)
+        if idle.logits is not None:
+            size += int(idle.logits.nbytes)
         self._shelf.append(
             _Shelved(
                 idle.tokens,
@@ -870,6 +874,7 @@ class Scheduler:
                 idle.adapter,
                 idle.scoring_prompt,
                 idle.logits,
+                size,
             )
         )
         self._shelf_held += size
@@ -878,7 +883,7 @@ class Scheduler:
 
     def _drop(self, shelved: _Shelved) -> None:
         self._shelf.remove(shelved)
-        self._shelf_held -= len(shelved.data)
+        self._shelf_held -= shelved.size
 
     def _restore(self, shelved: _Shelved, seq: int, n: int) -> bool:
         """Put the first ``n`` tokens of a shelved prompt back into ``seq`` (False: no room)."""

@@ -448,7 +448,7 @@ async def test_the_shelf_keeps_within_its_budget_and_can_be_turned_off() -> None
                 await eng.complete(ask(prompt, max_tokens=4, temperature=0.0))
             await scheduler.call(lambda: None)
             held = scheduler._shelf_held
-            assert held == sum(len(s.data) for s in scheduler._shelf) <= scheduler.shelf_bytes
+            assert held == sum(s.size for s in scheduler._shelf) <= scheduler.shelf_bytes
             again = await eng.complete(ask(prompts[0], max_tokens=4, temperature=0.0))
             assert again.text == first.text
             if budget is None:
