@@ -684,8 +684,8 @@ class Scheduler:
         while self._waiting and len(self._live) < self.slots:
             job = self._waiting[0]
             self._shelve(job)
-            kept, match = self._best_prefix(job)
-            shelved, match = self._shelved_prefix(job, match)
+            kept, held = self._best_prefix(job)
+            shelved, match = self._shelved_prefix(job, held)
             src: _Idle | _Shelved | Job | None = shelved or kept
             reuse_logits = (
                 isinstance(src, _Idle | _Shelved)
@@ -729,7 +729,11 @@ class Scheduler:
                 self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
                 if isinstance(src, _Shelved):
                     if not self._restore(src, job.seq, match):
-                        src, match = None, 0
+                        # Read it instead, from what the cache itself holds of it.
+                        src, match, reuse_logits = None, 0, False
+                        if kept is not None and (kept in self._idle or kept in self._live):
+                            src, match = kept, min(held, len(job.prompt) - 1)
+                            self._lib.llama_memory_seq_cp(self.memory, kept.seq, job.seq, 0, match)
                 elif src is not None and match > 0:
                     self._lib.llama_memory_seq_cp(self.memory, src.seq, job.seq, 0, match)
                 else:

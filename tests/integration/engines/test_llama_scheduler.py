@@ -462,3 +462,37 @@ async def test_the_shelf_keeps_within_its_budget_and_can_be_turned_off() -> None
             assert again.usage.cached_input_tokens < again.usage.input_tokens - 1
         finally:
             await eng.aclose()
+
+
+async def test_a_prompt_that_cannot_be_put_back_is_read_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No run of free cells long enough for a shelved prompt: it is read, not failed."""
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
+    await eng.load()
+    try:
+        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+        story = ask("Tell me a story about a lighthouse keeper and a storm.", 8, temperature=0.0)
+        first = await eng.complete(story)
+        other = await eng.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
+        assert other.usage.cached_input_tokens > 0  # the chat template's opening, copied
+        assert any(len(s.tokens) == first.usage.input_tokens for s in scheduler._shelf)
+        lib = scheduler._lib
+        refused: list[int] = []
+
+        class Full:
+            def __getattr__(self, name: str) -> object:
+                return getattr(lib, name)
+
+            def llama_state_seq_set_data(self, *args: object) -> int:
+                refused.append(1)
+                return 0
+
+        monkeypatch.setattr(scheduler, "_lib", Full())
+        again = await eng.complete(story)
+        assert refused == [1]
+        assert again.text == first.text
+        # Only the chat template's opening, which the cache itself held, was not read.
+        assert again.usage.cached_input_tokens == other.usage.cached_input_tokens
+    finally:
+        await eng.aclose()
