@@ -364,7 +364,6 @@ class Scheduler:
         #: Prompts moved out of the cache to host memory, oldest use first (``_shelve``).
         self._shelf: list[_Shelved] = []
         self.shelf_bytes = max(0, shelf_bytes)
-        self._shelf_held = 0
         self._free = list(range(self.n_seq - 1, -1, -1))
         self._used = 0
         #: The most cells the live and idle sequences held at once since the idle
@@ -712,8 +711,7 @@ class Scheduler:
                 if len(self._free) >= ids and self._used + cells <= self.n_cells:
                     break
                 if idle is not src or not take:
-                    self._save(idle)
-                    self._evict(idle)
+                    self._put_away(idle)
                     if idle is src:
                         src, match, reuse_logits = None, 0, False
             if len(self._free) < ids or self._used + cells > self.n_cells:
@@ -867,7 +865,7 @@ class Scheduler:
             return
         for shelved in same:  # a shorter opening of it is now redundant
             if shelved.tokens == idle.tokens[: len(shelved.tokens)]:
-                self._drop(shelved)
+                self._shelf.remove(shelved)
         if idle.logits is not None:
             size += int(idle.logits.nbytes)
         self._shelf.append(
@@ -881,13 +879,18 @@ class Scheduler:
                 size,
             )
         )
-        self._shelf_held += size
-        while self._shelf_held > self.shelf_bytes:
-            self._drop(min(self._shelf, key=lambda s: s.used))
+        while self.shelf_held > self.shelf_bytes:
+            self._shelf.remove(min(self._shelf, key=lambda s: s.used))
 
-    def _drop(self, shelved: _Shelved) -> None:
-        self._shelf.remove(shelved)
-        self._shelf_held -= shelved.size
+    @property
+    def shelf_held(self) -> int:
+        """Host bytes the shelf holds now."""
+        return sum(s.size for s in self._shelf)
+
+    def _put_away(self, idle: _Idle) -> None:
+        """An idle prompt leaves the cache for the shelf (``_save``), its cells freed."""
+        self._save(idle)
+        self._evict(idle)
 
     def _restore(self, shelved: _Shelved, seq: int, n: int) -> bool:
         """Put the first ``n`` tokens of a shelved prompt back into ``seq`` (False: no room)."""
@@ -962,8 +965,7 @@ class Scheduler:
                 job.post(("error", gone))
             for idle in [i for i in self._idle if i.adapter is adapter]:
                 self._evict(idle)
-            for shelved in [s for s in self._shelf if s.adapter is adapter]:
-                self._drop(shelved)
+            self._shelf = [s for s in self._shelf if s.adapter is not adapter]
             if self._applied is adapter:
                 self._apply_adapter(None)
             if self._turn[0] is adapter:
@@ -1217,9 +1219,7 @@ class Scheduler:
             # row, masked cells included), so idle cells kept beyond what the next
             # requests can reuse slow every request down.
             while len(self._idle) > self.slots:
-                oldest = min(self._idle, key=lambda i: i.used)
-                self._save(oldest)
-                self._evict(oldest)
+                self._put_away(min(self._idle, key=lambda i: i.used))
         else:
             self._lib.llama_memory_seq_rm(self.memory, job.seq, -1, -1)
             self._free.append(job.seq)
