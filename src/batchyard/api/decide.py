@@ -5,7 +5,8 @@ bad request is a 400 that leaves its idempotency key free for the fixed body.
 Then, inside the idempotent handler: the tier's limits, a hold for the most
 expensive outcome (the version's price or, where it may fall back, the base
 model's, whichever is higher), the model call, and settlement to the real
-usage at the price of the model that answered.
+usage at the price of the model that answered (prompt tokens the engine read
+from its cache at the route's cached-input price, as every settlement does).
 
 A model output that cannot be read (``model_output_invalid``) releases the
 hold: nothing is charged for a call that gave no answer. Like every
@@ -57,6 +58,7 @@ from batchyard.errors import (
 from batchyard.service import Service, model_versions
 from batchyard.work import decide_scoring as scoring_work
 from batchyard.work.decide_scoring import CalibrationInfo
+from batchyard.work.dispatcher import settled_cost
 from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
 
 __all__ = ["LOAD_WAIT_BOUND_S", "Plan", "can_score", "prepare", "priced", "router"]
@@ -318,7 +320,7 @@ async def _decide(
     usage = answered.usage
     charged = await svc.dispatcher.settle(
         reservation_id=res.id,
-        charge=charge_ticks(used.price.cost(usage.input_tokens, usage.output_tokens)),
+        charge=charge_ticks(settled_cost(used.price, used.serving.route, usage)),
         model=used.model.id,
         route=used.serving.route.id,
         usage=usage,
@@ -348,6 +350,7 @@ async def _decide(
         "usage": {
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
+            "cached_input_tokens": usage.cached_input_tokens,
             "calibration_input_tokens": answered.calibration_input_tokens,
         },
         "charge": format_money(charged),

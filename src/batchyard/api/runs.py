@@ -88,6 +88,7 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
             "rowsUncertain": run.rows_uncertain,
             "rowsTotal": run.rows_total,
             "inputTokens": run.input_tokens,
+            "cachedInputTokens": run.cached_input_tokens,
             "outputTokens": run.output_tokens,
         }
     results = None
@@ -99,6 +100,7 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
             "rowsCanceled": run.rows_canceled,
             "outputsWritten": run.outputs_written,
             "inputTokens": run.input_tokens,
+            "cachedInputTokens": run.cached_input_tokens,
             "outputTokens": run.output_tokens,
         }
     charge = format_money(run.charge) if run.charge is not None else None

@@ -62,6 +62,8 @@ class Answer(TypedDict):
 class Usage(TypedDict):
     input_tokens: int
     output_tokens: int
+    #: Of ``input_tokens``, those the model read from its prompt cache.
+    cached_input_tokens: NotRequired[int]
     calibration_input_tokens: NotRequired[int]
 
 

@@ -76,6 +76,8 @@ runs = Table(
     Column("rows_canceled", Integer, nullable=False, default=0),
     Column("input_tokens", BigInteger, nullable=False, default=0),
     Column("output_tokens", BigInteger, nullable=False, default=0),
+    # Of ``input_tokens``, those the engine read from its prompt cache (a shared system prompt).
+    Column("cached_input_tokens", BigInteger, nullable=False, default=0, server_default="0"),
     Column("charge_accum", BigInteger, nullable=False, default=0),
     Column("charge", BigInteger, nullable=True),
     Column("reservation_id", String(64), nullable=True),
@@ -108,6 +110,7 @@ run_items = Table(
     Column("outputs", Text, nullable=True),
     Column("usage_input", Integer, nullable=True),
     Column("usage_output", Integer, nullable=True),
+    Column("usage_cached", Integer, nullable=True),
     Column("charge", BigInteger, nullable=True),
     Column("error", Text, nullable=True),
     Column("written", Boolean, nullable=False, default=False),
@@ -153,6 +156,7 @@ class Run:
     updated_at: datetime
     key_id: str | None = None
     lease_token: int = 0
+    cached_input_tokens: int = 0
 
     @property
     def lease(self) -> Lease:

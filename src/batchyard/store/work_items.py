@@ -81,6 +81,8 @@ class ItemResult:
     usage_output: int = 0
     charge: int = 0
     error: dict[str, Any] | None = None
+    #: Of ``usage_input``, the prompt tokens the engine read from its cache.
+    usage_cached: int = 0
 
 
 def clear_items(conn: Connection, run_id: str) -> None:
@@ -177,6 +179,7 @@ def record_results(
             else None,
             "ui": r.usage_input,
             "uo": r.usage_output,
+            "uc": r.usage_cached,
             "ch": r.charge,
             "err": json.dumps(r.error) if r.error else None,
             "now": now,
@@ -197,6 +200,7 @@ def record_results(
             outputs=bindparam("out"),
             usage_input=bindparam("ui"),
             usage_output=bindparam("uo"),
+            usage_cached=bindparam("uc"),
             charge=bindparam("ch"),
             error=bindparam("err"),
             updated_at=bindparam("now"),
@@ -212,6 +216,7 @@ def record_results(
             rows_failed=runs.c.rows_failed + (len(results) - len(ok)),
             input_tokens=runs.c.input_tokens + sum(r.usage_input for r in ok),
             output_tokens=runs.c.output_tokens + sum(r.usage_output for r in ok),
+            cached_input_tokens=runs.c.cached_input_tokens + sum(r.usage_cached for r in ok),
             charge_accum=runs.c.charge_accum + sum(r.charge for r in ok),
             updated_at=now,
         )
@@ -321,13 +326,14 @@ def cancel_pending(conn: Connection, run_id: str, now: datetime) -> list[int]:
 def recount(conn: Connection, run_id: str, now: datetime) -> None:
     """Re-derive the run's counters from its rows (after a takeover or a stop)."""
     counts: dict[str, int] = {}
-    tokens_in = tokens_out = charge = 0
-    for state, n, ui, uo, ch in conn.execute(
+    tokens_in = tokens_out = tokens_cached = charge = 0
+    for state, n, ui, uo, uc, ch in conn.execute(
         select(
             run_items.c.state,
             func.count(),
             func.sum(run_items.c.usage_input),
             func.sum(run_items.c.usage_output),
+            func.sum(run_items.c.usage_cached),
             func.sum(run_items.c.charge),
         )
         .where(run_items.c.run_id == run_id)
@@ -336,6 +342,7 @@ def recount(conn: Connection, run_id: str, now: datetime) -> None:
         counts[state] = int(n)
         if state == ItemState.SUCCEEDED:
             tokens_in, tokens_out, charge = int(ui or 0), int(uo or 0), int(ch or 0)
+            tokens_cached = int(uc or 0)
     conn.execute(
         update(runs)
         .where(runs.c.id == run_id)
@@ -347,6 +354,7 @@ def recount(conn: Connection, run_id: str, now: datetime) -> None:
             rows_canceled=counts.get(ItemState.CANCELED, 0),
             input_tokens=tokens_in,
             output_tokens=tokens_out,
+            cached_input_tokens=tokens_cached,
             charge_accum=charge,
             updated_at=now,
         )

@@ -16,8 +16,10 @@ the prompt once and decodes all the candidates together. Calibration
   prompt an uncalibrated call reads.
 
 Every prompt the model reads is usage: ``input_tokens`` counts the call's
-prompt and any content-free prompts, and ``calibration_input_tokens`` says
-how many of them calibration added.
+prompt and any content-free prompts, ``calibration_input_tokens`` says
+how many of them calibration added, and ``cached_input_tokens`` how many the
+engine read from its prompt cache (a decision set's questions, once a text
+of the set has been read), which settle at the route's cached-input price.
 
 The state lives in the store (``batchyard.store.calibration``), so every
 process of a deployment shares one running mean, but a call never waits on
@@ -114,6 +116,8 @@ class _Raw:
     final: list[list[float]]
     # Prompt tokens the model read.
     input_tokens: int
+    # How many of them came from the engine's prompt cache.
+    cached_input_tokens: int = 0
 
 
 @dataclass
@@ -229,7 +233,7 @@ class Calibrations:
             chosen.append(decision.outcomes[best].id)
             raws.append(raw)
             finals.append(final)
-        return _Raw(chosen, raws, finals, usage.input_tokens)
+        return _Raw(chosen, raws, finals, usage.input_tokens, usage.cached_input_tokens)
 
     async def _content_free(
         self,
@@ -238,15 +242,15 @@ class Calibrations:
         upstream_model: str,
         req: rules.DecideRequest,
         count: Callable[[list[dict[str, Any]]], int],
-    ) -> tuple[list[list[float]], int]:
-        """The set's content-free prior and the prompt tokens spent estimating it (0: known)."""
+    ) -> tuple[list[list[float]], Usage]:
+        """The set's content-free prior and the prompts read estimating it (none: known)."""
         known = self._priors.get(key)
         if known is not None:
-            return known, 0
+            return known, Usage(0, 0)
         async with self._locks.setdefault(key, asyncio.Lock()):
             known = self._priors.get(key) or await self._load(key, req)
             if known is not None:
-                return known, 0
+                return known, Usage(0, 0)
             # One after another: the set's prior is then the same however busy the engine is.
             got = [
                 await self._score(
@@ -258,7 +262,9 @@ class Calibrations:
                 )
                 for cf in content_free_requests(req)
             ]
-            spent = sum(g.input_tokens for g in got)
+            spent = Usage(
+                sum(g.input_tokens for g in got), 0, sum(g.cached_input_tokens for g in got)
+            )
             prior = [
                 cal.mean_probabilities([g.raw[k] for g in got]) for k in range(len(req.decisions))
             ]
@@ -293,10 +299,10 @@ class Calibrations:
         if mode == "none":
             got = await self._score(route, upstream_model, req, prompt_tokens, lambda _k: None)
             answer = rules.answer_text(req.decisions, got.chosen, "lines")
-            usage = Usage(got.input_tokens, count_text(answer))
+            usage = Usage(got.input_tokens, count_text(answer), got.cached_input_tokens)
             return ScoredAnswers(got.chosen, by_id(got.final), None, usage, 0, None)
         key = (org_id, fingerprint(model_id, req))
-        content_free, cf_tokens = await self._content_free(key, route, upstream_model, req, count)
+        content_free, cf = await self._content_free(key, route, upstream_model, req, count)
         shape = [len(o) for o in ids]
         running = self._running.setdefault(key, _Running.of(None, shape))
         texts = list(running.texts) if mode == "batch" else [0] * len(shape)
@@ -314,10 +320,14 @@ class Calibrations:
             got.chosen,
             by_id(got.final),
             by_id(got.raw),
-            Usage(got.input_tokens + cf_tokens, count_text(answer)),
+            Usage(
+                got.input_tokens + cf.input_tokens,
+                count_text(answer),
+                got.cached_input_tokens + cf.cached_input_tokens,
+            ),
             # What calibration added: the content-free prompts, on the call that made them.
-            cf_tokens,
-            CalibrationInfo(mode, min(texts), cf_tokens > 0),
+            cf.input_tokens,
+            CalibrationInfo(mode, min(texts), cf.input_tokens > 0),
         )
 
     # -- writing the running sums, off the call's path ------------------------------

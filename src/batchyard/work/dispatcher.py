@@ -56,7 +56,7 @@ from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
 from batchyard.work.route_pacing import RoutePacer
 
-__all__ = ["DispatchResult", "Dispatcher", "OnSend", "outcome_of", "usage_of"]
+__all__ = ["DispatchResult", "Dispatcher", "OnSend", "outcome_of", "settled_cost", "usage_of"]
 
 log = logging.getLogger("batchyard.dispatch")
 T = TypeVar("T")
@@ -290,14 +290,16 @@ class Dispatcher:
             raise
         done = [t.result() for t in tasks]
         usage = Usage(
-            sum(c.usage.input_tokens for c in done), sum(c.usage.output_tokens for c in done)
+            sum(c.usage.input_tokens for c in done),
+            sum(c.usage.output_tokens for c in done),
+            sum(c.usage.cached_input_tokens for c in done),
         )
         completion = Completion(
             done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
         )
         charged = await self.settle(
             reservation_id=res.id,
-            charge=charge_ticks(price.cost(usage.input_tokens, usage.output_tokens)),
+            charge=charge_ticks(settled_cost(price, route, usage)),
             model=model.id,
             route=route.id,
             usage=usage,
@@ -474,7 +476,7 @@ class Dispatcher:
         """A call answered: settled to its real usage (cached prompt tokens at their price)."""
         charged = await self.settle(
             reservation_id=reservation_id,
-            charge=charge_ticks(_settled(price, route, completion.usage)),
+            charge=charge_ticks(settled_cost(price, route, completion.usage)),
             model=model.id,
             route=route.id,
             usage=completion.usage,
@@ -501,6 +503,10 @@ class Dispatcher:
         charge actually posted (capped at the hold by the ledger).
         """
         now = self.clock.now()
+        # Where the engine read part of the prompt from its cache, the record says how much:
+        # those tokens may have cost the route's cached-input price.
+        n = usage.cached_input_tokens
+        cached = {"cached_input_tokens": n} if n else {}
 
         def tx(c: Connection) -> int:
             return billing.settle(
@@ -515,6 +521,7 @@ class Dispatcher:
                     "route": route,
                     "input_tokens": usage.input_tokens,
                     "output_tokens": usage.output_tokens,
+                    **cached,
                     **(detail or {}),
                 },
             ).charged
@@ -524,8 +531,12 @@ class Dispatcher:
         return charged
 
 
-def _settled(price: Price, route: RouteSpec, usage: Usage) -> Decimal:
-    """What a call really cost: cached prompt tokens at the route's cached-input price."""
+def settled_cost(price: Price, route: RouteSpec, usage: Usage) -> Decimal:
+    """What a call really cost: cached prompt tokens at the route's cached-input price.
+
+    The one rule every settlement follows (a chat, a decide call, a run's row);
+    quotes and holds price every prompt token uncached, so this is never above them.
+    """
     return price.for_route(route.cached_input_per_mtok).cost(
         usage.input_tokens, usage.output_tokens, usage.cached_input_tokens
     )

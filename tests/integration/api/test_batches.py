@@ -10,9 +10,11 @@ from sqlalchemy import func, select
 
 from batchyard.core.accounts import Scope
 from batchyard.core.clock import isoformat
+from batchyard.core.money import charge_ticks, format_money
 from batchyard.engines.scripted import ScriptedEngine
 from batchyard.store.deferred_batch_tables import batch_items
 from tests.support.accounts import add_key, make_account
+from tests.support.cached_routes import CACHED_PER_MTOK, cached_catalog, settled
 from tests.support.deferred_batches import (
     all_items,
     batch_body,
@@ -377,3 +379,31 @@ async def test_a_batch_on_the_real_embedded_model_end_to_end(service):
         usage = line["result"]["body"]["usage"]
         assert 1 <= usage["completion_tokens"] <= 4 and usage["prompt_tokens"] > 5
         assert float(line["result"]["body"]["charge"]) > 0
+
+
+@pytest.mark.model
+async def test_a_batchs_cached_prompt_tokens_are_charged_at_the_routes_cached_price(make_service):
+    service = make_service(catalog=cached_catalog())
+    acct = make_account(service, credit="1")
+    body = batch_body(3)
+    for r in body["requests"]:
+        r["body"]["max_tokens"] = 4
+    async with asgi_client(service, worker=False) as http:
+        bid = (await submit(http, acct.headers, body)).json()["id"]
+        report = await worker(service).run_pass()
+        res = await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)
+    assert report.succeeded == 3, report
+    lines = [httpx.Response(200, content=x).json() for x in res.content.splitlines()]
+    # The embedded route's market price (what a deferred item pays), cached tokens for less.
+    [offer] = worker(service).prices.offers("kettei-core", service.clock.now())
+    assert offer.price is not None and offer.price.input_per_mtok > CACHED_PER_MTOK
+    cached = []
+    for line in lines:
+        answer = line["result"]["body"]
+        usage = answer["usage"]
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        assert answer["charge"] == format_money(
+            charge_ticks(settled(service.catalog, "kettei-core", usage, offer.price))
+        )
+    # The three requests ask the same prompt: the engine reads it once.
+    assert max(cached) > 0

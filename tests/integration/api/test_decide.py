@@ -529,7 +529,8 @@ class LogprobEngine:
             {"token": '"}', "logprob": 0.0},
         ]
         text = "".join(t["token"] for t in tokens)
-        return Completion(request.model, [Choice(text, logprobs=tokens)], Usage(40, 3))
+        usage = Usage(40, 3, cached_input_tokens=32)  # the route read 32 from its cache
+        return Completion(request.model, [Choice(text, logprobs=tokens)], usage)
 
     async def aclose(self) -> None:
         return None
@@ -554,6 +555,7 @@ async def test_probabilities_come_from_the_routes_top_logprobs(remote):
     assert r.json()["usage"] == {
         "input_tokens": 40,
         "output_tokens": 3,
+        "cached_input_tokens": 32,
         "calibration_input_tokens": 0,
     }
     # A generation route is not calibrated: its probabilities are the route's own.

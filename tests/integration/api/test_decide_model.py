@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import pytest
 
+from batchyard.core.money import charge_ticks, format_money
+from batchyard.core.prices import Price
 from batchyard.store import ledger
 from tests.support.accounts import make_account
+from tests.support.cached_routes import CACHED_PER_MTOK, cached_catalog
 from tests.support.server import asgi_client
 
 pytestmark = pytest.mark.model
@@ -142,3 +146,40 @@ async def test_calibrated_answers_carry_the_raw_ones_and_pay_for_the_content_fre
     assert est_after["input_tokens"] == prompt and est_after["calibration_input_tokens"] == 0
     bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.held == 0
+
+
+async def test_a_sets_questions_are_read_from_the_cache_and_charged_at_the_cached_price(
+    make_service,
+) -> None:
+    """The second text of a set finds the set's questions in the engine's prompt cache."""
+    service = make_service(catalog=cached_catalog())
+    model = service.catalog.model("kettei-core")
+    price = Price(model.input_per_mtok, model.output_per_mtok, CACHED_PER_MTOK)
+    acct = make_account(service, credit="1")
+    texts = ["The lid cracked the first week.", "Fast delivery and it works great."]
+    answers = []
+    async with asgi_client(service, timeout=300) as http:
+        for text in texts:
+            service.clock.advance(2)
+            r = await http.post(
+                "/v1/decide", json=_body(text, calibration="none"), headers=acct.headers
+            )
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+    first, second = (a["usage"] for a in answers)
+    # The second text shares everything before its own text with the first.
+    assert 0 <= first["cached_input_tokens"] < second["cached_input_tokens"]
+    assert second["cached_input_tokens"] < second["input_tokens"]
+    for body in answers:
+        usage = body["usage"]
+        settled = price.cost(
+            usage["input_tokens"], usage["output_tokens"], usage["cached_input_tokens"]
+        )
+        assert body["charge"] == format_money(charge_ticks(settled))
+    uncached = price.cost(second["input_tokens"], second["output_tokens"])
+    assert charge_ticks(uncached) > charge_ticks(
+        price.cost(second["input_tokens"], second["output_tokens"], second["cached_input_tokens"])
+    )
+    bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.held == 0
+    assert bal.settled == sum(charge_ticks(Decimal(a["charge"])) for a in answers)

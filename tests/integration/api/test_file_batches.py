@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 from decimal import Decimal
 
+import pytest
+
 from batchyard.core.accounts import Scope
-from batchyard.core.money import from_ticks, parse_money, to_ticks
+from batchyard.core.money import charge_ticks, from_ticks, parse_money, to_ticks
 from batchyard.store import ledger
 from tests.support.accounts import add_key, make_account
+from tests.support.cached_routes import cached_catalog, settled
 from tests.support.deferred_batches import BlockingEngine, batch_body, eventually, submit
 from tests.support.file_batches import (
     chat_line,
@@ -302,3 +305,38 @@ async def test_completions_and_embeddings_lines_run_and_answer_in_their_endpoint
     assert engine.embed_calls == [["text 0", "more"], ["text 1", "more"]]
     bal = balance(service, acct.org_id)
     assert bal.held == 0 and bal.settled > 0
+
+
+@pytest.mark.model
+async def test_a_lines_cached_prompt_tokens_are_charged_at_the_routes_cached_price(make_service):
+    service = make_service(catalog=cached_catalog())
+    acct = make_account(service, credit="1")
+    system = {"role": "system", "content": "You answer support tickets in one short sentence."}
+    lines = [
+        {
+            **chat_line(f"req-{i}"),
+            "body": {
+                "model": "kettei-core",
+                "messages": [system, {"role": "user", "content": f"Ticket {i}: where is it?"}],
+                "max_tokens": 4,
+            },
+        }
+        for i in range(3)
+    ]
+    async with asgi_client(service, worker=False) as http:
+        f = (await upload(http, acct.headers, jsonl(lines))).json()
+        batch = (await create(http, acct.headers, f["id"])).json()
+        await worker(service).run_until_idle()
+        done = (await http.get(f"/v1/batches/{batch['id']}", headers=acct.headers)).json()
+        out = await http.get(f"/v1/files/{done['output_file_id']}/content", headers=acct.headers)
+    assert done["request_counts"]["completed"] == 3, done
+    cached = []
+    for x in parse_lines(out.content):
+        body = x["response"]["body"]
+        cached.append((body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        expected = charge_ticks(settled(service.catalog, "kettei-core", body["usage"]))
+        assert to_ticks(parse_money(body["charge"])) == expected
+    # The lines share their system prompt: the engine reads it once.
+    assert max(cached) > 0
+    bal = balance(service, acct.org_id)
+    assert bal.held == 0 and bal.settled == to_ticks(parse_money(done["charge"]))

@@ -152,6 +152,8 @@ async def test_progress_is_reported_while_running_and_cancel_keeps_answered_rows
             "rowsUncertain": 0,
             "rowsTotal": 40,
             "inputTokens": cur["progress"]["inputTokens"],
+            # The scripted engine keeps no prompt cache.
+            "cachedInputTokens": 0,
             "outputTokens": 15,
         }
         stopping = (await api.post(run["id"], "cancel")).json()
@@ -514,6 +516,9 @@ async def test_a_run_on_the_embedded_model_end_to_end(svc):
     assert (
         res["inputTokens"] <= quote["inputTokens"]
     )  # the quote counts with the model's own vocabulary
+    # Every row's prompt opens like the others ("Name one colour. Ticket"): the engine
+    # reads that opening from its cache for all but the first rows it answers at once.
+    assert 0 < res["cachedInputTokens"] < res["inputTokens"]
     assert Decimal(cur["charge"]) <= Decimal(quote["maxCost"])
     assert all(isinstance(r["data"]["answer"], str) and r["data"]["answer"].strip() for r in out)
     bal = balance(svc, acct.org_id)

@@ -9,6 +9,7 @@ import pytest
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
 from batchyard.core.telemetry import MemoryRecorder
 from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Usage
+from batchyard.store.activity import list_activity
 from batchyard.store.database import Database
 from tests.support.clocks import SleepWatchingClock
 from tests.support.run_store import add_org, balance
@@ -54,3 +55,28 @@ async def test_cached_tokens_settle_at_the_routes_cached_price(
     assert result.completion.usage.cached_input_tokens == 3
     assert balance(db, org).available == to_ticks(Decimal("10")) - result.charge
     assert recorder.counts["prompt_tokens_cached", "r"] == 3
+    # The charge's activity record says how many of its input tokens were cached.
+    [charge] = [a for a in db.read_sync(lambda c: list_activity(c, org)) if a["kind"] == "charge"]
+    assert (charge["detail"]["input_tokens"], charge["detail"]["cached_input_tokens"]) == (4, 3)
+
+
+async def test_a_list_of_prompts_adds_up_its_cached_tokens_and_settles_them_cached(
+    db: Database, clock: SleepWatchingClock
+) -> None:
+    org = add_org(db, clock.now(), credit="10")
+    d = make_dispatcher(db, clock, CachingEngine())
+    request = CompletionRequest(model="up-m", messages=PROMPT, max_tokens=16)
+    result = await d.execute_all(
+        org_id=org,
+        model=MODEL,
+        route=route(cached_input_per_mtok=Decimal("250")),
+        requests=[(request, 4), (request, 4)],
+        max_cost=quote_ticks(PRICE.cost(8, 32)),
+        price=PRICE,
+        purpose="completion",
+        ref="cmpl.1",
+    )
+    assert result.completion.usage == Usage(8, 4, cached_input_tokens=6)
+    # 2 tokens in at $0.001, the 6 cached at $0.00025, 4 out at $0.002.
+    assert result.charge == charge_ticks(Decimal("0.0115"))
+    assert balance(db, org).available == to_ticks(Decimal("10")) - result.charge

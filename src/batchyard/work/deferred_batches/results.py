@@ -33,6 +33,7 @@ from batchyard.errors import BatchyardError
 from batchyard.store import billing
 from batchyard.store import deferred_batches as store
 from batchyard.work.batch_key import result_aad
+from batchyard.work.dispatcher import settled_cost
 from batchyard.work.openai_wire import Reply
 
 __all__ = ["ClaimedItem", "fail", "finish_failed", "item_detail", "succeed"]
@@ -99,7 +100,7 @@ def succeed(
     """Settle the hold to real usage and keep the sealed completion; the ticks this posted."""
     item = job.item
     usage = completion.usage
-    charge = charge_ticks(job.price.cost(usage.input_tokens, usage.output_tokens))
+    charge = charge_ticks(settled_cost(job.price, job.route, usage))
     if not _still_ours(conn, job):
         return 0
     settled = billing.settle(

@@ -45,7 +45,7 @@ from batchyard.engines.token_ids import as_texts
 from batchyard.errors import InternalError
 from batchyard.store.file_batches import Claimed, LineEnd, out_aad
 from batchyard.store.files import line_aad
-from batchyard.work.dispatcher import Dispatcher, OnSend
+from batchyard.work.dispatcher import Dispatcher, OnSend, settled_cost
 from batchyard.work.market_prices import MarketPrices
 from batchyard.work.openai_wire import (
     LineRequest,
@@ -245,7 +245,7 @@ def result(
         return LineEnd(claimed.line, "failed", out, size, route=plan.route.id)
     request, usage, answered = attempt.value.request, attempt.value.usage, attempt.value.answered
     cap = quote(plan.model, claimed.input_tokens, claimed.max_tokens)
-    charge = min(charge_ticks(plan.price.cost(usage.input_tokens, usage.output_tokens)), cap)
+    charge = min(charge_ticks(settled_cost(plan.price, plan.route, usage)), cap)
     request_id = new_id(_ID_PREFIXES[type(request)], now)
     reply = Reply(request_id, int(now.timestamp()), plan.model.id)
     body = {**_answer_body(request, answered, reply), "charge": format_money(charge)}

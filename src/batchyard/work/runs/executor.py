@@ -55,7 +55,7 @@ from batchyard.store.leases import LET_GO
 from batchyard.store.run_leases import release
 from batchyard.store.runs import Run, load_run, update_run
 from batchyard.store.work_items import ItemResult
-from batchyard.work.dispatcher import Dispatcher, OnSend
+from batchyard.work.dispatcher import Dispatcher, OnSend, settled_cost
 from batchyard.work.runner import Answered, Ended, Failed, Pipeline
 from batchyard.work.runs.outputs import write_outputs
 from batchyard.work.runs.row_queue import Row, RowQueue
@@ -164,13 +164,14 @@ class RunExecutor:
             error = {"code": attempt.error.code, "message": attempt.error.message}
             return ItemResult(item.row_id, ItemState.FAILED, error=error)
         c = attempt.value
-        charge = charge_ticks(plan.price.cost(c.usage.input_tokens, c.usage.output_tokens))
+        charge = charge_ticks(settled_cost(plan.price, plan.route, c.usage))
         return ItemResult(
             item.row_id,
             ItemState.SUCCEEDED,
             outputs=[ch.text for ch in c.choices][: plan.samples],
             usage_input=c.usage.input_tokens,
             usage_output=c.usage.output_tokens,
+            usage_cached=c.usage.cached_input_tokens,
             charge=min(charge, plan.row_cap(item.input_tokens)),
         )
 

@@ -10,6 +10,7 @@ the test moves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from datetime import timedelta
 from decimal import Decimal
@@ -22,7 +23,7 @@ from batchyard.core.clock import ManualClock
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
 from batchyard.core.runs import BlockedReason, ItemState, RunSettings, RunStatus
 from batchyard.core.tokens import FallbackTokenizer
-from batchyard.engines.protocol import CompletionRequest
+from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import ServiceUnavailable, UpstreamError
 from batchyard.store import activity, ledger, work_items
@@ -474,3 +475,34 @@ async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
     acts = db.read_sync(lambda c: activity.list_activity(c, run.org_id))
     [event] = [a for a in acts if a["kind"] == "uncertain"]
     assert event["detail"]["count"] == 1
+
+
+class CachingScripted(ScriptedEngine):
+    """The shipped engine, reporting all but the last prompt word as read from its cache."""
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        done = await super().complete(request)
+        cached = max(0, done.usage.input_tokens - 1)
+        return dataclasses.replace(
+            done, usage=dataclasses.replace(done.usage, cached_input_tokens=cached)
+        )
+
+
+async def test_a_rows_cached_prompt_tokens_settle_at_the_routes_cached_price(
+    db: Database, clock: SleepWatchingClock
+) -> None:
+    org, run_id = running_run(db, clock, [{"text": "alpha beta gamma"}], max_out=4)
+    engine = CachingScripted("w1 w2", clock=clock)
+
+    await executor(db, clock, engine, cached_input_per_mtok=Decimal("250")).execute(
+        load(db, run_id)
+    )
+
+    # 3 words in, 2 of them cached at $250/M instead of $1000/M; 2 out.
+    charged = charge_ticks(PRICE.for_route(Decimal("250")).cost(3, 2, 2))
+    assert charged < charge_ticks(PRICE.cost(3, 2))
+    [item] = items(db, run_id)
+    assert (item["usage_input"], item["usage_cached"], item["charge"]) == (3, 2, charged)
+    run = load(db, run_id)
+    assert (run.input_tokens, run.cached_input_tokens, run.charge) == (3, 2, charged)
+    assert balance(db, org) == ledger.Balance(CREDIT, charged, 0)
