@@ -392,6 +392,31 @@ async def test_rows_of_a_run_leave_their_opening_and_shelve_their_texts() -> Non
         await eng.aclose()
 
 
+async def test_a_few_tokens_more_than_the_cache_holds_are_taken_from_the_shelf() -> None:
+    """Lone chats: a prompt that starts like a shelved one by a few words more takes them back.
+
+    Putting a shelved prompt back costs a copy (~0.1 ms); reading a token costs
+    milliseconds. So a chat that shares only "Write a poem about the" with a prompt
+    the shelf holds, beyond the chat template's opening the cache still holds,
+    reads those words from the shelf instead of evaluating them again.
+    """
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=2)
+    await eng.load()
+    try:
+        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+        first = await eng.complete(ask("Write a poem about the moon.", 2, temperature=0.0))
+        other = await eng.complete(ask("Tell me a fun fact about bees.", 2, temperature=0.0))
+        assert len(scheduler._shelf) == 1  # the poem's own words, moved out for the fact
+        opening = other.usage.cached_input_tokens  # the template's opening, still in the cache
+        assert 0 < opening < first.usage.input_tokens
+        again = await eng.complete(ask("Write a poem about the sea.", 2, temperature=0.0))
+        # "Write a poem about the" came back from the shelf: 5 tokens or more beyond the opening.
+        assert again.usage.cached_input_tokens >= opening + 5
+        assert again.usage.cached_input_tokens < again.usage.input_tokens
+    finally:
+        await eng.aclose()
+
+
 async def test_a_copy_waits_for_an_opening_whose_reader_ended_first() -> None:
     """The reader of a shared opening may end in the step it read it (one token):
     the one waiting copies the opening from the prompt it left in the cache."""
