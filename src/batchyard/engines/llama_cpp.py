@@ -390,8 +390,9 @@ class LlamaCppEngine:
     def version_bytes(self, version: str) -> int:
         """What ``version`` holds in memory once loaded: measured when loaded, else estimated.
 
-        An adapter: its tensors (about its file's size). Full weights: the model's
-        tensors and its own KV cache of ``cache_tokens`` cells.
+        An adapter: its tensors (about its file's size); its prompts share the base's
+        cache and shelf. Full weights: the model's tensors, its own KV cache of
+        ``cache_tokens`` cells, and the shelf its scheduler may fill (``shelf_bytes``).
         """
         slot = self._slots[self._known(version)]
         if slot.adapter is not None:
@@ -400,15 +401,18 @@ class LlamaCppEngine:
             import llama_cpp
 
             size = int(llama_cpp.llama_model_size(slot.model.llama._model.model))
-            return size + _kv_bytes(slot.model.llama, slot.model.scheduler.n_cells)
+            kv = _kv_bytes(slot.model.llama, slot.model.scheduler.n_cells)
+            return size + kv + self.shelf_bytes
         spec = self.versions[version]
         try:
             size = spec.path.stat().st_size
         except OSError:
             size = 0
         base = self._slots[None].model
-        if spec.kind == "gguf" and base is not None:
-            size += _kv_bytes(base.llama, base.scheduler.n_cells)
+        if spec.kind == "gguf":
+            size += self.shelf_bytes
+            if base is not None:
+                size += _kv_bytes(base.llama, base.scheduler.n_cells)
         return size
 
     def loaded_versions(self) -> list[str]:

@@ -576,8 +576,11 @@ class Scheduler:
             return
         rc = self._lib.llama_decode(self.ctx.ctx, self.batch)
         if rc == 1 and self._idle:
+            # No room for the batch (the cache is fragmented): the idle prompts make way,
+            # to the shelf, where a later request still finds them. A refused decode
+            # changed nothing in the cache, so what they hold is intact.
             while self._idle:
-                self._evict(self._idle[0])
+                self._put_away(self._idle[0])
             rc = self._lib.llama_decode(self.ctx.ctx, self.batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")

@@ -520,3 +520,41 @@ async def test_a_prompt_that_cannot_be_put_back_is_read_instead(
         assert again.usage.cached_input_tokens == other.usage.cached_input_tokens
     finally:
         await eng.aclose()
+
+
+async def test_a_decode_refused_for_room_is_sent_again_after_the_idle_prompts_leave(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp's 1 (no cells for the batch): the idle prompts leave, the batch goes again.
+
+    They leave for the shelf, so a later request that starts like one still finds it.
+    """
+    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
+    await eng.load()
+    try:
+        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+        story = ask("Tell me a story about a lighthouse keeper and a storm.", 8, temperature=0.0)
+        first = await eng.complete(story)
+        assert [len(i.tokens) for i in scheduler._idle] == [first.usage.input_tokens]
+        lib = scheduler._lib
+        refused: list[int] = []
+
+        class Fragmented:
+            def __getattr__(self, name: str) -> object:
+                return getattr(lib, name)
+
+            def llama_decode(self, *args: object) -> int:
+                if not refused:
+                    refused.append(1)
+                    return 1  # no slot for the batch: nothing was written
+                return int(lib.llama_decode(*args))
+
+        monkeypatch.setattr(scheduler, "_lib", Fragmented())
+        other = await eng.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
+        monkeypatch.setattr(scheduler, "_lib", lib)
+        assert refused == [1] and other.text
+        again = await eng.complete(story)
+        assert again.text == first.text
+        assert again.usage.cached_input_tokens == first.usage.input_tokens - 1
+    finally:
+        await eng.aclose()

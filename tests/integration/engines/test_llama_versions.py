@@ -218,3 +218,21 @@ async def test_a_version_file_changed_at_rest_is_refused_on_the_loading_thread(
         assert not eng.is_loaded("tuned")
     finally:
         await eng.aclose()
+
+
+async def test_a_full_weights_version_counts_the_shelf_it_may_fill_in_the_budget() -> None:
+    """Full weights get a scheduler of their own, so a shelf of their own, up to its bound."""
+    full = {"full": VersionSpec("gguf", default_model_path())}
+    sizes = []
+    for shelf in (0, 8 << 20):
+        eng = engine(versions=dict(full), shelf_bytes=shelf)
+        try:
+            await eng.load()
+            estimated = eng.version_bytes("full")
+            await eng.load_version("full")
+            sizes.append((estimated, eng.version_bytes("full")))
+        finally:
+            await eng.aclose()
+    (est0, loaded0), (est8, loaded8) = sizes
+    assert est8 - est0 == loaded8 - loaded0 == 8 << 20
+    assert loaded0 > default_model_path().stat().st_size // 2  # tensors and their KV cache
