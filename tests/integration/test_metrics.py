@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from decimal import Decimal
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -159,3 +160,33 @@ async def test_a_metrics_token_keeps_the_scrape_to_its_holder(make_service):
         ok = await http.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
     assert ok.status_code == 200
     assert "batchyard_http_requests_total" in ok.text
+
+
+@pytest.mark.model
+async def test_the_embedded_models_shelf_and_cached_tokens_show_in_the_scrape(make_service):
+    """The real embedded model: a chat's own words go to the shelf when another chat
+    comes, and a third that starts like the first takes them back as cached tokens."""
+    svc = make_service()
+    acct = make_account(svc, credit="5")
+
+    def chat(text: str) -> dict[str, object]:
+        return {**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+
+    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+        before = scrape((await http.get("/metrics")).text)
+        for text in (
+            "Write a poem about the moon.",
+            "Name three rivers.",
+            "Write a poem about it.",
+        ):
+            r = await http.post("/v1/chat/completions", json=chat(text), headers=acct.headers)
+            assert r.status_code == 200, r.text
+        after = scrape((await http.get("/metrics")).text)
+    # Nothing loaded before the first request: no shelf to report.
+    assert "batchyard_embedded_shelf_bytes" not in before
+    held = total(after["batchyard_embedded_shelf_bytes"], "batchyard_embedded_shelf_bytes")
+    shelved = total(after["batchyard_embedded_shelf_prompts"], "batchyard_embedded_shelf_prompts")
+    assert held > 0 and shelved >= 1
+    assert {s.labels["model"] for s in after["batchyard_embedded_shelf_bytes"]} == {"base"}
+    cached = after["batchyard_prompt_tokens_cached"]
+    assert total(cached, "batchyard_prompt_tokens_cached_total", route="embedded") > 0

@@ -6,7 +6,9 @@ internet sets ``metrics_token`` (or ``BATCHYARD_METRICS_TOKEN``), and then
 only ``Authorization: Bearer <metrics_token>`` is answered; anything else is
 401 ``unauthorized``. The store's backlog (queue depths, open holds) is read
 for each scrape; a store that cannot answer leaves those gauges out and sets
-``batchyard_store_up`` to 0, while the counters still answer.
+``batchyard_store_up`` to 0, while the counters still answer. The embedded
+model's shelf (prompts moved from its KV cache to host memory) is this
+process's, for each model loaded here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import hmac
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.errors import StorageUnavailable, Unauthorized
+from batchyard.errors import BatchyardError, StorageUnavailable, Unauthorized
 from batchyard.service import service_of
 from batchyard.service.metrics import CONTENT_TYPE
 from batchyard.store import backlog
@@ -28,6 +30,8 @@ router = APIRouter()
 
 #: How long a scrape waits for the store's backlog before answering without it.
 BACKLOG_TIMEOUT_S = 5.0
+#: How long it waits for the embedded model's shelf before answering without it.
+CACHE_TIMEOUT_S = 2.0
 
 
 @router.get("/metrics", include_in_schema=False)
@@ -42,4 +46,9 @@ async def metrics(request: Request) -> Response:
         waiting = await asyncio.wait_for(svc.db.read(backlog.backlog), BACKLOG_TIMEOUT_S)
     except (StorageUnavailable, TimeoutError):
         waiting = None
-    return Response(svc.metrics.exposition(waiting), media_type=CONTENT_TYPE)
+    try:
+        # Read between two of the model's steps: a long prompt's step may keep it a while.
+        shelves = await asyncio.wait_for(svc.engines.cache_states(), CACHE_TIMEOUT_S)
+    except (TimeoutError, BatchyardError):  # busy past the timeout, or closing
+        shelves = []
+    return Response(svc.metrics.exposition(waiting, shelves), media_type=CONTENT_TYPE)

@@ -50,6 +50,7 @@ from batchyard.engines.llama_scheduler import (
 )
 from batchyard.engines.model_files import sha256_of
 from batchyard.engines.protocol import (
+    CacheState,
     Choice,
     Completion,
     CompletionRequest,
@@ -414,6 +415,15 @@ class LlamaCppEngine:
             if base is not None:
                 size += _kv_bytes(base.llama, base.scheduler.n_cells)
         return size
+
+    async def cache_states(self) -> list[CacheState]:
+        """Each loaded model's shelf: the base's, and each full-weights version's."""
+        states = []
+        for version, slot in list(self._slots.items()):
+            if slot.model is not None:
+                held, prompts = await slot.model.scheduler.shelf_state()
+                states.append(CacheState(version or "base", held, prompts))
+        return states
 
     def loaded_versions(self) -> list[str]:
         return [v for v, s in self._slots.items() if v is not None and s.loaded]

@@ -902,6 +902,10 @@ class Scheduler:
         """Host bytes the shelf holds now."""
         return sum(s.size for s in self._shelf)
 
+    async def shelf_state(self) -> tuple[int, int]:
+        """The shelf's bytes and prompts, read between two steps (the step thread owns it)."""
+        return await self.call(lambda: (self.shelf_held, len(self._shelf)))
+
     def _put_away(self, idle: _Idle) -> None:
         """An idle prompt leaves the cache for the shelf (``_save``), its cells freed."""
         self._save(idle)

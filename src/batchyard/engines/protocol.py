@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 from batchyard.core.limits import RateLimitSignal
 
 __all__ = [
+    "CacheReporting",
+    "CacheState",
     "Choice",
     "Completion",
     "CompletionRequest",
@@ -63,6 +65,17 @@ class CompletionRequest:
     prompt: str | None = None
     #: Ask an HTTP upstream to report usage at the end of a stream.
     stream_usage: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class CacheState:
+    """What one loaded embedded model keeps of prompts read, for ``/metrics``."""
+
+    #: ``base``, or the full-weights version's name (a LoRA version shares the base's).
+    model: str
+    #: Bytes and prompts on the shelf: prompts moved out of the KV cache to host memory.
+    shelf_bytes: int
+    shelf_prompts: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,3 +181,10 @@ class ScoringEngine(Protocol):
     async def score(
         self, model: str, messages: list[dict[str, Any]], candidates: list[str]
     ) -> tuple[list[float], Usage]: ...
+
+
+@runtime_checkable
+class CacheReporting(Protocol):
+    """An engine that keeps prompts it read (the embedded one), and says how much (``/metrics``)."""
+
+    async def cache_states(self) -> list[CacheState]: ...

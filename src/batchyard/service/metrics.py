@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batchyard.core.money import from_ticks
+from batchyard.engines.protocol import CacheState
 from batchyard.store.backlog import Backlog
 
 __all__ = [
@@ -198,8 +200,9 @@ class PrometheusRecorder:
 
     # --- /metrics ---------------------------------------------------------------------------
 
-    def exposition(self, backlog: Backlog | None) -> bytes:
-        """The text format of every metric, with the store's backlog (when it could be read)."""
+    def exposition(self, backlog: Backlog | None, shelves: Sequence[CacheState] = ()) -> bytes:
+        """The text format of every metric, with the store's backlog (when it could be read)
+        and the embedded model's shelves in this process."""
         registry = CollectorRegistry(auto_describe=True)
         if self.multiprocess:
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
@@ -207,6 +210,7 @@ class PrometheusRecorder:
             assert self.registry is not None
             registry.register(_Registry(self.registry))
         registry.register(_BacklogCollector(backlog))
+        registry.register(_ShelfCollector(shelves))
         return generate_latest(registry)
 
 
@@ -252,3 +256,29 @@ class _BacklogCollector(Collector):
         )
         held.add_metric([], float(from_ticks(b.held_ticks)))
         yield held
+
+
+class _ShelfCollector(Collector):
+    """The embedded model's shelf in this process, read for this scrape."""
+
+    def __init__(self, shelves: Sequence[CacheState]) -> None:
+        self._shelves = shelves
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        if not self._shelves:
+            return
+        held = GaugeMetricFamily(
+            "batchyard_embedded_shelf_bytes",
+            "Host memory the embedded model's shelf holds: prompts moved out of its KV cache.",
+            labels=["model"],
+        )
+        prompts = GaugeMetricFamily(
+            "batchyard_embedded_shelf_prompts",
+            "Prompts on the embedded model's shelf.",
+            labels=["model"],
+        )
+        for state in self._shelves:
+            held.add_metric([state.model], float(state.shelf_bytes))
+            prompts.add_metric([state.model], float(state.shelf_prompts))
+        yield held
+        yield prompts

@@ -29,7 +29,7 @@ from typing import Any
 from batchyard.core.catalog import ENGINES, Catalog, RouteSpec, engine_name
 from batchyard.core.clock import Clock
 from batchyard.core.config_errors import ConfigError
-from batchyard.engines.protocol import Engine
+from batchyard.engines.protocol import CacheReporting, CacheState, Engine
 
 __all__ = ["EngineRegistry"]
 
@@ -112,6 +112,11 @@ class EngineRegistry:
                 gate=self._gate_call,
             )
         return self._embedded
+
+    async def cache_states(self) -> list[CacheState]:
+        """The embedded model's shelves, where it is loaded in this process (``/metrics``)."""
+        engine = self._embedded
+        return await engine.cache_states() if isinstance(engine, CacheReporting) else []
 
     def check(self, catalog: Catalog) -> None:
         """Every route of ``catalog`` can get an engine: refused at start, not per call.

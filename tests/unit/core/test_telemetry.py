@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchyard.core.clock import ManualClock
 from batchyard.core.limits import InMemoryLimiter, Limit
 from batchyard.core.telemetry import MemoryRecorder, MeteredLimiter
+from batchyard.engines.protocol import CacheState
 from batchyard.service.metrics import PrometheusRecorder
 from batchyard.store.backlog import Backlog
 
@@ -47,7 +48,7 @@ def _served() -> set[str]:
     recorder.upstream_429("fake", 2.0)
     recorder.leases_recovered("runs", 1)
     recorder.uncertain("runs", 1)
-    text = recorder.exposition(Backlog(1, 2, 3, 4, 5)).decode()
+    text = recorder.exposition(Backlog(1, 2, 3, 4, 5), [CacheState("base", 1024, 1)]).decode()
     return {f.name for f in text_string_to_metric_families(text)}
 
 
