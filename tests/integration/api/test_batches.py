@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import httpx
 import pytest
@@ -363,18 +364,23 @@ async def test_sqlite_default_creates_a_private_key_file_beside_the_database(mak
     assert not again.batch_key.created
 
 
-@pytest.mark.model
-async def test_a_batch_on_the_real_embedded_model_end_to_end(service):
+async def _answered_on_the_model(service, n: int) -> list[dict[str, Any]]:
+    """``n`` requests of 4 tokens each, answered by one worker pass: their result lines."""
     acct = make_account(service, credit="1")
-    body = batch_body(2)
+    body = batch_body(n)
     for r in body["requests"]:
         r["body"]["max_tokens"] = 4
     async with asgi_client(service, worker=False) as http:
         bid = (await submit(http, acct.headers, body)).json()["id"]
         report = await worker(service).run_pass()
         res = await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)
-    assert report.succeeded == 2, report
-    lines = [httpx.Response(200, content=x).json() for x in res.content.splitlines()]
+    assert report.succeeded == n, report
+    return [httpx.Response(200, content=x).json() for x in res.content.splitlines()]
+
+
+@pytest.mark.model
+async def test_a_batch_on_the_real_embedded_model_end_to_end(service):
+    lines = await _answered_on_the_model(service, 2)
     for line in lines:
         usage = line["result"]["body"]["usage"]
         assert 1 <= usage["completion_tokens"] <= 4 and usage["prompt_tokens"] > 5
@@ -384,16 +390,7 @@ async def test_a_batch_on_the_real_embedded_model_end_to_end(service):
 @pytest.mark.model
 async def test_a_batchs_cached_prompt_tokens_are_charged_at_the_routes_cached_price(make_service):
     service = make_service(catalog=cached_catalog())
-    acct = make_account(service, credit="1")
-    body = batch_body(3)
-    for r in body["requests"]:
-        r["body"]["max_tokens"] = 4
-    async with asgi_client(service, worker=False) as http:
-        bid = (await submit(http, acct.headers, body)).json()["id"]
-        report = await worker(service).run_pass()
-        res = await http.get(f"/v1/batches/{bid}/results", headers=acct.headers)
-    assert report.succeeded == 3, report
-    lines = [httpx.Response(200, content=x).json() for x in res.content.splitlines()]
+    lines = await _answered_on_the_model(service, 3)
     # The embedded route's market price (what a deferred item pays), cached tokens for less.
     [offer] = worker(service).prices.offers("kettei-core", service.clock.now())
     assert offer.price is not None and offer.price.input_per_mtok > CACHED_PER_MTOK

@@ -488,73 +488,79 @@ async def test_the_shelf_keeps_within_its_budget_and_can_be_turned_off() -> None
             await eng.aclose()
 
 
-async def test_a_prompt_that_cannot_be_put_back_is_read_instead(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """No run of free cells long enough for a shelved prompt: it is read, not failed."""
+STORY = ask("Tell me a story about a lighthouse keeper and a storm.", 8, temperature=0.0)
+
+
+@pytest.fixture
+async def four_slots() -> AsyncIterator[LlamaCppEngine]:
+    """The embedded model with four slots, loaded; closed after the test."""
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
     await eng.load()
     try:
-        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
-        story = ask("Tell me a story about a lighthouse keeper and a storm.", 8, temperature=0.0)
-        first = await eng.complete(story)
-        other = await eng.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
-        assert other.usage.cached_input_tokens > 0  # the chat template's opening, copied
-        assert any(len(s.tokens) == first.usage.input_tokens for s in scheduler._shelf)
-        lib = scheduler._lib
-        refused: list[int] = []
-
-        class Full:
-            def __getattr__(self, name: str) -> object:
-                return getattr(lib, name)
-
-            def llama_state_seq_set_data(self, *args: object) -> int:
-                refused.append(1)
-                return 0
-
-        monkeypatch.setattr(scheduler, "_lib", Full())
-        again = await eng.complete(story)
-        assert refused == [1]
-        assert again.text == first.text
-        # Only the chat template's opening, which the cache itself held, was not read.
-        assert again.usage.cached_input_tokens == other.usage.cached_input_tokens
+        yield eng
     finally:
         await eng.aclose()
 
 
+class _LibWith:
+    """llama-cpp-python's bindings as the scheduler calls them, some functions replaced."""
+
+    def __init__(self, lib: object, **replaced: object) -> None:
+        self._lib = lib
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+
+async def test_a_prompt_that_cannot_be_put_back_is_read_instead(
+    four_slots: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No run of free cells long enough for a shelved prompt: it is read, not failed."""
+    scheduler = four_slots._slots[None].model.scheduler  # type: ignore[union-attr]
+    first = await four_slots.complete(STORY)
+    other = await four_slots.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
+    assert other.usage.cached_input_tokens > 0  # the chat template's opening, copied
+    assert any(len(s.tokens) == first.usage.input_tokens for s in scheduler._shelf)
+    refused: list[int] = []
+
+    def no_room(*_args: object) -> int:
+        refused.append(1)
+        return 0
+
+    monkeypatch.setattr(
+        scheduler, "_lib", _LibWith(scheduler._lib, llama_state_seq_set_data=no_room)
+    )
+    again = await four_slots.complete(STORY)
+    assert refused == [1]
+    assert again.text == first.text
+    # Only the chat template's opening, which the cache itself held, was not read.
+    assert again.usage.cached_input_tokens == other.usage.cached_input_tokens
+
+
 async def test_a_decode_refused_for_room_is_sent_again_after_the_idle_prompts_leave(
-    monkeypatch: pytest.MonkeyPatch,
+    four_slots: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """llama.cpp's 1 (no cells for the batch): the idle prompts leave, the batch goes again.
 
     They leave for the shelf, so a later request that starts like one still finds it.
     """
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
-    await eng.load()
-    try:
-        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
-        story = ask("Tell me a story about a lighthouse keeper and a storm.", 8, temperature=0.0)
-        first = await eng.complete(story)
-        assert [len(i.tokens) for i in scheduler._idle] == [first.usage.input_tokens]
-        lib = scheduler._lib
-        refused: list[int] = []
+    scheduler = four_slots._slots[None].model.scheduler  # type: ignore[union-attr]
+    first = await four_slots.complete(STORY)
+    assert [len(i.tokens) for i in scheduler._idle] == [first.usage.input_tokens]
+    lib = scheduler._lib
+    refused: list[int] = []
 
-        class Fragmented:
-            def __getattr__(self, name: str) -> object:
-                return getattr(lib, name)
+    def fragmented(*args: object) -> int:
+        if not refused:
+            refused.append(1)
+            return 1  # no slot for the batch: nothing was written
+        return int(lib.llama_decode(*args))
 
-            def llama_decode(self, *args: object) -> int:
-                if not refused:
-                    refused.append(1)
-                    return 1  # no slot for the batch: nothing was written
-                return int(lib.llama_decode(*args))
-
-        monkeypatch.setattr(scheduler, "_lib", Fragmented())
-        other = await eng.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
-        monkeypatch.setattr(scheduler, "_lib", lib)
-        assert refused == [1] and other.text
-        again = await eng.complete(story)
-        assert again.text == first.text
-        assert again.usage.cached_input_tokens == first.usage.input_tokens - 1
-    finally:
-        await eng.aclose()
+    monkeypatch.setattr(scheduler, "_lib", _LibWith(lib, llama_decode=fragmented))
+    other = await four_slots.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
+    monkeypatch.setattr(scheduler, "_lib", lib)
+    assert refused == [1] and other.text
+    again = await four_slots.complete(STORY)
+    assert again.text == first.text
+    assert again.usage.cached_input_tokens == first.usage.input_tokens - 1

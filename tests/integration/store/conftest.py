@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from batchyard.store.database import Database
 
@@ -26,6 +26,17 @@ def fresh_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Databas
         db.close()
 
 
+def add_org(c: Connection, now: datetime) -> None:
+    """The organisation ``org.1``, in raw SQL (the same at every revision)."""
+    c.execute(
+        text(
+            "INSERT INTO organisations (id, name, tier, zero_data_retention, created_at) "
+            "VALUES ('org.1', 'acme', 0, false, :now)"
+        ),
+        {"now": now},
+    )
+
+
 def add_deferred_item(engine: Engine, now: datetime, **columns: Any) -> None:
     """An organisation, a deferred batch and its dispatched item ``i.1``, in raw SQL.
 
@@ -36,13 +47,7 @@ def add_deferred_item(engine: Engine, now: datetime, **columns: Any) -> None:
     extra = "".join(f", {name}" for name in columns)
     values = "".join(f", :{name}" for name in columns)
     with engine.begin() as c:
-        c.execute(
-            text(
-                "INSERT INTO organisations (id, name, tier, zero_data_retention, created_at) "
-                "VALUES ('org.1', 'acme', 0, false, :now)"
-            ),
-            {"now": now},
-        )
+        add_org(c, now)
         c.execute(
             text(
                 "INSERT INTO batches (id, org_id, key_id, status, min_discount, "

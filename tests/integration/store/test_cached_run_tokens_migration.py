@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from sqlalchemy import Engine, inspect, text
 
 from batchyard.store.migrations import downgrade, upgrade
+from tests.integration.store.conftest import add_org
 
 
 def _columns(db, table: str) -> set[str]:
@@ -14,15 +15,9 @@ def _columns(db, table: str) -> set[str]:
 
 
 def _add_answered_run(engine: Engine, now: datetime) -> None:
-    """An organisation's run with one answered row, in the raw SQL of revision 0016."""
+    """``org.1``'s run with one answered row, in the raw SQL of revision 0016."""
     with engine.begin() as c:
-        c.execute(
-            text(
-                "INSERT INTO organisations (id, name, tier, zero_data_retention, created_at) "
-                "VALUES ('org.1', 'acme', 0, false, :now)"
-            ),
-            {"now": now},
-        )
+        add_org(c, now)
         c.execute(
             text(
                 "INSERT INTO projects (id, org_id, name, created_at, updated_at) "
