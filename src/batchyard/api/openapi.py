@@ -169,11 +169,20 @@ class Account(_Open):
     effective_limits: dict[str, int]
 
 
+class DecideUsage(_Open):
+    input_tokens: int
+    output_tokens: int
+    #: Of ``input_tokens``, those the model read from its prompt cache (answers saved
+    #: under an idempotency key before this field existed do not carry it).
+    cached_input_tokens: int = 0
+    calibration_input_tokens: int = 0
+
+
 class Decision(_Open):
     id: str
     model: str
     answers: list[dict[str, Any]]
-    usage: dict[str, int]
+    usage: DecideUsage
     charge: str
 
 
