@@ -32,13 +32,18 @@ Reported per set and variant (``raw``: no calibration, the
 ``calibration: "none"`` call, whose probabilities are the calibrated call's
 ``raw_probabilities``: the same prompt; ``calibrated``: its answers):
 
-- three-way accuracy and balanced accuracy;
+- three-way accuracy (with its 95 % Wilson interval: on 150 texts about ±8
+  points) and balanced accuracy;
 - two-way accuracy: on the positive and negative texts, whether the
   three-way probabilities put the label above the other polar outcome; and
   ``2-way call``: a separate decision with only those two outcomes;
 - the expected calibration error of the three-way answers;
 - starved: the least (times chosen / times true) over the outcomes; the bar
   is 0.5.
+
+Below the table, per set, what calibration adds to the raw three-way accuracy on
+the same texts, with a 95 % paired bootstrap interval: known far better than
+either accuracy alone.
 
 And the cost: after a set's quality calls, its calibrated call's time beside
 the uncalibrated call's, on the same texts in the same run: alternating
@@ -357,28 +362,81 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson interval of a proportion: what ``hits`` of ``n`` says of the rate.
+
+    On 150 texts a single accuracy is known to about ±8 points; a bar inside that
+    interval is not a measurement.
+    """
+    if not n:
+        return (0.0, 1.0)
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (centre - half, centre + half)
+
+
+def hits(v: Variant) -> list[int]:
+    return [int(argmax(p) == label) for label, p in zip(v.labels, v.probs, strict=True)]
+
+
+def paired_gain(before: list[int], after: list[int], rounds: int = 4000) -> tuple[float, ...]:
+    """What ``after`` adds to ``before``'s accuracy on the same texts, with a 95 % interval.
+
+    A paired bootstrap (texts resampled with replacement, seed fixed): the two
+    variants answered the same texts, so their difference is known far better
+    than either accuracy alone.
+    """
+    diffs = [a - b for a, b in zip(after, before, strict=True)]
+    n = len(diffs)
+    rng = random.Random(0)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(rounds))
+    return (sum(diffs) / n, means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1])
+
+
+def interval(lo_hi: tuple[float, float]) -> str:
+    return f"{lo_hi[0]:.0%}–{lo_hi[1]:.0%}"
+
+
 def quality_table(results: list[SetResult], half: str) -> Table:
     table = Table(title=f"decide on the embedded SmolLM2-135M: the {half} halves")
-    for col in ("set", "variant", "3-way acc", "3-way bal. acc", "2-way acc", "ECE", "starved"):
+    columns = ("set", "variant", "3-way acc", "95 % CI", "3-way bal. acc", "2-way acc", "ECE")
+    for col in (*columns, "starved"):
         table.add_column(col, justify="left" if col in ("set", "variant") else "right")
     for res in results:
         for v in res.variants.values():
             q = v.quality()
             ece = q.ece
+            h = hits(v)
             table.add_row(
                 res.name,
                 v.name,
                 pct(q.accuracy),
+                interval(wilson(sum(h), len(h))),
                 pct(q.balanced_accuracy),
                 pct(v.two_way()),
                 "-" if ece is None else f"{ece:.3f}",
                 f"{v.starved():.2f}",
             )
         q = res.two_way_call.quality()
-        table.add_row(
-            res.name, "2-way call, calibrated", "", "", pct(q.accuracy), "", "", end_section=True
-        )
+        cells = ("", "", "", pct(q.accuracy), "", "")
+        table.add_row(res.name, "2-way call, calibrated", *cells, end_section=True)
     return table
+
+
+def gain_lines(results: list[SetResult]) -> list[str]:
+    """Per set: the three-way accuracy calibration adds to the raw answers, paired."""
+    lines = []
+    for res in results:
+        raw, calibrated = res.variants.get("raw"), res.variants.get("calibrated")
+        if raw is None or calibrated is None or not raw.labels:
+            continue
+        gain, lo, hi = paired_gain(hits(raw), hits(calibrated))
+        lines.append(
+            f"{res.name}: calibration adds {gain:+.1%} three-way accuracy "
+            f"(95 % paired bootstrap {lo:+.1%} to {hi:+.1%}, {len(raw.labels)} texts)"
+        )
+    return lines
 
 
 def cost_table(results: list[SetResult]) -> Table:
@@ -508,6 +566,8 @@ async def main() -> None:
                     ) = measured
         await service.stop()
     console.print(quality_table(results, half))
+    for line in gain_lines(results):
+        console.print(line)
     if not (args.tune or args.quality_only):
         console.print(cost_table(results))
     if args.tune:
