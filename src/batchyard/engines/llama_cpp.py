@@ -811,16 +811,22 @@ class LlamaCppEngine:
             return
         text: list[str] = []
         finish, out, stop = "stop", 0, None
+        # What the cache gave of the prompt, told with the next piece (``Delta``'s field).
+        cached: int | None = None
         async for event in self._run(model, job):
             kind = event[0]
-            if kind == "piece" and event[2]:
+            if kind == "cached":
+                cached = event[1]
+            elif kind == "piece" and event[2]:
                 text.append(event[2])
-                yield Delta(0, event[2])
+                yield Delta(0, event[2], cached_input_tokens=cached)
+                cached = None
             elif kind == "branch":
                 _, _, tail, finish, out, stop = event
                 if tail:
                     text.append(tail)
-                    yield Delta(0, tail)
+                    yield Delta(0, tail, cached_input_tokens=cached)
+                    cached = None
             elif kind == "done":
                 _, prompt_tokens, cached = event
                 yield Delta(0, "", finish_reason=finish)

@@ -824,6 +824,9 @@ class Scheduler:
             if self._on_cached is not None:
                 self._on_cached(n - job.cached)
         job.pos = job.cached = n
+        if not job.whole and job.scoring is None:
+            # A stream cut short is settled before "done" says what was cached.
+            job.post(("cached", n))
 
     def _shelve(self, job: Job) -> None:
         """Before ``job`` is placed, move out of the cache what no one about to run shares.

@@ -117,6 +117,9 @@ class Delta:
     tool_calls: list[dict[str, Any]] | None = None
     logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
+    #: How many prompt tokens the engine has read from its cache so far, where it says
+    #: before the end (the embedded one does): a stream cut short is settled with it.
+    cached_input_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

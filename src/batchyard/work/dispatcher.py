@@ -331,8 +331,10 @@ class Dispatcher:
         taken until it ends. The charge is the tokens really produced. A
         stream that stops early (the client hung up, an error half-way) is
         settled to what was produced until then, counted with
-        ``count_tokens``; one that produced nothing is released. Either way
-        the reservation resolves exactly once.
+        ``count_tokens``, and the prompt tokens the engine said so far it read
+        from its cache (``Delta.cached_input_tokens``) at their price; one that
+        produced nothing is released. Either way the reservation resolves
+        exactly once.
         """
         engine = self.engines.for_route(route)
         if not isinstance(engine, StreamingEngine):
@@ -340,16 +342,17 @@ class Dispatcher:
         res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
         seen: dict[int, list[str]] = {}
         resolved = opened = False
+        cached = 0  # prompt tokens the engine said it read from its cache, so far
 
         async def resolve_partial(reason: str) -> None:
             text = "".join("".join(parts) for parts in seen.values())
             if not text:
                 await self.release(res.id, reason=reason)
                 return
-            usage = Usage(input_tokens, count_tokens(text))
+            usage = Usage(input_tokens, count_tokens(text), min(cached, input_tokens))
             await self.settle(
                 reservation_id=res.id,
-                charge=charge_ticks(price.cost(usage.input_tokens, usage.output_tokens)),
+                charge=charge_ticks(settled_cost(price, route, usage)),
                 model=model.id,
                 route=route.id,
                 usage=usage,
@@ -383,6 +386,8 @@ class Dispatcher:
                         )
                         return
                     seen.setdefault(piece.index, []).append(piece.text)
+                    if piece.cached_input_tokens is not None:
+                        cached = piece.cached_input_tokens
                     yield piece
         except BaseException as exc:
             if not resolved:

@@ -564,3 +564,16 @@ async def test_a_decode_refused_for_room_is_sent_again_after_the_idle_prompts_le
     again = await four_slots.complete(STORY)
     assert again.text == first.text
     assert again.usage.cached_input_tokens == first.usage.input_tokens - 1
+
+
+async def test_a_stream_says_with_its_first_piece_what_the_cache_gave(
+    four_slots: LlamaCppEngine,
+) -> None:
+    """A stream cut short is settled before its usage comes: the first piece says it."""
+    await four_slots.complete(STORY)
+    pieces = [p async for p in four_slots.stream(ask("Name three rivers.", 6, temperature=0.0))]
+    deltas = [p for p in pieces if isinstance(p, Delta) and p.text]
+    [done] = [p for p in pieces if isinstance(p, Completion)]
+    assert done.usage.cached_input_tokens > 0  # the chat template's opening
+    assert deltas[0].cached_input_tokens == done.usage.cached_input_tokens
+    assert all(d.cached_input_tokens is None for d in deltas[1:])

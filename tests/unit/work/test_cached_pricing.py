@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from decimal import Decimal
 
 import pytest
 
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
 from batchyard.core.telemetry import MemoryRecorder
-from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Usage
+from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Delta, Usage
 from batchyard.store.activity import list_activity
 from batchyard.store.database import Database
 from tests.support.clocks import SleepWatchingClock
@@ -25,6 +26,13 @@ class CachingEngine:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         return Completion(request.model, [Choice("a b")], Usage(4, 2, cached_input_tokens=3))
+
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]:
+        """Word by word, saying with the first that 3 prompt tokens came from its cache."""
+        yield Delta(0, "one ", cached_input_tokens=3)
+        yield Delta(0, "two ")
+        yield Delta(0, "three")
+        yield Completion(request.model, [Choice("one two three")], Usage(4, 3, 3))
 
     async def aclose(self) -> None:
         return None
@@ -80,3 +88,32 @@ async def test_a_list_of_prompts_adds_up_its_cached_tokens_and_settles_them_cach
     # 2 tokens in at $0.001, the 6 cached at $0.00025, 4 out at $0.002.
     assert result.charge == charge_ticks(Decimal("0.0115"))
     assert balance(db, org).available == to_ticks(Decimal("10")) - result.charge
+
+
+async def test_a_stream_cut_short_settles_its_cached_prompt_tokens_at_the_cached_price(
+    db: Database, clock: SleepWatchingClock
+) -> None:
+    org = add_org(db, clock.now(), credit="10")
+    d = make_dispatcher(db, clock, CachingEngine())
+    pieces = d.stream(
+        org_id=org,
+        model=MODEL,
+        route=route(cached_input_per_mtok=Decimal("250")),
+        request=CompletionRequest(model="up-m", messages=PROMPT, max_tokens=16),
+        input_tokens=4,
+        max_cost=quote_ticks(PRICE.cost(4, 16)),
+        price=PRICE,
+        purpose="chat",
+        ref="chat.2",
+        count_tokens=lambda text: len(text.split()),
+    )
+    assert (await anext(pieces)).text == "one "
+    assert (await anext(pieces)).text == "two "
+    await pieces.aclose()  # the client hung up after two words
+    # 4 tokens in, 3 of them cached at $250/M; the 2 words out.
+    expected = charge_ticks(PRICE.for_route(Decimal("250")).cost(4, 2, 3))
+    assert expected < charge_ticks(PRICE.cost(4, 2))
+    [charge] = [a for a in db.read_sync(lambda c: list_activity(c, org)) if a["kind"] == "charge"]
+    assert charge["amount"] == expected
+    assert charge["detail"]["cached_input_tokens"] == 3
+    assert balance(db, org).available == to_ticks(Decimal("10")) - expected
