@@ -90,6 +90,14 @@ class Usage:
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
 
+    def __add__(self, other: Usage) -> Usage:
+        """Two calls' usage as one (every count summed, the cached one too)."""
+        return Usage(
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+            self.cached_input_tokens + other.cached_input_tokens,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Choice:

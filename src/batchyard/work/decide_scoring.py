@@ -114,10 +114,8 @@ class _Raw:
     chosen: list[str]
     raw: list[list[float]]
     final: list[list[float]]
-    # Prompt tokens the model read.
-    input_tokens: int
-    # How many of them came from the engine's prompt cache.
-    cached_input_tokens: int = 0
+    # The prompt tokens the model read (and of them, from its cache); no output.
+    read: Usage
 
 
 @dataclass
@@ -233,7 +231,7 @@ class Calibrations:
             chosen.append(decision.outcomes[best].id)
             raws.append(raw)
             finals.append(final)
-        return _Raw(chosen, raws, finals, usage.input_tokens, usage.cached_input_tokens)
+        return _Raw(chosen, raws, finals, Usage(usage.input_tokens, 0, usage.cached_input_tokens))
 
     async def _content_free(
         self,
@@ -262,9 +260,7 @@ class Calibrations:
                 )
                 for cf in content_free_requests(req)
             ]
-            spent = Usage(
-                sum(g.input_tokens for g in got), 0, sum(g.cached_input_tokens for g in got)
-            )
+            spent = sum((g.read for g in got), Usage(0, 0))
             prior = [
                 cal.mean_probabilities([g.raw[k] for g in got]) for k in range(len(req.decisions))
             ]
@@ -299,7 +295,7 @@ class Calibrations:
         if mode == "none":
             got = await self._score(route, upstream_model, req, prompt_tokens, lambda _k: None)
             answer = rules.answer_text(req.decisions, got.chosen, "lines")
-            usage = Usage(got.input_tokens, count_text(answer), got.cached_input_tokens)
+            usage = got.read + Usage(0, count_text(answer))
             return ScoredAnswers(got.chosen, by_id(got.final), None, usage, 0, None)
         key = (org_id, fingerprint(model_id, req))
         content_free, cf = await self._content_free(key, route, upstream_model, req, count)
@@ -320,11 +316,7 @@ class Calibrations:
             got.chosen,
             by_id(got.final),
             by_id(got.raw),
-            Usage(
-                got.input_tokens + cf.input_tokens,
-                count_text(answer),
-                got.cached_input_tokens + cf.cached_input_tokens,
-            ),
+            got.read + cf + Usage(0, count_text(answer)),
             # What calibration added: the content-free prompts, on the call that made them.
             cf.input_tokens,
             CalibrationInfo(mode, min(texts), cf.input_tokens > 0),

@@ -289,11 +289,7 @@ class Dispatcher:
                 raise first from None
             raise
         done = [t.result() for t in tasks]
-        usage = Usage(
-            sum(c.usage.input_tokens for c in done),
-            sum(c.usage.output_tokens for c in done),
-            sum(c.usage.cached_input_tokens for c in done),
-        )
+        usage = sum((c.usage for c in done), Usage(0, 0))
         completion = Completion(
             done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
         )
