@@ -543,7 +543,7 @@ async def test_a_decode_refused_for_room_is_sent_again_after_the_idle_prompts_le
 ) -> None:
     """llama.cpp's 1 (no cells for the batch): the idle prompts leave, the batch goes again.
 
-    They leave for the shelf, so a later request that starts like one still finds it.
+    The story, moved to the shelf when the next request was admitted, is found after it.
     """
     scheduler = four_slots._slots[None].model.scheduler  # type: ignore[union-attr]
     first = await four_slots.complete(STORY)
