@@ -117,6 +117,15 @@ def _last_user_text(request: dict[str, Any]) -> str:
     )
 
 
+def _shared_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _value_for(schema: Any) -> Any:
     """A value valid for simple schemas: the first enum value of each property."""
     if not isinstance(schema, dict):
@@ -235,8 +244,11 @@ class FakeUpstream:
         time_fn: Callable[[], float] = time.monotonic,
         host: str = "127.0.0.1",
         port: int = 0,
+        prompt_cache: bool = False,
     ) -> None:
         self.mode = mode
+        self.prompt_cache = prompt_cache
+        self._prompts_seen: list[list[str]] = []
         self.rpm = rpm
         if window not in ("fixed", "rolling"):
             raise ValueError(f"window must be 'fixed' or 'rolling', not {window!r}")
@@ -293,7 +305,8 @@ class FakeUpstream:
     def malformed_next(self, n: int = 1, *, kind: str = "invalid_json") -> None:
         """Answer the next ``n`` requests with 200 and a broken body.
 
-        ``kind`` is ``invalid_json`` (truncated JSON) or ``missing_usage``.
+        ``kind`` is ``invalid_json`` (truncated JSON), ``missing_usage``, or
+        ``mistyped_stream_usage`` (a stream whose closing usage has a word for a count).
         """
         with self._lock:
             self._faults.extend(("malformed", kind, None) for _ in range(n))
@@ -493,6 +506,14 @@ class FakeUpstream:
                         ],
                     }
                 ).encode()
+            elif arg == "mistyped_stream_usage":
+                events = [
+                    {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
+                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                    {"choices": [], "usage": {"prompt_tokens": "many", "completion_tokens": 1}},
+                ]
+                sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                return self._count(200, _response(200, sse.encode(), [], "text/event-stream"))
             else:
                 body = b'{"id": "chatcmpl-fake", "choices": [tru'
             return self._count(200, _response(200, body))
@@ -569,9 +590,11 @@ class FakeUpstream:
             self.statuses[200] += 1
             return _response(200, _INSTANT_BODY, headers)
         messages = request.get("messages") or []
-        prompt_tokens = sum(
-            len(_text_of(m.get("content")).split()) for m in messages if isinstance(m, dict)
-        )
+        words = [
+            w for m in messages if isinstance(m, dict) for w in _text_of(m.get("content")).split()
+        ]
+        prompt_tokens = len(words)
+        details = self._cache_read(words)
         last_user = _last_user_text(request)
         with self._lock:
             self._answered.append(last_user)
@@ -584,9 +607,10 @@ class FakeUpstream:
             text = "{}"
         else:
             words = ["echo:", *last_user.split()]
-            if len(words) > max_tokens:
-                words, finish = words[:max_tokens], "length"
-            text = " ".join(words)
+            reply = ["echo:", *last_user.split()]
+            if len(reply) > max_tokens:
+                reply, finish = reply[:max_tokens], "length"
+            text = " ".join(reply)
         n = int(request.get("n") or 1)
         calls = None
         tools = request.get("tools") or []
@@ -602,7 +626,7 @@ class FakeUpstream:
             ]
             text, finish = "", "tool_calls"
         if request.get("stream"):
-            return self._stream(request, text, finish, calls, prompt_tokens, headers)
+            return self._stream(request, text, finish, calls, prompt_tokens, details, headers)
         choices = []
         for index in range(n):
             choice: dict[str, Any] = {
@@ -630,9 +654,24 @@ class FakeUpstream:
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
+                **details,
             },
         }
         return self._count(200, _response(200, json.dumps(body).encode(), headers))
+
+    def _cache_read(self, words: list[str]) -> dict[str, Any]:
+        """With ``prompt_cache``: OpenAI's ``prompt_tokens_details``, a prefix cache's count.
+
+        A prompt's cached tokens are the most leading words it shares with a
+        prompt answered before (a word a token, as the usage counts them), as a
+        server that keeps every prompt's prefix would report them.
+        """
+        if not self.prompt_cache:
+            return {}
+        with self._lock:
+            cached = max((_shared_prefix(words, seen) for seen in self._prompts_seen), default=0)
+            self._prompts_seen.append(words)
+        return {"prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0}}
 
     def _stream(
         self,
@@ -641,6 +680,7 @@ class FakeUpstream:
         finish: str,
         calls: list[dict[str, Any]] | None,
         prompt_tokens: int,
+        details: dict[str, Any],
         headers: list[tuple[str, str]],
     ) -> bytes:
         """The answer as OpenAI's server-sent events: a word a chunk, then the usage."""
@@ -672,6 +712,7 @@ class FakeUpstream:
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": out,
                 "total_tokens": prompt_tokens + out,
+                **details,
             }
             parts.append(event([], usage))
         parts.append("data: [DONE]\n\n")

@@ -41,6 +41,7 @@ __all__ = [
     "parse_reset",
     "parse_retry_after",
     "rate_limit_of",
+    "read_usage",
 ]
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,24 @@ def _upstream_message(content: bytes, reason: str | None) -> str:
     except ValueError:
         pass
     return content[:200].decode("utf-8", "replace") or (reason or "")
+
+
+def read_usage(usage: Mapping[str, Any]) -> Usage:
+    """An OpenAI ``usage`` object as ``Usage``, the prompt tokens its cache served included.
+
+    OpenAI (and vLLM, llama.cpp's server, most compatible servers) say in
+    ``prompt_tokens_details.cached_tokens`` how many prompt tokens came from
+    the upstream's prompt cache; a route's ``cached_input_per_mtok`` prices
+    them. The count is bounded by the prompt (an upstream's odd number never
+    makes a call cheaper than all its prompt tokens read from a cache).
+    Raises ``KeyError``, ``TypeError`` or ``ValueError`` for a missing or
+    mistyped count.
+    """
+    input_tokens = int(usage["prompt_tokens"])
+    output_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details")
+    cached = int(details.get("cached_tokens") or 0) if isinstance(details, Mapping) else 0
+    return Usage(input_tokens, output_tokens, min(max(cached, 0), max(input_tokens, 0)))
 
 
 def _malformed(detail: str) -> UpstreamError:
@@ -306,8 +325,7 @@ class OpenAIHttpEngine:
         if not isinstance(raw_choices, list) or not raw_choices:
             raise _malformed("no choices")
         try:
-            input_tokens = int(usage["prompt_tokens"])
-            output_tokens = int(usage.get("completion_tokens") or 0)
+            used = read_usage(usage)
             if len(raw_choices) > 1:
                 raw_choices = sorted(raw_choices, key=lambda c: c.get("index", 0))
             choices = []
@@ -328,7 +346,7 @@ class OpenAIHttpEngine:
         return Completion(
             model=data.get("model") or request.model,
             choices=choices,
-            usage=Usage(input_tokens=input_tokens, output_tokens=output_tokens),
+            usage=used,
             rate_limit=signal,
             raw=data,
         )
@@ -406,13 +424,14 @@ class OpenAIHttpEngine:
             for i in indexes
         ]
         raw_info: dict[str, Any] = {}
+        used = Usage(0, 0)
+        try:
+            if usage is not None:
+                used = read_usage(usage)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            usage = None  # the answer is out already: count it as an upstream that sent none
         if usage is None:
             raw_info["usage_missing"] = True
-            used = Usage(0, 0)
-        else:
-            used = Usage(
-                int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-            )
         yield Completion(request.model, choices, used, rate_limit=signal, raw=raw_info)
 
     async def embed(self, model: str, texts: list[str]) -> Embeddings:

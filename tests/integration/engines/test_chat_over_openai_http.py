@@ -8,6 +8,7 @@ reading the route's penalty and moving the clock, not by sleeping.
 from __future__ import annotations
 
 import asyncio
+import json
 from decimal import Decimal
 
 import pytest
@@ -15,6 +16,7 @@ from sqlalchemy import func, select
 
 from batchyard.core.catalog import catalog_from_config
 from batchyard.core.money import charge_ticks, format_money, token_cost
+from batchyard.core.prices import Price
 from batchyard.store import ledger
 from batchyard.store.tables import ledger_entries
 from tests.support.accounts import make_account
@@ -175,3 +177,91 @@ async def test_a_failed_upstream_call_is_answered_and_nothing_is_charged(
     again = await http.post(CHAT, json=BODY, headers={**acct.headers, "Idempotency-Key": "f-1"})
     assert again.status_code == 200, again.text
     assert entries(svc, acct.org_id)["settle"] == 1
+
+
+CACHED_PRICE = Decimal("0.15")
+SYSTEM = " ".join(f"rule{k}" for k in range(40))
+
+
+@pytest.fixture
+def caching_upstream():
+    with FakeUpstream(mode="echo", prompt_cache=True) as up:
+        yield up
+
+
+@pytest.fixture
+def cached_svc(make_service, caching_upstream):
+    catalog = catalog_from_config(
+        {
+            "models": [
+                {
+                    "id": "remote-model",
+                    "input_per_mtok": str(IN_PRICE),
+                    "output_per_mtok": str(OUT_PRICE),
+                    "context_window": 4096,
+                    "max_output_tokens": 512,
+                }
+            ],
+            "routes": [
+                {
+                    "id": "remote",
+                    "model": "remote-model",
+                    "engine": "openai_http",
+                    "base_url": caching_upstream.base_url,
+                    "cached_input_per_mtok": str(CACHED_PRICE),
+                }
+            ],
+        }
+    )
+    return make_service(catalog=catalog)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_upstreams_cached_prompt_tokens_are_shown_and_charged_at_the_cached_price(
+    cached_svc, caching_upstream, stream
+):
+    """The upstream's ``prompt_tokens_details.cached_tokens`` reaches the usage and the bill."""
+    acct = make_account(cached_svc)
+
+    def settled_ticks():
+        return cached_svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id)).settled
+
+    charges, usages = [], []
+    async with asgi_client(cached_svc, timeout=30) as http:
+        for question in ("what is one", "what is two"):
+            body = {
+                "model": "remote-model",
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": question},
+                ],
+                "max_tokens": 16,
+            }
+            if stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            before = settled_ticks()
+            r = await http.post(CHAT, json=body, headers=acct.headers)
+            assert r.status_code == 200, r.text
+            charges.append(settled_ticks() - before)
+            if stream:
+                events = [
+                    json.loads(line[6:])
+                    for line in r.text.splitlines()
+                    if line.startswith("data: {")
+                ]
+                usages.append(events[-1]["usage"])
+            else:
+                usages.append(r.json()["usage"])
+                assert r.json()["charge"] == format_money(charges[-1])
+    first, second = usages
+    assert (first["prompt_tokens"], second["prompt_tokens"]) == (43, 43)
+    assert first.get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+    # The system prompt and "what is" were read from the upstream's cache.
+    assert second["prompt_tokens_details"]["cached_tokens"] == 42
+    price = Price(IN_PRICE, OUT_PRICE).for_route(CACHED_PRICE)
+    for usage, charge in zip(usages, charges, strict=True):
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        cost = price.cost(usage["prompt_tokens"], usage["completion_tokens"], cached)
+        assert charge == charge_ticks(cost)
+    assert charges[1] < charges[0]
+    assert cached_svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id)).held == 0

@@ -18,7 +18,13 @@ from batchyard.engines.openai_http import (
     parse_retry_after,
     rate_limit_of,
 )
-from batchyard.engines.protocol import CompletionRequest, Engine, RateLimitSignal
+from batchyard.engines.protocol import (
+    Completion,
+    CompletionRequest,
+    Engine,
+    RateLimitSignal,
+    Usage,
+)
 from batchyard.errors import UpstreamError, UpstreamRateLimited, UpstreamTimeout
 from tests.support.fake_upstream import FakeUpstream
 
@@ -215,3 +221,33 @@ def test_token_limits_parse() -> None:
         remaining_tokens=39000, reset_tokens_s=90.0, limit_tokens=40000
     )
     assert parse_rate_limit(httpx.Headers({})) is None
+
+
+async def test_the_upstreams_cached_prompt_tokens_are_read_streamed_or_not() -> None:
+    with FakeUpstream(prompt_cache=True) as up:
+        eng = OpenAIHttpEngine(up.base_url, "k")
+        first = await eng.complete(request("the same long opening and then one"))
+        second = await eng.complete(request("the same long opening and then two"))
+        streamed = [
+            part
+            async for part in eng.stream(
+                request("the same long opening but three", stream_usage=True)
+            )
+        ]
+        await eng.aclose()
+    assert first.usage == Usage(7, 8, 0)
+    assert second.usage == Usage(7, 8, 6)
+    done = streamed[-1]
+    assert isinstance(done, Completion) and done.usage == Usage(6, 7, 4)
+
+
+async def test_a_streams_mistyped_usage_counts_as_none(
+    up: FakeUpstream, engine: OpenAIHttpEngine
+) -> None:
+    """The answer went out piece by piece; the gateway counts it instead of failing at the end."""
+    up.malformed_next(1, kind="mistyped_stream_usage")
+    parts = [part async for part in engine.stream(request(stream_usage=True))]
+    done = parts[-1]
+    assert isinstance(done, Completion)
+    assert done.text == "hi" and done.usage == Usage(0, 0)
+    assert done.raw == {"usage_missing": True}
