@@ -357,6 +357,18 @@ class Scheduler:
         # Up to every sequence id on one token: a scoring trie's node is in all its tips.
         self.batch = llama_cpp.llama_batch_init(self.capacity, 0, self.n_seq)
         self._lib = llama_cpp
+        # A logits row's address as a plain int (the bindings' own function returns a
+        # ctypes pointer, and turning that into an array costs more than the argmax):
+        # a separate function object, so the bindings' one is left as it is.
+        self._logits_at = llama_cpp.llama_cpp._lib["llama_get_logits_ith"]
+        self._logits_at.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        self._logits_at.restype = ctypes.c_void_p
+        self._row_type = ctypes.c_float * self.n_vocab
+        #: Each token's bytes and whether it ends a generation, as first asked: the
+        #: vocabulary never changes (so neither outgrows it), and a call into llama.cpp
+        #: costs more than a lookup.
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         # The adapter set on the context now (None: the base), and the group's turn.
         self._applied: Adapter | None = None
         self._turn: tuple[Adapter | None, int] = (None, 0)
@@ -1061,9 +1073,24 @@ class Scheduler:
         return len(scoring.nodes)
 
     def _row(self, i: int) -> Any:
-        return np.ctypeslib.as_array(
-            self._lib.llama_get_logits_ith(self.ctx.ctx, i), (self.n_vocab,)
-        )
+        """Batch row ``i``'s logits, a view into llama.cpp's buffer (valid until the next step)."""
+        address = self._logits_at(self.ctx.ctx, i)
+        if not address:
+            raise RuntimeError(f"llama.cpp has no logits for batch row {i}")
+        return np.frombuffer(self._row_type.from_address(address), dtype=np.float32)
+
+    def _piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = token_piece(self.vocab, token)
+        return piece
+
+    def _ends(self, token: int) -> bool:
+        """Whether ``token`` ends a generation (end of turn, end of text)."""
+        ends = self._eog.get(token)
+        if ends is None:
+            ends = self._eog[token] = bool(self._lib.llama_vocab_is_eog(self.vocab, token))
+        return ends
 
     def _after(self, group: list[Job]) -> None:
         for job in group:
@@ -1132,11 +1159,11 @@ class Scheduler:
             token = int(np.argmax(self._row(row)))
         else:
             token = int(lib.llama_sampler_sample(branch.sampler.sampler, self.ctx.ctx, row))
-        if lib.llama_vocab_is_eog(self.vocab, token):
+        if self._ends(token):
             self._end(job, branch, "stop", stopped=False)
             return
         branch.out_tokens += 1
-        raw = token_piece(self.vocab, token)
+        raw = self._piece(token)
         assert branch.decoder is not None and branch.matcher is not None
         text, stopped = branch.matcher.feed(branch.decoder.decode(raw))
         entries = None
@@ -1148,9 +1175,7 @@ class Scheduler:
                     "bytes": list(raw),
                     "top_logprobs": [
                         {
-                            "token": (piece := token_piece(self.vocab, t)).decode(
-                                "utf-8", errors="replace"
-                            ),
+                            "token": (piece := self._piece(t)).decode("utf-8", errors="replace"),
                             "logprob": lp,
                             "bytes": list(piece),
                         }
