@@ -30,7 +30,10 @@ not their batching. Where a pool is smaller than the run, the end says how many
 inputs were drawn a second time.
 
 - chat: output tokens/s at 1, 4, 8 and 16 concurrent clients,
-  ``/v1/chat/completions`` on both;
+  ``/v1/chat/completions`` on both, as each server's usage counts them (the
+  targets' measure); llama-server's counts the end-of-generation token of a
+  reply that stops, batchyard's does not, so the end also prints the ratios
+  with every reply counted alike;
 - decide: texts/s of ``POST /v1/decide`` (two decisions, of 3 and 4
   outcomes, on ~32-token texts) against llama-server's ``/completion`` with
   ``n_predict`` 1 and ``cache_prompt`` on the exact prompt batchyard renders
@@ -578,6 +581,19 @@ def chat_tokens(reply: dict[str, Any]) -> int:
     return int(reply["usage"]["completion_tokens"])
 
 
+def eog_counted(who: str, reply: dict[str, Any] | None) -> int:
+    """1 where the reply's usage counts the end-of-generation token that stopped it.
+
+    llama-server's ``completion_tokens`` counts every token it sampled, the one
+    that ended the reply included (a reply that stops after 12 tokens of text
+    says 13); batchyard's counts the reply's own tokens. Counted alike, the two
+    replies of the same text weigh the same.
+    """
+    if who != "llama-server" or reply is None:
+        return 0
+    return int(reply["choices"][0].get("finish_reason") == "stop")
+
+
 def chat_text(reply: dict[str, Any] | None) -> str | None:
     return None if reply is None else reply["choices"][0]["message"]["content"]
 
@@ -648,6 +664,9 @@ class Tally:
     rates: dict[str, dict[str, float]] = field(default_factory=dict)
     chat_tokens: dict[str, float] = field(default_factory=dict)
     chat_cpu: dict[str, float] = field(default_factory=dict)
+    #: Chat output tokens/s with every reply counted alike: its end-of-generation
+    #: token left out (llama-server's usage counts it, batchyard's does not).
+    alike: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def wanted(plan: Plan, what: str, clients: int) -> int:
@@ -705,6 +724,7 @@ def run_rounds(
             tally.rates[who.name] = {}
             tally.chat_tokens[who.name] = 0.0
             tally.chat_cpu[who.name] = 0.0
+            tally.alike[who.name] = {}
         for what, clients in works:
             inputs = decks[what].take(wanted(plan, what, clients))
             loads = {}
@@ -717,6 +737,8 @@ def run_rounds(
                 if what == "chat":
                     tally.chat_tokens[who.name] += load.units
                     tally.chat_cpu[who.name] += load.cpu
+                    eog = sum(eog_counted(who.name, x) for x in load.replies)
+                    tally.alike[who.name][key] = (load.units - eog) / load.seconds
             if what == "chat":
                 a = [chat_text(x) for x in loads[by.name].replies]
                 b = [chat_text(x) for x in loads[ls.name].replies]
@@ -788,6 +810,17 @@ def print_summary(tallies: list[Tally], by: str, ls: str) -> list[tuple[str, flo
             f"≥ {target:.1f} {mark}" if target is not None else "",
         )
     console.print(table)
+    alike = [
+        statistics.median(ratio(t.alike[by][key], t.alike[ls][key]) for t in tallies)
+        for key in keys
+        if key in tallies[0].alike[by]
+    ]
+    if alike:
+        console.print(
+            "chat counted alike (each reply's end-of-generation token left out; "
+            "llama-server's usage counts it, batchyard's does not), median ratios: "
+            + " / ".join(f"{x:.2f}" for x in alike)
+        )
     return verdicts
 
 
