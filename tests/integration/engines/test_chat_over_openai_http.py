@@ -14,13 +14,13 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import func, select
 
-from batchyard.core.catalog import catalog_from_config
 from batchyard.core.money import charge_ticks, format_money, token_cost
 from batchyard.core.prices import Price
 from batchyard.store import ledger
 from batchyard.store.tables import ledger_entries
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.remote_routes import remote_catalog
 from tests.support.server import asgi_client
 
 IN_PRICE, OUT_PRICE = Decimal("1.5"), Decimal("6")
@@ -40,28 +40,12 @@ def upstream():
 
 @pytest.fixture
 def svc(make_service, upstream):
-    catalog = catalog_from_config(
-        {
-            "models": [
-                {
-                    "id": "remote-model",
-                    "input_per_mtok": str(IN_PRICE),
-                    "output_per_mtok": str(OUT_PRICE),
-                    "context_window": 4096,
-                    "max_output_tokens": 512,
-                }
-            ],
-            "routes": [
-                {
-                    "id": "remote",
-                    "model": "remote-model",
-                    "engine": "openai_http",
-                    "base_url": upstream.base_url,
-                    "upstream_model": "fake-upstream-model",
-                    "timeout_s": 0.5,
-                }
-            ],
-        }
+    catalog = remote_catalog(
+        upstream.base_url,
+        input_per_mtok=IN_PRICE,
+        output_per_mtok=OUT_PRICE,
+        upstream_model="fake-upstream-model",
+        timeout_s=0.5,
     )
     return make_service(catalog=catalog)
 
@@ -191,27 +175,11 @@ def caching_upstream():
 
 @pytest.fixture
 def cached_svc(make_service, caching_upstream):
-    catalog = catalog_from_config(
-        {
-            "models": [
-                {
-                    "id": "remote-model",
-                    "input_per_mtok": str(IN_PRICE),
-                    "output_per_mtok": str(OUT_PRICE),
-                    "context_window": 4096,
-                    "max_output_tokens": 512,
-                }
-            ],
-            "routes": [
-                {
-                    "id": "remote",
-                    "model": "remote-model",
-                    "engine": "openai_http",
-                    "base_url": caching_upstream.base_url,
-                    "cached_input_per_mtok": str(CACHED_PRICE),
-                }
-            ],
-        }
+    catalog = remote_catalog(
+        caching_upstream.base_url,
+        input_per_mtok=IN_PRICE,
+        output_per_mtok=OUT_PRICE,
+        cached_input_per_mtok=str(CACHED_PRICE),
     )
     return make_service(catalog=catalog)
 

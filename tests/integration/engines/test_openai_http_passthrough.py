@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from batchyard.core.catalog import catalog_from_config
 from batchyard.store import activity
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.remote_routes import remote_catalog
 from tests.support.server import asgi_client
 
 CHAT = {
@@ -37,29 +37,7 @@ def upstream():
 
 
 def service_with(make_service, upstream, **route):
-    catalog = catalog_from_config(
-        {
-            "models": [
-                {
-                    "id": "remote-model",
-                    "input_per_mtok": "1",
-                    "output_per_mtok": "2",
-                    "context_window": 4096,
-                    "max_output_tokens": 512,
-                }
-            ],
-            "routes": [
-                {
-                    "id": "remote",
-                    "model": "remote-model",
-                    "engine": "openai_http",
-                    "base_url": upstream.base_url,
-                    "upstream_model": "fake",
-                    **route,
-                }
-            ],
-        }
-    )
+    catalog = remote_catalog(upstream.base_url, upstream_model="fake", **route)
     return make_service(catalog=catalog)
 
 
