@@ -157,9 +157,9 @@ def read_usage(usage: Mapping[str, Any]) -> Usage:
     OpenAI (and vLLM, llama.cpp's server, most compatible servers) say in
     ``prompt_tokens_details.cached_tokens`` how many prompt tokens came from
     the upstream's prompt cache; a route's ``cached_input_per_mtok`` prices
-    them. The count is bounded by the prompt (an upstream's odd number never
-    makes a call cheaper than all its prompt tokens read from a cache).
-    Raises ``KeyError``, ``TypeError`` or ``ValueError`` for a missing or
+    them. An odd count is cut to the prompt (none below zero, none above the
+    prompt's tokens), so no upstream makes a call cost less than its prompt
+    read wholly from a cache. Raises ``KeyError``, ``TypeError`` or ``ValueError`` for a missing or
     mistyped count.
     """
     input_tokens = int(usage["prompt_tokens"])
