@@ -220,7 +220,8 @@ def _end(whole: dict[str, Any]) -> list[bytes]:
             "input_tokens": usage["input_tokens"],
             "output_tokens": usage["output_tokens"],
             "cache_creation_input_tokens": None,
-            "cache_read_input_tokens": None,
+            # What the cache gave is known only now: message_start counted the whole prompt.
+            "cache_read_input_tokens": usage.get("cache_read_input_tokens"),
             "server_tool_use": None,
         },
     }
@@ -333,7 +334,9 @@ class _Events:
 
 def _replay(whole: dict[str, Any]) -> bytes:
     """A saved message as the stream it was: each block whole, then the end."""
-    parts = [_start(whole["id"], whole["model"], whole["usage"]["input_tokens"])]
+    usage = whole["usage"]
+    prompt = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
+    parts = [_start(whole["id"], whole["model"], prompt)]
     blocks = _Blocks()
     for k, block in enumerate(whole["content"]):
         if block["type"] == "text":

@@ -524,13 +524,24 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {"_unparsed_arguments": arguments}
 
 
-def usage_object(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """Anthropic's ``usage``; nothing is cached here, so the cache fields are null."""
+def usage_object(
+    input_tokens: int, output_tokens: int, cached_input_tokens: int = 0
+) -> dict[str, Any]:
+    """Anthropic's ``usage`` for a prompt of ``input_tokens``, ``cached_input_tokens`` of them
+    read from the engine's prompt cache.
+
+    Anthropic counts the two apart: ``input_tokens`` are the prompt tokens read
+    anew and ``cache_read_input_tokens`` those the cache gave (their sum is the
+    prompt), so a client prices each as Anthropic's own usage asks. Nothing is
+    written to a cache on request, so ``cache_creation_input_tokens`` is null;
+    with nothing read from one, ``cache_read_input_tokens`` is null too.
+    """
+    cached = max(0, min(cached_input_tokens, input_tokens))
     return {
-        "input_tokens": input_tokens,
+        "input_tokens": input_tokens - cached,
         "output_tokens": output_tokens,
         "cache_creation_input_tokens": None,
-        "cache_read_input_tokens": None,
+        "cache_read_input_tokens": cached or None,
         "server_tool_use": None,
         "service_tier": "standard",
     }
@@ -546,6 +557,7 @@ def message_object(
     input_tokens: int,
     output_tokens: int,
     matched_stop: str | None = None,
+    cached_input_tokens: int = 0,
 ) -> dict[str, Any]:
     """The whole ``message`` of an answer: a text block (unless only tools were called), then
     one ``tool_use`` block per call; shared by the wire and the results of a Message Batch."""
@@ -573,6 +585,6 @@ def message_object(
         "content": content,
         "stop_reason": reason,
         "stop_sequence": matched_stop,
-        "usage": usage_object(input_tokens, output_tokens),
+        "usage": usage_object(input_tokens, output_tokens, cached_input_tokens),
         "container": None,
     }

@@ -337,6 +337,7 @@ def anthropic_message(
         input_tokens=completion.usage.input_tokens,
         output_tokens=completion.usage.output_tokens,
         matched_stop=matched_stop(completion, stops),
+        cached_input_tokens=completion.usage.cached_input_tokens,
     )
 
 

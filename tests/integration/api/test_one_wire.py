@@ -193,3 +193,28 @@ async def test_a_message_batch_answers_the_message_the_door_answers(service):
     view = same_object(Message, door)
     assert view == same_object(Message, line["result"]["message"])
     assert (view["stop_reason"], view["stop_sequence"]) == ("stop_sequence", "###")
+    # The two cached prompt tokens are counted apart, as Anthropic counts cache reads.
+    # The scripted engine counts the prompt's words: "Be brief." and "Say hi." are 4.
+    usage = view["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (4 - 2, 2)
+
+
+async def test_a_message_stream_says_at_its_end_what_the_cache_gave(service):
+    """message_start counts the whole prompt; message_delta splits it as Anthropic does."""
+    _engine(service)
+    acct = make_account(service, credit="1")
+    anthropic = {"x-api-key": acct.key, "anthropic-version": "2023-06-01"}
+    params = {
+        "model": "kettei-core",
+        "max_tokens": 16,
+        "stream": True,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Say hi."}],
+    }
+    async with asgi_client(service, worker=False) as http:
+        r = await http.post("/v1/messages", json=params, headers=anthropic)
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+    start = next(e for e in events if e["type"] == "message_start")
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert start["message"]["usage"]["input_tokens"] >= 4
+    assert (delta["usage"]["input_tokens"], delta["usage"]["cache_read_input_tokens"]) == (2, 2)
