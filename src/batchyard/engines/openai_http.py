@@ -159,8 +159,8 @@ def read_usage(usage: Mapping[str, Any]) -> Usage:
     the upstream's prompt cache; a route's ``cached_input_per_mtok`` prices
     them. An odd count is cut to the prompt (none below zero, none above the
     prompt's tokens), so no upstream makes a call cost less than its prompt
-    read wholly from a cache. Raises ``KeyError``, ``TypeError`` or ``ValueError`` for a missing or
-    mistyped count.
+    read wholly from a cache. Raises ``KeyError``, ``TypeError`` or
+    ``ValueError`` for a missing or mistyped count.
     """
     input_tokens = int(usage["prompt_tokens"])
     output_tokens = int(usage.get("completion_tokens") or 0)

@@ -38,16 +38,19 @@ def upstream():
         yield up
 
 
-@pytest.fixture
-def svc(make_service, upstream):
+def priced_service(make_service, up, **route):
+    """A service whose ``remote-model`` costs IN_PRICE / OUT_PRICE, routed to ``up``."""
     catalog = remote_catalog(
-        upstream.base_url,
-        input_per_mtok=IN_PRICE,
-        output_per_mtok=OUT_PRICE,
-        upstream_model="fake-upstream-model",
-        timeout_s=0.5,
+        up.base_url, input_per_mtok=IN_PRICE, output_per_mtok=OUT_PRICE, **route
     )
     return make_service(catalog=catalog)
+
+
+@pytest.fixture
+def svc(make_service, upstream):
+    return priced_service(
+        make_service, upstream, upstream_model="fake-upstream-model", timeout_s=0.5
+    )
 
 
 @pytest.fixture
@@ -175,13 +178,7 @@ def caching_upstream():
 
 @pytest.fixture
 def cached_svc(make_service, caching_upstream):
-    catalog = remote_catalog(
-        caching_upstream.base_url,
-        input_per_mtok=IN_PRICE,
-        output_per_mtok=OUT_PRICE,
-        cached_input_per_mtok=str(CACHED_PRICE),
-    )
-    return make_service(catalog=catalog)
+    return priced_service(make_service, caching_upstream, cached_input_per_mtok=str(CACHED_PRICE))
 
 
 @pytest.mark.parametrize("stream", [False, True])
