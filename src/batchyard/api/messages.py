@@ -14,7 +14,9 @@ written in Anthropic's events (``_Events``). Tools are answered under a
 grammar by the embedded engine, as for OpenAI's tools.
 
 What differs is only the wire: the key may come as ``x-api-key``;
-``anthropic-version`` is read (an unknown version is refused); answers are
+``anthropic-version`` is read (any date is answered in the newest shapes this door
+knows, since a list of accepted dates breaks on the SDK's next release; a value that
+is not a date is refused); answers are
 Anthropic's ``message`` objects and stream events (``message_start``,
 ``content_block_start``, ``ping``, ``content_block_delta``,
 ``content_block_stop``, ``message_delta``, ``message_stop``); and every error,
@@ -46,10 +48,10 @@ from batchyard.api.event_streams import sse
 from batchyard.api.openai_door import ModelCall, chat_needs, quote, read_body, resolve
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
-    ANTHROPIC_VERSIONS,
     ERROR_TYPES,
     CountTokensRequest,
     MessagesRequest,
+    anthropic_version_ok,
     openai_prompt,
     parse_count_tokens,
     parse_messages,
@@ -147,10 +149,10 @@ def anthropic_door(
         env.extra_headers["request-id"] = env.request_id
         try:
             version = request.headers.get("anthropic-version")
-            if version is not None and version not in ANTHROPIC_VERSIONS:
+            if version is not None and not anthropic_version_ok(version):
                 raise InvalidRequest(
-                    f"anthropic-version {version!r} is not one this server speaks; "
-                    f"send one of {', '.join(sorted(ANTHROPIC_VERSIONS))}",
+                    f"anthropic-version {version!r} is not a date; send one such as "
+                    "2023-06-01 (every dated version is answered in the newest shapes)",
                     param="anthropic-version",
                     code="unsupported_anthropic_version",
                 )

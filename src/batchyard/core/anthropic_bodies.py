@@ -19,6 +19,7 @@ no service, so a line of a Message Batch can be checked by the same code.
 
 from __future__ import annotations
 
+import datetime
 import json
 import uuid
 from typing import Any, Literal
@@ -29,11 +30,11 @@ from batchyard.core.openai_bodies import validated
 from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
 
 __all__ = [
-    "ANTHROPIC_VERSIONS",
     "ERROR_TYPES",
     "CountTokensRequest",
     "MessagesRequest",
     "Translated",
+    "anthropic_version_ok",
     "message_object",
     "openai_prompt",
     "parse_count_tokens",
@@ -47,8 +48,23 @@ __all__ = [
     "usage_object",
 ]
 
-#: The ``anthropic-version`` values this door answers; all mean the same shapes here.
-ANTHROPIC_VERSIONS = frozenset({"2023-06-01", "2023-01-01"})
+
+def anthropic_version_ok(version: str) -> bool:
+    """Whether ``anthropic-version`` is well formed: a calendar date, ``YYYY-MM-DD``.
+
+    Every well-formed version is answered in the newest shapes this door knows: a list
+    of accepted dates breaks on the SDK's next release (the 2.x SDK sends a date no list
+    written before it could hold), while the shapes a newer version adds are the ones a
+    client of that version reads anyway.
+    """
+    if len(version) != 10 or version[4] != "-" or version[7] != "-":
+        return False
+    try:
+        datetime.date.fromisoformat(version)
+    except ValueError:
+        return False
+    return True
+
 
 #: Anthropic's error ``type`` for each status, for its envelope (the wire and batch results).
 ERROR_TYPES = {

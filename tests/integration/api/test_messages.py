@@ -98,14 +98,26 @@ async def test_a_message_in_anthropics_shape_billed_as_chat_is(service, engine):
 async def test_the_bearer_key_works_and_the_version_is_read(service, engine):
     acct = make_account(service, credit="1")
     async with asgi_client(service) as http:
+
+        async def at(version: str) -> httpx.Response:
+            headers = {**acct.headers, "anthropic-version": version}
+            return await http.post("/v1/messages", json=BODY, headers=headers)
+
         ok = await http.post("/v1/messages", json=BODY, headers=acct.headers)
         old = await http.post("/v1/messages", json=BODY, headers={**acct.headers, **V})
-        bad = await http.post(
-            "/v1/messages", json=BODY, headers={**acct.headers, "anthropic-version": "1999-01-01"}
+        # The 2.x SDK's date, and one no SDK has sent yet: answered in the newest shapes.
+        newer = [await at(v) for v in ("2026-10-21", "2031-02-28")]
+        bad = [await at(v) for v in ("latest", "2026-13-01", "2026-1-01", "2026-10-21x")]
+        counted = await http.post(
+            "/v1/messages/count_tokens",
+            json={"model": BODY["model"], "messages": BODY["messages"]},
+            headers={**acct.headers, "anthropic-version": "2026-10-21"},
         )
-    assert ok.status_code == 200 and old.status_code == 200
-    assert bad.status_code == 400
-    assert bad.json()["error"]["code"] == "unsupported_anthropic_version"
+    assert ok.status_code == 200 and old.status_code == 200 and counted.status_code == 200
+    assert [r.status_code for r in newer] == [200, 200]
+    assert newer[0].json()["type"] == "message"
+    assert [r.status_code for r in bad] == [400] * 4
+    assert {r.json()["error"]["code"] for r in bad} == {"unsupported_anthropic_version"}
 
 
 async def test_sampling_and_stops_reach_the_engine_and_max_tokens_is_reported(service, engine):
