@@ -8,6 +8,7 @@ that request send the same key and the server runs it at most once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
@@ -154,6 +155,15 @@ def get_project(project_id: str) -> Call:
     return Call("GET", f"/v1/projects/{_seg(project_id)}")
 
 
+#: The media type of an uploaded dataset, by its file name's extension.
+DATASET_MEDIA_TYPES = {
+    ".jsonl": "application/x-ndjson",
+    ".ndjson": "application/x-ndjson",
+    ".csv": "text/csv",
+    ".parquet": "application/vnd.apache.parquet",
+}
+
+
 def upload_dataset(
     project_id: str,
     filename: str,
@@ -161,12 +171,23 @@ def upload_dataset(
     fields: Mapping[str, str] | None,
     key: str | None,
 ) -> Call:
+    """The file as the request body, its format from ``filename``, ``fields`` in the query.
+
+    ``fields`` are the upload's query parameters (``name``, ``kind``); the name
+    defaults to the file's name without its extension.
+    """
+    path = PurePosixPath(filename)
+    media_type = DATASET_MEDIA_TYPES.get(path.suffix.lower())
+    if media_type is None:
+        known = ", ".join(sorted(DATASET_MEDIA_TYPES))
+        raise ValueError(f"{filename}: a dataset file ends in one of {known}")
+    params = {"name": path.stem, **(fields or {})}
     return Call(
         "POST",
         f"/v1/projects/{_seg(project_id)}/datasets",
-        dict(fields) if fields else None,
+        params=params,
         idempotency_key=_key(key),
-        files={"file": (filename, content, "application/octet-stream")},
+        content=(content, media_type),
     )
 
 

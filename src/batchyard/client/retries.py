@@ -93,7 +93,8 @@ class Call:
     paced: bool = False
     #: Token cost for the pacer's tokens-per-minute budget, when known.
     tokens: int = 0
-    files: Mapping[str, tuple[str, bytes, str]] | None = None
+    #: A raw body and its media type, sent as is (an uploaded file), instead of ``json``.
+    content: tuple[bytes, str] | None = None
 
 
 @dataclass
@@ -274,10 +275,10 @@ def request_kwargs(settings: ClientSettings, call: Call) -> dict[str, Any]:
         "headers": settings.headers(call),
         "params": dict(call.params) if call.params else None,
     }
-    if call.files is not None:
-        kwargs["files"] = dict(call.files)
-        if call.json is not None:
-            kwargs["data"] = call.json
+    if call.content is not None:
+        body, media_type = call.content
+        kwargs["content"] = body
+        kwargs["headers"]["Content-Type"] = media_type
     elif call.json is not None:
         kwargs["json"] = call.json
     return kwargs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from batchyard.client import AsyncClient, Client
 from tests.support.fake_gateway import DECISIONS, FakeGateway
 
@@ -73,7 +75,9 @@ def test_sync_methods_reach_their_paths_with_keys_on_posts(gateway: FakeGateway)
         "completion_window": "24h",
         "requests": [{"custom_id": "r1", "body": {"model": "m", "messages": []}}],
     }
-    assert echoes[8]["content_type"] == "multipart/form-data"
+    # A dataset is the file itself as the body, as the server reads it, named in the query.
+    assert echoes[8]["content_type"] == "application/x-ndjson"
+    assert echoes[8]["query"] == {"name": "d"}
     assert echoes[9]["query"] == {"cursor": "abc"}
     assert echoes[14]["query"] == {"status": "running"}
     estimate = next(r for r in gateway.requests if r.path == "/v1/decide/estimate")
@@ -105,3 +109,16 @@ def test_decide_sends_calibration_only_when_chosen() -> None:
     assert "calibration" not in calls.decide_body(**base)  # type: ignore[arg-type]
     chosen = calls.decide_body(**base, calibration="content_free")  # type: ignore[arg-type]
     assert chosen["calibration"] == "content_free"
+
+
+def test_a_dataset_upload_is_named_after_its_file_and_typed_by_its_extension() -> None:
+    from batchyard.client import calls
+
+    call = calls.upload_dataset("pp.1", "data/comments.CSV", b"text\nhi\n", None, None)
+    assert call.params == {"name": "comments"}
+    assert call.content == (b"text\nhi\n", "text/csv")
+    named = calls.upload_dataset("pp.1", "c.parquet", b"", {"name": "n", "kind": "text"}, "k-1")
+    assert named.params == {"name": "n", "kind": "text"}
+    assert named.idempotency_key == "k-1"
+    with pytest.raises(ValueError, match=r"comments\.txt: a dataset file ends in one of"):
+        calls.upload_dataset("pp.1", "comments.txt", b"", None, None)
