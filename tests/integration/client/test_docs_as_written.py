@@ -1,4 +1,7 @@
-"""The how-to and reference pages, tried as written: their commands run and say what they show.
+"""The README and the docs pages, tried as written: their commands run and say what they show.
+
+``README.md``: its first use of each door runs, block by block, in one bash against a
+live server (tier 0 sped up, a scripted engine: the commands are checked, not the model).
 
 ``docs/how-to/score-texts.md``: every file its commands name exists (from the
 repository's root), and its estimate is what the command prints, the one-off
@@ -10,6 +13,7 @@ credit), and each step answers as the page says.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -22,9 +26,12 @@ import pytest
 from click.testing import CliRunner
 
 from batchyard.cli.text_runner import command as run_command
+from batchyard.core.tiers import DEFAULT_TIERS
+from batchyard.engines.scripted import ScriptedEngine
 from tests.support.threaded_server import Gateway, ServerThread
 
 ROOT = Path(__file__).resolve().parents[3]
+README = ROOT / "README.md"
 SCORE_TEXTS = ROOT / "docs" / "how-to" / "score-texts.md"
 DECIDE = ROOT / "docs" / "reference" / "decide.md"
 
@@ -158,3 +165,80 @@ def test_the_decide_curl_walk_through_runs_as_written(gateway: Gateway, tmp_path
     expected = sorted(shown[0].split())
     codes = sorted(burst.split())
     assert codes == expected, f"step 6 answered {codes}, the page says {expected}\n{done.stderr}"
+
+
+#: Tier 0 sixty times faster: the README's commands in seconds, under the same rules.
+FAST_TIER0 = dataclasses.replace(
+    DEFAULT_TIERS[0],
+    requests_per_minute=DEFAULT_TIERS[0].requests_per_minute * 60,
+    tokens_per_minute=DEFAULT_TIERS[0].tokens_per_minute * 60,
+    estimate_tokens_per_minute=DEFAULT_TIERS[0].estimate_tokens_per_minute * 60,
+)
+
+
+@pytest.fixture
+def scripted_gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gateway]:
+    monkeypatch.setenv("BATCHYARD_HOME", str(tmp_path))
+    monkeypatch.delenv("BATCHYARD_CONFIG", raising=False)
+    server = ServerThread(
+        tmp_path,
+        overrides={"tiers": (FAST_TIER0, *DEFAULT_TIERS[1:])},
+        engines={"embedded": ScriptedEngine("Hello there.")},
+    )
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+    assert server.problems == [], server.problems
+
+
+@pytest.mark.timeout(600)
+def test_the_readme_first_use_runs_as_written(scripted_gateway: Gateway, tmp_path: Path) -> None:
+    page = README.read_text()
+    section = page[page.index("## First use") : page.index("## Where to go next")]
+    bin_dir = Path(sys.executable).parent
+    work = tmp_path / "clone"
+    (work / "examples").mkdir(parents=True)
+    for f in (ROOT / "examples" / "data").iterdir():
+        (work / "examples" / "data").mkdir(exist_ok=True)
+        (work / "examples" / "data" / f.name).write_bytes(f.read_bytes())
+    (work / ".venv").symlink_to(bin_dir.parent)
+    script = ""
+    steps = 0
+    for block in re.findall(r"```(sh|python)\n(.*?)```", section, flags=re.S):
+        lang, body = block
+        if lang == "python":
+            body = f"python - <<'PY'\n{body}PY\n"
+        body = "\n".join(
+            line for line in body.splitlines() if not line.startswith(".venv/bin/batchyard serve")
+        )
+        body = body.replace("localhost:8000", scripted_gateway.base.removeprefix("http://"))
+        steps += 1
+        script += f"\necho; echo '--- step {steps}'\n{body}\n"
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "BATCHYARD_HOME": str(tmp_path),
+        "BATCHYARD_DATABASE_URL": f"sqlite:///{tmp_path / 'batchyard.db'}",
+        "BATCHYARD_BASE_URL": scripted_gateway.base,
+        "COLUMNS": "400",
+    }
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = re.split(r"^--- step \d+\n", done.stdout, flags=re.M)[1:]
+    assert len(out) == steps == 6, done.stdout
+    _setup, decided, scored, run, batches, costs = out
+    assert '"answers"' in decided and '"probabilities"' in decided, decided
+    assert "Answered 40 this run" in scored, scored
+    assert re.fullmatch(r"\s*0\.\d+\s*", run), run  # the run's quote, before it is confirmed
+    assert '"min_discount"' in batches and "completed" in batches, batches
+    assert '"charge"' in costs, costs
+    assert "ledger sound" in done.stderr, done.stderr
