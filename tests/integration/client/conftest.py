@@ -55,9 +55,32 @@ class Wire:
     replayed: int = 0
     in_flight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set while answers are held back until the server refuses a decide call.
+    _refused: asyncio.Event | None = None
 
     def __post_init__(self) -> None:
         self._idle.set()
+
+    def hold_answers_until_refused(self) -> None:
+        """Hold every decide answer after the first until a decide call is refused (429).
+
+        A held answer keeps its request in flight, and with it one of the
+        organisation's concurrency slots (given back only as the answer's last
+        byte leaves). A client that keeps more calls in flight than its tier's
+        concurrency therefore meets a refusal, however slowly the machine
+        answers; once one is sent, the held answers go out. The first answer
+        goes at once: the runner times its first text alone before it sends
+        the rest.
+        """
+        self._refused = asyncio.Event()
+
+    async def _held(self, status: int) -> None:
+        if self._refused is None:
+            return
+        if status == 429:
+            self._refused.set()
+        elif status == 200 and self.decide_statuses[200] > 0:
+            await self._refused.wait()
 
     async def quiet(self, timeout: float = 30.0) -> None:
         """Wait until the server has finished every request it received."""
@@ -83,6 +106,8 @@ class Wire:
         async def send_counted(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+                if scope["path"] == "/v1/decide":
+                    await self._held(status)
                 self.statuses[status] += 1
                 if scope["path"] == "/v1/decide":
                     self.decide_statuses[status] += 1
@@ -98,6 +123,9 @@ class Wire:
         self.statuses.clear()
         self.decide_statuses.clear()
         self.replayed = 0
+        if self._refused is not None:
+            self._refused.set()
+        self._refused = None
 
 
 def counted_server(service: Service, wire: Wire) -> AbstractAsyncContextManager[str]:

@@ -131,8 +131,10 @@ async def test_killed_run_resumes_and_every_text_is_answered_and_charged_once(
 
     # 1. Twice the tier's rate and twice its concurrency, so the server's limiter
     #    answers 429s that the SDK waits out; killed after about a hundred answers.
-    #    The first wave alone (32 at once against a burst of 16) is refused in part,
-    #    however slowly a loaded machine answers, so the 429s do not depend on speed.
+    #    Answers are held until the server has refused a call: with 32 workers
+    #    against 16 slots a refusal is certain, however slowly a loaded machine
+    #    answers (a fast one may meet the requests limit first; either is a 429).
+    gateway.wire.hold_answers_until_refused()
     stop = StopAfter(100)
     async with gateway.client() as client:
         task = asyncio.create_task(
