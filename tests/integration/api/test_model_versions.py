@@ -56,9 +56,9 @@ CHAT = [
     {
         "role": "user",
         "content": "Questions:\nsentiment: How does the writer feel?\n  - positive: pleased\n"
-        "  - negative: unhappy\n  - neutral: neither\n\nText:\nMeh. It arrived.\n\n"
+        "  - negative: unhappy\n  - neutral: neither\n\n"
         "Reply with one line per question, in this order and nothing else:\n"
-        "sentiment: <answer id>",
+        "sentiment: <answer id>\n\nText:\nMeh. It arrived.",
     },
 ]
 
