@@ -62,7 +62,8 @@ text is every chat's system prompt) and ``--decisions`` (a JSON list of decision
     python bench/engine.py [--quick] [--rounds N] [--clients 1,4,8,16] [--max-tokens 64]
         [--chat-prompts FILE] [--system FILE] [--texts FILE] [--decisions FILE] [--no-chat]
 
-``--no-chat`` measures decide (and embeddings) alone, for a change that touches only them.
+``--no-chat`` measures decide (and embeddings) alone, for a change that touches only them
+(and skips ``llama-batched-bench``, which shows what the cores allow for chat).
 """
 
 from __future__ import annotations
@@ -1017,7 +1018,8 @@ def main() -> None:
     import llama_cpp
 
     console.print(f"llama-cpp-python: {llama_cpp.llama_print_system_info().decode().strip()}")
-    batched_bench(build, model, threads, quick)
+    if plan.clients:
+        batched_bench(build, model, threads, quick)
 
     tmp = Path(tempfile.mkdtemp(prefix="batchyard-engine-bench-"))
     env = {
