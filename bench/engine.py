@@ -61,6 +61,7 @@ text is every chat's system prompt) and ``--decisions`` (a JSON list of decision
 
     python bench/engine.py [--quick] [--rounds N] [--clients 1,4,8,16] [--max-tokens 64]
         [--chat-prompts FILE] [--system FILE] [--texts FILE] [--decisions FILE] [--no-chat]
+        [--threads N]
 
 ``--no-chat`` measures decide (and embeddings) alone, for a change that touches only them
 (and skips ``llama-batched-bench``, which shows what the cores allow for chat).
@@ -976,6 +977,9 @@ def main() -> None:
     ap.add_argument("--no-embeddings", action="store_true")
     ap.add_argument("--no-chat", action="store_true", help="measure decide (and embeddings) only")
     ap.add_argument(
+        "--threads", type=int, default=None, help="threads of each server (default: every core)"
+    )
+    ap.add_argument(
         "--chat-prompts", type=Path, help="chat prompts, one a line (default: generated)"
     )
     ap.add_argument("--system", type=Path, help="a file whose text is every chat's system prompt")
@@ -1004,7 +1008,10 @@ def main() -> None:
         min_chat=4 if quick else 8,
     )
     cores = sorted(os.sched_getaffinity(0))
-    threads = len(cores)
+    # Both servers use the same number of threads: every core this process may use, or
+    # --threads (on a machine others load, one thread each avoids llama.cpp's threads
+    # spinning at their barriers for a core another process holds).
+    threads = args.threads or len(cores)
     version = importlib.metadata.version(DISTRIBUTION)
     model = default_model_path()
 
@@ -1014,7 +1021,7 @@ def main() -> None:
         f"llama.cpp {version} ({how}, the first build took {build.seconds / 60:.1f} min): "
         f"{build.folder}"
     )
-    console.print(f"model {model.name}; {threads} cores {cores}; {plan}")
+    console.print(f"model {model.name}; {threads} threads on cores {cores}; {plan}")
     import llama_cpp
 
     console.print(f"llama-cpp-python: {llama_cpp.llama_print_system_info().decode().strip()}")
@@ -1026,6 +1033,7 @@ def main() -> None:
         **OUTSIDE_ENV,
         "BATCHYARD_HOME": str(tmp / "home"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+        "BATCHYARD_EMBEDDED_THREADS": str(threads),
     }
     for name in ("BATCHYARD_DATABASE_URL", "BATCHYARD_CONFIG", "BATCHYARD_LIMITER_URL"):
         env.pop(name, None)
