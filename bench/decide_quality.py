@@ -56,6 +56,11 @@ reported apart.
     PYTHONPATH=src python bench/decide_quality.py [--per-class 50] [--sets tweets,amazon]
     PYTHONPATH=src python bench/decide_quality.py --tune   # the tuning halves, and the sweep
     PYTHONPATH=src python bench/decide_quality.py --lora tests/data/smollm2-sentiment-lora.gguf
+    PYTHONPATH=src python bench/decide_quality.py --json after.json --against before.json
+
+``--json`` writes every answer with its text's id; ``--against`` pairs this run's
+answers with an earlier run's on the same texts (another prompt layout, another
+commit) and prints the difference in three-way accuracy with a paired interval.
 
 ``--lora`` uploads a LoRA adapter into a project of the bench's account
 (``POST /v1/projects/{id}/models``) and asks that version (``mv.…``) instead
@@ -230,10 +235,13 @@ class Variant:
     name: str
     labels: list[str] = field(default_factory=list)
     probs: list[dict[str, float]] = field(default_factory=list)
+    #: Each answer's text id, so that two runs can be paired text by text (``--against``).
+    ids: list[str] = field(default_factory=list)
 
-    def add(self, label: str, probs: dict[str, float]) -> None:
+    def add(self, label: str, probs: dict[str, float], text_id: str = "") -> None:
         self.labels.append(label)
         self.probs.append(probs)
+        self.ids.append(text_id)
 
     def quality(self) -> Quality:
         q = Quality(list(LABELS))
@@ -310,8 +318,8 @@ async def run_set(
     for n, item in enumerate(items):
         body, cal_s = await decide(http, headers, item.text, decision, "batch")
         answer = body["answers"][0]
-        variants["raw"].add(item.label, answer["raw_probabilities"])
-        variants["calibrated"].add(item.label, answer["probabilities"])
+        variants["raw"].add(item.label, answer["raw_probabilities"], item.id)
+        variants["calibrated"].add(item.label, answer["probabilities"], item.id)
         if body["calibration"]["content_free_estimated"]:
             first_s = cal_s
             cf_tokens = body["usage"]["calibration_input_tokens"]
@@ -319,7 +327,7 @@ async def run_set(
             got, _ = await decide(http, headers, item.text, TWO_WAY, "batch")
             probs = dict(got["answers"][0]["probabilities"])
             probs.setdefault("neutral", 0.0)
-            two_way.add(item.label, probs)
+            two_way.add(item.label, probs, item.id)
         if (n + 1) % 25 == 0:
             progress.print(f"  {name}: {n + 1}/{len(items)}")
     return SetResult(name, variants, two_way, [], [], [], [], first_s, cf_tokens, math.nan)
@@ -439,6 +447,40 @@ def gain_lines(results: list[SetResult]) -> list[str]:
     return lines
 
 
+def against_lines(results: list[SetResult], earlier: dict[str, Any]) -> list[str]:
+    """What this run adds to an earlier run's three-way accuracy, text by text, per variant.
+
+    The earlier run is another ``--json`` file of the same half and sets (another
+    prompt layout, say, or another commit): the texts both runs answered are
+    paired, and the difference in three-way accuracy is given with its 95 %
+    paired bootstrap interval. The bench is deterministic, so this is the change's
+    effect on these texts, and the interval what it says of other texts like them.
+    """
+    lines = []
+    for res in results:
+        old_set = earlier.get("sets", {}).get(res.name)
+        if old_set is None:
+            lines.append(f"{res.name}: not in the earlier run")
+            continue
+        for v in [*res.variants.values(), res.two_way_call]:
+            old = old_set.get(v.name, {}).get("answers")
+            if not old or not v.labels:
+                continue
+            then = {a["id"]: int(a["hit"]) for a in old}
+            now = dict(zip(v.ids, hits(v), strict=True))
+            common = [i for i in v.ids if i in then]
+            if not common:
+                continue
+            gain, lo, hi = paired_gain([then[i] for i in common], [now[i] for i in common])
+            before = sum(then[i] for i in common) / len(common)
+            lines.append(
+                f"{res.name} {v.name}: {before:.1%} -> {before + gain:.1%}, "
+                f"{gain:+.1%} (95 % paired bootstrap {lo:+.1%} to {hi:+.1%}, "
+                f"{len(common)} texts in both runs)"
+            )
+    return lines
+
+
 def cost_table(results: list[SetResult]) -> Table:
     table = Table(title="the cost of calibration per decide call (same texts, same run)")
     for col in (
@@ -509,6 +551,9 @@ async def main() -> None:
     )
     parser.add_argument("--cost-only", action="store_true", help="skip the quality calls")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--against", type=Path, help="an earlier --json run: pair its answers with this run's"
+    )
     parser.add_argument("--lora", type=Path, help="ask this LoRA GGUF, uploaded as a version")
     parser.add_argument(
         "--quality-only", action="store_true", help="three-way calls only: no 2-way, no cost"
@@ -572,6 +617,13 @@ async def main() -> None:
         console.print(cost_table(results))
     if args.tune:
         console.print(sweep(results, content_free))
+    if args.against:
+        earlier = json.loads(args.against.read_text())
+        if earlier.get("half") != half:
+            console.print(f"{args.against} holds the {earlier.get('half')} halves, not {half}")
+        else:
+            for line in against_lines(results, earlier):
+                console.print(line)
     if args.json:
         args.json.write_text(json.dumps(to_json(results, half), indent=2) + "\n")
 
@@ -616,6 +668,10 @@ def to_json(results: list[SetResult], half: str) -> dict[str, Any]:
                 "ece": q.ece,
                 "starved": v.starved() if v is not res.two_way_call else None,
                 "texts": len(v.labels),
+                "answers": [
+                    {"id": i, "label": label, "hit": h, "probabilities": p}
+                    for i, label, h, p in zip(v.ids, v.labels, hits(v), v.probs, strict=True)
+                ],
             }
         if res.seconds_raw:
             entry["cpu_ratio"] = statistics.mean(res.cpu_calibrated) / statistics.mean(res.cpu_raw)

@@ -36,10 +36,12 @@ inputs were drawn a second time.
   with every reply counted alike;
 - decide: texts/s of ``POST /v1/decide`` (two decisions, of 3 and 4
   outcomes, on ~32-token texts) against llama-server's ``/completion`` with
-  ``n_predict`` 1 and ``cache_prompt`` on the exact prompt batchyard renders
-  for each text (``core.decisions.build_messages`` through the GGUF's chat
-  template, as the engine renders it; the bench checks that both read the same
-  number of prompt tokens);
+  ``n_predict`` 1 and ``cache_prompt`` given the same questions as a llama.cpp
+  user lays them out: batchyard's system prompt, questions and answer format,
+  then the text last (``Prompts.baseline``: batchyard's own prompt with the
+  text's paragraph moved to the end, through the GGUF's chat template), so the
+  server's prompt cache serves everything but the text; the bench prints whether
+  batchyard's rendered prompt is that same prompt, and both one's token counts;
 - embeddings: inputs/s, ``/v1/embeddings`` against ``/embedding``, 4 inputs
   a request;
 - output tokens per CPU-second of each serving process and its children
@@ -48,7 +50,7 @@ inputs were drawn a second time.
 
 Each is printed as batchyard / llama-server per round and as the median of
 the rounds, beside its target (chat ≥ 1.0 at every client count, decide ≥
-1.3). ``llama-batched-bench`` runs once first, with no server busy, to show
+1.0). ``llama-batched-bench`` runs once first, with no server busy, to show
 what the cores allow. Every server is stopped on exit, Ctrl-C and SIGTERM
 included; nothing listens beyond 127.0.0.1.
 
@@ -58,7 +60,11 @@ text is every chat's system prompt) and ``--decisions`` (a JSON list of decision
 ``POST /v1/decide`` takes them). llama-server's slots grow to fit the longest prompt.
 
     python bench/engine.py [--quick] [--rounds N] [--clients 1,4,8,16] [--max-tokens 64]
-        [--chat-prompts FILE] [--system FILE] [--texts FILE] [--decisions FILE]
+        [--chat-prompts FILE] [--system FILE] [--texts FILE] [--decisions FILE] [--no-chat]
+        [--threads N]
+
+``--no-chat`` measures decide (and embeddings) alone, for a change that touches only them
+(and skips ``llama-batched-bench``, which shows what the cores allow for chat).
 """
 
 from __future__ import annotations
@@ -105,13 +111,15 @@ from batchyard.errors import BatchyardError  # noqa: E402
 console = Console()
 
 MODEL = "kettei-core"
-TARGETS = {"chat": 1.0, "decide": 1.3}
+TARGETS = {"chat": 1.0, "decide": 1.0}
 # llama-server's slots: the configuration of issue 19's comparison.
 SLOTS = 8
 # Context per llama-server slot: room for the generated prompts and their replies
 # (``fit_slot`` raises it for longer prompts of a user's own).
 SLOT_CTX = 1024
 EMBED_INPUTS_PER_REQUEST = 4
+#: Where the text goes in the prompt ``Prompts.baseline`` rearranges.
+TEXT_MARK = "<<the text>>"
 #: The decks' shuffle: every run of the same inputs asks them in the same order.
 SEED = 1000
 
@@ -508,9 +516,26 @@ class Prompts:
         self.work = work
 
     def decide(self, text: str) -> str:
+        """The prompt batchyard's engine reads for ``text``."""
         req = rules.parse_request(self.work.decide_body(text))
         plain, _ = text_messages(rules.build_messages(req, "lines"))
         return self.template.prompt(plain)
+
+    def baseline(self, text: str) -> str:
+        """llama-server's prompt for ``text``: the same words, the text last.
+
+        What a llama.cpp user asking these questions sends: the instructions
+        first and the text at the end, so ``cache_prompt`` serves all but the
+        text. It is batchyard's own prompt with the text's paragraph moved to the
+        end, so it holds the same system prompt, questions and answer format
+        whatever order batchyard lays them out in.
+        """
+        req = rules.parse_request(self.work.decide_body(TEXT_MARK))
+        plain, _ = text_messages(rules.build_messages(req, "lines"))
+        *head, user = plain
+        paragraphs = [p for p in user["content"].split("\n\n") if p != f"Text:\n{TEXT_MARK}"]
+        content = "\n\n".join([*paragraphs, f"Text:\n{text}"])
+        return self.template.prompt([*head, {"role": "user", "content": content}])
 
     def chat(self, prompt: str) -> str:
         return self.template.prompt(self.work.messages(prompt))
@@ -622,7 +647,7 @@ def decide_bodies(who: str, prompts: Prompts, texts: list[str]) -> list[dict[str
     if who == "batchyard":
         return [prompts.work.decide_body(t) for t in texts]
     return [
-        {"prompt": prompts.decide(t), "n_predict": 1, "cache_prompt": True, "temperature": 0}
+        {"prompt": prompts.baseline(t), "n_predict": 1, "cache_prompt": True, "temperature": 0}
         for t in texts
     ]
 
@@ -769,8 +794,9 @@ def print_round(r: int, order: list[Contender], t: Tally, by: str, ls: str) -> N
     for key in t.rates[by]:
         a, b = t.rates[by][key], t.rates[ls][key]
         table.add_row(key, f"{a:.1f} {unit_of(key)}", f"{b:.1f}", f"{ratio(a, b):.2f}")
-    a, b = per_cpu(t, by), per_cpu(t, ls)
-    table.add_row("chat tokens / CPU-s", f"{a:.1f}", f"{b:.1f}", f"{ratio(a, b):.2f}")
+    if t.chat_cpu[by]:
+        a, b = per_cpu(t, by), per_cpu(t, ls)
+        table.add_row("chat tokens / CPU-s", f"{a:.1f}", f"{b:.1f}", f"{ratio(a, b):.2f}")
     console.print(table)
 
 
@@ -787,7 +813,8 @@ def print_summary(tallies: list[Tally], by: str, ls: str) -> list[tuple[str, flo
         table.add_column(col, justify="left" if col == "work" else "right")
     verdicts: list[tuple[str, float, float]] = []
     keys = list(tallies[0].rates[by])
-    for key in [*keys, "chat tokens / CPU-s"]:
+    chat = ["chat tokens / CPU-s"] if tallies[0].chat_cpu[by] else []
+    for key in [*keys, *chat]:
         if key in keys:
             a_s = [t.rates[by][key] for t in tallies]
             b_s = [t.rates[ls][key] for t in tallies]
@@ -877,7 +904,7 @@ def fit_slot(prompts: Prompts, plan: Plan) -> int:
     work = prompts.work
     longest = max(
         [prompts.count(prompts.chat(p)) for p in work.prompts]
-        + [prompts.count(prompts.decide(t)) for t in work.text_pool()]
+        + [prompts.count(prompts.baseline(t)) for t in work.text_pool()]
     )
     need = longest + max(plan.max_tokens, 8) + 16
     return max(SLOT_CTX, -(-need // 256) * 256)
@@ -903,22 +930,31 @@ def servers_stopped(started: list[Server]) -> Iterator[None]:
 
 
 def check_prompts(
-    by: Contender, ls: Contender, prompts: Prompts, text: str, prompt: str, max_tokens: int
+    by: Contender,
+    ls: Contender,
+    prompts: Prompts,
+    text: str,
+    chat: str | None,
+    max_tokens: int,
 ) -> None:
-    """Both read the same prompts: decide's rendered prompt, and chat's template."""
+    """What both read: decide's prompts (and whether they are one), and chat's template."""
     b = httpx.post(by.decide_url, json=by.work.decide_body(text), headers=by.headers, timeout=600)
     b.raise_for_status()
-    rendered = prompts.decide(text)
-    body = {"prompt": rendered, "n_predict": 1, "cache_prompt": True, "temperature": 0}
+    rendered, baseline = prompts.decide(text), prompts.baseline(text)
+    body = {"prompt": baseline, "n_predict": 1, "cache_prompt": True, "temperature": 0}
     lr = httpx.post(ls.decide_url, json=body, timeout=600).json()
     fallback = b.json().get("fallback")
+    same = "the same prompt" if rendered == baseline else "[yellow]another prompt[/]"
     console.print(
         f"decide prompt: batchyard read {b.json()['usage']['input_tokens']} input tokens "
-        f"(the rendered prompt is {prompts.count(rendered)}), llama-server evaluated "
-        f"{lr.get('tokens_evaluated')}; fallback {fallback}"
+        f"(its rendered prompt is {prompts.count(rendered)}), llama-server evaluated "
+        f"{lr.get('tokens_evaluated')} (text last: {prompts.count(baseline)}), {same}; "
+        f"fallback {fallback}"
     )
+    if chat is None:
+        return
     got = [
-        httpx.post(c.chat_url, json=c.chat_body(prompt, max_tokens), headers=c.headers, timeout=600)
+        httpx.post(c.chat_url, json=c.chat_body(chat, max_tokens), headers=c.headers, timeout=600)
         .raise_for_status()
         .json()["usage"]
         for c in (by, ls)
@@ -939,6 +975,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="parallel jobs of the first build")
     ap.add_argument("--rebuild", action="store_true", help="build llama.cpp again")
     ap.add_argument("--no-embeddings", action="store_true")
+    ap.add_argument("--no-chat", action="store_true", help="measure decide (and embeddings) only")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="threads of each server (default: every core)"
+    )
     ap.add_argument(
         "--chat-prompts", type=Path, help="chat prompts, one a line (default: generated)"
     )
@@ -959,7 +999,7 @@ def main() -> None:
     quick = args.quick
     plan = Plan(
         rounds=args.rounds or (2 if quick else 4),
-        clients=[int(c) for c in args.clients.split(",")],
+        clients=[] if args.no_chat else [int(c) for c in args.clients.split(",")],
         max_tokens=args.max_tokens,
         per_client=1 if quick else 2,
         decide_texts=16 if quick else 48,
@@ -968,7 +1008,10 @@ def main() -> None:
         min_chat=4 if quick else 8,
     )
     cores = sorted(os.sched_getaffinity(0))
-    threads = len(cores)
+    # Both servers use the same number of threads: every core this process may use, or
+    # --threads (on a machine others load, one thread each avoids llama.cpp's threads
+    # spinning at their barriers for a core another process holds).
+    threads = args.threads or len(cores)
     version = importlib.metadata.version(DISTRIBUTION)
     model = default_model_path()
 
@@ -978,17 +1021,19 @@ def main() -> None:
         f"llama.cpp {version} ({how}, the first build took {build.seconds / 60:.1f} min): "
         f"{build.folder}"
     )
-    console.print(f"model {model.name}; {threads} cores {cores}; {plan}")
+    console.print(f"model {model.name}; {threads} threads on cores {cores}; {plan}")
     import llama_cpp
 
     console.print(f"llama-cpp-python: {llama_cpp.llama_print_system_info().decode().strip()}")
-    batched_bench(build, model, threads, quick)
+    if plan.clients:
+        batched_bench(build, model, threads, quick)
 
     tmp = Path(tempfile.mkdtemp(prefix="batchyard-engine-bench-"))
     env = {
         **OUTSIDE_ENV,
         "BATCHYARD_HOME": str(tmp / "home"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+        "BATCHYARD_EMBEDDED_THREADS": str(threads),
     }
     for name in ("BATCHYARD_DATABASE_URL", "BATCHYARD_CONFIG", "BATCHYARD_LIMITER_URL"):
         env.pop(name, None)
@@ -1078,7 +1123,7 @@ def main() -> None:
             if not embeddings:
                 console.print("embeddings skipped (--no-embeddings)")
             text, prompt = decks["decide"].take(1)[0], decks["chat"].take(1)[0]
-            check_prompts(by, ls, prompts, text, prompt, plan.max_tokens)
+            check_prompts(by, ls, prompts, text, prompt if plan.clients else None, plan.max_tokens)
             tallies, failed, agree = run_rounds(plan, by, ls, prompts, embeddings, decks)
             rss = {s.name: peak_rss_mb(s.proc.pid) for s in started}
     finally:

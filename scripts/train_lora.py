@@ -8,7 +8,10 @@ torch, transformers and peft, which the project does not depend on:
     # 1. the examples, with the project's venv: the tuning halves of the
     #    bench's sentiment sets (bench/decide_quality.py: vaderSentiment 3.3.2's
     #    tweets and amazon snippets, SPLIT_SEED 16), each text as decide's own
-    #    prompt (core.decisions.build_messages) with its label as the answer.
+    #    prompt (core.decisions.build_messages, in its layout: the questions and
+    #    answer format first, the text last) with its label as the answer. An
+    #    adapter answers best in the layout it was trained on: when decide's
+    #    prompt changes, make the data and train again.
     .venv/bin/python scripts/train_lora.py data --out /tmp/lora/train.jsonl
 
     # 2. train and convert, with a separate venv (never the project's):

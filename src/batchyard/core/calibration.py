@@ -66,8 +66,9 @@ CONTENT_FREE_TEXTS: tuple[str, ...] = ("N/A", "[MASK]", "")
 # neutral chosen a third as often as true at 10, 0.7 at 3).
 BATCH_PSEUDO_TEXTS = 3.0
 
-# Changing the prompt or the scoring changes what the stored estimates mean;
-# it is part of the fingerprint, so old estimates are never reused.
+# Changing how candidates are scored changes what the stored estimates mean;
+# it is part of the fingerprint, so old estimates are never reused. The prompt
+# itself needs no version: its layout is part of the fingerprint (``layout``).
 SCORING_VERSION = "decide-scoring-3"
 
 # Probabilities are floored here before division and logarithms, so that an
@@ -84,16 +85,26 @@ class Prior:
 
 
 def set_fingerprint(
-    model: str, decisions: Sequence[tuple[str, str, Sequence[tuple[str, str]]]]
+    model: str,
+    decisions: Sequence[tuple[str, str, Sequence[tuple[str, str]]]],
+    layout: str = "",
 ) -> str:
     """A stable name for one decision set on one model: what its estimates belong to.
 
     ``decisions`` are ``(id, question, [(outcome id, description), ...])``.
     Any change of wording, order or model is another set, with its own bias
-    (the order included: the outcome listed first is favoured).
+    (the order included: the outcome listed first is favoured). ``layout`` is
+    the prompt the set is asked in, with a placeholder for the text, and what is
+    scored after it: the same questions laid out another way are another set
+    too, so estimates made under one prompt layout never calibrate another.
     """
     canonical = json.dumps(
-        [SCORING_VERSION, model, [[d, q, [list(o) for o in outs]] for d, q, outs in decisions]],
+        [
+            SCORING_VERSION,
+            model,
+            [[d, q, [list(o) for o in outs]] for d, q, outs in decisions],
+            layout,
+        ],
         separators=(",", ":"),
         ensure_ascii=False,
     )

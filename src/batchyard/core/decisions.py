@@ -255,21 +255,26 @@ def _instructions(decisions: Sequence[Decision], fmt: AnswerFormat) -> str:
 
 
 def build_messages(request: DecideRequest, fmt: AnswerFormat) -> list[dict[str, Any]]:
-    """The one prompt: every question, then the text once, then the answer format.
+    """The one prompt: everything that does not depend on the text, then the text, last.
 
-    The questions come first because they are the same for every text of a
-    batch (docs/reference/decide.md asks for that): an engine that keeps the prompt prefix it
-    last read (the embedded one does) reads them once, and each text then costs
-    only its own tokens and the answer format. The text sits right before the
-    format it is answered in; on tuning tweets this order scored as well as the
-    text first.
+    The system prompt, the questions with their outcomes and the answer format
+    are the same for every text of a decision set (docs/reference/decide.md asks
+    callers to keep them so), and nothing before the text varies per text: an
+    engine that keeps the prompt prefix it has read (the embedded one, or
+    llama.cpp's server with ``cache_prompt``) reads them once per set, and a
+    provider's prompt cache serves them at its cached-input price. Each text then
+    costs its own tokens and the few that close the user's turn, and the reply
+    (or the scored candidates) follows the text directly. An image goes last for
+    the same reason, after one fixed line that says the questions are about it.
     """
-    parts: list[str] = [f"Questions:\n{_questions(request.decisions)}"]
+    parts: list[str] = [
+        f"Questions:\n{_questions(request.decisions)}",
+        _instructions(request.decisions, fmt),
+    ]
     if request.input.text is not None:
         parts.append(f"Text:\n{request.input.text}")
     elif request.input.image_url is not None:
         parts.append("The questions are about the image.")
-    parts.append(_instructions(request.decisions, fmt))
     prompt = "\n\n".join(parts)
     content: str | list[dict[str, Any]] = prompt
     if request.input.image_url is not None:

@@ -18,8 +18,9 @@ the prompt once and decodes all the candidates together. Calibration
 Every prompt the model reads is usage: ``input_tokens`` counts the call's
 prompt and any content-free prompts, ``calibration_input_tokens`` says
 how many of them calibration added, and ``cached_input_tokens`` how many the
-engine read from its prompt cache (a decision set's questions, once a text
-of the set has been read), which settle at the route's cached-input price.
+engine read from its prompt cache (everything before the text: the decision
+set's instructions, questions and answer format, once a text of the set has
+been read), which settle at the route's cached-input price.
 
 The state lives in the store (``batchyard.store.calibration``), so every
 process of a deployment shares one running mean, but a call never waits on
@@ -34,6 +35,7 @@ one ``Calibrations`` of a deployment; ``Service.stop`` writes what is left.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,10 +67,29 @@ def content_free_requests(req: rules.DecideRequest) -> list[rules.DecideRequest]
     ]
 
 
+# The text of the prompt that stands for every text in a set's fingerprint.
+_PLACEHOLDER = "\x00text\x00"
+
+
 def fingerprint(model_id: str, req: rules.DecideRequest) -> str:
+    """The name of ``req``'s decision set, under the prompt layout it is asked in.
+
+    The layout (the messages around a placeholder text, and the candidates
+    scored after them) is part of the name, so a change of the prompt starts
+    new estimates instead of dividing new scores by priors made under the old
+    one.
+    """
+    shape = rules.DecideRequest(
+        req.model, rules.DecideInput(text=_PLACEHOLDER), req.decisions, None, "base"
+    )
+    layout = json.dumps(
+        [rules.build_messages(shape, "lines"), rules.scoring_candidates(req.decisions)],
+        ensure_ascii=False,
+    )
     return cal.set_fingerprint(
         model_id,
         [(d.id, d.question, [(o.id, o.description) for o in d.outcomes]) for d in req.decisions],
+        layout,
     )
 
 

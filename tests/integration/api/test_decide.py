@@ -63,7 +63,7 @@ VERSION_PRICE = (Decimal("0.30"), Decimal("1.20"))
 def text_scorer(model: str, messages: list[dict[str, Any]], candidates: list[str]) -> list[float]:
     """Favour the outcome named in the text ("battery"; "died" reads as negative)."""
     prompt = str(messages[-1]["content"])
-    text = prompt.split("Text:")[-1].split("Reply with")[0].lower().replace("died", "negative")
+    text = prompt.split("Text:\n")[-1].lower().replace("died", "negative")
     scores = []
     for candidate in candidates:
         outcome = candidate.rsplit("\n", 1)[-1].split(": ", 1)[-1]

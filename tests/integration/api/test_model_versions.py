@@ -56,9 +56,9 @@ CHAT = [
     {
         "role": "user",
         "content": "Questions:\nsentiment: How does the writer feel?\n  - positive: pleased\n"
-        "  - negative: unhappy\n  - neutral: neither\n\nText:\nMeh. It arrived.\n\n"
+        "  - negative: unhappy\n  - neutral: neither\n\n"
         "Reply with one line per question, in this order and nothing else:\n"
-        "sentiment: <answer id>",
+        "sentiment: <answer id>\n\nText:\nMeh. It arrived.",
     },
 ]
 
@@ -170,8 +170,9 @@ async def fresh(svc) -> None:
 async def fresh_answers(
     svc, http: httpx.AsyncClient, headers: dict[str, str], models: tuple[str, ...]
 ) -> dict[str, tuple[str, dict[str, float]]]:
-    """Each model's decide probabilities (uncalibrated) and greedy chat answer, each model
-    read on an engine with nothing cached (see ``TOLERANCE``)."""
+    """Each model's decide probabilities (uncalibrated) and greedy chat answer, each read
+    on an engine with nothing cached (see ``TOLERANCE``): the chat asks the decide's
+    questions, so it would otherwise start from the decide's cached prefix."""
     answers: dict[str, tuple[str, dict[str, float]]] = {}
     for model in models:
         await fresh(svc)
@@ -179,6 +180,7 @@ async def fresh_answers(
         d = await http.post("/v1/decide", json={**body, "calibration": "none"}, headers=headers)
         assert d.status_code == 200, d.text
         assert d.json()["fallback"] is None
+        await fresh(svc)
         chat = {"model": model, "messages": CHAT, "max_tokens": 24, "temperature": 0}
         r = await http.post("/v1/chat/completions", json=chat, headers=headers)
         assert r.status_code == 200, r.text

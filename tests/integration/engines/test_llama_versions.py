@@ -29,8 +29,9 @@ pytestmark = pytest.mark.model
 ADAPTER = Path(__file__).resolve().parents[2] / "data" / "smollm2-sentiment-lora.gguf"
 SENTIMENT = (
     "Questions:\nsentiment: How does the writer feel?\n  - positive: pleased\n"
-    "  - negative: unhappy\n  - neutral: neither\n\nText:\n{text}\n\n"
+    "  - negative: unhappy\n  - neutral: neither\n\n"
     "Reply with one line per question, in this order and nothing else:\nsentiment: <answer id>"
+    "\n\nText:\n{text}"
 )
 
 

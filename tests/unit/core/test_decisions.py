@@ -89,7 +89,8 @@ def test_an_image_alone_is_a_valid_input() -> None:
     messages = d.build_messages(req, "json")
     parts = messages[-1]["content"]
     assert parts[1] == {"type": "image_url", "image_url": {"url": url}}
-    assert "image" in parts[0]["text"]
+    assert parts[0]["text"].endswith("The questions are about the image.")
+    assert len(parts) == 2  # the image is last, after everything that is the same for every one
 
 
 def test_the_prompt_holds_the_text_once_and_every_decision() -> None:
@@ -105,12 +106,23 @@ def test_the_prompt_holds_the_text_once_and_every_decision() -> None:
     assert "JSON" in d.build_messages(req, "json")[-1]["content"]
 
 
-def test_the_questions_come_first_so_texts_of_one_batch_share_the_prompts_start() -> None:
-    one = d.build_messages(parsed(), "lines")[-1]["content"]
-    other = d.build_messages(parsed(input={"text": "Fine screen."}), "lines")[-1]["content"]
-    shared = one[: one.index("Text:")]
-    assert shared.startswith("Questions:") and other.startswith(shared)
-    assert one.index("Text:") < one.index("Reply with")
+@pytest.mark.parametrize("fmt", ["lines", "json"])
+def test_the_text_is_last_and_everything_before_it_is_the_same_for_every_text(
+    fmt: d.AnswerFormat,
+) -> None:
+    # The content-free texts too: calibration's prompts share the set's prefix.
+    texts = ["The battery died after two days.", "Fine screen.", "N/A", "[MASK]", ""]
+    heads = set()
+    for text in texts:
+        req = d.DecideRequest("m", d.DecideInput(text=text), parsed().decisions, None, "base")
+        system, user = d.build_messages(req, fmt)
+        assert system == {"role": "system", "content": d.SYSTEM_PROMPT}
+        # The text closes the prompt: nothing of the questions or the format after it.
+        assert user["content"].endswith("Text:\n" + text)
+        heads.add(user["content"][: len(user["content"]) - len(text)])
+    assert len(heads) == 1
+    head = heads.pop()
+    assert head.startswith("Questions:") and head.index("Reply with") < head.index("Text:")
 
 
 def test_calibration_is_batch_unless_asked_and_checked() -> None:
