@@ -156,7 +156,7 @@ def get_project(project_id: str) -> Call:
 
 
 #: The media type of an uploaded dataset, by its file name's extension.
-DATASET_MEDIA_TYPES = {
+_DATASET_MEDIA_TYPES = {
     ".jsonl": "application/x-ndjson",
     ".ndjson": "application/x-ndjson",
     ".csv": "text/csv",
@@ -177,9 +177,9 @@ def upload_dataset(
     defaults to the file's name without its extension.
     """
     path = PurePosixPath(filename)
-    media_type = DATASET_MEDIA_TYPES.get(path.suffix.lower())
+    media_type = _DATASET_MEDIA_TYPES.get(path.suffix.lower())
     if media_type is None:
-        known = ", ".join(sorted(DATASET_MEDIA_TYPES))
+        known = ", ".join(sorted(_DATASET_MEDIA_TYPES))
         raise ValueError(f"{filename}: a dataset file ends in one of {known}")
     params = {"name": path.stem, **(fields or {})}
     return Call(
