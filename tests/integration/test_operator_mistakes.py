@@ -396,9 +396,7 @@ def test_audit_on_a_read_only_database_speaks_to_the_operator(tmp_path, read_onl
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_a_database_another_batchyard_migrated_is_one_line_naming_it_and_the_fix(
-    tmp_path, command
-):
+def test_a_database_another_batchyard_migrated_is_one_line_naming_it_and_the_fix(tmp_path, command):
     """A revision this code does not know (a newer release's, or one folded into 0.1.0's)."""
     import sqlite3
 
