@@ -40,7 +40,8 @@ def open_database(config_file: str | None, database_url: str | None) -> Database
     settings = settings_from(config_file, database_url)
     try:
         db = Database(settings.database_url, pool_size=2)
-        db.migrate()
+        with config_errors():
+            db.migrate()
     except StorageUnavailable as exc:
         # Not the API's "send it again with the same Idempotency-Key": the operator's fix.
         raise OperatorError(f"batchyard: {store_problem(exc)}") from None
