@@ -48,7 +48,8 @@ __all__ = [
 ]
 
 
-def _service(request: Request) -> Service:
+async def _service(request: Request) -> Service:
+    # A coroutine, so FastAPI calls it on the loop rather than in its thread pool.
     return service_of(request)
 
 
