@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import Connection
 
-from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.api.context import ServiceDep, authenticate, json_response
 from batchyard.api.inputs import query_id_cursor, query_limit
 from batchyard.core.accounts import Organisation
 from batchyard.core.clock import isoformat
@@ -19,9 +19,8 @@ router = APIRouter()
 
 
 @router.get("/v1/account")
-async def get_account(request: Request) -> JSONResponse:
+async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    svc = service_of(request)
 
     def load(conn: Connection) -> tuple[Organisation, ledger.Balance]:
         return accounts.get_org(conn, principal.org_id), ledger.balance(conn, principal.org_id)
@@ -51,9 +50,8 @@ async def get_account(request: Request) -> JSONResponse:
 
 
 @router.get("/v1/activity")
-async def get_activity(request: Request) -> JSONResponse:
+async def get_activity(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    svc = service_of(request)
     limit = query_limit(request, default=100, most=1000)
     after = query_id_cursor(request, "act", name="after")
     rows = await svc.db.read(
