@@ -23,7 +23,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
+from batchyard.api.inputs import (
+    finished_query,
+    object_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+)
 from batchyard.errors import InvalidRequest
 from batchyard.service import batch_listing, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
@@ -124,3 +130,17 @@ async def batch_results(request: Request, batch_id: str) -> Response:
     _batch_id(batch_id)
     lines = await deferred_batches.result_lines(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-ndjson")
+
+
+@router.get("/v1/batches/{batch_id}/finished")
+async def batch_finished(request: Request, batch_id: str) -> Response:
+    """A batchyard extension: the lines that ended so far, from a cursor, while the batch runs."""
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    after, limit = finished_query(request)
+    svc = service_of(request)
+    if await batch_listing.is_file_batch(svc, principal, batch_id):
+        page = await file_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    else:
+        page = await deferred_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    return json_response(page)

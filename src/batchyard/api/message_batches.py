@@ -18,7 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
+from batchyard.api.inputs import (
+    finished_query,
+    object_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+)
 from batchyard.api.messages import anthropic_door
 from batchyard.errors import InvalidRequest
 from batchyard.service import message_batches
@@ -112,3 +118,16 @@ async def message_batch_results(request: Request) -> Response:
     batch_id = _id(request.path_params["batch_id"])
     lines = await message_batches.results(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-jsonl")
+
+
+@router.get(_PATH + "/{batch_id}/finished")
+@anthropic_door
+async def message_batch_finished(request: Request) -> Response:
+    """A batchyard extension: the results so far, from a cursor, while the batch runs."""
+    principal = await authenticate(request, x_api_key=True)
+    batch_id = _id(request.path_params["batch_id"])
+    after, limit = finished_query(request)
+    page = await message_batches.finished(
+        service_of(request), principal, batch_id, after=after, limit=limit
+    )
+    return json_response(page)

@@ -34,6 +34,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.quotes import direct_price
 from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
+from batchyard.service import following
 from batchyard.service.batch_requests import WINDOWS
 from batchyard.service.batch_views import file_batch_view, openai_status
 from batchyard.service.deployment import Service
@@ -43,10 +44,12 @@ from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.files import line_aad
 
-__all__ = ["BODY_KEYS", "cancel", "create", "load_view", "parse_create"]
+__all__ = ["BODY_KEYS", "ENDED", "cancel", "create", "finished", "load_view", "parse_create"]
 
 log = logging.getLogger("batchyard.file_batches")
 
+#: The statuses of a batch whose every line has ended.
+ENDED = ("completed", "failed", "expired", "canceled")
 #: OpenAI's documented fields of a batch creation.
 BODY_KEYS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 MAX_METADATA = 16
@@ -287,6 +290,23 @@ def load_view(
     if row is None:
         raise NotFound(f"batch {batch_id} not found", param="batch_id")
     return file_batch_view(row, store.totals(conn, [row.id])[row.id])
+
+
+async def finished(
+    svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
+) -> dict[str, Any]:
+    """The lines that ended after ``after``, as the output and error files show them."""
+    sealer = svc.batch_key.require()
+    own = principal.key_id if principal.own_only else None
+
+    def read(conn: Connection) -> dict[str, Any]:
+        row = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
+        if row is None:
+            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        items = following.file_batch_items(conn, sealer, row.id, after=after, limit=limit)
+        return following.page(items, after=after, limit=limit, ended=row.status in ENDED)
+
+    return await svc.db.read(read)
 
 
 async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str, Any]:

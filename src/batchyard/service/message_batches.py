@@ -40,7 +40,7 @@ from batchyard.errors import (
     NotFound,
     UnknownField,
 )
-from batchyard.service import file_batches, files
+from batchyard.service import file_batches, files, following
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import MESSAGES
 from batchyard.store import file_batches as store
@@ -48,6 +48,7 @@ from batchyard.store import file_batches as store
 __all__ = [
     "cancel",
     "create",
+    "finished",
     "get",
     "list_page",
     "results",
@@ -55,7 +56,7 @@ __all__ = [
 
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _CREATE_KEYS = {"requests", "min_discount"}
-_ENDED = ("completed", "failed", "expired", "canceled")
+_ENDED = file_batches.ENDED
 
 
 def _jsonl(raw: dict[str, Any]) -> tuple[bytes, Decimal | None]:
@@ -236,6 +237,22 @@ async def cancel(
         if exc.code != "batch_not_cancellable":
             raise
     return await get(svc, principal, batch_id, base_url=base_url)
+
+
+async def finished(
+    svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
+) -> dict[str, Any]:
+    """The requests that ended after ``after``, as the results file shows them."""
+    sealer = svc.batch_key.require()
+
+    def read(conn: Connection) -> dict[str, Any]:
+        row = _load(conn, principal, batch_id)
+        items = following.file_batch_items(
+            conn, sealer, row.id, after=after, limit=limit, render=_result
+        )
+        return following.page(items, after=after, limit=limit, ended=row.status in _ENDED)
+
+    return await svc.db.read(read)
 
 
 def _result(line: dict[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from sqlalchemy import (
 )
 
 from batchyard.core.leases import Lease
-from batchyard.store import leases
+from batchyard.store import end_order, leases
 from batchyard.store.files import file_lines
 from batchyard.store.tables import UtcDateTime, metadata
 
@@ -62,6 +62,7 @@ __all__ = [
     "claim_lines",
     "create_batch",
     "end_lines",
+    "ended_lines",
     "file_batch_lines",
     "file_batches",
     "get_batch",
@@ -122,6 +123,9 @@ file_batches = Table(
     Column("expired_at", UtcDateTime(), nullable=True),
     Column("cancelling_at", UtcDateTime(), nullable=True),
     Column("cancelled_at", UtcDateTime(), nullable=True),
+    # How many end numbers its lines have taken (``store.end_order``): the
+    # high-water mark of a cursor that follows the batch while it runs.
+    Column("ended_seq", BigInteger, nullable=False, default=0, server_default="0"),
     Index("ix_file_batches_org", "org_id", "id"),
     Index("ix_file_batches_status", "status", "expires_at"),
 )
@@ -150,7 +154,10 @@ file_batch_lines = Table(
     Column("updated_at", UtcDateTime(), nullable=True),
     # Written durably just before the line's engine call: an unsent line is never uncertain.
     Column("sent_at", UtcDateTime(), nullable=True),
+    # The line's place in the order lines ended (``store.end_order``), set with ``out``.
+    Column("ended_seq", BigInteger, nullable=True),
     Index("ix_fbl_state", "batch_id", "state", "line"),
+    Index("ix_fbl_ended", "batch_id", "ended_seq"),
     Index("ix_fbl_lease", "state", "lease_expires_at"),
 )
 
@@ -182,6 +189,7 @@ class BatchRow:
     expired_at: datetime | None
     cancelling_at: datetime | None
     cancelled_at: datetime | None
+    ended_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +478,7 @@ def record_results(
     ended = [e for e in ended if e.line in held]
     if not ended:
         return 0
+    first = end_order.take(conn, file_batches, file_batches.c.id, batch_id, len(ended))
     fbl = file_batch_lines
     result = conn.execute(
         update(fbl)
@@ -488,11 +497,13 @@ def record_results(
             charge=bindparam("b_ch"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
+            ended_seq=bindparam("b_seq"),
             updated_at=now,
             **leases.LET_GO,
         ),
         [
             {
+                "b_seq": first + i,
                 "b_line": e.line,
                 "b_owner": held[e.line].owner,
                 "b_token": held[e.line].token,
@@ -504,7 +515,7 @@ def record_results(
                 "b_out": e.out,
                 "b_ob": e.out_bytes,
             }
-            for e in ended
+            for i, e in enumerate(ended)
         ],
     )
     return int(result.rowcount or 0)
@@ -555,6 +566,7 @@ def end_lines(
     """End lines that no call answered (expired, canceled, uncertain) with their file lines."""
     if not ended:
         return 0
+    first = end_order.take(conn, file_batches, file_batches.c.id, batch_id, len(ended))
     fbl = file_batch_lines
     result = conn.execute(
         update(fbl)
@@ -567,12 +579,19 @@ def end_lines(
             state=bindparam("b_state"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
+            ended_seq=bindparam("b_seq"),
             updated_at=now,
             **leases.LET_GO,
         ),
         [
-            {"b_line": e.line, "b_state": e.state, "b_out": e.out, "b_ob": e.out_bytes}
-            for e in ended
+            {
+                "b_line": e.line,
+                "b_state": e.state,
+                "b_out": e.out,
+                "b_ob": e.out_bytes,
+                "b_seq": first + i,
+            }
+            for i, e in enumerate(ended)
         ],
     )
     return int(result.rowcount or 0)
@@ -591,6 +610,24 @@ def output_lines(
         .limit(limit)
     ).all()
     return [(r[0], bytes(r[1])) for r in rows]
+
+
+def ended_lines(
+    conn: Connection, batch_id: str, *, after: int, limit: int
+) -> list[tuple[int, int, bytes]]:
+    """``(end number, line, sealed file line)`` of lines that ended after ``after``, in end order.
+
+    Both halves of the results at once (answers and errors), as they ended:
+    what a reader following the batch has not seen yet (``store.end_order``).
+    """
+    fbl = file_batch_lines
+    rows = conn.execute(
+        select(fbl.c.ended_seq, fbl.c.line, fbl.c.out)
+        .where(fbl.c.batch_id == batch_id, fbl.c.ended_seq > after, fbl.c.out.is_not(None))
+        .order_by(fbl.c.ended_seq)
+        .limit(limit)
+    ).all()
+    return [(int(r[0]), r[1], bytes(r[2])) for r in rows]
 
 
 def models_of(conn: Connection, batch_id: str) -> list[str]:
