@@ -30,7 +30,7 @@ from batchyard.api.inputs import (
     query_limit,
     read_empty,
 )
-from batchyard.errors import InvalidRequest
+from batchyard.errors import InvalidRequest, InvalidState
 from batchyard.service import batch_listing, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 
@@ -122,6 +122,29 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
         return 200, await deferred_batches.cancel(svc, principal, batch_id)
 
     return await idempotent(request, principal, body, handler, answers_text=False)
+
+
+@router.post("/v1/batches/{batch_id}/retry")
+async def retry_batch(request: Request, batch_id: str) -> Response:
+    """A batchyard extension: a new file batch of this one's failed, expired and canceled lines."""
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    body = await read_empty(request)
+    svc = service_of(request)
+
+    async def handler() -> tuple[int, Any]:
+        if not await batch_listing.is_file_batch(svc, principal, batch_id):
+            # 404 unless it is the caller's deferred batch.
+            await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
+            raise InvalidState(
+                "a deferred batch is not retried here: submit its failed requests as a new batch",
+                code="retry_unsupported",
+            )
+        view = await file_batches.retry(svc, principal, batch_id)
+        svc.file_batches.notify()
+        return 200, view
+
+    return await idempotent(request, principal, body, handler)
 
 
 @router.get("/v1/batches/{batch_id}/results")

@@ -111,6 +111,23 @@ async def cancel_message_batch(request: Request) -> Response:
     return await idempotent(request, principal, body, handler)
 
 
+@router.post(_PATH + "/{batch_id}/retry")
+@anthropic_door
+async def retry_message_batch(request: Request) -> Response:
+    """A batchyard extension: a new batch of this one's errored, canceled and expired requests."""
+    principal = await authenticate(request, x_api_key=True)
+    batch_id = _id(request.path_params["batch_id"])
+    body = await read_empty(request)
+    svc = service_of(request)
+
+    async def handler() -> tuple[int, Any]:
+        view = await message_batches.retry(svc, principal, batch_id, base_url=_base(request))
+        svc.file_batches.notify()
+        return 200, view
+
+    return await idempotent(request, principal, body, handler)
+
+
 @router.get(_PATH + "/{batch_id}/results")
 @anthropic_door
 async def message_batch_results(request: Request) -> Response:

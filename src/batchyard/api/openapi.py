@@ -346,6 +346,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         media=_NDJSON,
         summary="Results, one JSON line per request (410 results_expired once purged)",
     ),
+    ("post", "/v1/batches/{batch_id}/retry"): Operation(
+        200,
+        _Open,
+        (*_WRITE, 402),
+        EmptyBody,
+        body_required=False,
+        summary="A batchyard extension: a new file batch of the failed, expired, canceled lines",
+    ),
     ("get", "/v1/batches/{batch_id}/finished"): Operation(
         200,
         Finished,
@@ -475,6 +483,12 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             (*_READ, 409),
             media="application/x-jsonl",
             summary="Results, one {custom_id, result} line per request, once ended",
+        ),
+        ("post", "/v1/messages/batches/{batch_id}/retry"): Operation(
+            200,
+            _Open,
+            (*_WRITE, 402),
+            summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
         ),
         ("get", "/v1/messages/batches/{batch_id}/finished"): Operation(
             200,

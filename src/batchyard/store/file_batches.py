@@ -49,6 +49,7 @@ from sqlalchemy import (
 
 from batchyard.core.leases import Lease
 from batchyard.store import end_order, leases
+from batchyard.store.files import LineRow as file_lines_row
 from batchyard.store.files import file_lines
 from batchyard.store.tables import UtcDateTime, metadata
 
@@ -68,6 +69,8 @@ __all__ = [
     "get_batch",
     "has_unsent_lapsed",
     "lapsed_lines",
+    "lines_in_states",
+    "link_retry",
     "list_batches",
     "live_batch_reads",
     "live_batches",
@@ -126,6 +129,10 @@ file_batches = Table(
     # How many end numbers its lines have taken (``store.end_order``): the
     # high-water mark of a cursor that follows the batch while it runs.
     Column("ended_seq", BigInteger, nullable=False, default=0, server_default="0"),
+    # A retry batch (made of another's failed, expired and canceled lines) names the
+    # batch it retries, and that batch names it: one retry each, so no line runs twice.
+    Column("retry_of", String(64), nullable=True),
+    Column("retried_by", String(64), nullable=True),
     Index("ix_file_batches_org", "org_id", "id"),
     Index("ix_file_batches_status", "status", "expires_at"),
 )
@@ -190,6 +197,8 @@ class BatchRow:
     cancelling_at: datetime | None
     cancelled_at: datetime | None
     ended_seq: int = 0
+    retry_of: str | None = None
+    retried_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -628,6 +637,38 @@ def ended_lines(
         .limit(limit)
     ).all()
     return [(int(r[0]), r[1], bytes(r[2])) for r in rows]
+
+
+def lines_in_states(
+    conn: Connection, batch: BatchRow, states: Sequence[str]
+) -> list[tuple[file_lines_row, str]]:
+    """The batch's lines in ``states``, by line: each as its input file holds it, and its state."""
+    fbl, fl = file_batch_lines, file_lines
+    rows = conn.execute(
+        select(fl, fbl.c.state)
+        .join(fbl, and_(fbl.c.line == fl.c.line, fl.c.file_id == batch.input_file_id))
+        .where(fbl.c.batch_id == batch.id, fbl.c.state.in_(list(states)))
+        .order_by(fbl.c.line)
+    ).all()
+    return [
+        (
+            file_lines_row(
+                r.line, r.custom_id, r.model, r.input_tokens, r.max_tokens, bytes(r.body)
+            ),
+            r.state,
+        )
+        for r in rows
+    ]
+
+
+def link_retry(conn: Connection, batch_id: str, retry_id: str) -> bool:
+    """Name ``retry_id`` as the batch's retry; False when it already has one."""
+    done = conn.execute(
+        update(file_batches)
+        .where(file_batches.c.id == batch_id, file_batches.c.retried_by.is_(None))
+        .values(retried_by=retry_id)
+    )
+    return bool(done.rowcount)
 
 
 def models_of(conn: Connection, batch_id: str) -> list[str]:

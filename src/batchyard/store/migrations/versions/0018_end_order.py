@@ -1,9 +1,11 @@
-"""end order: the order a batch's items end, so a reader can follow a batch while it runs
+"""end order and retries: follow a batch while it runs; retry only what failed
 
 Each batch row counts the end numbers its items have taken (``ended_seq``),
 and each item keeps its own (``store.end_order``). Items that ended before
 this revision have none: a reader following such a batch sees only what
-ends from now on, and the final results are unchanged.
+ends from now on, and the final results are unchanged. A file batch names
+the batch it retries (``retry_of``) and the batch that retried it
+(``retried_by``).
 """
 
 import sqlalchemy as sa
@@ -27,9 +29,13 @@ def upgrade() -> None:
     for table, index in _ITEMS:
         op.add_column(table, sa.Column("ended_seq", sa.BigInteger(), nullable=True))
         op.create_index(index, table, ["batch_id", "ended_seq"])
+    for column in ("retry_of", "retried_by"):
+        op.add_column("file_batches", sa.Column(column, sa.String(64), nullable=True))
 
 
 def downgrade() -> None:
+    for column in ("retried_by", "retry_of"):
+        op.drop_column("file_batches", column)
     for table, index in _ITEMS:
         op.drop_index(index, table_name=table)
         op.drop_column(table, "ended_seq")
