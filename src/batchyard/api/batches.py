@@ -23,8 +23,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
-from batchyard.errors import InvalidRequest
+from batchyard.api.inputs import (
+    finished_query,
+    object_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+)
+from batchyard.errors import InvalidRequest, InvalidState
 from batchyard.service import batch_listing, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 
@@ -113,9 +119,44 @@ async def cancel_batch(request: Request, batch_id: str, svc: ServiceDep) -> Resp
     return await idempotent(request, principal, body, handler, answers_text=False)
 
 
+@router.post("/v1/batches/{batch_id}/retry")
+async def retry_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
+    """A batchyard extension: a new file batch of this one's failed, expired and canceled lines."""
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    body = await read_empty(request)
+
+    async def handler() -> tuple[int, Any]:
+        if not await batch_listing.is_file_batch(svc, principal, batch_id):
+            # 404 unless it is the caller's deferred batch.
+            await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
+            raise InvalidState(
+                "a deferred batch is not retried here: submit its failed requests as a new batch",
+                code="retry_unsupported",
+            )
+        view = await file_batches.retry(svc, principal, batch_id)
+        svc.file_batches.notify()
+        return 200, view
+
+    return await idempotent(request, principal, body, handler)
+
+
 @router.get("/v1/batches/{batch_id}/results")
 async def batch_results(request: Request, batch_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request)
     _batch_id(batch_id)
     lines = await deferred_batches.result_lines(svc, principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-ndjson")
+
+
+@router.get("/v1/batches/{batch_id}/finished")
+async def batch_finished(request: Request, batch_id: str, svc: ServiceDep) -> Response:
+    """A batchyard extension: the lines that ended so far, from a cursor, while the batch runs."""
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    after, limit = finished_query(request)
+    if await batch_listing.is_file_batch(svc, principal, batch_id):
+        page = await file_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    else:
+        page = await deferred_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    return json_response(page)

@@ -56,6 +56,19 @@ class ErrorDetail(BaseModel):
     retry_after: float | None = None
 
 
+class Finished(BaseModel):
+    """A page of a batch's items that ended after the cursor (``service.following``)."""
+
+    object: Literal["list"]
+    #: Each item as the batch's final results show it.
+    data: list[dict[str, Any]]
+    #: Pass as ``after`` to read on from here.
+    cursor: str
+    has_more: bool
+    #: The batch has ended: with ``has_more`` false, every item has been read.
+    ended: bool
+
+
 class ErrorBody(BaseModel):
     error: ErrorDetail
 
@@ -333,6 +346,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         media=_NDJSON,
         summary="Results, one JSON line per request (410 results_expired once purged)",
     ),
+    ("post", "/v1/batches/{batch_id}/retry"): Operation(
+        200,
+        _Open,
+        (*_WRITE, 402),
+        EmptyBody,
+        body_required=False,
+        summary="A batchyard extension: a new file batch of the failed, expired, canceled lines",
+    ),
+    ("get", "/v1/batches/{batch_id}/finished"): Operation(
+        200,
+        Finished,
+        (*_READ, 410),
+        summary="A batchyard extension: what has ended so far, from a cursor, while it runs",
+    ),
     ("post", "/v1/files"): Operation(
         200,
         _Open,
@@ -456,6 +483,18 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             (*_READ, 409),
             media="application/x-jsonl",
             summary="Results, one {custom_id, result} line per request, once ended",
+        ),
+        ("post", "/v1/messages/batches/{batch_id}/retry"): Operation(
+            200,
+            _Open,
+            (*_WRITE, 402),
+            summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
+        ),
+        ("get", "/v1/messages/batches/{batch_id}/finished"): Operation(
+            200,
+            Finished,
+            _READ,
+            summary="A batchyard extension: the results so far, from a cursor, while it runs",
         ),
         ("post", "/v1/messages/count_tokens"): Operation(
             200,
