@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 from typing import IO, Any
@@ -36,7 +35,7 @@ from batchyard.core import privacy
 from batchyard.core.accounts import Principal
 from batchyard.core.ids import new_id
 from batchyard.core.inputs import parse_json
-from batchyard.core.sections import section_settings
+from batchyard.core.sections import FileSettings
 from batchyard.errors import (
     BatchyardError,
     Conflict,
@@ -53,7 +52,6 @@ from batchyard.store.files import line_aad
 
 __all__ = [
     "PURPOSES",
-    "FileSettings",
     "content",
     "delete",
     "file_view",
@@ -73,29 +71,13 @@ WRITE_BATCH = 500
 _LINE_KEYS = {"custom_id", "method", "url", "body"}
 
 
-@dataclass(frozen=True, slots=True)
-class FileSettings:
-    max_bytes: int = 200 * 1024 * 1024
-    max_lines: int = 50_000
-    max_line_bytes: int = 1024 * 1024
-    max_custom_id: int = 512
-
-    @classmethod
-    def from_raw(cls, raw: Any) -> FileSettings:
-        return section_settings(cls, raw)
-
-
 def settings_of(svc: Service) -> FileSettings:
-    return FileSettings.from_raw(svc.settings.raw.get("files"))
+    return svc.settings.files
 
 
 def rules_of(svc: Service, org_id: str | None = None) -> Rules:
     """The line rules of this deployment: its catalog, tokenizers and privacy default."""
-    default = svc.settings.raw.get("privacy_default", "off")
-    try:
-        mode = privacy.PrivacyMode(str(default))
-    except ValueError:
-        mode = privacy.PrivacyMode.OFF
+    mode = privacy.PrivacyMode(svc.settings.privacy_default)
     return Rules(
         catalog=svc.catalog,
         tokenizers=svc.tokenizers,

@@ -8,6 +8,7 @@ import json
 import pytest
 from sqlalchemy import func, select
 
+from batchyard.core.sections import FileSettings
 from batchyard.store import file_batches as fstore
 from batchyard.store import files as file_store
 from batchyard.store import ledger
@@ -104,7 +105,7 @@ async def test_a_line_that_is_not_json_still_refuses_the_upload(service):
 
 
 async def test_purpose_size_and_line_limits(make_service):
-    service = make_service(raw={"files": {"max_bytes": 2000, "max_lines": 3}})
+    service = make_service(files=FileSettings(max_bytes=2000, max_lines=3))
     acct = make_account(service)
     async with asgi_client(service, worker=False) as http:
         purpose = await upload(http, acct.headers, jsonl([chat_line("a")]), purpose="fine-tune")
