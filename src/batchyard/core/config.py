@@ -465,9 +465,9 @@ def load_settings(
             name = _canonical(key)
             for alias in _aliases(name):
                 if alias in given and name in origin:
-                    shadowed.append((name, given[alias], origin[name]))
+                    shadowed.append((alias, given[alias], origin[name]))
                 given.pop(alias, None)
-            given[name] = value
+            given[key] = value  # as written: an error names the name the operator used
             origin[name] = where.get(key, "")
 
     if source is not None:
@@ -488,15 +488,15 @@ def load_settings(
     except ValidationError as exc:
         error = from_validation(exc, model=Settings)
         raise error.at(origin.get(_top(error.field)) or source or "the settings") from None
-    for name, value, where in shadowed:
-        # A mistake stays one even where a later layer overrides it (the file's typo
-        # under ``--database``): it would surface the day the override goes.
+    for key, value, where in shadowed:
+        # A mistake stays one where a later layer overrides it (the file's typo under
+        # ``--database``): it would surface the day the override goes.
+        name = _canonical(key)
+        trial = {k: v for k, v in given.items() if _canonical(k) != name}
         try:
-            _SETTINGS.validate_python({name: value})
+            _SETTINGS.validate_python({**trial, key: value})
         except ValidationError as exc:
-            error = from_validation(exc, model=Settings)
-            if _top(error.field) == name:
-                raise error.at(where) from None
+            raise from_validation(exc, model=Settings).at(where) from None
     return settings
 
 

@@ -106,6 +106,8 @@ def test_old_names_and_own_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHYARD_EMBEDDED_SLOTS", "16")  # its own name wins over the old one
     assert load_settings(config_file=cfg, database_url="sqlite://").embedded_slots == 16
     assert load_settings(database_url="sqlite://", embedded_contexts=2).embedded_slots == 2
+    err = _refused(config_file=_file(tmp_path, "embedded_contexts: 1000\n"))
+    assert err.field == "embedded_contexts"  # the name the operator wrote
     assert env_names("embedded_slots") == (
         "BATCHYARD_EMBEDDED_SLOTS",
         "BATCHYARD_EMBEDDED_CONTEXTS",
@@ -289,6 +291,10 @@ def test_a_mistake_under_a_later_layer_is_still_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHYARD_LIMITER_URL", "memcached")
     err = _refused(config_file=_file(tmp_path, "embedded_slots: 2\n"), limiter_url="sql")
     assert err.source == "environment variable BATCHYARD_LIMITER_URL"
+    monkeypatch.delenv("BATCHYARD_LIMITER_URL")
+    monkeypatch.setenv("BATCHYARD_EMBEDDED_CACHE_TOKENS", "2000")  # checked with the rest
+    cfg = _file(tmp_path, "embedded_n_ctx: 512\nembedded_cache_tokens: 1000\n")
+    assert load_settings(config_file=cfg, database_url="sqlite://").embedded_cache_tokens == 2000
 
 
 def test_a_wrong_argument_names_the_flag(monkeypatch):
