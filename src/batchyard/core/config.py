@@ -55,6 +55,7 @@ from batchyard.core.tiers import DEFAULT_TIERS, Tier, tiers_from_config
 
 __all__ = [
     "ENV_PREFIX",
+    "SECTIONS",
     "ConfigError",
     "Settings",
     "default_home",
@@ -352,15 +353,23 @@ def _extra(info: FieldInfo) -> dict[str, Any]:
     return dict(extra) if isinstance(extra, dict) else {}
 
 
+#: The settings that are sections of the file (a list or a mapping), never a variable.
+SECTIONS = (
+    "models",
+    "routes",
+    "tiers",
+    "runs",
+    "file_batches",
+    "files",
+    "model_versions",
+    "webhooks",
+)
+
+
 def scalar_settings() -> Iterator[tuple[str, FieldInfo]]:
     """The top-level settings a file or a variable may give one value (not the sections)."""
-    sections = ("models", "routes", "tiers", "runs", "file_batches", "files")
     for name, info in _fields().items():
-        if not _extra(info).get("derived") and name not in (
-            *sections,
-            "model_versions",
-            "webhooks",
-        ):
+        if not _extra(info).get("derived") and name not in SECTIONS:
             yield name, info
 
 

@@ -113,7 +113,11 @@ def _known_fields(model: Any, loc: Sequence[int | str]) -> list[str]:
         if info is None:
             return []
         current = _inner_model(info.annotation)
-    return [info.alias or name for name, info in _fields_of(current).items()]
+    return [
+        info.alias or name
+        for name, info in _fields_of(current).items()
+        if not (isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("derived"))
+    ]
 
 
 def _inner_model(annotation: Any) -> Any:
