@@ -37,6 +37,7 @@ contracts: install
 
 docs: install
 	$(BIN)/python docs/gen_cli.py --check
+	$(BIN)/python docs/gen_config.py --check
 
 # The sync client is generated from the async one; fail when the checked-in copy is stale.
 sync-client: install

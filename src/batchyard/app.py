@@ -30,18 +30,14 @@ from batchyard.core.config import ConfigError, Settings, load_settings
 from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook
-from batchyard.core.runs import RunSettings
 from batchyard.core.telemetry import MeteredLimiter, Recorder
-from batchyard.core.webhook_rules import WebhookSettings
 from batchyard.engines.protocol import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
 from batchyard.service.access import check_complete
 from batchyard.service.metrics import PrometheusRecorder
-from batchyard.service.model_versions import VersionSettings
 from batchyard.service.model_versions import fetcher as version_fetcher
-from batchyard.service.model_versions import folder_for as version_folder
 from batchyard.service.model_versions import gate as version_gate
 from batchyard.store import health, key_check, migrations
 from batchyard.store.database import Database
@@ -53,7 +49,7 @@ from batchyard.work.deferred_batches.deferred_batch_worker import (
 )
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
-from batchyard.work.file_batches.file_batch_worker import FileBatchSettings, FileBatchWorker
+from batchyard.work.file_batches.file_batch_worker import FileBatchWorker
 from batchyard.work.holds import HoldSweeper
 from batchyard.work.market_prices import MarketPrices
 from batchyard.work.price_feed import PriceFeed
@@ -127,7 +123,7 @@ def build_service(
     limiter = MeteredLimiter(
         limiter or limiter_from_url(settings.limiter_url, clock, db.engine), metrics
     )
-    versions = VersionSettings.from_raw(settings.raw.get("model_versions"))
+    versions = settings.model_versions
     registry = EngineRegistry(
         embedded_model_path=settings.embedded_model_path,
         embedded_slots=settings.embedded_slots,
@@ -167,9 +163,7 @@ def build_service(
     webhooks = webhook_sender_of(settings, db, clock, metrics)
     # Versions uploaded into projects (mv.…) are found in the store on first use,
     # and checked against it on each use (a delete through any process counts).
-    settings.catalog.fetch_with(
-        version_fetcher(db, settings.catalog, version_folder(settings.home, settings.raw))
-    )
+    settings.catalog.fetch_with(version_fetcher(db, settings.catalog, settings.version_folder))
     registry.gate_with(version_gate(db, settings.catalog))
     return Service(
         settings=settings,
@@ -338,7 +332,7 @@ def _file_batch_worker(
         dispatcher=dispatcher,
         key=key,
         prices=prices,
-        settings=FileBatchSettings.from_raw(s.raw.get("file_batches")),
+        settings=s.file_batches,
         owner=owner,
     )
 
@@ -351,7 +345,7 @@ def webhook_sender_of(
         db=db,
         clock=clock,
         metrics=metrics,
-        settings=WebhookSettings.from_raw(s.raw.get("webhooks")),
+        settings=s.webhooks,
         owner=owner,
     )
 
@@ -410,7 +404,7 @@ def _run_worker(
         dispatcher=dispatcher,
         tokenizers=tokenizers,
         tiers=s.tiers,
-        settings=RunSettings.from_raw(s.raw.get("runs")),
+        settings=s.runs,
         billing_review_threshold=s.billing_review_threshold,
         owner=owner,
     )

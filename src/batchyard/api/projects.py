@@ -292,7 +292,7 @@ async def create_dataset(request: Request, project_id: str, svc: ServiceDep) -> 
     kind_param = request.query_params.get("kind")
     if kind_param is not None and kind_param not in KINDS:
         raise InvalidRequest("kind must be text or chat-sft", param="kind")
-    cap = int(svc.settings.raw.get("max_upload_bytes", 2 * 1024**3))
+    cap = svc.settings.max_upload_bytes
     with tempfile.TemporaryFile(prefix="batchyard-upload-") as f:
         size = 0
         digest = hashlib.sha256()

@@ -42,11 +42,11 @@ from batchyard.core.quotes import direct_price, quote
 from batchyard.core.runs import (
     BlockedReason,
     ItemState,
-    RunSettings,
     RunStatus,
     prompt_messages,
     resolve_model,
 )
+from batchyard.core.sections import RunSettings
 from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.errors import BatchyardError, InvalidRequest
 from batchyard.store import billing, work_items
@@ -220,7 +220,7 @@ class RunExecutor:
         streak = self.settings.failure_streak
         ran = await self.pipeline.run(
             RowQueue(run),
-            width=self.dispatcher.concurrency(plan.route) or self.settings.default_concurrency,
+            width=self.dispatcher.concurrency(plan.route) or self.settings.concurrency,
             call=partial(self._call, plan),
             render=partial(self._result, plan),
             failure_streak=streak,

@@ -21,7 +21,8 @@ from sqlalchemy import Connection, select
 
 from batchyard.core.clock import ManualClock
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
-from batchyard.core.runs import BlockedReason, ItemState, RunSettings, RunStatus
+from batchyard.core.runs import BlockedReason, ItemState, RunStatus
+from batchyard.core.sections import RunSettings
 from batchyard.core.tokens import FallbackTokenizer
 from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.engines.scripted import ScriptedEngine
@@ -249,7 +250,7 @@ async def test_a_streak_of_failures_stops_the_run_and_cancels_its_unsent_rows(
     org, run_id = running_run(db, clock, rows)
     engine = ScriptedEngine("ok", clock=clock, failures=failures)
     # One row at a time, so "in a row" is the order the rows were sent.
-    settings = RunSettings(failure_streak=3, default_concurrency=1)
+    settings = RunSettings(failure_streak=3, concurrency=1)
 
     await executor(db, clock, engine, settings=settings).execute(load(db, run_id))
 
@@ -278,7 +279,7 @@ async def test_a_run_canceled_mid_way_keeps_and_charges_what_was_answered(
         return "ok"
 
     engine = ScriptedEngine(answer, clock=clock)
-    settings = RunSettings(default_concurrency=1)
+    settings = RunSettings(concurrency=1)
 
     await executor(db, clock, engine, settings=settings).execute(load(db, run_id))
 
@@ -353,7 +354,7 @@ async def test_a_run_whose_lease_was_lost_records_and_settles_nothing(
         return "ok"
 
     engine = ScriptedEngine(answer, clock=clock)
-    settings = RunSettings(default_concurrency=1)
+    settings = RunSettings(concurrency=1)
 
     await executor(db, clock, engine, settings=settings).execute(load(db, run_id))
 
@@ -388,7 +389,7 @@ async def test_a_worker_whose_run_was_claimed_again_under_its_own_name_writes_no
         return "ok"
 
     engine = ScriptedEngine(answer, clock=clock)
-    settings = RunSettings(default_concurrency=1)
+    settings = RunSettings(concurrency=1)
     await executor(db, clock, engine, settings=settings).execute(stale)
 
     assert len(engine.calls) == 1
@@ -457,7 +458,7 @@ async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
         catalog=catalog(rpm=60),
         dispatcher=make_dispatcher(db, clock, engine),
         owner=OWNER,
-        settings=RunSettings(default_concurrency=3),
+        settings=RunSettings(concurrency=3),
         draining=lambda: stopping[0],
     )
     task = asyncio.create_task(ex.execute(load(db, run_id)))
