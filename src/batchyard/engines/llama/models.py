@@ -75,14 +75,12 @@ FA_TILE_ROWS = 64
 def embedding_packs(counts: list[int]) -> list[list[int]]:
     """The inputs (by index, in order) read together in one decode each: under 64 rows.
 
-    Short inputs read alone leave most of a decode's matrix work idle (a 20-token
-    input costs nearly what a 60-token one does), so consecutive inputs share a
-    decode while their tokens stay under ``FA_TILE_ROWS``. Under it every row
-    takes the row-by-row attention kernel over its own sequence's cells, in order,
-    exactly as when read alone, so a text's vector does not depend on what it was
-    sent with; at 64 rows or more the tiled kernel rounds otherwise (4e-5 apart
-    for LangChain's query against the same text among its documents,
-    docs/explanation/batch-invariance.md), so a longer input is read alone.
+    Short inputs read alone leave most of a decode's matrix work idle, so
+    consecutive inputs share a decode while their tokens stay under
+    ``FA_TILE_ROWS``. Under it every row takes the row-by-row attention kernel over
+    its own sequence's cells, in order, exactly as when read alone, so a text's
+    vector does not depend on what it was sent with; at 64 rows or more the tiled kernel rounds otherwise
+    (docs/explanation/batch-invariance.md), so a longer input is read alone.
     """
     packs: list[list[int]] = []
     rows = FA_TILE_ROWS
