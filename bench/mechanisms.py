@@ -53,9 +53,6 @@ from batchyard.engines.protocol import CompletionRequest
 #: Each mechanism: the Tuning field (or "shelf") and its value on and off.
 MECHANISMS: dict[str, tuple[str, Any, Any]] = {
     "shelve": ("shelve", True, False),
-    "follow": ("follow", True, False),
-    "pack": ("pack", True, False),
-    "trim_after_scoring": ("trim_after_scoring", True, False),
     "shelf_dup": ("shelf_dup", 16, 1),
     "score_with_prompt": ("score_with_prompt", True, False),
     "shelf": ("shelf", SHELF_BYTES, 0),

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from batchyard.engines.llama import cache as llama_cache
 from batchyard.engines.llama_cpp import LlamaCppEngine
 from batchyard.engines.model_files import default_model_path
 from batchyard.engines.protocol import Completion, CompletionRequest, Delta
@@ -159,11 +158,12 @@ async def test_a_full_cache_queues_instead_of_failing() -> None:
         await eng.aclose()
 
 
-async def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> None:
-    """The first text of a set stays whole in the cache; later ones keep the set's opening.
+async def test_a_decision_sets_later_texts_copy_its_opening() -> None:
+    """Each text of a set copies the set's opening; what the next does not share is shelved.
 
-    Their own texts are rarely asked again, and every idle cell widens what each
-    step attends over; the opening is what the next text copies.
+    Every idle cell widens what each step attends over, so a text's own words
+    leave the cache when the next text is admitted; asked again, a text comes
+    back whole from the shelf, its last row with it, and scores as before.
     """
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
     await eng.load()
@@ -186,10 +186,9 @@ async def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> Non
         # The first stays whole: asked again, nothing of it is read.
         again_first, a1 = await eng.score("smollm2", scored(happy), candidates)
         assert a1.cached_input_tokens == a1.input_tokens
-        # A later text kept only the opening: asked again, its own part is read again,
-        # and its scores are the same.
+        # A later text, asked again, comes back whole too, and its scores are the same.
         again_second, a2 = await eng.score("smollm2", scored(sad), candidates)
-        assert a2.cached_input_tokens == u2.cached_input_tokens
+        assert a2.cached_input_tokens == a2.input_tokens
         # Read alone each time, its trie in a step of its own: the same scores.
         assert again_first == pytest.approx(first, abs=1e-4)
         assert again_second == pytest.approx(second, abs=1e-4)
@@ -205,133 +204,11 @@ def _trie_size(prompts: list[list[int]]) -> int:
     return len(nodes)
 
 
-async def test_idle_prefixes_are_packed_when_a_burst_ends(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """After a burst, the prompts kept for reuse move to the lowest cells, unchanged.
-
-    Every step attends over the cache up to its highest used cell, so idle
-    prefixes left where a burst placed them slowed the next lone request; once
-    nothing runs they are packed (``CacheManager.compact``). Answers, scores and
-    cache hits are the same after as before, and openings stay shared.
-    """
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8)
-    await eng.load()
-    try:
-        steps = eng._states[None].model.steps  # type: ignore[union-attr]
-        head = "Questions:\nmood: Is the writer happy?\n  - yes\n  - no\n\nText:\n"
-        candidates = ["mood: yes", "mood: no"]
-
-        def scored(text: str) -> list[dict[str, str]]:
-            return [{"role": "user", "content": head + text}]
-
-        question = ask("Which planet is the largest?", max_tokens=12, temperature=0.0)
-        before = await eng.complete(question)
-        # Asked twice: the whole prompt is reused.
-        assert (await eng.complete(question)).text == before.text
-        happy, _ = await eng.score("smollm2", scored("I love this new phone."), candidates)
-        sad, u_sad = await eng.score("smollm2", scored("Terrible service."), candidates)
-        # A burst of long answers spreads the cache well past the idle prefixes.
-        stories = [f"Tell me a long story about {t}." for t in ("a dragon", "the sea", "a robot")]
-        burst = await asyncio.gather(
-            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in stories]
-        )
-        assert sum(b.usage.output_tokens for b in burst) >= 300
-        await steps.call(lambda: None)  # the step thread has gone quiet
-        cache = steps.scheduler.cache
-        assert cache.idle and cache.high == cache.used  # it was packed
-        held = await steps.call(lambda: _cells(steps))
-        assert held == _trie_size([i.tokens for i in steps.scheduler.cache.idle])
-
-        # Idle prompts too long to copy quickly stay where they are.
-        restored: list[int] = []
-        state_set = steps.ctx.state_set
-        packing: list[bool] = []
-
-        def counting(seq: int, data: object) -> bool:
-            if packing:  # the shelf's put-backs use the same call
-                restored.append(1)
-            return bool(state_set(seq, data))
-
-        compact = cache.compact
-
-        def counted_compact() -> None:
-            packing.append(True)
-            try:
-                compact()
-            finally:
-                packing.clear()
-
-        monkeypatch.setattr(cache, "compact", counted_compact)
-        monkeypatch.setattr(llama_cache, "PACK_BYTES", 0)
-        monkeypatch.setattr(steps.ctx, "state_set", counting)
-        # Other stories: the first burst's are on the shelf, and a prompt put back
-        # from it holds its own copy of the chat template's opening.
-        others = [f"Tell me a long story about {t}." for t in ("a castle", "the wind", "a cat")]
-        await asyncio.gather(
-            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in others]
-        )
-        await steps.call(lambda: None)
-        assert restored == [] and steps.scheduler.cache.high == steps.scheduler.cache.used
-        assert await steps.call(lambda: _cells(steps)) == _trie_size(
-            [i.tokens for i in steps.scheduler.cache.idle]
-        )
-
-        again = await eng.complete(question)
-        assert again.text == before.text
-        assert again.usage.cached_input_tokens == again.usage.input_tokens - 1
-        happy_again, u_happy = await eng.score(
-            "smollm2", scored("I love this new phone."), candidates
-        )
-        assert u_happy.cached_input_tokens == u_happy.input_tokens
-        assert happy_again == pytest.approx(happy, abs=1e-4)
-        sad_again, u_sad_again = await eng.score("smollm2", scored("Terrible service."), candidates)
-        assert u_sad_again.cached_input_tokens == u_sad.cached_input_tokens
-        assert sad_again == pytest.approx(sad, abs=1e-4)
-    finally:
-        await eng.aclose()
-
-
 OPENING = (
     "You label customer messages for a support team. Read the message, decide how the "
     "writer feels and what the message is about, and answer with the labels only. "
     "Be strict: a polite complaint is still a complaint, and a question is not praise."
 )
-
-
-async def test_requests_that_start_together_read_a_shared_opening_once() -> None:
-    """Four texts of one decision set sent at once: one reads the opening, three copy it.
-
-    Before, each read it (nothing held it yet), and each kept its whole prompt
-    in the cache afterwards: four copies of the opening, idle.
-    """
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
-    await eng.load()
-    try:
-        steps = eng._states[None].model.steps  # type: ignore[union-attr]
-        texts = ["I love it.", "It broke in a day.", "Where is my parcel?", "Too expensive."]
-        candidates = ["mood: happy", "mood: upset"]
-        got = await _all_in_one_step(
-            eng,
-            [
-                eng.score("smollm2", [{"role": "user", "content": f"{OPENING}\n\n{t}"}], candidates)
-                for t in texts
-            ],
-        )
-        opening = len(eng._states[None].model.llama.tokenize(OPENING.encode()))  # type: ignore[union-attr]
-        cached = sorted(usage.cached_input_tokens for _, usage in got)
-        assert cached[0] < opening // 2  # the one that read it
-        assert all(c >= opening for c in cached[1:])  # the three that copied it
-        for scores, _ in got:
-            assert len(scores) == 2 and all(s < 0 for s in scores)
-        await steps.call(lambda: None)
-        # The cache holds the opening once: every idle prefix shares its cells.
-        tokens = [i.tokens for i in steps.scheduler.cache.idle]
-        held = await steps.call(lambda: _cells(steps))
-        assert held == _trie_size(tokens)
-        assert held < 2 * max(len(t) for t in tokens)
-    finally:
-        await eng.aclose()
 
 
 async def test_rows_of_a_run_leave_their_opening_and_shelve_their_texts() -> None:
@@ -409,22 +286,6 @@ async def test_a_few_tokens_more_than_the_cache_holds_are_taken_from_the_shelf()
         # "Write a poem about the" came back from the shelf: 5 tokens or more beyond the opening.
         assert again.usage.cached_input_tokens >= opening + 5
         assert again.usage.cached_input_tokens < again.usage.input_tokens
-    finally:
-        await eng.aclose()
-
-
-async def test_a_copy_waits_for_an_opening_whose_reader_ended_first() -> None:
-    """The reader of a shared opening may end in the step it read it (one token):
-    the one waiting copies the opening from the prompt it left in the cache."""
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
-    await eng.load()
-    try:
-        question = ask(f"{OPENING} Which planet is the largest?", max_tokens=1, temperature=0.0)
-        first, second = await asyncio.gather(eng.complete(question), eng.complete(question))
-        assert first.text == second.text
-        reads = sorted(c.usage.input_tokens - c.usage.cached_input_tokens for c in (first, second))
-        assert reads[0] == 1  # the copy reads only the last token, for its logits
-        assert reads[1] > 40
     finally:
         await eng.aclose()
 

@@ -26,6 +26,7 @@ from batchyard.engines.llama.jobs import (
 )
 from batchyard.engines.llama.scheduler import ADAPTER_TURN, Scheduler
 from batchyard.engines.llama.scoring import Trie
+from batchyard.engines.llama.steps import StepThread
 from batchyard.engines.llama_sampling import SamplingParams
 from batchyard.errors import UpstreamError
 from tests.support.fake_llama import FakeContext, greedy, score, text_of
@@ -381,7 +382,7 @@ def test_a_scoring_prompt_the_cache_holds_whole_costs_no_decode() -> None:
     assert again.scores == pytest.approx([score(p, [t]) for t in (3, 4, 9)], abs=1e-5)
 
 
-def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> None:
+def test_a_decision_sets_later_texts_copy_its_opening_and_shelve_their_own_words() -> None:
     sched, _ = make()
     texts = [OPENING + prompt(43 + i, 8) for i in range(3)]
     runs = [scoring(t, CANDIDATES) for t in texts]
@@ -390,44 +391,28 @@ def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> None:
     for t, r in zip(texts, runs, strict=True):
         assert r.scores == pytest.approx([score(t, c) for c in CANDIDATES], abs=1e-5)
     assert runs[1].done.cached == runs[2].done.cached == len(OPENING)
-    # The later texts keep only the opening; the first is on the shelf whole, with its
-    # last row: asked again, nothing of it is read.
-    assert [len(i.tokens) for i in sched.cache.idle] == [len(OPENING)]
+    # What the next text did not share left the cache for the shelf, with its last row:
+    # asked again, nothing of the first text is read.
+    assert [len(i.tokens) for i in sched.cache.idle] == [len(OPENING), len(texts[2])]
     again = scoring(texts[0], CANDIDATES)
     run_all(sched, again)
     assert again.done.cached == len(texts[0])
+    assert again.scores == runs[0].scores
 
 
-def test_requests_that_start_together_read_a_shared_opening_once() -> None:
+def test_requests_that_start_together_each_read_their_prompt() -> None:
     sched, ctx = make(prefill=64)
     runs = [scoring(OPENING + prompt(50 + i, 6), CANDIDATES) for i in range(3)]
     run_all(sched, *runs)
     for i, r in enumerate(runs):
         want = [score(OPENING + prompt(50 + i, 6), c) for c in CANDIDATES]
         assert r.scores == pytest.approx(want, abs=1e-5)
-    assert [r.done.cached for r in runs] == [0, len(OPENING), len(OPENING)]
-    assert ctx.tokens_decoded() == len(OPENING) + 3 * (6 + 2)
-
-
-def test_without_following_each_reads_the_shared_opening() -> None:
-    sched, ctx = make(prefill=64, follow=False)
-    runs = [scoring(OPENING + prompt(50 + i, 6), CANDIDATES) for i in range(3)]
-    run_all(sched, *runs)
+    # Admitted in one step, none could copy another's opening yet; the next text can.
     assert [r.done.cached for r in runs] == [0, 0, 0]
-    assert ctx.tokens_decoded() == 3 * (len(OPENING) + 6 + 2)
-
-
-def test_a_follower_whose_leader_is_cancelled_reads_the_opening_itself() -> None:
-    sched, _ = make(prefill=16)
-    lead = chat(OPENING + prompt(55, 4), 3)
-    follower = chat(OPENING + prompt(56, 4), 3)
-    sched.add(lead.job)
-    sched.add(follower.job)
-    sched.step()
-    assert follower.job.state is JobState.FOLLOWING and follower.job.lead is lead.job
-    lead.job.cancelled = True
-    run_all(sched)
-    assert follower.text() == text_of(greedy(OPENING + prompt(56, 4), 3))
+    later = scoring(OPENING + prompt(53, 6), CANDIDATES)
+    run_all(sched, later)
+    assert later.done.cached == len(OPENING)
+    assert ctx.tokens_decoded() == 3 * (len(OPENING) + 6 + 2) + 6 + 2
 
 
 # -- adapters ---------------------------------------------------------------------------
@@ -466,29 +451,6 @@ def test_releasing_an_adapter_fails_its_jobs_and_drops_its_prefixes() -> None:
     assert waiting.text() == text_of(greedy(prompt(63, 6), 2))
 
 
-# -- packing ----------------------------------------------------------------------------
-
-
-def test_idle_prefixes_are_packed_into_the_lowest_cells_when_a_burst_ends() -> None:
-    sched, ctx = make(slots=8, n_cells=1024, shelve=False)
-    burst = [chat(prompt(70 + i, 12), 40) for i in range(8)]
-    run_all(sched, *burst)
-    spread = ctx.highest
-    assert sched.cache.spread()
-    sched.pack()
-    assert ctx.highest == ctx.used_cells == 8 * 12 < spread
-    again = chat(prompt(70, 12), 5)
-    run_all(sched, again)
-    assert again.done.cached == 11
-    assert again.text() == text_of(greedy(prompt(70, 12), 5))
-
-
-def test_nothing_is_packed_when_packing_is_off() -> None:
-    sched, _ = make(slots=8, n_cells=1024, shelve=False, pack=False)
-    run_all(sched, *[chat(prompt(80 + i, 12), 40) for i in range(8)])
-    assert not sched.cache.spread()
-
-
 # -- the trie ---------------------------------------------------------------------------
 
 
@@ -509,3 +471,42 @@ def test_an_idle_prefix_belongs_to_its_adapter() -> None:
     assert r.done.cached == 0
     assert [i.adapter for i in sched.cache.idle] == [tuned]
     assert [s.adapter for s in sched.cache.shelf] == [None]
+
+
+# -- the step thread --------------------------------------------------------------------
+
+
+async def test_the_step_thread_streams_a_job_and_runs_work_between_steps() -> None:
+    sched, ctx = make()
+    steps = StepThread(sched)
+    try:
+        r = chat(prompt(95, 8), 5, whole=False)
+        events = [e async for e in steps.run(r.job)]
+        assert isinstance(events[-1], Done)
+        text = "".join(e.text for e in events if isinstance(e, Piece))
+        assert text == text_of(greedy(prompt(95, 8), 5))
+        assert await steps.call(lambda: len(sched.cache.idle)) == 1
+        assert await steps.shelf_state() == (0, 0)
+    finally:
+        steps.close()
+    assert ctx.closed
+
+
+async def test_leaving_a_stream_early_cancels_its_job() -> None:
+    sched, _ = make()
+    steps = StepThread(sched)
+    try:
+        r = chat(prompt(96, 8), 200, whole=False)
+        stream = steps.run(r.job)
+        async for event in stream:
+            if isinstance(event, Piece):
+                break
+        await stream.aclose()  # type: ignore[attr-defined]
+        assert r.job.cancelled
+        await steps.call(lambda: None)  # calls run before a step: the step after this one
+        await steps.call(lambda: None)  # reaped it
+        assert r.job.state is JobState.DONE and not sched.live
+    finally:
+        steps.close()
+    with pytest.raises(UpstreamError):
+        steps.submit(chat(prompt(97, 4), 2).job)

@@ -34,15 +34,6 @@ SHELF_BYTES = 256 << 20
 #: The fewest tokens a prompt must hold to go on the shelf.
 SHELF_MIN = 8
 
-#: llama.cpp pads the span of cells a step attends over to a multiple of 256
-#: (``llama_kv_cache::get_n_kv``): packing the idle prefixes pays once the cache
-#: has spread at least that far past them.
-SPAN_PAD = 256
-
-#: The most idle-prefix state packing copies (out and back in): past it the idle
-#: prompts are long, and a request that arrives meanwhile would wait for the copy.
-PACK_BYTES = 64 << 20
-
 
 @dataclass
 class Tuning:
@@ -50,14 +41,6 @@ class Tuning:
 
     #: Move what no one about to run shares of the idle prompts to the shelf on admission.
     shelve: bool = True
-    #: Wait for a live job reading a shared opening instead of reading it too.
-    follow: bool = True
-    #: The fewest tokens worth waiting a step or two for (``follow``).
-    follow_min: int = 16
-    #: Pack the idle prefixes into the lowest cells when a burst ends.
-    pack: bool = True
-    #: A later text of a decision set keeps only the opening it shared when it ends.
-    trim_after_scoring: bool = True
     #: A shelved prompt is put back when the tokens it saves reading are at least one
     #: in ``shelf_dup`` of the cached cells it duplicates (1: whenever it saves any).
     shelf_dup: int = 16
@@ -89,8 +72,6 @@ class Idle:
     logits: Any = None
     #: The adapter the prefix was read under: its cache is no other adapter's.
     adapter: Adapter | None = None
-    #: Left by a scoring job (decide's prompt), not by a generation.
-    scoring_prompt: bool = False
 
 
 @dataclass(eq=False)
@@ -101,7 +82,6 @@ class Shelved:
     data: Any
     used: int
     adapter: Adapter | None = None
-    scoring_prompt: bool = False
     logits: Any = None
     #: Host bytes it holds: its cells, and its logits row if any.
     size: int = 0
@@ -138,8 +118,6 @@ class CacheManager:
         self.idle: list[Idle] = []
         #: Prompts moved out of the cache to host memory.
         self.shelf: list[Shelved] = []
-        #: The most cells held at once since the idle prefixes were last packed.
-        self.high = 0
         #: Steps so far: the clock of the one eviction order (least recently used first).
         self.tick = 0
 
@@ -158,8 +136,10 @@ class CacheManager:
         """The idle, live or shelved prompt ``job``'s opening is best taken from.
 
         A shelved prompt is put back whole, so the opening it shares with what the
-        cache holds is then held twice; it is chosen only when the tokens it saves
-        reading are at least one in ``Tuning.shelf_dup`` of the cells it duplicates.
+        cache holds is then held twice (until the next admission shelves the copy),
+        and putting it back to save a token or two churns the shelf; it is chosen
+        when the tokens it saves reading are at least one in ``Tuning.shelf_dup`` of
+        the cells it duplicates.
         """
         prompt = job.prompt
         best: Idle | Job | None = None
@@ -257,25 +237,13 @@ class CacheManager:
             match.src.used = self.tick
         return match
 
-    def copy_opening(self, job: Job, src: Idle | Job, n: int) -> None:
-        """Replace what ``job`` holds of its prompt by the first ``n`` tokens of ``src``'s."""
-        for seq in job.seqs():
-            self.ctx.seq_rm(seq, 0, -1)
-            self.ctx.seq_cp(src.seq, seq, 0, n)
-        if isinstance(src, Idle):
-            src.used = self.tick
-
     # -- a job ends --------------------------------------------------------------------
 
     def keep(self, job: Job, *, keep: bool) -> None:
         """Free ``job``'s branches and its reservation; its read prompt stays as an idle prefix.
 
-        A scoring prompt that began with most of another scoring prompt (the next
-        text of a decision set: the set's questions, then its own text) keeps only
-        the opening they share (``Tuning.trim_after_scoring``): its text is rarely
-        asked again. The first text of a set stays whole: its questions are the
-        opening the next texts copy. As many idle prefixes as slots are kept; the
-        least recently used go to the shelf first.
+        As many idle prefixes as slots are kept; the least recently used go to the
+        shelf first.
         """
         ctx = self.ctx
         self.used -= job.reserve
@@ -284,22 +252,13 @@ class CacheManager:
                 self.release_seq(branch.seq)
                 branch.seq = -1
         n = min(job.pos, len(job.prompt))
-        if (
-            self.tuning.trim_after_scoring
-            and job.trie is not None
-            and job.after_scoring
-            and n // 2 <= job.cached < n
-        ):
-            n = job.cached
         kept = job.prompt[:n]
         if keep and any(i.tokens == kept and i.adapter is job.adapter for i in self.idle):
             keep = False  # the cache already holds this prompt (it was copied from it)
         if keep and n > 0:
             ctx.seq_rm(job.seq, n, -1)
             logits = job.logits if n == len(job.prompt) else None
-            self.idle.append(
-                Idle(job.seq, kept, self.tick, logits, job.adapter, job.trie is not None)
-            )
+            self.idle.append(Idle(job.seq, kept, self.tick, logits, job.adapter))
             self.used += n
             while len(self.idle) > self.slots:
                 self.put_away(min(self.idle, key=lambda i: i.used))
@@ -362,11 +321,7 @@ class CacheManager:
                 self.shelf.remove(shelved)
         if idle.logits is not None:
             size += int(idle.logits.nbytes)
-        self.shelf.append(
-            Shelved(
-                idle.tokens, data, idle.used, idle.adapter, idle.scoring_prompt, idle.logits, size
-            )
-        )
+        self.shelf.append(Shelved(idle.tokens, data, idle.used, idle.adapter, idle.logits, size))
         while self.shelf_held > self.shelf_bytes:
             self.shelf.remove(min(self.shelf, key=lambda s: s.used))
 
@@ -407,56 +362,3 @@ class CacheManager:
         self.idle.clear()
         self.free = list(range(self.ctx.n_seq - 1, -1, -1))
         self.used = 0
-
-    # -- packing -----------------------------------------------------------------------
-
-    def note(self, live: list[Job]) -> None:
-        """After a decode: how far the live jobs and idle prefixes may have spread the cache."""
-        held = sum(len(i.tokens) for i in self.idle) + sum(j.held_cells() for j in live)
-        self.high = max(self.high, held)
-
-    def spread(self) -> bool:
-        """Whether a burst spread the cache a span step past the idle cells (call when idle)."""
-        return bool(self.tuning.pack and self.idle and self.high - self.used >= SPAN_PAD)
-
-    def compact(self) -> None:
-        """Pack the idle prefixes into the lowest cells, while nothing runs.
-
-        A unified cache attends, every step, over every cell up to the highest
-        one in use (``bench/cache_span.py``). When a burst ends, the few prompts
-        kept as idle prefixes sit wherever their requests happened to be placed.
-        Each is saved, the cache emptied, and the prefixes put back from cell 0,
-        longest first; a prefix that begins like one already back shares that
-        one's cells again, as before. Cells keep their order, so attention sums
-        in the same order: answers are unchanged.
-        """
-        ctx = self.ctx
-        self.high = self.used
-        longest_first = sorted(self.idle, key=lambda i: -len(i.tokens))
-        sizes = [ctx.state_size(idle.seq) for idle in longest_first]
-        if sum(sizes) > PACK_BYTES:
-            return  # long idle prompts: copying them would stall the next request
-        saved: list[tuple[Idle, Any]] = []
-        for idle, size in zip(longest_first, sizes, strict=True):
-            data = ctx.state_get(idle.seq, size)
-            if data is None:
-                return  # nothing moved yet: leave the cache as it is
-            saved.append((idle, data))
-        ctx.clear()
-        back: list[Idle] = []
-        for idle, data in saved:
-            src, shared = None, 0
-            for other in back:
-                if other.adapter is idle.adapter:
-                    n = common(other.tokens, idle.tokens)
-                    if n > shared:
-                        src, shared = other, n
-            if src is not None and shared == len(idle.tokens):
-                ctx.seq_cp(src.seq, idle.seq, 0, shared)
-            elif not ctx.state_set(idle.seq, data):
-                self.evict(idle)  # no room after all (it had room before): lose only it
-                continue
-            elif src is not None:
-                ctx.seq_rm(idle.seq, 0, shared)
-                ctx.seq_cp(src.seq, idle.seq, 0, shared)
-            back.append(idle)

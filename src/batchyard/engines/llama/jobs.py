@@ -2,13 +2,12 @@
 
 A job's state moves one way, on the step thread::
 
-    WAITING -> FOLLOWING -> READING -> GENERATING -> DONE
-                         \\         \\-> SCORING ----/
-                          \\-------------------------/
+    WAITING -> READING -> GENERATING -> DONE
+                    \\         \\-> SCORING ----/
+                     \\------------------------/
 
-``WAITING``: queued, holding no sequence. ``FOLLOWING``: admitted, waiting for
-another live job to read the opening they share, to copy it. ``READING``: its
-prompt goes in, a chunk a step. ``GENERATING``: its branches (the ``n``
+``WAITING``: queued, holding no sequence. ``READING``: admitted, its prompt
+goes in, a chunk a step. ``GENERATING``: its branches (the ``n``
 samples) were forked off the read prompt and sample a token a step.
 ``SCORING``: a scoring job whose candidates' trie is still to be decoded.
 ``DONE``: its sequences are freed and its last event posted. The asyncio side
@@ -94,7 +93,6 @@ Event = Cached | Piece | BranchEnded | Scored | Done | Failed
 
 class JobState(enum.Enum):
     WAITING = "waiting"
-    FOLLOWING = "following"
     READING = "reading"
     GENERATING = "generating"
     SCORING = "scoring"
@@ -160,11 +158,6 @@ class Job:
     #: Prompt tokens in the cache so far, and how many of them came from it.
     pos: int = 0
     cached: int = 0
-    #: Its cached opening came from another scoring prompt's (``CacheManager.keep``).
-    after_scoring: bool = False
-    #: While ``FOLLOWING``: the live job reading this one's opening, and how far to copy.
-    lead: Job | None = None
-    lead_at: int = 0
     #: A scoring job's prompt row (its last token's logits), once read.
     logits: Any = None
 
@@ -188,10 +181,3 @@ class Job:
         if self.trie is None:
             return [self.seq]
         return [self.seq, *(b.seq for b in self.branches)]
-
-    def held_cells(self) -> int:
-        """Cells its sequences hold now (a shared prefix counted each time)."""
-        cells = self.pos
-        if self.trie is None:
-            cells += sum(max(0, b.pos - len(self.prompt)) for b in self.branches)
-        return cells

@@ -79,8 +79,9 @@ def embedding_packs(counts: list[int]) -> list[list[int]]:
     consecutive inputs share a decode while their tokens stay under
     ``FA_TILE_ROWS``. Under it every row takes the row-by-row attention kernel over
     its own sequence's cells, in order, exactly as when read alone, so a text's
-    vector does not depend on what it was sent with; at 64 rows or more the tiled kernel rounds otherwise
-    (docs/explanation/batch-invariance.md), so a longer input is read alone.
+    vector does not depend on what it was sent with; at 64 rows or more the tiled
+    kernel rounds otherwise (docs/explanation/batch-invariance.md), so a longer
+    input is read alone.
     """
     packs: list[list[int]] = []
     rows = FA_TILE_ROWS

@@ -3,11 +3,10 @@
 One step is one ``llama_decode``:
 
 1. drop cancelled jobs, freeing their cells;
-2. admit waiting jobs while a slot, sequence ids and cells are free (the cache
-   manager, ``engines.llama.cache``, gives each its opening from the cache or
-   the shelf); a job whose opening another live job is still reading waits
-   for it and copies it (``FOLLOWING``), so requests that start together
-   read a shared opening once;
+2. admit waiting jobs while a slot (a request running at once, as
+   ``llama-server`` calls it), sequence ids and cells are free; the cache
+   manager (``engines.llama.cache``) gives each its opening from the cache or
+   the shelf;
 3. fill the batch: one token of every generating branch, then chunks of
    prompts being read up to the step's prefill budget (chunked prefill); a
    scoring job's candidate trie goes in the step after its prompt's last chunk;
@@ -39,7 +38,7 @@ from collections import deque
 
 import numpy as np
 
-from batchyard.engines.llama.cache import CacheManager, Idle, Shelved, Tuning, common
+from batchyard.engines.llama.cache import CacheManager, Tuning
 from batchyard.engines.llama.context import Adapter, Context
 from batchyard.engines.llama.jobs import (
     Branch,
@@ -119,7 +118,6 @@ class Scheduler:
                     )
                 )
             return
-        self._follow()
         group, ends, tries = self._fill()
         if self.ctx.batch_size == 0:
             return
@@ -130,13 +128,7 @@ class Scheduler:
             rc = self.ctx.decode()
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
-        self.cache.note(self.live)
         self._after(group, ends, tries)
-
-    def pack(self) -> None:
-        """Between bursts: pack the idle prefixes if a burst spread the cache."""
-        if not self.busy and self.cache.spread():
-            self.cache.compact()
 
     def fail_all(self, exc: BaseException) -> None:
         """A native failure: fail what runs and start clean."""
@@ -182,67 +174,23 @@ class Scheduler:
             if self.tuning.shelve:
                 self.cache.shelve(job, self.live)
             match = self.cache.lookup(job, self.live)
-            lead, lead_at = self._leader(job, match.n)
             placed = self.cache.place(job, match)
             if placed is None:
                 return
             self.waiting.popleft()
             self.live.append(job)
-            self._opened(job, placed.src, placed.n)
+            self._opened(job, placed.n)
             if placed.logits is not None:
                 # The whole scoring prompt and its last row came from the cache.
                 job.logits = placed.logits
                 job.state = JobState.SCORING
                 if job.trie is None or not job.trie.nodes:
                     self._score(job, [])
-            elif lead is not None:
-                job.state, job.lead, job.lead_at = JobState.FOLLOWING, lead, lead_at
             else:
                 job.state = JobState.READING
 
-    def _leader(self, new: Job, have: int) -> tuple[Job | None, int]:
-        """A live job still reading at least ``Tuning.follow_min`` more of ``new``'s opening.
-
-        Requests that start together and share a long opening (the rows of a run
-        under one system prompt, the first texts of a decision set) would each
-        read it, and the cache would hold one copy a request. The newcomer waits
-        for the one reading it instead, and copies it: read once, held once.
-        """
-        if not self.tuning.follow:
-            return None, 0
-        best: Job | None = None
-        most = have + self.tuning.follow_min - 1
-        for job in self.live:
-            if job.adapter is not new.adapter:
-                continue
-            n = min(common(job.prompt, new.prompt), len(new.prompt) - 1)
-            if n > most and job.pos < n:  # read that far already: ``lookup`` had it
-                best, most = job, n
-        return best, (most if best is not None else 0)
-
-    def _follow(self) -> None:
-        """Jobs waiting on another's reading copy what it has read (see ``_leader``)."""
-        for job in self.live:
-            lead = job.lead
-            if job.state is not JobState.FOLLOWING or lead is None:
-                continue
-            if lead.state is JobState.DONE or lead.cancelled:
-                # It ended first (a one-token answer) or was cancelled: what it read
-                # may be an idle prefix now; else the rest is read here.
-                job.lead, job.state = None, JobState.READING
-                match = self.cache.lookup(job, self.live)
-                if match.cached is not None and match.cached_n > job.pos:
-                    self.cache.copy_opening(job, match.cached, match.cached_n)
-                    self._opened(job, match.cached, match.cached_n)
-            elif lead.state is not JobState.FOLLOWING and lead.pos >= job.lead_at:
-                job.lead, job.state = None, JobState.READING
-                self.cache.copy_opening(job, lead, job.lead_at)
-                self._opened(job, lead, job.lead_at)
-
-    def _opened(self, job: Job, src: Idle | Shelved | Job | None, n: int) -> None:
-        """Record that ``job`` holds the first ``n`` tokens of its prompt, from ``src``."""
-        if n and src is not None:
-            job.after_scoring = src.trie is not None if isinstance(src, Job) else src.scoring_prompt
+    def _opened(self, job: Job, n: int) -> None:
+        """Record that ``job`` holds the first ``n`` tokens of its prompt."""
         job.pos = job.cached = n
         if not job.whole and job.trie is None:
             # A stream cut short is settled before ``Done`` says what was cached.
@@ -456,7 +404,6 @@ class Scheduler:
     def _finish(self, job: Job, *, keep: bool) -> None:
         """Free a job's sequences; its read prompt may stay as an idle prefix."""
         job.state = JobState.DONE
-        job.lead = None
         self.live.remove(job)
         for branch in job.branches:
             if branch.sampler is not None:

@@ -226,11 +226,6 @@ class StepThread:
                 log.exception("embedded model step failed")
                 scheduler.fail_all(UpstreamError(f"the embedded model failed: {exc}"))
             self._deliver()
-            if not scheduler.busy:
-                with self._cv:
-                    quiet = not self._inbox
-                if quiet:
-                    scheduler.pack()
 
     def _deliver(self) -> None:
         """Hand the step's events to their event loops: one wake-up per loop, not per token."""
