@@ -699,7 +699,7 @@ async def test_full_weights_answer_as_llama_cpp_python_with_that_gguf_and_not_as
         answers = await fresh_answers(svc, http, acct.headers, (mv, "kettei-core"))
         engine = svc.engines.embedded()
         # Its own model and scheduler, not an adapter on the base.
-        assert engine._slots[mv].model is not None and engine._slots[mv].adapter is None
+        assert engine._states[mv].model is not None and engine._states[mv].adapter is None
     kept = folder_of(svc) / f"{mv}.gguf"
     loop = asyncio.get_running_loop()
 
