@@ -18,9 +18,11 @@ the law known, that is an optimal-stopping problem in the market's state, and
    both); where nothing qualifies it goes on; past its last check it pays the
    penalty.
 3. At the check it was solved at, an item is dispatched if its price now is at
-   most the mean over paths of what the optimal plan from the next check pays;
-   at the checks after, until the next solve, if its price is at most the
-   regression of that check on the state seen there.
+   most the mean over paths of what the optimal plan from the next check pays.
+   At the checks after, until the next solve, it waits while its price is
+   above the regression of that check on the state seen there; where the
+   regression says stop (or the price is below any the paths reached there),
+   it re-solves from the present and decides on that (at most once a minute).
 
 It re-solves every ``resolve`` checks and whenever a new (minimum, deadline)
 pair arrives. Values are shares of the direct price of a request whose input
@@ -279,6 +281,7 @@ class _Solved:
     until: int
     value: dict[tuple[float, int], float]
     coef: dict[tuple[float, int], Floats]  # [check after ``at``, basis]
+    lowest: dict[float, Floats]  # per minimum: the lowest qualifying price the paths reached
 
 
 class Reference:
@@ -292,12 +295,14 @@ class Reference:
         *,
         paths: int = 128,
         resolve: int = 240,
+        confirm: int = 4,
         penalty: float = PENALTY,
         seed: int = 0,
     ) -> None:
         self.present = present
         self.paths = paths
         self.resolve = resolve
+        self.confirm = confirm
         self.penalty = penalty
         self.rng = np.random.default_rng(seed + 11)
         self.solved: _Solved | None = None
@@ -327,11 +332,16 @@ class Reference:
         if solved is None or key not in solved.value or t - solved.at >= self.resolve:
             solved = self._solve(t)
         x, y = self._now(t, offers, item.min_discount)
-        if t == solved.at:
-            going_on = solved.value[key]
-        else:
+        if t != solved.at:
             coef = solved.coef[key][t - solved.at - 1]
             going_on = float(_basis(np.array(x), np.array(y)) @ coef)
+            low = solved.lowest[key[0]][t - solved.at - 1]
+            # A stop is final: confirm it from the present itself, as is any price below
+            # what the solve's paths reached (the regression would extrapolate there).
+            if (x <= going_on or x < low) and t - solved.at >= self.confirm:
+                solved = self._solve(t)
+        if t == solved.at:
+            going_on = solved.value[key]
         return best if x <= going_on else None
 
     def _now(self, t: int, offers: Sequence[RouteOffer], minimum: Decimal) -> tuple[float, float]:
@@ -354,16 +364,18 @@ class Reference:
         )
         value: dict[tuple[float, int], float] = {}
         coef: dict[tuple[float, int], Floats] = {}
+        lowest: dict[float, Floats] = {}
         keep = min(self.resolve, horizon)
         for minimum in sorted({k[0] for k in keys}):
             mine = [k for k in keys if k[0] == minimum]
             lasts = np.array([k[1] - t - 1 for k in mine])  # last check, as a column index
             x = _best(routes, minimum)  # [path, check]
+            lowest[minimum] = x[:, :keep].min(axis=0)
             v, c = _lsmc(x, calm, lasts, self.penalty, keep)
             for i, k in enumerate(mine):
                 value[k] = float(v[i])
                 coef[k] = c[i]
-        self.solved = _Solved(t, t + keep, value, coef)
+        self.solved = _Solved(t, t + keep, value, coef, lowest)
         return self.solved
 
 
