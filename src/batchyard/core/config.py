@@ -98,6 +98,9 @@ class Settings:
     # A request over its organisation's limits that would be admitted within this
     # many seconds waits for its slot on the server instead of answering 429.
     limits_queue_s: float = 10.0
+    #: Work with units left whose progress has not moved for this long is stuck:
+    #: counted, shown to its owner and listed by ``batchyard stuck``.
+    stuck_after_s: float = 900.0
     # A concurrency slot's lease, renewed while its request runs: how long a
     # crashed process can hold slots it never gave back.
     slot_lease_s: float = 60.0
@@ -260,6 +263,7 @@ class SettingsFile(BaseModel):
     warm_fallback_after_s: _Seconds = 10.0
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
     limits_queue_s: Annotated[float, Field(ge=0)] = 10.0
+    stuck_after_s: _Seconds = 900.0
     slot_lease_s: _Seconds = 60.0
     metrics_token: str | None = None
     models: list[ModelEntry] | None = None
