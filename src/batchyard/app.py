@@ -55,6 +55,7 @@ from batchyard.work.market_prices import MarketPrices
 from batchyard.work.price_feed import PriceFeed
 from batchyard.work.runner import Periodic
 from batchyard.work.runs.run_worker import RunWorker
+from batchyard.work.stuck_watch import StuckWatch
 from batchyard.work.warmth import SWEEP_EVERY_S, Warmth
 from batchyard.work.webhook_sender import WebhookSender
 
@@ -76,6 +77,7 @@ __all__ = [
     "migrations_current",
     "run_worker",
     "store_writable",
+    "stuck_watch",
     "verify_batch_key",
     "verify_key_of",
 ]
@@ -160,6 +162,7 @@ def build_service(
     file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, deferred_batches.prices)
     warmth = Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s)
     holds = HoldSweeper(db=db, clock=clock)
+    stuck_watch = _stuck_watch(settings, db, clock, dispatcher, deferred_batches.prices)
     webhooks = webhook_sender_of(settings, db, clock, metrics)
     # Versions uploaded into projects (mv.…) are found in the store on first use,
     # and checked against it on each use (a delete through any process counts).
@@ -189,6 +192,7 @@ def build_service(
             webhooks,  # the webhook outbox: batches' ends told to their owners' endpoints
             Periodic("warmth", clock, SWEEP_EVERY_S, warmth.sweep, close=warmth.aclose),
             Periodic("holds", clock, holds.interval_s, holds.sweep),
+            Periodic("stuck", clock, stuck_watch.interval_s, stuck_watch.sweep),
         ],
     )
 
@@ -298,6 +302,31 @@ def run_worker(service: Service, *, owner: str | None = None) -> RunWorker:
         service.dispatcher,
         service.tokenizers,
         owner=owner,
+    )
+
+
+def stuck_watch(service: Service) -> StuckWatch:
+    """The stuck-work watch over ``service``'s parts, as its worker processes run it."""
+    return _stuck_watch(
+        service.settings,
+        service.db,
+        service.clock,
+        service.dispatcher,
+        service.deferred_batches.prices,
+    )
+
+
+def _stuck_watch(
+    s: Settings, db: Database, clock: Clock, dispatcher: Dispatcher, prices: MarketPrices
+) -> StuckWatch:
+    return StuckWatch(
+        db=db,
+        clock=clock,
+        catalog=s.catalog,
+        health=dispatcher.health,
+        prices=prices,
+        metrics=dispatcher.metrics,
+        stuck_after_s=s.stuck_after_s,
     )
 
 

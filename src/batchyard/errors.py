@@ -40,6 +40,7 @@ not retryable.
     ├── RateLimited (429)
     ├── PendingLimitExceeded (429)
     ├── UpstreamError (502)
+    │   ├── UpstreamUnreachable (502)
     │   ├── UpstreamTimeout (504)
     │   ├── UpstreamRateLimited (503)
     │   └── ModelOutputInvalid (502)
@@ -101,6 +102,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamRateLimited",
     "UpstreamTimeout",
+    "UpstreamUnreachable",
     "error_class_for_code",
     "error_type",
 ]
@@ -356,6 +358,17 @@ class UpstreamError(BatchyardError):
     code = "upstream_error"
     status = 502
     retryable = True
+
+
+class UpstreamUnreachable(UpstreamError):
+    """The route's upstream could not be connected to: nothing was sent.
+
+    A door answers it as a retryable 502, as any upstream failure; the
+    workers tell it apart, because a call that never left can wait for its
+    route to come back instead of failing its line, row or item.
+    """
+
+    code = "upstream_unreachable"
 
 
 class UpstreamTimeout(UpstreamError):

@@ -35,6 +35,7 @@ FAMILIES = {
     "batchyard_upstream_retry_after_seconds",
     "batchyard_leases_recovered",
     "batchyard_items_uncertain",
+    "batchyard_work_stuck",
     "batchyard_store_up",
     "batchyard_queue_depth",
     "batchyard_holds_open",

@@ -11,6 +11,7 @@ from batchyard.cli.demo import demo
 from batchyard.cli.holds import holds
 from batchyard.cli.runs import runs
 from batchyard.cli.serve import serve, worker
+from batchyard.cli.stuck import stuck
 from batchyard.cli.text_runner import command as run_command
 
 __all__ = ["cli", "main"]
@@ -22,7 +23,7 @@ def cli() -> None:
     """batchyard: a self-hostable batch inference gateway for LLMs."""
 
 
-for command in (serve, worker, keys, credit, audit, orgs, holds, runs, batches, demo):
+for command in (serve, worker, keys, credit, audit, orgs, holds, stuck, runs, batches, demo):
     cli.add_command(command)
 
 cli.add_command(run_command, "run")

@@ -178,6 +178,9 @@ class Settings:
     # A request over its organisation's limits that would be admitted within this
     # many seconds waits for its slot on the server instead of answering 429.
     limits_queue_s: Annotated[float, Field(ge=0)] = setting(10.0)
+    #: Work with units left whose progress has not moved for this long is stuck:
+    #: counted, shown to its owner and listed by ``batchyard stuck``.
+    stuck_after_s: _Seconds = setting(900.0)
     # A concurrency slot's lease, renewed while its request runs: how long a
     # crashed process can hold slots it never gave back.
     slot_lease_s: _Seconds = setting(60.0)

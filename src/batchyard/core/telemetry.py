@@ -66,6 +66,9 @@ class Recorder(Protocol):
     def uncertain(self, kind: str, count: int) -> None:
         """``count`` items of ``kind`` became ``uncertain`` (sent, then their worker died)."""
 
+    def work_stuck(self, kind: str, reason: str) -> None:
+        """Work of ``kind`` stopped moving, waiting for ``reason`` (once a standstill)."""
+
 
 class NoRecorder:
     """Counts nothing: the default of every part built without a recorder."""
@@ -95,6 +98,9 @@ class NoRecorder:
         return None
 
     def uncertain(self, kind: str, count: int) -> None:
+        return None
+
+    def work_stuck(self, kind: str, reason: str) -> None:
         return None
 
 
@@ -135,6 +141,9 @@ class MemoryRecorder:
 
     def uncertain(self, kind: str, count: int) -> None:
         self.counts["uncertain", kind] += count
+
+    def work_stuck(self, kind: str, reason: str) -> None:
+        self.counts["work_stuck", kind, reason] += 1
 
 
 def limiter_scope(key: str) -> str:

@@ -4,8 +4,8 @@ A ``Service`` holds what the composition root (``batchyard.app``) built:
 settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
 encryption key, and its background workers as one list (``workers``: each a
 ``work.runner.Worker``; today deferred batches, batch inference runs, file
-batches, the webhook sender, and two sweeps: fine-tuned versions going cold,
-stranded holds),
+batches, the webhook sender, and three sweeps: fine-tuned versions going cold,
+stranded holds, stuck work),
 with the ones a door wakes also by name. It builds nothing itself, so a test hands
 in a ``ManualClock`` or a scripted engine once, at the root, and every part of
 the system sees the same one; and each worker was given only the parts it

@@ -162,6 +162,12 @@ class PrometheusRecorder:
             ["kind"],
             registry=r,
         )
+        self.stuck = Counter(
+            "batchyard_work_stuck",
+            "Work whose progress stood still for stuck_after_s, by kind and why it waits.",
+            ["kind", "reason"],
+            registry=r,
+        )
 
     # --- core.telemetry.Recorder ---------------------------------------------------------
 
@@ -197,6 +203,9 @@ class PrometheusRecorder:
     def uncertain(self, kind: str, count: int) -> None:
         if count:
             self.uncertain_items.labels(kind).inc(count)
+
+    def work_stuck(self, kind: str, reason: str) -> None:
+        self.stuck.labels(kind, reason).inc()
 
     # --- /metrics ---------------------------------------------------------------------------
 

@@ -438,21 +438,28 @@ def mark_uncertain(
     return bool(done)
 
 
-def return_to_waiting(conn: Connection, item: ItemRow, now: datetime) -> bool:
-    """A dispatched item whose call never started goes back to waiting (the caller releases)."""
+def return_to_waiting(
+    conn: Connection, item: ItemRow, now: datetime, *, unmark: bool = False
+) -> bool:
+    """A dispatched item whose call never started goes back to waiting (the caller releases).
+
+    ``unmark``: the worker knows the call never left (the route refused the
+    connection), so a sent mark does not keep it back; it is taken back.
+    """
+    q = update(batch_items).where(
+        batch_items.c.id == item.id,
+        batch_items.c.status == "dispatched",
+        batch_items.c.reservation_id == item.reservation_id,
+    )
+    if not unmark:
+        q = q.where(batch_items.c.sent_at.is_(None))
     done = conn.execute(
-        update(batch_items)
-        .where(
-            batch_items.c.id == item.id,
-            batch_items.c.status == "dispatched",
-            batch_items.c.reservation_id == item.reservation_id,
-            batch_items.c.sent_at.is_(None),
-        )
-        .values(
+        q.values(
             status="waiting",
             route=None,
             reservation_id=None,
             dispatched_at=None,
+            sent_at=None,
             **leases.LET_GO,
         )
     ).rowcount

@@ -692,14 +692,19 @@ def requeue_unsent(
     *,
     batch_id: str | None = None,
     held: Mapping[int, Lease] | None = None,
+    unmark: bool = False,
 ) -> int:
     """Dispatched lines that never reached the engine go back to ``pending``.
 
     Those of a worker whose lease lapsed (``now``), or, with ``batch_id`` and
     ``held`` (line → lease), those of these claims (a worker that gives them up).
+    ``unmark``: the worker knows these claims' calls never left (the route refused
+    the connection), so a sent mark does not keep them back; it is taken back.
     """
     fbl = file_batch_lines
-    q = update(fbl).where(fbl.c.state == "dispatched", fbl.c.sent_at.is_(None))
+    q = update(fbl).where(fbl.c.state == "dispatched")
+    if not unmark:
+        q = q.where(fbl.c.sent_at.is_(None))
     if held is not None:
         if not held:
             return 0
@@ -708,7 +713,7 @@ def requeue_unsent(
         q = q.where(leases.lapsed(fbl, now))
         if batch_id is not None:
             q = q.where(fbl.c.batch_id == batch_id)
-    done = conn.execute(q.values(state="pending", **leases.LET_GO))
+    done = conn.execute(q.values(state="pending", sent_at=None, **leases.LET_GO))
     return int(done.rowcount or 0)
 
 

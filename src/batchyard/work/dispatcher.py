@@ -50,10 +50,16 @@ from batchyard.engines.protocol import (
     StreamingEngine,
     Usage,
 )
-from batchyard.errors import CapabilityUnsupported, UpstreamError, UpstreamRateLimited
+from batchyard.errors import (
+    CapabilityUnsupported,
+    UpstreamError,
+    UpstreamRateLimited,
+    UpstreamUnreachable,
+)
 from batchyard.store import billing, ledger
 from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
+from batchyard.work.route_health import RouteHealth
 from batchyard.work.route_pacing import RoutePacer
 
 __all__ = ["DispatchResult", "Dispatcher", "OnSend", "outcome_of", "settled_cost", "usage_of"]
@@ -92,6 +98,8 @@ class Dispatcher:
         self.tiers = tiers
         self.upstream_429_retries = upstream_429_retries
         self.pacer = RoutePacer(clock, limiter)
+        #: Each route's trouble since its last answer (down, limited), for the stuck-work watch.
+        self.health = RouteHealth()
         #: What the dispatcher (and the workers that hold it) count for /metrics.
         self.metrics = metrics
         self._concurrency: dict[str, asyncio.Semaphore] = {}
@@ -183,6 +191,7 @@ class Dispatcher:
                     result = await send()
                 except UpstreamRateLimited as exc:
                     self.metrics.model_call(route.id, outcome_of(exc))
+                    self.health.failed(route.id, "limits", self.clock.now(), exc.message)
                     attempt += 1
                     wait = exc.retry_after if exc.retry_after is not None else 1.0
                     await self.pacer.refused(route, wait, _signal_of(exc))
@@ -193,6 +202,8 @@ class Dispatcher:
                     continue
                 except BaseException as exc:
                     self.metrics.model_call(route.id, outcome_of(exc))
+                    if isinstance(exc, UpstreamUnreachable):
+                        self.health.failed(route.id, "route_down", self.clock.now(), exc.message)
                     raise
                 if hold is not None:
                     hold.push_async_exit(slot.pop_all())
@@ -203,6 +214,7 @@ class Dispatcher:
     async def _answered(self, route: RouteSpec, result: object) -> None:
         """A call came back: count it and its tokens, and learn from its rate-limit headers."""
         self.metrics.model_call(route.id, "ok")
+        self.health.answered(route.id)
         if (usage := usage_of(result)) is not None:
             self.metrics.tokens(route.id, usage.input_tokens, usage.output_tokens)
             if usage.cached_input_tokens:

@@ -216,9 +216,10 @@ class ItemQueue:
         back = 0
         for item_id, lease in held.items():
             item = store.dispatched_item(conn, item_id, lease)
-            if item is not None and item.sent_at is None:
-                why = "the worker gave the item back before its call"
-                back += housekeeping.unwind_unsent(conn, item, now, why)
+            if item is not None:
+                # Handed back by the pipeline: its call never left (see ``LeaseQueue.requeue``).
+                why = "the worker gave the item back before its call left"
+                back += housekeeping.unwind_unsent(conn, item, now, why, unmark=True)
         return back
 
     def let_go(
