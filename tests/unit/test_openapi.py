@@ -136,6 +136,15 @@ def test_request_bodies_require_what_the_server_requires(service: Service) -> No
     assert set(upload["required"]) == {"purpose", "file"}
 
 
+def test_every_path_parameter_is_declared(service: Service) -> None:
+    doc = create_app(service).openapi()
+    for path, ops in doc["paths"].items():
+        named = set(re.findall(r"\{([^}]+)\}", path))
+        for method, op in ops.items():
+            declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+            assert declared == named, (method, path)
+
+
 def test_calls_that_take_no_body_do_not_require_one(service: Service) -> None:
     doc = create_app(service).openapi()
     runs = "/v1/projects/{project_id}/batch-inference-runs/{run_id}"

@@ -146,6 +146,9 @@ async def test_bad_batches_change_nothing(service, clock):
         deleted = await create(http, acct.headers, gone["id"])
         mismatch = await create(http, acct.headers, f["id"], endpoint="/v1/embeddings")
         window = await create(http, acct.headers, f["id"], window="48h")
+        # Not strings at all: read by the declared body, never hashed by hand (was a 500).
+        windows = [await create(http, acct.headers, f["id"], window=w) for w in ({}, [], 24)]
+        endpoint = await create(http, acct.headers, f["id"], endpoint={})
         unknown = await create(http, acct.headers, f["id"], colour="red")
         meta = await create(http, acct.headers, f["id"], metadata={"min_discount": "150"})
         after = stored(service)
@@ -163,6 +166,9 @@ async def test_bad_batches_change_nothing(service, clock):
     assert error_of(deleted) == (404, "file_deleted")
     assert error_of(mismatch)[0] == 400
     assert error_of(window) == (400, "invalid_completion_window")
+    assert [error_of(w) for w in windows] == [(400, "invalid_completion_window")] * 3
+    assert error_of(endpoint) == (400, "unsupported_endpoint")
+    assert [w.json()["error"]["param"] for w in windows] == ["completion_window"] * 3
     assert error_of(unknown) == (400, "unsupported_parameter")
     assert error_of(meta) == (400, "min_discount_out_of_range")
     assert before == after
