@@ -107,7 +107,10 @@ def test_request_bodies_require_what_the_server_requires(service: Service) -> No
         {
             "min_discount": 20,
             "requests": [
-                {"custom_id": "a", "body": {"model": "m", "messages": [{"role": "user"}]}}
+                {
+                    "custom_id": "a",
+                    "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                }
             ],
         }
     )

@@ -27,16 +27,34 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError, core_schema
 
-from batchyard.errors import BatchyardError, InvalidJson, InvalidRequest, InvalidType, UnknownField
+from batchyard.errors import (
+    BatchyardError,
+    CapabilityUnsupported,
+    InvalidJson,
+    InvalidRequest,
+    InvalidType,
+    UnknownField,
+)
 
 __all__ = [
     "MAX_DEPTH",
+    "UNSERVED_TAGS",
+    "AsDicts",
     "Coded",
     "Shape",
+    "Unserved",
     "check_document",
     "check_text",
+    "field_error",
     "parse_json",
     "printable",
     "strict",
@@ -84,7 +102,9 @@ def _field_code(model: type[BaseModel], loc: tuple[Any, ...]) -> Coded | None:
         if not isinstance(part, str) or not isinstance(fields, dict) or part not in fields:
             return None
         info = fields[part]
-        for meta in info.metadata:
+        members = getattr(info.annotation, "__args__", ())
+        inner = [m for a in members for m in getattr(a, "__metadata__", ())]
+        for meta in [*info.metadata, *inner]:
             if isinstance(meta, Coded):
                 return meta
         current = info.annotation
@@ -197,25 +217,160 @@ def _is_tag(part: Any) -> bool:
     return "[" in part or "-" in part or part.lower() in _TAGS or part[:1].isupper()
 
 
-def _error_of(exc: ValidationError, prefix: str, model: type[BaseModel]) -> BatchyardError:
-    first = exc.errors()[0]
-    parts = tuple(p for p in first.get("loc", ()) if not _is_tag(p))
+def _located(loc: tuple[Any, ...], raw: Any, missing: bool) -> tuple[Any, ...]:
+    """The parts of a Pydantic error location that are the body's own keys and indexes.
+
+    A location also names union members and the tags of tagged unions (a message's
+    ``role``, a part's ``type``); walking the body itself tells them apart. A missing
+    field's name is the last part, not in the body.
+    """
+    node, out = raw, []
+    for n, part in enumerate(loc):
+        inside = isinstance(node, dict) and part in node
+        inside |= isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if inside:
+            node = node[part]
+        elif not (missing and n == len(loc) - 1 and not _is_tag(part)):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def field_error(
+    exc: ValidationError, raw: Any, model: type[BaseModel], prefix: str = ""
+) -> BatchyardError:
+    """The problem Pydantic found in ``raw``, as a coded 400 naming the field.
+
+    Of the alternatives of a union, the one that got furthest into the body says
+    what is wrong (a content part of an unserved type, not "not a string").
+    """
+
+    def depth(error: Any) -> tuple[int, bool]:
+        kind = str(error.get("type", ""))
+        at = _located(tuple(error.get("loc", ())), raw, kind == "missing")
+        return len(at), not kind.endswith("_type")
+
+    first = max(exc.errors(), key=depth)
+    kind = str(first.get("type", ""))
+    parts = _located(tuple(first.get("loc", ())), raw, kind == "missing")
     loc = ".".join(printable(str(p), 40) for p in parts)
     param = ".".join(p for p in (prefix, loc) if p) or None
-    kind = str(first.get("type", ""))
     where = param or "the body"
+    ctx = first.get("ctx") or {}
     if kind == "extra_forbidden":
         code = getattr(model, "unknown_code", UnknownField.code)
         return UnknownField(f"{where} is not a field of this call", param=param, code=code)
+    given = first.get("input")
+    if kind == "unserved" or (kind == "literal_error" and _unserved(given)):
+        return CapabilityUnsupported(
+            f"{where}: {printable(str(given), 40)} is not supported here", param=param
+        )
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        key = str(ctx.get("discriminator", "type")).strip("'")
+        tag = ctx.get("tag")
+        at = f"{param}.{key}" if param else key
+        if _unserved(tag):
+            return CapabilityUnsupported(f"{where}: {tag} is not supported here", param=at)
+        if kind == "union_tag_not_found":
+            return InvalidRequest(f"{at} is required", param=at)
+        allowed = ctx.get("expected_tags", "")
+        return InvalidRequest(f"{at} must be one of {allowed}", param=at)
     coded = _field_code(model, parts)
     if coded is not None:
         said = coded.hint or first.get("msg", "invalid")
         return InvalidRequest(f"{where}: {said}", param=param, code=coded.code)
     if kind == "missing":
         return InvalidRequest(f"{where} is required", param=param)
-    if kind.endswith("_type") or kind in ("model_attributes_type", "union_tag_invalid"):
+    if kind.endswith("_type") or kind == "model_attributes_type":
         return InvalidType(f"{where}: {first.get('msg', 'wrong type')}", param=param)
     return InvalidRequest(f"{where}: {first.get('msg', 'invalid')}", param=param)
+
+
+#: Tags of tagged unions (content parts, blocks, tools) that a dialect documents but no
+#: engine here can honour: refused with ``capability_unsupported``, not as unknown.
+UNSERVED_TAGS = frozenset(
+    {
+        # OpenAI's content parts and tools
+        "input_audio",
+        "file",
+        "custom",
+        "allowed_tools",
+        # Anthropic's content blocks
+        "document",
+        "search_result",
+        "thinking",
+        "redacted_thinking",
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "bash_code_execution_tool_result",
+        "text_editor_code_execution_tool_result",
+        "tool_search_tool_result",
+        "container_upload",
+        "mcp_tool_use",
+        "mcp_tool_result",
+        "compaction",
+    }
+)
+
+
+def _unserved(value: Any) -> bool:
+    return isinstance(value, str) and value in UNSERVED_TAGS
+
+
+class Unserved:
+    """A field a dialect documents that nothing here can honour: only its "off" value passes.
+
+    In the document it is ``null`` (or its off value) with a description saying so;
+    a request that sets it is refused with ``capability_unsupported`` naming it.
+    """
+
+    def __init__(self, off: tuple[Any, ...] = (None,)) -> None:
+        self.off = off
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        off = self.off
+
+        def check(value: Any) -> Any:
+            if (value in off and not isinstance(value, bool)) or value is None:
+                return value
+            raise PydanticCustomError("unserved", "this field is not supported here")
+
+        return core_schema.no_info_plain_validator_function(check)
+
+    def __get_pydantic_json_schema__(self, _: Any, handler: GetJsonSchemaHandler) -> Any:
+        values = [v for v in self.off if v is not None]
+        schema: dict[str, Any] = {"enum": values} if values else {"type": "null"}
+        schema["description"] = "Not supported here: setting it is refused (capability_unsupported)"
+        return schema
+
+
+class AsDicts:
+    """Check a field through typed models, and keep what passed as the plain JSON it was.
+
+    The models are the field's declaration (and its schema in the document); code
+    past the door keeps reading the JSON objects the dialect defines, with only
+    the keys the caller sent.
+    """
+
+    def __init__(self, typed: Any) -> None:
+        self.typed = typed
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return core_schema.no_info_after_validator_function(
+            _plain, handler.generate_schema(self.typed)
+        )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(by_alias=True, exclude_unset=True)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def strict(model: type[M], raw: Any, *, prefix: str = "") -> M:
@@ -223,4 +378,4 @@ def strict(model: type[M], raw: Any, *, prefix: str = "") -> M:
     try:
         return model.model_validate(raw, strict=True)
     except ValidationError as exc:
-        raise _error_of(exc, prefix, model) from None
+        raise field_error(exc, raw, model, prefix) from None

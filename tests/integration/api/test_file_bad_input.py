@@ -39,7 +39,7 @@ BAD_FILES = [
     ("mixed", [chat_line("a"), {**chat_line("b"), "url": "/v1/embeddings"}], "mixed_endpoints", 2),
     ("unknown_model", [chat_line("a", model="gpt-9")], "unknown_model", 1),
     ("max_tokens", [chat_line("a", max_tokens=100_000)], "max_tokens_out_of_range", 1),
-    ("max_tokens_str", [chat_line("a", max_tokens="5")], "invalid_request", 1),
+    ("max_tokens_str", [chat_line("a", max_tokens="5")], "invalid_type", 1),
     ("stream", [chat_line("a", stream=True)], "streaming_unsupported", 1),
     ("tools", [chat_line("a", tools=[])], "tools_unsupported", 1),
     ("unknown_field", [chat_line("a", bogus=1)], "unknown_field", 1),
