@@ -39,6 +39,7 @@ from batchyard.core.anthropic_bodies import CountTokensRequest, MessagesRequest
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.service.batch_requests import BatchBody
 from batchyard.service.file_batches import FileBatchBody
+from batchyard.service.message_batches import MessageBatchBody
 
 __all__ = ["ANTHROPIC_PATHS", "OPERATIONS", "Operation", "install_openapi"]
 
@@ -424,7 +425,7 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             200,
             _Open,
             (*_WRITE, 402),
-            _Open,
+            MessageBatchBody,
             summary="Create a Message Batch (Anthropic's shape; a file batch underneath)",
         ),
         ("get", "/v1/messages/batches"): Operation(

@@ -221,19 +221,22 @@ def _located(loc: tuple[Any, ...], raw: Any, missing: bool) -> tuple[Any, ...]:
     """The parts of a Pydantic error location that are the body's own keys and indexes.
 
     A location also names union members and the tags of tagged unions (a message's
-    ``role``, a part's ``type``); walking the body itself tells them apart. A missing
-    field's name is the last part, not in the body.
+    ``role``, a part's ``type``); walking the body itself tells them apart, and where
+    a tag is also a key (a ``text`` part's ``text``) the reading that follows the body
+    furthest wins. A missing field's name is the last part, not in the body.
     """
-    node, out = raw, []
-    for n, part in enumerate(loc):
-        inside = isinstance(node, dict) and part in node
-        inside |= isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
-        if inside:
-            node = node[part]
-        elif not (missing and n == len(loc) - 1 and not _is_tag(part)):
-            continue
-        out.append(part)
-    return tuple(out)
+    if not loc:
+        return ()
+    part, rest = loc[0], loc[1:]
+    inside = isinstance(node := raw, dict) and part in node
+    inside |= isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+    skipped = _located(rest, raw, missing)
+    if inside:
+        taken = (part, *_located(rest, node[part], missing))
+        return taken if len(taken) > len(skipped) else skipped
+    if missing and not rest and not _is_tag(part):
+        return (part,)
+    return skipped
 
 
 def field_error(
@@ -261,10 +264,10 @@ def field_error(
         code = getattr(model, "unknown_code", UnknownField.code)
         return UnknownField(f"{where} is not a field of this call", param=param, code=code)
     given = first.get("input")
-    if kind == "unserved" or (kind == "literal_error" and _unserved(given)):
-        return CapabilityUnsupported(
-            f"{where}: {printable(str(given), 40)} is not supported here", param=param
-        )
+    if kind == "unserved":
+        return CapabilityUnsupported(f"{where}: {first.get('msg')}", param=param)
+    if kind == "literal_error" and _unserved(given):
+        return CapabilityUnsupported(f"{where}: {given} is not supported here", param=param)
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         key = str(ctx.get("discriminator", "type")).strip("'")
         tag = ctx.get("tag")

@@ -44,7 +44,7 @@ from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.files import line_aad
 
-__all__ = ["FileBatchBody", "cancel", "create", "load_view", "parse_create"]
+__all__ = ["PERCENT", "FileBatchBody", "cancel", "create", "load_view", "parse_create"]
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -58,7 +58,7 @@ def _bad(message: str, param: str, code: str = "invalid_request") -> InvalidRequ
 
 
 #: A percentage from 0 to 100 written as a decimal string (metadata values are strings).
-_PERCENT = r"^(100(\.0+)?|[0-9]{1,2}(\.[0-9]+)?)$"
+PERCENT = r"^(100(\.0+)?|[0-9]{1,2}(\.[0-9]+)?)$"
 
 
 class BatchMetadata(Shape):
@@ -74,7 +74,7 @@ class BatchMetadata(Shape):
 
     #: The least discount to run at, a percentage from 0 to 100.
     min_discount: Annotated[
-        Annotated[str, Field(pattern=_PERCENT)] | None,
+        Annotated[str, Field(pattern=PERCENT)] | None,
         Coded("min_discount_out_of_range", "a percentage from 0 to 100, as a string"),
     ] = None
 
