@@ -25,7 +25,8 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from types import UnionType
+from typing import Annotated, Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -34,6 +35,7 @@ from pydantic import (
     GetJsonSchemaHandler,
     ValidationError,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError, core_schema
 
 from batchyard.errors import (
@@ -94,24 +96,47 @@ class Coded:
     hint: str | None = None
 
 
+def _members(tp: Any) -> list[Any]:
+    """The alternatives of a union (each kept with its ``Annotated`` metadata)."""
+    if get_origin(tp) in (Union, UnionType):
+        return [m for a in get_args(tp) for m in _members(a)]
+    return [tp]
+
+
+def _bare(tp: Any) -> Any:
+    return get_args(tp)[0] if get_origin(tp) is Annotated else tp
+
+
 def _field_code(model: type[BaseModel], loc: tuple[Any, ...]) -> Coded | None:
-    """The ``Coded`` code of the field ``loc`` names in ``model`` (nested shapes too)."""
+    """The ``Coded`` of the field ``loc`` names in ``model`` (through nested shapes and lists)."""
     current: Any = model
     for part in loc:
-        fields = getattr(current, "model_fields", None)
-        if not isinstance(part, str) or not isinstance(fields, dict) or part not in fields:
+        found: Any = None
+        metadata: list[Any] = []
+        for member in map(_bare, _members(current)):
+            if isinstance(member, FieldInfo):
+                metadata += member.metadata
+                member = member.annotation
+            for alt in _members(member):
+                base = _bare(alt)
+                fields = getattr(base, "model_fields", None)
+                if isinstance(part, str) and isinstance(fields, dict) and part in fields:
+                    found = fields[part]
+                elif isinstance(part, int) and get_origin(base) is list:
+                    found = get_args(base)[0]
+                if found is not None:
+                    break
+            if found is not None:
+                break
+        if found is None:
             return None
-        info = fields[part]
-        members = getattr(info.annotation, "__args__", ())
-        inner = [m for a in members for m in getattr(a, "__metadata__", ())]
-        for meta in [*info.metadata, *inner]:
+        metadata = list(getattr(found, "metadata", ()))
+        annotation = getattr(found, "annotation", found)
+        metadata += [m for alt in _members(annotation) for m in getattr(alt, "__metadata__", ())]
+        for meta in metadata:
             if isinstance(meta, Coded):
                 return meta
-        current = info.annotation
-        args = [a for a in getattr(current, "__args__", ()) if isinstance(a, type)]
-        nested = [a for a in args if issubclass(a, BaseModel)]
-        if nested:
-            current = nested[0]
+        current = found
     return None
 
 
@@ -186,8 +211,19 @@ def check_document(value: Any, what: str = "the request body") -> Any:
     return value
 
 
-def parse_json(raw: bytes | str, what: str = "the request body") -> Any:
-    """One strict JSON document (see the module docstring); ``InvalidJson`` otherwise."""
+def _whole(text: str) -> float | int:
+    """A number with no fraction as an int: JSON Schema's integer (``5.0`` is 5)."""
+    value = _finite(text)
+    return int(value) if value.is_integer() and abs(value) < 2**53 else value
+
+
+def parse_json(raw: bytes | str, what: str = "the request body", *, request: bool = False) -> Any:
+    """One strict JSON document (see the module docstring); ``InvalidJson`` otherwise.
+
+    ``request``: a request's body, read as its OpenAPI document (JSON Schema) reads it,
+    where ``5.0`` is the integer 5 (a client's JSON encoder may write either); data a
+    caller stores (a dataset's rows) keeps every number as it was written.
+    """
     if isinstance(raw, bytes):
         try:
             text = raw.decode("utf-8")
@@ -201,7 +237,7 @@ def parse_json(raw: bytes | str, what: str = "the request body") -> Any:
         value = json.loads(
             text,
             parse_constant=_reject_constant,
-            parse_float=_finite,
+            parse_float=_whole if request else _finite,
             object_pairs_hook=_no_duplicates,
         )
     except RecursionError:
@@ -278,14 +314,14 @@ def field_error(
             return InvalidRequest(f"{at} is required", param=at)
         allowed = ctx.get("expected_tags", "")
         return InvalidRequest(f"{at} must be one of {allowed}", param=at)
+    if kind.endswith("_type"):
+        return InvalidType(f"{where}: {first.get('msg', 'wrong type')}", param=param)
     coded = _field_code(model, parts)
     if coded is not None:
         said = coded.hint or first.get("msg", "invalid")
         return InvalidRequest(f"{where}: {said}", param=param, code=coded.code)
     if kind == "missing":
         return InvalidRequest(f"{where} is required", param=param)
-    if kind.endswith("_type") or kind == "model_attributes_type":
-        return InvalidType(f"{where}: {first.get('msg', 'wrong type')}", param=param)
     return InvalidRequest(f"{where}: {first.get('msg', 'invalid')}", param=param)
 
 

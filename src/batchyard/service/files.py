@@ -169,10 +169,11 @@ def _lines(f: IO[bytes], limits: FileSettings) -> Iterator[tuple[int, bytes]]:
 
 
 def _parse(n: int, raw: bytes) -> Any:
-    """One line as JSON; a line that is not refuses the whole upload (the file is not JSONL)."""
+    """One line as JSON; a line that is not is kept as invalid, as any bad line (OpenAI's
+    order: the file uploads, and a batch made from it fails naming the line)."""
     try:
         # Strict JSON, as every body: no NaN, lone surrogate, NUL or deep nesting.
-        return parse_json(raw, "the line")
+        return parse_json(raw, "the line", request=True)
     except BatchyardError as exc:
         raise _bad(n, exc.message, exc.code) from None
 
@@ -191,7 +192,7 @@ def _invalid(
     if param is not None and param.startswith(f"line {n}"):
         param = param.partition(": ")[2] or None
     error = {"code": exc.code, "line": n, "message": exc.message, "param": param}
-    kept = None if exc.code == "privacy_rejected" else raw.decode("utf-8")
+    kept = None if exc.code == "privacy_rejected" else raw.decode("utf-8", "replace")
     cid = obj.get("custom_id") if isinstance(obj, dict) else None
     custom_id = cid[: limits.max_custom_id] if isinstance(cid, str) else ""
     return custom_id, json.dumps({"error": error, "line": kept}, ensure_ascii=False).encode()
@@ -299,8 +300,9 @@ def ingest(
                     code="too_many_lines",
                     details={"line": n, "limit": limits.max_lines},
                 )
-            obj = _parse(n, raw)
+            obj = None
             try:
+                obj = _parse(n, raw)
                 cid, url, checked, stored = _check(n, obj, raw, rules, limits, seen, endpoint)
             except BatchyardError as exc:
                 if strict:

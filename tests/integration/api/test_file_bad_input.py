@@ -93,14 +93,19 @@ async def test_every_invalid_line_is_listed(service):
     ]
 
 
-async def test_a_line_that_is_not_json_still_refuses_the_upload(service):
-    acct = make_account(service)
+async def test_a_line_that_is_not_json_uploads_and_fails_the_batch_naming_it(service):
+    """OpenAI's contract: the file uploads; the batch fails at validation with the line."""
+    acct = make_account(service, credit="1")
+    content = jsonl([json.dumps(chat_line("a")), "{not json"]) + b"\xff\xfe\n"
     async with asgi_client(service, worker=False) as http:
-        r = await upload(http, acct.headers, jsonl([json.dumps(chat_line("a")), "{not json"]))
-        listed = (await http.get("/v1/files", headers=acct.headers)).json()
-    assert error_of(r) == (400, "invalid_json"), r.text
-    assert r.json()["error"]["message"].startswith("line 2:")
-    assert listed["data"] == [] and stored(service) == (0, 0, 0)
+        up = await upload(http, acct.headers, content)
+        r = await create(http, acct.headers, up.json()["id"])
+    assert up.status_code == 200, up.text
+    assert r.json()["status"] == "failed"
+    assert [(e["code"], e["line"]) for e in r.json()["errors"]["data"]] == [
+        ("invalid_json", 2),
+        ("invalid_json", 3),
+    ]
 
 
 async def test_purpose_size_and_line_limits(make_service):

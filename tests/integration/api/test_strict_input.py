@@ -122,7 +122,7 @@ async def test_a_batch_takes_no_list_for_a_string_and_no_string_for_a_number(
         (
             {"role": ["user"], "content": "hi"},
             "invalid_request",
-            "requests[0].body.messages.0.role",
+            "requests[0].body.messages[0].role",
         ),
         ({"role": "user", "content": "hi"}, None, None),
     ],
