@@ -112,7 +112,7 @@ async def read_json(request: Request, *, limit: int | None = None) -> Any:
     """The body as one strict JSON object, declared ``application/json``, size-capped."""
     json_content_type(request)
     cap = limit or service_of(request).settings.max_body_bytes
-    body = parse_json(await read_body(request, cap))
+    body = parse_json(await read_body(request, cap), request=True)
     if not isinstance(body, dict):
         raise InvalidJson("the request body must be a JSON object")
     return body
@@ -124,7 +124,7 @@ async def read_empty(request: Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     json_content_type(request)
-    body = parse_json(raw)
+    body = parse_json(raw, request=True)
     if not isinstance(body, dict):
         raise InvalidJson("this call takes no body (or an empty JSON object)")
     for key in body:

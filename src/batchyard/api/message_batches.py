@@ -86,9 +86,9 @@ async def list_message_batches(request: Request) -> Response:
 
 @router.get(_PATH + "/{batch_id}")
 @anthropic_door
-async def get_message_batch(request: Request) -> Response:
+async def get_message_batch(request: Request, batch_id: str) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(request.path_params["batch_id"])
+    batch_id = _id(batch_id)
     view = await message_batches.get(
         service_of(request), principal, batch_id, base_url=_base(request)
     )
@@ -97,9 +97,9 @@ async def get_message_batch(request: Request) -> Response:
 
 @router.post(_PATH + "/{batch_id}/cancel")
 @anthropic_door
-async def cancel_message_batch(request: Request) -> Response:
+async def cancel_message_batch(request: Request, batch_id: str) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(request.path_params["batch_id"])
+    batch_id = _id(batch_id)
     body = await read_empty(request)
     svc = service_of(request)
 
@@ -130,9 +130,9 @@ async def retry_message_batch(request: Request) -> Response:
 
 @router.get(_PATH + "/{batch_id}/results")
 @anthropic_door
-async def message_batch_results(request: Request) -> Response:
+async def message_batch_results(request: Request, batch_id: str) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(request.path_params["batch_id"])
+    batch_id = _id(batch_id)
     lines = await message_batches.results(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-jsonl")
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -77,6 +77,7 @@ from batchyard.work.openai_wire import anthropic_message, messages_request
 __all__ = ["anthropic_door", "anthropic_error", "router"]
 
 router = APIRouter()
+_Params = ParamSpec("_Params")
 
 # -- errors, in Anthropic's envelope -------------------------------------------------
 
@@ -139,12 +140,15 @@ def _translated(request: Request, response: Response) -> Response:
 
 
 def anthropic_door(
-    handler: Callable[[Request], Awaitable[Response]],
-) -> Callable[[Request], Awaitable[Response]]:
-    """Anthropic's wire around a handler: its request-id header, its version, its errors."""
+    handler: Callable[Concatenate[Request, _Params], Awaitable[Response]],
+) -> Callable[Concatenate[Request, _Params], Awaitable[Response]]:
+    """Anthropic's wire around a handler: its request-id header, its version, its errors.
+
+    The handler's own signature (its path parameters) is what FastAPI reads and documents.
+    """
 
     @functools.wraps(handler)
-    async def wrapped(request: Request) -> Response:
+    async def wrapped(request: Request, *args: _Params.args, **kwargs: _Params.kwargs) -> Response:
         env = envelope_of(request)
         env.extra_headers["request-id"] = env.request_id
         try:
@@ -156,11 +160,12 @@ def anthropic_door(
                     param="anthropic-version",
                     code="unsupported_anthropic_version",
                 )
-            return _translated(request, await handler(request))
+            return _translated(request, await handler(request, *args, **kwargs))
         except BatchyardError as exc:
             return _error_response(request, exc)
 
-    return wrapped
+    # FastAPI passes ``request`` by name, so it cannot be positional-only as Concatenate says.
+    return wrapped  # type: ignore[return-value]
 
 
 # -- the request ----------------------------------------------------------------------

@@ -78,6 +78,10 @@ async def read_body(
     svc = service_of(request)
     # A project version named here is read from the store off the event loop.
     await model_versions.resolve(svc, raw.get("model"))
+    if isinstance(name := raw.get("model"), str) and name:
+        # A model nobody serves is 404 whatever else the body holds: the rules between a
+        # body's fields (a tool_choice naming a tool) are the model's call's, not a shape's.
+        resolve(svc, name, org_id=principal.org_id)
     return principal, raw, svc, parse(raw)
 
 

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from batchyard.api.bodies import (
     DatasetBody,
@@ -38,6 +38,8 @@ from batchyard.api.bodies import (
 from batchyard.core.anthropic_bodies import CountTokensRequest, MessagesRequest
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.service.batch_requests import BatchBody
+from batchyard.service.file_batches import FileBatchBody
+from batchyard.service.message_batches import MessageBatchBody
 
 __all__ = ["ANTHROPIC_PATHS", "OPERATIONS", "Operation", "install_openapi"]
 
@@ -208,25 +210,6 @@ class Estimate(BaseModel):
 class ListOf(_Open):
     object: str
     data: list[dict[str, Any]]
-
-
-class OutputExpiry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    anchor: Literal["created_at"]
-    seconds: int = Field(ge=3600, le=2_592_000)
-
-
-class FileBatchBody(BaseModel):
-    """``POST /v1/batches`` in OpenAI's dialect (``service.file_batches.parse_create``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str = Field(min_length=1)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
-    completion_window: Literal["24h", "6h", "1h"]
-    metadata: dict[str, str] | None = None
-    output_expires_after: OutputExpiry | None = None
 
 
 class EmptyBody(BaseModel):
@@ -469,7 +452,7 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             200,
             _Open,
             (*_WRITE, 402),
-            _Open,
+            MessageBatchBody,
             summary="Create a Message Batch (Anthropic's shape; a file batch underneath)",
         ),
         ("get", "/v1/messages/batches"): Operation(

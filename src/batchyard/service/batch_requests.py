@@ -13,13 +13,16 @@ import re
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
 
 from batchyard.core import privacy
-from batchyard.core.inputs import Shape, strict
+from batchyard.core.inputs import AsDicts, Coded, Shape, strict
 from batchyard.core.market import effective_min_discount
+from batchyard.core.openai_bodies import ResponseFormat, TextPart
 from batchyard.core.quotes import check_context
-from batchyard.errors import InvalidRequest, UnsupportedInput
+from batchyard.errors import InvalidRequest, InvalidType, UnsupportedInput
 from batchyard.service.deployment import Service
 
 __all__ = [
@@ -63,41 +66,79 @@ _ROLES = {"system", "developer", "user", "assistant"}
 
 
 class PrivacyBody(Shape):
-    mode: str
+    mode: Annotated[Literal["off", "redact", "reject"], Coded("invalid_privacy_mode")]
+
+
+class _TextMessage(Shape):
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class _System(_TextMessage):
+    role: Literal["system"]
+
+
+class _Developer(_TextMessage):
+    role: Literal["developer"]
+
+
+class _User(_TextMessage):
+    role: Literal["user"]
+
+
+class _Assistant(_TextMessage):
+    role: Literal["assistant"]
+
+
+#: A deferred request's messages: text only, no tools.
+TextMessage = Annotated[_System | _Developer | _User | _Assistant, Field(discriminator="role")]
+_MaxTokens = Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS), Coded("max_tokens_out_of_range")]
+_Percent = Annotated[float, Field(ge=0, le=100), Coded("min_discount_out_of_range")]
 
 
 class ChatRequestBody(Shape):
     """The ``body`` of one deferred request: the chat completion fields a batch may carry."""
 
+    unknown_code: ClassVar[str] = "unsupported_parameter"
+
     model: str
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    messages: Annotated[list[dict[str, Any]], AsDicts(list[TextMessage]), Field(min_length=1)]
+    max_tokens: _MaxTokens | None = None
+    max_completion_tokens: _MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any], AsDicts(ResponseFormat)] | None = None
     privacy: PrivacyBody | None = None
-    n: int | None = None
-    stream: bool | None = None
+    n: (
+        Annotated[Literal[1], Coded("unsupported_parameter", "deferred batches take n = 1")] | None
+    ) = None
+    stream: Literal[False] | None = None
     user: str | None = None
 
 
 class BatchRequestBody(Shape):
     """One entry of ``requests``."""
 
-    custom_id: str
+    unknown_code: ClassVar[str] = "unsupported_parameter"
+
+    custom_id: Annotated[str, Field(pattern=CUSTOM_ID.pattern), Coded("invalid_custom_id")]
     body: ChatRequestBody
-    min_discount: float | None = None
+    min_discount: _Percent | None = None
 
 
 class BatchBody(Shape):
-    """``POST /v1/batches``: the shape only; the rules are ``parse_submission``'s."""
+    """``POST /v1/batches``: the shape; what no shape says (one custom_id each, the
+    model's own limits, privacy) is ``parse_submission``'s."""
 
-    min_discount: float | None = None
-    completion_window: str | None = None
-    requests: list[BatchRequestBody]
+    unknown_code: ClassVar[str] = "unsupported_parameter"
+
+    min_discount: _Percent
+    completion_window: (
+        Annotated[Literal["1h", "6h", "24h"], Coded("invalid_completion_window")] | None
+    ) = None
+    requests: Annotated[list[BatchRequestBody], Field(min_length=1, max_length=MAX_REQUESTS)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,14 +308,11 @@ def _parse_request(
             f"{bp}.{key}",
             "unsupported_parameter",
         )
+    _check_messages(body.get("messages"), f"{bp}.messages")
     # Every key is known now: the types of each, strictly (nothing coerced).
     strict(ChatRequestBody, body, prefix=bp)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("deferred batches take n = 1", f"{bp}.n", "unsupported_parameter")
     model = svc.catalog.model(body.get("model"), org_id)
     svc.catalog.route_for(model.id)
-    _check_messages(body.get("messages"), f"{bp}.messages")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
     if mt is None:
@@ -312,9 +350,10 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
             "min_discount_required",
         )
     batch_min = _discount(raw["min_discount"], "min_discount")
-    strict(BatchBody, {**raw, "requests": []})  # the top level's types; requests come next
     window = raw.get("completion_window")
     window = "24h" if window is None else window
+    if not isinstance(window, str):
+        raise InvalidType("completion_window must be a string", param="completion_window")
     if window not in WINDOWS:
         raise _bad(
             "completion_window is 1h, 6h or 24h", "completion_window", "invalid_completion_window"

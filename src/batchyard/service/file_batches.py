@@ -24,13 +24,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from decimal import Decimal, InvalidOperation
-from typing import Any
+from decimal import Decimal
+from typing import Annotated, Any, ClassVar, Literal
 
+from pydantic import ConfigDict, Field, model_validator
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
 from batchyard.core.ids import new_id
+from batchyard.core.inputs import Coded, Shape, strict
 from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.quotes import direct_price
 from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
@@ -38,16 +40,16 @@ from batchyard.service import following
 from batchyard.service.batch_requests import WINDOWS
 from batchyard.service.batch_views import file_batch_view, openai_status
 from batchyard.service.deployment import Service
-from batchyard.service.openai_requests import ENDPOINTS
 from batchyard.store import billing, webhook_deliveries
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.files import line_aad
 
 __all__ = [
-    "BODY_KEYS",
     "ENDED",
+    "PERCENT",
     "RETRIED",
+    "FileBatchBody",
     "cancel",
     "create",
     "finished",
@@ -60,8 +62,6 @@ log = logging.getLogger("batchyard.file_batches")
 
 #: The statuses of a batch whose every line has ended.
 ENDED = ("completed", "failed", "expired", "canceled")
-#: OpenAI's documented fields of a batch creation.
-BODY_KEYS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 MAX_METADATA = 16
 #: The most invalid lines a failed batch lists in ``errors.data``.
 MAX_ERRORS = 1000
@@ -71,75 +71,65 @@ def _bad(message: str, param: str, code: str = "invalid_request") -> InvalidRequ
     return InvalidRequest(message, param=param, code=code)
 
 
-def _metadata(raw: Any) -> tuple[dict[str, str] | None, Decimal | None]:
-    """OpenAI's metadata (16 string pairs), and batchyard's ``min_discount`` among them."""
-    if raw is None:
-        return None, None
-    if not isinstance(raw, dict):
-        raise _bad("metadata must be an object of string values", "metadata")
-    if len(raw) > MAX_METADATA:
-        raise _bad(f"metadata holds at most {MAX_METADATA} pairs", "metadata")
-    for k, v in raw.items():
-        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
-            raise _bad(
-                "metadata keys are at most 64 characters and values strings of at most 512",
-                f"metadata.{k}",
-            )
-    given = raw.get("min_discount")
-    if given is None:
-        return dict(raw), None
-    try:
-        d = Decimal(given.strip())
-    except InvalidOperation:
-        d = Decimal("NaN")
-    if not d.is_finite() or not Decimal(0) <= d <= Decimal(100):
-        raise _bad(
-            f"metadata.min_discount is a percentage from 0 to 100, not {given!r}",
-            "metadata.min_discount",
-            "min_discount_out_of_range",
-        )
-    return dict(raw), d
+#: A percentage from 0 to 100 written as a decimal string (metadata values are strings).
+PERCENT = r"^(100(\.0+)?|[0-9]{1,2}(\.[0-9]+)?)$"
+
+
+class BatchMetadata(Shape):
+    """OpenAI's metadata (at most 16 pairs of short strings), and batchyard's ``min_discount``."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={"maxProperties": MAX_METADATA, "propertyNames": {"maxLength": 64}},
+    )
+    __pydantic_extra__: dict[
+        Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]
+    ]
+
+    #: The least discount to run at, a percentage from 0 to 100.
+    min_discount: Annotated[
+        Annotated[str, Field(pattern=PERCENT)] | None,
+        Coded("min_discount_out_of_range", "a percentage from 0 to 100, as a string"),
+    ] = None
+
+    @model_validator(mode="after")
+    def _at_most_16(self) -> BatchMetadata:
+        if len(self.model_dump(exclude_unset=True)) > MAX_METADATA:
+            raise ValueError(f"metadata holds at most {MAX_METADATA} pairs")
+        return self
+
+
+class OutputExpiry(Shape):
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)
+
+
+class FileBatchBody(Shape):
+    """``POST /v1/batches`` in OpenAI's dialect: the document's schema and the check in one."""
+
+    unknown_code: ClassVar[str] = "unsupported_parameter"
+
+    input_file_id: str = Field(min_length=1)
+    endpoint: Annotated[
+        Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"],
+        Coded("unsupported_endpoint"),
+    ]
+    completion_window: Annotated[Literal["24h", "6h", "1h"], Coded("invalid_completion_window")]
+    metadata: BatchMetadata | None = None
+    output_expires_after: OutputExpiry | None = None
 
 
 def parse_create(raw: dict[str, Any]) -> dict[str, Any]:
     """The file dialect's body checked (no store reads): what ``create`` needs."""
-    for key in sorted(raw.keys() - BODY_KEYS):
-        raise _bad(f"{key} is not a field of a file batch", key, "unsupported_parameter")
-    file_id = raw.get("input_file_id")
-    if not isinstance(file_id, str) or not file_id:
-        raise _bad("input_file_id must name an uploaded file", "input_file_id")
-    endpoint = raw.get("endpoint")
-    if endpoint not in ENDPOINTS:
-        raise _bad(f"endpoint is one of {', '.join(ENDPOINTS)}", "endpoint", "unsupported_endpoint")
-    window = raw.get("completion_window")
-    if window not in WINDOWS:
-        raise _bad(
-            "completion_window is 24h (OpenAI's), 1h or 6h",
-            "completion_window",
-            "invalid_completion_window",
-        )
-    meta, min_discount = _metadata(raw.get("metadata"))
-    expiry = raw.get("output_expires_after")
-    if expiry is not None:
-        seconds = expiry.get("seconds") if isinstance(expiry, dict) else None
-        if (
-            not isinstance(expiry, dict)
-            or expiry.keys() != {"anchor", "seconds"}
-            or expiry.get("anchor") != "created_at"
-            or isinstance(seconds, bool)
-            or not isinstance(seconds, int)
-            or not 3600 <= seconds <= 2_592_000
-        ):
-            raise _bad(
-                "output_expires_after is {anchor: created_at, seconds: 3600 to 2592000}",
-                "output_expires_after",
-            )
+    body = strict(FileBatchBody, raw)
+    meta = body.metadata.model_dump(exclude_none=True) if body.metadata is not None else None
+    given = body.metadata.min_discount if body.metadata is not None else None
     return {
-        "input_file_id": file_id,
-        "endpoint": endpoint,
-        "window": window,
+        "input_file_id": body.input_file_id,
+        "endpoint": body.endpoint,
+        "window": body.completion_window,
         "metadata": meta,
-        "min_discount": min_discount,
+        "min_discount": Decimal(given) if given is not None else None,
     }
 
 

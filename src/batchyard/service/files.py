@@ -154,7 +154,7 @@ def _parse(n: int, raw: bytes) -> Any:
     """One line as JSON; one that is not is an invalid line like any other (OpenAI's order)."""
     try:
         # Strict JSON, as every body: no NaN, lone surrogate, NUL or deep nesting.
-        return parse_json(raw, "the line")
+        return parse_json(raw, "the line", request=True)
     except BatchyardError as exc:
         raise _bad(n, exc.message, exc.code) from None
 

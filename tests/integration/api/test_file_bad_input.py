@@ -40,7 +40,7 @@ BAD_FILES = [
     ("mixed", [chat_line("a"), {**chat_line("b"), "url": "/v1/embeddings"}], "mixed_endpoints", 2),
     ("unknown_model", [chat_line("a", model="gpt-9")], "unknown_model", 1),
     ("max_tokens", [chat_line("a", max_tokens=100_000)], "max_tokens_out_of_range", 1),
-    ("max_tokens_str", [chat_line("a", max_tokens="5")], "invalid_request", 1),
+    ("max_tokens_str", [chat_line("a", max_tokens="5")], "invalid_type", 1),
     ("stream", [chat_line("a", stream=True)], "streaming_unsupported", 1),
     ("tools", [chat_line("a", tools=[])], "tools_unsupported", 1),
     ("unknown_field", [chat_line("a", bogus=1)], "unknown_field", 1),
@@ -160,6 +160,9 @@ async def test_bad_batches_change_nothing(service, clock):
         deleted = await create(http, acct.headers, gone["id"])
         mismatch = await create(http, acct.headers, f["id"], endpoint="/v1/embeddings")
         window = await create(http, acct.headers, f["id"], window="48h")
+        # Not strings at all: read by the declared body, never hashed by hand (was a 500).
+        windows = [await create(http, acct.headers, f["id"], window=w) for w in ({}, [], 24)]
+        endpoint = await create(http, acct.headers, f["id"], endpoint={})
         unknown = await create(http, acct.headers, f["id"], colour="red")
         meta = await create(http, acct.headers, f["id"], metadata={"min_discount": "150"})
         after = stored(service)
@@ -177,6 +180,9 @@ async def test_bad_batches_change_nothing(service, clock):
     assert error_of(deleted) == (404, "file_deleted")
     assert error_of(mismatch)[0] == 400
     assert error_of(window) == (400, "invalid_completion_window")
+    assert [error_of(w) for w in windows] == [(400, "invalid_completion_window")] * 3
+    assert error_of(endpoint) == (400, "unsupported_endpoint")
+    assert [w.json()["error"]["param"] for w in windows] == ["completion_window"] * 3
     assert error_of(unknown) == (400, "unsupported_parameter")
     assert error_of(meta) == (400, "min_discount_out_of_range")
     assert before == after
