@@ -18,7 +18,6 @@ from typing import Any
 from batchyard.core import privacy
 from batchyard.core.inputs import Shape, strict
 from batchyard.core.market import effective_min_discount
-from batchyard.core.quotes import check_context
 from batchyard.errors import InvalidRequest, UnsupportedInput
 from batchyard.service.deployment import Service
 
@@ -37,7 +36,6 @@ __all__ = [
 MAX_BODY_BYTES = 1_000_000
 MAX_REQUESTS = 50
 MAX_OUTPUT_TOKENS = 4096
-DEFAULT_MAX_TOKENS = 1024
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -108,6 +106,7 @@ class ParsedRequest:
     model: str
     min_discount: Decimal
     input_tokens: int
+    #: Once prepared, what the request says or the spec's default (0 until then: none given).
     max_tokens: int
     stored: dict[str, Any]  # what is sealed: redacted messages and sampling options
 
@@ -277,9 +276,7 @@ def _parse_request(
     _check_messages(body.get("messages"), f"{bp}.messages")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
-    if mt is None:
-        mt = min(DEFAULT_MAX_TOKENS, limit)
-    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit:
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit):
         raise _bad(
             f"max_tokens is from 1 to {limit} for {model.id}",
             f"{bp}.max_tokens",
@@ -295,7 +292,7 @@ def _parse_request(
             "privacy.mode is off, redact or reject", f"{bp}.privacy.mode", "invalid_privacy_mode"
         ) from None
     stored = {"messages": body["messages"], **options}
-    return ParsedRequest(cid, model.id, min_discount, 0, mt, stored), mode
+    return ParsedRequest(cid, model.id, min_discount, 0, mt or 0, stored), mode
 
 
 def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = None) -> Submission:
@@ -332,8 +329,9 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
         )
     seen: set[str] = set()
     parsed = [_parse_request(svc, r, i, batch_min, seen, org_id) for i, r in enumerate(reqs)]
-    # Everything is valid; only now does privacy run, then tokens are counted
-    # on the text that will actually be stored and sent.
+    # Everything is valid; only now does privacy run, then each request is prepared
+    # (``service.preparation``: tokens counted on the text that will actually be stored
+    # and sent, the spec's default max_tokens, the context window).
     out: list[ParsedRequest] = []
     redactions = 0
     for i, (req, mode) in enumerate(parsed):
@@ -350,19 +348,23 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
                     param=f"requests[{i}].body.messages",
                     code=exc.code,
                 ) from None
-        model = svc.catalog.model(req.model)
-        tokens = svc.tokenizer(model).count_messages(messages)
-        check_context(
-            model,
-            tokens,
-            req.max_tokens,
+        call = svc.preparer.deferred(
+            req.model,
+            messages,
+            req.max_tokens or None,
+            org_id=org_id,
             param=f"requests[{i}].body.messages",
             where=f"requests[{i}]: ",
         )
         stored = {**req.stored, "messages": messages}
         out.append(
             ParsedRequest(
-                req.custom_id, req.model, req.min_discount, tokens, req.max_tokens, stored
+                req.custom_id,
+                req.model,
+                req.min_discount,
+                call.input_tokens,
+                call.max_tokens,
+                stored,
             )
         )
     return Submission(batch_min, window, out, redactions)

@@ -96,13 +96,7 @@ def rules_of(svc: Service, org_id: str | None = None) -> Rules:
         mode = privacy.PrivacyMode(str(default))
     except ValueError:
         mode = privacy.PrivacyMode.OFF
-    return Rules(
-        catalog=svc.catalog,
-        tokenizers=svc.tokenizers,
-        default_max_tokens=svc.settings.default_max_tokens,
-        privacy_default=mode,
-        org_id=org_id,
-    )
+    return Rules(preparer=svc.preparer, privacy_default=mode, org_id=org_id)
 
 
 def _ts(when: datetime | None) -> int | None:
