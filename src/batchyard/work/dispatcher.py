@@ -521,8 +521,17 @@ class Payment:
         """The charge posted (0 before the hold resolved, or when it was released)."""
         return self.charged or 0
 
-    async def settle(self, usage: Usage, detail: dict[str, Any] | None = None) -> int:
-        """Charge what the call used at the route's price (``core.quotes.charge``)."""
+    async def settle(
+        self,
+        usage: Usage,
+        detail: dict[str, Any] | None = None,
+        *,
+        route: RouteSpec | None = None,
+        price: Price | None = None,
+    ) -> int:
+        """Charge what the call used at the route's price (``core.quotes.charge``);
+        ``route`` and ``price``: where a call was answered elsewhere (decide's fallback)."""
+        self.route, self.price = route or self.route, price or self.price
         self.charged = await self.dispatcher.settle(
             reservation_id=self.reservation.id,
             charge=charge(self.price, self.route, usage),

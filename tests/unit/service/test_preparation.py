@@ -127,15 +127,10 @@ def test_what_the_route_cannot_serve_is_refused_naming_the_field_that_asked(
 ) -> None:
     base = default_catalog()
     [embedded] = base.routes.values()
-    bare = dataclasses.replace(
-        embedded,
-        supports_tools=False,
-        supports_streaming=False,
-        serves_completions=False,
-        serves_embeddings=False,
-    )
+    serves_nothing = {"supports_tools": False, "supports_streaming": False}
+    serves_nothing |= {"serves_completions": False, "serves_embeddings": False}
+    bare: RouteSpec = dataclasses.replace(embedded, **serves_nothing)
     preparer = Preparer(Catalog(list(base.models.values()), [bare]), tokenizers)
-    assert isinstance(bare, RouteSpec)
     with pytest.raises(CapabilityUnsupported) as tools:
         preparer.chat(chat(tools=TOOLS), org_id=None)
     assert tools.value.param == "tools"
