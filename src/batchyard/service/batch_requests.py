@@ -15,6 +15,8 @@ from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from pydantic import Field
+
 from batchyard.core import privacy
 from batchyard.core.inputs import Shape, strict
 from batchyard.core.market import effective_min_discount
@@ -58,6 +60,8 @@ _BODY_KEYS = {
 }
 _TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _ROLES = {"system", "developer", "user", "assistant"}
+#: The sampling options a deferred request keeps, as given.
+_OPTIONS = {"temperature", "top_p", "stop", "seed", "response_format"}
 
 
 class PrivacyBody(Shape):
@@ -71,8 +75,8 @@ class ChatRequestBody(Shape):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     response_format: dict[str, Any] | None = None
@@ -176,40 +180,6 @@ def _check_messages(messages: Any, param: str) -> None:
                 )
 
 
-def _check_options(body: dict[str, Any], param: str) -> dict[str, Any]:
-    """The sampling options a deferred request may carry, checked."""
-    options: dict[str, Any] = {}
-    t = body.get("temperature")
-    if t is not None:
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2:
-            raise _bad("temperature is from 0 to 2", f"{param}.temperature", "invalid_request")
-        options["temperature"] = float(t)
-    p = body.get("top_p")
-    if p is not None:
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise _bad("top_p is above 0 and at most 1", f"{param}.top_p", "invalid_request")
-        options["top_p"] = float(p)
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("stop is a string or a list of strings", f"{param}.stop", "invalid_request")
-        options["stop"] = stops
-    seed = body.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise _bad("seed must be an integer", f"{param}.seed", "invalid_request")
-        options["seed"] = seed
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _bad(
-                "response_format must be an object", f"{param}.response_format", "invalid_request"
-            )
-        options["response_format"] = fmt
-    return options
-
-
 def _parse_request(
     svc: Service, raw: Any, i: int, batch_min: Decimal, seen: set[str], org_id: str | None
 ) -> tuple[ParsedRequest, privacy.PrivacyMode]:
@@ -266,8 +236,8 @@ def _parse_request(
             f"{bp}.{key}",
             "unsupported_parameter",
         )
-    # Every key is known now: the types of each, strictly (nothing coerced).
-    strict(ChatRequestBody, body, prefix=bp)
+    # Every key is known now: the types and ranges of each, strictly (nothing coerced).
+    req = strict(ChatRequestBody, body, prefix=bp)
     n = body.get("n")
     if n is not None and n != 1:
         raise _bad("deferred batches take n = 1", f"{bp}.n", "unsupported_parameter")
@@ -282,7 +252,9 @@ def _parse_request(
             f"{bp}.max_tokens",
             "max_tokens_out_of_range",
         )
-    options = _check_options(body, bp)
+    options = req.model_dump(include=_OPTIONS, exclude_none=True)
+    if isinstance(req.stop, str):
+        options["stop"] = [req.stop]
     raw_privacy = body.get("privacy")
     mode_name = "off" if raw_privacy is None else raw_privacy["mode"]
     try:

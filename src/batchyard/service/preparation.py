@@ -1,26 +1,23 @@
 """One preparation: any door's parsed request and its caller, turned into a prepared call.
 
-Every way in prepares a call here and nowhere else: the chat, completions,
-embeddings and Messages doors, a line of an OpenAI batch file, a request of a
-Message Batch, a deferred item and a run's rows. ``Preparer`` answers, once for
-each, what the call is before anything is held:
+The chat, completions, embeddings and Messages doors, a line of an OpenAI batch
+file, a request of a Message Batch and a deferred item are prepared here and
+nowhere else. ``Preparer`` answers, once for each, what the call is before
+anything is held:
 
-- the model and its route (a project's model version is only its
-  organisation's), and whether the route serves what the request needs
+- the model and its route, and whether the route serves what the request needs
   (``NEEDS``, the one capability table);
-- ``max_tokens``, by one rule per kind of request (``default_max_tokens``): what
-  the body says, else the default of the spec that defines the request, so the
-  same body gets the same default at every door and in every batch format;
-- every token the engine will read, counted with the model's own tokenizer: the
-  chat template, system prompts, images, and the tools' instructions that an
-  engine without tool calling of its own reads as a system prompt
-  (``engine_messages``);
-- the context-window check, once for each prompt;
-- the quote: the most the call can cost at the model's direct price, which is
-  the hold.
+- ``max_tokens`` left out, by one rule per kind of request, the same at every
+  door and in every batch format: the deployment's ``default_max_tokens`` for a
+  chat (OpenAI sets none), OpenAI's 16 for text completions, the deferred-batch
+  spec's 1,024 for its requests; Anthropic's Messages require it;
+- every token the engine reads, counted with the model's own tokenizer: the chat
+  template, system prompts, images, and the tools' instructions an engine
+  without tool calling of its own reads first (``engine_messages``);
+- the context-window check, once for each prompt, and the quote (the hold).
 
-Nothing below it checks these again: the dispatcher paces and pays what it is
-given, and an engine that still finds a prompt too long answers its own error.
+A run's rows are quoted by the run worker below this layer
+(``work.runs.quoting``), by the same rules: ``core.quotes`` and the chat default.
 """
 
 from __future__ import annotations

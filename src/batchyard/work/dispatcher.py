@@ -496,25 +496,19 @@ class Dispatcher:
         return settled.charged
 
 
+@dataclass(eq=False)
 class Payment:
     """One hold of ``Dispatcher.paying``, resolved once: settled or released."""
 
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        reservation: ledger.Reservation,
-        model: ModelSpec,
-        route: RouteSpec,
-        price: Price,
-        purpose: str,
-        ref: str | None,
-    ) -> None:
-        self.dispatcher = dispatcher
-        self.reservation = reservation
-        self.model, self.route, self.price = model, route, price
-        self.purpose, self.ref = purpose, ref
-        #: The ticks posted once settled (0 once released); ``None`` while held.
-        self.charged: int | None = None
+    dispatcher: Dispatcher
+    reservation: ledger.Reservation
+    model: ModelSpec
+    route: RouteSpec
+    price: Price
+    purpose: str
+    ref: str | None
+    #: The ticks posted once settled (0 once released); ``None`` while held.
+    charged: int | None = None
 
     @property
     def ticks(self) -> int:
