@@ -239,7 +239,7 @@ def audit(config_file: str | None, database_url: str | None) -> None:
     """Check every ledger invariant and look for stranded holds; exit 0 only when all is well."""
     from batchyard.app import verify_key_of
     from batchyard.core.clock import SystemClock
-    from batchyard.store import holds, ledger
+    from batchyard.store import billing, holds, ledger
 
     db = open_database(config_file, database_url)
     now = SystemClock().now()
@@ -247,7 +247,7 @@ def audit(config_file: str | None, database_url: str | None) -> None:
         # A wrong or lost batch key is refused here too, before the audit says all is well.
         with config_errors():
             verify_key_of(settings_from(config_file, database_url), db, SystemClock())
-        problems = db.read_sync(ledger.audit)
+        problems = db.read_sync(ledger.audit) + db.read_sync(billing.audit_charges)
         stranded = db.read_sync(lambda c: holds.stranded(c, now))
     finally:
         db.close()
@@ -263,7 +263,7 @@ def audit(config_file: str | None, database_url: str | None) -> None:
         sys.exit(1)
     console.print(
         "[green]✓[/] ledger sound: balance = top-ups − settled charges − held reservations; "
-        "no stranded holds"
+        "every charge is its usage at its price; no stranded holds"
     )
 
 

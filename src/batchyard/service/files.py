@@ -78,13 +78,7 @@ def settings_of(svc: Service) -> FileSettings:
 def rules_of(svc: Service, org_id: str | None = None) -> Rules:
     """The line rules of this deployment: its catalog, tokenizers and privacy default."""
     mode = privacy.PrivacyMode(svc.settings.privacy_default)
-    return Rules(
-        catalog=svc.catalog,
-        tokenizers=svc.tokenizers,
-        default_max_tokens=svc.settings.default_max_tokens,
-        privacy_default=mode,
-        org_id=org_id,
-    )
+    return Rules(preparer=svc.preparer, privacy_default=mode, org_id=org_id)
 
 
 def _ts(when: datetime | None) -> int | None:

@@ -132,6 +132,12 @@ class PrometheusRecorder:
             ["purpose"],
             registry=r,
         )
+        self.over_hold = Counter(
+            "batchyard_charges_over_hold",
+            "Settlements whose charge came to more than their hold (a defect), by purpose.",
+            ["purpose"],
+            registry=r,
+        )
         self.admissions = Counter(
             "batchyard_limiter_admissions",
             "Limiter verdicts, by key scope (org, route), verdict and the limit that refused.",
@@ -186,8 +192,10 @@ class PrometheusRecorder:
     def prompt_tokens_cached(self, route: str, tokens: int) -> None:
         self.cached_tokens.labels(route).inc(tokens)
 
-    def charged(self, purpose: str, credits: Decimal) -> None:
+    def charged(self, purpose: str, credits: Decimal, over_hold: Decimal = Decimal(0)) -> None:
         self.credits.labels(purpose).inc(float(credits))
+        if over_hold:
+            self.over_hold.labels(purpose).inc()
 
     def admission(self, scope: str, verdict: str, limit: str | None) -> None:
         self.admissions.labels(scope, verdict, limit or "").inc()

@@ -239,8 +239,9 @@ def get_reservation(conn: Connection, reservation_id: str, *, lock: bool = False
 def settle(conn: Connection, reservation_id: str, charge: int, now: datetime) -> Reservation:
     """Post the real charge against a held reservation and release the rest.
 
-    A charge above the hold is capped at the hold: the caller was promised
-    that the quote is the most a call can cost, and we keep that promise.
+    A charge above the hold posts the hold: the caller was promised that the
+    quote is the most a call can cost. It is a defect all the same, and
+    ``store.billing.settle`` records it (``over_hold``); ``audit`` lists it.
     """
     res = get_reservation(conn, reservation_id, lock=True)
     if res.state != "held":

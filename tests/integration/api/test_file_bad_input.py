@@ -42,7 +42,6 @@ BAD_FILES = [
     ("max_tokens", [chat_line("a", max_tokens=100_000)], "max_tokens_out_of_range", 1),
     ("max_tokens_str", [chat_line("a", max_tokens="5")], "invalid_type", 1),
     ("stream", [chat_line("a", stream=True)], "streaming_unsupported", 1),
-    ("tools", [chat_line("a", tools=[])], "tools_unsupported", 1),
     ("unknown_field", [chat_line("a", bogus=1)], "unknown_field", 1),
     ("line_field", [{**chat_line("a"), "extra": 1}], "unsupported_parameter", 1),
     ("custom_id", [{**chat_line("a"), "custom_id": ""}], "invalid_custom_id", 1),

@@ -203,8 +203,10 @@ class ItemQueue:
     ) -> int:
         for end in results:
             if end.completion is not None:
-                charged = succeed(conn, self.sealer, end.job, end.completion, now)
-                self.metrics.charged("batch", from_ticks(charged))
+                settled = succeed(conn, self.sealer, end.job, end.completion, now)
+                if settled is not None:
+                    over = from_ticks(settled.over)
+                    self.metrics.charged("batch", from_ticks(settled.charged), over)
             elif end.error is not None:
                 fail(conn, self.sealer, end.job, end.error, now)
         return len(results)

@@ -233,7 +233,8 @@ class FileBatchWorker(Runner):
                 )
                 charged = settled.charged
                 if settled.now:
-                    self.dispatcher.metrics.charged("file_batch", from_ticks(charged))
+                    over = from_ticks(settled.over)
+                    self.dispatcher.metrics.charged("file_batch", from_ticks(charged), over)
             files: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
             halves = (
                 ("output", per["succeeded"], totals.output_bytes),
