@@ -553,6 +553,7 @@ def create_app(
         projects,
         runs,
         scrape,
+        spend_caps,
         webhooks,
     )
     from batchyard.api.envelope import EnvelopeMiddleware
@@ -624,6 +625,7 @@ def create_app(
     app.include_router(model_versions.router)  # a project's uploaded model versions
     app.include_router(projects.router)
     app.include_router(runs.router)
+    app.include_router(spend_caps.router)  # caps on a key's and a project's spend
     app.include_router(scrape.router)  # /metrics
     app.include_router(webhooks.router)  # /v1/webhook-endpoints
     app.include_router(workspace.router)  # the Batches workspace pages (web/)

@@ -26,7 +26,7 @@ not retryable.
     ├── Unauthorized (401)
     │   ├── MissingApiKey
     │   └── InvalidApiKey
-    ├── InsufficientCredit (402)
+    ├── InsufficientCredit (402) ── SpendCapExceeded
     ├── Forbidden (403) ── InsufficientScope
     ├── NotFound (404) ── ModelNotFound
     ├── Conflict (409)
@@ -92,6 +92,7 @@ __all__ = [
     "QuoteExpired",
     "RateLimited",
     "ServiceUnavailable",
+    "SpendCapExceeded",
     "StorageUnavailable",
     "TooFewOutcomes",
     "Unauthorized",
@@ -278,6 +279,16 @@ class InsufficientCredit(BatchyardError):
     code = "insufficient_credit"
     status = 402
     retryable = True
+
+
+class SpendCapExceeded(InsufficientCredit):
+    """A key's or project's spend cap would be crossed; nothing was held.
+
+    Not retryable as it stands: the cap must be raised, or the month turn.
+    """
+
+    code = "spend_cap_exceeded"
+    retryable = False
 
 
 class Forbidden(BatchyardError):

@@ -11,6 +11,7 @@ from batchyard.api.inputs import query_id_cursor, query_limit
 from batchyard.core.accounts import Organisation
 from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
+from batchyard.service.spend_caps import cap_views
 from batchyard.store import accounts, activity, ledger
 
 __all__ = ["router"]
@@ -22,10 +23,13 @@ router = APIRouter()
 async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
 
-    def load(conn: Connection) -> tuple[Organisation, ledger.Balance]:
-        return accounts.get_org(conn, principal.org_id), ledger.balance(conn, principal.org_id)
+    now = svc.clock.now()
 
-    org, bal = await svc.db.read(load)
+    def load(conn: Connection) -> tuple[Organisation, ledger.Balance, list[dict[str, object]]]:
+        org = accounts.get_org(conn, principal.org_id)
+        return org, ledger.balance(conn, principal.org_id), cap_views(conn, principal, now)
+
+    org, bal, caps = await svc.db.read(load)
     tier = svc.tier(org.tier)
     auto = None
     if org.auto_topup_amount is not None and org.auto_topup_threshold is not None:
@@ -45,6 +49,8 @@ async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
             "effective_limits": tier.effective_limits(),
             "zero_data_retention": principal.zero_data_retention,
             "auto_top_up": auto,
+            # Each capped key and project: its caps, and what it has charged and holds.
+            "spend_caps": caps,
         }
     )
 

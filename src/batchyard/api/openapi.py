@@ -71,6 +71,15 @@ class Finished(BaseModel):
     ended: bool
 
 
+class SpendCapBody(BaseModel):
+    """Dollars as decimal strings; null for no cap of that kind (both null removes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    total: str | float | None = None
+    monthly: str | float | None = None
+
+
 class ErrorBody(BaseModel):
     error: ErrorDetail
 
@@ -367,6 +376,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("delete", "/v1/files/{file_id}"): Operation(200, _Open, (*_READ, 409)),
     ("post", "/v1/projects"): Operation(201, _Open, _WRITE, ProjectBody),
+    ("put", "/v1/projects/{project_id}/spend-cap"): Operation(
+        200, _Open, _WRITE, SpendCapBody, summary="Cap what a project's runs may spend"
+    ),
+    ("put", "/v1/keys/{key_id}/spend-cap"): Operation(
+        200, _Open, _WRITE, SpendCapBody, summary="Cap what a key may spend"
+    ),
     ("get", "/v1/projects/{project_id}"): Operation(200, _Open, _READ),
     ("post", "/v1/projects/{project_id}/datasets"): Operation(
         201,

@@ -62,6 +62,7 @@ class BlockedReason(StrEnum):
     FUNDS = "funds"
     PAYMENT = "payment"
     BILLING_REVIEW = "billing_review"
+    SPEND_CAP = "spend_cap"
 
 
 class ItemState(StrEnum):
@@ -150,6 +151,10 @@ _BLOCKED = {
     BlockedReason.BILLING_REVIEW: (
         "Blocked: the quote of ${max_cost} is above this deployment's review threshold; "
         "an operator approves it with `batchyard runs approve {run_id}`."
+    ),
+    BlockedReason.SPEND_CAP: (
+        "Blocked: the quote of ${max_cost} would cross a spend cap of its project or key; "
+        "the run continues by itself once the cap is raised or its month turns."
     ),
 }
 

@@ -67,6 +67,9 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/docs"): PUBLIC,
     # the account (docs/reference/scopes.md: an inference key cannot read it)
     ("GET", "/v1/account"): _key(F, R),
+    # spend caps: only a full key sets them
+    ("PUT", "/v1/keys/{key_id}/spend-cap"): _key(F),
+    ("PUT", "/v1/projects/{project_id}/spend-cap"): _key(F),
     ("GET", "/v1/activity"): _key(F, R),
     # models
     ("GET", "/v1/models"): _key(F, R, INF),

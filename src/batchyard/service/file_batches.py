@@ -35,7 +35,13 @@ from batchyard.core.ids import new_id
 from batchyard.core.inputs import Coded, Shape, strict
 from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.quotes import direct_price
-from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
+from batchyard.errors import (
+    InsufficientCredit,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    SpendCapExceeded,
+)
 from batchyard.service import following
 from batchyard.service.batch_requests import WINDOWS
 from batchyard.service.batch_views import file_batch_view, openai_status
@@ -249,12 +255,15 @@ async def create(
                 ref=batch_id,
                 tiers=svc.settings.tiers,
                 savepoint=True,
+                key_id=principal.key_id,
             )
         except InsufficientCredit as exc:
             error = {
                 "code": exc.code,
                 "message": (
-                    f"the batch can cost up to ${format_money(max_cost)} ({f.line_count} "
+                    f"{exc}"
+                    if isinstance(exc, SpendCapExceeded)
+                    else f"the batch can cost up to ${format_money(max_cost)} ({f.line_count} "
                     f"requests priced with each model's tokenizer) and the credit available is "
                     f"${exc.details.get('available')}; top up and create it again. Nothing was "
                     "held or charged."

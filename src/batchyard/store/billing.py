@@ -73,19 +73,42 @@ def reserve(
     record: str | None = None,
     detail: dict[str, Any] | None = None,
     savepoint: bool = False,
+    key_id: str | None = None,
+    project_id: str | None = None,
 ) -> ledger.Reservation:
     """Hold ``amount`` ticks for ``purpose``; ``InsufficientCredit`` when it cannot be held.
 
     ``record`` names an activity kind to show the hold under (a deferred item's
     ``dispatch``); most holds are shown when they resolve. ``savepoint``: for a
     caller that goes on with its transaction after a refusal, so an automatic
-    top-up tried on the way is not kept either.
+    top-up tried on the way is not kept either. ``key_id`` and ``project_id``:
+    who spends it, for their spend caps (``store.spend_caps``).
     """
     if savepoint:
         with conn.begin_nested():
-            res = ledger.reserve(conn, org_id, amount, now, purpose=purpose, ref=ref, tiers=tiers)
+            res = ledger.reserve(
+                conn,
+                org_id,
+                amount,
+                now,
+                purpose=purpose,
+                ref=ref,
+                tiers=tiers,
+                key_id=key_id,
+                project_id=project_id,
+            )
     else:
-        res = ledger.reserve(conn, org_id, amount, now, purpose=purpose, ref=ref, tiers=tiers)
+        res = ledger.reserve(
+            conn,
+            org_id,
+            amount,
+            now,
+            purpose=purpose,
+            ref=ref,
+            tiers=tiers,
+            key_id=key_id,
+            project_id=project_id,
+        )
     if record is not None:
         activity.record(
             conn,

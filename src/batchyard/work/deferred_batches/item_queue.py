@@ -155,6 +155,7 @@ class ItemQueue:
                 record="dispatch",
                 detail=item_detail(item, model=item.model, route=route.id),
                 savepoint=True,
+                key_id=item.key_id,
             )
         except InsufficientCredit as exc:
             finish_failed(conn, self.sealer, item, exc, now)
