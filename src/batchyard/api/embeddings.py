@@ -45,6 +45,7 @@ async def embeddings(request: Request) -> Response:
         await check_tier_limits(request, principal, requests=1, tokens=p.input_tokens)
         result, charged = await svc.dispatcher.embed(
             org_id=org_id,
+            key_id=principal.key_id,
             model=p.model,
             route=p.route,
             texts=texts,

@@ -103,6 +103,7 @@ class ModelCall:
         call = self.call
         pay: dict[str, Any] = {
             "org_id": self.principal.org_id,
+            "key_id": self.principal.key_id,
             "model": call.model,
             "route": call.route,
             "max_cost": call.hold,

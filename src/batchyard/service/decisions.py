@@ -24,7 +24,6 @@ Paying is ``_paid``, the one place this module touches the ledger.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,7 +35,7 @@ from batchyard.core.accounts import Principal
 from batchyard.core.calibration import CalibrationMode
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
-from batchyard.core.money import charge_ticks, format_money
+from batchyard.core.money import format_money
 from batchyard.core.prices import Price
 from batchyard.core.quotes import check_context, direct_price, quote
 from batchyard.engines.protocol import Completion, CompletionRequest, Usage
@@ -52,7 +51,6 @@ from batchyard.service import model_versions
 from batchyard.service.deployment import Service
 from batchyard.work import decide_scoring as scoring_work
 from batchyard.work.decide_scoring import CalibrationInfo
-from batchyard.work.dispatcher import settled_cost
 from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
 
 __all__ = [
@@ -249,6 +247,8 @@ class _Caller:
     org_id: str
     # False for zero data retention: its texts never join the running mean.
     retain: bool
+    #: The calling key, whose spend caps the hold counts against.
+    key_id: str | None = None
 
 
 async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Caller) -> _Scored:
@@ -329,38 +329,40 @@ async def _answer(svc: Service, call: Prepared, caller: _Caller) -> _Answered:
 
 async def _paid(
     svc: Service,
-    org_id: str,
+    caller: _Caller,
     decision_id: str,
     call: Prepared,
     answer: Callable[[], Awaitable[_Answered]],
 ) -> tuple[_Answered, int]:
-    """Decide's reserve → answer → settle or release; the charge in ticks.
+    """Decide's call, paid through ``Dispatcher.paying``; the charge in ticks.
 
-    The one place decide touches money: the hold is the dearer plan's quote,
-    a failure of any kind (a cancelled request included) releases it, and the
-    settlement is the usage at the price of the model that answered.
+    The hold is the dearer plan's quote; a failure of any kind (a cancelled
+    request included) releases it; the settlement is the usage at the price
+    and route of the plan that answered (the base model's, after a fallback).
     """
-    res = await svc.dispatcher.reserve(org_id, call.max_cost, purpose="decide", ref=decision_id)
-    try:
-        got = await answer()
-    except BaseException as exc:
-        reason = str(getattr(exc, "code", type(exc).__name__))
-        await asyncio.shield(svc.dispatcher.release(res.id, reason=reason))
-        raise
-    used, usage = got.plan, got.scored.usage
-    charged = await svc.dispatcher.settle(
-        reservation_id=res.id,
-        charge=charge_ticks(settled_cost(used.price, used.serving.route, usage)),
-        model=used.model.id,
-        route=used.serving.route.id,
-        usage=usage,
+    first = call.primary
+    async with svc.dispatcher.paying(
+        caller.org_id,
+        call.max_cost,
+        model=first.model,
+        route=first.serving.route,
+        price=first.price,
         purpose="decide",
         ref=decision_id,
-        detail={
-            "decisions": len(call.req.decisions),
-            "calibration_input_tokens": got.scored.calibration_input_tokens,
-        },
-    )
+        key_id=caller.key_id,
+    ) as pay:
+        got = await answer()
+        used = got.plan
+        charged = await pay.settle(
+            got.scored.usage,
+            {
+                "decisions": len(call.req.decisions),
+                "calibration_input_tokens": got.scored.calibration_input_tokens,
+            },
+            model=used.model,
+            route=used.serving.route,
+            price=used.price,
+        )
     return got, charged
 
 
@@ -374,11 +376,11 @@ async def decide(
     """
     call = await _priced(svc, principal.org_id, call)
     await admit(call.primary.input_tokens)
-    caller = _Caller(principal.org_id, retain=not principal.zero_data_retention)
-    decision_id = new_id("dec", svc.clock.now())
-    got, charged = await _paid(
-        svc, caller.org_id, decision_id, call, lambda: _answer(svc, call, caller)
+    caller = _Caller(
+        principal.org_id, retain=not principal.zero_data_retention, key_id=principal.key_id
     )
+    decision_id = new_id("dec", svc.clock.now())
+    got, charged = await _paid(svc, caller, decision_id, call, lambda: _answer(svc, call, caller))
     req, used, answered = call.req, got.plan, got.scored
     fell_back = used is not call.primary
     log.info(

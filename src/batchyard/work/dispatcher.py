@@ -27,7 +27,6 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection
@@ -69,7 +68,6 @@ __all__ = [
     "OnSend",
     "Payment",
     "outcome_of",
-    "settled_cost",
     "usage_of",
 ]
 
@@ -122,13 +120,22 @@ class Dispatcher:
         return sem
 
     async def reserve(
-        self, org_id: str, amount: int, *, purpose: str, ref: str | None = None
+        self,
+        org_id: str,
+        amount: int,
+        *,
+        purpose: str,
+        ref: str | None = None,
+        key_id: str | None = None,
     ) -> ledger.Reservation:
-        """Hold the most a call can cost (``store.billing``); 402 before anything runs."""
+        """Hold the most a call can cost (``store.billing``); 402 before anything runs.
+
+        ``key_id``: the calling key, whose spend caps the hold counts against.
+        """
         now = self.clock.now()
         return await self.db.write(
             lambda c: billing.reserve(
-                c, org_id, amount, now, purpose=purpose, ref=ref, tiers=self.tiers
+                c, org_id, amount, now, purpose=purpose, ref=ref, tiers=self.tiers, key_id=key_id
             )
         )
 
@@ -261,6 +268,7 @@ class Dispatcher:
         purpose: str,
         ref: str | None = None,
         reservation: ledger.Reservation | None = None,
+        key_id: str | None = None,
     ) -> AsyncIterator[Payment]:
         """Reserve → call → settle or release: the one way a call is paid.
 
@@ -270,7 +278,9 @@ class Dispatcher:
         block raises (its reason the error's code) or ends without settling.
         Either way the hold resolves exactly once.
         """
-        res = reservation or await self.reserve(org_id, hold, purpose=purpose, ref=ref)
+        res = reservation or await self.reserve(
+            org_id, hold, purpose=purpose, ref=ref, key_id=key_id
+        )
         pay = Payment(self, res, model, route, price, purpose, ref)
         try:
             yield pay
@@ -292,6 +302,7 @@ class Dispatcher:
         price: Price,
         purpose: str,
         ref: str | None = None,
+        key_id: str | None = None,
     ) -> DispatchResult:
         """One call to its caller, paid as one: one hold, the calls side by side, one settlement.
 
@@ -303,7 +314,14 @@ class Dispatcher:
         was answered, so nothing is charged.
         """
         async with self.paying(
-            org_id, max_cost, model=model, route=route, price=price, purpose=purpose, ref=ref
+            org_id,
+            max_cost,
+            model=model,
+            route=route,
+            price=price,
+            purpose=purpose,
+            ref=ref,
+            key_id=key_id,
         ) as pay:
             if len(requests) == 1:
                 ((request, n),) = requests
@@ -340,6 +358,7 @@ class Dispatcher:
         count_tokens: Callable[[str], int],
         ref: str | None = None,
         on_send: OnSend | None = None,
+        key_id: str | None = None,
     ) -> AsyncIterator[Delta | DispatchResult]:
         """Reserve, then the engine's pieces as they come, then the settled result, last.
 
@@ -360,7 +379,14 @@ class Dispatcher:
         opened = False
         cached = 0  # prompt tokens the engine said it read from its cache, so far
         async with self.paying(
-            org_id, max_cost, model=model, route=route, price=price, purpose=purpose, ref=ref
+            org_id,
+            max_cost,
+            model=model,
+            route=route,
+            price=price,
+            purpose=purpose,
+            ref=ref,
+            key_id=key_id,
         ) as pay:
             try:
                 async with contextlib.AsyncExitStack() as slot:
@@ -428,6 +454,7 @@ class Dispatcher:
         max_cost: int,
         price: Price,
         ref: str | None = None,
+        key_id: str | None = None,
     ) -> tuple[Embeddings, int]:
         """Reserve, embed, settle: the vectors and the charge posted."""
         async with self.paying(
@@ -438,6 +465,7 @@ class Dispatcher:
             price=price,
             purpose="embeddings",
             ref=ref,
+            key_id=key_id,
         ) as pay:
             result = await self.call_embed(route=route, texts=texts, input_tokens=input_tokens)
             used = Usage(result.usage.input_tokens or input_tokens, 0)
@@ -532,12 +560,15 @@ class Payment:
         usage: Usage,
         detail: dict[str, Any] | None = None,
         *,
+        model: ModelSpec | None = None,
         route: RouteSpec | None = None,
         price: Price | None = None,
     ) -> int:
         """Charge what the call used at the route's price (``core.quotes.charge``);
-        ``route`` and ``price``: where a call was answered elsewhere (decide's fallback)."""
-        self.route, self.price = route or self.route, price or self.price
+        ``model``, ``route`` and ``price``: where a call was answered by another
+        (decide's fallback to the base model)."""
+        self.model, self.route = model or self.model, route or self.route
+        self.price = price or self.price
         self.charged = await self.dispatcher.settle(
             reservation_id=self.reservation.id,
             charge=charge(self.price, self.route, usage),
@@ -554,11 +585,6 @@ class Payment:
         """Charge nothing: the hold is released, its record saying why."""
         self.charged = 0
         await self.dispatcher.release(self.reservation.id, reason=reason, ref=self.ref)
-
-
-def settled_cost(price: Price, route: RouteSpec, usage: Usage) -> Decimal:
-    """``core.quotes.charge`` in dollars, for decide until it pays through ``paying``."""
-    return from_ticks(charge(price, route, usage).ticks)
 
 
 def usage_of(result: object) -> Usage | None:
