@@ -233,6 +233,16 @@ async def test_a_canceled_message_batch_returns_every_finished_result(service):
         await eventually(
             lambda: sum(x.state == "succeeded" for x in lines_of(service, batch["id"])) == 1
         )
+        # The other two wait for their route; past stuck_after_s the batch is stuck for it.
+        after = service.settings.stuck_after_s
+        for _ in range(int(after // 10) + 1):
+            service.clock.advance(10)
+            await files.tick()
+            await asyncio.sleep(0.005)
+        assert await stuck_watch(service).sweep() == 1
+        (listed,) = service.db.read_sync(lambda c: listing(c, service.clock.now(), after))
+        assert (listed["kind"], listed["id"], listed["left"]) == ("message_batch", batch["id"], 2)
+        assert listed["reason"] == "route_down"
         r = await http.post(f"{path}/{batch['id']}/cancel", headers=anthropic)
         assert r.status_code == 200, r.text
         for _ in range(200):
