@@ -37,6 +37,7 @@ from tests.support.file_batches import (
     upload,
     worker,
 )
+from tests.support.runs import Api, http_catalog, runs_raw
 from tests.support.server import asgi_client
 from tests.support.services import ServiceFactory
 from tests.support.workspace import answer_with
@@ -232,6 +233,16 @@ async def test_a_canceled_message_batch_returns_every_finished_result(service):
         await eventually(
             lambda: sum(x.state == "succeeded" for x in lines_of(service, batch["id"])) == 1
         )
+        # The other two wait for their route; past stuck_after_s the batch is stuck for it.
+        after = service.settings.stuck_after_s
+        for _ in range(int(after // 10) + 1):
+            service.clock.advance(10)
+            await files.tick()
+            await asyncio.sleep(0.005)
+        assert await stuck_watch(service).sweep() == 1
+        (listed,) = service.db.read_sync(lambda c: listing(c, service.clock.now(), after))
+        assert (listed["kind"], listed["id"], listed["left"]) == ("message_batch", batch["id"], 2)
+        assert listed["reason"] == "route_down"
         r = await http.post(f"{path}/{batch['id']}/cancel", headers=anthropic)
         assert r.status_code == 200, r.text
         for _ in range(200):
@@ -267,3 +278,29 @@ async def test_a_deferred_batch_waiting_on_the_market_is_stuck_for_the_market(ma
     (listed,) = stuck_now(svc)
     assert (listed["kind"], listed["id"], listed["left"]) == ("deferred_batch", r.json()["id"], 2)
     assert listed["reason"] == "market" and "discount" in listed["detail"]
+
+
+async def test_a_run_whose_route_is_down_waits_and_is_stuck_for_its_route(make_service):
+    svc = make_service(
+        catalog=http_catalog(closed_port_url()), raw=runs_raw(), stuck_after_s=STUCK_AFTER
+    )
+    acct = make_account(svc, credit="5")
+    rows = [{"text": f"ticket {i}"} for i in range(3)]
+    body = {
+        "model": {"type": "base", "id": "kettei-core"},
+        "input": {"type": "field", "field": "text"},
+        "output": {"type": "field", "field": "answer"},
+        "sampling": {"maxOutputTokens": 8},
+    }
+    async with asgi_client(svc) as http:
+        api = await Api(http, acct.headers).start()
+        run_id, _ = await api.confirmed(rows, body)
+        await eventually(lambda: svc.dispatcher.health.trouble("fake") is not None, timeout=30)
+        svc.clock.advance(STUCK_AFTER)
+        assert await stuck_watch(svc).sweep() == 1
+        run = await api.get(run_id)
+        (listed,) = stuck_now(svc)
+        await api.post(run_id, "cancel")  # ends it, so the service stops clean
+    assert run["status"] == "running"  # no row failed: all three are still left below
+    assert (listed["kind"], listed["id"], listed["left"]) == ("run", run_id, 3)
+    assert listed["reason"] == "route_down" and "route fake" in listed["detail"]
