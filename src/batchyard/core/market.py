@@ -418,6 +418,9 @@ class DeadlineAware:
         pass from items later in the order (as the previous pass listed them)
         for which this price may be the last chance: they have no other.
         """
+        room = self.per_pass - self._taken - 1  # places left after this item
+        if room < 0:
+            return True
         deepest: float | None = None
         behind = 0
         for asked in self._roster_before:
@@ -440,7 +443,9 @@ class DeadlineAware:
             got = plans.lookup(asked.minimum, _checks(left), _checks(left - self.safety))
             if got is None or got[1] < 1 + self.spare:
                 behind += 1
-        return self._taken + 1 + behind > self.per_pass
+                if behind > room:  # enough seen: the rest of the roster cannot change it
+                    return True
+        return False
 
     def _market(self, offers: Sequence[RouteOffer]) -> _MarketPlans:
         key = market_key(offers)
