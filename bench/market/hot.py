@@ -1,6 +1,6 @@
 """What a worker pass over 10,000 waiting items costs the policy: today's against this tree's.
 
-    .venv/bin/python -m bench.market.hot [--items 10000] [--rounds 9] [--today main]
+    .venv/bin/python -m bench.market.hot [--items 10000] [--rounds 9] [--today 636d15b]
 
 Today's is ``DeadlineAware`` as the commit ``--today`` has it (its market,
 outlook and stopping modules loaded from git beside this tree's). Each is
@@ -92,14 +92,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--family", default="diurnal")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--today", default="main", help="the commit whose policy is today's")
+    parser.add_argument(
+        "--today", default="636d15b", help="the commit whose policy is today's (before issue 39)"
+    )
     args = parser.parse_args(argv)
     contenders: dict[str, Callable[[], Policy]] = {
         f"today ({args.today})": today(args.today),
         "deadline-aware": DeadlineAware,
     }
     fam = family(args.family, args.seed)
-    market = Market(Trace(fam, args.seed, WARMUP_DAYS + 1))
+    market = Market(Trace(fam, args.seed, WARMUP_DAYS + 2))
     saved = market.history(DAWN, since=0)
     policies = {}
     for name, make in contenders.items():

@@ -304,7 +304,7 @@ class DeadlineAware:
         if self.charge is not None:
             return self.charge
         measured = self.histories.charges(routes, now)
-        return np.array([measured.get(int(w), CHARGE) for w in COLUMNS.widths.tolist()])
+        return np.array([measured.get(w, CHARGE) for w in _WIDTHS])[_WIDTH_OF_COLUMN]
 
     def safety_window(self, item: Item) -> timedelta:
         """How close to its deadline an item takes any qualifying offer."""
@@ -517,6 +517,10 @@ class _MarketPlans:
             charge=self.charge,
         )
 
+
+#: The column widths, and which of them each column has (for per-width charges).
+_WIDTHS: list[int] = np.unique(COLUMNS.widths).tolist()
+_WIDTH_OF_COLUMN = np.searchsorted(_WIDTHS, COLUMNS.widths)
 
 #: Points of the direct price within which waiting is no better than taking now.
 _TIE = 1e-6
