@@ -231,9 +231,11 @@ class DeadlineAware:
        in the order (as the previous pass listed them) for which this price
        may be the last chance: then it waits a pass and they go first.
 
-    The scenarios come from ``scenarios`` when given (the benchmark hands the
-    online optimum the law itself this way), else from per-route histories
-    the policy keeps from what the worker shows it, saves and restores. They
+    The scenarios come from ``scenarios`` when given (the benchmark hands it
+    the law itself this way, to measure what knowing the law is worth), else
+    from per-route histories the policy keeps from what the worker shows it,
+    saves and restores. What a stop in a wide column of a plan is charged is
+    measured on those histories too (``charges``), unless ``charge`` is given. They
     only ever make it dispatch later among offers that qualify now on fresh
     prices; they never authorise a spend. Defaults were chosen on the
     training families of ``bench/market``; see docs/explanation/market.md.

@@ -226,7 +226,7 @@ def test_deadline_aware_charges_a_wide_column_as_the_routes_past_says() -> None:
 
 
 class Fixed:
-    """Scenarios handed in, as the benchmark hands the online optimum the law."""
+    """Scenarios handed in, as the benchmark hands the policy the law."""
 
     def __init__(self, discounts: list[float]) -> None:
         self.discounts = discounts
