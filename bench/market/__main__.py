@@ -27,6 +27,9 @@ same policy handed the family's law instead of its history (what knowing the
 law is worth; the rest of its gap is how it solves the stopping problem).
 The families and seeds the policy was tuned on (TRAIN) and
 those it is judged on (HELD_OUT) are listed in ``bench/market/laws.py``.
+
+The reference costs most of the run, several times what any policy takes
+(it solves every waiting item's problem at every check it might stop).
 """
 
 from __future__ import annotations

@@ -1,26 +1,35 @@
-"""What a worker pass over 10,000 waiting items costs the policy: today's rule vs the new one.
+"""What a worker pass over 10,000 waiting items costs the policy: today's against this tree's.
 
-    .venv/bin/python -m bench.market.hot [--items 10000] [--rounds 5] [--family diurnal]
+    .venv/bin/python -m bench.market.hot [--items 10000] [--rounds 9] [--today 636d15b]
 
-Each contender is a ``DeadlineAware`` restored with the same three days of a
-training family's prices. At each of ``rounds`` checks of the measured day,
-every contender (in turn, the order alternating) is asked about every one of
-``items`` waiting items, most urgent first, as ``deferred_batch_worker`` asks
-them; every one is asked (the worker stops at ten chosen, so this is its
-slowest pass, one where nearly all wait): once at the first check of a planning interval
-(the pass that solves the plans) and once at the next check (plans shared,
-only the per-item work). The table gives each contender's median seconds per
-pass and its ratio to today's rule in the same rounds.
+Today's is ``DeadlineAware`` as the commit ``--today`` has it (its market,
+outlook and stopping modules loaded from git beside this tree's). Each is
+restored with the same three days of a training family's prices. At each of
+``rounds`` checks of the measured day, every contender (in turn, the order
+alternating) is asked about every one of ``items`` waiting items, most urgent
+first, as ``deferred_batch_worker`` asks them. Every one is asked: the worker
+stops at ten chosen, so this is its slowest pass, one where nearly all wait.
+Each is timed at the first check of a planning interval (the pass that
+solves the plans) and at the next check (plans shared, only the per-item
+work). The table gives each contender's median CPU seconds per pass (the
+process's own time: other load on the machine does not count) and the
+median of its ratios to today's in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from decimal import Decimal
+from pathlib import Path
+from typing import cast
 
 from bench.market.laws import family
 from bench.market.sim import DAWN, DIRECT, WARMUP_DAYS, WINDOWS, Market
@@ -30,11 +39,23 @@ from rich.table import Table
 
 from batchyard.core.market import DeadlineAware, Item, Policy
 
-#: Today's rule (a stop in a wide column charged half way to the threshold) and the new one.
-CONTENDERS: dict[str, Callable[[], DeadlineAware]] = {
-    "today (charge 0.5)": lambda: DeadlineAware(charge=0.5),
-    "deadline-aware": DeadlineAware,
-}
+
+def today(ref: str) -> Callable[[], Policy]:
+    """``DeadlineAware`` as the commit ``ref`` has it: its own market, outlook and stopping."""
+    root = Path(tempfile.mkdtemp(prefix="market-today-")) / "_today"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    for name in ("stopping", "outlook", "market"):
+        text = subprocess.run(
+            ["git", "show", f"{ref}:src/batchyard/core/{name}.py"],
+            check=True, capture_output=True, text=True, cwd=Path(__file__).parent,
+        ).stdout  # fmt: skip
+        for own in ("stopping", "outlook"):
+            text = text.replace(f"from batchyard.core.{own} import", f"from _today.{own} import")
+        (root / f"{name}.py").write_text(text)
+    sys.path.insert(0, str(root.parent))
+    module = importlib.import_module("_today.market")
+    return cast("Callable[[], Policy]", module.DeadlineAware)
 
 
 def _items(count: int, at: int, minima: Sequence[int], seed: int) -> list[Item]:
@@ -59,26 +80,33 @@ def _items(count: int, at: int, minima: Sequence[int], seed: int) -> list[Item]:
 
 def _pass(policy: Policy, items: Sequence[Item], market: Market, check: int) -> float:
     offers, now = market.offers(check), time_of(check)
-    started = time.perf_counter()
+    started = time.process_time()
     for item in items:
         policy.choose(item, offers, DIRECT, now)
-    return time.perf_counter() - started
+    return time.process_time() - started
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--items", type=int, default=10_000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--family", default="diurnal")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--today", default="636d15b", help="the commit whose policy is today's (before issue 39)"
+    )
     args = parser.parse_args(argv)
+    contenders: dict[str, Callable[[], Policy]] = {
+        f"today ({args.today})": today(args.today),
+        "deadline-aware": DeadlineAware,
+    }
     fam = family(args.family, args.seed)
-    market = Market(Trace(fam, args.seed, WARMUP_DAYS + 1))
+    market = Market(Trace(fam, args.seed, WARMUP_DAYS + 2))
     saved = market.history(DAWN, since=0)
     policies = {}
-    for name, make in CONTENDERS.items():
+    for name, make in contenders.items():
         policy = make()
-        policy.restore(saved)
+        policy.restore(saved)  # type: ignore[attr-defined]
         policies[name] = policy
     planning = 16  # checks per planning interval (DeadlineAware's default 4 minutes)
     timings: dict[str, dict[str, list[float]]] = {n: {"solve": [], "shared": []} for n in policies}
@@ -89,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name in order:
             policy = policies[name]
             for k in range(at - 2, at):  # the checks before, as a worker watching saw them
-                policy.observe(market.offers(k), DIRECT, time_of(k))
+                policy.observe(market.offers(k), DIRECT, time_of(k))  # type: ignore[attr-defined]
             timings[name]["solve"].append(_pass(policy, items, market, at))
             timings[name]["shared"].append(_pass(policy, items, market, at + 1))
     base = next(iter(policies))

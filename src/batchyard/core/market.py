@@ -231,9 +231,11 @@ class DeadlineAware:
        in the order (as the previous pass listed them) for which this price
        may be the last chance: then it waits a pass and they go first.
 
-    The scenarios come from ``scenarios`` when given (the benchmark hands the
-    online optimum the law itself this way), else from per-route histories
-    the policy keeps from what the worker shows it, saves and restores. They
+    The scenarios come from ``scenarios`` when given (the benchmark hands it
+    the law itself this way, to measure what knowing the law is worth), else
+    from per-route histories the policy keeps from what the worker shows it,
+    saves and restores. What a stop in a wide column of a plan is charged is
+    measured on those histories too (``charges``), unless ``charge`` is given. They
     only ever make it dispatch later among offers that qualify now on fresh
     prices; they never authorise a spend. Defaults were chosen on the
     training families of ``bench/market``; see docs/explanation/market.md.
@@ -304,7 +306,7 @@ class DeadlineAware:
         if self.charge is not None:
             return self.charge
         measured = self.histories.charges(routes, now)
-        return np.array([measured.get(int(w), CHARGE) for w in COLUMNS.widths.tolist()])
+        return np.array([measured.get(w, CHARGE) for w in _WIDTHS])[_WIDTH_OF_COLUMN]
 
     def safety_window(self, item: Item) -> timedelta:
         """How close to its deadline an item takes any qualifying offer."""
@@ -418,6 +420,9 @@ class DeadlineAware:
         pass from items later in the order (as the previous pass listed them)
         for which this price may be the last chance: they have no other.
         """
+        room = self.per_pass - self._taken - 1  # places left after this item
+        if room < 0:
+            return True
         deepest: float | None = None
         behind = 0
         for asked in self._roster_before:
@@ -440,7 +445,9 @@ class DeadlineAware:
             got = plans.lookup(asked.minimum, _checks(left), _checks(left - self.safety))
             if got is None or got[1] < 1 + self.spare:
                 behind += 1
-        return self._taken + 1 + behind > self.per_pass
+                if behind > room:  # enough seen: the rest of the roster cannot change it
+                    return True
+        return False
 
     def _market(self, offers: Sequence[RouteOffer]) -> _MarketPlans:
         key = market_key(offers)
@@ -512,6 +519,10 @@ class _MarketPlans:
             charge=self.charge,
         )
 
+
+#: The column widths, and which of them each column has (for per-width charges).
+_WIDTHS: list[int] = np.unique(COLUMNS.widths).tolist()
+_WIDTH_OF_COLUMN = np.searchsorted(_WIDTHS, COLUMNS.widths)
 
 #: Points of the direct price within which waiting is no better than taking now.
 _TIE = 1e-6

@@ -219,7 +219,9 @@ def _mean_level(resid: Floats) -> Floats:
         return np.where(count > 0, (csum[hi] - csum[lo]) / np.maximum(count, 1), np.nan)
 
 
-def first_crossing(blocks: Floats, share: float = 0.25, least: int = 48) -> float | None:
+def first_crossing(
+    blocks: Floats, share: float = 0.25, least: int = 48, deepest: Floats | None = None
+) -> float | None:
     """Where, between a block's deepest price and a threshold, the first check past it lies.
 
     A plan that stops in a wide column stops at the first check that crosses
@@ -230,11 +232,11 @@ def first_crossing(blocks: Floats, share: float = 0.25, least: int = 48) -> floa
     ``-inf`` unknown): for the threshold that the deepest ``share`` of the
     blocks cross, the mean over those blocks of (deepest - first crossing) /
     (deepest - threshold), 0 for a plateau. None with fewer than ``least``
-    such blocks.
+    such blocks. ``deepest``: each block's deepest, where the caller has it.
     """
     if blocks.shape[0] == 0:
         return None
-    best = blocks.max(axis=1)
+    best = blocks.max(axis=1) if deepest is None else deepest
     known = np.isfinite(best)
     if known.sum() < least / share:
         return None
@@ -314,7 +316,7 @@ class _Past:
             blocks = clean[:usable].reshape(-1, width)
             pooled[width] = blocks.max(axis=1)
             if width > 1:
-                charge[width] = first_crossing(blocks)
+                charge[width] = first_crossing(blocks, deepest=pooled[width])
         return cls(fit, base, now_slot, level, trend, payable, pooled, charge)
 
     def state(self, history: RouteHistory, now_slot: int) -> tuple[float, float, float]:

@@ -201,8 +201,32 @@ def test_deadline_aware_warm_takes_a_chance_the_market_rarely_gives() -> None:
     assert policy.choose(it, [edge], DIRECT, clock.now()) == edge
 
 
+def _dips(k: int) -> str:
+    """0.60, with a ten-minute dip to 0.10 every three hours: plateaus, not fresh draws."""
+    return "0.10" if k % 720 < 40 else "0.60"
+
+
+def test_deadline_aware_charges_a_wide_column_as_the_routes_past_says() -> None:
+    # A stop in a wide column lands where the first check past the threshold lies:
+    # on plateaus that is the column's deepest price, not half way to the threshold.
+    decided = {}
+    for charge in (None, 0.5):
+        policy = DeadlineAware(charge=charge)
+        clock = ManualClock(T0)
+        _watch(policy, clock, _dips, 72)
+        clock.advance(15 * 200)  # between two dips
+        if charge is None:
+            measured = np.asarray(policy.charges(["a"], clock.now()))
+            assert (measured[(COLUMNS.widths == 4) | (COLUMNS.widths == 16)] == 0).all()
+        it = Item("d", Decimal(30), clock.now() + timedelta(hours=6), clock.now(), 1000, 1000)
+        decided[charge] = policy.choose(it, [offer("a", "0.15")], DIRECT, clock.now())
+    # 85 % off now: half way, a dip at 90 % looks little better; measured, it is worth it.
+    assert decided[None] is None
+    assert decided[0.5] is not None
+
+
 class Fixed:
-    """Scenarios handed in, as the benchmark hands the online optimum the law."""
+    """Scenarios handed in, as the benchmark hands the policy the law."""
 
     def __init__(self, discounts: list[float]) -> None:
         self.discounts = discounts
