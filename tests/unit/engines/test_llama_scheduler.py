@@ -3,7 +3,7 @@
 ``tests/support/fake_llama.py`` keeps cells and sequence ids as llama.cpp does,
 and its logits depend on exactly what a sequence holds: every answer below is
 checked against the same prompt computed alone, so a prefix copied, shelved,
-put back or followed wrongly shows as a wrong token or score.
+or put back wrongly shows as a wrong token or score.
 """
 
 from __future__ import annotations
