@@ -233,6 +233,24 @@ def test_what_no_one_shares_moves_to_the_shelf_and_comes_back() -> None:
     assert ctx.tokens_decoded() - before == 1 + 2
 
 
+def test_a_shelved_prompt_comes_back_only_when_it_saves_enough_reading() -> None:
+    """Put back whole, a shelved prompt duplicates the opening the cache holds: it comes
+    back only when the tokens it saves are at least one in 16 of those cells."""
+    sched, _ = make()
+    first = OPENING + prompt(24, 20)
+    run_all(sched, chat(first, 1))
+    run_all(sched, chat(OPENING + prompt(25, 6), 1))  # shelves the first's own words
+    one_more = chat(first[:41] + prompt(26, 6), 1)
+    run_all(sched, one_more)
+    assert one_more.done.cached == len(OPENING)  # one token more: read, not put back
+    # The cache now holds 41 of the first's tokens (the last prompt's): five more than
+    # that are worth the copy.
+    five_more = chat(first[:46] + prompt(27, 6), 1)
+    run_all(sched, five_more)
+    assert five_more.done.cached == 46
+    assert five_more.text() == text_of(greedy(first[:46] + prompt(27, 6), 1))
+
+
 def test_a_shelved_prompt_that_cannot_be_put_back_is_read_instead() -> None:
     sched, ctx = make()
     poem = prompt(15, 30)
