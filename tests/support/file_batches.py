@@ -55,8 +55,8 @@ async def create(
     headers: dict[str, str],
     file_id: str,
     *,
-    endpoint: str = CHAT,
-    window: str = "24h",
+    endpoint: Any = CHAT,
+    window: Any = "24h",
     **extra: Any,
 ) -> httpx.Response:
     body = {"input_file_id": file_id, "endpoint": endpoint, "completion_window": window, **extra}

@@ -12,6 +12,7 @@ from batchyard.core.anthropic_bodies import (
     to_openai_messages,
     to_openai_tool_choice,
     to_openai_tools,
+    translate,
 )
 from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
 
@@ -120,7 +121,7 @@ def test_tool_choice_maps_onto_openais(choice, expected):
                 ]
             },
             InvalidRequest,
-            "messages.0.content.0",
+            "messages.0.content.0.type",
         ),
     ],
 )
@@ -167,3 +168,38 @@ def test_the_message_object_and_its_stop_reasons():
         matched_stop="END",
     )
     assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "END")
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"container": {"id": "c"}},
+        {"context_management": {"edits": []}},
+        {"thread": {"id": "t"}},
+        {"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]},
+        {"inference_geo": "us"},
+        {"fallbacks": [{"model": "x"}]},
+    ],
+)
+def test_every_field_the_newest_sdk_sends_is_served_or_refused_by_name(field):
+    """A documented field is never ``unknown_field``: unserved ones are named as such."""
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(CapabilityUnsupported) as err:
+        parse_messages({**body, **field})
+    assert err.value.param == next(iter(field))
+
+
+def test_structured_outputs_are_the_openai_doors_json_schema_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    wanted = {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+    for given in (
+        {"output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}},
+        {"output_format": {"type": "json_schema", "schema": schema}},
+    ):
+        assert translate(parse_messages({**body, **given})).response_format == wanted
+    for off in ({"thinking": {"type": "disabled"}}, {"mcp_servers": []}, {"speed": "fast"}):
+        assert translate(parse_messages({**body, **off})).response_format is None

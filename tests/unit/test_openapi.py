@@ -107,7 +107,10 @@ def test_request_bodies_require_what_the_server_requires(service: Service) -> No
         {
             "min_discount": 20,
             "requests": [
-                {"custom_id": "a", "body": {"model": "m", "messages": [{"role": "user"}]}}
+                {
+                    "custom_id": "a",
+                    "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                }
             ],
         }
     )
@@ -134,6 +137,15 @@ def test_request_bodies_require_what_the_server_requires(service: Service) -> No
     assert schemas["DecideBody"]["properties"]["decisions"]["minItems"] == 1
     upload = _body(doc, "post", "/v1/files")["content"]["multipart/form-data"]["schema"]
     assert set(upload["required"]) == {"purpose", "file"}
+
+
+def test_every_path_parameter_is_declared(service: Service) -> None:
+    doc = create_app(service).openapi()
+    for path, ops in doc["paths"].items():
+        named = set(re.findall(r"\{([^}]+)\}", path))
+        for method, op in ops.items():
+            declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+            assert declared == named, (method, path)
 
 
 def test_calls_that_take_no_body_do_not_require_one(service: Service) -> None:

@@ -13,9 +13,12 @@ runs, so some classes break Python's naming conventions on purpose.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from batchyard.core.inputs import Shape
+from pydantic import Field
+
+from batchyard.core.inputs import Coded, Shape
+from batchyard.core.webhook_rules import EVENTS
 
 __all__ = [
     "DatasetBody",
@@ -31,31 +34,45 @@ __all__ = [
 # -- decide (docs/reference/decide.md) -----------------------------------------------------------
 
 
+#: 1 to 64 characters, no surrounding spaces, control characters, ":", quotes or backslashes.
+_ID = r'^[^\s:"\\\x00-\x1f\x7f]([^:"\\\x00-\x1f\x7f]{0,62}[^\s:"\\\x00-\x1f\x7f])?$'
+_IMAGE_URL = r"^(https?://\S+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/=\s]+)$"
+#: Some text that is not only spaces.
+_SOME_TEXT = r"\S"
+
+
 class DecideOutcome(Shape):
-    id: str
+    id: str = Field(pattern=_ID)
     description: str | None = None
 
 
 class DecideQuestion(Shape):
-    id: str
-    question: str
-    outcomes: list[DecideOutcome]
+    id: str = Field(pattern=_ID)
+    question: str = Field(pattern=_SOME_TEXT)
+    outcomes: Annotated[list[DecideOutcome], Field(min_length=2), Coded("too_few_outcomes")]
 
 
-class DecideInputBody(Shape):
+class DecideText(Shape):
+    text: Annotated[
+        str, Field(pattern=_SOME_TEXT), Coded("empty_text", "send the text to decide about")
+    ]
+    image_url: str | None = Field(default=None, pattern=_IMAGE_URL)
+
+
+class DecideImage(Shape):
+    image_url: str = Field(pattern=_IMAGE_URL)
     text: str | None = None
-    image_url: str | None = None
 
 
 class DecideBody(Shape):
     """``POST /v1/decide`` and ``POST /v1/decide/estimate``."""
 
-    model: str
-    input: DecideInputBody
+    model: str = Field(min_length=1)
+    input: DecideText | DecideImage
     decisions: list[DecideQuestion] | None = None
     max_output_tokens: int | None = None
-    fallback: str | None = None
-    calibration: str | None = None
+    fallback: Literal["base", "none"] | None = None
+    calibration: Literal["batch", "content_free", "none"] | None = None
 
 
 class KeepWarmBody(Shape):
@@ -70,7 +87,7 @@ class KeepWarmBody(Shape):
 class ProjectBody(Shape):
     """``POST /v1/projects``."""
 
-    name: str
+    name: str = Field(min_length=1, max_length=200)
 
 
 class DatasetBody(Shape):
@@ -134,6 +151,9 @@ class RunBody(Shape):
 class WebhookEndpointBody(Shape):
     """``POST /v1/webhook-endpoints``: where to send which events."""
 
-    url: str
-    events: list[str] | None = None
-    description: str | None = None
+    url: Annotated[str, Field(pattern=r"^https?://[^\s/]+"), Coded("invalid_webhook_url")]
+    events: Annotated[
+        list[Annotated[Literal[EVENTS], Coded("unknown_webhook_event")]] | None,  # type: ignore[valid-type]
+        Field(min_length=1),
+    ] = None
+    description: str | None = Field(default=None, max_length=500)

@@ -17,7 +17,7 @@ __all__ = ["parse_strict"]
 
 def parse_strict(raw: bytes) -> dict[str, Any]:
     """A JSON object from ``raw``; ``InvalidJson`` (or a coded 400) for anything else."""
-    body = parse_json(raw)
+    body = parse_json(raw, request=True)
     if not isinstance(body, dict):
         raise InvalidJson("the request body must be a JSON object")
     return body

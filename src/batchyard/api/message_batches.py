@@ -18,7 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
+from batchyard.api.inputs import (
+    finished_query,
+    object_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+)
 from batchyard.api.messages import anthropic_door
 from batchyard.errors import InvalidRequest
 from batchyard.service import message_batches
@@ -80,9 +86,9 @@ async def list_message_batches(request: Request) -> Response:
 
 @router.get(_PATH + "/{batch_id}")
 @anthropic_door
-async def get_message_batch(request: Request) -> Response:
+async def get_message_batch(request: Request, batch_id: str) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(request.path_params["batch_id"])
+    batch_id = _id(batch_id)
     view = await message_batches.get(
         service_of(request), principal, batch_id, base_url=_base(request)
     )
@@ -91,9 +97,9 @@ async def get_message_batch(request: Request) -> Response:
 
 @router.post(_PATH + "/{batch_id}/cancel")
 @anthropic_door
-async def cancel_message_batch(request: Request) -> Response:
+async def cancel_message_batch(request: Request, batch_id: str) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(request.path_params["batch_id"])
+    batch_id = _id(batch_id)
     body = await read_empty(request)
     svc = service_of(request)
 
@@ -105,10 +111,40 @@ async def cancel_message_batch(request: Request) -> Response:
     return await idempotent(request, principal, body, handler)
 
 
-@router.get(_PATH + "/{batch_id}/results")
+@router.post(_PATH + "/{batch_id}/retry")
 @anthropic_door
-async def message_batch_results(request: Request) -> Response:
+async def retry_message_batch(request: Request) -> Response:
+    """A batchyard extension: a new batch of this one's errored, canceled and expired requests."""
     principal = await authenticate(request, x_api_key=True)
     batch_id = _id(request.path_params["batch_id"])
+    body = await read_empty(request)
+    svc = service_of(request)
+
+    async def handler() -> tuple[int, Any]:
+        view = await message_batches.retry(svc, principal, batch_id, base_url=_base(request))
+        svc.file_batches.notify()
+        return 200, view
+
+    return await idempotent(request, principal, body, handler)
+
+
+@router.get(_PATH + "/{batch_id}/results")
+@anthropic_door
+async def message_batch_results(request: Request, batch_id: str) -> Response:
+    principal = await authenticate(request, x_api_key=True)
+    batch_id = _id(batch_id)
     lines = await message_batches.results(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-jsonl")
+
+
+@router.get(_PATH + "/{batch_id}/finished")
+@anthropic_door
+async def message_batch_finished(request: Request) -> Response:
+    """A batchyard extension: the results so far, from a cursor, while the batch runs."""
+    principal = await authenticate(request, x_api_key=True)
+    batch_id = _id(request.path_params["batch_id"])
+    after, limit = finished_query(request)
+    page = await message_batches.finished(
+        service_of(request), principal, batch_id, after=after, limit=limit
+    )
+    return json_response(page)

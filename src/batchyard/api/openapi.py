@@ -24,7 +24,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from batchyard.api.bodies import (
     DatasetBody,
@@ -38,6 +38,8 @@ from batchyard.api.bodies import (
 from batchyard.core.anthropic_bodies import CountTokensRequest, MessagesRequest
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.service.batch_requests import BatchBody
+from batchyard.service.file_batches import FileBatchBody
+from batchyard.service.message_batches import MessageBatchBody
 
 __all__ = ["ANTHROPIC_PATHS", "OPERATIONS", "Operation", "install_openapi"]
 
@@ -54,6 +56,28 @@ class ErrorDetail(BaseModel):
     retryable: bool
     param: str | None = None
     retry_after: float | None = None
+
+
+class Finished(BaseModel):
+    """A page of a batch's items that ended after the cursor (``service.following``)."""
+
+    object: Literal["list"]
+    #: Each item as the batch's final results show it.
+    data: list[dict[str, Any]]
+    #: Pass as ``after`` to read on from here.
+    cursor: str
+    has_more: bool
+    #: The batch has ended: with ``has_more`` false, every item has been read.
+    ended: bool
+
+
+class SpendCapBody(BaseModel):
+    """Dollars as decimal strings; null for no cap of that kind (both null removes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    total: str | float | None = None
+    monthly: str | float | None = None
 
 
 class ErrorBody(BaseModel):
@@ -197,25 +221,6 @@ class ListOf(_Open):
     data: list[dict[str, Any]]
 
 
-class OutputExpiry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    anchor: Literal["created_at"]
-    seconds: int = Field(ge=3600, le=2_592_000)
-
-
-class FileBatchBody(BaseModel):
-    """``POST /v1/batches`` in OpenAI's dialect (``service.file_batches.parse_create``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str = Field(min_length=1)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
-    completion_window: Literal["24h", "6h", "1h"]
-    metadata: dict[str, str] | None = None
-    output_expires_after: OutputExpiry | None = None
-
-
 class EmptyBody(BaseModel):
     """A call that takes no body: send nothing, or ``{}``."""
 
@@ -333,6 +338,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         media=_NDJSON,
         summary="Results, one JSON line per request (410 results_expired once purged)",
     ),
+    ("post", "/v1/batches/{batch_id}/retry"): Operation(
+        200,
+        _Open,
+        (*_WRITE, 402),
+        EmptyBody,
+        body_required=False,
+        summary="A batchyard extension: a new file batch of the failed, expired, canceled lines",
+    ),
+    ("get", "/v1/batches/{batch_id}/finished"): Operation(
+        200,
+        Finished,
+        (*_READ, 410),
+        summary="A batchyard extension: what has ended so far, from a cursor, while it runs",
+    ),
     ("post", "/v1/files"): Operation(
         200,
         _Open,
@@ -357,6 +376,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("delete", "/v1/files/{file_id}"): Operation(200, _Open, (*_READ, 409)),
     ("post", "/v1/projects"): Operation(201, _Open, _WRITE, ProjectBody),
+    ("put", "/v1/projects/{project_id}/spend-cap"): Operation(
+        200, _Open, _WRITE, SpendCapBody, summary="Cap what a project's runs may spend"
+    ),
+    ("put", "/v1/keys/{key_id}/spend-cap"): Operation(
+        200, _Open, _WRITE, SpendCapBody, summary="Cap what a key may spend"
+    ),
     ("get", "/v1/projects/{project_id}"): Operation(200, _Open, _READ),
     ("post", "/v1/projects/{project_id}/datasets"): Operation(
         201,
@@ -442,7 +467,7 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             200,
             _Open,
             (*_WRITE, 402),
-            _Open,
+            MessageBatchBody,
             summary="Create a Message Batch (Anthropic's shape; a file batch underneath)",
         ),
         ("get", "/v1/messages/batches"): Operation(
@@ -456,6 +481,18 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             (*_READ, 409),
             media="application/x-jsonl",
             summary="Results, one {custom_id, result} line per request, once ended",
+        ),
+        ("post", "/v1/messages/batches/{batch_id}/retry"): Operation(
+            200,
+            _Open,
+            (*_WRITE, 402),
+            summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
+        ),
+        ("get", "/v1/messages/batches/{batch_id}/finished"): Operation(
+            200,
+            Finished,
+            _READ,
+            summary="A batchyard extension: the results so far, from a cursor, while it runs",
         ),
         ("post", "/v1/messages/count_tokens"): Operation(
             200,

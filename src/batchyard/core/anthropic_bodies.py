@@ -22,10 +22,12 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from batchyard.core.inputs import AsDicts, Unserved
 from batchyard.core.openai_bodies import validated
 from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
 
@@ -88,27 +90,184 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 _MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 
 
+class _Strict(BaseModel):
+    model_config = _STRICT
+
+
+class CacheControl(_Strict):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class _Block(_Strict):
+    cache_control: CacheControl | None = None
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+    citations: list[dict[str, Any]] | None = None
+
+
+class Base64Source(_Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+
+class URLSource(_Strict):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+    transformations: Annotated[Any, Unserved()] = None
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = (
+        None
+    )
+    is_error: bool | None = None
+    toolset_name: str | None = None
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
+
+
+#: The blocks of each turn; Anthropic's other blocks (documents, thinking, server tools)
+#: are refused with ``capability_unsupported`` (``core.inputs.UNSERVED_TAGS``).
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+
+
+class UserTurn(_Strict):
+    role: Literal["user"]
+    content: str | list[UserBlock]
+
+
+class AssistantTurn(_Strict):
+    role: Literal["assistant"]
+    content: str | list[AssistantBlock]
+
+
+Turn = Annotated[UserTurn | AssistantTurn, Field(discriminator="role")]
+
+
+class Tool(_Strict):
+    """A client tool; Anthropic's server tools are refused with ``capability_unsupported``."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]+$")
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    strict: bool | None = None
+    cache_control: CacheControl | None = None
+    # Hints for Anthropic's own tool runner: accepted, change nothing here.
+    allowed_callers: list[str] | None = None
+    defer_loading: bool | None = None
+    eager_input_streaming: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _server_tool(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "custom":
+            raise PydanticCustomError(
+                "unserved", "Anthropic's server tools are not offered here; define a client tool"
+            )
+        return data
+
+
+class _Choice(_Strict):
+    disable_parallel_tool_use: bool | None = None
+
+
+class AutoChoice(_Choice):
+    type: Literal["auto"]
+
+
+class AnyChoice(_Choice):
+    type: Literal["any"]
+
+
+class NoneChoice(_Choice):
+    type: Literal["none"]
+
+
+class ToolChoice(_Choice):
+    type: Literal["tool"]
+    name: str
+
+
+Choice = Annotated[AutoChoice | AnyChoice | NoneChoice | ToolChoice, Field(discriminator="type")]
+
+
+class JsonOutputFormat(_Strict):
+    """Structured outputs: the answer is JSON that validates against ``schema``."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JsonOutputFormat | None = None
+    #: How hard to think: accepted, changes nothing here (no extended thinking).
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    task_budget: Annotated[Any, Unserved()] = None
+
+
 class _Prompt(BaseModel):
     """What ``/v1/messages`` and ``/v1/messages/count_tokens`` both take."""
 
     model_config = _STRICT
 
     model: str = Field(min_length=1)
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    # Documented, but nothing here can honour them: refused with a code when used.
-    thinking: dict[str, Any] | None = None
-    mcp_servers: list[dict[str, Any]] | None = None
-    context_management: dict[str, Any] | None = None
+    messages: Annotated[list[dict[str, Any]], AsDicts(list[Turn]), Field(min_length=1)]
+    system: Annotated[str | list[dict[str, Any]], AsDicts(str | list[TextBlock])] | None = None
+    tools: Annotated[list[dict[str, Any]], AsDicts(list[Tool])] | None = None
+    tool_choice: Annotated[dict[str, Any], AsDicts(Choice)] | None = None
+    output_config: OutputConfig | None = None
+    #: The beta name of ``output_config.format`` (SDKs before structured outputs were GA).
+    output_format: JsonOutputFormat | None = None
+    # Accepted and ignored: they change no answer this gateway gives.
+    cache_control: CacheControl | None = None
+    speed: Literal["standard", "fast"] | None = None
+    # Documented, but nothing here can honour them: refused with a code when set.
+    thinking: Annotated[Any, Unserved((None, {"type": "disabled"}))] = None
+    mcp_servers: Annotated[Any, Unserved((None, []))] = None
+    context_management: Annotated[Any, Unserved()] = None
+    compaction: Annotated[Any, Unserved()] = None
+    inference_geo: Annotated[Any, Unserved()] = None
+    diagnostics: Annotated[Any, Unserved()] = None
+    billing_policy: Annotated[Any, Unserved()] = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The JSON-schema constraint asked for, in OpenAI's ``response_format`` shape."""
+        given = self.output_config.format if self.output_config is not None else None
+        given = given or self.output_format
+        if given is None:
+            return None
+        spec = {"name": "output", "schema": given.schema_, "strict": True}
+        return {"type": "json_schema", "json_schema": spec}
 
 
 class MessagesRequest(_Prompt):
-    """``POST /v1/messages``, as Anthropic documents it."""
+    """``POST /v1/messages``, as Anthropic documents it (the newest SDK's fields)."""
 
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
@@ -116,8 +275,12 @@ class MessagesRequest(_Prompt):
     # Accepted and ignored: they change no answer this gateway gives.
     metadata: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    # Documented, refused when used (a container is Anthropic's code sandbox).
-    container: str | dict[str, Any] | None = None
+    # Documented, refused when used (a container is Anthropic's code sandbox; a thread,
+    # fallbacks and their credit belong to Anthropic's own service).
+    container: Annotated[Any, Unserved()] = None
+    thread: Annotated[Any, Unserved()] = None
+    fallbacks: Annotated[Any, Unserved()] = None
+    fallback_credit_token: Annotated[Any, Unserved()] = None
 
 
 class CountTokensRequest(_Prompt):
@@ -462,6 +625,7 @@ class Translated(BaseModel):
     stop: list[str] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 def translate(req: MessagesRequest) -> Translated:
@@ -469,24 +633,18 @@ def translate(req: MessagesRequest) -> Translated:
     messages, tools, choice = openai_prompt(req)
     sampling = req.model_dump(include={"model", "max_tokens", "temperature", "top_p", "top_k"})
     stop = req.stop_sequences or None
-    return Translated(**sampling, messages=messages, stop=stop, tools=tools, tool_choice=choice)
-
-
-def _refuse_unsupported(req: _Prompt) -> None:
-    thinking = req.thinking or {}
-    used = {
-        "thinking": thinking.get("type") not in (None, "disabled"),
-        "mcp_servers": bool(req.mcp_servers),
-        "context_management": req.context_management is not None,
-        "container": getattr(req, "container", None) is not None,
-    }
-    for name, on in used.items():
-        if on:
-            raise CapabilityUnsupported(f"{name} is not supported here", param=name)
+    return Translated(
+        **sampling,
+        messages=messages,
+        stop=stop,
+        tools=tools,
+        tool_choice=choice,
+        response_format=req.response_format(),
+    )
 
 
 def _check_prompt(req: _Prompt) -> None:
-    _refuse_unsupported(req)
+    """What the shapes cannot say: each tool named once, a choice naming one of them."""
     to_openai_messages(req)
     to_openai_tools(req)
     to_openai_tool_choice(req)
@@ -496,11 +654,6 @@ def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
     """A Messages body, checked whole (its translation included); raises a coded 400."""
     req = validated(MessagesRequest, raw)
     _check_prompt(req)
-    for k, stop in enumerate(req.stop_sequences or []):
-        if not stop:
-            raise InvalidRequest(
-                "stop_sequences must not hold an empty string", param=f"stop_sequences.{k}"
-            )
     return req
 
 

@@ -13,13 +13,15 @@ import re
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
 
 from batchyard.core import privacy
-from batchyard.core.inputs import Shape, strict
+from batchyard.core.inputs import AsDicts, Coded, Shape, strict
 from batchyard.core.market import effective_min_discount
-from batchyard.core.quotes import check_context
-from batchyard.errors import InvalidRequest, UnsupportedInput
+from batchyard.core.openai_bodies import ResponseFormat, TextPart
+from batchyard.errors import InvalidRequest, InvalidType, UnsupportedInput
 from batchyard.service.deployment import Service
 
 __all__ = [
@@ -37,7 +39,6 @@ __all__ = [
 MAX_BODY_BYTES = 1_000_000
 MAX_REQUESTS = 50
 MAX_OUTPUT_TOKENS = 4096
-DEFAULT_MAX_TOKENS = 1024
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -60,44 +61,84 @@ _BODY_KEYS = {
 }
 _TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _ROLES = {"system", "developer", "user", "assistant"}
+#: The sampling options a deferred request keeps, as given.
+_OPTIONS = {"temperature", "top_p", "stop", "seed", "response_format"}
 
 
 class PrivacyBody(Shape):
-    mode: str
+    mode: Annotated[Literal["off", "redact", "reject"], Coded("invalid_privacy_mode")]
+
+
+class _TextMessage(Shape):
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class _System(_TextMessage):
+    role: Literal["system"]
+
+
+class _Developer(_TextMessage):
+    role: Literal["developer"]
+
+
+class _User(_TextMessage):
+    role: Literal["user"]
+
+
+class _Assistant(_TextMessage):
+    role: Literal["assistant"]
+
+
+#: A deferred request's messages: text only, no tools.
+TextMessage = Annotated[_System | _Developer | _User | _Assistant, Field(discriminator="role")]
+_MaxTokens = Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS), Coded("max_tokens_out_of_range")]
+_Percent = Annotated[float, Field(ge=0, le=100), Coded("min_discount_out_of_range")]
 
 
 class ChatRequestBody(Shape):
     """The ``body`` of one deferred request: the chat completion fields a batch may carry."""
 
+    unknown_code: ClassVar[str] = "unsupported_parameter"
+
     model: str
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    messages: Annotated[list[dict[str, Any]], AsDicts(list[TextMessage]), Field(min_length=1)]
+    max_tokens: _MaxTokens | None = None
+    max_completion_tokens: _MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any], AsDicts(ResponseFormat)] | None = None
     privacy: PrivacyBody | None = None
-    n: int | None = None
-    stream: bool | None = None
+    n: (
+        Annotated[Literal[1], Coded("unsupported_parameter", "deferred batches take n = 1")] | None
+    ) = None
+    stream: Literal[False] | None = None
     user: str | None = None
 
 
 class BatchRequestBody(Shape):
     """One entry of ``requests``."""
 
-    custom_id: str
+    unknown_code: ClassVar[str] = "unsupported_parameter"
+
+    custom_id: Annotated[str, Field(pattern=CUSTOM_ID.pattern), Coded("invalid_custom_id")]
     body: ChatRequestBody
-    min_discount: float | None = None
+    min_discount: _Percent | None = None
 
 
 class BatchBody(Shape):
-    """``POST /v1/batches``: the shape only; the rules are ``parse_submission``'s."""
+    """``POST /v1/batches``: the shape; what no shape says (one custom_id each, the
+    model's own limits, privacy) is ``parse_submission``'s."""
 
-    min_discount: float | None = None
-    completion_window: str | None = None
-    requests: list[BatchRequestBody]
+    unknown_code: ClassVar[str] = "unsupported_parameter"
+
+    min_discount: _Percent
+    completion_window: (
+        Annotated[Literal["1h", "6h", "24h"], Coded("invalid_completion_window")] | None
+    ) = None
+    requests: Annotated[list[BatchRequestBody], Field(min_length=1, max_length=MAX_REQUESTS)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +149,7 @@ class ParsedRequest:
     model: str
     min_discount: Decimal
     input_tokens: int
+    #: Once prepared, what the request says or the spec's default (0 until then: none given).
     max_tokens: int
     stored: dict[str, Any]  # what is sealed: redacted messages and sampling options
 
@@ -177,40 +219,6 @@ def _check_messages(messages: Any, param: str) -> None:
                 )
 
 
-def _check_options(body: dict[str, Any], param: str) -> dict[str, Any]:
-    """The sampling options a deferred request may carry, checked."""
-    options: dict[str, Any] = {}
-    t = body.get("temperature")
-    if t is not None:
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2:
-            raise _bad("temperature is from 0 to 2", f"{param}.temperature", "invalid_request")
-        options["temperature"] = float(t)
-    p = body.get("top_p")
-    if p is not None:
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise _bad("top_p is above 0 and at most 1", f"{param}.top_p", "invalid_request")
-        options["top_p"] = float(p)
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("stop is a string or a list of strings", f"{param}.stop", "invalid_request")
-        options["stop"] = stops
-    seed = body.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise _bad("seed must be an integer", f"{param}.seed", "invalid_request")
-        options["seed"] = seed
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _bad(
-                "response_format must be an object", f"{param}.response_format", "invalid_request"
-            )
-        options["response_format"] = fmt
-    return options
-
-
 def _parse_request(
     svc: Service, raw: Any, i: int, batch_min: Decimal, seen: set[str], org_id: str | None
 ) -> tuple[ParsedRequest, privacy.PrivacyMode]:
@@ -267,25 +275,22 @@ def _parse_request(
             f"{bp}.{key}",
             "unsupported_parameter",
         )
+    _check_messages(body.get("messages"), f"{bp}.messages")
     # Every key is known now: the types of each, strictly (nothing coerced).
-    strict(ChatRequestBody, body, prefix=bp)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("deferred batches take n = 1", f"{bp}.n", "unsupported_parameter")
+    req = strict(ChatRequestBody, body, prefix=bp)
     model = svc.catalog.model(body.get("model"), org_id)
     svc.catalog.route_for(model.id)
-    _check_messages(body.get("messages"), f"{bp}.messages")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
-    if mt is None:
-        mt = min(DEFAULT_MAX_TOKENS, limit)
-    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit:
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit):
         raise _bad(
             f"max_tokens is from 1 to {limit} for {model.id}",
             f"{bp}.max_tokens",
             "max_tokens_out_of_range",
         )
-    options = _check_options(body, bp)
+    options = req.model_dump(include=_OPTIONS, exclude_none=True)
+    if isinstance(req.stop, str):
+        options["stop"] = [req.stop]
     raw_privacy = body.get("privacy")
     mode_name = "off" if raw_privacy is None else raw_privacy["mode"]
     try:
@@ -295,7 +300,7 @@ def _parse_request(
             "privacy.mode is off, redact or reject", f"{bp}.privacy.mode", "invalid_privacy_mode"
         ) from None
     stored = {"messages": body["messages"], **options}
-    return ParsedRequest(cid, model.id, min_discount, 0, mt, stored), mode
+    return ParsedRequest(cid, model.id, min_discount, 0, mt or 0, stored), mode
 
 
 def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = None) -> Submission:
@@ -312,9 +317,10 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
             "min_discount_required",
         )
     batch_min = _discount(raw["min_discount"], "min_discount")
-    strict(BatchBody, {**raw, "requests": []})  # the top level's types; requests come next
     window = raw.get("completion_window")
     window = "24h" if window is None else window
+    if not isinstance(window, str):
+        raise InvalidType("completion_window must be a string", param="completion_window")
     if window not in WINDOWS:
         raise _bad(
             "completion_window is 1h, 6h or 24h", "completion_window", "invalid_completion_window"
@@ -332,8 +338,9 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
         )
     seen: set[str] = set()
     parsed = [_parse_request(svc, r, i, batch_min, seen, org_id) for i, r in enumerate(reqs)]
-    # Everything is valid; only now does privacy run, then tokens are counted
-    # on the text that will actually be stored and sent.
+    # Everything is valid; only now does privacy run, then each request is prepared
+    # (``service.preparation``: tokens counted on the text that will actually be stored
+    # and sent, the spec's default max_tokens, the context window).
     out: list[ParsedRequest] = []
     redactions = 0
     for i, (req, mode) in enumerate(parsed):
@@ -350,19 +357,23 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
                     param=f"requests[{i}].body.messages",
                     code=exc.code,
                 ) from None
-        model = svc.catalog.model(req.model)
-        tokens = svc.tokenizer(model).count_messages(messages)
-        check_context(
-            model,
-            tokens,
-            req.max_tokens,
+        call = svc.preparer.deferred(
+            req.model,
+            messages,
+            req.max_tokens or None,
+            org_id=org_id,
             param=f"requests[{i}].body.messages",
             where=f"requests[{i}]: ",
         )
         stored = {**req.stored, "messages": messages}
         out.append(
             ParsedRequest(
-                req.custom_id, req.model, req.min_discount, tokens, req.max_tokens, stored
+                req.custom_id,
+                req.model,
+                req.min_discount,
+                call.input_tokens,
+                call.max_tokens,
+                stored,
             )
         )
     return Submission(batch_min, window, out, redactions)

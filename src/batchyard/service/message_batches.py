@@ -24,76 +24,75 @@ import io
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
-from decimal import Decimal, InvalidOperation
-from typing import Any
+from decimal import Decimal
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
-from batchyard.core.anthropic_bodies import ERROR_TYPES
+from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest
 from batchyard.core.clock import isoformat
+from batchyard.core.inputs import Coded
+from batchyard.core.openai_bodies import validated
 from batchyard.errors import (
     BatchyardError,
     InsufficientCredit,
-    InvalidRequest,
     InvalidState,
     NotFound,
-    UnknownField,
 )
-from batchyard.service import file_batches, files
+from batchyard.service import file_batches, files, following
 from batchyard.service.deployment import Service
+from batchyard.service.file_batches import PERCENT
 from batchyard.service.openai_requests import MESSAGES
 from batchyard.store import file_batches as store
 
 __all__ = [
     "cancel",
     "create",
+    "finished",
     "get",
     "list_page",
     "results",
+    "retry",
 ]
 
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_CREATE_KEYS = {"requests", "min_discount"}
-_ENDED = ("completed", "failed", "expired", "canceled")
+_ENDED = file_batches.ENDED
+
+
+class MessageBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    custom_id: str = Field(pattern=_CUSTOM_ID.pattern)
+    params: MessagesRequest
+
+
+_Percent = Annotated[
+    Annotated[float, Field(ge=0, le=100)] | Annotated[str, Field(pattern=PERCENT)],
+    Coded("min_discount_out_of_range", "a percentage from 0 to 100"),
+]
+
+
+class MessageBatchBody(BaseModel):
+    """``POST /v1/messages/batches``: Anthropic's requests, and batchyard's ``min_discount``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    requests: list[MessageBatchRequest] = Field(min_length=1, max_length=100_000)
+    min_discount: _Percent | None = None
 
 
 def _jsonl(raw: dict[str, Any]) -> tuple[bytes, Decimal | None]:
     """The create body as the batch file it stands for, and the discount it waits for."""
-    for key in sorted(raw.keys() - _CREATE_KEYS):
-        raise UnknownField(f"unknown field {key!r} in a Message Batch", param=key)
-    requests = raw.get("requests")
-    if not isinstance(requests, list) or not requests:
-        raise InvalidRequest("requests must be a non-empty list", param="requests")
+    body = validated(MessageBatchBody, raw)
     out = io.BytesIO()
-    for i, item in enumerate(requests):
-        at = f"requests.{i}"
-        if not isinstance(item, dict) or item.keys() != {"custom_id", "params"}:
-            raise InvalidRequest(f"{at} must be exactly {{custom_id, params}}", param=at)
-        cid = item["custom_id"]
-        if not isinstance(cid, str) or not _CUSTOM_ID.match(cid):
-            raise InvalidRequest(
-                f"{at}.custom_id must be 1 to 64 letters, digits, - or _",
-                param=f"{at}.custom_id",
-            )
-        line = {"custom_id": cid, "method": "POST", "url": MESSAGES, "body": item["params"]}
+    for item in raw["requests"]:
+        line = {"custom_id": item["custom_id"], "method": "POST", "url": MESSAGES}
+        line["body"] = item["params"]
         out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
-    given = raw.get("min_discount")
-    if given is None:
-        return out.getvalue(), None
-    try:
-        if isinstance(given, bool) or not isinstance(given, int | float | str):
-            raise InvalidOperation
-        d = Decimal(str(given).strip())
-    except InvalidOperation:
-        d = Decimal("NaN")
-    if not d.is_finite() or not Decimal(0) <= d <= Decimal(100):
-        raise InvalidRequest(
-            f"min_discount is a percentage from 0 to 100, not {given!r}",
-            param="min_discount",
-            code="min_discount_out_of_range",
-        )
-    return out.getvalue(), d
+    given = body.min_discount
+    return out.getvalue(), None if given is None else Decimal(str(given))
 
 
 def _as_request_error(exc: BatchyardError) -> BatchyardError:
@@ -166,6 +165,9 @@ def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str,
         "results_url": (
             f"{base_url}/v1/messages/batches/{row.id}/results" if processing == "ended" else None
         ),
+        # batchyard's: the batch this one retries, and the batch that retried it.
+        "retry_of": row.retry_of,
+        "retried_by": row.retried_by,
     }
 
 
@@ -236,6 +238,42 @@ async def cancel(
         if exc.code != "batch_not_cancellable":
             raise
     return await get(svc, principal, batch_id, base_url=base_url)
+
+
+async def retry(
+    svc: Service, principal: Principal, batch_id: str, *, base_url: str
+) -> dict[str, Any]:
+    """A new Message Batch of an ended one's errored, canceled and expired requests.
+
+    ``service.file_batches.retry`` underneath: the same ``custom_id``s, quoted
+    and held, linked both ways; succeeded and ``uncertain`` requests are not sent
+    again (``retry.not_retried`` names the uncertain ones). Without the credit,
+    402 as at create, and nothing is linked.
+    """
+    await svc.db.read(lambda c: _load(c, principal, batch_id))
+    view = await file_batches.retry(svc, principal, batch_id)
+    if view["status"] == "failed":
+        errors = (view.get("errors") or {}).get("data") or [{}]
+        raise InsufficientCredit(str(errors[0].get("message", "not enough credit")))
+    answer = await get(svc, principal, view["id"], base_url=base_url)
+    answer["retry"] = view["retry"]
+    return answer
+
+
+async def finished(
+    svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
+) -> dict[str, Any]:
+    """The requests that ended after ``after``, as the results file shows them."""
+    sealer = svc.batch_key.require()
+
+    def read(conn: Connection) -> dict[str, Any]:
+        row = _load(conn, principal, batch_id)
+        items = following.file_batch_items(
+            conn, sealer, row.id, after=after, limit=limit, render=_result
+        )
+        return following.page(items, after=after, limit=limit, ended=row.status in _ENDED)
+
+    return await svc.db.read(read)
 
 
 def _result(line: dict[str, Any]) -> dict[str, Any]:

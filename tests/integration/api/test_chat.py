@@ -91,8 +91,8 @@ async def test_over_the_tier_limit_is_429_with_retry_after_and_nothing_charged(m
         (None, {**BODY, "model": "kettei-fat"}, 400, "model_unavailable"),
         (None, {**BODY, "max_tokens": -1}, 400, "invalid_request"),
         (None, {**BODY, "max_tokens": 10_000_000}, 400, "max_tokens_out_of_range"),
-        (None, {**BODY, "stream": 1}, 400, "invalid_request"),
-        (None, {**BODY, "max_tokens": "8"}, 400, "invalid_request"),
+        (None, {**BODY, "stream": 1}, 400, "invalid_type"),
+        (None, {**BODY, "max_tokens": "8"}, 400, "invalid_type"),
         (None, {**BODY, "temprature": 0.5}, 400, "unknown_field"),
         (
             None,

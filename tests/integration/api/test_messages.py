@@ -142,7 +142,7 @@ async def test_sampling_and_stops_reach_the_engine_and_max_tokens_is_reported(se
 @pytest.mark.parametrize(
     ("body", "headers", "status", "kind", "code"),
     [
-        ({**BODY, "max_tokens": None}, None, 400, "invalid_request_error", "invalid_request"),
+        ({**BODY, "max_tokens": None}, None, 400, "invalid_request_error", "invalid_type"),
         (
             {k: v for k, v in BODY.items() if k != "max_tokens"},
             None,
@@ -151,7 +151,7 @@ async def test_sampling_and_stops_reach_the_engine_and_max_tokens_is_reported(se
             "invalid_request",
         ),
         ({**BODY, "frequency_penalty": 1}, None, 400, "invalid_request_error", "unknown_field"),
-        ({**BODY, "temperature": "1"}, None, 400, "invalid_request_error", "invalid_request"),
+        ({**BODY, "temperature": "1"}, None, 400, "invalid_request_error", "invalid_type"),
         ({**BODY, "model": "nope"}, None, 404, "not_found_error", "model_not_found"),
         (
             {**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}},

@@ -68,8 +68,8 @@ async def test_embedding_token_ids_are_read_as_cl100k_and_embedded_as_their_text
     [
         ("/v1/embeddings", {"input": [100256]}, "input.0"),
         ("/v1/embeddings", {"input": [[15339], [100277]]}, "input.1"),
-        ("/v1/embeddings", {"input": [[]]}, "input"),
-        ("/v1/embeddings", {"input": [-1]}, "input"),
+        ("/v1/embeddings", {"input": [[]]}, "input.0"),
+        ("/v1/embeddings", {"input": [-1]}, "input.0"),
         ("/v1/completions", {"prompt": [[15339], [100300]]}, "prompt.1"),
     ],
 )

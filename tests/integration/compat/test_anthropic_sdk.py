@@ -9,7 +9,7 @@ misspelt or of the wrong type fails here rather than in a user's code.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import pytest
@@ -208,3 +208,21 @@ def test_errors_are_the_sdks_own_exceptions_in_anthropics_envelope(gateway):
             extra_body={"frequency_penalty": 1},
         )
     assert bad.value.body["error"]["code"] == "unknown_field"  # type: ignore[index]
+
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+
+
+def test_structured_outputs_parse_into_the_callers_type(gateway):
+    """``messages.parse(output_format=...)`` sends ``output_config``; the answer is held to
+    its schema by the same JSON-schema grammar as OpenAI's ``response_format``."""
+    sdk = client(gateway, gateway.org("parse"))
+    parsed = sdk.messages.parse(
+        model=MODEL,
+        max_tokens=32,
+        messages=[{"role": "user", "content": "Is water wet? Answer yes or no."}],
+        output_format=Verdict,
+    )
+    assert isinstance(parsed.parsed_output, Verdict)
+    assert parsed.parsed_output.answer in ("yes", "no")

@@ -1,4 +1,4 @@
-"""Migration 0007 adds decide's calibration state; its writes are safe from several processes."""
+"""Decide's calibration state on SQLite and PostgreSQL: per organisation, safe to share."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import inspect
 
-from batchyard.store import migrations
 from batchyard.store.calibration import add_texts, load_state, save_content_free
 
 
-def test_0007_stores_priors_adds_texts_and_downgrades_cleanly(fresh_db):
+def test_stores_priors_and_adds_texts_per_organisation(fresh_db):
     fresh_db.migrate()
     assert "decide_calibration" in inspect(fresh_db.engine).get_table_names()
     assert fresh_db.read_sync(lambda c: load_state(c, "org", "fp")) is None
@@ -31,10 +30,6 @@ def test_0007_stores_priors_adds_texts_and_downgrades_cleanly(fresh_db):
     assert state.prob_sums[1] == pytest.approx([0.6, 1.4])
     # Per organisation: another one's texts never move these sums.
     assert fresh_db.read_sync(lambda c: load_state(c, "other", "fp")) is None
-    migrations.downgrade(fresh_db.engine, "0006")
-    assert "decide_calibration" not in inspect(fresh_db.engine).get_table_names()
-    fresh_db.migrate()
-    assert fresh_db.read_sync(lambda c: load_state(c, "org", "fp")) is None
 
 
 def test_concurrent_texts_are_all_counted(fresh_db):
