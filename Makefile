@@ -87,8 +87,8 @@ bench: install
 	# Builds llama-server from llama-cpp-python's llama.cpp on first use (cached in ~/.cache/batchyard).
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/cache_span.py
-	$(BIN)/python bench/idle_packing.py
-	$(BIN)/python bench/idle_tails.py
+	$(BIN)/python bench/mechanisms.py
+	$(BIN)/python bench/kv_streams.py
 	$(BIN)/python bench/embed_packing.py
 
 clean:

@@ -22,7 +22,7 @@ Printed per mechanism and workload: the geometric mean of on / off over the
 rounds and its 95 % interval (t over the log ratios). An interval that excludes
 1.0 is a measured effect.
 
-    python bench/mechanisms.py [--rounds N] [--threads N] [--only shelve,follow]
+    python bench/mechanisms.py [--rounds N] [--threads N] [--only shelve,shelf_dup]
 """
 
 from __future__ import annotations

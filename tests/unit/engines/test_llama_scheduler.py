@@ -3,7 +3,7 @@
 ``tests/support/fake_llama.py`` keeps cells and sequence ids as llama.cpp does,
 and its logits depend on exactly what a sequence holds: every answer below is
 checked against the same prompt computed alone, so a prefix copied, shelved,
-put back or followed wrongly shows as a wrong token or score.
+or put back wrongly shows as a wrong token or score.
 """
 
 from __future__ import annotations
@@ -231,6 +231,24 @@ def test_what_no_one_shares_moves_to_the_shelf_and_comes_back() -> None:
     assert again.done.cached == 29  # put back from host memory, not read
     assert again.text() == text_of(greedy(poem, 3))
     assert ctx.tokens_decoded() - before == 1 + 2
+
+
+def test_a_shelved_prompt_comes_back_only_when_it_saves_enough_reading() -> None:
+    """Put back whole, a shelved prompt duplicates the opening the cache holds: it comes
+    back only when the tokens it saves are at least one in 16 of those cells."""
+    sched, _ = make()
+    first = OPENING + prompt(24, 20)
+    run_all(sched, chat(first, 1))
+    run_all(sched, chat(OPENING + prompt(25, 6), 1))  # shelves the first's own words
+    one_more = chat(first[:41] + prompt(26, 6), 1)
+    run_all(sched, one_more)
+    assert one_more.done.cached == len(OPENING)  # one token more: read, not put back
+    # The cache now holds 41 of the first's tokens (the last prompt's): five more than
+    # that are worth the copy.
+    five_more = chat(first[:46] + prompt(27, 6), 1)
+    run_all(sched, five_more)
+    assert five_more.done.cached == 46
+    assert five_more.text() == text_of(greedy(first[:46] + prompt(27, 6), 1))
 
 
 def test_a_shelved_prompt_that_cannot_be_put_back_is_read_instead() -> None:
