@@ -183,6 +183,7 @@ LONGEST_FIRST = (
     "tests/integration/api/test_decide_model.py",
     "tests/integration/api/test_runs.py::test_a_run_on_the_embedded_model_end_to_end",
     "tests/integration/api/test_openai_sdk_batches.py",
+    "tests/integration/test_demo.py",
 )
 
 

@@ -156,11 +156,17 @@ class BlockingEngine:
         return None
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait (real time, for other tasks to run) until ``cond`` holds."""
-    deadline = time.monotonic() + timeout
+async def eventually(cond: Callable[[], bool], timeout: float | None = None) -> None:
+    """Wait (real time, for other tasks to run) until ``cond`` holds.
+
+    Without ``timeout``, no deadline of its own: what the test waits for takes a
+    moment on a quiet machine and many beside other work, so a condition that
+    never holds is the test's timeout. ``timeout`` bounds one look (see
+    ``eventually_ticking``), raising ``AssertionError`` when it passes.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
     while not cond():
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from decimal import Decimal
 from typing import Any
 
@@ -113,7 +112,7 @@ class Api:
         created = await self.create({**body, "datasetId": ds["id"]})
         assert created.status_code == 201, created.text
         run_id: str = created.json()["id"]
-        await self.wait(run_id, "awaiting_confirmation", timeout=60)
+        await self.wait(run_id, "awaiting_confirmation")
         confirmed = await self.post(run_id, "confirm")
         assert confirmed.status_code == 200, confirmed.text
         return run_id, ds["id"]
@@ -121,15 +120,19 @@ class Api:
     async def status_in(self, run_id: str, *statuses: str) -> bool:
         return (await self.get(run_id))["status"] in statuses
 
-    async def wait(self, run_id: str, *statuses: str, timeout: float = 30) -> dict[str, Any]:
-        """Poll until the run reaches one of ``statuses`` (the worker runs on its own)."""
-        deadline = time.monotonic() + timeout
+    async def wait(self, run_id: str, *statuses: str) -> dict[str, Any]:
+        """Poll until the run reaches one of ``statuses`` (the worker runs on its own).
+
+        No deadline of its own: how long a quote or a run takes on the real model
+        depends on the machine (beside other work, many times longer), so a run
+        that ends anywhere else fails at once, and one that never moves is the
+        test's timeout.
+        """
         while True:
             run = await self.get(run_id)
             if run["status"] in statuses:
                 return run
             assert run["status"] not in {"failed", "canceled", "completed"} - set(statuses), run
-            assert time.monotonic() < deadline, f"stuck in {run['status']}: {run}"
             await asyncio.sleep(0.02)
 
 

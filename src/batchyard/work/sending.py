@@ -3,7 +3,7 @@
 A worker records each call as sent, durably, just before the engine is
 called (``Dispatcher.call``'s ``on_send``), so that after a crash only calls
 that really started are ``uncertain``. Against a fast upstream dozens of calls
-start within the same instant; one write per call measured about half a run's
+start within the same instant, and one write per call cost a run much of its
 throughput (``bench/runs.py``). ``SentMarks`` gathers the marks asked for in the
 same turn of the event loop into one write, and each caller still waits until
 its own mark is committed before its call goes out.

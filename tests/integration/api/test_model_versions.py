@@ -284,7 +284,7 @@ async def test_a_batch_inference_run_on_the_version_writes_the_adapters_answers(
         assert busy.status_code in (200, 409)
         if busy.status_code == 409:
             assert busy.json()["error"]["code"] == "model_version_in_use"
-        done = await api.wait(run_id, "completed", timeout=240)
+        done = await api.wait(run_id, "completed")
         written = [r["data"]["answer"] for r in await api.rows(ds)]
     assert done["results"]["rowsSucceeded"] == 3
     loop = asyncio.get_running_loop()

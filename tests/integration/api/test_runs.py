@@ -441,7 +441,7 @@ async def test_five_thousand_rows_through_a_fake_upstream_over_http(make_service
             run = (await api.create({**RUN, "datasetId": ds["id"]})).json()
             quoted = await api.wait(run["id"], "awaiting_confirmation")
             await api.post(run["id"], "confirm")
-            done = await api.wait(run["id"], "completed", timeout=120)
+            done = await api.wait(run["id"], "completed")
             out = await api.rows(ds["id"])
         await svc.stop_workers()
     assert done["results"]["rowsSucceeded"] == 5000
@@ -485,6 +485,7 @@ async def test_the_same_flow_on_postgresql_with_two_workers_claiming(make_servic
 
 
 @pytest.mark.model
+@pytest.mark.timeout(900)  # 48 rows on the real model: minutes on a loaded machine
 async def test_a_run_on_the_embedded_model_end_to_end(svc):
     # Enough rows to keep both of the engine's contexts busy through several
     # commits and lease renewals; bench/runs.py measures throughput.
@@ -498,7 +499,7 @@ async def test_a_run_on_the_embedded_model_end_to_end(svc):
                 {**RUN, "datasetId": ds["id"], "sampling": {"maxOutputTokens": 8, "temperature": 0}}
             )
         ).json()
-        quoted = await api.wait(run["id"], "awaiting_confirmation", timeout=60)
+        quoted = await api.wait(run["id"], "awaiting_confirmation")
         running = (await api.post(run["id"], "confirm")).json()
         seen = {running["status"]}
         while True:

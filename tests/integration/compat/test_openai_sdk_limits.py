@@ -7,9 +7,15 @@ each refused call is given its own place in line and told its own time, so the
 SDK's own two retries (honouring ``retry-after-ms``) land each call in its place.
 
 The SDK sleeps real time on ``Retry-After``, so the tier here is tier 0 sped up
-twenty times (600 a minute, the same burst and concurrency, a twentieth of the
-server's queue): the same schedule in a few seconds. Nothing here is timed; the
-server's scripted engine answers at once, so only the limits shape the run.
+four times (120 a minute, the same burst and concurrency, a quarter of the
+server's queue): the same schedule in about fifteen seconds. Nothing here is
+timed, but the speed-up shrinks what the server itself does not: a call holds
+one of the five concurrency slots for as long as the server takes to answer it,
+and a call that finds them full waits the (shrunk) queue, then is told to retry
+in a second. Sped up twenty times, the queue was half a second, and on a loaded
+machine (calls taking longer than that) every retry found the slots full and
+calls ended in ``RateLimitError``; at four times a call has 2.5 s, as tier 0's
+own ten seconds has room for a slow server.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from batchyard.core.tiers import DEFAULT_TIERS, Tier
 from batchyard.engines.scripted import ScriptedEngine
 from tests.support.threaded_server import Gateway, ServerThread
 
-SPEED = 20
+SPEED = 4
 TIER0 = DEFAULT_TIERS[0]
 FAST_TIER0 = Tier(
     0,

@@ -91,11 +91,13 @@ def upgrade(engine: Engine, revision: str = "heads") -> None:
             conn.commit()
         try:
             _refuse_unknown(conn)
+            conn.rollback()  # the look was a read: Alembic opens its own transaction
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
             conn.commit()
         finally:
             if locking:
+                conn.rollback()  # a failed upgrade leaves its transaction aborted
                 conn.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": _LOCK_ID})
                 conn.commit()
 
