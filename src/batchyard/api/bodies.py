@@ -49,7 +49,12 @@ class DecideOutcome(Shape):
 class DecideQuestion(Shape):
     id: str = Field(pattern=_ID)
     question: str = Field(pattern=_SOME_TEXT)
-    outcomes: Annotated[list[DecideOutcome], Field(min_length=2), Coded("too_few_outcomes")]
+    #: Each outcome's id once (the document can say no two are the same object).
+    outcomes: Annotated[
+        list[DecideOutcome],
+        Field(min_length=2, json_schema_extra={"uniqueItems": True}),
+        Coded("too_few_outcomes"),
+    ]
 
 
 class DecideText(Shape):

@@ -325,11 +325,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         multipart={
             "type": "object",
             "required": ["purpose", "file"],
+            # The expiry is both its parts or neither.
+            "dependentRequired": {
+                "expires_after[anchor]": ["expires_after[seconds]"],
+                "expires_after[seconds]": ["expires_after[anchor]"],
+            },
             "properties": {
                 "purpose": {"type": "string", "enum": ["batch"]},
                 "file": {"type": "string", "format": "binary"},
                 "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
-                "expires_after[seconds]": {"type": "integer", "minimum": 3600},
+                "expires_after[seconds]": {
+                    "type": "integer",
+                    "minimum": 3600,
+                    "maximum": 2_592_000,
+                },
             },
         },
     ),
