@@ -74,7 +74,7 @@ class DecideBody(Shape):
 
     model: str = Field(min_length=1)
     input: DecideText | DecideImage
-    decisions: list[DecideQuestion] | None = None
+    decisions: Annotated[list[DecideQuestion], Field(min_length=1), Coded("no_decisions")]
     max_output_tokens: int | None = None
     fallback: Literal["base", "none"] | None = None
     calibration: Literal["batch", "content_free", "none"] | None = None
@@ -158,7 +158,7 @@ class WebhookEndpointBody(Shape):
 
     url: Annotated[str, Field(pattern=r"^https?://[^\s/]+"), Coded("invalid_webhook_url")]
     events: Annotated[
-        list[Annotated[Literal[EVENTS], Coded("unknown_webhook_event")]] | None,  # type: ignore[valid-type]
+        list[Annotated[Literal[EVENTS], Coded("unknown_webhook_event")]],  # type: ignore[valid-type]
         Field(min_length=1),
-    ] = None
+    ]
     description: str | None = Field(default=None, max_length=500)
