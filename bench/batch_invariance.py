@@ -1,7 +1,7 @@
 """Why a temperature-0 answer can differ beside other requests: llama.cpp's CPU attention, probed.
 
 The embedded engine decodes many sequences in one unified KV cache with flash
-attention on (``engines/llama_scheduler.py``). This script drives llama.cpp
+attention on (``engines/llama/native.py``). This script drives llama.cpp
 directly, through llama-cpp-python's low-level bindings and the same GGUF,
 and changes one thing at a time, comparing a sequence's logits bit for bit:
 

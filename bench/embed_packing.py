@@ -1,7 +1,7 @@
 """What reading short embedding inputs together buys, and what it costs in the vectors.
 
 The embedded engine's embeddings read consecutive inputs in one decode while the
-decode stays under 64 rows (``_embedding_packs``), with flash attention on. This
+decode stays under 64 rows (``embedding_packs``), with flash attention on. This
 bench runs, in one process and on one model, the same review texts through two
 embedding contexts, alternated in rounds (these machines are noisy): ``packed`` as
 the engine ships it, and ``alone`` as it was before (one decode an input, flash
@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]
 from engine import review_texts  # noqa: E402
 
 import batchyard.engines  # noqa: E402,F401  (sets OpenMP's waiting before llama_cpp loads)
-from batchyard.engines.llama_cpp import _embedding_packs  # noqa: E402
+from batchyard.engines.llama.models import embedding_packs  # noqa: E402
 from batchyard.engines.model_files import default_model_path  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main() -> None:
 
     def packed(texts: list[str], counts: list[int]) -> list[Any]:
         out: list[Any] = [None] * len(texts)
-        for pack in _embedding_packs(counts):
+        for pack in embedding_packs(counts):
             got = packed_ctx.embed([texts[i] for i in pack], normalize=True)
             for i, vector in zip(pack, got, strict=True):
                 out[i] = vector

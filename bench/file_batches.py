@@ -7,6 +7,11 @@ in a temp dir, one ``openai_http`` route to the upstream whose only limit is
 its concurrency). The bare loop sends the same number of requests at that
 concurrency straight to the upstream; then the file is uploaded
 (``POST /v1/files``), a batch created over it, and polled until it ends.
+With ``--follow-rounds P``, P more pairs of batches over the same file follow:
+one read while it runs through ``/finished`` (a page every 0.2 s, as a client
+following it would), one not, the order alternating; reported is the median
+of each pair's lines/s ratio, and whether the follower read every line once,
+as the output file holds it.
 Reported: lines per second from creation to the end against the bare loop's
 rate (target ≥ 0.5), the upload's own rate, the server's CPU time per line
 from creation to the end, and the server's peak resident memory (``VmHWM``,
@@ -14,7 +19,7 @@ target ≤ 256 MB). Every line must be answered once and
 charged: the batch's charge equals the sum of its lines' charges, nothing
 is held, and the ledger audit is clean.
 
-    python bench/file_batches.py [--lines N] [--concurrency C]
+    python bench/file_batches.py [--lines N] [--concurrency C] [--follow-rounds P]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import tempfile
 import time
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -79,10 +85,86 @@ def write_file(path: Path, n: int) -> int:
     return path.stat().st_size
 
 
+def run_batch(
+    http: httpx.Client, file_id: str, *, follow: bool
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Create a batch over the file and wait for its end; with ``follow``, read it as it runs.
+
+    The follower reads ``/finished`` from its cursor as a client following the
+    batch would, a page of up to 1,000 lines every 0.2 s; what it read is returned.
+    """
+    batch = http.post(
+        "/v1/batches",
+        json={
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    ).json()
+    read: list[dict[str, Any]] = []
+    cursor = "0"
+    while True:
+        if follow:
+            page = http.get(
+                f"/v1/batches/{batch['id']}/finished", params={"after": cursor, "limit": 1000}
+            ).json()
+            read += page["data"]
+            cursor = page["cursor"]
+            if page["has_more"]:
+                continue
+            if page["ended"]:
+                break
+        else:
+            batch = http.get(f"/v1/batches/{batch['id']}").json()
+            if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                break
+        time.sleep(0.2)
+    return http.get(f"/v1/batches/{batch['id']}").json(), read
+
+
+def follow_rounds(
+    http: httpx.Client, file_id: str, pairs: int, first_out: list[str]
+) -> tuple[list[float], bool] | None:
+    """``pairs`` pairs of batches over the same file, followed and not, order alternating.
+
+    Each pair's ratio is the followed batch's lines/s over the other's; and
+    whether every follower read each line once, exactly as the output file holds it.
+    """
+    if pairs <= 0:
+        return None
+    expected = sorted(json.loads(x)["custom_id"] for x in first_out)
+    ratios, whole = [], True
+    for i in range(pairs):
+        seconds: dict[bool, float] = {}
+        for follow in (True, False) if i % 2 else (False, True):
+            t0 = time.perf_counter()
+            batch, read = run_batch(http, file_id, follow=follow)
+            seconds[follow] = time.perf_counter() - t0
+            if follow:
+                out = http.get(f"/v1/files/{batch['output_file_id']}/content").text
+                final = sorted(
+                    (json.loads(x) for x in out.splitlines()), key=lambda x: x["custom_id"]
+                )
+                got = sorted(read, key=lambda x: x["custom_id"])
+                whole = whole and [x["custom_id"] for x in got] == expected
+                # The same lines, field for field, but for the ids each batch gives its requests.
+                whole = whole and [x["response"]["body"]["choices"] for x in got] == [
+                    x["response"]["body"]["choices"] for x in final
+                ]
+        ratios.append(seconds[False] / seconds[True])
+    return ratios, whole
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lines", type=int, default=50_000)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument(
+        "--follow-rounds",
+        type=int,
+        default=0,
+        help="then this many pairs of batches, one read while it runs (/finished), one not",
+    )
     args = ap.parse_args()
     n, c = args.lines, args.concurrency
 
@@ -158,18 +240,9 @@ def main() -> None:
                 )
             upload_s = time.perf_counter() - t0
             up.raise_for_status()
+            file_id = up.json()["id"]
             t1, cpu0 = time.perf_counter(), cpu_seconds(server.pid)
-            batch = http.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": up.json()["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                },
-            ).json()
-            while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
-                time.sleep(0.2)
-                batch = http.get(f"/v1/batches/{batch['id']}").json()
+            batch, _ = run_batch(http, file_id, follow=False)
             batch_s = time.perf_counter() - t1
             batch_cpu = cpu_seconds(server.pid) - cpu0
             lines_charge = 0
@@ -178,6 +251,7 @@ def main() -> None:
                 lines_charge += to_ticks(
                     parse_money(json.loads(line)["response"]["body"]["charge"])
                 )
+            following = follow_rounds(http, file_id, args.follow_rounds, out)
         peak = peak_rss_mb(server.pid)
     finally:
         server.send_signal(signal.SIGINT)
@@ -219,6 +293,16 @@ def main() -> None:
         f"{mark} {answered} of {n} answered once; batch charge {charge} ticks = sum of lines "
         f"{lines_charge}; {held} held; audit {problems if problems else 'clean'}"
     )
+    if following is not None:
+        ratios, whole = following
+        ratios.sort()
+        median = ratios[len(ratios) // 2]
+        console.print(
+            f"followed / not followed, lines/s per pair: median [bold]{median:.2f}[/] "
+            f"(range {ratios[0]:.2f}–{ratios[-1]:.2f}, {len(ratios)} pairs, order alternating); "
+            + ("every line read once, as the files hold it" if whole else "[red]lines differ[/]")
+        )
+        sound = sound and whole
     shutil.rmtree(tmp, ignore_errors=True)
     if not sound:
         sys.exit(1)

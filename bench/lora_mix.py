@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchyard.engines import llama_scheduler
+from batchyard.engines.llama import scheduler as llama_scheduler
 from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
 from batchyard.engines.model_files import default_model_path
 from batchyard.engines.protocol import CompletionRequest

@@ -41,6 +41,7 @@ from batchyard.app import build_service, run_worker  # noqa: E402
 from batchyard.core.clock import SystemClock  # noqa: E402
 from batchyard.core.config import load_settings  # noqa: E402
 from batchyard.core.ids import new_id  # noqa: E402
+from batchyard.core.sections import RunSettings  # noqa: E402
 from batchyard.service import Service  # noqa: E402
 from batchyard.store import projects as pstore  # noqa: E402
 from batchyard.store import runs as rstore  # noqa: E402
@@ -192,7 +193,7 @@ def phase_run(url: str, rows: int, concurrency: int) -> dict[str, Any]:
             replace(
                 svc.settings,
                 catalog=http_catalog(up.base_url),
-                raw={"runs": {"concurrency": concurrency}},
+                runs=RunSettings(concurrency=concurrency),
             ),
             clock=SystemClock(),
         )

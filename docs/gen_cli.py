@@ -9,8 +9,6 @@ terminal that generated it.
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,8 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+
+from pages import check_or_write  # noqa: E402
 
 from batchyard.cli.main import cli  # noqa: E402
 
@@ -56,26 +56,7 @@ def render() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="Generate or check docs/reference/cli.md.")
-    mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
-    mode.add_argument("--write", action="store_true", help="rewrite the page")
-    args = ap.parse_args()
-    fresh = render()
-    if args.write:
-        PAGE.write_text(fresh, encoding="utf-8")
-        print(f"wrote {PAGE.relative_to(ROOT)}")
-        return 0
-    current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
-    if current == fresh:
-        print(f"{PAGE.relative_to(ROOT)} is up to date")
-        return 0
-    diff = difflib.unified_diff(
-        current.splitlines(), fresh.splitlines(), "docs/reference/cli.md", "generated", lineterm=""
-    )
-    print("\n".join(list(diff)[:60]))
-    print(f"\n{PAGE.relative_to(ROOT)} is stale: run `python docs/gen_cli.py --write`")
-    return 1
+    return check_or_write(PAGE, render(), "gen_cli.py")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,11 @@ the two have the same methods, parameters and retries by construction.
             ("from asyncio code", "from plain (blocking) code"),
             ("many tasks sharing one", "many threads sharing one"),
             ('f"AsyncClient(', 'f"Client('),
+            # Python has no ``yield from`` for async generators; the sync one does.
+            (
+                'for item in page["data"]:\n                yield item\n',
+                'yield from page["data"]\n',
+            ),
         ),
     ),
     Target(

@@ -1,1 +1,1 @@
-"""The market bench: price laws, the worker replayed, the online optimum; see ``__main__``."""
+"""The market bench: price laws, the worker replayed, the stopping reference; see ``__main__``."""

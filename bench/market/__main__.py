@@ -1,4 +1,4 @@
-"""How close does waiting for a price come to the best any online policy could do?
+"""How close does waiting for a price come to the optimal stopping of each item?
 
     .venv/bin/python -m bench.market                 # the held-out table (the verdict)
     .venv/bin/python -m bench.market --set train     # what the defaults were chosen on
@@ -12,15 +12,20 @@ per family and overall:
 
 * paid / hindsight: total paid over the total of the cheapest qualifying cost
   each item's window held, over the items dispatched;
-* paid / online: total paid over what the *online optimum* paid for the same
-  items: the same stopping machinery handed the family's own law and the
-  market's present state (not its future), see ``bench/market/trace.py``;
+* paid / reference: total paid over what the *reference* paid for the same
+  items: each item's optimal-stopping problem solved on the family's own law
+  from the market's present state (never its future) by least-squares Monte
+  Carlo at every check, under the same ten dispatches a pass, see
+  ``bench/market/reference.py``;
 * deadlines met, out of the items whose window held a qualifying price, and
   in red how many of those first-eligible met that the contender missed.
 
 ``deadline-aware`` has the three warm-up days saved; ``deadline-aware, 1 day``
 only the last of them; ``deadline-aware, cold`` is a worker started at the
-measured day's dawn with nothing saved. The families and seeds the policy was tuned on (TRAIN) and
+measured day's dawn with nothing saved; ``deadline-aware, true law`` is the
+same policy handed the family's law instead of its history (what knowing the
+law is worth; the rest of its gap is how it solves the stopping problem).
+The families and seeds the policy was tuned on (TRAIN) and
 those it is judged on (HELD_OUT) are listed in ``bench/market/laws.py``.
 """
 
@@ -38,7 +43,7 @@ from bench.market.run import ONLINE, Result, run_family
 from rich.console import Console
 from rich.table import Table
 
-Row = tuple[float, float, int, int, int]  # paid/hindsight, paid/online, met, chances, lost
+Row = tuple[float, float, int, int, int]  # paid/hindsight, paid/reference, met, chances, lost
 
 FIRST = "first-eligible"
 
@@ -113,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         names += [n for n in r.paid if n not in names]
 
     table = Table(
-        title=f"{args.set} set: paid / hindsight, paid / online optimum, deadlines met",
+        title=f"{args.set} set: paid / hindsight, paid / reference, deadlines met",
         title_justify="left",
     )
     table.add_column("family (seeds)")

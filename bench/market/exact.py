@@ -9,9 +9,8 @@ per check found by backward induction over every remaining check::
     V[k] = E[min(cost_k, V[k + 1]) if cost_k qualifies else V[k + 1]]
 
 and the policy stops at check k when the cost there is at most V[k + 1]. It
-checks how close ``TrueLaw`` with the rolling plans of
-``batchyard.core.stopping`` (the bench's online optimum on every family)
-comes to the true optimum.
+checks how close the least-squares Monte Carlo reference
+(``bench/market/reference.py``) comes to the true optimum where both exist.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A route's price, as a share of the direct price, is the exponential of a sum
 of parts, each optional, each a Markov process whose state is known at every
-check (so the online optimum can be handed the law and the present state):
+check (so the reference can be handed the law and the present state):
 
 * a level that may jump to a fresh level and stay there (regime shifts);
 * a daily cycle with the route's own phase;

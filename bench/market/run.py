@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from bench.market.exact import ExactStopping
 from bench.market.laws import family
+from bench.market.reference import Present, Reference
 from bench.market.sim import (
     DAWN,
     DAYS,
@@ -22,9 +23,10 @@ from bench.market.trace import PER_DAY, Trace, TrueLaw
 
 from batchyard.core.market import DeadlineAware, FirstEligible, Policy
 
-__all__ = ["CONTENDERS", "ONLINE", "Contender", "Result", "run_family"]
+__all__ = ["CONTENDERS", "ONLINE", "TRUE_LAW", "Contender", "Result", "run_family"]
 
-ONLINE = "online optimum"
+ONLINE = "reference"
+TRUE_LAW = "deadline-aware, true law"
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,11 @@ class Contender:
 
 
 def _law(trace: Trace, _m: Market, _i: Sequence[SimItem]) -> Policy:
-    return DeadlineAware(scenarios=TrueLaw(trace))
+    return DeadlineAware(scenarios=TrueLaw(trace), name=TRUE_LAW)
+
+
+def _reference(trace: Trace, _m: Market, _i: Sequence[SimItem]) -> Policy:
+    return Reference(Present(trace))
 
 
 CONTENDERS: tuple[Contender, ...] = (
@@ -48,7 +54,10 @@ CONTENDERS: tuple[Contender, ...] = (
     # Its first days: a worker that saved one day, and one started at dawn with nothing.
     Contender("deadline-aware, 1 day", lambda *_: DeadlineAware(), days=1),
     Contender("deadline-aware, cold", lambda *_: DeadlineAware(), days=0),
-    Contender(ONLINE, _law),
+    # The same policy handed the family's law instead of its history: what knowing the
+    # law is worth, and what is left to solving the stopping problem.
+    Contender(TRUE_LAW, _law),
+    Contender(ONLINE, _reference),
 )
 #: Only where the law allows it to be computed exactly (one route, cycle + fresh noise).
 EXACT = Contender("exact optimum", lambda t, m, i: ExactStopping(t, m, i))
@@ -82,5 +91,7 @@ def run_family(
         if days and hasattr(policy, "restore"):
             policy.restore(market.history(DAWN, since=DAWN - int(days * PER_DAY)))
         result.paid[contender.name] = replay(policy, market, items, DAWN).cost
+        if isinstance(policy, Reference):  # it read nothing the replay had not shown
+            assert policy.present.latest_read <= policy.present.now
         result.seconds[contender.name] = time.perf_counter() - started
     return result

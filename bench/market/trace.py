@@ -4,9 +4,10 @@
 them, so that at any check the *state* of the market is known: the regime
 level, the slow wanders, the current auction price, whether a dip or an
 outage is on. ``TrueLaw`` is a ``ScenarioSource`` that, handed that state,
-draws the futures the law itself would produce: it is how the bench builds
-the online optimum, the policy that knows the law and the present but not
-the future.
+draws the futures the law itself would produce, pooled in the policy's
+columns: handed to ``DeadlineAware`` it shows what knowing the law is worth
+to that policy (the reference, ``bench/market/reference.py``, draws its own
+futures check by check).
 
 The futures are drawn at the resolution of the stopping columns
 (``batchyard.core.stopping``): the per-check parts (noise, dips, outages) are
@@ -206,7 +207,7 @@ class _Bank:
 
 
 class TrueLaw:
-    """The family's law, from the trace's present state: the online optimum's scenarios."""
+    """The family's law, from the trace's present state, as the policy's scenarios."""
 
     def __init__(
         self, trace: Trace, *, paths: int = 128, banks: int = 3, seed: int = 0,

@@ -30,18 +30,14 @@ from batchyard.core.config import ConfigError, Settings, load_settings
 from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook
-from batchyard.core.runs import RunSettings
 from batchyard.core.telemetry import MeteredLimiter, Recorder
-from batchyard.core.webhook_rules import WebhookSettings
 from batchyard.engines.protocol import Engine
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.errors import StorageUnavailable
 from batchyard.service import Service
 from batchyard.service.access import check_complete
 from batchyard.service.metrics import PrometheusRecorder
-from batchyard.service.model_versions import VersionSettings
 from batchyard.service.model_versions import fetcher as version_fetcher
-from batchyard.service.model_versions import folder_for as version_folder
 from batchyard.service.model_versions import gate as version_gate
 from batchyard.store import health, key_check, migrations
 from batchyard.store.database import Database
@@ -53,12 +49,13 @@ from batchyard.work.deferred_batches.deferred_batch_worker import (
 )
 from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
-from batchyard.work.file_batches.file_batch_worker import FileBatchSettings, FileBatchWorker
+from batchyard.work.file_batches.file_batch_worker import FileBatchWorker
 from batchyard.work.holds import HoldSweeper
 from batchyard.work.market_prices import MarketPrices
 from batchyard.work.price_feed import PriceFeed
 from batchyard.work.runner import Periodic
 from batchyard.work.runs.run_worker import RunWorker
+from batchyard.work.stuck_watch import StuckWatch
 from batchyard.work.warmth import SWEEP_EVERY_S, Warmth
 from batchyard.work.webhook_sender import WebhookSender
 
@@ -80,7 +77,9 @@ __all__ = [
     "migrations_current",
     "run_worker",
     "store_writable",
+    "stuck_watch",
     "verify_batch_key",
+    "verify_embedded_model",
     "verify_key_of",
 ]
 
@@ -127,7 +126,7 @@ def build_service(
     limiter = MeteredLimiter(
         limiter or limiter_from_url(settings.limiter_url, clock, db.engine), metrics
     )
-    versions = VersionSettings.from_raw(settings.raw.get("model_versions"))
+    versions = settings.model_versions
     registry = EngineRegistry(
         embedded_model_path=settings.embedded_model_path,
         embedded_slots=settings.embedded_slots,
@@ -164,12 +163,11 @@ def build_service(
     file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, deferred_batches.prices)
     warmth = Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s)
     holds = HoldSweeper(db=db, clock=clock)
+    stuck_watch = _stuck_watch(settings, db, clock, dispatcher, deferred_batches.prices)
     webhooks = webhook_sender_of(settings, db, clock, metrics)
     # Versions uploaded into projects (mv.…) are found in the store on first use,
     # and checked against it on each use (a delete through any process counts).
-    settings.catalog.fetch_with(
-        version_fetcher(db, settings.catalog, version_folder(settings.home, settings.raw))
-    )
+    settings.catalog.fetch_with(version_fetcher(db, settings.catalog, settings.version_folder))
     registry.gate_with(version_gate(db, settings.catalog))
     return Service(
         settings=settings,
@@ -195,6 +193,7 @@ def build_service(
             webhooks,  # the webhook outbox: batches' ends told to their owners' endpoints
             Periodic("warmth", clock, SWEEP_EVERY_S, warmth.sweep, close=warmth.aclose),
             Periodic("holds", clock, holds.interval_s, holds.sweep),
+            Periodic("stuck", clock, stuck_watch.interval_s, stuck_watch.sweep),
         ],
     )
 
@@ -212,6 +211,33 @@ def _holds_sealed_data(settings: Settings) -> bool:
         return False  # a file that cannot be read is refused by the migration, in one line
     finally:
         engine.dispose()
+
+
+def verify_embedded_model(service: Service) -> None:
+    """Refuse to serve an embedded route whose model file is not installed.
+
+    ``serve`` and ``worker`` call it before any work: without the file they
+    used to start and answer every call on the route 503 ``model_file_missing``,
+    so a fresh ``pip install batchyard[server]`` looked broken at its first
+    request instead of saying, at start, which package to add. Raises
+    ``ConfigError``.
+    """
+    from batchyard.engines.model_files import default_model_path
+    from batchyard.errors import ServiceUnavailable
+
+    embedded = sorted(
+        r.id for r in service.settings.catalog.routes.values() if r.engine == "llama_cpp"
+    )
+    if not embedded or service.settings.embedded_model_path:
+        return  # no embedded route, or a path the settings already checked
+    try:
+        default_model_path()
+    except ServiceUnavailable as exc:
+        raise ConfigError(
+            f"routes[{embedded[0]}]",
+            f"the embedded model is not installed: {exc.message}",
+            "or give the embedded routes another engine in the config file",
+        ) from None
 
 
 def verify_batch_key(service: Service) -> None:
@@ -307,6 +333,31 @@ def run_worker(service: Service, *, owner: str | None = None) -> RunWorker:
     )
 
 
+def stuck_watch(service: Service) -> StuckWatch:
+    """The stuck-work watch over ``service``'s parts, as its worker processes run it."""
+    return _stuck_watch(
+        service.settings,
+        service.db,
+        service.clock,
+        service.dispatcher,
+        service.deferred_batches.prices,
+    )
+
+
+def _stuck_watch(
+    s: Settings, db: Database, clock: Clock, dispatcher: Dispatcher, prices: MarketPrices
+) -> StuckWatch:
+    return StuckWatch(
+        db=db,
+        clock=clock,
+        catalog=s.catalog,
+        health=dispatcher.health,
+        prices=prices,
+        metrics=dispatcher.metrics,
+        stuck_after_s=s.stuck_after_s,
+    )
+
+
 def file_batch_worker(service: Service, *, owner: str | None = None) -> FileBatchWorker:
     """Another file-batch worker over ``service``'s parts (a second process, in tests)."""
     return _file_batch_worker(
@@ -338,7 +389,7 @@ def _file_batch_worker(
         dispatcher=dispatcher,
         key=key,
         prices=prices,
-        settings=FileBatchSettings.from_raw(s.raw.get("file_batches")),
+        settings=s.file_batches,
         owner=owner,
     )
 
@@ -351,7 +402,7 @@ def webhook_sender_of(
         db=db,
         clock=clock,
         metrics=metrics,
-        settings=WebhookSettings.from_raw(s.raw.get("webhooks")),
+        settings=s.webhooks,
         owner=owner,
     )
 
@@ -410,7 +461,7 @@ def _run_worker(
         dispatcher=dispatcher,
         tokenizers=tokenizers,
         tiers=s.tiers,
-        settings=RunSettings.from_raw(s.raw.get("runs")),
+        settings=s.runs,
         billing_review_threshold=s.billing_review_threshold,
         owner=owner,
     )
@@ -502,6 +553,7 @@ def create_app(
         projects,
         runs,
         scrape,
+        spend_caps,
         webhooks,
     )
     from batchyard.api.envelope import EnvelopeMiddleware
@@ -573,6 +625,7 @@ def create_app(
     app.include_router(model_versions.router)  # a project's uploaded model versions
     app.include_router(projects.router)
     app.include_router(runs.router)
+    app.include_router(spend_caps.router)  # caps on a key's and a project's spend
     app.include_router(scrape.router)  # /metrics
     app.include_router(webhooks.router)  # /v1/webhook-endpoints
     app.include_router(workspace.router)  # the Batches workspace pages (web/)

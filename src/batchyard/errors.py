@@ -26,7 +26,7 @@ not retryable.
     ├── Unauthorized (401)
     │   ├── MissingApiKey
     │   └── InvalidApiKey
-    ├── InsufficientCredit (402)
+    ├── InsufficientCredit (402) ── SpendCapExceeded
     ├── Forbidden (403) ── InsufficientScope
     ├── NotFound (404) ── ModelNotFound
     ├── Conflict (409)
@@ -40,6 +40,7 @@ not retryable.
     ├── RateLimited (429)
     ├── PendingLimitExceeded (429)
     ├── UpstreamError (502)
+    │   ├── UpstreamUnreachable (502)
     │   ├── UpstreamTimeout (504)
     │   ├── UpstreamRateLimited (503)
     │   └── ModelOutputInvalid (502)
@@ -91,6 +92,7 @@ __all__ = [
     "QuoteExpired",
     "RateLimited",
     "ServiceUnavailable",
+    "SpendCapExceeded",
     "StorageUnavailable",
     "TooFewOutcomes",
     "Unauthorized",
@@ -101,6 +103,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamRateLimited",
     "UpstreamTimeout",
+    "UpstreamUnreachable",
     "error_class_for_code",
     "error_type",
 ]
@@ -278,6 +281,16 @@ class InsufficientCredit(BatchyardError):
     retryable = True
 
 
+class SpendCapExceeded(InsufficientCredit):
+    """A key's or project's spend cap would be crossed; nothing was held.
+
+    Not retryable as it stands: the cap must be raised, or the month turn.
+    """
+
+    code = "spend_cap_exceeded"
+    retryable = False
+
+
 class Forbidden(BatchyardError):
     code = "forbidden"
     status = 403
@@ -356,6 +369,17 @@ class UpstreamError(BatchyardError):
     code = "upstream_error"
     status = 502
     retryable = True
+
+
+class UpstreamUnreachable(UpstreamError):
+    """The route's upstream could not be connected to: nothing was sent.
+
+    A door answers it as a retryable 502, as any upstream failure; the
+    workers tell it apart, because a call that never left can wait for its
+    route to come back instead of failing its line, row or item.
+    """
+
+    code = "upstream_unreachable"
 
 
 class UpstreamTimeout(UpstreamError):

@@ -20,7 +20,7 @@ from prometheus_client.samples import Sample
 from batchyard.core.tiers import DEFAULT_TIERS
 from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import make_account
-from tests.support.runs import Api, runs_raw
+from tests.support.runs import Api, fast_runs
 from tests.support.server import live_server
 
 FAMILIES = {
@@ -35,6 +35,7 @@ FAMILIES = {
     "batchyard_upstream_retry_after_seconds",
     "batchyard_leases_recovered",
     "batchyard_items_uncertain",
+    "batchyard_work_stuck",
     "batchyard_store_up",
     "batchyard_queue_depth",
     "batchyard_holds_open",
@@ -79,7 +80,7 @@ async def test_a_scrape_after_real_requests_has_every_family_and_the_counts_move
         dataclasses.replace(t, requests_per_minute=1, concurrency=1) if t.level == 0 else t
         for t in DEFAULT_TIERS
     )
-    svc = make_service(raw=runs_raw(), tiers=tiers, limits_queue_s=0.0)
+    svc = make_service(runs=fast_runs(), tiers=tiers, limits_queue_s=0.0)
     engine = ScriptedEngine(
         lambda req: "an answer of five words",
         clock=svc.clock,

@@ -381,14 +381,34 @@ def test_audit_on_a_read_only_database_speaks_to_the_operator(tmp_path, read_onl
     # At the current schema the audit only reads: it runs on a read-only copy.
     fine = _run(["audit", "--database", url], env)
     assert fine.returncode == 0, fine.stderr
-    # One migration behind, it must write first, and cannot: one line for the operator.
+    # Behind the code (here: no migration applied), it must write first, and cannot: one
+    # line for the operator.
     engine = create_engine(normalise_database_url(url))
     with engine.begin() as conn:
         conn.execute(text("SET TRANSACTION READ WRITE"))
-        conn.execute(text("DROP TABLE batch_key_checks"))
-        conn.execute(text("UPDATE alembic_version SET version_num = '0010'"))
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
     engine.dispose()
     out = _run(["audit", "--database", url], env)
     line = _refused(out, "the database cannot be used", "read-only", code=1)
     assert "Idempotency-Key" not in line
     assert "writable" in line
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_database_another_batchyard_migrated_is_one_line_naming_it_and_the_fix(tmp_path, command):
+    """A revision this code does not know (a newer release's, or one folded into 0.1.0's)."""
+    import sqlite3
+
+    env = _env(tmp_path)
+    assert _run(["keys", "create", "--org", "acme"], env).returncode == 0
+    path = tmp_path / "home" / "batchyard.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0017'")
+    out = _run([command], env)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == EX_CONFIG, (out.returncode, out.stderr)
+    # serve and worker log the batch key they made first, as JSON; then the one line.
+    (line,) = [ln for ln in out.stderr.splitlines() if not ln.startswith("{")]
+    for name in ("revision 0017", "does not know", f"move {path} aside", "that migrated it"):
+        assert name in line, (name, line)

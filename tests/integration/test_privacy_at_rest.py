@@ -24,7 +24,7 @@ from tests.support.deferred_batches import (
     submit,
     worker,
 )
-from tests.support.runs import Api, runs_raw
+from tests.support.runs import Api, fast_runs
 from tests.support.server import asgi_client
 from tests.support.workspace import signed_in, submit_form
 
@@ -178,7 +178,7 @@ async def test_no_front_door_leaves_personal_data_readable_at_rest(
 ):
     caplog.set_level(logging.DEBUG)
     path = tmp_path / "fresh" / "store.db"  # created by the service itself
-    svc = make_service(database_url=f"sqlite:///{path}", raw=runs_raw())
+    svc = make_service(database_url=f"sqlite:///{path}", runs=fast_runs())
     engine = ScriptedEngine(_echo_all, clock=clock)
     svc.engines.set("embedded", engine)
     acct = make_account(svc, credit="50", tier=3)

@@ -36,25 +36,27 @@ async def test_a_redis_limiter_on_a_closed_port_is_503_and_named(make_service):
     assert alive.status_code == 200  # alive, only not ready
 
 
-async def test_a_database_whose_revision_is_behind_the_code_is_503_and_named(make_service):
+async def test_a_database_at_another_revision_than_the_code_is_503_and_named(make_service):
     svc = make_service(postgres=True)
-    script = ScriptDirectory.from_config(alembic_config())
-    (head,) = script.get_heads()
-    previous = script.get_revision(head).down_revision
-    assert isinstance(previous, str)
+    (head,) = ScriptDirectory.from_config(alembic_config()).get_heads()
 
-    def set_revision(rev: str) -> None:
+    def set_revision(rev: str | None) -> None:
         with svc.db.engine.begin() as conn:
-            conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": rev})
+            conn.execute(text("DELETE FROM alembic_version"))
+            if rev is not None:
+                conn.execute(text("INSERT INTO alembic_version VALUES (:v)"), {"v": rev})
 
     async with asgi_client(svc, worker=False) as http:
-        set_revision(previous)  # as if older code had migrated it last
+        set_revision(None)  # as if no migration had run
         behind = await http.get("/readyz")
+        set_revision("f00dfeed")  # as if newer code had migrated it last
+        ahead = await http.get("/readyz")
         set_revision(head)
         current = await http.get("/readyz")
-    assert behind.status_code == 503
-    check = behind.json()["checks"]["migrations"]
-    assert check["ok"] is False
-    assert previous in check["reason"] and head in check["reason"]
-    assert behind.json()["checks"]["store"] == {"ok": True}
+    for answer, at in ((behind, "none"), (ahead, "f00dfeed")):
+        assert answer.status_code == 503
+        check = answer.json()["checks"]["migrations"]
+        assert check["ok"] is False
+        assert f"at revision {at};" in check["reason"] and head in check["reason"]
+        assert answer.json()["checks"]["store"] == {"ok": True}
     assert current.status_code == 200

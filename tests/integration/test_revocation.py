@@ -15,7 +15,7 @@ from batchyard.core.accounts import Scope
 from batchyard.store import accounts
 from tests.support.accounts import add_key, make_account
 from tests.support.deferred_batches import batch_body, submit, worker
-from tests.support.runs import Api, GatedEngine, runs_raw
+from tests.support.runs import Api, GatedEngine, fast_runs
 from tests.support.server import asgi_client
 
 ROWS = [{"text": f"row {i}"} for i in range(10)]
@@ -33,7 +33,7 @@ def revoke(svc, key_id: str) -> None:
 
 
 async def test_revoking_a_key_stops_its_runs_and_cancels_its_batches(make_service):
-    svc = make_service(raw=runs_raw())
+    svc = make_service(runs=fast_runs())
     engine = GatedEngine(open_first=2)  # two rows answered, then calls wait in flight
     svc.engines.set("embedded", engine)
     owner = make_account(svc, credit="5")

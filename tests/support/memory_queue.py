@@ -120,8 +120,8 @@ class MemoryQueue:
         back = 0
         for key, lease in held.items():
             unit = self._ours(key, lease)
-            if unit is not None and unit.state == "claimed" and not unit.sent:
-                unit.state, unit.owner, unit.expires = "waiting", None, None
+            if unit is not None and unit.state == "claimed":
+                unit.state, unit.owner, unit.expires, unit.sent = "waiting", None, None, False
                 back += 1
         self.log.append(("requeue", tuple(held)))
         return back

@@ -5,28 +5,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
 import httpx
 
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
-from batchyard.core.config import Settings
+from batchyard.core.sections import RunSettings
 from batchyard.engines.protocol import Completion, CompletionRequest
 
 RUNS = {"poll_s": 0.02, "heartbeat_s": 0.2}
 ISO = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$"
 
 
-def with_runs(settings: Settings, **runs: Any) -> Settings:
-    return replace(settings, raw=runs_raw(settings.raw, **runs))
-
-
-def runs_raw(raw: dict[str, Any] | None = None, **runs: Any) -> dict[str, Any]:
-    """The config's ``raw`` with fast run timings (``RUNS``) and ``runs`` over them."""
-    raw = raw or {}
-    return {**raw, "runs": {**RUNS, **runs}}
+def fast_runs(**runs: Any) -> RunSettings:
+    """Run timings fast enough for tests (``RUNS``), with ``runs`` over them."""
+    return RunSettings(**{**RUNS, **runs})
 
 
 def http_catalog(base_url: str, **route: Any) -> Catalog:

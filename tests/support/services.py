@@ -2,7 +2,8 @@
 
 Every service a test makes comes from the composition root (``batchyard.app.build_service``),
 on the test's clock and database, with the settings it overrides; each ends with the ledger
-audit, so no test can leave money unaccounted for without failing.
+audit and the check of every charge against its usage (``store.billing.audit_charges``), so no
+test can leave money unaccounted for, or a charge that is not its usage, without failing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.config import Settings
 from batchyard.engines.protocol import Engine
 from batchyard.service import Service
-from batchyard.store import ledger
+from batchyard.store import billing, ledger
 
 __all__ = ["ServiceFactory"]
 
@@ -66,7 +67,7 @@ class ServiceFactory:
         """Audit and stop every service made; an unsound ledger fails the test."""
         problems: list[tuple[str, list[str]]] = []
         for svc in self.made:
-            found = svc.db.read_sync(ledger.audit)
+            found = svc.db.read_sync(ledger.audit) + svc.db.read_sync(billing.audit_charges)
             if found:
                 problems.append((svc.settings.database_url, found))
             await svc.stop()

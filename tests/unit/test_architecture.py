@@ -111,7 +111,7 @@ MUTABLE_FACTORIES = {
 REGISTRY_ALLOWED = {
     # llama.cpp's finaliser crashes if it runs after the module's teardown, so models
     # still open at exit are closed first; the set only holds what is alive anyway.
-    ("engines/llama_cpp.py", "_open_models"),
+    ("engines/llama/models.py", "open_models"),
     # A cache of compiled grammars, a pure function of the schema's text.
     ("engines/llama_sampling.py", "_grammars"),
     # A cache of each GGUF file's vocabulary, a pure function of the file.

@@ -6,11 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import Connection
 
-from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.api.context import ServiceDep, authenticate, json_response
 from batchyard.api.inputs import query_id_cursor, query_limit
 from batchyard.core.accounts import Organisation
 from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
+from batchyard.service.spend_caps import cap_views
 from batchyard.store import accounts, activity, ledger
 
 __all__ = ["router"]
@@ -19,14 +20,16 @@ router = APIRouter()
 
 
 @router.get("/v1/account")
-async def get_account(request: Request) -> JSONResponse:
+async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    svc = service_of(request)
 
-    def load(conn: Connection) -> tuple[Organisation, ledger.Balance]:
-        return accounts.get_org(conn, principal.org_id), ledger.balance(conn, principal.org_id)
+    now = svc.clock.now()
 
-    org, bal = await svc.db.read(load)
+    def load(conn: Connection) -> tuple[Organisation, ledger.Balance, list[dict[str, object]]]:
+        org = accounts.get_org(conn, principal.org_id)
+        return org, ledger.balance(conn, principal.org_id), cap_views(conn, principal, now)
+
+    org, bal, caps = await svc.db.read(load)
     tier = svc.tier(org.tier)
     auto = None
     if org.auto_topup_amount is not None and org.auto_topup_threshold is not None:
@@ -46,14 +49,15 @@ async def get_account(request: Request) -> JSONResponse:
             "effective_limits": tier.effective_limits(),
             "zero_data_retention": principal.zero_data_retention,
             "auto_top_up": auto,
+            # Each capped key and project: its caps, and what it has charged and holds.
+            "spend_caps": caps,
         }
     )
 
 
 @router.get("/v1/activity")
-async def get_activity(request: Request) -> JSONResponse:
+async def get_activity(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    svc = service_of(request)
     limit = query_limit(request, default=100, most=1000)
     after = query_id_cursor(request, "act", name="after")
     rows = await svc.db.read(

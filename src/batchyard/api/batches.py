@@ -22,9 +22,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
-from batchyard.errors import InvalidRequest
+from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
+from batchyard.api.inputs import (
+    finished_query,
+    object_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+)
+from batchyard.errors import InvalidRequest, InvalidState
 from batchyard.service import batch_listing, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
 
@@ -38,9 +44,8 @@ FILE_DIALECT = {"input_file_id", "endpoint"}
 
 
 @router.post("/v1/batches")
-async def create_batch(request: Request) -> Response:
+async def create_batch(request: Request, svc: ServiceDep) -> Response:
     principal = await authenticate(request)
-    svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=MAX_BODY_BYTES)
     if FILE_DIALECT & raw.keys():
@@ -69,7 +74,7 @@ def _batch_id(value: str) -> str:
 
 
 @router.get("/v1/batches")
-async def list_batches(request: Request) -> JSONResponse:
+async def list_batches(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     for key in sorted(request.query_params.keys() - {"after", "limit"}):
         raise InvalidRequest(
@@ -77,9 +82,7 @@ async def list_batches(request: Request) -> JSONResponse:
         )
     limit = query_limit(request, default=20, most=100)
     after = query_id_cursor(request, "bat", name="after")
-    data, more = await batch_listing.list_views(
-        service_of(request), principal, after=after, limit=limit
-    )
+    data, more = await batch_listing.list_views(svc, principal, after=after, limit=limit)
     return json_response(
         {
             "object": "list",
@@ -93,20 +96,18 @@ async def list_batches(request: Request) -> JSONResponse:
 
 
 @router.get("/v1/batches/{batch_id}")
-async def get_batch(request: Request, batch_id: str) -> JSONResponse:
+async def get_batch(request: Request, batch_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _batch_id(batch_id)
-    svc = service_of(request)
     view = await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
     return json_response(view)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str) -> Response:
+async def cancel_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request)
     _batch_id(batch_id)
     body = await read_empty(request)
-    svc = service_of(request)
 
     async def handler() -> tuple[int, Any]:
         if await batch_listing.is_file_batch(svc, principal, batch_id):
@@ -118,9 +119,44 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
     return await idempotent(request, principal, body, handler, answers_text=False)
 
 
-@router.get("/v1/batches/{batch_id}/results")
-async def batch_results(request: Request, batch_id: str) -> Response:
+@router.post("/v1/batches/{batch_id}/retry")
+async def retry_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
+    """A batchyard extension: a new file batch of this one's failed, expired and canceled lines."""
     principal = await authenticate(request)
     _batch_id(batch_id)
-    lines = await deferred_batches.result_lines(service_of(request), principal, batch_id)
+    body = await read_empty(request)
+
+    async def handler() -> tuple[int, Any]:
+        if not await batch_listing.is_file_batch(svc, principal, batch_id):
+            # 404 unless it is the caller's deferred batch.
+            await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
+            raise InvalidState(
+                "a deferred batch is not retried here: submit its failed requests as a new batch",
+                code="retry_unsupported",
+            )
+        view = await file_batches.retry(svc, principal, batch_id)
+        svc.file_batches.notify()
+        return 200, view
+
+    return await idempotent(request, principal, body, handler)
+
+
+@router.get("/v1/batches/{batch_id}/results")
+async def batch_results(request: Request, batch_id: str, svc: ServiceDep) -> Response:
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    lines = await deferred_batches.result_lines(svc, principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-ndjson")
+
+
+@router.get("/v1/batches/{batch_id}/finished")
+async def batch_finished(request: Request, batch_id: str, svc: ServiceDep) -> Response:
+    """A batchyard extension: the lines that ended so far, from a cursor, while the batch runs."""
+    principal = await authenticate(request)
+    _batch_id(batch_id)
+    after, limit = finished_query(request)
+    if await batch_listing.is_file_batch(svc, principal, batch_id):
+        page = await file_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    else:
+        page = await deferred_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    return json_response(page)

@@ -1,9 +1,10 @@
 """``POST /v1/chat/completions``: OpenAI's shape in and out, billed and limited.
 
-The request is checked strictly (``core.openai_bodies.parse_chat``), counted
-with the model's tokenizer, held against the caller's credit at its most
-expensive (every prompt token plus ``max_tokens`` for each of ``n`` samples),
-dispatched, and settled to the real usage (``openai_door.ModelCall``). The
+The request is checked strictly (``core.openai_bodies.parse_chat``), prepared
+(``service.preparation``: every token the engine reads counted, the tools'
+instructions included, and the most it can cost quoted), held against the
+caller's credit at that quote, dispatched, and settled to the real usage
+(``openai_door.ModelCall``). The
 response is OpenAI's ``chat.completion`` (``work.openai_wire``, the rendering a
 file batch's lines and a deferred batch's results share), with the settled
 ``charge`` added as a decimal string.
@@ -20,18 +21,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.openai_door import (
-    Chunks,
-    ModelCall,
-    chat_needs,
-    quote,
-    read_body,
-    resolve,
-)
+from batchyard.api.openai_door import Chunks, ModelCall, prepared, read_body
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
-from batchyard.core.openai_bodies import check_images, parse_chat
+from batchyard.core.openai_bodies import parse_chat
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import Reply, chat_first, chat_piece, chat_replay, chat_request
 
@@ -43,22 +37,12 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     principal, raw, svc, body = await read_body(request, parse_chat)
-    tools = bool(body.tools) and body.tool_choice != "none"
-    needs = chat_needs(bool(body.stream), tools)
-    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
-    check_images(body.messages, model)
-    max_tokens = (
-        body.max_completion_tokens
-        or body.max_tokens
-        or min(svc.settings.default_max_tokens, model.max_output_tokens)
-    )
-    tok = svc.tokenizer(model)
-    counted = tok.count_messages(body.messages)
-    q = quote(tok, model, [counted], max_tokens, body.n, param="messages")
-    req = chat_request(body, model=svc.catalog.engine_name(model.id, route), max_tokens=max_tokens)
+    org_id, stream = principal.org_id, bool(body.stream)
+    p = prepared(body.model, lambda: svc.preparer.chat(body, org_id=org_id, stream=stream))
+    req = chat_request(body, model=p.engine_model, max_tokens=p.max_tokens)
     now = svc.clock.now()
-    call = ModelCall(request, principal, model, route, q, "chat", new_id("chatcmpl", now))
-    reply = Reply(call.ref, int(now.timestamp()), model.id)
+    call = ModelCall(request, principal, p, "chat", new_id("chatcmpl", now))
+    reply = Reply(call.ref, int(now.timestamp()), p.model.id)
     logprobs = bool(body.logprobs)
 
     def render(result: DispatchResult) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.openai_door import Chunks, ModelCall, quote, read_body, resolve
+from batchyard.api.openai_door import Chunks, ModelCall, prepared, read_body
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_completion
@@ -39,18 +39,14 @@ async def completions(request: Request) -> Response:
         raise CapabilityUnsupported(
             "a stream answers one prompt; send the list without stream", param="stream"
         )
-    needs = ["completions", *(["stream"] if body.stream else [])]
-    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
-    max_tokens = body.max_tokens or 16
-    tok = svc.tokenizer(model)
-    # Each prompt and the start-of-text token the model reads first.
-    counts = [n + 1 for n in tok.count_batch(prompts)]
-    q = quote(tok, model, counts, max_tokens, body.n, param="prompt")
-    name = svc.catalog.engine_name(model.id, route)
-    reqs = text_requests(body, prompts, model=name, max_tokens=max_tokens)
+    org_id, stream = principal.org_id, bool(body.stream)
+    p = prepared(
+        body.model, lambda: svc.preparer.completion(body, prompts, org_id=org_id, stream=stream)
+    )
+    reqs = text_requests(body, prompts, model=p.engine_model, max_tokens=p.max_tokens)
     now = svc.clock.now()
-    call = ModelCall(request, principal, model, route, q, "completions", new_id("cmpl", now))
-    reply = Reply(call.ref, int(now.timestamp()), model.id)
+    call = ModelCall(request, principal, p, "completions", new_id("cmpl", now))
+    reply = Reply(call.ref, int(now.timestamp()), p.model.id)
 
     def render(result: DispatchResult) -> dict[str, Any]:
         return {

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import Connection
 
@@ -33,11 +33,12 @@ from batchyard.errors import (
     RateLimited,
 )
 from batchyard.service.access import access_for
-from batchyard.service.deployment import service_of
+from batchyard.service.deployment import Service, service_of
 from batchyard.service.idempotency import Stream, run_once, unkeyed
 from batchyard.store import accounts
 
 __all__ = [
+    "ServiceDep",
     "authenticate",
     "check_tier_limits",
     "idempotent",
@@ -45,6 +46,16 @@ __all__ = [
     "read_json",
     "service_of",
 ]
+
+
+async def _service(request: Request) -> Service:
+    # A coroutine, so FastAPI calls it on the loop rather than in its thread pool.
+    return service_of(request)
+
+
+#: The deployment's service as a handler parameter (``svc: ServiceDep``), so a
+#: handler gets it once, from FastAPI, instead of digging it out of the request.
+ServiceDep = Annotated[Service, Depends(_service)]
 
 
 def _presented_key(request: Request, x_api_key: bool) -> str:

@@ -21,11 +21,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from batchyard.api.context import check_tier_limits, idempotent
-from batchyard.api.openai_door import read_body, resolve
+from batchyard.api.openai_door import prepared, read_body
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import parse_embedding
-from batchyard.core.quotes import direct_price, quote
 from batchyard.engines.token_ids import as_texts
 from batchyard.work.openai_wire import embedding_list
 
@@ -38,27 +37,23 @@ router = APIRouter()
 async def embeddings(request: Request) -> Response:
     principal, raw, svc, body = await read_body(request, parse_embedding)
     texts = as_texts(body.inputs(), "input")
-    model, route = resolve(svc, body.model, "embeddings", org_id=principal.org_id)
-    tok = svc.tokenizer(model)
-    input_tokens = sum(tok.count_batch(texts)) + len(texts)
-    price = direct_price(model)
-    max_cost = quote(model, input_tokens, 0)
-    now = svc.clock.now()
-    ref = new_id("emb", now)
+    org_id = principal.org_id
+    p = prepared(body.model, lambda: svc.preparer.embeddings(body, texts, org_id=org_id))
+    ref = new_id("emb", svc.clock.now())
 
     async def handler() -> tuple[int, Any]:
-        await check_tier_limits(request, principal, requests=1, tokens=input_tokens)
+        await check_tier_limits(request, principal, requests=1, tokens=p.input_tokens)
         result, charged = await svc.dispatcher.embed(
-            org_id=principal.org_id,
-            model=model,
-            route=route,
+            org_id=org_id,
+            model=p.model,
+            route=p.route,
             texts=texts,
-            input_tokens=input_tokens,
-            max_cost=max_cost,
-            price=price,
+            input_tokens=p.input_tokens,
+            max_cost=p.hold,
+            price=p.price,
             ref=ref,
         )
-        answer = embedding_list(body, model.id, result.vectors, result.usage)
+        answer = embedding_list(body, p.model.id, result.vectors, result.usage)
         return 200, {**answer, "charge": format_money(charged)}
 
     return await idempotent(request, principal, raw, handler)

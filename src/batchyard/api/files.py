@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.api.context import ServiceDep, authenticate, json_response
 from batchyard.api.inputs import object_id, query_id_cursor, query_limit
 from batchyard.errors import InvalidRequest, PayloadTooLarge
 from batchyard.service import files
@@ -84,9 +84,8 @@ def _expires_after(fields: dict[str, str]) -> int | None:
 
 
 @router.post("/v1/files")
-async def create_file(request: Request) -> JSONResponse:
+async def create_file(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     limits = files.settings_of(svc)
     declared = request.headers.get("content-length")
@@ -134,7 +133,7 @@ def _file_id(value: str) -> str:
 
 
 @router.get("/v1/files")
-async def list_files(request: Request) -> JSONResponse:
+async def list_files(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     q = _query(request, ("after", "limit", "order", "purpose"))
     limit = query_limit(request, default=10_000, most=10_000)
@@ -150,7 +149,7 @@ async def list_files(request: Request) -> JSONResponse:
             code="invalid_purpose",
         )
     data, more = await files.list_views(
-        service_of(request),
+        svc,
         principal,
         after=after,
         limit=limit,
@@ -171,25 +170,25 @@ def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
 
 
 @router.get("/v1/files/{file_id}")
-async def get_file(request: Request, file_id: str) -> JSONResponse:
+async def get_file(request: Request, file_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _query(request, ())
     _file_id(file_id)
-    return json_response(await files.get(service_of(request), principal, file_id))
+    return json_response(await files.get(svc, principal, file_id))
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(request: Request, file_id: str) -> Response:
+async def file_content(request: Request, file_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request)
     _query(request, ())
     _file_id(file_id)
-    lines = await files.content(service_of(request), principal, file_id)
+    lines = await files.content(svc, principal, file_id)
     return StreamingResponse(lines, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(request: Request, file_id: str) -> JSONResponse:
+async def delete_file(request: Request, file_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _query(request, ())
     _file_id(file_id)
-    return json_response(await files.delete(service_of(request), principal, file_id))
+    return json_response(await files.delete(svc, principal, file_id))

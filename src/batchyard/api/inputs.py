@@ -45,6 +45,7 @@ __all__ = [
     "MAX_ROW_ID",
     "Shape",
     "check_document",
+    "finished_query",
     "json_content_type",
     "object_id",
     "parse_json",
@@ -167,6 +168,20 @@ def query_cursor(request: Request, *, name: str = "cursor") -> int | None:
             code="invalid_cursor",
         )
     return int(raw)
+
+
+def finished_query(request: Request) -> tuple[int, int]:
+    """``after`` (a cursor a page of finished items gave, 0 from the start) and ``limit``.
+
+    The query of every batch kind's ``/finished`` (``service.following``);
+    any other parameter is refused.
+    """
+    for key in sorted(request.query_params.keys() - {"after", "limit"}):
+        raise InvalidRequest(
+            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
+        )
+    after = query_cursor(request, name="after") or 0
+    return after, query_limit(request, default=100, most=1000)
 
 
 def query_id_cursor(request: Request, prefix: str, *, name: str = "cursor") -> str | None:

@@ -18,7 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty
+from batchyard.api.inputs import (
+    finished_query,
+    object_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+)
 from batchyard.api.messages import anthropic_door
 from batchyard.errors import InvalidRequest
 from batchyard.service import message_batches
@@ -105,6 +111,23 @@ async def cancel_message_batch(request: Request, batch_id: str) -> Response:
     return await idempotent(request, principal, body, handler)
 
 
+@router.post(_PATH + "/{batch_id}/retry")
+@anthropic_door
+async def retry_message_batch(request: Request) -> Response:
+    """A batchyard extension: a new batch of this one's errored, canceled and expired requests."""
+    principal = await authenticate(request, x_api_key=True)
+    batch_id = _id(request.path_params["batch_id"])
+    body = await read_empty(request)
+    svc = service_of(request)
+
+    async def handler() -> tuple[int, Any]:
+        view = await message_batches.retry(svc, principal, batch_id, base_url=_base(request))
+        svc.file_batches.notify()
+        return 200, view
+
+    return await idempotent(request, principal, body, handler)
+
+
 @router.get(_PATH + "/{batch_id}/results")
 @anthropic_door
 async def message_batch_results(request: Request, batch_id: str) -> Response:
@@ -112,3 +135,16 @@ async def message_batch_results(request: Request, batch_id: str) -> Response:
     batch_id = _id(batch_id)
     lines = await message_batches.results(service_of(request), principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-jsonl")
+
+
+@router.get(_PATH + "/{batch_id}/finished")
+@anthropic_door
+async def message_batch_finished(request: Request) -> Response:
+    """A batchyard extension: the results so far, from a cursor, while the batch runs."""
+    principal = await authenticate(request, x_api_key=True)
+    batch_id = _id(request.path_params["batch_id"])
+    after, limit = finished_query(request)
+    page = await message_batches.finished(
+        service_of(request), principal, batch_id, after=after, limit=limit
+    )
+    return json_response(page)

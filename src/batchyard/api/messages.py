@@ -4,8 +4,9 @@ A Messages body is checked strictly and translated into the OpenAI-shaped
 request every engine already takes (``core.anthropic_bodies.translate``, the
 request a Message Batch's lines store too); from there it is the chat door's
 path, not a copy of it: the same authentication and scope row
-(``service.access``), the same quote (``openai_door.quote``: counted with the
-model's tokenizer, ``max_tokens`` and the context window checked), and the
+(``service.access``), the same preparation (``service.preparation``: counted
+with the model's tokenizer, the tools' instructions included, ``max_tokens`` and
+the context window checked, quoted), and the
 same ``openai_door.ModelCall``: tier limits and concurrency slot, the
 Idempotency-Key rules of ``service.idempotency.run_once`` (streams included),
 and reserve → call → settle in the dispatcher, which bills a stream cut short
@@ -36,21 +37,18 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import check_tier_limits, json_response, service_of
+from batchyard.api.context import check_tier_limits, json_response
 from batchyard.api.envelope import envelope_of
 from batchyard.api.errors import error_headers
 from batchyard.api.event_streams import sse
-from batchyard.api.openai_door import ModelCall, chat_needs, quote, read_body, resolve
-from batchyard.core.accounts import Principal
+from batchyard.api.openai_door import ModelCall, prepared, read_body
 from batchyard.core.anthropic_bodies import (
     ERROR_TYPES,
-    CountTokensRequest,
-    MessagesRequest,
     anthropic_version_ok,
     openai_prompt,
     parse_count_tokens,
@@ -59,11 +57,9 @@ from batchyard.core.anthropic_bodies import (
     translate,
     usage_object,
 )
-from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images
-from batchyard.engines import tool_calls
 from batchyard.engines.protocol import Delta
 from batchyard.errors import (
     BatchyardError,
@@ -166,34 +162,6 @@ def anthropic_door(
 
     # FastAPI passes ``request`` by name, so it cannot be positional-only as Concatenate says.
     return wrapped  # type: ignore[return-value]
-
-
-# -- the request ----------------------------------------------------------------------
-
-_Body = TypeVar("_Body", bound=MessagesRequest | CountTokensRequest)
-
-
-async def _read(
-    request: Request, parse: Callable[[dict[str, Any]], _Body], *, calls: bool
-) -> tuple[Principal, dict[str, Any], _Body, ModelSpec, RouteSpec, int]:
-    """The one prelude of ``/v1/messages`` and ``count_tokens``: the caller, its JSON
-    body, the body checked, the model and its route, and the prompt's tokens as the
-    model reads them (the tools' instructions included).
-
-    ``calls``: whether the model will run, so its route must serve what the
-    body asks (a stream, tools); counting needs only the model.
-    """
-    principal, raw, svc, body = await read_body(request, parse, x_api_key=True)
-    prompt, tools, choice = openai_prompt(body)
-    stream = calls and bool(getattr(body, "stream", False))
-    needs = chat_needs(stream, tools is not None) if calls else []
-    model, route = resolve(svc, body.model, *needs, org_id=principal.org_id)
-    check_images(prompt, model)
-    read: list[dict[str, Any]] = prompt
-    if tools is not None:  # the embedded engine reads the tools as a system prompt
-        guide = {"role": "system", "content": tool_calls.tools_prompt(tools, choice)}
-        read = [guide, *tool_calls.plain_messages(prompt)]
-    return principal, raw, body, model, route, svc.tokenizer(model).count_messages(read)
 
 
 # -- streams --------------------------------------------------------------------------
@@ -365,16 +333,16 @@ def _replay(whole: dict[str, Any]) -> bytes:
 @router.post("/v1/messages")
 @anthropic_door
 async def create_message(request: Request) -> Response:
-    principal, raw, body, model, route, counted = await _read(request, parse_messages, calls=True)
-    svc = service_of(request)
+    principal, raw, svc, body = await read_body(request, parse_messages, x_api_key=True)
     asked = translate(body)
-    q = quote(svc.tokenizer(model), model, [counted], body.max_tokens, param="messages")
-    req = messages_request(asked, model=svc.catalog.engine_name(model.id, route))
-    call = ModelCall(request, principal, model, route, q, "chat", new_id("msg", svc.clock.now()))
+    org_id, stream = principal.org_id, bool(body.stream)
+    p = prepared(body.model, lambda: svc.preparer.messages(asked, org_id=org_id, stream=stream))
+    req = messages_request(asked, model=p.engine_model)
+    call = ModelCall(request, principal, p, "chat", new_id("msg", svc.clock.now()))
 
     def message(result: DispatchResult) -> dict[str, Any]:
         return anthropic_message(
-            id=call.ref, model=model.id, completion=result.completion, stops=asked.stop
+            id=call.ref, model=p.model.id, completion=result.completion, stops=asked.stop
         )
 
     def charged(result: DispatchResult) -> dict[str, Any]:
@@ -384,13 +352,21 @@ async def create_message(request: Request) -> Response:
     events = None
     if body.stream:
         request_id = envelope_of(request).request_id
-        events = _Events(call.ref, model.id, counted, message, request_id)
+        events = _Events(call.ref, p.model.id, p.input_tokens, message, request_id)
     return await call.answer(raw, [req], charged, events)
 
 
 @router.post("/v1/messages/count_tokens")
 @anthropic_door
 async def count_tokens(request: Request) -> Response:
-    principal, _, _, _, _, counted = await _read(request, parse_count_tokens, calls=False)
+    principal, _, svc, body = await read_body(request, parse_count_tokens, x_api_key=True)
+    prompt, tools, choice = openai_prompt(body)
+
+    def count() -> int:
+        model, _ = svc.preparer.resolve(body.model, org_id=principal.org_id)
+        check_images(prompt, model)
+        return svc.preparer.count_chat(model, prompt, tools, choice)
+
+    counted = prepared(body.model, count)
     await check_tier_limits(request, principal, requests=0, tokens=counted, kind="estimate")
     return json_response({"input_tokens": counted})

@@ -21,7 +21,7 @@ from typing import IO, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.api.context import ServiceDep, authenticate, json_response
 from batchyard.api.inputs import object_id
 from batchyard.errors import InvalidRequest, PayloadTooLarge
 from batchyard.service import model_versions as versions
@@ -53,11 +53,10 @@ def _no_query(request: Request) -> None:
 
 
 @router.post(_PATH)
-async def upload_version(request: Request, project_id: str) -> JSONResponse:
+async def upload_version(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _no_query(request)
     _project_id(project_id)
-    svc = service_of(request)
     limits = versions.settings_of(svc)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
@@ -107,29 +106,31 @@ async def upload_version(request: Request, project_id: str) -> JSONResponse:
 
 
 @router.get(_PATH)
-async def list_versions(request: Request, project_id: str) -> JSONResponse:
+async def list_versions(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _no_query(request)
     _project_id(project_id)
-    data = await versions.list_views(service_of(request), principal, project_id)
+    data = await versions.list_views(svc, principal, project_id)
     return json_response({"object": "list", "data": data})
 
 
 @router.get(_PATH + "/{version_id}")
-async def get_version(request: Request, project_id: str, version_id: str) -> JSONResponse:
+async def get_version(
+    request: Request, project_id: str, version_id: str, svc: ServiceDep
+) -> JSONResponse:
     principal = await authenticate(request)
     _no_query(request)
     _project_id(project_id)
     _version_id(version_id)
-    return json_response(await versions.get(service_of(request), principal, project_id, version_id))
+    return json_response(await versions.get(svc, principal, project_id, version_id))
 
 
 @router.delete(_PATH + "/{version_id}")
-async def delete_version(request: Request, project_id: str, version_id: str) -> JSONResponse:
+async def delete_version(
+    request: Request, project_id: str, version_id: str, svc: ServiceDep
+) -> JSONResponse:
     principal = await authenticate(request)
     _no_query(request)
     _project_id(project_id)
     _version_id(version_id)
-    return json_response(
-        await versions.delete(service_of(request), principal, project_id, version_id)
-    )
+    return json_response(await versions.delete(svc, principal, project_id, version_id))

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from batchyard.api.context import authenticate, json_response, service_of
+from batchyard.api.context import ServiceDep, authenticate, json_response
 from batchyard.core.catalog import ModelSpec
 from batchyard.core.money import format_money
 from batchyard.errors import BatchyardError, ModelNotFound, ModelUnavailable
@@ -129,9 +129,8 @@ def model_json(
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> JSONResponse:
+async def list_models(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    svc = service_of(request)
     await org_versions(svc, principal.org_id)
     data = [
         model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc)
@@ -141,9 +140,8 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 @router.get("/v1/models/{model_id}")
-async def get_model(request: Request, model_id: str) -> JSONResponse:
+async def get_model(request: Request, model_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    svc = service_of(request)
     await resolve(svc, model_id)
     m = svc.catalog.find(model_id, principal.org_id)
     if m is None:

@@ -1,10 +1,10 @@
-"""What the model-calling doors share: the model, the quote, the call, and OpenAI's streams.
+"""What the model-calling doors share: the body, the prepared call, the call, OpenAI's streams.
 
 ``read_body`` authenticates the caller and reads its body strictly;
-``resolve`` turns the body's model into the catalog's model and route, with
-OpenAI's 404 ``model_not_found`` for a name nobody serves and a coded 400
-(``capability_unsupported``) when the route cannot do what is asked.
-``quote`` counts what a call may cost at most and checks it fits.
+``prepared`` runs the door's preparation (``service.preparation``: the model
+and route, what the route must serve, ``max_tokens``, every token counted, the
+window and the quote), with OpenAI's 404 ``model_not_found`` for a name nobody
+serves.
 
 ``ModelCall.answer`` is the rest of every door that calls a model (chat,
 completions and Anthropic's messages): the tier's limits, the dispatcher's
@@ -31,39 +31,19 @@ from fastapi.responses import Response
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.event_streams import DONE, Dialect, events, sse
 from batchyard.core.accounts import Principal
-from batchyard.core.catalog import ModelSpec, RouteSpec
-from batchyard.core.prices import Price
-from batchyard.core.quotes import check_context, direct_price
-from batchyard.core.quotes import quote as quote_most
-from batchyard.core.tokens import Tokenizer
 from batchyard.engines.protocol import CompletionRequest, Delta
-from batchyard.errors import (
-    BatchyardError,
-    CapabilityUnsupported,
-    InvalidRequest,
-    ModelNotFound,
-    UnknownModel,
-)
+from batchyard.errors import BatchyardError, ModelNotFound, UnknownModel
 from batchyard.service import Service, model_versions
 from batchyard.service.deployment import service_of
 from batchyard.service.idempotency import Stream
+from batchyard.service.preparation import Prepared
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import Reply
 
-__all__ = [
-    "Capability",
-    "Chunks",
-    "ModelCall",
-    "Quote",
-    "chat_needs",
-    "quote",
-    "read_body",
-    "resolve",
-]
-
-Capability = str  # "chat", "completions", "embeddings", "tools", "stream"
+__all__ = ["Chunks", "ModelCall", "prepared", "read_body"]
 
 _Body = TypeVar("_Body")
+_Done = TypeVar("_Done")
 
 
 async def read_body(
@@ -81,98 +61,29 @@ async def read_body(
     if isinstance(name := raw.get("model"), str) and name:
         # A model nobody serves is 404 whatever else the body holds: the rules between a
         # body's fields (a tool_choice naming a tool) are the model's call's, not a shape's.
-        resolve(svc, name, org_id=principal.org_id)
+        prepared(name, lambda: svc.catalog.model(name, principal.org_id))
     return principal, raw, svc, parse(raw)
 
 
-def resolve(
-    svc: Service, model_id: str, *needs: Capability, org_id: str | None = None
-) -> tuple[ModelSpec, RouteSpec]:
-    """The model and its primary route, checked against what the request needs.
-
-    A model version uploaded into a project (``mv.…``) is only its
-    organisation's: to anyone else it does not exist.
-    """
+def prepared(model_id: str, prepare: Callable[[], _Done]) -> _Done:
+    """A door's preparation (``service.preparation``), with OpenAI's 404 ``model_not_found``
+    for ``model_id`` where nobody serves it."""
     try:
-        model = svc.catalog.model(model_id, org_id)
+        return prepare()
     except UnknownModel:
         raise ModelNotFound(
             f"the model {model_id!r} does not exist; GET /v1/models lists the catalog",
             param="model",
         ) from None
-    route = svc.catalog.route_for(model.id)
-    for need in needs:
-        ok = {
-            "tools": route.tools,
-            "stream": route.supports_streaming,
-            "completions": route.serves_completions,
-            "embeddings": route.embeddings,
-        }.get(need, True)
-        if not ok:
-            raise CapabilityUnsupported(
-                f"{model.id} (route {route.id}) does not support {need}; "
-                "GET /v1/models lists each model's capabilities",
-                param={"stream": "stream", "tools": "tools"}.get(need, "model"),
-            )
-    return model, route
-
-
-def chat_needs(stream: bool, tools: bool) -> list[Capability]:
-    """What a chat-shaped call (OpenAI's or Anthropic's) needs of its route."""
-    return ["chat", *(["stream"] if stream else []), *(["tools"] if tools else [])]
-
-
-@dataclass(frozen=True, slots=True)
-class Quote:
-    """What a call may cost at most: its prompts counted, its price, the hold."""
-
-    tokenizer: Tokenizer
-    #: Each prompt's tokens (one for chat; one per prompt of a list of completions).
-    counts: list[int]
-    price: Price
-    max_cost: int
-
-    @property
-    def input_tokens(self) -> int:
-        return sum(self.counts)
-
-
-def quote(
-    tokenizer: Tokenizer,
-    model: ModelSpec,
-    counts: Sequence[int],
-    max_tokens: int,
-    n: int = 1,
-    *,
-    param: str,
-) -> Quote:
-    """The most a call can cost: every prompt, and ``max_tokens`` for each of ``n`` samples.
-
-    ``max_tokens`` over the model's output limit, or a prompt that leaves no
-    room for it in the context window, is a coded 400 before anything is
-    held; ``param`` names the prompt (``prompt.i`` for one of a list).
-    """
-    if max_tokens > model.max_output_tokens:
-        raise InvalidRequest(
-            f"max_tokens can be at most {model.max_output_tokens} for {model.id}",
-            param="max_tokens",
-            code="max_tokens_out_of_range",
-        )
-    for i, count in enumerate(counts):
-        check_context(model, count, max_tokens, param=param if len(counts) == 1 else f"{param}.{i}")
-    most = quote_most(model, sum(counts), max_tokens, n * len(counts))
-    return Quote(tokenizer, list(counts), direct_price(model), most)
 
 
 @dataclass(frozen=True, slots=True)
 class ModelCall:
-    """One paid model call at a door: who asked, which model and route, the quote, its ID."""
+    """One paid model call at a door: who asked, the prepared call, its purpose and ID."""
 
     request: Request
     principal: Principal
-    model: ModelSpec
-    route: RouteSpec
-    quote: Quote
+    call: Prepared
     purpose: str
     ref: str
 
@@ -185,23 +96,24 @@ class ModelCall:
     ) -> Response:
         """Limits, reserve → call → settle, under the key: ``render``'s body, or ``stream``'s.
 
-        ``requests`` pair with the quote's counts; several (a list of prompts)
-        are one call to the caller: one hold, one charge, one answer.
+        ``requests`` pair with the prepared call's counts; several (a list of
+        prompts) are one call to the caller: one hold, one charge, one answer.
         """
         svc = service_of(self.request)
+        call = self.call
         pay: dict[str, Any] = {
             "org_id": self.principal.org_id,
-            "model": self.model,
-            "route": self.route,
-            "max_cost": self.quote.max_cost,
-            "price": self.quote.price,
+            "model": call.model,
+            "route": call.route,
+            "max_cost": call.hold,
+            "price": call.price,
             "purpose": self.purpose,
             "ref": self.ref,
         }
 
         async def limits() -> None:
             await check_tier_limits(
-                self.request, self.principal, requests=1, tokens=self.quote.input_tokens
+                self.request, self.principal, requests=1, tokens=call.input_tokens
             )
 
         if stream is not None:
@@ -211,8 +123,8 @@ class ModelCall:
                 await limits()
                 pieces = svc.dispatcher.stream(
                     request=requests[0],
-                    input_tokens=self.quote.input_tokens,
-                    count_tokens=self.quote.tokenizer.count,
+                    input_tokens=call.input_tokens,
+                    count_tokens=svc.tokenizer(call.model).count,
                     **pay,
                 )
                 first = await anext(pieces)
@@ -224,14 +136,8 @@ class ModelCall:
 
         async def whole() -> tuple[int, Any]:
             await limits()
-            if len(requests) > 1:
-                each = list(zip(requests, self.quote.counts, strict=True))
-                result = await svc.dispatcher.execute_all(requests=each, **pay)
-            else:
-                result = await svc.dispatcher.execute(
-                    request=requests[0], input_tokens=self.quote.input_tokens, **pay
-                )
-            return 200, render(result)
+            each = list(zip(requests, call.counts, strict=True))
+            return 200, render(await svc.dispatcher.execute(requests=each, **pay))
 
         return await idempotent(self.request, self.principal, raw, whole)
 

@@ -58,6 +58,28 @@ class ErrorDetail(BaseModel):
     retry_after: float | None = None
 
 
+class Finished(BaseModel):
+    """A page of a batch's items that ended after the cursor (``service.following``)."""
+
+    object: Literal["list"]
+    #: Each item as the batch's final results show it.
+    data: list[dict[str, Any]]
+    #: Pass as ``after`` to read on from here.
+    cursor: str
+    has_more: bool
+    #: The batch has ended: with ``has_more`` false, every item has been read.
+    ended: bool
+
+
+class SpendCapBody(BaseModel):
+    """Dollars as decimal strings; null for no cap of that kind (both null removes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    total: str | float | None = None
+    monthly: str | float | None = None
+
+
 class ErrorBody(BaseModel):
     error: ErrorDetail
 
@@ -316,6 +338,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         media=_NDJSON,
         summary="Results, one JSON line per request (410 results_expired once purged)",
     ),
+    ("post", "/v1/batches/{batch_id}/retry"): Operation(
+        200,
+        _Open,
+        (*_WRITE, 402),
+        EmptyBody,
+        body_required=False,
+        summary="A batchyard extension: a new file batch of the failed, expired, canceled lines",
+    ),
+    ("get", "/v1/batches/{batch_id}/finished"): Operation(
+        200,
+        Finished,
+        (*_READ, 410),
+        summary="A batchyard extension: what has ended so far, from a cursor, while it runs",
+    ),
     ("post", "/v1/files"): Operation(
         200,
         _Open,
@@ -349,6 +385,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("delete", "/v1/files/{file_id}"): Operation(200, _Open, (*_READ, 409)),
     ("post", "/v1/projects"): Operation(201, _Open, _WRITE, ProjectBody),
+    ("put", "/v1/projects/{project_id}/spend-cap"): Operation(
+        200, _Open, _WRITE, SpendCapBody, summary="Cap what a project's runs may spend"
+    ),
+    ("put", "/v1/keys/{key_id}/spend-cap"): Operation(
+        200, _Open, _WRITE, SpendCapBody, summary="Cap what a key may spend"
+    ),
     ("get", "/v1/projects/{project_id}"): Operation(200, _Open, _READ),
     ("post", "/v1/projects/{project_id}/datasets"): Operation(
         201,
@@ -448,6 +490,18 @@ def _anthropic_operations() -> dict[tuple[str, str], Operation]:
             (*_READ, 409),
             media="application/x-jsonl",
             summary="Results, one {custom_id, result} line per request, once ended",
+        ),
+        ("post", "/v1/messages/batches/{batch_id}/retry"): Operation(
+            200,
+            _Open,
+            (*_WRITE, 402),
+            summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
+        ),
+        ("get", "/v1/messages/batches/{batch_id}/finished"): Operation(
+            200,
+            Finished,
+            _READ,
+            summary="A batchyard extension: the results so far, from a cursor, while it runs",
         ),
         ("post", "/v1/messages/count_tokens"): Operation(
             200,

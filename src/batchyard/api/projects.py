@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
 from batchyard.api.bodies import DatasetBody, ProjectBody, RowPatchBody
-from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
+from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
 from batchyard.api.inputs import (
     object_id,
     parse_json,
@@ -115,11 +115,10 @@ def _dataset_id(value: str) -> str:
 
 
 @router.post("/v1/projects")
-async def create_project(request: Request) -> Response:
+async def create_project(request: Request, svc: ServiceDep) -> Response:
     principal = await authenticate(request)
     body = await read_json(request)
     name = _name(strict(ProjectBody, body).name)
-    svc = service_of(request)
 
     async def handler() -> tuple[int, Any]:
         now = svc.clock.now()
@@ -132,10 +131,9 @@ async def create_project(request: Request) -> Response:
 
 
 @router.get("/v1/projects/{project_id}")
-async def get_project(request: Request, project_id: str) -> JSONResponse:
+async def get_project(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _project_id(project_id)
-    svc = service_of(request)
     project = await svc.db.read(lambda c: store.get_project(c, principal.org_id, project_id))
     return json_response(project_json(project))
 
@@ -268,10 +266,9 @@ def _format(request: Request) -> str:
 
 
 @router.post("/v1/projects/{project_id}/datasets")
-async def create_dataset(request: Request, project_id: str) -> Response:
+async def create_dataset(request: Request, project_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request)
     _project_id(project_id)
-    svc = service_of(request)
     org = principal.org_id
     await svc.db.read(lambda c: store.get_project(c, org, project_id))
     fmt = _format(request)
@@ -295,7 +292,7 @@ async def create_dataset(request: Request, project_id: str) -> Response:
     kind_param = request.query_params.get("kind")
     if kind_param is not None and kind_param not in KINDS:
         raise InvalidRequest("kind must be text or chat-sft", param="kind")
-    cap = int(svc.settings.raw.get("max_upload_bytes", 2 * 1024**3))
+    cap = svc.settings.max_upload_bytes
     with tempfile.TemporaryFile(prefix="batchyard-upload-") as f:
         size = 0
         digest = hashlib.sha256()
@@ -320,21 +317,23 @@ async def create_dataset(request: Request, project_id: str) -> Response:
 
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}")
-async def get_dataset(request: Request, project_id: str, dataset_id: str) -> JSONResponse:
+async def get_dataset(
+    request: Request, project_id: str, dataset_id: str, svc: ServiceDep
+) -> JSONResponse:
     principal = await authenticate(request)
     _project_id(project_id)
     _dataset_id(dataset_id)
-    svc = service_of(request)
     ds = await svc.db.read(lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id))
     return json_response(dataset_json(ds))
 
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}/rows")
-async def list_rows(request: Request, project_id: str, dataset_id: str) -> JSONResponse:
+async def list_rows(
+    request: Request, project_id: str, dataset_id: str, svc: ServiceDep
+) -> JSONResponse:
     principal = await authenticate(request)
     _project_id(project_id)
     _dataset_id(dataset_id)
-    svc = service_of(request)
     limit = query_limit(request, default=100, most=1000)
     after = query_cursor(request)
 
@@ -356,13 +355,14 @@ async def list_rows(request: Request, project_id: str, dataset_id: str) -> JSONR
 
 
 @router.patch("/v1/projects/{project_id}/datasets/{dataset_id}/rows/{row_id}")
-async def patch_row(request: Request, project_id: str, dataset_id: str, row_id: str) -> Response:
+async def patch_row(
+    request: Request, project_id: str, dataset_id: str, row_id: str, svc: ServiceDep
+) -> Response:
     """Merge ``{"data": {...}}`` into a row as a new version; ``null`` removes a field."""
     principal = await authenticate(request)
     _project_id(project_id)
     _dataset_id(dataset_id)
     rid = parse_row_id(row_id)
-    svc = service_of(request)
     body = await read_json(request)
     changes = strict(RowPatchBody, body).data
     if not changes:

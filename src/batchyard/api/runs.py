@@ -17,13 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
 from batchyard.api.bodies import RunBody
-from batchyard.api.context import (
-    authenticate,
-    idempotent,
-    json_response,
-    read_json,
-    service_of,
-)
+from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
 from batchyard.api.inputs import (
     object_id,
     query_cursor,
@@ -140,10 +134,9 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
 
 
 @router.post(BASE)
-async def create_run(request: Request, project_id: str) -> Response:
+async def create_run(request: Request, project_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request)
     _ids(project_id)
-    svc = service_of(request)
     raw = await read_json(request)
     dataset_id = strict(RunBody, raw).datasetId
     if not is_id(dataset_id, "ds"):
@@ -195,10 +188,9 @@ async def create_run(request: Request, project_id: str) -> Response:
 
 
 @router.get(BASE)
-async def list_runs(request: Request, project_id: str) -> JSONResponse:
+async def list_runs(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _ids(project_id)
-    svc = service_of(request)
     status = request.query_params.get("status") or None
     if status is not None and status not in set(S):
         raise InvalidRequest(f"status {status[:40]!r} is not a run status", param="status")
@@ -225,21 +217,19 @@ async def list_runs(request: Request, project_id: str) -> JSONResponse:
 
 
 @router.get(BASE + "/{run_id}")
-async def get_run(request: Request, project_id: str, run_id: str) -> JSONResponse:
+async def get_run(request: Request, project_id: str, run_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     _ids(project_id, run_id)
-    svc = service_of(request)
     run = await svc.db.read(lambda c: rstore.get_run(c, principal.org_id, run_id, project_id))
     return json_response(run_json(run))
 
 
 @router.post(BASE + "/{run_id}/confirm")
-async def confirm_run(request: Request, project_id: str, run_id: str) -> Response:
+async def confirm_run(request: Request, project_id: str, run_id: str, svc: ServiceDep) -> Response:
     """Reserve the quote and queue the run, or block it (funds, billing review)."""
     principal = await authenticate(request)
     _ids(project_id, run_id)
     body = await read_empty(request)
-    svc = service_of(request)
 
     async def handler() -> tuple[int, Any]:
         now = svc.clock.now()
@@ -278,12 +268,11 @@ async def confirm_run(request: Request, project_id: str, run_id: str) -> Respons
 
 
 @router.post(BASE + "/{run_id}/cancel")
-async def cancel_run(request: Request, project_id: str, run_id: str) -> Response:
+async def cancel_run(request: Request, project_id: str, run_id: str, svc: ServiceDep) -> Response:
     """Stop a run: answered rows are kept and charged, the rest is released."""
     principal = await authenticate(request)
     _ids(project_id, run_id)
     body = await read_empty(request)
-    svc = service_of(request)
 
     async def handler() -> tuple[int, Any]:
         now = svc.clock.now()
@@ -300,11 +289,12 @@ async def cancel_run(request: Request, project_id: str, run_id: str) -> Response
 
 
 @router.get(BASE + "/{run_id}/failures")
-async def list_failures(request: Request, project_id: str, run_id: str) -> JSONResponse:
+async def list_failures(
+    request: Request, project_id: str, run_id: str, svc: ServiceDep
+) -> JSONResponse:
     """Rows that failed, and rows left ``uncertain`` by a worker that died mid-call."""
     principal = await authenticate(request)
     _ids(project_id, run_id)
-    svc = service_of(request)
     cursor = query_cursor(request)
     limit = query_limit(request, default=100, most=1000)
 

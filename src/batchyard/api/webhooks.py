@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from batchyard.api.bodies import WebhookEndpointBody
-from batchyard.api.context import authenticate, json_response, read_json, service_of
+from batchyard.api.context import ServiceDep, authenticate, json_response, read_json
 from batchyard.api.inputs import object_id, query_id_cursor, query_limit, read_empty, strict
 from batchyard.service import webhook_subscriptions as subscriptions
 
@@ -33,41 +33,39 @@ def _endpoint_id(value: str) -> str:
 
 
 @router.post(_BASE)
-async def create_endpoint(request: Request) -> JSONResponse:
+async def create_endpoint(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     body = strict(WebhookEndpointBody, await read_json(request))
-    view = await subscriptions.create(
-        service_of(request), principal, body.url, body.events, body.description
-    )
+    view = await subscriptions.create(svc, principal, body.url, body.events, body.description)
     return json_response(view, 201)
 
 
 @router.get(_BASE)
-async def list_endpoints(request: Request) -> JSONResponse:
+async def list_endpoints(request: Request, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     limit = query_limit(request, default=20, most=100)
     after = query_id_cursor(request, "we", name="after")
-    page = await subscriptions.list_page(service_of(request), principal, after=after, limit=limit)
+    page = await subscriptions.list_page(svc, principal, after=after, limit=limit)
     return json_response(page)
 
 
 @router.get(_BASE + "/{endpoint_id}")
-async def get_endpoint(request: Request, endpoint_id: str) -> JSONResponse:
+async def get_endpoint(request: Request, endpoint_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    view = await subscriptions.get(service_of(request), principal, _endpoint_id(endpoint_id))
+    view = await subscriptions.get(svc, principal, _endpoint_id(endpoint_id))
     return json_response(view)
 
 
 @router.delete(_BASE + "/{endpoint_id}")
-async def delete_endpoint(request: Request, endpoint_id: str) -> JSONResponse:
+async def delete_endpoint(request: Request, endpoint_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
-    view = await subscriptions.delete(service_of(request), principal, _endpoint_id(endpoint_id))
+    view = await subscriptions.delete(svc, principal, _endpoint_id(endpoint_id))
     return json_response(view)
 
 
 @router.post(_BASE + "/{endpoint_id}/rotate-secret")
-async def rotate_secret(request: Request, endpoint_id: str) -> JSONResponse:
+async def rotate_secret(request: Request, endpoint_id: str, svc: ServiceDep) -> JSONResponse:
     principal = await authenticate(request)
     await read_empty(request)
-    view = await subscriptions.rotate(service_of(request), principal, _endpoint_id(endpoint_id))
+    view = await subscriptions.rotate(svc, principal, _endpoint_id(endpoint_id))
     return json_response(view)

@@ -40,7 +40,8 @@ def open_database(config_file: str | None, database_url: str | None) -> Database
     settings = settings_from(config_file, database_url)
     try:
         db = Database(settings.database_url, pool_size=2)
-        db.migrate()
+        with config_errors():
+            db.migrate()
     except StorageUnavailable as exc:
         # Not the API's "send it again with the same Idempotency-Key": the operator's fix.
         raise OperatorError(f"batchyard: {store_problem(exc)}") from None
@@ -158,6 +159,58 @@ def keys_revoke(key_id: str, config_file: str | None, database_url: str | None) 
     )
 
 
+@keys.command("cap")
+@click.argument("key_id")
+@click.option("--total", default=None, help="The most the key may ever spend, in dollars.")
+@click.option("--monthly", default=None, help="The most it may spend in a calendar month (UTC).")
+@database_options
+def keys_cap(
+    key_id: str,
+    total: str | None,
+    monthly: str | None,
+    config_file: str | None,
+    database_url: str | None,
+) -> None:
+    """Cap what a key may spend (no option: remove its caps); every hold it takes checks them."""
+    from sqlalchemy import Connection, select
+
+    from batchyard.core.clock import SystemClock
+    from batchyard.core.money import to_ticks
+    from batchyard.store import spend_caps
+    from batchyard.store.tables import api_keys
+
+    caps = [None if v is None else to_ticks(_amount(v)) for v in (total, monthly)]
+    db = open_database(config_file, database_url)
+    now = SystemClock().now()
+
+    def tx(c: Connection) -> spend_caps.CapRow | None:
+        org_id = c.execute(select(api_keys.c.org_id).where(api_keys.c.id == key_id)).scalar()
+        if org_id is None:
+            raise click.ClickException(
+                f"no key {key_id}; `batchyard keys list --org NAME` lists them"
+            )
+        return spend_caps.set_cap(
+            c, org_id, f"key:{key_id}", total=caps[0], monthly=caps[1], now=now
+        )
+
+    try:
+        row = db.transact_sync(tx)
+    finally:
+        db.close()
+    if row is None:
+        console.print(f"{key_id} has no spend cap")
+        return
+    view = row.view()
+    for kind in ("total", "monthly"):
+        part = view[kind]
+        assert isinstance(part, dict)
+        if part["cap"] is not None:
+            console.print(
+                f"{key_id} {kind} cap ${part['cap']}: ${part['charged']} charged, "
+                f"${part['held']} held, ${part['left']} left"
+            )
+
+
 @click.group()
 def credit() -> None:
     """Add credit and set automatic top-ups (no payment processor: the operator adds it)."""
@@ -238,7 +291,7 @@ def audit(config_file: str | None, database_url: str | None) -> None:
     """Check every ledger invariant and look for stranded holds; exit 0 only when all is well."""
     from batchyard.app import verify_key_of
     from batchyard.core.clock import SystemClock
-    from batchyard.store import holds, ledger
+    from batchyard.store import billing, holds, ledger
 
     db = open_database(config_file, database_url)
     now = SystemClock().now()
@@ -246,7 +299,7 @@ def audit(config_file: str | None, database_url: str | None) -> None:
         # A wrong or lost batch key is refused here too, before the audit says all is well.
         with config_errors():
             verify_key_of(settings_from(config_file, database_url), db, SystemClock())
-        problems = db.read_sync(ledger.audit)
+        problems = db.read_sync(ledger.audit) + db.read_sync(billing.audit_charges)
         stranded = db.read_sync(lambda c: holds.stranded(c, now))
     finally:
         db.close()
@@ -262,7 +315,7 @@ def audit(config_file: str | None, database_url: str | None) -> None:
         sys.exit(1)
     console.print(
         "[green]✓[/] ledger sound: balance = top-ups − settled charges − held reservations; "
-        "no stranded holds"
+        "every charge is its usage at its price; no stranded holds"
     )
 
 

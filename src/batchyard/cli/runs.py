@@ -11,6 +11,7 @@ from __future__ import annotations
 import click
 from rich.console import Console
 
+from batchyard.cli.admin import open_database
 from batchyard.cli.options import database_options, settings_from
 
 __all__ = ["runs"]
@@ -30,13 +31,11 @@ def approve(run_id: str, config_file: str | None, database_url: str | None) -> N
     """Approve a run held for billing review, and reserve its quote."""
     from batchyard.core.clock import SystemClock
     from batchyard.errors import BatchyardError
-    from batchyard.store.database import Database
     from batchyard.work.runs.funding import approve as approve_run
 
     settings = settings_from(config_file, database_url)
-    db = Database(settings.database_url, pool_size=2)
+    db = open_database(config_file, database_url)
     try:
-        db.migrate()
         now = SystemClock().now()
         status = db.transact_sync(lambda c: approve_run(c, run_id, now, tiers=settings.tiers))
     except BatchyardError as exc:

@@ -83,10 +83,11 @@ def _store_errors() -> Iterator[None]:
 
 def _start(settings: Settings) -> Service:
     """Build, migrate and check the batch key: every refusal before any work starts."""
-    from batchyard.app import build_service, verify_batch_key
+    from batchyard.app import build_service, verify_batch_key, verify_embedded_model
 
     with _store_errors():
         service = build_service(settings)
+        verify_embedded_model(service)
         service.db.migrate()  # here, so a store that cannot be written is one line, not a trace
         verify_batch_key(service)
     return service

@@ -239,6 +239,33 @@ class AsyncClient:
             if line.strip():
                 yield cast(BatchResultLine, json.loads(line))
 
+    async def batch_finished(
+        self, batch_id: str, *, after: str = "0", limit: int = 100
+    ) -> dict[str, Any]:
+        """One page of what ended after the cursor ``after``: ``data``, ``cursor``, ``ended``."""
+        return cast(dict[str, Any], await self.send(calls.batch_finished(batch_id, after, limit)))
+
+    async def follow_batch(
+        self, batch_id: str, *, after: str = "0", poll: float = 2.0
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every line (file batch) or item (deferred batch) once, as it ends, until the batch has.
+
+        Each is what the final results will hold for it. Between empty pages
+        it waits ``poll`` seconds on the client's clock; pass a later
+        ``after`` (a page's ``cursor``) to resume where an earlier reader stopped.
+        """
+        cursor = after
+        while True:
+            page = await self.batch_finished(batch_id, after=cursor, limit=1000)
+            for item in page["data"]:
+                yield item
+            cursor = page["cursor"]
+            if page["has_more"]:
+                continue
+            if page["ended"]:
+                return
+            await self._clock.sleep(poll)
+
     async def cancel_batch(self, batch_id: str, *, idempotency_key: str | None = None) -> Batch:
         return cast(Batch, await self.send(calls.cancel_batch(batch_id, idempotency_key)))
 

@@ -17,6 +17,7 @@ from batchyard.client.types import BatchRequest, DecideInput, Decision
 
 __all__ = [
     "account",
+    "batch_finished",
     "batch_results",
     "cancel_batch",
     "cancel_run",
@@ -137,6 +138,12 @@ def get_batch(batch_id: str) -> Call:
 
 def batch_results(batch_id: str) -> Call:
     return Call("GET", f"/v1/batches/{_seg(batch_id)}/results")
+
+
+def batch_finished(batch_id: str, after: str, limit: int) -> Call:
+    """The lines (file batch) or items (deferred batch) that ended after the cursor ``after``."""
+    params = {"after": after, "limit": str(limit)}
+    return Call("GET", f"/v1/batches/{_seg(batch_id)}/finished", params=params)
 
 
 def cancel_batch(batch_id: str, key: str | None) -> Call:

@@ -2,10 +2,10 @@
 
 A small model asked to pick one of a few outcomes carries a prior over them
 that has nothing to do with the text: it favours some label words, and the
-outcome listed first. On human-rated tweets the embedded SmolLM2 picks
-"positive" for 98% of them, yet its scores still rank positive texts above
-negative ones well (AUC 0.9): the information is there, under a bias. Two
-results from the literature remove most of it, and decide uses both:
+outcome listed first. Yet its scores still rank the texts well: the
+information is there, under a bias (docs/explanation/calibration.md has the
+measurements). Two results from the literature remove most of it, and decide
+uses both:
 
 - *Contextual calibration* (Zhao et al., "Calibrate Before Use", ICML 2021):
   ask the model the same questions about texts that say nothing (``N/A``,
@@ -21,11 +21,9 @@ Position bias (the outcome listed first is favoured) is part of the same
 prior: a decision set is its outcomes in the order listed, and the prior
 estimated for that listing holds the pull of its first position, so dividing
 it out removes both. A calibrated call therefore reads the one prompt an
-uncalibrated call reads. Scoring every text under a second, reversed listing
-and averaging the two doubled the model's work for about one point on the
-tuning halves, inside their noise; spreading texts over two listings, each
-with its own prior, scored 2-5 points worse (each listing's mean learns from
-half the texts).
+uncalibrated call reads. A second, reversed listing averaged with the first,
+and texts spread over two listings each with its own prior, were tried and
+dropped (docs/explanation/calibration.md: what was tried, and what it scored).
 
 Everything here is pure arithmetic on probability vectors, one per decision,
 in the outcomes' listed order. The tuned constants were tuned on the tuning
@@ -60,10 +58,9 @@ CONTENT_FREE_TEXTS: tuple[str, ...] = ("N/A", "[MASK]", "")
 
 # How many texts the content-free prior is worth against the running batch
 # mean: with n texts seen, the prior is (c·content_free + Σ p) / (c + n).
-# Tuned on the tuning halves (bench/decide_quality.py --tune, four sets): 1 to
-# 10 scored within two points of each other, but above 3 the first texts of a
-# set lean long on the content-free prior, which starves an outcome (movies:
-# neutral chosen a third as often as true at 10, 0.7 at 3).
+# Tuned on the tuning halves (bench/decide_quality.py --tune): larger values
+# make a set's first texts lean long on the content-free prior, which starves
+# an outcome (docs/explanation/calibration.md has the figures).
 BATCH_PSEUDO_TEXTS = 3.0
 
 # Changing how candidates are scored changes what the stored estimates mean;

@@ -6,22 +6,22 @@ serves kettei-core from the embedded model, so ``batchyard serve`` works on a
 fresh machine. Every operator command reads ``BATCHYARD_DATABASE_URL`` and
 ``BATCHYARD_CONFIG`` so the CLI and the server agree on where the data is.
 
-Every setting is one field of ``SettingsFile``, a typed model that checks the
-file and the environment alike: each top-level scalar can also be set as
-``BATCHYARD_<NAME>`` (``BATCHYARD_SHUTDOWN_GRACE_S``), which wins over the
-file. A wrong value anywhere is a ``ConfigError`` that names where it came
-from and the field (``routes[0].engine``), which the CLI prints as one line;
-values used to be read by hand (``float(data.get(...))``), so a typo was a
-traceback at start or a 500 on every call. A new setting is one field here
-(and a row in docs/reference/configuration.md). ``Settings``, what the rest of
-the code reads, keeps its attributes.
+Every setting is declared once, as a field of ``Settings`` (a frozen pydantic
+dataclass) or of one of its sections (``core.sections``). That one declaration
+is what the code reads, what checks the config file and the environment
+(each top-level scalar can also be set as ``BATCHYARD_<NAME>``, which wins over
+the file), and what docs/reference/configuration.md shows (``docs/gen_config.py``
+writes its tables; ``make docs`` fails when they drift). A wrong value anywhere
+is a ``ConfigError`` that names where it came from and the field
+(``routes[0].engine``), which the CLI prints as one line. A new setting is one
+field here and nothing else.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,27 +29,40 @@ from typing import Annotated, Any
 import yaml
 from pydantic import (
     AliasChoices,
-    BaseModel,
-    ConfigDict,
     Field,
-    PositiveFloat,
     PositiveInt,
+    TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
+    model_validator,
 )
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
 
-from batchyard.core.catalog import Catalog, ModelEntry, RouteEntry, build_catalog
+from batchyard.core.catalog import Catalog, ModelEntry, RouteEntry, build_catalog, default_catalog
 from batchyard.core.config_errors import ConfigError, from_validation
-from batchyard.core.tiers import DEFAULT_TIERS, Tier, TierEntry, build_tiers
+from batchyard.core.sections import (
+    SECTION,
+    FileBatchSettings,
+    FileSettings,
+    RunSettings,
+    VersionSettings,
+    WebhookSettings,
+    setting,
+)
+from batchyard.core.tiers import DEFAULT_TIERS, Tier, tiers_from_config
 
 __all__ = [
     "ENV_PREFIX",
+    "SECTIONS",
     "ConfigError",
     "Settings",
-    "SettingsFile",
     "default_home",
-    "env_var",
+    "env_names",
     "load_settings",
+    "normalise_database_url",
+    "scalar_settings",
 ]
 
 ENV_PREFIX = "BATCHYARD_"
@@ -59,53 +72,134 @@ def default_home() -> Path:
     return Path(os.environ.get("BATCHYARD_HOME") or Path.home() / ".batchyard")
 
 
-@dataclass(frozen=True)
+_Seconds = Annotated[float, Field(gt=0)]
+_DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgres://", "postgresql+psycopg://")
+_LIMITERS = ("memory", "memory://", "sql")
+_LIMITER_SCHEMES = ("redis://", "rediss://", "unix://")
+_PRIVACY_MODES = ("off", "redact", "reject")
+
+
+def _derived(**field: Any) -> Any:
+    """A field the code sets (from the home, the catalog's sections), never a file or variable."""
+    if "default_factory" not in field:
+        field.setdefault("default", None)
+    return Field(json_schema_extra={"derived": True}, **field)
+
+
+@dataclass(frozen=True, config=SECTION)
 class Settings:
-    database_url: str
-    home: Path
-    catalog: Catalog
-    tiers: tuple[Tier, ...] = DEFAULT_TIERS
-    limiter_url: str | None = None
-    idempotency_ttl_s: float = 24 * 3600
-    max_body_bytes: int = 4 * 1024 * 1024
-    default_max_tokens: int = 256
-    billing_review_threshold: Decimal | None = None
-    batch_encryption_key: str | None = None
-    price_feed: str | None = None
-    price_feed_interval_s: float = 60.0
-    price_max_age_s: float = 300.0
-    market_policy: str = "first_eligible"
-    market_interval_s: float = 15.0
-    # How long a dispatched deferred item's lease lasts without a heartbeat.
-    market_lease_s: float = 120.0
-    embedded_model_path: str | None = None
+    """Every setting of one deployment: the file's, the environment's and the defaults.
+
+    The fields in ``Settings`` order are the reference page's rows; the
+    ``derived`` ones (``home``, ``catalog``, ``config_file``) are set by
+    ``load_settings`` and refused in a file. ``dataclasses.replace`` checks
+    again, so a test's override is held to the same rules.
+    """
+
+    home: Path = _derived(default_factory=default_home)
+    #: Where the settings were read from (the config file), for messages.
+    config_file: str | None = _derived()
+    database_url: str = setting(
+        "",
+        "`sqlite:///PATH`, `postgresql://…` (`postgres://` and `postgresql+psycopg://` too)",
+        shown="`sqlite:///$BATCHYARD_HOME/batchyard.db`",
+        flag="--database",
+        validate_default=True,
+    )
+    limiter_url: str | None = setting(
+        None,
+        "`memory`, `sql` (the database), `redis://…`, `rediss://…`, `unix://…`",
+        shown="in-process",
+    )
+    batch_encryption_key: str | None = setting(
+        None,
+        "32 random bytes in base64 (`openssl rand -base64 32`); anything else is refused at start",
+        shown="SQLite: `batch.key` beside the database, made on first start; PostgreSQL: none",
+    )
+    idempotency_ttl_s: _Seconds = setting(24 * 3600.0, shown="86400 (24 h)")
+    max_body_bytes: PositiveInt = setting(4 * 1024 * 1024, shown="4194304 (4 MiB)")
+    max_upload_bytes: PositiveInt = setting(
+        2 * 1024**3, "a dataset upload's limit", shown="2147483648 (2 GiB)"
+    )
+    default_max_tokens: PositiveInt = setting(256)
+    billing_review_threshold: Annotated[Decimal, Field(ge=0, allow_inf_nan=False)] | None = setting(
+        None,
+        "runs quoted above it wait for `batchyard runs approve`",
+        kind="decimal (US dollars)",
+    )
+    privacy_default: str = setting("off", "`off`, `redact`, `reject`")
+    price_feed: str | None = setting(None, "the market's price feed", kind="text (path or URL)")
+    price_feed_interval_s: _Seconds = setting(60.0)
+    price_max_age_s: _Seconds = setting(300.0)
+    market_policy: str = setting(
+        "first_eligible", "`first_eligible`, `deadline_aware` (`-` or `_`)"
+    )
+    market_interval_s: _Seconds = setting(15.0)
+    #: How long a dispatched deferred item's lease lasts without a heartbeat.
+    market_lease_s: _Seconds = setting(120.0)
+    embedded_model_path: str | None = setting(
+        None,
+        "an existing GGUF file",
+        kind="text (path)",
+        shown="the bundled SmolLM2-135M-Instruct",
+        env="BATCHYARD_MODEL_PATH",
+    )
     #: Sequences the embedded engine runs at once (``embedded_contexts`` is its old name).
-    embedded_slots: int = 8
-    #: One sequence's context window on the embedded engine, in tokens.
-    embedded_n_ctx: int = 2048
-    #: CPU threads of the embedded engine; None: all cores.
-    embedded_threads: int | None = None
-    #: Prompt tokens the embedded engine evaluates per step.
-    embedded_prefill_tokens: int = 512
-    #: The embedded engine's shared KV cache in tokens; None: slots x n_ctx.
-    embedded_cache_tokens: int | None = None
-    #: Host memory (MiB) for prompts moved out of the embedded engine's KV cache
-    #: and put back when a request starts like them (the shelf); 0: none.
-    embedded_shelf_mb: int = 256
-    warm_fallback_after_s: float = 10.0
+    embedded_slots: Annotated[int, Field(ge=1, le=256)] = setting(
+        8,
+        "`embedded_contexts` is accepted as its old name",
+        validation_alias=AliasChoices("embedded_slots", "embedded_contexts"),
+    )
+    embedded_n_ctx: Annotated[int, Field(ge=128, le=131072)] = setting(
+        2048, kind="integer (tokens)"
+    )
+    embedded_threads: PositiveInt | None = setting(
+        None, "or leave unset for all cores", shown="all cores"
+    )
+    embedded_prefill_tokens: Annotated[int, Field(ge=16, le=65536)] = setting(
+        512, kind="integer (tokens)"
+    )
+    embedded_cache_tokens: PositiveInt | None = setting(
+        None,
+        "at least `embedded_n_ctx`",
+        kind="integer (tokens)",
+        shown="`embedded_slots` × `embedded_n_ctx`",
+    )
+    embedded_shelf_mb: Annotated[int, Field(ge=0, le=1048576)] = setting(
+        256,
+        "host memory, per loaded model, for prompts moved out of the KV cache and put back "
+        "when a request starts like them (the shelf); 0 turns it off. "
+        "`batchyard_embedded_shelf_bytes` in `/metrics` shows what it holds",
+        kind="integer (MiB)",
+    )
+    warm_fallback_after_s: _Seconds = setting(10.0)
     #: On SIGTERM, how long calls in flight may take to land before they are cut off.
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: Annotated[float, Field(ge=0)] = setting(30.0, flag="--grace")
     # A request over its organisation's limits that would be admitted within this
     # many seconds waits for its slot on the server instead of answering 429.
-    limits_queue_s: float = 10.0
+    limits_queue_s: Annotated[float, Field(ge=0)] = setting(10.0)
+    #: Work with units left whose progress has not moved for this long is stuck:
+    #: counted, shown to its owner and listed by ``batchyard stuck``.
+    stuck_after_s: _Seconds = setting(900.0)
     # A concurrency slot's lease, renewed while its request runs: how long a
     # crashed process can hold slots it never gave back.
-    slot_lease_s: float = 60.0
-    #: When set, ``/metrics`` answers only ``Authorization: Bearer <metrics_token>``.
-    metrics_token: str | None = None
-    #: Where the settings were read from (the config file), for messages.
-    config_file: str | None = None
-    raw: dict[str, Any] = field(default_factory=dict)
+    slot_lease_s: _Seconds = setting(60.0)
+    metrics_token: str | None = setting(
+        None,
+        "any; `/metrics` then wants `Authorization: Bearer <token>`",
+        shown="none (open `/metrics`)",
+    )
+    models: tuple[ModelEntry, ...] = setting(())
+    #: None: the built-in routes; a list (even empty) replaces them.
+    routes: tuple[RouteEntry, ...] | None = setting(None)
+    #: Built from ``models`` and ``routes`` unless given (tests, embedding applications).
+    catalog: Catalog = _derived(validate_default=True)
+    tiers: tuple[Tier, ...] = setting(DEFAULT_TIERS)
+    runs: RunSettings = setting(RunSettings())
+    file_batches: FileBatchSettings = setting(FileBatchSettings())
+    files: FileSettings = setting(FileSettings())
+    model_versions: VersionSettings = setting(VersionSettings())
+    webhooks: WebhookSettings = setting(WebhookSettings())
 
     @property
     def embedded_contexts(self) -> int:
@@ -125,162 +219,24 @@ class Settings:
             return None
         return Path(tail)
 
-
-# --- the typed model of the file and the environment -------------------------------------
-
-_Seconds = PositiveFloat
-_Section = ConfigDict(extra="forbid", frozen=True)
-
-
-class RunsSection(BaseModel):
-    """``runs:``: timings of batch inference runs (``core.runs.RunSettings``)."""
-
-    model_config = _Section
-
-    quote_ttl_s: _Seconds | None = None
-    lease_s: _Seconds | None = None
-    heartbeat_s: _Seconds | None = None
-    poll_s: _Seconds | None = None
-    flush_s: _Seconds | None = None
-    concurrency: PositiveInt | None = None
-    max_active_runs: PositiveInt | None = None
-    prepare_batch: PositiveInt | None = None
-    write_batch: PositiveInt | None = None
-    failure_streak: PositiveInt | None = None
-
-
-class FileBatchesSection(BaseModel):
-    """``file_batches:``: the file-batch worker (``work.file_batches.FileBatchSettings``)."""
-
-    model_config = _Section
-
-    poll_s: _Seconds | None = None
-    lease_s: _Seconds | None = None
-    flush_s: _Seconds | None = None
-    concurrency: PositiveInt | None = None
-    max_active: PositiveInt | None = None
-    end_chunk: PositiveInt | None = None
-
-
-class FilesSection(BaseModel):
-    """``files:``: upload limits (``service.files.FileSettings``)."""
-
-    model_config = _Section
-
-    max_bytes: PositiveInt | None = None
-    max_lines: PositiveInt | None = None
-    max_line_bytes: PositiveInt | None = None
-    max_custom_id: PositiveInt | None = None
-
-
-class ModelVersionsSection(BaseModel):
-    """``model_versions:``: uploaded versions (``service.model_versions.VersionSettings``)."""
-
-    model_config = _Section
-
-    max_lora_bytes: PositiveInt | None = None
-    max_weights_bytes: PositiveInt | None = None
-    folder: str | None = None
-    #: How long a version stays loaded after its last request (keep-warm aside).
-    idle_s: _Seconds | None = None
-    #: The memory the loaded versions may hold together; unset: no budget.
-    memory_budget_bytes: PositiveInt | None = None
-
-
-class WebhooksSection(BaseModel):
-    """``webhooks:``: where deliveries may go and how they are retried (``core.webhook_rules``)."""
-
-    model_config = _Section
-
-    #: CIDR blocks a webhook URL may reach besides public addresses (SSRF allow-list).
-    allowed_networks: list[str] | None = None
-    timeout_s: _Seconds | None = None
-    max_attempts: PositiveInt | None = None
-    base_delay_s: _Seconds | None = None
-    max_delay_s: _Seconds | None = None
-    jitter: Annotated[float, Field(ge=0, lt=1)] | None = None
-    concurrency: PositiveInt | None = None
-    lease_s: _Seconds | None = None
-    poll_s: _Seconds | None = None
-    flush_s: _Seconds | None = None
-
-    @field_validator("allowed_networks")
-    @classmethod
-    def _networks(cls, value: list[str] | None) -> list[str] | None:
-        from batchyard.core.webhook_rules import parse_networks
-
-        try:
-            parse_networks(value or ())
-        except ValueError as exc:
-            raise ConfigError(
-                "", str(exc), "give CIDR blocks such as 10.0.0.0/8 or 127.0.0.0/8"
-            ) from None
-        return value
-
-
-_DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgres://", "postgresql+psycopg://")
-_LIMITERS = ("memory", "memory://", "sql")
-_LIMITER_SCHEMES = ("redis://", "rediss://", "unix://")
-_PRIVACY_MODES = ("off", "redact", "reject")
-
-
-class SettingsFile(BaseModel):
-    """Every setting a config file (or ``BATCHYARD_<NAME>``) may give, checked.
-
-    docs/reference/configuration.md lists each with its type, default and
-    variable; a test keeps the two the same.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    database_url: str | None = None
-    limiter_url: str | None = None
-    idempotency_ttl_s: _Seconds = 24 * 3600
-    max_body_bytes: PositiveInt = 4 * 1024 * 1024
-    max_upload_bytes: PositiveInt = 2 * 1024**3
-    default_max_tokens: PositiveInt = 256
-    billing_review_threshold: Annotated[Decimal, Field(ge=0, allow_inf_nan=False)] | None = None
-    batch_encryption_key: str | None = None
-    privacy_default: str = "off"
-    price_feed: str | None = None
-    price_feed_interval_s: _Seconds = 60.0
-    price_max_age_s: _Seconds = 300.0
-    market_policy: str = "first_eligible"
-    market_interval_s: _Seconds = 15.0
-    market_lease_s: _Seconds = 120.0
-    embedded_model_path: str | None = None
-    embedded_slots: Annotated[int, Field(ge=1, le=256)] = Field(
-        default=8, validation_alias=AliasChoices("embedded_slots", "embedded_contexts")
-    )
-    embedded_n_ctx: Annotated[int, Field(ge=128, le=131072)] = 2048
-    embedded_threads: PositiveInt | None = None
-    embedded_prefill_tokens: Annotated[int, Field(ge=16, le=65536)] = 512
-    embedded_cache_tokens: PositiveInt | None = None
-    embedded_shelf_mb: Annotated[int, Field(ge=0, le=1048576)] = 256
-    warm_fallback_after_s: _Seconds = 10.0
-    shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
-    limits_queue_s: Annotated[float, Field(ge=0)] = 10.0
-    slot_lease_s: _Seconds = 60.0
-    metrics_token: str | None = None
-    models: list[ModelEntry] | None = None
-    routes: list[RouteEntry] | None = None
-    tiers: list[TierEntry] | None = None
-    runs: RunsSection | None = None
-    file_batches: FileBatchesSection | None = None
-    files: FilesSection | None = None
-    model_versions: ModelVersionsSection | None = None
-    webhooks: WebhooksSection | None = None
+    @property
+    def version_folder(self) -> Path:
+        """Where accepted model versions live: ``model_versions.folder``, or under the home."""
+        given = self.model_versions.folder
+        return Path(given) if given else self.home / "model-versions"
 
     @field_validator("database_url")
     @classmethod
-    def _database(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(_DATABASE_SCHEMES):
+    def _database(cls, value: str, info: ValidationInfo) -> str:
+        if not value:
+            return f"sqlite:///{info.data.get('home', default_home()) / 'batchyard.db'}"
+        if not value.startswith(_DATABASE_SCHEMES):
             raise ConfigError(
                 "",
                 f"{value.split('://')[0]!r} is not a database batchyard can use",
                 "use sqlite:///PATH or postgresql://user@host/db",
             )
-        return value
+        return normalise_database_url(value)
 
     @field_validator("limiter_url")
     @classmethod
@@ -340,33 +296,115 @@ class SettingsFile(BaseModel):
             )
         return value
 
+    @field_validator("catalog", mode="before")
+    @classmethod
+    def _catalog(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            return value
+        if "models" not in info.data or "routes" not in info.data:
+            return default_catalog()  # their own error is the one reported
+        return build_catalog(info.data["models"], info.data["routes"])
 
-#: Environment variables that are not ``BATCHYARD_<FIELD>`` (kept from before the model).
-_ENV_NAMES = {"embedded_model_path": "BATCHYARD_MODEL_PATH"}
-_ENV_ALIASES = {"embedded_slots": ("BATCHYARD_EMBEDDED_CONTEXTS",)}
-_SECTIONS = frozenset(
-    {"models", "routes", "tiers", "runs", "file_batches", "files", "model_versions", "webhooks"}
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tiers(cls, value: Any) -> Any:
+        if isinstance(value, tuple) and all(isinstance(t, Tier) for t in value):
+            return value
+        return tiers_from_config(value)
+
+    @field_validator(
+        "models", "runs", "file_batches", "files", "model_versions", "webhooks", mode="before"
+    )
+    @classmethod
+    def _empty(cls, value: Any, info: ValidationInfo) -> Any:
+        """A section written with nothing under it (``runs:``) is the defaults."""
+        if value is None and info.field_name is not None:
+            return _fields()[info.field_name].get_default(call_default_factory=True)
+        return value
+
+    @model_validator(mode="after")
+    def _agree(self) -> Settings:
+        """What no single field can say: values that must agree."""
+        cache, n_ctx = self.embedded_cache_tokens, self.embedded_n_ctx
+        if cache is not None and cache < n_ctx:
+            raise ConfigError(
+                "embedded_cache_tokens",
+                f"is {cache}, less than one sequence (embedded_n_ctx: {n_ctx})",
+                f"raise it to at least {n_ctx}, or remove it for slots x n_ctx "
+                f"({self.embedded_slots * n_ctx})",
+            )
+        return self
+
+
+_SETTINGS = TypeAdapter(Settings)
+
+
+def normalise_database_url(url: str) -> str:
+    """Accept plain ``postgresql://`` and use the psycopg 3 driver for it."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def _fields() -> dict[str, FieldInfo]:
+    fields: dict[str, FieldInfo] = Settings.__pydantic_fields__  # type: ignore[attr-defined]
+    return fields
+
+
+def _extra(info: FieldInfo) -> dict[str, Any]:
+    extra = info.json_schema_extra
+    return dict(extra) if isinstance(extra, dict) else {}
+
+
+#: The settings that are sections of the file (a list or a mapping), never a variable.
+SECTIONS = (
+    "models",
+    "routes",
+    "tiers",
+    "runs",
+    "file_batches",
+    "files",
+    "model_versions",
+    "webhooks",
 )
 
 
-def env_var(name: str) -> str | None:
-    """The environment variable of a top-level setting (None for the sections)."""
-    if name in _SECTIONS:
-        return None
-    return _ENV_NAMES.get(name, ENV_PREFIX + name.upper())
+def scalar_settings() -> Iterator[tuple[str, FieldInfo]]:
+    """The top-level settings a file or a variable may give one value (not the sections)."""
+    for name, info in _fields().items():
+        if not _extra(info).get("derived") and name not in SECTIONS:
+            yield name, info
+
+
+def env_names(name: str) -> tuple[str, ...]:
+    """The environment variables of a top-level setting, the first its own (the rest old names)."""
+    info = _fields()[name]
+    own = str(_extra(info).get("env") or ENV_PREFIX + name.upper())
+    return (own, *(ENV_PREFIX + a.upper() for a in _aliases(name) if a != name))
+
+
+def _aliases(name: str) -> tuple[str, ...]:
+    info = _fields().get(name)
+    alias = info.validation_alias if info is not None else None
+    return tuple(str(a) for a in alias.choices) if isinstance(alias, AliasChoices) else (name,)
+
+
+def _canonical(key: str) -> str:
+    """A field's name from any of its names (``embedded_contexts`` is ``embedded_slots``)."""
+    for name in _fields():
+        if key in _aliases(name):
+            return name
+    return key
 
 
 def _environment() -> dict[str, tuple[str, str]]:
     """Settings given as environment variables: field -> (variable, value)."""
     found: dict[str, tuple[str, str]] = {}
-    for name in SettingsFile.model_fields:
-        var = env_var(name)
-        if var is None:
-            continue
-        for candidate in (var, *_ENV_ALIASES.get(name, ())):
-            value = os.environ.get(candidate)
+    for name, _ in scalar_settings():
+        for var in env_names(name):
+            value = os.environ.get(var)
             if value:  # an empty variable is an unset one
-                found[name] = (candidate, value)
+                found[name] = (var, value)
                 break
     return found
 
@@ -407,29 +445,12 @@ def _read_file(path: Path) -> dict[str, Any]:
             f"the file holds a {type(data).__name__}, not settings",
             "write `name: value` lines at the top level (see docs/reference/configuration.md)",
         ).at(where)
+    for key in data:
+        if key in _fields() and _extra(_fields()[key]).get("derived"):
+            raise ConfigError(
+                str(key), "is not a setting batchyard knows", "remove it or fix its name"
+            ).at(where)
     return {str(k): v for k, v in data.items()}
-
-
-def normalise_database_url(url: str) -> str:
-    """Accept plain ``postgresql://`` and use the psycopg 3 driver for it."""
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
-        return "postgresql+psycopg://" + url.split("://", 1)[1]
-    return url
-
-
-def _check(model: SettingsFile) -> None:
-    """What no single field can say: values that must agree."""
-    slots_x_ctx = model.embedded_slots * model.embedded_n_ctx
-    if model.embedded_cache_tokens is not None and model.embedded_cache_tokens < (
-        model.embedded_n_ctx
-    ):
-        raise ConfigError(
-            "embedded_cache_tokens",
-            f"is {model.embedded_cache_tokens}, less than one sequence "
-            f"(embedded_n_ctx: {model.embedded_n_ctx})",
-            f"raise it to at least {model.embedded_n_ctx}, or remove it for slots x n_ctx "
-            f"({slots_x_ctx})",
-        )
 
 
 def load_settings(
@@ -440,64 +461,57 @@ def load_settings(
 ) -> Settings:
     """The settings of this process; raises ``ConfigError`` (with its source) on a bad value.
 
-    ``overrides`` replace fields of the result (tests, benchmarks);
-    ``embedded_contexts`` is taken as ``embedded_slots``.
+    Each layer wins over the one before: the defaults, the config file
+    (``config_file`` or ``BATCHYARD_CONFIG``), the environment, then the
+    arguments (``database_url`` from ``--database``; ``overrides``, any field,
+    from tests and benchmarks).
     """
-    home = default_home()
     config_file = config_file or os.environ.get("BATCHYARD_CONFIG") or None
     source = str(config_file) if config_file else None
-    data = _read_file(Path(config_file)) if config_file else {}
-    given = dict(data)
-    env = _environment()
+    given: dict[str, Any] = {"config_file": source}
     origin: dict[str, str] = {}
-    for name, (var, value) in env.items():
-        for key in (name, *(("embedded_contexts",) if name == "embedded_slots" else ())):
-            given.pop(key, None)
-        given[name] = value
-        origin[name] = f"environment variable {var}"
-    try:
-        model = SettingsFile.model_validate(given)
-        _check(model)
-    except ValidationError as exc:
-        error = from_validation(exc, model=SettingsFile)
-        top = error.field.split(".", 1)[0].split("[", 1)[0]
-        raise error.at(origin.get(top, source or "the settings")) from None
-    except ConfigError as exc:
-        top = exc.field.split(".", 1)[0].split("[", 1)[0]
-        raise exc.at(origin.get(top, source or "the settings")) from None
-    try:
-        catalog = build_catalog(model.models or [], model.routes if "routes" in data else None)
-        tiers = build_tiers(model.tiers or [])
-    except ConfigError as exc:
-        raise exc.at(source or "the settings") from None
-    url = database_url or model.database_url or f"sqlite:///{home / 'batchyard.db'}"
-    taken = {
-        f.name: getattr(model, f.name)
-        for f in fields(Settings)
-        if f.name in SettingsFile.model_fields and f.name not in ("database_url", "tiers")
-    }
-    taken.pop("catalog", None)
-    settings = Settings(
-        database_url=normalise_database_url(str(url)),
-        home=home,
-        catalog=catalog,
-        tiers=tiers,
-        config_file=source,
-        raw=_raw(data, model),
-        **taken,
+    shadowed: list[tuple[str, Any, str]] = []  # a value a later layer replaced, and its source
+
+    def layer(values: dict[str, Any], where: dict[str, str]) -> None:
+        for key, value in values.items():
+            name = _canonical(key)
+            for alias in _aliases(name):
+                if alias in given and name in origin:
+                    shadowed.append((alias, given[alias], origin[name]))
+                given.pop(alias, None)
+            given[key] = value  # as written: an error names the name the operator used
+            origin[name] = where.get(key, "")
+
+    if source is not None:
+        data = _read_file(Path(source))
+        layer(data, dict.fromkeys(data, source))
+    env = _environment()
+    layer(
+        {n: v for n, (_, v) in env.items()},
+        {n: f"environment variable {var}" for n, (var, _) in env.items()},
     )
-    if "embedded_contexts" in overrides:
-        overrides["embedded_slots"] = overrides.pop("embedded_contexts")
-    return replace(settings, **overrides) if overrides else settings
+    if database_url:
+        via_env = os.environ.get("BATCHYARD_DATABASE_URL") == database_url
+        where = "environment variable BATCHYARD_DATABASE_URL" if via_env else "--database"
+        layer({"database_url": database_url}, {"database_url": where})
+    layer(overrides, dict.fromkeys(overrides, "the arguments"))
+    try:
+        settings = _SETTINGS.validate_python(given)
+    except ValidationError as exc:
+        error = from_validation(exc, model=Settings)
+        raise error.at(origin.get(_top(error.field)) or source or "the settings") from None
+    for key, value, where in shadowed:
+        # A mistake stays one where a later layer overrides it (the file's typo under
+        # ``--database``): it would surface the day the override goes.
+        name = _canonical(key)
+        trial = {k: v for k, v in given.items() if _canonical(k) != name}
+        try:
+            _SETTINGS.validate_python({**trial, key: value})
+        except ValidationError as exc:
+            raise from_validation(exc, model=Settings).at(where) from None
+    return settings
 
 
-def _raw(data: dict[str, Any], model: SettingsFile) -> dict[str, Any]:
-    """The file's sections, checked, as the parts that read ``settings.raw`` expect them."""
-    raw = dict(data)
-    for name in ("runs", "file_batches", "files", "model_versions", "webhooks"):
-        section = getattr(model, name)
-        if section is not None:
-            raw[name] = section.model_dump(exclude_none=True)
-    raw["max_upload_bytes"] = model.max_upload_bytes
-    raw["privacy_default"] = model.privacy_default
-    return raw
+def _top(field: str) -> str:
+    """The top-level setting of a field path (``routes`` of ``routes[0].engine``)."""
+    return field.split(".", 1)[0].split("[", 1)[0]

@@ -92,36 +92,37 @@ _KINDS: dict[str, tuple[str, str]] = {
     "dict_type": ("a mapping", "write `name: value` pairs under it"),
     "model_type": ("a mapping", "write `name: value` pairs under it"),
     "model_attributes_type": ("a mapping", "write `name: value` pairs under it"),
+    "dataclass_type": ("a mapping", "write `name: value` pairs under it"),
+    "dataclass_args_type": ("a mapping", "write `name: value` pairs under it"),
 }
+
+
+def _fields_of(kind: Any) -> dict[str, Any]:
+    """The pydantic fields of a model or pydantic dataclass (none for anything else)."""
+    found = getattr(kind, "__pydantic_fields__", None) if isinstance(kind, type) else None
+    return dict(found) if isinstance(found, dict) else {}
 
 
 def _known_fields(model: Any, loc: Sequence[int | str]) -> list[str]:
     """The field names allowed where ``loc``'s last part was refused (for a suggestion)."""
-    from pydantic import BaseModel
-
     current: Any = model
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return []
-        info = current.model_fields.get(str(part))
+        info = _fields_of(current).get(str(part))
         if info is None:
             return []
         current = _inner_model(info.annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        names: list[str] = []
-        for name, info in current.model_fields.items():
-            names.append(info.alias or name)
-        return names
-    return []
+    return [
+        info.alias or name
+        for name, info in _fields_of(current).items()
+        if not (isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("derived"))
+    ]
 
 
 def _inner_model(annotation: Any) -> Any:
     """The model inside ``list[X] | None`` and the like."""
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if _fields_of(annotation):
         return annotation
     for arg in getattr(annotation, "__args__", ()) or ():
         found = _inner_model(arg)
@@ -143,7 +144,7 @@ def _describe(error: Any, model: Any) -> tuple[str, str]:
         return problem, fix or "correct the value"
     if kind == "missing":
         return "required, and missing", "add it"
-    if kind == "extra_forbidden":
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         loc = list(error["loc"])
         known = _known_fields(model, loc)
         near = difflib.get_close_matches(str(loc[-1]), known, n=1)
@@ -178,8 +179,11 @@ def from_validation(
     """The first of pydantic's errors as a ``ConfigError`` (with how many more there are)."""
     errors = exc.errors(include_url=False)
     first = errors[0]
-    loc = [*prefix, *first["loc"]]
+    path = field_path([*prefix, *first["loc"]])
+    inner = (first.get("ctx") or {}).get("error")
+    if isinstance(inner, ConfigError) and inner.field:
+        path = inner.field  # a check across fields names the field itself, from the top
     problem, fix = _describe(first, model)
     if len(errors) > 1:
         fix += f" ({len(errors) - 1} more problem(s) after this one)"
-    return ConfigError(field_path(loc), problem, fix)
+    return ConfigError(path, problem, fix)

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from batchyard.core.outlook import HistoryScenarios, ScenarioSource
 from batchyard.core.prices import Price, discount_percent
 from batchyard.core.route_history import SLOT, slot_index
-from batchyard.core.stopping import Plans, solve
+from batchyard.core.stopping import CHARGE, COLUMNS, Plans, solve
 
 __all__ = [
     "DeadlineAware",
@@ -253,6 +253,7 @@ class DeadlineAware:
         spare: int = 2,
         replan: timedelta = timedelta(minutes=4),
         regress: bool = True,
+        charge: float | None = None,
         name: str = "deadline-aware",
     ) -> None:
         if not 0 <= risk < 1:
@@ -274,6 +275,9 @@ class DeadlineAware:
         self.per_pass = per_pass
         self.spare = spare
         self.regress = regress
+        if charge is not None and not 0 <= charge <= 1:
+            raise ValueError("charge is a share from 0 to 1")
+        self.charge = charge
         self.name = name
         self._replan = max(1, int(replan / SLOT))
         self.histories = HistoryScenarios(memory=memory)
@@ -290,6 +294,17 @@ class DeadlineAware:
         self._roster_before: list[_Asked] = []
         self._sent: set[str] = set()
         self._sent_before: set[str] = set()
+
+    def charges(self, routes: Sequence[str], now: datetime) -> float | npt.NDArray[np.float64]:
+        """What a stop in each wide column is charged (``stopping.solve``'s ``charge``).
+
+        Measured on the routes' own past (``outlook.first_crossing``) unless
+        given; ``stopping.CHARGE`` for a width the past cannot tell yet.
+        """
+        if self.charge is not None:
+            return self.charge
+        measured = self.histories.charges(routes, now)
+        return np.array([measured.get(int(w), CHARGE) for w in COLUMNS.widths.tolist()])
 
     def safety_window(self, item: Item) -> timedelta:
         """How close to its deadline an item takes any qualifying offer."""
@@ -381,7 +396,9 @@ class DeadlineAware:
         if chances < 1 + self.spare + self._waiting // self.per_pass:
             return True
         cost_now = 100.0 - float(_offer_discount(best, direct))
-        if cost_now > value * (1 + self.slack):
+        # A price as good as the best plan of waiting is taken now: waiting for a tie
+        # only bets the deadline (the tolerance absorbs the log scale's rounding).
+        if cost_now > value * (1 + self.slack) + _TIE:
             return False
         return not self._crowds(item, market, plans, offers, direct, now)
 
@@ -451,6 +468,7 @@ class _MarketPlans:
         self.bucket: int | None = None
         self.scenarios: tuple[npt.NDArray[np.float64], int] | None = None
         self.solved: list[Plans] = []
+        self.charge: float | npt.NDArray[np.float64] = CHARGE
         #: Minima asked about, with the bucket they were last asked in.
         self.minima: dict[float, int] = {}
 
@@ -464,6 +482,7 @@ class _MarketPlans:
         if bucket != self.bucket:
             self.bucket = bucket
             self.scenarios = policy.source.scenarios(self.routes, now)
+            self.charge = policy.charges(self.routes, now)
             self.solved = []
             # Solve for every minimum asked about lately at once: items come back each pass.
             for m, last in list(self.minima.items()):
@@ -490,8 +509,12 @@ class _MarketPlans:
             penalty=policy.penalty,
             risk=policy.risk,
             regress=policy.regress,
+            charge=self.charge,
         )
 
+
+#: Points of the direct price within which waiting is no better than taking now.
+_TIE = 1e-6
 
 #: Items asked about this close together belong to one pass (a caller whose clock
 #: ticks between items still has its burst counted as one).

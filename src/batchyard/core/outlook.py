@@ -49,6 +49,7 @@ __all__ = [
     "ScenarioSource",
     "depth",
     "discount",
+    "first_crossing",
     "fit_route",
 ]
 
@@ -218,6 +219,35 @@ def _mean_level(resid: Floats) -> Floats:
         return np.where(count > 0, (csum[hi] - csum[lo]) / np.maximum(count, 1), np.nan)
 
 
+def first_crossing(blocks: Floats, share: float = 0.25, least: int = 48) -> float | None:
+    """Where, between a block's deepest price and a threshold, the first check past it lies.
+
+    A plan that stops in a wide column stops at the first check that crosses
+    its threshold, which the column's deepest price alone does not tell: it is
+    that price when the column holds a plateau (a dip, a regime, a price fixed
+    for a while), and nearer the threshold when prices are fresh draws. So it
+    is measured on the route's own past, ``blocks[block, check]`` (depths,
+    ``-inf`` unknown): for the threshold that the deepest ``share`` of the
+    blocks cross, the mean over those blocks of (deepest - first crossing) /
+    (deepest - threshold), 0 for a plateau. None with fewer than ``least``
+    such blocks.
+    """
+    if blocks.shape[0] == 0:
+        return None
+    best = blocks.max(axis=1)
+    known = np.isfinite(best)
+    if known.sum() < least / share:
+        return None
+    threshold = float(np.quantile(best[known], 1 - share))
+    over = known & (best > threshold)
+    if over.sum() < least:
+        return None
+    rows = blocks[over]
+    first = rows[np.arange(len(rows)), np.argmax(rows >= threshold, axis=1)]
+    gap = best[over] - threshold
+    return float(np.clip(np.mean((best[over] - first) / gap), 0.0, 1.0))
+
+
 def _carry_forward(values: Floats) -> Floats:
     """The last known value at each slot (an outage hides the level, it does not end it)."""
     ok = np.isfinite(values)
@@ -257,6 +287,7 @@ class _Past:
     trend: Floats  # its change over the last half hour
     payable: Floats  # 1 or 0, carried over unknown slots
     pooled: dict[int, Floats]  # per column width: the deepest residual in each block
+    charge: dict[int, float | None]  # per width above 1: ``first_crossing`` of its blocks
 
     @classmethod
     def of(cls, history: RouteHistory, now_slot: int, keep: int) -> _Past | None:
@@ -277,10 +308,14 @@ class _Past:
         # bets a deadline on it.
         clean = np.where(np.isnan(resid), -math.inf, resid)
         pooled = {}
+        charge = {}
         for width in np.unique(COLUMNS.widths).tolist():
             usable = len(clean) // width * width
-            pooled[width] = clean[:usable].reshape(-1, width).max(axis=1)
-        return cls(fit, base, now_slot, level, trend, payable, pooled)
+            blocks = clean[:usable].reshape(-1, width)
+            pooled[width] = blocks.max(axis=1)
+            if width > 1:
+                charge[width] = first_crossing(blocks)
+        return cls(fit, base, now_slot, level, trend, payable, pooled, charge)
 
     def state(self, history: RouteHistory, now_slot: int) -> tuple[float, float, float]:
         """(level, trend, payable) now, from the slots since the refit."""
@@ -334,6 +369,20 @@ class HistoryScenarios:
         if got is None or now_slot - got.until >= every or now_slot < got.until:
             got = self._pasts[route] = _Past.of(history, now_slot, history.keep)
         return got
+
+    def charges(self, routes: Sequence[str], now: datetime) -> dict[int, float]:
+        """Per column width above 1, the routes' mean ``first_crossing`` (where measured)."""
+        now_slot = slot_index(now)
+        got: dict[int, list[float]] = {}
+        for route in routes:
+            history = self.history(route)
+            if history.first is None or now_slot - history.first < self.min_span:
+                continue
+            past = self.past(route, now_slot)
+            for width, value in ({} if past is None else past.charge).items():
+                if value is not None:
+                    got.setdefault(width, []).append(value)
+        return {width: float(np.mean(values)) for width, values in got.items()}
 
     def scenarios(self, routes: Sequence[str], now: datetime) -> tuple[Floats, int] | None:
         now_slot = slot_index(now)

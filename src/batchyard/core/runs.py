@@ -21,8 +21,6 @@ move happen?" for the API, the worker and the operator CLI alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -36,7 +34,6 @@ __all__ = [
     "TRANSITIONS",
     "BlockedReason",
     "ItemState",
-    "RunSettings",
     "RunStatus",
     "check_transition",
     "message_for",
@@ -65,6 +62,7 @@ class BlockedReason(StrEnum):
     FUNDS = "funds"
     PAYMENT = "payment"
     BILLING_REVIEW = "billing_review"
+    SPEND_CAP = "spend_cap"
 
 
 class ItemState(StrEnum):
@@ -123,50 +121,6 @@ def check_transition(current: str, target: str, *, run_id: str = "the run") -> N
         )
 
 
-@dataclass(frozen=True, slots=True)
-class RunSettings:
-    """Timings of runs; an operator sets them under ``runs:`` in the config file.
-
-    ``lease_s`` is how long a worker may go silent before another takes its
-    runs over (its in-flight rows become ``uncertain``); heartbeats renew it
-    every ``heartbeat_s`` of real time. Finished rows are committed in groups:
-    when half the run's slots are free, or ``flush_s`` after the last commit.
-    ``failure_streak`` consecutive failed
-    rows with no success between them mean the route is broken, not the rows,
-    and the run fails instead of burning through every row.
-    """
-
-    quote_ttl: timedelta = timedelta(hours=24)
-    lease_s: float = 60.0
-    heartbeat_s: float = 5.0
-    poll_s: float = 0.5
-    flush_s: float = 0.25
-    default_concurrency: int = 32
-    max_active_runs: int = 2
-    prepare_batch: int = 2000
-    write_batch: int = 500
-    failure_streak: int = 50
-
-    @classmethod
-    def from_raw(cls, raw: dict[str, Any] | None) -> RunSettings:
-        data = dict(raw or {})
-        base = cls()
-        return cls(
-            quote_ttl=timedelta(
-                seconds=float(data.get("quote_ttl_s", base.quote_ttl.total_seconds()))
-            ),
-            lease_s=float(data.get("lease_s", base.lease_s)),
-            heartbeat_s=float(data.get("heartbeat_s", base.heartbeat_s)),
-            poll_s=float(data.get("poll_s", base.poll_s)),
-            flush_s=float(data.get("flush_s", base.flush_s)),
-            default_concurrency=int(data.get("concurrency", base.default_concurrency)),
-            max_active_runs=int(data.get("max_active_runs", base.max_active_runs)),
-            prepare_batch=int(data.get("prepare_batch", base.prepare_batch)),
-            write_batch=int(data.get("write_batch", base.write_batch)),
-            failure_streak=int(data.get("failure_streak", base.failure_streak)),
-        )
-
-
 _MESSAGES = {
     S.PREPARING: "Freezing the selected rows and counting their tokens to prepare a quote.",
     S.AWAITING_CONFIRMATION: (
@@ -197,6 +151,10 @@ _BLOCKED = {
     BlockedReason.BILLING_REVIEW: (
         "Blocked: the quote of ${max_cost} is above this deployment's review threshold; "
         "an operator approves it with `batchyard runs approve {run_id}`."
+    ),
+    BlockedReason.SPEND_CAP: (
+        "Blocked: the quote of ${max_cost} would cross a spend cap of its project or key; "
+        "the run continues by itself once the cap is raised or its month turns."
     ),
 }
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COLUMNS", "HORIZONS", "Columns", "Plans", "solve"]
+__all__ = ["CHARGE", "COLUMNS", "HORIZONS", "Columns", "Plans", "solve"]
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
@@ -61,6 +61,9 @@ class Columns:
 
 #: 4 minutes of single checks, to 32 minutes in minutes, to 3.7 h in 4 minutes, to 25 h in 16.
 COLUMNS = Columns.layout(((16, 1), (28, 4), (48, 16), (80, 64)))
+#: Where between a wide column's deepest price (0) and the plan's threshold (1) a stop
+#: in it is charged when nothing better is known (``outlook.first_crossing`` measures it).
+CHARGE = 0.5
 #: Horizons (checks from the next one to the deadline) that plans are solved for.
 HORIZONS: Ints = np.unique(np.round(np.geomspace(4, int(COLUMNS.ends[-1]), 24))).astype(np.int64)
 
@@ -112,6 +115,7 @@ def solve(
     columns: Columns = COLUMNS,
     horizons: Ints = HORIZONS,
     regress: bool = True,
+    charge: float | Floats = CHARGE,
 ) -> Plans:
     """Backward induction on ``discounts[scenario, column]`` for each minimum and horizon.
 
@@ -119,7 +123,15 @@ def solve(
     the plan from the next column on pays in each of them, so a scenario that
     stays dear stays dear: a slow market is not mistaken for a fresh draw
     every check.
+
+    ``charge`` says what a stop in a wide column pays: its deepest price
+    (0), the plan's threshold there (1), or a share of the way between; one
+    share for every column or one per column.
     """
+    charges = np.broadcast_to(np.asarray(charge, dtype=np.float64), columns.widths.shape)
+    if not ((charges >= 0) & (charges <= 1)).all():
+        raise ValueError("charge is a share from 0 to 1")
+    charged: list[float] = np.where(columns.widths > 1, charges, 0.0).tolist()
     n_scen = discounts.shape[0]
     mins = np.asarray(minima, dtype=np.float64)
     hz = horizons[horizons <= cover] if (horizons <= cover).any() else horizons[:1]
@@ -131,7 +143,6 @@ def solve(
     # Horizons are sorted, so those a column lies within are a suffix of them.
     first_live = np.searchsorted(hz, columns.offsets, side="right")
     useful: list[bool] = np.asarray(qual.any(axis=(1, 2, 3))).tolist()
-    wide: list[bool] = (columns.widths > 1).tolist()
     share = 1.0 / n_scen
     # Bare ufunc calls: this loop is numpy-call bound, not arithmetic bound.
     add, less_equal, logical_and, copyto = np.add, np.less_equal, np.logical_and, np.copyto
@@ -153,9 +164,9 @@ def solve(
             going_on *= share
         stop = less_equal(x, going_on)
         logical_and(stop, qual[c], out=stop)
-        if wide[c]:
-            realised = add(x, going_on)
-            realised *= 0.5
+        share_c = charged[c]
+        if share_c:
+            realised = going_on * share_c + x * (1.0 - share_c)  # inf where x is: never stops
             copyto(part, realised, where=stop)
         else:
             copyto(part, x, where=stop)

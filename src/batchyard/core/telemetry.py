@@ -51,8 +51,9 @@ class Recorder(Protocol):
     def prompt_tokens_cached(self, route: str, tokens: int) -> None:
         """Prompt tokens an engine call on ``route`` read from its cache instead of evaluating."""
 
-    def charged(self, purpose: str, credits: Decimal) -> None:
-        """A reservation settled for ``purpose`` (chat, decide, run, ...): the credits charged."""
+    def charged(self, purpose: str, credits: Decimal, over_hold: Decimal = Decimal(0)) -> None:
+        """A reservation settled for ``purpose`` (chat, decide, run, ...): the credits charged,
+        and what was asked above the hold (a defect, ``store.billing``), if anything."""
 
     def admission(self, scope: str, verdict: str, limit: str | None) -> None:
         """A limiter verdict under a key's scope: ``admitted`` or ``refused`` (by ``limit``)."""
@@ -65,6 +66,9 @@ class Recorder(Protocol):
 
     def uncertain(self, kind: str, count: int) -> None:
         """``count`` items of ``kind`` became ``uncertain`` (sent, then their worker died)."""
+
+    def work_stuck(self, kind: str, reason: str) -> None:
+        """Work of ``kind`` stopped moving, waiting for ``reason`` (once a standstill)."""
 
 
 class NoRecorder:
@@ -82,7 +86,7 @@ class NoRecorder:
     def prompt_tokens_cached(self, route: str, tokens: int) -> None:
         return None
 
-    def charged(self, purpose: str, credits: Decimal) -> None:
+    def charged(self, purpose: str, credits: Decimal, over_hold: Decimal = Decimal(0)) -> None:
         return None
 
     def admission(self, scope: str, verdict: str, limit: str | None) -> None:
@@ -95,6 +99,9 @@ class NoRecorder:
         return None
 
     def uncertain(self, kind: str, count: int) -> None:
+        return None
+
+    def work_stuck(self, kind: str, reason: str) -> None:
         return None
 
 
@@ -121,8 +128,10 @@ class MemoryRecorder:
     def prompt_tokens_cached(self, route: str, tokens: int) -> None:
         self.counts["prompt_tokens_cached", route] += tokens
 
-    def charged(self, purpose: str, credits: Decimal) -> None:
+    def charged(self, purpose: str, credits: Decimal, over_hold: Decimal = Decimal(0)) -> None:
         self.credits[purpose] = self.credits.get(purpose, Decimal(0)) + credits
+        if over_hold:
+            self.counts["over_hold", purpose] += 1
 
     def admission(self, scope: str, verdict: str, limit: str | None) -> None:
         self.counts["admission", scope, verdict, limit or ""] += 1
@@ -135,6 +144,9 @@ class MemoryRecorder:
 
     def uncertain(self, kind: str, count: int) -> None:
         self.counts["uncertain", kind] += count
+
+    def work_stuck(self, kind: str, reason: str) -> None:
+        self.counts["work_stuck", kind, reason] += 1
 
 
 def limiter_scope(key: str) -> str:

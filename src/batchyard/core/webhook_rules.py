@@ -29,31 +29,25 @@ import hmac
 import ipaddress
 import os
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
-from batchyard.core.sections import section_settings
+from batchyard.core.sections import Network, WebhookSettings
 
 __all__ = [
     "BATCH_EVENTS",
     "EVENTS",
     "MESSAGE_BATCH_ENDED",
     "SECRET_PREFIX",
-    "Network",
     "Target",
-    "WebhookSettings",
     "address_allowed",
     "event_for",
     "new_secret",
-    "parse_networks",
     "parse_target",
     "retry_delay",
     "sign",
 ]
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 #: OpenAI's events for a file batch, by the stored status that ends it.
 BATCH_EVENTS: Mapping[str, str] = {
@@ -104,19 +98,6 @@ def retry_delay(attempts: int, settings: WebhookSettings, rand: random.Random) -
     return float(base * rand.uniform(1.0 - spread, 1.0 + spread))
 
 
-def parse_networks(values: Iterable[Any]) -> tuple[Network, ...]:
-    """CIDR blocks from configuration; a ``ValueError`` that names the bad one."""
-    found: list[Network] = []
-    for value in values:
-        if not isinstance(value, str):
-            raise ValueError(f"{value!r} is not a CIDR block such as 10.0.0.0/8")
-        try:
-            found.append(ipaddress.ip_network(value.strip(), strict=False))
-        except ValueError:
-            raise ValueError(f"{value!r} is not a CIDR block such as 10.0.0.0/8") from None
-    return tuple(found)
-
-
 def address_allowed(address: str, allowed: Sequence[Network]) -> bool:
     """Whether a delivery may connect to ``address``: public, or inside an allowed network."""
     try:
@@ -162,34 +143,3 @@ def parse_target(url: str) -> Target:
     if parts.fragment:
         raise ValueError("url must not have a #fragment")
     return Target(url, scheme, host, port or (443 if scheme == "https" else 80))
-
-
-@dataclass(frozen=True, slots=True)
-class WebhookSettings:
-    """Where deliveries may go and how they are retried (``webhooks:`` in the config)."""
-
-    #: Networks a target may be in besides public addresses (loopback for a test receiver).
-    allowed_networks: tuple[Network, ...] = ()
-    #: One attempt's limit: connect, send, and the receiver's answer.
-    timeout_s: float = 10.0
-    #: Tries in all before a delivery is ``failed``.
-    max_attempts: int = 10
-    #: The first retry's delay; each next one is 4 times longer.
-    base_delay_s: float = 5.0
-    #: The longest delay between two tries.
-    max_delay_s: float = 6 * 3600.0
-    #: Each delay is spread by ± this fraction.
-    jitter: float = 0.2
-    #: Deliveries in flight at once (one worker).
-    concurrency: int = 16
-    #: How long a worker may go silent before its deliveries are retried by another.
-    lease_s: float = 60.0
-    #: Seconds between idle rounds of the sender.
-    poll_s: float = 1.0
-    #: Finished attempts are committed at least this often.
-    flush_s: float = 0.25
-
-    @classmethod
-    def from_raw(cls, raw: Any) -> WebhookSettings:
-        """The ``webhooks:`` section as the config model checked it (a ``ValueError`` if not)."""
-        return section_settings(cls, raw, allowed_networks=lambda v: parse_networks(v or ()))

@@ -1,54 +1,57 @@
 """The embedded engine: a GGUF model run in-process with llama-cpp, batched.
 
-Each loaded version of the model is one ``Scheduler``
-(``engines.llama_scheduler``): one llama context holding many sequences and
-one thread that decodes all of them together, a token of every generating
-request and chunks of the prompts being read in one ``llama_decode`` a step.
-This module is the facade the rest of batchyard calls: it turns a chat or
-text completion, a stream, a tool call or a scoring call into a job (a
-prompt and its branches) and the job's events back into completions.
+Each loaded model has one step thread (``engines.llama``): one llama context
+holding many sequences, whose scheduler puts a token of every generating
+request and chunks of the prompts being read into one ``llama_decode`` a step.
+This module is the facade the rest of batchyard calls: it turns a chat or text
+completion, a stream, a tool call or a scoring call into a job (a prompt and
+its branches) and the job's events back into completions.
 
 Scoring (``score``) reads the shared prompt once (a prompt the cache already
 holds costs nothing, not even its last token) and scores every candidate as
-one token trie in one decode, the step after the prompt is read, beside
-other requests' work: decide sends all outcomes of all decisions of a text
-as one call.
+one token trie in one decode, beside other requests' work: decide sends all
+outcomes of all decisions of a text as one call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
 import logging
 import os
-import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from batchyard.core.clock import Clock, SystemClock
 from batchyard.core.tokens import text_messages
 from batchyard.engines import tool_calls
-from batchyard.engines.llama_sampling import (
-    CHAT_TEMPERATURE,
-    DEFAULT_TOP_K,
-    DEFAULT_TOP_P,
-    TEXT_TEMPERATURE,
-    SamplingParams,
-    grammar_for,
-)
-from batchyard.engines.llama_scheduler import (
-    SHELF_BYTES,
-    Adapter,
+from batchyard.engines.llama.cache import SHELF_BYTES
+from batchyard.engines.llama.context import Adapter
+from batchyard.engines.llama.jobs import (
     Branch,
+    BranchEnded,
+    Cached,
+    Done,
+    Event,
     Job,
-    Scheduler,
-    Scoring,
+    Piece,
+    Scored,
 )
-from batchyard.engines.model_files import sha256_of
+from batchyard.engines.llama.models import (
+    Model,
+    VersionGate,
+    VersionSpec,
+    VersionState,
+    check_file,
+    embedding_packs,
+    kv_bytes,
+    open_models,
+    route_llama_logs,
+)
+from batchyard.engines.llama.requests import candidate_tokens, check_fits, generation_job
+from batchyard.engines.llama.scoring import Trie
+from batchyard.engines.llama.steps import StepThread
 from batchyard.engines.protocol import (
     CacheState,
     Choice,
@@ -58,11 +61,9 @@ from batchyard.engines.protocol import (
     Embeddings,
     Usage,
 )
-from batchyard.engines.tokenizers import ChatTemplate
 from batchyard.errors import (
     ContextWindowExceeded,
     ModelNotFound,
-    ModelUnavailable,
     ServiceUnavailable,
     UnsupportedInput,
     UpstreamError,
@@ -71,222 +72,6 @@ from batchyard.errors import (
 __all__ = ["LlamaCppEngine", "VersionGate", "VersionSpec"]
 
 log = logging.getLogger(__name__)
-
-
-@functools.cache
-def _route_llama_logs() -> Any:
-    """Send llama.cpp's log lines to ``batchyard.engines.llama``, errors only above debug.
-
-    llama-cpp-python's own callback maps ggml's levels by an older enum (ggml now
-    counts 1 debug, 2 info, 3 warn, 4 error), so its quiet mode printed warnings raw
-    to stderr (the shared cache's ``n_ctx_seq > n_ctx_train``, which does not apply
-    to a cache of many sequences) and hid errors. Installed once, after the first
-    ``Llama`` set llama-cpp-python's own; the cache keeps the C callback alive.
-    """
-    import ctypes
-
-    import llama_cpp
-
-    llama_log = logging.getLogger("batchyard.engines.llama")
-    last = [logging.DEBUG]  # a continuation line (5) keeps the level of the line before
-
-    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
-    def callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-        if level != 5:
-            last[0] = logging.ERROR if level == 4 else logging.DEBUG
-        if llama_log.isEnabledFor(last[0]):
-            llama_log.log(last[0], "llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
-
-    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
-    return callback
-
-
-#: Flash attention's CPU kernel tiles a micro-batch of this many query rows or more
-#: (``GGML_FA_TILE_Q``) and reads fewer row by row; the two round differently.
-FA_TILE_ROWS = 64
-
-
-def _embedding_packs(counts: list[int]) -> list[list[int]]:
-    """The inputs (by index, in order) read together in one decode each: under 64 rows.
-
-    Short inputs read alone leave most of a decode's matrix work idle (a 20-token
-    input costs nearly what a 60-token one does), so consecutive inputs share a
-    decode while their tokens stay under ``FA_TILE_ROWS``. Under it every row
-    takes the row-by-row attention kernel over its own sequence's cells, in order,
-    exactly as when read alone, so a text's vector does not depend on what it was
-    sent with; at 64 rows or more the tiled kernel rounds otherwise (4e-5 apart
-    for LangChain's query against the same text among its documents,
-    docs/explanation/batch-invariance.md), so a longer input is read alone.
-    """
-    packs: list[list[int]] = []
-    rows = FA_TILE_ROWS
-    for i, n in enumerate(counts):
-        if rows + n < FA_TILE_ROWS:
-            packs[-1].append(i)
-            rows += n
-        else:
-            packs.append([i])
-            rows = n
-    return packs
-
-
-@dataclass(frozen=True, slots=True)
-class VersionSpec:
-    """A fine-tuned version: a LoRA adapter on the base GGUF, or a GGUF of its own.
-
-    ``sha256``, when given, is the file's digest as accepted: it is checked on
-    the loading thread, just before llama.cpp reads the file, so a file changed
-    at rest is refused (``model_version_corrupt``) and the check never blocks
-    the event loop.
-    """
-
-    kind: Literal["lora", "gguf"]
-    path: Path
-    sha256: str | None = None
-
-
-#: Asked before each use of a version: whether it is still served (a project
-#: version deleted through another process is not). Wired by the composition root.
-VersionGate = Callable[[str], Awaitable[bool]]
-
-
-class _Model:
-    """One loaded model: its weights (a small ``Llama``), its template, its scheduler."""
-
-    def __init__(self, llama: Any, scheduler: Scheduler, version: str | None = None) -> None:
-        self.llama = llama
-        self.scheduler = scheduler
-        self.version = version
-        self.template = ChatTemplate.from_llama(llama)
-        self.n_vocab: int = llama.n_vocab()
-        end = llama.token_eos()
-        if self.template is not None:
-            suffix = self.template.reply_suffix()
-            if suffix:
-                tokens = llama.tokenize(suffix.encode("utf-8"), add_bos=False, special=True)
-                end = tokens[0] if tokens else end
-        # The token that closes an assistant turn, for scoring a candidate as
-        # the complete reply (see ``LlamaCppEngine.score_turn_end``).
-        self.turn_end: int = end
-
-    def prompt_text(self, messages: list[dict[str, Any]]) -> str:
-        if self.template is not None:
-            return self.template.prompt(messages)
-        parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-        return "".join(parts) + "<|im_start|>assistant\n"
-
-    def close(self) -> None:
-        self.scheduler.close()
-        self.llama.close()
-
-
-# Models still open at exit: Llama's finaliser fails if it runs after
-# llama_cpp's module teardown, so they are closed first.
-_open_models: weakref.WeakSet[_Model] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_models() -> None:
-    for model in list(_open_models):
-        model.close()
-
-
-class _Slot:
-    """One model or version: how to load it, what is loaded, and how it is used.
-
-    The base and a full-weights version load a ``_Model`` (weights, context,
-    scheduler); a LoRA version loads only an ``Adapter`` on the base model,
-    whose scheduler serves its requests beside the base's.
-    """
-
-    def __init__(self, version: str | None, spec: VersionSpec | None) -> None:
-        self.version = version
-        self.spec = spec
-        self.model: _Model | None = None
-        self.adapter: Adapter | None = None
-        self.lock = asyncio.Lock()
-        self.load_seconds: float | None = None
-        # Requests running on it now, when the last one ended, and any keep-warm pin
-        # (all on the engine's clock): what idle eviction and the memory budget read.
-        self.active = 0
-        self.last_used = 0.0
-        self.keep_until = 0.0
-
-    @property
-    def lora(self) -> bool:
-        return self.spec is not None and self.spec.kind == "lora"
-
-    @property
-    def loaded(self) -> bool:
-        return self.model is not None or self.adapter is not None
-
-
-def _check_file(version: str, spec: VersionSpec) -> None:
-    """The version's file is the one accepted (on the loading thread, before llama.cpp)."""
-    try:
-        intact = spec.path.is_file() and (
-            spec.sha256 is None or sha256_of(spec.path) == spec.sha256
-        )
-    except OSError:
-        intact = False
-    if not intact:
-        log.warning(
-            "model version file missing or changed at rest",
-            extra={"event": "model_version_corrupt", "id": version},
-        )
-        raise ModelUnavailable(
-            f"model version {version}'s file is missing or was changed since it was "
-            "uploaded; upload it again",
-            param="model",
-            code="model_version_corrupt",
-        )
-
-
-def _kv_bytes(llama: Any, cells: int) -> int:
-    """The bytes of a KV cache of ``cells`` cells (f16 keys and values) for ``llama``'s model."""
-    import llama_cpp
-
-    model = llama._model.model
-    n_layer = llama_cpp.llama_model_n_layer(model)
-    n_head = max(1, llama_cpp.llama_model_n_head(model))
-    n_head_kv = llama_cpp.llama_model_n_head_kv(model)
-    n_embd = llama_cpp.llama_model_n_embd(model)
-    return int(cells * n_layer * 2 * n_head_kv * (n_embd // n_head) * 2)
-
-
-def _after_last_special(model: _Model, text: str, tokens: list[int]) -> tuple[str, list[int]]:
-    """The prompt from its last special token on, as text and tokens (the whole when none).
-
-    Tokenizing the returned text gives the returned tokens (checked); then text
-    appended to it tokenizes as it would appended to the whole prompt.
-    """
-    import llama_cpp
-
-    vocab = model.llama._model.vocab
-    for i in range(len(tokens) - 1, -1, -1):
-        if not llama_cpp.llama_vocab_is_control(vocab, tokens[i]):
-            continue
-        piece = model.llama.detokenize([tokens[i]], special=True).decode("utf-8", "replace")
-        at = text.rfind(piece) if piece else -1
-        if at < 0:
-            break
-        head_text, head = text[at:], tokens[i:]
-        if model.llama.tokenize(head_text.encode("utf-8"), False, True) == head:
-            return head_text, head
-        break
-    return text, tokens
-
-
-def _response_format(fmt: dict[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
-    """Whether OpenAI's ``response_format`` asks for JSON, and under which schema."""
-    if not fmt:
-        return False, None
-    kind = fmt.get("type")
-    if kind == "json_schema":
-        return True, (fmt.get("json_schema") or {}).get("schema") or None
-    if kind == "json_object":
-        return True, fmt.get("schema")
-    return False, None
 
 
 class LlamaCppEngine:
@@ -357,9 +142,9 @@ class LlamaCppEngine:
         self.versions: dict[str, VersionSpec] = dict(versions or {})
         self.last_load_seconds: float | None = None
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-load")
-        self._slots: dict[str | None, _Slot] = {None: _Slot(None, None)}
+        self._states: dict[str | None, VersionState] = {None: VersionState(None, None)}
         for version, spec in self.versions.items():
-            self._slots[version] = _Slot(version, spec)
+            self._states[version] = VersionState(version, spec)
         self._embedding_model: Any = None
         self._embed_lock = asyncio.Lock()
 
@@ -370,23 +155,23 @@ class LlamaCppEngine:
 
     @property
     def loaded(self) -> bool:
-        return self._slots[None].loaded
+        return self._states[None].loaded
 
     def is_loaded(self, version: str | None = None) -> bool:
-        return self._slots[self._known(version)].loaded
+        return self._states[self._known(version)].loaded
 
     def load_seconds(self, version: str | None = None) -> float | None:
         """How long the last load of ``version`` took, as measured."""
-        return self._slots[self._known(version)].load_seconds
+        return self._states[self._known(version)].load_seconds
 
     def warm_until(self, version: str) -> float | None:
         """When a loaded ``version`` becomes evictable (clock seconds); None: not loaded."""
-        slot = self._slots[self._known(version)]
-        if not slot.loaded:
+        state = self._states[self._known(version)]
+        if not state.loaded:
             return None
-        if slot.active or self.idle_s is None:
-            return max(self.clock.time() + (self.idle_s or 0.0), slot.keep_until)
-        return max(slot.last_used + self.idle_s, slot.keep_until)
+        if state.active or self.idle_s is None:
+            return max(self.clock.time() + (self.idle_s or 0.0), state.keep_until)
+        return max(state.last_used + self.idle_s, state.keep_until)
 
     def version_bytes(self, version: str) -> int:
         """What ``version`` holds in memory once loaded: measured when loaded, else estimated.
@@ -395,38 +180,38 @@ class LlamaCppEngine:
         cache and shelf. Full weights: the model's tensors, its own KV cache of
         ``cache_tokens`` cells, and the shelf its scheduler may fill (``shelf_bytes``).
         """
-        slot = self._slots[self._known(version)]
-        if slot.adapter is not None:
-            return slot.adapter.bytes
-        if slot.model is not None:
+        state = self._states[self._known(version)]
+        if state.adapter is not None:
+            return state.adapter.bytes
+        if state.model is not None:
             import llama_cpp
 
-            size = int(llama_cpp.llama_model_size(slot.model.llama._model.model))
-            kv = _kv_bytes(slot.model.llama, slot.model.scheduler.n_cells)
+            size = int(llama_cpp.llama_model_size(state.model.llama._model.model))
+            kv = kv_bytes(state.model.llama, state.model.steps.ctx.n_cells)
             return size + kv + self.shelf_bytes
         spec = self.versions[version]
         try:
             size = spec.path.stat().st_size
         except OSError:
             size = 0
-        base = self._slots[None].model
+        base = self._states[None].model
         if spec.kind == "gguf":
             size += self.shelf_bytes
             if base is not None:
-                size += _kv_bytes(base.llama, base.scheduler.n_cells)
+                size += kv_bytes(base.llama, base.steps.ctx.n_cells)
         return size
 
     async def cache_states(self) -> list[CacheState]:
         """Each loaded model's shelf: the base's, and each full-weights version's."""
         states = []
-        for version, slot in list(self._slots.items()):
-            if slot.model is not None:
-                held, prompts = await slot.model.scheduler.shelf_state()
+        for version, state in list(self._states.items()):
+            if state.model is not None:
+                held, prompts = await state.model.steps.shelf_state()
                 states.append(CacheState(version or "base", held, prompts))
         return states
 
     def loaded_versions(self) -> list[str]:
-        return [v for v, s in self._slots.items() if v is not None and s.loaded]
+        return [v for v, s in self._states.items() if v is not None and s.loaded]
 
     def _known(self, version: str | None) -> str | None:
         if version is not None and version not in self.versions:
@@ -436,16 +221,16 @@ class LlamaCppEngine:
     async def load(self) -> None:
         await self.load_version(None)
 
-    def _build(self, path: Path) -> _Model:
-        """Load a GGUF as a model of its own with its scheduler (on the loading thread)."""
+    def _build(self, path: Path) -> Model:
+        """Load a GGUF as a model of its own with its step thread (on the loading thread)."""
         import llama_cpp
 
         # The Llama holds the weights, vocabulary and template; its own
         # context is kept small, the scheduler's context does the work.
         llama = llama_cpp.Llama(str(path), n_ctx=256, n_batch=64, n_threads=1, verbose=False)
-        _route_llama_logs()
+        route_llama_logs()
         try:
-            scheduler = Scheduler(
+            steps = StepThread.open(
                 llama,
                 slots=self.slots,
                 n_ctx=self.n_ctx,
@@ -457,13 +242,13 @@ class LlamaCppEngine:
         except BaseException:
             llama.close()
             raise
-        return _Model(llama, scheduler)
+        return Model(llama, steps)
 
-    def _load_adapter(self, version: str, spec: VersionSpec, base: _Model) -> Adapter:
+    def _load_adapter(self, version: str, spec: VersionSpec, base: Model) -> Adapter:
         """Load a LoRA adapter on the base model (on the loading thread)."""
         import llama_cpp
 
-        _check_file(version, spec)
+        check_file(version, spec)
         handle = llama_cpp.llama_adapter_lora_init(base.llama._model.model, str(spec.path).encode())
         if not handle:
             raise ValueError(f"llama.cpp refused the adapter {spec.path.name}")
@@ -475,32 +260,32 @@ class LlamaCppEngine:
         A LoRA version loads the base first. Before a version loads, idle
         versions are unloaded while the versions would exceed ``memory_budget``.
         """
-        slot = self._slots[self._known(version)]
-        base: _Model | None = None
-        if slot.lora:
+        state = self._states[self._known(version)]
+        base: Model | None = None
+        if state.lora:
             await self.load_version(None)
-            base = self._slots[None].model
-        async with slot.lock:
-            if slot.loaded:
-                return slot.load_seconds or 0.0
+            base = self._states[None].model
+        async with state.lock:
+            if state.loaded:
+                return state.load_seconds or 0.0
             if version is not None:
                 await self._make_room(version)
             loop = asyncio.get_running_loop()
             started = self.clock.time()
-            spec = slot.spec
+            spec = state.spec
             try:
                 if spec is None:
                     model = await loop.run_in_executor(self._loader, self._build, self.model_path)
                 elif spec.kind == "lora":
                     assert base is not None and version is not None
-                    slot.adapter = await loop.run_in_executor(
+                    state.adapter = await loop.run_in_executor(
                         self._loader, self._load_adapter, version, spec, base
                     )
                 else:
                     assert version is not None
 
-                    def build() -> _Model:
-                        _check_file(version, spec)
+                    def build() -> Model:
+                        check_file(version, spec)
                         return self._build(spec.path)
 
                     model = await loop.run_in_executor(self._loader, build)
@@ -511,12 +296,12 @@ class LlamaCppEngine:
                     retryable=False,
                 ) from None
             elapsed = self.clock.time() - started
-            if not slot.lora:
+            if not state.lora:
                 model.version = version
-                slot.model = model
-                _open_models.add(model)
-            slot.last_used = self.clock.time()
-            slot.load_seconds = self.last_load_seconds = elapsed
+                state.model = model
+                open_models.add(model)
+            state.last_used = self.clock.time()
+            state.load_seconds = self.last_load_seconds = elapsed
             log.info(
                 "model loaded",
                 extra={"engine": self.name, "version": version or "base", "seconds": elapsed},
@@ -529,26 +314,26 @@ class LlamaCppEngine:
         Unloading the base unloads its LoRA versions first (their adapters live
         on the base model).
         """
-        slot = self._slots[self._known(version)]
+        state = self._states[self._known(version)]
         if version is None:
-            for other in [v for v, s in self._slots.items() if s.lora and s.adapter]:
+            for other in [v for v, s in self._states.items() if s.lora and s.adapter]:
                 await self.unload_version(other)
-        async with slot.lock:
-            model, slot.model = slot.model, None
-            adapter, slot.adapter = slot.adapter, None
+        async with state.lock:
+            model, state.model = state.model, None
+            adapter, state.adapter = state.adapter, None
             loop = asyncio.get_running_loop()
             if adapter is not None:
-                base = self._slots[None].model
+                base = self._states[None].model
                 if base is not None:
                     import llama_cpp
 
                     def free() -> None:
                         llama_cpp.llama_adapter_lora_free(adapter.handle)
 
-                    done = base.scheduler.release(adapter, free)
+                    done = base.steps.release(adapter, free)
                     await loop.run_in_executor(self._loader, done.wait)
             if model is not None:
-                _open_models.discard(model)
+                open_models.discard(model)
                 await loop.run_in_executor(self._loader, model.close)
         if version is not None and (adapter is not None or model is not None):
             log.info("model version unloaded", extra={"engine": self.name, "version": version})
@@ -557,15 +342,15 @@ class LlamaCppEngine:
 
     def keep_loaded(self, version: str, until: float) -> None:
         """Keep ``version`` loaded until ``until`` (clock seconds), whatever its idle time."""
-        slot = self._slots[self._known(version)]
-        slot.keep_until = max(slot.keep_until, until)
+        state = self._states[self._known(version)]
+        state.keep_until = max(state.keep_until, until)
 
-    def _evictable(self, slot: _Slot, now: float) -> bool:
+    def _evictable(self, state: VersionState, now: float) -> bool:
         return (
-            slot.version is not None
-            and slot.loaded
-            and not slot.active
-            and (slot.keep_until <= now)
+            state.version is not None
+            and state.loaded
+            and not state.active
+            and (state.keep_until <= now)
         )
 
     async def evict_idle(self) -> list[str]:
@@ -573,16 +358,16 @@ class LlamaCppEngine:
         versions the gate says are gone (deleted through another process)."""
         now = self.clock.time()
         gone: list[str] = []
-        for version, slot in list(self._slots.items()):
-            if version is None or not slot.loaded:
+        for version, state in list(self._states.items()):
+            if version is None or not state.loaded:
                 continue
             if self._gate is not None and not await self._gate(version):
                 await self.remove_version(version)
                 gone.append(version)
             elif (
                 self.idle_s is not None
-                and self._evictable(slot, now)
-                and now >= slot.last_used + self.idle_s
+                and self._evictable(state, now)
+                and now >= state.last_used + self.idle_s
             ):
                 await self.unload_version(version)
                 gone.append(version)
@@ -595,7 +380,7 @@ class LlamaCppEngine:
         need = self.version_bytes(version)
         now = self.clock.time()
         while True:
-            loaded = [self._slots[v] for v in self.loaded_versions() if v != version]
+            loaded = [self._states[v] for v in self.loaded_versions() if v != version]
             used = sum(self.version_bytes(s.version) for s in loaded if s.version is not None)
             if used + need <= self.memory_budget:
                 return
@@ -626,20 +411,20 @@ class LlamaCppEngine:
         if name in self.versions:
             raise ValueError(f"model version {name!r} is already served from another file")
         self.versions[name] = spec
-        self._slots[name] = _Slot(name, spec)
+        self._states[name] = VersionState(name, spec)
 
     async def remove_version(self, name: str) -> None:
         """Stop serving ``name`` and free its memory."""
         if name not in self.versions:
             return
-        if self._slots[name].loaded:
+        if self._states[name].loaded:
             await self.unload_version(name)
-        self._slots.pop(name, None)
+        self._states.pop(name, None)
         self.versions.pop(name, None)
 
     # -- running ------------------------------------------------------------------
 
-    async def _model(self, version: str | None) -> _Model:
+    async def _model(self, version: str | None) -> Model:
         """The model that runs ``version``'s requests (a LoRA's: the base), loaded.
 
         A version is first checked with the gate: one deleted through another
@@ -648,103 +433,39 @@ class LlamaCppEngine:
         if version is not None and self._gate is not None and not await self._gate(version):
             await self.remove_version(version)
             raise ModelNotFound(f"the model {version!r} does not exist", param="model")
-        slot = self._slots[version]
-        if not slot.loaded:
+        state = self._states[version]
+        if not state.loaded:
             await self.load_version(version)
-        model = self._slots[None].model if slot.lora else slot.model
+        model = self._states[None].model if state.lora else state.model
         assert model is not None
         return model
 
     def _adapter(self, request_model: str) -> Adapter | None:
         """The adapter of a LoRA version's requests (None: the model's own weights)."""
         version = self.version_for(request_model)
-        return self._slots[version].adapter if version is not None else None
+        return self._states[version].adapter if version is not None else None
 
-    async def _run(self, model: _Model, job: Job) -> AsyncIterator[Any]:
-        """``model.scheduler.run(job)``, counted as its version's use (for idle eviction)."""
-        slot = self._slots.get(job.adapter.name if job.adapter is not None else model.version)
-        if slot is None:
-            slot = self._slots[None]
-        slot.active += 1
+    async def _run(self, model: Model, job: Job) -> AsyncIterator[Event]:
+        """``model.steps.run(job)``, counted as its version's use (for idle eviction)."""
+        state = self._states.get(job.adapter.name if job.adapter is not None else model.version)
+        if state is None:
+            state = self._states[None]
+        state.active += 1
         try:
-            async for event in model.scheduler.run(job):
+            async for event in model.steps.run(job):
                 yield event
         finally:
-            slot.active -= 1
-            slot.last_used = self.clock.time()
+            state.active -= 1
+            state.last_used = self.clock.time()
 
-    # -- requests as jobs ----------------------------------------------------------
-
-    def _prompt(self, model: _Model, request: CompletionRequest) -> tuple[list[int], bool]:
-        """The prompt's tokens and whether the answer is a tool call (under its grammar)."""
-        if request.prompt is not None:
-            text = request.prompt.encode("utf-8")
-            tokens = model.llama.tokenize(text, add_bos=True, special=False)
-            # An empty prompt is read as the start-of-text token (as llama-cpp does).
-            return tokens or [model.llama.token_bos()], False
-        plain, images = text_messages(tool_calls.plain_messages(request.messages))
-        if images:
-            raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")
-        tools = tool_calls.answer_schema(request.tools or [], request.tool_choice) is not None
-        if tools:
-            guide = tool_calls.tools_prompt(request.tools or [], request.tool_choice)
-            plain = [{"role": "system", "content": guide}, *plain]
-        text = model.prompt_text(plain).encode("utf-8")
-        return model.llama.tokenize(text, add_bos=False, special=True), tools
-
-    def _job(self, model: _Model, request: CompletionRequest) -> tuple[Job, bool]:
-        if request.prompt is None:
-            _, images = text_messages(request.messages)
-            if images:
-                raise UnsupportedInput(f"{self.name} reads text only; the request has image parts")
-        prompt, tools = self._prompt(model, request)
-        if len(prompt) >= self.n_ctx:
-            raise ContextWindowExceeded(
-                f"the prompt is {len(prompt)} tokens; the context window is {self.n_ctx}"
-            )
-        grammar = None
-        if tools:
-            grammar = grammar_for(
-                tool_calls.answer_schema(request.tools or [], request.tool_choice)
-            )
-        elif request.prompt is None:
-            wants_json, schema = _response_format(request.response_format)
-            if wants_json:
-                grammar = grammar_for(schema)
-        default_temperature = CHAT_TEMPERATURE if request.prompt is None else TEXT_TEMPERATURE
-        temperature = default_temperature if request.temperature is None else request.temperature
-        max_tokens = max(1, min(request.max_tokens, self.n_ctx - len(prompt)))
-        branches = []
-        for i in range(max(1, request.n)):
-            params = SamplingParams(
-                temperature=temperature,
-                top_p=DEFAULT_TOP_P if request.top_p is None else request.top_p,
-                top_k=DEFAULT_TOP_K if request.top_k is None else request.top_k,
-                seed=None if request.seed is None else request.seed + i,
-                frequency_penalty=request.frequency_penalty or 0.0,
-                presence_penalty=request.presence_penalty or 0.0,
-                grammar=grammar,
-            )
-            branches.append(
-                Branch(
-                    params=params,
-                    max_tokens=max_tokens,
-                    stops=request.stop,
-                    logprobs=request.logprobs and not tools,
-                    top=request.top_logprobs or 0,
-                )
-            )
-        job = Job(prompt, branches, adapter=self._adapter(request.model))
-        self._check_fits(model, job)
-        return job, tools
-
-    def _check_fits(self, model: _Model, job: Job) -> None:
-        scheduler = model.scheduler
-        if job.reserve > scheduler.n_cells or len(job.branches) + 1 > scheduler.n_seq:
-            raise ContextWindowExceeded(
-                f"the request needs {job.reserve} cache cells and {len(job.branches) + 1} "
-                f"sequences; the embedded model has {scheduler.n_cells} and {scheduler.n_seq}"
-            )
+    def _job(self, model: Model, request: CompletionRequest) -> tuple[Job, bool]:
+        return generation_job(
+            model,
+            request,
+            name=self.name,
+            n_ctx=self.n_ctx,
+            adapter=self._adapter(request.model),
+        )
 
     async def complete(self, request: CompletionRequest) -> Completion:
         model = await self._model(self.version_for(request.model))
@@ -758,18 +479,16 @@ class LlamaCppEngine:
         out = [0] * n
         prompt_tokens = cached = 0
         async for event in self._run(model, job):
-            kind = event[0]
-            if kind == "piece":
-                _, i, text, entries = event
-                texts[i] += text
-                if entries:
-                    logprobs[i].extend(entries)
-            elif kind == "branch":
-                _, i, tail, finish, used, stop = event
-                texts[i] += tail
-                finishes[i], out[i], matched[i] = finish, used, stop
-            elif kind == "done":
-                _, prompt_tokens, cached = event
+            if isinstance(event, Piece):
+                texts[event.branch] += event.text
+                if event.entries:
+                    logprobs[event.branch].extend(event.entries)
+            elif isinstance(event, BranchEnded):
+                i = event.branch
+                texts[i] += event.tail
+                finishes[i], out[i], matched[i] = event.finish, event.tokens, event.stop
+            elif isinstance(event, Done):
+                prompt_tokens, cached = event.prompt_tokens, event.cached
         choices = []
         for i in range(n):
             text, finish, calls = texts[i], finishes[i], None
@@ -814,26 +533,24 @@ class LlamaCppEngine:
         # What the cache gave of the prompt, told with the next piece (``Delta``'s field).
         cached: int | None = None
         async for event in self._run(model, job):
-            kind = event[0]
-            if kind == "cached":
-                cached = event[1]
-            elif kind == "piece" and event[2]:
-                text.append(event[2])
-                yield Delta(0, event[2], cached_input_tokens=cached)
+            if isinstance(event, Cached):
+                cached = event.tokens
+            elif isinstance(event, Piece) and event.text:
+                text.append(event.text)
+                yield Delta(0, event.text, cached_input_tokens=cached)
                 cached = None
-            elif kind == "branch":
-                _, _, tail, finish, out, stop = event
+            elif isinstance(event, BranchEnded):
+                tail, finish, out, stop = event.tail, event.finish, event.tokens, event.stop
                 if tail:
                     text.append(tail)
                     yield Delta(0, tail, cached_input_tokens=cached)
                     cached = None
-            elif kind == "done":
-                _, prompt_tokens, cached = event
+            elif isinstance(event, Done):
                 yield Delta(0, "", finish_reason=finish)
                 yield Completion(
                     model=request.model,
                     choices=[Choice(text="".join(text), finish_reason=finish, stop_sequence=stop)],
-                    usage=Usage(prompt_tokens, out, cached_input_tokens=cached),
+                    usage=Usage(event.prompt_tokens, out, cached_input_tokens=event.cached),
                 )
 
     async def embed(self, model: str, texts: list[str]) -> Embeddings:
@@ -861,17 +578,17 @@ class LlamaCppEngine:
                     param="input",
                 )
             vectors: list[list[float]] = [[] for _ in texts]
-            for pack in _embedding_packs(counts):
+            for pack in embedding_packs(counts):
                 got = embedder.embed([texts[i] for i in pack], normalize=True)
                 for i, vector in zip(pack, got, strict=True):
                     vectors[i] = list(map(float, vector))
             return Embeddings(vectors, Usage(sum(counts), 0))
 
         # On the base model's step thread, between its steps: one thread decodes for the
-        # whole process, so llama.cpp's OpenMP threads stay one team (``Scheduler.call``).
+        # whole process, so llama.cpp's OpenMP threads stay one team (``StepThread.call``).
         base = await self._model(None)
         async with self._embed_lock:
-            return await base.scheduler.call(work)
+            return await base.steps.call(work)
 
     async def _embedder(self) -> Any:
         async with self._embed_lock:
@@ -889,7 +606,7 @@ class LlamaCppEngine:
                         pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
                         # As the scheduler's context: with it, a row's attention skips
                         # other sequences' cells, so inputs read together in one decode
-                        # (``_embedding_packs``) get the vectors they get alone.
+                        # (``embedding_packs``) get the vectors they get alone.
                         flash_attn=True,
                         verbose=False,
                     )
@@ -897,31 +614,6 @@ class LlamaCppEngine:
                 loop = asyncio.get_running_loop()
                 self._embedding_model = await loop.run_in_executor(self._loader, load)
             return self._embedding_model
-
-    def _conts(
-        self, model: _Model, prompt_text: str, prompt: list[int], candidates: list[str]
-    ) -> list[list[int]]:
-        tokenize = model.llama.tokenize
-        # Each candidate is tokenized after the prompt's last special token, not after
-        # the whole prompt: llama.cpp splits a text at its special tokens before it
-        # tokenizes the pieces, so what follows one is tokenized the same either way,
-        # and a decide call's seven candidates no longer re-read its whole prompt on
-        # the event loop (on the cores the model decodes on).
-        head_text, head = _after_last_special(model, prompt_text, prompt)
-        conts: list[list[int]] = []
-        for candidate in candidates:
-            full = tokenize((head_text + candidate).encode("utf-8"), False, True)
-            if full[: len(head)] != head:
-                full = tokenize((prompt_text + candidate).encode("utf-8"), False, True)
-                head = prompt
-            if full[: len(head)] == head:
-                tokens = full[len(head) :]
-            else:
-                tokens = tokenize(candidate.encode("utf-8"), False, False)
-            if self.score_turn_end or not tokens:
-                tokens = [*tokens, model.turn_end]
-            conts.append(tokens)
-        return conts
 
     async def score(
         self, model: str, messages: list[dict[str, Any]], candidates: list[str]
@@ -942,33 +634,36 @@ class LlamaCppEngine:
         loaded = await self._model(self.version_for(model))
         prompt_text = loaded.prompt_text(plain)
         prompt = loaded.llama.tokenize(prompt_text.encode("utf-8"), add_bos=False, special=True)
-        conts = self._conts(loaded, prompt_text, prompt, candidates)
+        conts = candidate_tokens(
+            loaded, prompt_text, prompt, candidates, turn_end=self.score_turn_end
+        )
         longest = max(len(c) for c in conts)
         if len(prompt) + longest > self.n_ctx:
             raise ContextWindowExceeded(
                 f"prompt ({len(prompt)} tokens) and the longest candidate ({longest}) "
                 f"exceed the context window of {self.n_ctx}"
             )
-        scoring = Scoring(conts)
+        trie = Trie(conts)
         job = Job(
             prompt,
-            [Branch() for _ in range(scoring.tips)],
+            [Branch() for _ in range(trie.tips)],
             adapter=self._adapter(model),
-            scoring=scoring,
+            trie=trie,
         )
-        self._check_fits(loaded, job)
-        if len(scoring.nodes) > loaded.scheduler.capacity:
+        check_fits(loaded, job)
+        capacity = loaded.steps.ctx.capacity
+        if len(trie.nodes) > capacity:
             raise ContextWindowExceeded(
-                f"the candidates need {len(scoring.nodes)} tokens decoded at once; "
-                f"a step of the embedded model holds {loaded.scheduler.capacity}"
+                f"the candidates need {len(trie.nodes)} tokens decoded at once; "
+                f"a step of the embedded model holds {capacity}"
             )
         scores: list[float] = []
         cached = 0
         async for event in self._run(loaded, job):
-            if event[0] == "scores":
-                scores = [sum(lps) for lps in event[1]]
-            elif event[0] == "done":
-                cached = event[2]
+            if isinstance(event, Scored):
+                scores = [sum(lps) for lps in event.scores]
+            elif isinstance(event, Done):
+                cached = event.cached
         usage = Usage(len(prompt), sum(len(c) for c in conts), cached_input_tokens=cached)
         return scores, usage
 
@@ -976,7 +671,7 @@ class LlamaCppEngine:
         if self._embedding_model is not None:
             self._embedding_model.close()
             self._embedding_model = None
-        for version, slot in self._slots.items():
-            if slot.loaded:
+        for version, state in self._states.items():
+            if state.loaded:
                 await self.unload_version(version)
         self._loader.shutdown(wait=False)

@@ -33,7 +33,12 @@ from batchyard.engines.protocol import (
     RateLimitSignal,
     Usage,
 )
-from batchyard.errors import UpstreamError, UpstreamRateLimited, UpstreamTimeout
+from batchyard.errors import (
+    UpstreamError,
+    UpstreamRateLimited,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 
 __all__ = [
     "OpenAIHttpEngine",
@@ -265,6 +270,8 @@ class OpenAIHttpEngine:
                 reason = response.reason
         except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream timed out ({type(exc).__name__})") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamUnreachable(f"upstream unreachable ({type(exc).__name__})") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"upstream unreachable ({type(exc).__name__})") from None
         signal = parse_rate_limit(headers)
@@ -412,6 +419,8 @@ class OpenAIHttpEngine:
                         )
         except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream timed out ({type(exc).__name__})") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamUnreachable(f"upstream unreachable ({type(exc).__name__})") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"upstream unreachable ({type(exc).__name__})") from None
         indexes = sorted(set(texts) | set(finishes) | set(calls)) or [0]
@@ -445,6 +454,8 @@ class OpenAIHttpEngine:
                 reason = response.reason
         except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream timed out ({type(exc).__name__})") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamUnreachable(f"upstream unreachable ({type(exc).__name__})") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"upstream unreachable ({type(exc).__name__})") from None
         if status != 200:

@@ -67,6 +67,9 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/docs"): PUBLIC,
     # the account (docs/reference/scopes.md: an inference key cannot read it)
     ("GET", "/v1/account"): _key(F, R),
+    # spend caps: only a full key sets them
+    ("PUT", "/v1/keys/{key_id}/spend-cap"): _key(F),
+    ("PUT", "/v1/projects/{project_id}/spend-cap"): _key(F),
     ("GET", "/v1/activity"): _key(F, R),
     # models
     ("GET", "/v1/models"): _key(F, R, INF),
@@ -86,13 +89,17 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/v1/messages/batches"): _key(F, R, INF, own=(INF,)),
     ("GET", "/v1/messages/batches/{batch_id}"): _key(F, R, INF, own=(INF,)),
     ("POST", "/v1/messages/batches/{batch_id}/cancel"): _key(F, INF, own=(INF,)),
+    ("POST", "/v1/messages/batches/{batch_id}/retry"): _key(F, INF, own=(INF,)),
     ("GET", "/v1/messages/batches/{batch_id}/results"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/messages/batches/{batch_id}/finished"): _key(F, R, INF, own=(INF,)),
     # deferred batches: an inference key sees and cancels its own
     ("POST", "/v1/batches"): _key(F, INF),
     ("GET", "/v1/batches"): _key(F, R, INF, own=(INF,)),
     ("GET", "/v1/batches/{batch_id}"): _key(F, R, INF, own=(INF,)),
     ("GET", "/v1/batches/{batch_id}/results"): _key(F, R, INF, own=(INF,)),
+    ("GET", "/v1/batches/{batch_id}/finished"): _key(F, R, INF, own=(INF,)),
     ("POST", "/v1/batches/{batch_id}/cancel"): _key(F, INF, own=(INF,)),
+    ("POST", "/v1/batches/{batch_id}/retry"): _key(F, INF, own=(INF,)),
     # OpenAI's Files, the input and output of file batches
     ("POST", "/v1/files"): _key(F, INF),
     ("GET", "/v1/files"): _key(F, R, INF, own=(INF,)),

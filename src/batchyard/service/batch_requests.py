@@ -21,7 +21,6 @@ from batchyard.core import privacy
 from batchyard.core.inputs import AsDicts, Coded, Shape, strict
 from batchyard.core.market import effective_min_discount
 from batchyard.core.openai_bodies import ResponseFormat, TextPart
-from batchyard.core.quotes import check_context
 from batchyard.errors import InvalidRequest, InvalidType, UnsupportedInput
 from batchyard.service.deployment import Service
 
@@ -40,7 +39,6 @@ __all__ = [
 MAX_BODY_BYTES = 1_000_000
 MAX_REQUESTS = 50
 MAX_OUTPUT_TOKENS = 4096
-DEFAULT_MAX_TOKENS = 1024
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -63,6 +61,8 @@ _BODY_KEYS = {
 }
 _TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _ROLES = {"system", "developer", "user", "assistant"}
+#: The sampling options a deferred request keeps, as given.
+_OPTIONS = {"temperature", "top_p", "stop", "seed", "response_format"}
 
 
 class PrivacyBody(Shape):
@@ -149,6 +149,7 @@ class ParsedRequest:
     model: str
     min_discount: Decimal
     input_tokens: int
+    #: Once prepared, what the request says or the spec's default (0 until then: none given).
     max_tokens: int
     stored: dict[str, Any]  # what is sealed: redacted messages and sampling options
 
@@ -218,40 +219,6 @@ def _check_messages(messages: Any, param: str) -> None:
                 )
 
 
-def _check_options(body: dict[str, Any], param: str) -> dict[str, Any]:
-    """The sampling options a deferred request may carry, checked."""
-    options: dict[str, Any] = {}
-    t = body.get("temperature")
-    if t is not None:
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2:
-            raise _bad("temperature is from 0 to 2", f"{param}.temperature", "invalid_request")
-        options["temperature"] = float(t)
-    p = body.get("top_p")
-    if p is not None:
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise _bad("top_p is above 0 and at most 1", f"{param}.top_p", "invalid_request")
-        options["top_p"] = float(p)
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("stop is a string or a list of strings", f"{param}.stop", "invalid_request")
-        options["stop"] = stops
-    seed = body.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise _bad("seed must be an integer", f"{param}.seed", "invalid_request")
-        options["seed"] = seed
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict):
-            raise _bad(
-                "response_format must be an object", f"{param}.response_format", "invalid_request"
-            )
-        options["response_format"] = fmt
-    return options
-
-
 def _parse_request(
     svc: Service, raw: Any, i: int, batch_min: Decimal, seen: set[str], org_id: str | None
 ) -> tuple[ParsedRequest, privacy.PrivacyMode]:
@@ -310,20 +277,20 @@ def _parse_request(
         )
     _check_messages(body.get("messages"), f"{bp}.messages")
     # Every key is known now: the types of each, strictly (nothing coerced).
-    strict(ChatRequestBody, body, prefix=bp)
+    req = strict(ChatRequestBody, body, prefix=bp)
     model = svc.catalog.model(body.get("model"), org_id)
     svc.catalog.route_for(model.id)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
-    if mt is None:
-        mt = min(DEFAULT_MAX_TOKENS, limit)
-    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit:
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit):
         raise _bad(
             f"max_tokens is from 1 to {limit} for {model.id}",
             f"{bp}.max_tokens",
             "max_tokens_out_of_range",
         )
-    options = _check_options(body, bp)
+    options = req.model_dump(include=_OPTIONS, exclude_none=True)
+    if isinstance(req.stop, str):
+        options["stop"] = [req.stop]
     raw_privacy = body.get("privacy")
     mode_name = "off" if raw_privacy is None else raw_privacy["mode"]
     try:
@@ -333,7 +300,7 @@ def _parse_request(
             "privacy.mode is off, redact or reject", f"{bp}.privacy.mode", "invalid_privacy_mode"
         ) from None
     stored = {"messages": body["messages"], **options}
-    return ParsedRequest(cid, model.id, min_discount, 0, mt, stored), mode
+    return ParsedRequest(cid, model.id, min_discount, 0, mt or 0, stored), mode
 
 
 def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = None) -> Submission:
@@ -371,8 +338,9 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
         )
     seen: set[str] = set()
     parsed = [_parse_request(svc, r, i, batch_min, seen, org_id) for i, r in enumerate(reqs)]
-    # Everything is valid; only now does privacy run, then tokens are counted
-    # on the text that will actually be stored and sent.
+    # Everything is valid; only now does privacy run, then each request is prepared
+    # (``service.preparation``: tokens counted on the text that will actually be stored
+    # and sent, the spec's default max_tokens, the context window).
     out: list[ParsedRequest] = []
     redactions = 0
     for i, (req, mode) in enumerate(parsed):
@@ -389,19 +357,23 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
                     param=f"requests[{i}].body.messages",
                     code=exc.code,
                 ) from None
-        model = svc.catalog.model(req.model)
-        tokens = svc.tokenizer(model).count_messages(messages)
-        check_context(
-            model,
-            tokens,
-            req.max_tokens,
+        call = svc.preparer.deferred(
+            req.model,
+            messages,
+            req.max_tokens or None,
+            org_id=org_id,
             param=f"requests[{i}].body.messages",
             where=f"requests[{i}]: ",
         )
         stored = {**req.stored, "messages": messages}
         out.append(
             ParsedRequest(
-                req.custom_id, req.model, req.min_discount, tokens, req.max_tokens, stored
+                req.custom_id,
+                req.model,
+                req.min_discount,
+                call.input_tokens,
+                call.max_tokens,
+                stored,
             )
         )
     return Submission(batch_min, window, out, redactions)

@@ -117,4 +117,7 @@ def file_batch_view(row: fstore.BatchRow, totals: fstore.Totals | None) -> dict[
         "max_cost": format_money(row.max_cost),
         "charge": format_money(charge),
         "reservation_id": row.reservation_id,
+        # batchyard's: the batch this one retries, and the batch that retried it.
+        "retry_of": row.retry_of,
+        "retried_by": row.retried_by,
     }

@@ -20,7 +20,9 @@ from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.limits import Limit
+from batchyard.core.sealing import Sealer
 from batchyard.errors import InvalidState, NotFound, PendingLimitExceeded, RateLimited
+from batchyard.service import following
 from batchyard.service.batch_requests import WINDOWS, Submission
 from batchyard.service.batch_views import counts_of, number, ts
 from batchyard.service.deployment import Service
@@ -32,6 +34,7 @@ __all__ = [
     "MAX_PENDING",
     "SUBMISSIONS_PER_MINUTE",
     "cancel",
+    "finished",
     "list_views",
     "load_view",
     "result_lines",
@@ -199,6 +202,22 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
     return await svc.db.transact(tx)
 
 
+def _readable(conn: Connection, principal: Principal, batch_id: str) -> store.DeferredBatchRow:
+    """The caller's batch whose results are still kept; 404, or 410 once purged."""
+    batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
+    if batch is None:
+        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    if batch.purged_at is not None:
+        raise NotFound(
+            f"the results of batch {batch_id} were deleted 24 hours after it completed; "
+            "its status and request counts remain",
+            param="batch_id",
+            code="results_expired",
+            status=410,
+        )
+    return batch
+
+
 async def result_lines(svc: Service, principal: Principal, batch_id: str) -> AsyncIterator[bytes]:
     """The batch's NDJSON result lines; 404 for another organisation's, 410 once purged.
 
@@ -208,33 +227,42 @@ async def result_lines(svc: Service, principal: Principal, batch_id: str) -> Asy
     sealer = svc.batch_key.require()
 
     def load(conn: Connection) -> list[tuple[store.ItemRow, bytes | None]]:
-        batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
-        if batch is None:
-            raise NotFound(f"batch {batch_id} not found", param="batch_id")
-        if batch.purged_at is not None:
-            raise NotFound(
-                f"the results of batch {batch_id} were deleted 24 hours after it completed; "
-                "its status and request counts remain",
-                param="batch_id",
-                code="results_expired",
-                status=410,
-            )
-        return store.results_of(conn, batch.id)
+        return store.results_of(conn, _readable(conn, principal, batch_id).id)
 
     rows = await svc.db.read(load)
 
     async def lines() -> AsyncIterator[bytes]:
         for item, blob in rows:
-            result = json.loads(sealer.open(blob, result_aad(item.id))) if blob else None
-            line = {
-                "custom_id": item.custom_id,
-                "status": item.status,
-                "result": result,
-                "reservation_id": item.reservation_id,
-            }
-            yield (json.dumps(line) + "\n").encode()
+            yield (json.dumps(_result_line(sealer, item, blob)) + "\n").encode()
 
     return lines()
+
+
+def _result_line(sealer: Sealer, item: store.ItemRow, blob: bytes | None) -> dict[str, Any]:
+    """One item as a line of the batch's results."""
+    result = json.loads(sealer.open(blob, result_aad(item.id))) if blob else None
+    return {
+        "custom_id": item.custom_id,
+        "status": item.status,
+        "result": result,
+        "reservation_id": item.reservation_id,
+    }
+
+
+async def finished(
+    svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
+) -> dict[str, Any]:
+    """The items that ended after ``after``, as the results show them (``service.following``)."""
+    sealer = svc.batch_key.require()
+
+    def read(conn: Connection) -> dict[str, Any]:
+        batch = _readable(conn, principal, batch_id)
+        rows = store.ended_results(conn, batch.id, after=after, limit=limit + 1)
+        items = [(seq, _result_line(sealer, item, blob)) for seq, item, blob in rows]
+        ended = batch.status in ("completed", "expired", "canceled")
+        return following.page(items, after=after, limit=limit, ended=ended)
+
+    return await svc.db.read(read)
 
 
 async def list_views(

@@ -4,8 +4,8 @@ A ``Service`` holds what the composition root (``batchyard.app``) built:
 settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
 encryption key, and its background workers as one list (``workers``: each a
 ``work.runner.Worker``; today deferred batches, batch inference runs, file
-batches, the webhook sender, and two sweeps: fine-tuned versions going cold,
-stranded holds),
+batches, the webhook sender, and three sweeps: fine-tuned versions going cold,
+stranded holds, stuck work),
 with the ones a door wakes also by name. It builds nothing itself, so a test hands
 in a ``ManualClock`` or a scripted engine once, at the root, and every part of
 the system sees the same one; and each worker was given only the parts it
@@ -34,6 +34,7 @@ from batchyard.core.tiers import Tier
 from batchyard.core.tokens import Tokenizer
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.service.metrics import PrometheusRecorder
+from batchyard.service.preparation import Preparer
 from batchyard.store.database import Database
 from batchyard.work.batch_key import BatchKey
 from batchyard.work.decide_scoring import Calibrations
@@ -91,6 +92,11 @@ class Service:
 
     def tokenizer(self, model: ModelSpec) -> Tokenizer:
         return self.tokenizers.for_model(model)
+
+    @property
+    def preparer(self) -> Preparer:
+        """What prepares every call of this deployment (``service.preparation``)."""
+        return Preparer(self.catalog, self.tokenizers, self.settings.default_max_tokens)
 
     def tier(self, level: int) -> Tier:
         """The tier at ``level``; an unknown level (a tier removed from config) is tier 0."""

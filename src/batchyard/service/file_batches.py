@@ -35,7 +35,14 @@ from batchyard.core.ids import new_id
 from batchyard.core.inputs import Coded, Shape, strict
 from batchyard.core.money import format_money, quote_ticks
 from batchyard.core.quotes import direct_price
-from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
+from batchyard.errors import (
+    InsufficientCredit,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    SpendCapExceeded,
+)
+from batchyard.service import following
 from batchyard.service.batch_requests import WINDOWS
 from batchyard.service.batch_views import file_batch_view, openai_status
 from batchyard.service.deployment import Service
@@ -44,10 +51,23 @@ from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.files import line_aad
 
-__all__ = ["PERCENT", "FileBatchBody", "cancel", "create", "load_view", "parse_create"]
+__all__ = [
+    "ENDED",
+    "PERCENT",
+    "RETRIED",
+    "FileBatchBody",
+    "cancel",
+    "create",
+    "finished",
+    "load_view",
+    "parse_create",
+    "retry",
+]
 
 log = logging.getLogger("batchyard.file_batches")
 
+#: The statuses of a batch whose every line has ended.
+ENDED = ("completed", "failed", "expired", "canceled")
 MAX_METADATA = 16
 #: The most invalid lines a failed batch lists in ``errors.data``.
 MAX_ERRORS = 1000
@@ -119,8 +139,14 @@ def parse_create(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> dict[str, Any]:
-    """Write the batch and hold its quote, or write it failed for want of credit."""
+async def create(
+    svc: Service, principal: Principal, parsed: dict[str, Any], *, retry_of: str | None = None
+) -> dict[str, Any]:
+    """Write the batch and hold its quote, or write it failed for want of credit.
+
+    ``retry_of``: the batch this one retries, linked both ways in the same
+    transaction; a batch that already has a retry refuses a second one.
+    """
     sealer = svc.batch_key.require()
     now = svc.clock.now()
     batch_id = new_id("bat", now)
@@ -229,12 +255,15 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
                 ref=batch_id,
                 tiers=svc.settings.tiers,
                 savepoint=True,
+                key_id=principal.key_id,
             )
         except InsufficientCredit as exc:
             error = {
                 "code": exc.code,
                 "message": (
-                    f"the batch can cost up to ${format_money(max_cost)} ({f.line_count} "
+                    f"{exc}"
+                    if isinstance(exc, SpendCapExceeded)
+                    else f"the batch can cost up to ${format_money(max_cost)} ({f.line_count} "
                     f"requests priced with each model's tokenizer) and the credit available is "
                     f"${exc.details.get('available')}; top up and create it again. Nothing was "
                     "held or charged."
@@ -248,6 +277,14 @@ async def create(svc: Service, principal: Principal, parsed: dict[str, Any]) -> 
             store.create_batch(conn, row)
             webhook_deliveries.batch_ended(conn, batch_id, now)
         else:
+            # A retry that will run is linked both ways; one that failed for want of
+            # credit runs nothing, and the batch it retried may be retried again.
+            if retry_of is not None and not store.link_retry(conn, retry_of, batch_id):
+                raise InvalidState(
+                    f"batch {retry_of} was already retried; retry that batch instead",
+                    code="already_retried",
+                )
+            row = _replace(row, retry_of=retry_of)
             store.create_batch(conn, _replace(row, reservation_id=res.id))
         return load_view(conn, principal.org_id, batch_id)
 
@@ -276,6 +313,112 @@ def load_view(
     if row is None:
         raise NotFound(f"batch {batch_id} not found", param="batch_id")
     return file_batch_view(row, store.totals(conn, [row.id])[row.id])
+
+
+async def finished(
+    svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
+) -> dict[str, Any]:
+    """The lines that ended after ``after``, as the output and error files show them."""
+    sealer = svc.batch_key.require()
+    own = principal.key_id if principal.own_only else None
+
+    def read(conn: Connection) -> dict[str, Any]:
+        row = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
+        if row is None:
+            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        items = following.file_batch_items(conn, sealer, row.id, after=after, limit=limit)
+        return following.page(items, after=after, limit=limit, ended=row.status in ENDED)
+
+    return await svc.db.read(read)
+
+
+#: The line states a retry sends again: the call failed, or it was never sent.
+RETRIED = ("failed", "expired", "canceled")
+#: The most ``uncertain`` lines a retry names one by one.
+MAX_NAMED = 1000
+
+
+async def retry(svc: Service, principal: Principal, batch_id: str) -> dict[str, Any]:
+    """A new batch of an ended batch's failed, expired and canceled lines, quoted and held.
+
+    The lines keep their ``custom_id`` and body, copied into a new input file
+    (re-sealed under its id); lines that succeeded are never sent again, nor
+    are ``uncertain`` ones (their call may have been answered upstream): the
+    answer names those one by one. The two batches name each other.
+    """
+    sealer = svc.batch_key.require()
+    now = svc.clock.now()
+    file_id = new_id("file", now)
+    own = principal.key_id if principal.own_only else None
+
+    def copy(conn: Connection) -> tuple[store.BatchRow, int, list[str], int]:
+        row = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
+        if row is None:
+            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        if row.status not in ENDED:
+            raise InvalidState(
+                f"batch {batch_id} is still {openai_status(row.status)}; retry it once it ends",
+                code="batch_not_ended",
+            )
+        if row.retried_by is not None:
+            raise InvalidState(
+                f"batch {batch_id} was already retried by {row.retried_by}; retry that batch "
+                "instead",
+                code="already_retried",
+            )
+        picked = store.lines_in_states(conn, row, (*RETRIED, "uncertain", "succeeded"))
+        again = [line for line, state in picked if state in RETRIED]
+        uncertain = [line.custom_id for line, state in picked if state == "uncertain"]
+        succeeded = sum(1 for _, state in picked if state == "succeeded")
+        if not again:
+            raise InvalidState(
+                f"batch {batch_id} has no failed, expired or canceled line to retry",
+                code="nothing_to_retry",
+            )
+        copies, size = [], 0
+        for n, line in enumerate(again, start=1):
+            body = sealer.open(line.body, line_aad(row.input_file_id, line.line))
+            size += len(body) + 1
+            sealed = sealer.seal(body, line_aad(file_id, n))
+            copies.append(dataclasses.replace(line, line=n, body=sealed))
+        file_store.create_file(
+            conn,
+            file_id=file_id,
+            org_id=principal.org_id,
+            purpose="batch",
+            filename=f"retry-of-{batch_id}.jsonl",
+            now=now,
+            key_id=principal.key_id,
+        )
+        file_store.write_lines(conn, file_id, copies)
+        file_store.mark_processed(
+            conn, file_id, size=size, line_count=len(copies), endpoint=row.endpoint
+        )
+        return row, len(copies), uncertain, succeeded
+
+    row, count, uncertain, succeeded = await svc.db.transact(copy)
+    parsed = {
+        "input_file_id": file_id,
+        "endpoint": row.endpoint,
+        "window": row.completion_window,
+        "metadata": json.loads(row.metadata) if row.metadata else None,
+        "min_discount": Decimal(row.min_discount) if row.min_discount else None,
+    }
+    try:
+        view = await create(svc, principal, parsed, retry_of=batch_id)
+    except BaseException:
+        await svc.db.transact(lambda c: file_store.forget(c, file_id))
+        raise
+    view["retry"] = {
+        "of": batch_id,
+        "lines": count,
+        "not_retried": {
+            "succeeded": succeeded,
+            "uncertain": len(uncertain),
+            "uncertain_custom_ids": uncertain[:MAX_NAMED],
+        },
+    }
+    return view
 
 
 async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str, Any]:

@@ -7,12 +7,11 @@ on a thread, in bounded memory: each line is parsed, checked whole
 valid request for it through ``service.openai_requests``), has privacy
 applied, is counted with its model's tokenizer, sealed, and written in
 batches under a file that stays invisible (``uploading``) until its last line
-is in. As OpenAI does, the upload takes any JSONL file: a line that is not JSON
-ends the upload with a coded error naming the line (and everything written
-for it is deleted), but a line that is JSON and not a valid request is kept
-with its error (``store.files.INVALID_LINE``), and creating a batch from the
-file fails the batch with every such line in ``errors.data``
-(``service.file_batches``). A process that dies mid-upload leaves an
+is in. As OpenAI does, the upload takes any file of lines: a line that is not
+JSON, or is JSON and not a valid request, is kept with its error
+(``store.files.INVALID_LINE``), and creating a batch from the file fails the
+batch with every such line (its number, code and message) in ``errors.data``
+(``service.file_batches``), holding and charging nothing. A process that dies mid-upload leaves an
 invisible file that the file-batch worker removes later.
 
 Limits (OpenAI's by default, ``files:`` in the config to change them):
@@ -21,11 +20,11 @@ Limits (OpenAI's by default, ``files:`` in the config to change them):
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 from typing import IO, Any
@@ -36,7 +35,7 @@ from batchyard.core import privacy
 from batchyard.core.accounts import Principal
 from batchyard.core.ids import new_id
 from batchyard.core.inputs import parse_json
-from batchyard.core.sections import section_settings
+from batchyard.core.sections import FileSettings
 from batchyard.errors import (
     BatchyardError,
     Conflict,
@@ -53,7 +52,6 @@ from batchyard.store.files import line_aad
 
 __all__ = [
     "PURPOSES",
-    "FileSettings",
     "content",
     "delete",
     "file_view",
@@ -73,36 +71,14 @@ WRITE_BATCH = 500
 _LINE_KEYS = {"custom_id", "method", "url", "body"}
 
 
-@dataclass(frozen=True, slots=True)
-class FileSettings:
-    max_bytes: int = 200 * 1024 * 1024
-    max_lines: int = 50_000
-    max_line_bytes: int = 1024 * 1024
-    max_custom_id: int = 512
-
-    @classmethod
-    def from_raw(cls, raw: Any) -> FileSettings:
-        return section_settings(cls, raw)
-
-
 def settings_of(svc: Service) -> FileSettings:
-    return FileSettings.from_raw(svc.settings.raw.get("files"))
+    return svc.settings.files
 
 
 def rules_of(svc: Service, org_id: str | None = None) -> Rules:
     """The line rules of this deployment: its catalog, tokenizers and privacy default."""
-    default = svc.settings.raw.get("privacy_default", "off")
-    try:
-        mode = privacy.PrivacyMode(str(default))
-    except ValueError:
-        mode = privacy.PrivacyMode.OFF
-    return Rules(
-        catalog=svc.catalog,
-        tokenizers=svc.tokenizers,
-        default_max_tokens=svc.settings.default_max_tokens,
-        privacy_default=mode,
-        org_id=org_id,
-    )
+    mode = privacy.PrivacyMode(svc.settings.privacy_default)
+    return Rules(preparer=svc.preparer, privacy_default=mode, org_id=org_id)
 
 
 def _ts(when: datetime | None) -> int | None:
@@ -169,8 +145,7 @@ def _lines(f: IO[bytes], limits: FileSettings) -> Iterator[tuple[int, bytes]]:
 
 
 def _parse(n: int, raw: bytes) -> Any:
-    """One line as JSON; a line that is not is kept as invalid, as any bad line (OpenAI's
-    order: the file uploads, and a batch made from it fails naming the line)."""
+    """One line as JSON; one that is not is an invalid line like any other (OpenAI's order)."""
     try:
         # Strict JSON, as every body: no NaN, lone surrogate, NUL or deep nesting.
         return parse_json(raw, "the line", request=True)
@@ -181,21 +156,26 @@ def _parse(n: int, raw: bytes) -> Any:
 def _invalid(
     n: int, obj: Any, raw: bytes, exc: BatchyardError, limits: FileSettings
 ) -> tuple[str, bytes]:
-    """A line that is JSON but no valid request: its custom_id, and what is sealed for it.
+    """A line that is no valid request: its custom_id, and what is sealed for it.
 
     What is kept is the error (OpenAI's ``errors.data`` item) and the line as sent, so
-    the file's content reads back as uploaded; a line refused by privacy ``reject`` is not
-    kept at all, only its error.
+    the file's content reads back as uploaded (a line that is not UTF-8, in base64); a
+    line refused by privacy ``reject`` is not kept at all, only its error.
     """
     # The line is a field of its own here: the param is the field within the line.
     param = exc.param
     if param is not None and param.startswith(f"line {n}"):
         param = param.partition(": ")[2] or None
     error = {"code": exc.code, "line": n, "message": exc.message, "param": param}
-    kept = None if exc.code == "privacy_rejected" else raw.decode("utf-8", "replace")
+    stored: dict[str, Any] = {"error": error, "line": None}
+    if exc.code != "privacy_rejected":
+        try:
+            stored["line"] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            stored["line_base64"] = base64.b64encode(raw).decode("ascii")
     cid = obj.get("custom_id") if isinstance(obj, dict) else None
     custom_id = cid[: limits.max_custom_id] if isinstance(cid, str) else ""
-    return custom_id, json.dumps({"error": error, "line": kept}, ensure_ascii=False).encode()
+    return custom_id, json.dumps(stored, ensure_ascii=False).encode()
 
 
 def _check(
@@ -364,8 +344,10 @@ def _as_sent(model: str, body: bytes) -> bytes:
     """A stored line as it was uploaded (an invalid line keeps it beside its error)."""
     if model != store.INVALID_LINE:
         return body + b"\n"
-    kept = json.loads(body)["line"]
-    return b"" if kept is None else kept.encode("utf-8") + b"\n"
+    kept = json.loads(body)
+    if "line_base64" in kept:
+        return base64.b64decode(kept["line_base64"]) + b"\n"
+    return b"" if kept["line"] is None else kept["line"].encode("utf-8") + b"\n"
 
 
 def _write(c: Connection, *, file_id: str, lines: list[store.LineRow]) -> None:

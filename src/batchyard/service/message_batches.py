@@ -41,7 +41,7 @@ from batchyard.errors import (
     InvalidState,
     NotFound,
 )
-from batchyard.service import file_batches, files
+from batchyard.service import file_batches, files, following
 from batchyard.service.deployment import Service
 from batchyard.service.file_batches import PERCENT
 from batchyard.service.openai_requests import MESSAGES
@@ -50,13 +50,15 @@ from batchyard.store import file_batches as store
 __all__ = [
     "cancel",
     "create",
+    "finished",
     "get",
     "list_page",
     "results",
+    "retry",
 ]
 
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_ENDED = ("completed", "failed", "expired", "canceled")
+_ENDED = file_batches.ENDED
 
 
 class MessageBatchRequest(BaseModel):
@@ -163,6 +165,9 @@ def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str,
         "results_url": (
             f"{base_url}/v1/messages/batches/{row.id}/results" if processing == "ended" else None
         ),
+        # batchyard's: the batch this one retries, and the batch that retried it.
+        "retry_of": row.retry_of,
+        "retried_by": row.retried_by,
     }
 
 
@@ -233,6 +238,42 @@ async def cancel(
         if exc.code != "batch_not_cancellable":
             raise
     return await get(svc, principal, batch_id, base_url=base_url)
+
+
+async def retry(
+    svc: Service, principal: Principal, batch_id: str, *, base_url: str
+) -> dict[str, Any]:
+    """A new Message Batch of an ended one's errored, canceled and expired requests.
+
+    ``service.file_batches.retry`` underneath: the same ``custom_id``s, quoted
+    and held, linked both ways; succeeded and ``uncertain`` requests are not sent
+    again (``retry.not_retried`` names the uncertain ones). Without the credit,
+    402 as at create, and nothing is linked.
+    """
+    await svc.db.read(lambda c: _load(c, principal, batch_id))
+    view = await file_batches.retry(svc, principal, batch_id)
+    if view["status"] == "failed":
+        errors = (view.get("errors") or {}).get("data") or [{}]
+        raise InsufficientCredit(str(errors[0].get("message", "not enough credit")))
+    answer = await get(svc, principal, view["id"], base_url=base_url)
+    answer["retry"] = view["retry"]
+    return answer
+
+
+async def finished(
+    svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
+) -> dict[str, Any]:
+    """The requests that ended after ``after``, as the results file shows them."""
+    sealer = svc.batch_key.require()
+
+    def read(conn: Connection) -> dict[str, Any]:
+        row = _load(conn, principal, batch_id)
+        items = following.file_batch_items(
+            conn, sealer, row.id, after=after, limit=limit, render=_result
+        )
+        return following.page(items, after=after, limit=limit, ended=row.status in _ENDED)
+
+    return await svc.db.read(read)
 
 
 def _result(line: dict[str, Any]) -> dict[str, Any]:

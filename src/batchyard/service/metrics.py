@@ -132,6 +132,12 @@ class PrometheusRecorder:
             ["purpose"],
             registry=r,
         )
+        self.over_hold = Counter(
+            "batchyard_charges_over_hold",
+            "Settlements whose charge came to more than their hold (a defect), by purpose.",
+            ["purpose"],
+            registry=r,
+        )
         self.admissions = Counter(
             "batchyard_limiter_admissions",
             "Limiter verdicts, by key scope (org, route), verdict and the limit that refused.",
@@ -162,6 +168,12 @@ class PrometheusRecorder:
             ["kind"],
             registry=r,
         )
+        self.stuck = Counter(
+            "batchyard_work_stuck",
+            "Work whose progress stood still for stuck_after_s, by kind and why it waits.",
+            ["kind", "reason"],
+            registry=r,
+        )
 
     # --- core.telemetry.Recorder ---------------------------------------------------------
 
@@ -180,8 +192,10 @@ class PrometheusRecorder:
     def prompt_tokens_cached(self, route: str, tokens: int) -> None:
         self.cached_tokens.labels(route).inc(tokens)
 
-    def charged(self, purpose: str, credits: Decimal) -> None:
+    def charged(self, purpose: str, credits: Decimal, over_hold: Decimal = Decimal(0)) -> None:
         self.credits.labels(purpose).inc(float(credits))
+        if over_hold:
+            self.over_hold.labels(purpose).inc()
 
     def admission(self, scope: str, verdict: str, limit: str | None) -> None:
         self.admissions.labels(scope, verdict, limit or "").inc()
@@ -197,6 +211,9 @@ class PrometheusRecorder:
     def uncertain(self, kind: str, count: int) -> None:
         if count:
             self.uncertain_items.labels(kind).inc(count)
+
+    def work_stuck(self, kind: str, reason: str) -> None:
+        self.stuck.labels(kind, reason).inc()
 
     # --- /metrics ---------------------------------------------------------------------------
 

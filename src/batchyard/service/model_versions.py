@@ -45,7 +45,6 @@ import os
 import tempfile
 import unicodedata
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -56,6 +55,7 @@ from batchyard.core.catalog import PROJECT_VERSION_PREFIX, Catalog, ModelSpec
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.runs import TERMINAL
+from batchyard.core.sections import VersionSettings
 from batchyard.engines import gguf_files
 from batchyard.engines.model_files import sha256_of
 from batchyard.errors import (
@@ -71,12 +71,10 @@ from batchyard.store.database import Database
 
 __all__ = [
     "TYPES",
-    "VersionSettings",
     "check_fields",
     "delete",
     "discard_spool",
     "fetcher",
-    "folder_for",
     "folder_of",
     "gate",
     "get",
@@ -94,55 +92,12 @@ log = logging.getLogger("batchyard.model_versions")
 TYPES = ("lora", "weights")
 
 
-#: How long a version stays loaded after its last request, unless kept warm.
-IDLE_S = 15 * 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class VersionSettings:
-    """``model_versions:`` (checked at start by ``core.config.ModelVersionsSection``)."""
-
-    max_lora_bytes: int = 256 * 1024 * 1024
-    max_weights_bytes: int = 8 * 1024 * 1024 * 1024
-    folder: str | None = None
-    idle_s: float = IDLE_S
-    #: The most memory the loaded versions (adapters, full weights and their
-    #: caches) may hold together; None: no budget, only idle time unloads them.
-    memory_budget_bytes: int | None = None
-
-    @classmethod
-    def from_raw(cls, raw: Any) -> VersionSettings:
-        raw = raw or {}
-        given: dict[str, Any] = {}
-        for key in ("max_lora_bytes", "max_weights_bytes", "memory_budget_bytes"):
-            if raw.get(key) is not None:
-                given[key] = int(raw[key])
-        if raw.get("idle_s") is not None:
-            given["idle_s"] = float(raw["idle_s"])
-        if raw.get("folder"):
-            given["folder"] = str(raw["folder"])
-        return cls(**given)
-
-    @property
-    def max_bytes(self) -> int:
-        return max(self.max_lora_bytes, self.max_weights_bytes)
-
-    def limit(self, kind: str) -> int:
-        return self.max_lora_bytes if kind == "lora" else self.max_weights_bytes
-
-
 def settings_of(svc: Service) -> VersionSettings:
-    return VersionSettings.from_raw(svc.settings.raw.get("model_versions"))
-
-
-def folder_for(home: Path, raw: dict[str, Any]) -> Path:
-    """Where accepted versions live: ``model_versions.folder``, or ``<home>/model-versions``."""
-    given = VersionSettings.from_raw(raw.get("model_versions")).folder
-    return Path(given) if given else home / "model-versions"
+    return svc.settings.model_versions
 
 
 def folder_of(svc: Service) -> Path:
-    return folder_for(svc.settings.home, svc.settings.raw)
+    return svc.settings.version_folder
 
 
 def spool(folder: Path) -> Callable[[], IO[bytes]]:

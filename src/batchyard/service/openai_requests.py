@@ -3,20 +3,22 @@
 A batch input line (``{custom_id, method, url, body}``) is checked here,
 body and all, before the file it belongs to is kept: ``validate_line`` takes
 the endpoint and the body and returns the body as it will be stored and sent
-(privacy applied), its model, its prompt tokens counted with the model's own
-tokenizer, and the most output tokens it may be billed for. Anything wrong
+(privacy applied), its model, every prompt token the engine reads, and the
+most output tokens it may be billed for. Anything wrong
 is a coded ``InvalidRequest`` whose ``param`` names the field.
 
 The body is checked by the same function as a request on the wire
 (``core.openai_bodies``) into the door's own typed request, and what is stored
 is that request's JSON, which the worker reads back as the same type
 (``work.openai_wire.line_request``) and sends through the door's own function.
-A line is accepted exactly when the same body sent to the endpoint would be,
-with what a batch adds and takes away:
-batchyard's ``privacy`` field (redaction before the line is stored), no
-streaming, no tools (a batch has no one to run them), and OpenAI's sampling
-penalties refused by name rather than silently dropped, since a line is
-answered later by a worker that sends only what it stores.
+A line is prepared by the door's own preparation (``service.preparation``:
+model, route, ``max_tokens`` by the same rule, every token counted, the window,
+the quote), so it is accepted exactly when the same body sent to the endpoint
+would be, tools included (the answer is the tool call, as OpenAI's Batch API
+gives it), with what a batch adds and takes away: batchyard's ``privacy`` field
+(redaction before the line is stored, and counted after it), no streaming, and
+OpenAI's sampling penalties refused by name rather than silently dropped, since
+a line is answered later by a worker that sends only what it stores.
 """
 
 from __future__ import annotations
@@ -29,17 +31,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batchyard.core import privacy
 from batchyard.core.anthropic_bodies import parse_messages, translate
-from batchyard.core.catalog import Catalog, ModelSpec
-from batchyard.core.openai_bodies import (
-    check_images,
-    parse_chat,
-    parse_completion,
-    parse_embedding,
-)
-from batchyard.core.quotes import check_context
-from batchyard.core.tokens import TokenizerSource
+from batchyard.core.catalog import ModelSpec
+from batchyard.core.openai_bodies import parse_chat, parse_completion, parse_embedding
 from batchyard.engines.token_ids import as_texts
-from batchyard.errors import CapabilityUnsupported, InvalidRequest
+from batchyard.errors import InvalidRequest
+from batchyard.service.preparation import Preparer
 from batchyard.work.openai_wire import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, MESSAGES
 
 __all__ = [
@@ -54,11 +50,9 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Rules:
-    """What the deployment decides about a line: its catalog, tokenizers and defaults."""
+    """What the deployment decides about a line: how it prepares calls, and its privacy default."""
 
-    catalog: Catalog
-    tokenizers: TokenizerSource
-    default_max_tokens: int = 256
+    preparer: Preparer
     privacy_default: privacy.PrivacyMode = privacy.PrivacyMode.OFF
     #: Whose project model versions a line may name (None: any, a worker re-reading).
     org_id: str | None = None
@@ -88,9 +82,6 @@ _NOT_IN_BATCHES = {
         "streaming_unsupported",
     ),
     "stream_options": ("batch requests do not stream", "streaming_unsupported"),
-    "tools": ("tools are not supported in batch requests", "tools_unsupported"),
-    "tool_choice": ("tools are not supported in batch requests", "tools_unsupported"),
-    "parallel_tool_calls": ("tools are not supported in batch requests", "tools_unsupported"),
     "frequency_penalty": (
         "frequency_penalty is not honoured in batch requests",
         "unsupported_parameter",
@@ -124,20 +115,6 @@ def _batchable(body: dict[str, Any]) -> None:
             raise InvalidRequest(message, param=name, code=code)
 
 
-def _model(rules: Rules, model_id: str, need: str = "chat") -> ModelSpec:
-    """The model, refused up front when its route cannot answer this endpoint."""
-    model = rules.catalog.model(model_id, rules.org_id)
-    route = rules.catalog.route_for(model.id)
-    able = {"completions": route.serves_completions, "embeddings": route.embeddings}
-    if not able.get(need, True):
-        raise CapabilityUnsupported(
-            f"{model.id} (route {route.id}) does not serve {need}; "
-            "GET /v1/models lists each model's capabilities",
-            param="model",
-        )
-    return model
-
-
 def _private_messages(
     messages: list[dict[str, Any]], mode: privacy.PrivacyMode, param: str = "messages"
 ) -> tuple[list[dict[str, Any]], int]:
@@ -164,29 +141,14 @@ def _private_texts(
     return [str(m["content"]) for m in kept], found
 
 
-def _max_tokens(given: int | None, rules: Rules, model: ModelSpec) -> int:
-    mt = given if given is not None else min(rules.default_max_tokens, model.max_output_tokens)
-    if mt > model.max_output_tokens:
-        raise InvalidRequest(
-            f"max_tokens is from 1 to {model.max_output_tokens} for {model.id}",
-            param="max_tokens",
-            code="max_tokens_out_of_range",
-        )
-    return mt
-
-
 def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_chat(rest)
     _batchable(rest)
-    model = _model(rules, req.model)
-    check_images(req.messages, model)
-    mt = _max_tokens(req.max_completion_tokens or req.max_tokens, rules, model)
     messages, found = _private_messages(req.messages, mode)
-    tokens = rules.tokenizers.for_model(model).count_messages(messages)
-    check_context(model, tokens, mt, param="messages")
+    call = rules.preparer.chat(req.model_copy(update={"messages": messages}), org_id=rules.org_id)
     rest["messages"] = messages
-    return CheckedBody(model, rest, tokens, mt * req.n, found)
+    return CheckedBody(call.model, rest, call.input_tokens, call.output_tokens, found)
 
 
 def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
@@ -205,52 +167,36 @@ def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
             param="stream",
             code="streaming_unsupported",
         )
-    if req.tools or req.tool_choice:
-        raise InvalidRequest(
-            "tools are not supported in batch requests",
-            param="tools" if req.tools else "tool_choice",
-            code="tools_unsupported",
-        )
-    model = _model(rules, req.model)
     asked = translate(req)
-    check_images(asked.messages, model)
-    mt = _max_tokens(req.max_tokens, rules, model)
     messages, found = _private_messages(asked.messages, mode)
-    tokens = rules.tokenizers.for_model(model).count_messages(messages)
-    check_context(model, tokens, mt, param="messages")
-    stored = asked.model_copy(update={"messages": messages, "max_tokens": mt})
-    return CheckedBody(model, stored.model_dump(exclude_none=True), tokens, mt, found)
+    stored = asked.model_copy(update={"messages": messages})
+    call = rules.preparer.messages(stored, org_id=rules.org_id)
+    body_out = stored.model_dump(exclude_none=True)
+    return CheckedBody(call.model, body_out, call.input_tokens, call.output_tokens, found)
 
 
 def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_completion(rest)
     _batchable(rest)
-    model = _model(rules, req.model, "completions")
-    mt = _max_tokens(req.max_tokens, rules, model)
     if len(req.prompts()) != 1:
         raise InvalidRequest("send one prompt per request line", param="prompt")
     prompts, found = _private_texts(as_texts(req.prompts(), "prompt"), mode, "prompt")
-    # As /v1/completions counts: the raw prompt and the start-of-text token before it.
-    counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(prompts)]
-    check_context(model, max(counts), mt, param="prompt")
+    call = rules.preparer.completion(req, prompts, org_id=rules.org_id)
     # Token ids are stored as the text they encode, which is what the line runs.
     one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
     rest["prompt"] = prompts[0] if one else prompts
-    return CheckedBody(model, rest, sum(counts), mt * req.n * len(prompts), found)
+    return CheckedBody(call.model, rest, call.input_tokens, call.output_tokens, found)
 
 
 def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_embedding(rest)
-    model = _model(rules, req.model, "embeddings")
     inputs, found = _private_texts(as_texts(req.inputs(), "input"), mode, "input")
-    # As /v1/embeddings counts: each input and the start-of-text token before it.
-    counts = [n + 1 for n in rules.tokenizers.for_model(model).count_batch(inputs)]
-    check_context(model, max(counts), 0, param="input")
+    call = rules.preparer.embeddings(req, inputs, org_id=rules.org_id)
     one = isinstance(req.input, str) or isinstance(req.input[0], int)
     rest["input"] = inputs[0] if one else inputs
-    return CheckedBody(model, rest, sum(counts), 0, found)
+    return CheckedBody(call.model, rest, call.input_tokens, 0, found)
 
 
 #: One validator per endpoint.

@@ -23,9 +23,9 @@ from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
+from batchyard.core.sections import WebhookSettings
 from batchyard.core.webhook_rules import (
     EVENTS,
-    WebhookSettings,
     address_allowed,
     new_secret,
     parse_target,

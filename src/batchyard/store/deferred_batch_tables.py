@@ -58,6 +58,8 @@ batches = Table(
     Column("cancel_requested_at", UtcDateTime(), nullable=True),
     Column("completed_at", UtcDateTime(), nullable=True),
     Column("purged_at", UtcDateTime(), nullable=True),
+    # How many end numbers its items have taken (``store.end_order``).
+    Column("ended_seq", BigInteger, nullable=False, default=0, server_default="0"),
     Index("ix_batches_org", "org_id", "id"),
     Index("ix_batches_completed", "completed_at"),
 )
@@ -95,8 +97,11 @@ batch_items = Table(
     Column("finished_at", UtcDateTime(), nullable=True),
     Column("result_status", Integer, nullable=True),
     Column("result", LargeBinary, nullable=True),
+    # The item's place in the order items ended (``store.end_order``).
+    Column("ended_seq", BigInteger, nullable=True),
     UniqueConstraint("batch_id", "custom_id", name="uq_batch_items_custom_id"),
     Index("ix_batch_items_batch", "batch_id", "position"),
     Index("ix_batch_items_status", "status", "deadline"),
     Index("ix_batch_items_org", "org_id", "status"),
+    Index("ix_batch_items_ended", "batch_id", "ended_seq"),
 )

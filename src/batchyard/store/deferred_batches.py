@@ -18,10 +18,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, bindparam, func, insert, select, update
 
 from batchyard.core.leases import Lease
-from batchyard.store import leases
+from batchyard.store import end_order, leases
 from batchyard.store.deferred_batch_tables import (
     ACTIVE,
     ITEM_STATES,
@@ -41,6 +41,7 @@ __all__ = [
     "counts",
     "create_batch",
     "dispatched_item",
+    "ended_results",
     "expire_due",
     "finish_item",
     "get_batch",
@@ -274,8 +275,50 @@ def counts(conn: Connection, batch_ids: Iterable[str]) -> dict[str, dict[str, in
 # --- transitions ------------------------------------------------------------------
 
 
+def _number_ended(conn: Connection, batch_id: str) -> None:
+    """Give the items that just ended their end numbers (``store.end_order``), by position.
+
+    Every path that ends an item refreshes its batch after it, so this is the
+    one place they are numbered; an uncertain item whose late answer lands
+    is numbered again (its result changed), and a reader following the batch
+    sees it once more.
+    """
+    bi = batch_items
+    ended = (
+        conn.execute(
+            select(bi.c.id)
+            .where(bi.c.batch_id == batch_id, bi.c.ended_seq.is_(None), bi.c.status.in_(TERMINAL))
+            .order_by(bi.c.position)
+        )
+        .scalars()
+        .all()
+    )
+    if not ended:
+        return
+    first = end_order.take(conn, batches, batches.c.id, batch_id, len(ended))
+    conn.execute(
+        update(bi).where(bi.c.id == bindparam("b_id")).values(ended_seq=bindparam("b_seq")),
+        [{"b_id": item_id, "b_seq": first + i} for i, item_id in enumerate(ended)],
+    )
+
+
+def ended_results(
+    conn: Connection, batch_id: str, *, after: int, limit: int
+) -> list[tuple[int, ItemRow, bytes | None]]:
+    """``(end number, item, sealed result)`` of items that ended after ``after``, in end order."""
+    bi = batch_items
+    rows = conn.execute(
+        select(bi.c.ended_seq, *_ITEM_COLUMNS, bi.c.result)
+        .where(bi.c.batch_id == batch_id, bi.c.ended_seq > after)
+        .order_by(bi.c.ended_seq)
+        .limit(limit)
+    ).all()
+    return [(int(r.ended_seq), _item(r), r.result) for r in rows]
+
+
 def refresh_batch(conn: Connection, batch_id: str, now: datetime) -> str:
-    """Recompute a batch's status from its items; stamps ``completed_at`` once."""
+    """Number the items that ended and recompute the status; stamps ``completed_at`` once."""
+    _number_ended(conn, batch_id)
     row = conn.execute(
         select(batches.c.status, batches.c.cancel_requested_at, batches.c.completed_at).where(
             batches.c.id == batch_id
@@ -395,21 +438,28 @@ def mark_uncertain(
     return bool(done)
 
 
-def return_to_waiting(conn: Connection, item: ItemRow, now: datetime) -> bool:
-    """A dispatched item whose call never started goes back to waiting (the caller releases)."""
+def return_to_waiting(
+    conn: Connection, item: ItemRow, now: datetime, *, unmark: bool = False
+) -> bool:
+    """A dispatched item whose call never started goes back to waiting (the caller releases).
+
+    ``unmark``: the worker knows the call never left (the route refused the
+    connection), so a sent mark does not keep it back; it is taken back.
+    """
+    q = update(batch_items).where(
+        batch_items.c.id == item.id,
+        batch_items.c.status == "dispatched",
+        batch_items.c.reservation_id == item.reservation_id,
+    )
+    if not unmark:
+        q = q.where(batch_items.c.sent_at.is_(None))
     done = conn.execute(
-        update(batch_items)
-        .where(
-            batch_items.c.id == item.id,
-            batch_items.c.status == "dispatched",
-            batch_items.c.reservation_id == item.reservation_id,
-            batch_items.c.sent_at.is_(None),
-        )
-        .values(
+        q.values(
             status="waiting",
             route=None,
             reservation_id=None,
             dispatched_at=None,
+            sent_at=None,
             **leases.LET_GO,
         )
     ).rowcount
@@ -579,6 +629,7 @@ def finish_item(
             body=None,
             result_status=result_status,
             result=result,
+            ended_seq=None,
         )
     )
     if not done.rowcount:

@@ -48,7 +48,8 @@ from sqlalchemy import (
 )
 
 from batchyard.core.leases import Lease
-from batchyard.store import leases
+from batchyard.store import end_order, leases
+from batchyard.store.files import LineRow as file_lines_row
 from batchyard.store.files import file_lines
 from batchyard.store.tables import UtcDateTime, metadata
 
@@ -62,11 +63,14 @@ __all__ = [
     "claim_lines",
     "create_batch",
     "end_lines",
+    "ended_lines",
     "file_batch_lines",
     "file_batches",
     "get_batch",
     "has_unsent_lapsed",
     "lapsed_lines",
+    "lines_in_states",
+    "link_retry",
     "list_batches",
     "live_batch_reads",
     "live_batches",
@@ -122,6 +126,13 @@ file_batches = Table(
     Column("expired_at", UtcDateTime(), nullable=True),
     Column("cancelling_at", UtcDateTime(), nullable=True),
     Column("cancelled_at", UtcDateTime(), nullable=True),
+    # How many end numbers its lines have taken (``store.end_order``): the
+    # high-water mark of a cursor that follows the batch while it runs.
+    Column("ended_seq", BigInteger, nullable=False, default=0, server_default="0"),
+    # A retry batch (made of another's failed, expired and canceled lines) names the
+    # batch it retries, and that batch names it: one retry each, so no line runs twice.
+    Column("retry_of", String(64), nullable=True),
+    Column("retried_by", String(64), nullable=True),
     Index("ix_file_batches_org", "org_id", "id"),
     Index("ix_file_batches_status", "status", "expires_at"),
 )
@@ -150,7 +161,10 @@ file_batch_lines = Table(
     Column("updated_at", UtcDateTime(), nullable=True),
     # Written durably just before the line's engine call: an unsent line is never uncertain.
     Column("sent_at", UtcDateTime(), nullable=True),
+    # The line's place in the order lines ended (``store.end_order``), set with ``out``.
+    Column("ended_seq", BigInteger, nullable=True),
     Index("ix_fbl_state", "batch_id", "state", "line"),
+    Index("ix_fbl_ended", "batch_id", "ended_seq"),
     Index("ix_fbl_lease", "state", "lease_expires_at"),
 )
 
@@ -182,6 +196,9 @@ class BatchRow:
     expired_at: datetime | None
     cancelling_at: datetime | None
     cancelled_at: datetime | None
+    ended_seq: int = 0
+    retry_of: str | None = None
+    retried_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +487,7 @@ def record_results(
     ended = [e for e in ended if e.line in held]
     if not ended:
         return 0
+    first = end_order.take(conn, file_batches, file_batches.c.id, batch_id, len(ended))
     fbl = file_batch_lines
     result = conn.execute(
         update(fbl)
@@ -488,11 +506,13 @@ def record_results(
             charge=bindparam("b_ch"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
+            ended_seq=bindparam("b_seq"),
             updated_at=now,
             **leases.LET_GO,
         ),
         [
             {
+                "b_seq": first + i,
                 "b_line": e.line,
                 "b_owner": held[e.line].owner,
                 "b_token": held[e.line].token,
@@ -504,7 +524,7 @@ def record_results(
                 "b_out": e.out,
                 "b_ob": e.out_bytes,
             }
-            for e in ended
+            for i, e in enumerate(ended)
         ],
     )
     return int(result.rowcount or 0)
@@ -555,6 +575,7 @@ def end_lines(
     """End lines that no call answered (expired, canceled, uncertain) with their file lines."""
     if not ended:
         return 0
+    first = end_order.take(conn, file_batches, file_batches.c.id, batch_id, len(ended))
     fbl = file_batch_lines
     result = conn.execute(
         update(fbl)
@@ -567,12 +588,19 @@ def end_lines(
             state=bindparam("b_state"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
+            ended_seq=bindparam("b_seq"),
             updated_at=now,
             **leases.LET_GO,
         ),
         [
-            {"b_line": e.line, "b_state": e.state, "b_out": e.out, "b_ob": e.out_bytes}
-            for e in ended
+            {
+                "b_line": e.line,
+                "b_state": e.state,
+                "b_out": e.out,
+                "b_ob": e.out_bytes,
+                "b_seq": first + i,
+            }
+            for i, e in enumerate(ended)
         ],
     )
     return int(result.rowcount or 0)
@@ -591,6 +619,56 @@ def output_lines(
         .limit(limit)
     ).all()
     return [(r[0], bytes(r[1])) for r in rows]
+
+
+def ended_lines(
+    conn: Connection, batch_id: str, *, after: int, limit: int
+) -> list[tuple[int, int, bytes]]:
+    """``(end number, line, sealed file line)`` of lines that ended after ``after``, in end order.
+
+    Both halves of the results at once (answers and errors), as they ended:
+    what a reader following the batch has not seen yet (``store.end_order``).
+    """
+    fbl = file_batch_lines
+    rows = conn.execute(
+        select(fbl.c.ended_seq, fbl.c.line, fbl.c.out)
+        .where(fbl.c.batch_id == batch_id, fbl.c.ended_seq > after, fbl.c.out.is_not(None))
+        .order_by(fbl.c.ended_seq)
+        .limit(limit)
+    ).all()
+    return [(int(r[0]), r[1], bytes(r[2])) for r in rows]
+
+
+def lines_in_states(
+    conn: Connection, batch: BatchRow, states: Sequence[str]
+) -> list[tuple[file_lines_row, str]]:
+    """The batch's lines in ``states``, by line: each as its input file holds it, and its state."""
+    fbl, fl = file_batch_lines, file_lines
+    rows = conn.execute(
+        select(fl, fbl.c.state)
+        .join(fbl, and_(fbl.c.line == fl.c.line, fl.c.file_id == batch.input_file_id))
+        .where(fbl.c.batch_id == batch.id, fbl.c.state.in_(list(states)))
+        .order_by(fbl.c.line)
+    ).all()
+    return [
+        (
+            file_lines_row(
+                r.line, r.custom_id, r.model, r.input_tokens, r.max_tokens, bytes(r.body)
+            ),
+            r.state,
+        )
+        for r in rows
+    ]
+
+
+def link_retry(conn: Connection, batch_id: str, retry_id: str) -> bool:
+    """Name ``retry_id`` as the batch's retry; False when it already has one."""
+    done = conn.execute(
+        update(file_batches)
+        .where(file_batches.c.id == batch_id, file_batches.c.retried_by.is_(None))
+        .values(retried_by=retry_id)
+    )
+    return bool(done.rowcount)
 
 
 def models_of(conn: Connection, batch_id: str) -> list[str]:
@@ -614,14 +692,19 @@ def requeue_unsent(
     *,
     batch_id: str | None = None,
     held: Mapping[int, Lease] | None = None,
+    unmark: bool = False,
 ) -> int:
     """Dispatched lines that never reached the engine go back to ``pending``.
 
     Those of a worker whose lease lapsed (``now``), or, with ``batch_id`` and
     ``held`` (line → lease), those of these claims (a worker that gives them up).
+    ``unmark``: the worker knows these claims' calls never left (the route refused
+    the connection), so a sent mark does not keep them back; it is taken back.
     """
     fbl = file_batch_lines
-    q = update(fbl).where(fbl.c.state == "dispatched", fbl.c.sent_at.is_(None))
+    q = update(fbl).where(fbl.c.state == "dispatched")
+    if not unmark:
+        q = q.where(fbl.c.sent_at.is_(None))
     if held is not None:
         if not held:
             return 0
@@ -630,7 +713,7 @@ def requeue_unsent(
         q = q.where(leases.lapsed(fbl, now))
         if batch_id is not None:
             q = q.where(fbl.c.batch_id == batch_id)
-    done = conn.execute(q.values(state="pending", **leases.LET_GO))
+    done = conn.execute(q.values(state="pending", sent_at=None, **leases.LET_GO))
     return int(done.rowcount or 0)
 
 

@@ -10,6 +10,7 @@ re-derived by ``audit``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,6 +21,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, from_ticks
 from batchyard.core.tiers import Tier, tier_for_purchases
 from batchyard.errors import InsufficientCredit, InvalidRequest, InvalidState, NotFound
+from batchyard.store import spend_caps
 from batchyard.store.tables import balances, ledger_entries, organisations, reservations
 
 __all__ = [
@@ -55,6 +57,9 @@ class Reservation:
     charged: int | None
     purpose: str
     ref: str | None
+    key_id: str | None = None
+    project_id: str | None = None
+    created_at: datetime | None = None
 
 
 # The hot path (reserve, settle, release run twice per model call) executes
@@ -180,11 +185,15 @@ def reserve(
     purpose: str,
     ref: str | None = None,
     tiers: Sequence[Tier] | None = None,
+    key_id: str | None = None,
+    project_id: str | None = None,
 ) -> Reservation:
     """Hold ``amount`` ticks, topping up first where an automatic rule says so.
 
     Raises ``InsufficientCredit`` (402) and writes nothing when the credit,
-    after any automatic top-up, cannot cover the hold.
+    after any automatic top-up, cannot cover the hold, and ``SpendCapExceeded``
+    (402) when it would cross a spend cap of ``key_id`` or ``project_id``
+    (``store.spend_caps``).
     """
     if amount < 0:
         raise InvalidRequest("a reservation cannot be negative")
@@ -208,6 +217,7 @@ def reserve(
                 "available": format_money(max(bal.available, 0)),
             },
         )
+    spend_caps.hold(conn, spend_caps.holders_of(key_id, project_id), amount, now)
     res_id = new_id("res", now)
     conn.execute(
         _INSERT_RESERVATION,
@@ -219,13 +229,15 @@ def reserve(
             "purpose": purpose,
             "ref": ref,
             "created_at": now,
+            "key_id": key_id,
+            "project_id": project_id,
         },
     )
     # A free call (a zero-priced route) holds nothing: entries are always positive.
     if amount:
         _entries(conn, [_entry_row(org_id, "reserve", amount, now, reservation_id=res_id)])
         _move(conn, org_id, held=amount)
-    return Reservation(res_id, org_id, amount, "held", None, purpose, ref)
+    return Reservation(res_id, org_id, amount, "held", None, purpose, ref, key_id, project_id, now)
 
 
 def get_reservation(conn: Connection, reservation_id: str, *, lock: bool = False) -> Reservation:
@@ -233,14 +245,26 @@ def get_reservation(conn: Connection, reservation_id: str, *, lock: bool = False
     row = conn.execute(q, {"r_id": reservation_id}).first()
     if row is None:
         raise NotFound(f"reservation {reservation_id} not found")
-    return Reservation(row.id, row.org_id, row.amount, row.state, row.charged, row.purpose, row.ref)
+    return Reservation(
+        row.id,
+        row.org_id,
+        row.amount,
+        row.state,
+        row.charged,
+        row.purpose,
+        row.ref,
+        row.key_id,
+        row.project_id,
+        row.created_at,
+    )
 
 
 def settle(conn: Connection, reservation_id: str, charge: int, now: datetime) -> Reservation:
     """Post the real charge against a held reservation and release the rest.
 
-    A charge above the hold is capped at the hold: the caller was promised
-    that the quote is the most a call can cost, and we keep that promise.
+    A charge above the hold posts the hold: the caller was promised that the
+    quote is the most a call can cost. It is a defect all the same, and
+    ``store.billing.settle`` records it (``over_hold``); ``audit`` lists it.
     """
     res = get_reservation(conn, reservation_id, lock=True)
     if res.state != "held":
@@ -255,7 +279,8 @@ def settle(conn: Connection, reservation_id: str, charge: int, now: datetime) ->
     _entries(conn, rows)
     conn.execute(_RESOLVE, {"r_id": res.id, "r_state": "settled", "r_charged": charge, "r_at": now})
     _move(conn, res.org_id, settled=charge, held=-res.amount)
-    return Reservation(res.id, res.org_id, res.amount, "settled", charge, res.purpose, res.ref)
+    _resolve_caps(conn, res, charge, now)
+    return dataclasses.replace(res, state="settled", charged=charge)
 
 
 def release(conn: Connection, reservation_id: str, now: datetime) -> Reservation:
@@ -267,7 +292,14 @@ def release(conn: Connection, reservation_id: str, now: datetime) -> Reservation
         _entries(conn, [_entry_row(res.org_id, "release", res.amount, now, reservation_id=res.id)])
     conn.execute(_RESOLVE, {"r_id": res.id, "r_state": "released", "r_charged": 0, "r_at": now})
     _move(conn, res.org_id, held=-res.amount)
-    return Reservation(res.id, res.org_id, res.amount, "released", 0, res.purpose, res.ref)
+    _resolve_caps(conn, res, 0, now)
+    return dataclasses.replace(res, state="released", charged=0)
+
+
+def _resolve_caps(conn: Connection, res: Reservation, charged: int, now: datetime) -> None:
+    holders = spend_caps.holders_of(res.key_id, res.project_id)
+    if holders and res.created_at is not None:
+        spend_caps.resolve(conn, holders, res.amount, charged, res.created_at, now)
 
 
 def audit(conn: Connection) -> list[str]:

@@ -101,6 +101,11 @@ reservations = Table(
     Column("ref", String(200), nullable=True),
     Column("created_at", UtcDateTime(), nullable=False),
     Column("resolved_at", UtcDateTime(), nullable=True),
+    # Who the hold is spent by, for their spend caps (``store.spend_caps``).
+    Column("key_id", String(64), nullable=True),
+    Column("project_id", String(64), nullable=True),
+    Index("ix_reservations_key", "key_id", "created_at"),
+    Index("ix_reservations_project", "project_id", "created_at"),
 )
 
 # Derived from ledger_entries, kept in the same transaction so that the hot

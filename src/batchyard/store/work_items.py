@@ -264,7 +264,11 @@ def mark_sent(
 
 
 def requeue_unsent(conn: Connection, run_id: str, row_ids: Sequence[int], now: datetime) -> int:
-    """Claimed rows whose call was never made wait again (``pending``); how many."""
+    """Claimed rows whose call never left wait again (``pending``); how many.
+
+    The worker hands back only rows it knows were not sent: never marked, or
+    marked and refused at the connection, so a sent mark is taken back.
+    """
     if not row_ids:
         return 0
     done = conn.execute(
@@ -273,9 +277,8 @@ def requeue_unsent(conn: Connection, run_id: str, row_ids: Sequence[int], now: d
             run_items.c.run_id == run_id,
             run_items.c.row_id.in_(list(row_ids)),
             run_items.c.state == ItemState.DISPATCHED,
-            run_items.c.sent_at.is_(None),
         )
-        .values(state=ItemState.PENDING, updated_at=now)
+        .values(state=ItemState.PENDING, updated_at=now, sent_at=None)
     ).rowcount
     return int(done or 0)
 

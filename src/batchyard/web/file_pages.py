@@ -24,6 +24,7 @@ from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound
 from batchyard.service import file_batches, files, service_of
 from batchyard.service.batch_views import openai_status
+from batchyard.service.openai_requests import ENDPOINTS
 from batchyard.service.uploads import read_multipart
 from batchyard.store import file_batches as fstore
 from batchyard.web.routes import (
@@ -98,7 +99,8 @@ async def upload_and_create(request: Request) -> Response:
         )
         body: dict[str, Any] = {
             "input_file_id": view["id"],
-            "endpoint": view["endpoint"],
+            # No valid line names one: the batch fails, listing every line's error.
+            "endpoint": view["endpoint"] or ENDPOINTS[0],
             "completion_window": upload.fields.get("completion_window", "24h"),
         }
         if upload.fields.get("min_discount"):

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import secrets
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -101,11 +101,17 @@ def _when(value: datetime | None) -> str:
     return isoformat(value) if value is not None else "—"
 
 
+def _unix_when(value: int | None) -> str:
+    """A wire view's Unix seconds (OpenAI's shape) as the page shows every time."""
+    return _when(datetime.fromtimestamp(value, UTC) if value is not None else None)
+
+
 def _percent(value: Decimal) -> str:
     return f"{value.normalize():f}"
 
 
 _env.filters["when"] = _when
+_env.filters["unix_when"] = _unix_when
 _env.filters["percent"] = _percent
 
 

@@ -35,8 +35,9 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limiter
-from batchyard.core.money import charge_ticks, from_ticks
+from batchyard.core.money import from_ticks
 from batchyard.core.prices import Price
+from batchyard.core.quotes import Charge, charge
 from batchyard.core.telemetry import NO_RECORDER, Recorder
 from batchyard.core.tiers import Tier
 from batchyard.engines.protocol import (
@@ -50,13 +51,27 @@ from batchyard.engines.protocol import (
     StreamingEngine,
     Usage,
 )
-from batchyard.errors import CapabilityUnsupported, UpstreamError, UpstreamRateLimited
+from batchyard.errors import (
+    CapabilityUnsupported,
+    UpstreamError,
+    UpstreamRateLimited,
+    UpstreamUnreachable,
+)
 from batchyard.store import billing, ledger
 from batchyard.store.database import Database
 from batchyard.work.engines import EngineRegistry
+from batchyard.work.route_health import RouteHealth
 from batchyard.work.route_pacing import RoutePacer
 
-__all__ = ["DispatchResult", "Dispatcher", "OnSend", "outcome_of", "settled_cost", "usage_of"]
+__all__ = [
+    "DispatchResult",
+    "Dispatcher",
+    "OnSend",
+    "Payment",
+    "outcome_of",
+    "settled_cost",
+    "usage_of",
+]
 
 log = logging.getLogger("batchyard.dispatch")
 T = TypeVar("T")
@@ -92,6 +107,8 @@ class Dispatcher:
         self.tiers = tiers
         self.upstream_429_retries = upstream_429_retries
         self.pacer = RoutePacer(clock, limiter)
+        #: Each route's trouble since its last answer (down, limited), for the stuck-work watch.
+        self.health = RouteHealth()
         #: What the dispatcher (and the workers that hold it) count for /metrics.
         self.metrics = metrics
         self._concurrency: dict[str, asyncio.Semaphore] = {}
@@ -115,12 +132,12 @@ class Dispatcher:
             )
         )
 
-    async def release(self, reservation_id: str, *, reason: str) -> None:
+    async def release(self, reservation_id: str, *, reason: str, ref: str | None = None) -> None:
         """Charge nothing: the hold is released with its activity record (``reason``)."""
         now = self.clock.now()
 
         def tx(c: Connection) -> None:
-            billing.release(c, reservation_id, now, ref=None, detail={"reason": reason})
+            billing.release(c, reservation_id, now, ref=ref, detail={"reason": reason})
 
         await self.db.write_through(tx)
 
@@ -183,6 +200,7 @@ class Dispatcher:
                     result = await send()
                 except UpstreamRateLimited as exc:
                     self.metrics.model_call(route.id, outcome_of(exc))
+                    self.health.failed(route.id, "limits", self.clock.now(), exc.message)
                     attempt += 1
                     wait = exc.retry_after if exc.retry_after is not None else 1.0
                     await self.pacer.refused(route, wait, _signal_of(exc))
@@ -193,6 +211,8 @@ class Dispatcher:
                     continue
                 except BaseException as exc:
                     self.metrics.model_call(route.id, outcome_of(exc))
+                    if isinstance(exc, UpstreamUnreachable):
+                        self.health.failed(route.id, "route_down", self.clock.now(), exc.message)
                     raise
                 if hold is not None:
                     hold.push_async_exit(slot.pop_all())
@@ -203,6 +223,7 @@ class Dispatcher:
     async def _answered(self, route: RouteSpec, result: object) -> None:
         """A call came back: count it and its tokens, and learn from its rate-limit headers."""
         self.metrics.model_call(route.id, "ok")
+        self.health.answered(route.id)
         if (usage := usage_of(result)) is not None:
             self.metrics.tokens(route.id, usage.input_tokens, usage.output_tokens)
             if usage.cached_input_tokens:
@@ -228,31 +249,39 @@ class Dispatcher:
         )
         return completion
 
-    async def execute(
+    @contextlib.asynccontextmanager
+    async def paying(
         self,
-        *,
         org_id: str,
+        hold: int,
+        *,
         model: ModelSpec,
         route: RouteSpec,
-        request: CompletionRequest,
-        input_tokens: int,
-        max_cost: int,
         price: Price,
         purpose: str,
         ref: str | None = None,
         reservation: ledger.Reservation | None = None,
-    ) -> DispatchResult:
-        """Reserve, call, settle: one item, paid from one reservation."""
-        res = reservation or await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
-        try:
-            completion = await self.call(route=route, request=request, input_tokens=input_tokens)
-        except BaseException as exc:
-            reason = getattr(exc, "code", type(exc).__name__)
-            await asyncio.shield(self.release(res.id, reason=str(reason)))
-            raise
-        return await self._settled_call(res.id, completion, model, route, price, purpose, ref)
+    ) -> AsyncIterator[Payment]:
+        """Reserve → call → settle or release: the one way a call is paid.
 
-    async def execute_all(
+        Holds ``hold`` ticks (402 before anything runs; ``reservation``: one the
+        caller already holds), yields the ``Payment`` the block settles with
+        what its call used (``Payment.settle``), and releases the hold when the
+        block raises (its reason the error's code) or ends without settling.
+        Either way the hold resolves exactly once.
+        """
+        res = reservation or await self.reserve(org_id, hold, purpose=purpose, ref=ref)
+        pay = Payment(self, res, model, route, price, purpose, ref)
+        try:
+            yield pay
+        except BaseException as exc:
+            if pay.charged is None:
+                await asyncio.shield(pay.release(str(getattr(exc, "code", type(exc).__name__))))
+            raise
+        if pay.charged is None:
+            await asyncio.shield(pay.release("unanswered"))
+
+    async def execute(
         self,
         *,
         org_id: str,
@@ -264,46 +293,38 @@ class Dispatcher:
         purpose: str,
         ref: str | None = None,
     ) -> DispatchResult:
-        """Several requests paid as one: one hold, the calls side by side, one settlement.
+        """One call to its caller, paid as one: one hold, the calls side by side, one settlement.
 
-        ``/v1/completions`` with a list of prompts is one call to its caller (one
-        price, one hold, one answer), so it is held and settled once; each
-        ``(request, input_tokens)`` goes to the route as its own call, paced and
-        bounded by the route's concurrency like any other. The answer's choices
-        are each request's choices in order. If any call fails, the others are
-        cancelled and the whole hold is released: nothing was answered, so
-        nothing is charged.
+        A chat is one ``(request, input_tokens)``; ``/v1/completions`` with a
+        list of prompts is several, each sent to the route as its own call,
+        paced and bounded by the route's concurrency like any other. The
+        answer's choices are each request's choices in order. If any call
+        fails, the others are cancelled and the whole hold is released: nothing
+        was answered, so nothing is charged.
         """
-        res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(self.call(route=route, request=r, input_tokens=n))
-                    for r, n in requests
-                ]
-        except BaseException as exc:
-            first = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
-            reason = getattr(first, "code", type(first).__name__)
-            await asyncio.shield(self.release(res.id, reason=str(reason)))
-            if first is not exc:
-                raise first from None
-            raise
-        done = [t.result() for t in tasks]
-        usage = sum((c.usage for c in done), Usage(0, 0))
-        completion = Completion(
-            done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
-        )
-        charged = await self.settle(
-            reservation_id=res.id,
-            charge=charge_ticks(settled_cost(price, route, usage)),
-            model=model.id,
-            route=route.id,
-            usage=usage,
-            purpose=purpose,
-            ref=ref,
-            detail={"prompts": len(done)},
-        )
-        return DispatchResult(completion, charged, res.id, route.id)
+        async with self.paying(
+            org_id, max_cost, model=model, route=route, price=price, purpose=purpose, ref=ref
+        ) as pay:
+            if len(requests) == 1:
+                ((request, n),) = requests
+                completion = await self.call(route=route, request=request, input_tokens=n)
+                await pay.settle(completion.usage)
+                return DispatchResult(completion, pay.ticks, pay.reservation.id, route.id)
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [
+                        group.create_task(self.call(route=route, request=r, input_tokens=n))
+                        for r, n in requests
+                    ]
+            except BaseExceptionGroup as exc:
+                raise exc.exceptions[0] from None
+            done = [t.result() for t in tasks]
+            usage = sum((c.usage for c in done), Usage(0, 0))
+            completion = Completion(
+                done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
+            )
+            await pay.settle(usage, {"prompts": len(done)})
+            return DispatchResult(completion, pay.ticks, pay.reservation.id, route.id)
 
     async def stream(
         self,
@@ -335,64 +356,50 @@ class Dispatcher:
         engine = self.engines.for_route(route)
         if not isinstance(engine, StreamingEngine):
             raise CapabilityUnsupported(f"route {route.id} cannot stream", param="stream")
-        res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref)
         seen: dict[int, list[str]] = {}
-        resolved = opened = False
+        opened = False
         cached = 0  # prompt tokens the engine said it read from its cache, so far
-
-        async def resolve_partial(reason: str) -> None:
-            text = "".join("".join(parts) for parts in seen.values())
-            if not text:
-                await self.release(res.id, reason=reason)
-                return
-            usage = Usage(input_tokens, count_tokens(text), min(cached, input_tokens))
-            await self.settle(
-                reservation_id=res.id,
-                charge=charge_ticks(settled_cost(price, route, usage)),
-                model=model.id,
-                route=route.id,
-                usage=usage,
-                purpose=purpose,
-                ref=ref,
-                detail={"stopped": reason},
-            )
-
-        try:
-            async with contextlib.AsyncExitStack() as slot:
-                pieces = await self._paced(
-                    route,
-                    request.max_tokens * max(1, request.n),
-                    input_tokens,
-                    lambda: _opened(engine.stream(request)),
-                    on_send,
-                    hold=slot,
-                )
-                opened = True
-                slot.push_async_callback(pieces.aclose)
-                async for piece in pieces:
-                    if isinstance(piece, Completion):
-                        done = piece
-                        if done.raw.get("usage_missing"):
-                            out = sum(count_tokens(c.text) for c in done.choices)
-                            done = Completion(done.model, done.choices, Usage(input_tokens, out))
-                        await self._answered(route, done)
-                        resolved = True
-                        yield await self._settled_call(
-                            res.id, done, model, route, price, purpose, ref
-                        )
-                        return
-                    seen.setdefault(piece.index, []).append(piece.text)
-                    if piece.cached_input_tokens is not None:
-                        cached = piece.cached_input_tokens
-                    yield piece
-        except BaseException as exc:
-            if not resolved:
-                resolved = True
-                if opened:  # a failure before the stream opened was counted where it happened
-                    self.metrics.model_call(route.id, outcome_of(exc))
-                reason = str(getattr(exc, "code", type(exc).__name__))
-                await asyncio.shield(resolve_partial(reason))
-            raise
+        async with self.paying(
+            org_id, max_cost, model=model, route=route, price=price, purpose=purpose, ref=ref
+        ) as pay:
+            try:
+                async with contextlib.AsyncExitStack() as slot:
+                    pieces = await self._paced(
+                        route,
+                        request.max_tokens * max(1, request.n),
+                        input_tokens,
+                        lambda: _opened(engine.stream(request)),
+                        on_send,
+                        hold=slot,
+                    )
+                    opened = True
+                    slot.push_async_callback(pieces.aclose)
+                    async for piece in pieces:
+                        if isinstance(piece, Completion):
+                            done = piece
+                            if done.raw.get("usage_missing"):
+                                out = sum(count_tokens(c.text) for c in done.choices)
+                                done = Completion(
+                                    done.model, done.choices, Usage(input_tokens, out)
+                                )
+                            await self._answered(route, done)
+                            await pay.settle(done.usage)
+                            yield DispatchResult(done, pay.ticks, pay.reservation.id, route.id)
+                            return
+                        seen.setdefault(piece.index, []).append(piece.text)
+                        if piece.cached_input_tokens is not None:
+                            cached = piece.cached_input_tokens
+                        yield piece
+            except BaseException as exc:
+                if pay.charged is None:
+                    if opened:  # a failure before the stream opened was counted where it happened
+                        self.metrics.model_call(route.id, outcome_of(exc))
+                    text = "".join("".join(parts) for parts in seen.values())
+                    if text:  # what was produced is paid; a stream that produced nothing is not
+                        used = Usage(input_tokens, count_tokens(text), min(cached, input_tokens))
+                        reason = str(getattr(exc, "code", type(exc).__name__))
+                        await asyncio.shield(pay.settle(used, {"stopped": reason}))
+                raise
 
     async def call_embed(
         self,
@@ -423,24 +430,19 @@ class Dispatcher:
         ref: str | None = None,
     ) -> tuple[Embeddings, int]:
         """Reserve, embed, settle: the vectors and the charge posted."""
-        res = await self.reserve(org_id, max_cost, purpose="embeddings", ref=ref)
-        try:
-            result = await self.call_embed(route=route, texts=texts, input_tokens=input_tokens)
-        except BaseException as exc:
-            reason = getattr(exc, "code", type(exc).__name__)
-            await asyncio.shield(self.release(res.id, reason=str(reason)))
-            raise
-        used = result.usage.input_tokens or input_tokens
-        charged = await self.settle(
-            reservation_id=res.id,
-            charge=charge_ticks(price.cost(used, 0)),
-            model=model.id,
-            route=route.id,
-            usage=Usage(used, 0),
+        async with self.paying(
+            org_id,
+            max_cost,
+            model=model,
+            route=route,
+            price=price,
             purpose="embeddings",
             ref=ref,
-        )
-        return Embeddings(result.vectors, Usage(used, 0)), charged
+        ) as pay:
+            result = await self.call_embed(route=route, texts=texts, input_tokens=input_tokens)
+            used = Usage(result.usage.input_tokens or input_tokens, 0)
+            await pay.settle(used)
+            return Embeddings(result.vectors, used), pay.ticks
 
     async def score(
         self,
@@ -464,33 +466,11 @@ class Dispatcher:
             route, len(candidates), input_tokens, lambda: engine.score(model, messages, candidates)
         )
 
-    async def _settled_call(
-        self,
-        reservation_id: str,
-        completion: Completion,
-        model: ModelSpec,
-        route: RouteSpec,
-        price: Price,
-        purpose: str,
-        ref: str | None,
-    ) -> DispatchResult:
-        """A call answered: settled to its real usage (cached prompt tokens at their price)."""
-        charged = await self.settle(
-            reservation_id=reservation_id,
-            charge=charge_ticks(settled_cost(price, route, completion.usage)),
-            model=model.id,
-            route=route.id,
-            usage=completion.usage,
-            purpose=purpose,
-            ref=ref,
-        )
-        return DispatchResult(completion, charged, reservation_id, route.id)
-
     async def settle(
         self,
         *,
         reservation_id: str,
-        charge: int,
+        charge: int | Charge,
         model: str,
         route: str,
         usage: Usage,
@@ -500,47 +480,85 @@ class Dispatcher:
     ) -> int:
         """Settle a reservation to a real charge, with its activity record, in one transaction.
 
-        For callers that reserve and call separately (decide); returns the
-        charge actually posted (capped at the hold by the ledger).
+        ``Payment.settle`` is its caller; a ``Charge`` (``core.quotes.charge``)
+        puts its usage and price in the record, for ``batchyard audit``. A charge
+        above the hold is recorded and counted (``store.billing``). Returns the
+        charge posted.
         """
         now = self.clock.now()
-        # Where the engine read part of the prompt from its cache, the record says how much:
-        # those tokens may have cost the route's cached-input price.
-        n = usage.cached_input_tokens
-        cached = {"cached_input_tokens": n} if n else {}
-
-        def tx(c: Connection) -> int:
-            return billing.settle(
-                c,
-                reservation_id,
+        if isinstance(charge, Charge):
+            ticks, priced = charge.ticks, charge.detail()
+        else:
+            n = usage.cached_input_tokens
+            ticks, priced = (
                 charge,
-                now,
-                ref=ref,
-                detail={
-                    "purpose": purpose,
-                    "model": model,
-                    "route": route,
+                {
                     "input_tokens": usage.input_tokens,
                     "output_tokens": usage.output_tokens,
-                    **cached,
-                    **(detail or {}),
+                    **({"cached_input_tokens": n} if n else {}),
                 },
-            ).charged
+            )
+        record = {"purpose": purpose, "model": model, "route": route, **priced, **(detail or {})}
 
-        charged = await asyncio.shield(self.db.write_through(tx))
-        self.metrics.charged(purpose, from_ticks(charged))
-        return charged
+        def tx(c: Connection) -> billing.Resolved:
+            return billing.settle(c, reservation_id, ticks, now, ref=ref, detail=record)
+
+        settled = await asyncio.shield(self.db.write_through(tx))
+        self.metrics.charged(purpose, from_ticks(settled.charged), from_ticks(settled.over))
+        return settled.charged
+
+
+@dataclass(eq=False)
+class Payment:
+    """One hold of ``Dispatcher.paying``, resolved once: settled or released."""
+
+    dispatcher: Dispatcher
+    reservation: ledger.Reservation
+    model: ModelSpec
+    route: RouteSpec
+    price: Price
+    purpose: str
+    ref: str | None
+    #: The ticks posted once settled (0 once released); ``None`` while held.
+    charged: int | None = None
+
+    @property
+    def ticks(self) -> int:
+        """The charge posted (0 before the hold resolved, or when it was released)."""
+        return self.charged or 0
+
+    async def settle(
+        self,
+        usage: Usage,
+        detail: dict[str, Any] | None = None,
+        *,
+        route: RouteSpec | None = None,
+        price: Price | None = None,
+    ) -> int:
+        """Charge what the call used at the route's price (``core.quotes.charge``);
+        ``route`` and ``price``: where a call was answered elsewhere (decide's fallback)."""
+        self.route, self.price = route or self.route, price or self.price
+        self.charged = await self.dispatcher.settle(
+            reservation_id=self.reservation.id,
+            charge=charge(self.price, self.route, usage),
+            model=self.model.id,
+            route=self.route.id,
+            usage=usage,
+            purpose=self.purpose,
+            ref=self.ref,
+            detail=detail,
+        )
+        return self.charged
+
+    async def release(self, reason: str) -> None:
+        """Charge nothing: the hold is released, its record saying why."""
+        self.charged = 0
+        await self.dispatcher.release(self.reservation.id, reason=reason, ref=self.ref)
 
 
 def settled_cost(price: Price, route: RouteSpec, usage: Usage) -> Decimal:
-    """What a call really cost: cached prompt tokens at the route's cached-input price.
-
-    The one rule every settlement follows (a chat, a decide call, a run's row);
-    quotes and holds price every prompt token uncached, so this is never above them.
-    """
-    return price.for_route(route.cached_input_per_mtok).cost(
-        usage.input_tokens, usage.output_tokens, usage.cached_input_tokens
-    )
+    """``core.quotes.charge`` in dollars, for decide until it pays through ``paying``."""
+    return from_ticks(charge(price, route, usage).ticks)
 
 
 def usage_of(result: object) -> Usage | None:

@@ -46,7 +46,8 @@ A new kind of leased work (a webhook delivery outbox, say) needs four things:
    ``store``'s per-table helpers): ``claim`` the due units under leases,
    ``renew`` the held leases (``Renewal.GOING``, or ``STOPPING`` when the
    kind should claim no more), ``record`` results fenced by each lease,
-   ``mark_sent``, ``requeue`` claimed units never sent, ``let_go`` (sent:
+   ``mark_sent``, ``requeue`` claimed units whose call never left (their
+   sent mark, if any, taken back), ``let_go`` (sent:
    whatever the kind says an interrupted unit becomes; unsent: waiting), and
    a cheap ``lapsed`` read.
 3. A ``call(unit, on_send)`` that awaits ``on_send()`` right before the
@@ -82,6 +83,7 @@ from batchyard.errors import (
     LimiterUnavailable,
     StorageUnavailable,
     UpstreamError,
+    UpstreamUnreachable,
 )
 from batchyard.store.database import Database
 from batchyard.work.dispatcher import OnSend
@@ -424,8 +426,9 @@ async def answer(
     ``call(on_send)`` makes the unit's engine call, handing ``on_send`` to the
     dispatcher; ``mark`` is awaited there, right before the engine, and
     records the unit sent (or raises ``NotSent``). A unit whose call never
-    started is ``Unsent``: refused by ``mark``, or because the store or the
-    limiter was down. After an outage the unit waits ``outage_pause_s`` of
+    started is ``Unsent``: refused by ``mark``, because the store or the
+    limiter was down, or because the route's upstream refused the connection
+    (marked sent or not, nothing left). After an outage the unit waits ``outage_pause_s`` of
     the clock before it is handed back: claiming it again at once would only
     spin while the outage lasts.
     """
@@ -440,6 +443,13 @@ async def answer(
         return Answered(await call(on_send))
     except NotSent as exc:
         return Unsent(str(exc), exc.stop)
+    except UpstreamUnreachable as exc:
+        # The route refused the connection: the call never left, whether or not
+        # the unit was marked sent, so it waits for its route (``requeue`` takes
+        # the mark back) instead of failing. Its pause keeps a route that is down
+        # from being asked again at once.
+        await clock.sleep(outage_pause_s)
+        return Unsent(exc.code)
     except (StorageUnavailable, LimiterUnavailable) as exc:
         if sent:
             return Failed(exc)
@@ -526,7 +536,12 @@ class LeaseQueue(Protocol[K, U, R_contra]):
         ...
 
     def requeue(self, conn: Connection, held: Mapping[K, Lease], now: datetime) -> int:
-        """These claimed units were never sent: they wait again (their claims end)."""
+        """These claimed units' calls never left: they wait again (their claims end).
+
+        Only ``Unsent`` units come here: never marked, or marked and then refused
+        at the connection (``UpstreamUnreachable``), so their sent mark is taken
+        back too.
+        """
         ...
 
     def let_go(self, conn: Connection, held: Mapping[K, Lease] | None, now: datetime) -> Recovered:

@@ -44,9 +44,9 @@ from sqlalchemy import Connection
 
 from batchyard.core.clock import Clock
 from batchyard.core.leases import Lease
+from batchyard.core.sections import WebhookSettings
 from batchyard.core.telemetry import Recorder
 from batchyard.core.webhook_rules import (
-    WebhookSettings,
     address_allowed,
     parse_target,
     retry_delay,

@@ -8,6 +8,7 @@ import json
 import pytest
 from sqlalchemy import func, select
 
+from batchyard.core.sections import FileSettings
 from batchyard.store import file_batches as fstore
 from batchyard.store import files as file_store
 from batchyard.store import ledger
@@ -41,12 +42,13 @@ BAD_FILES = [
     ("max_tokens", [chat_line("a", max_tokens=100_000)], "max_tokens_out_of_range", 1),
     ("max_tokens_str", [chat_line("a", max_tokens="5")], "invalid_type", 1),
     ("stream", [chat_line("a", stream=True)], "streaming_unsupported", 1),
-    ("tools", [chat_line("a", tools=[])], "tools_unsupported", 1),
     ("unknown_field", [chat_line("a", bogus=1)], "unknown_field", 1),
     ("line_field", [{**chat_line("a"), "extra": 1}], "unsupported_parameter", 1),
     ("custom_id", [{**chat_line("a"), "custom_id": ""}], "invalid_custom_id", 1),
     ("url", [{**chat_line("a"), "url": "/v1/images"}], "unsupported_endpoint", 1),
     ("not_an_object", [chat_line("a"), "[1, 2]"], "invalid_json", 2),
+    ("not_json", [chat_line("a"), "{not json"], "invalid_json", 2),
+    ("cut_short", [json.dumps(chat_line("a"))[:-3]], "invalid_json", 1),
 ]
 
 
@@ -93,23 +95,29 @@ async def test_every_invalid_line_is_listed(service):
     ]
 
 
-async def test_a_line_that_is_not_json_uploads_and_fails_the_batch_naming_it(service):
-    """OpenAI's contract: the file uploads; the batch fails at validation with the line."""
+async def test_lines_that_are_not_json_or_not_utf8_upload_and_read_back_as_sent(service):
     acct = make_account(service, credit="1")
-    content = jsonl([json.dumps(chat_line("a")), "{not json"]) + b"\xff\xfe\n"
+    content = jsonl([chat_line("a")]) + b"{oops\n" + b"caf\xe9 \xff\n" + jsonl([chat_line("b")])
     async with asgi_client(service, worker=False) as http:
         up = await upload(http, acct.headers, content)
+        assert up.status_code == 200, up.text
+        back = await http.get(f"/v1/files/{up.json()['id']}/content", headers=acct.headers)
         r = await create(http, acct.headers, up.json()["id"])
-    assert up.status_code == 200, up.text
-    assert r.json()["status"] == "failed"
-    assert [(e["code"], e["line"]) for e in r.json()["errors"]["data"]] == [
-        ("invalid_json", 2),
-        ("invalid_json", 3),
+    assert up.json()["lines"] == 4 and back.content == content
+    batch = r.json()
+    assert batch["status"] == "failed" and batch["request_counts"]["total"] == 0
+    errors = batch["errors"]["data"]
+    assert [(e["code"], e["line"], e["param"]) for e in errors] == [
+        ("invalid_json", 2, None),
+        ("invalid_json", 3, None),
     ]
+    assert "not valid JSON" in errors[0]["message"] and "not UTF-8" in errors[1]["message"]
+    bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
+    assert bal.held == 0 and bal.settled == 0
 
 
 async def test_purpose_size_and_line_limits(make_service):
-    service = make_service(raw={"files": {"max_bytes": 2000, "max_lines": 3}})
+    service = make_service(files=FileSettings(max_bytes=2000, max_lines=3))
     acct = make_account(service)
     async with asgi_client(service, worker=False) as http:
         purpose = await upload(http, acct.headers, jsonl([chat_line("a")]), purpose="fine-tune")

@@ -102,18 +102,12 @@ async def test_a_bad_request_refuses_the_whole_batch_naming_it(service):
         odd = await http.post(
             PATH, json={"requests": [request("no spaces!")]}, headers=headers(acct)
         )
-        tools = await http.post(
-            PATH,
-            json={"requests": [request("t", tools=[{"name": "f", "input_schema": {}}])]},
-            headers=headers(acct),
-        )
         listed = (await http.get(PATH, headers=headers(acct))).json()
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["message"].startswith("requests.1")
     assert r.json()["error"]["param"].startswith("requests.1.params")
     assert dup.status_code == 400 and dup.json()["error"]["code"] == "duplicate_custom_id"
     assert odd.status_code == 400
-    assert tools.status_code == 400 and tools.json()["error"]["code"] == "tools_unsupported"
     assert listed["data"] == [] and balance(service, acct.org_id).held == 0
 
 

@@ -21,12 +21,13 @@ import pytest
 from batchyard.core.accounts import Scope
 from batchyard.core.catalog import default_catalog
 from batchyard.core.decisions import SYSTEM_PROMPT
+from batchyard.core.sections import VersionSettings
 from batchyard.engines.model_files import default_model_path
 from batchyard.service.model_versions import folder_of
 from batchyard.store import model_versions as store
 from tests.support.accounts import add_key, make_account
 from tests.support.gguf import F32, I32, gguf_bytes, lora_for
-from tests.support.runs import Api, runs_raw
+from tests.support.runs import Api, fast_runs
 from tests.support.server import asgi_client
 
 pytestmark = pytest.mark.model
@@ -68,7 +69,7 @@ def svc(make_service):
     # One sequence at a time: each answer is then computed exactly as llama-cpp-python
     # computes it alone. Beside other sequences a near-tied greedy pick may flip (the
     # batch changes the float order of the output layer; see test_llama_scheduler.py).
-    return make_service(raw=runs_raw(), embedded_slots=1)
+    return make_service(runs=fast_runs(), embedded_slots=1)
 
 
 async def upload(
@@ -436,7 +437,7 @@ async def test_hostile_uploads_are_refused_with_a_code_and_leave_nothing(svc, ca
 
 
 async def test_the_size_limit_is_configurable_and_coded(make_service) -> None:
-    svc = make_service(raw={"model_versions": {"max_lora_bytes": 1024}})
+    svc = make_service(model_versions=VersionSettings(max_lora_bytes=1024))
     acct = make_account(svc, credit="1")
     async with asgi_client(svc, timeout=120) as http:
         api = await Api(http, acct.headers).start()
@@ -531,7 +532,7 @@ async def test_an_evicted_version_warms_with_a_real_load_and_keep_warm_holds_it(
     The engine loads on one thread; holding that thread with a blocker keeps a real
     load pending while the clock passes the 10-second fallback.
     """
-    svc = make_service(raw={"model_versions": {"idle_s": 60}}, embedded_slots=1)
+    svc = make_service(model_versions=VersionSettings(idle_s=60), embedded_slots=1)
     engine = svc.engines.embedded()
     acct = make_account(svc, credit="5")
     body = {"input": {"text": TEXT}, "decisions": [DECISION], "calibration": "none"}
@@ -698,7 +699,7 @@ async def test_full_weights_answer_as_llama_cpp_python_with_that_gguf_and_not_as
         answers = await fresh_answers(svc, http, acct.headers, (mv, "kettei-core"))
         engine = svc.engines.embedded()
         # Its own model and scheduler, not an adapter on the base.
-        assert engine._slots[mv].model is not None and engine._slots[mv].adapter is None
+        assert engine._states[mv].model is not None and engine._states[mv].adapter is None
     kept = folder_of(svc) / f"{mv}.gguf"
     loop = asyncio.get_running_loop()
 

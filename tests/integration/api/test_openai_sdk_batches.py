@@ -119,7 +119,7 @@ async def _in_use(client: openai.AsyncOpenAI) -> None:
 
 
 async def test_a_file_with_invalid_lines_uploads_and_its_batch_fails_with_the_sdk(make_service):
-    """OpenAI's order: ``files.create`` takes any JSONL; ``batches.create`` fails the batch."""
+    """OpenAI's order: ``files.create`` takes any lines, JSON or not; the batch fails."""
     from batchyard.store import ledger
 
     service = make_service(clock=SystemClock())
@@ -129,6 +129,7 @@ async def test_a_file_with_invalid_lines_uploads_and_its_batch_fails_with_the_sd
         chat_line("bad-model", "Say hello.", model="no-such-model"),
         {**chat_line("bad-method"), "method": "GET"},
         chat_line("good"),  # a custom_id seen before
+        '{"custom_id": "cut", "method": "POST"',  # not JSON
     ]
     async with live_server(service, worker=False) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=acct.key, max_retries=0)
@@ -147,7 +148,9 @@ async def test_a_file_with_invalid_lines_uploads_and_its_batch_fails_with_the_sd
         ("unknown_model", 2, "body.model"),
         ("invalid_method", 3, "method"),
         ("duplicate_custom_id", 4, "custom_id"),
+        ("invalid_json", 5, None),
     ]
-    assert all(e.message for e in batch.errors.data)
+    assert all(e.message and e.message.startswith(f"line {e.line}:") for e in batch.errors.data)
+    assert batch.errors.object == "list" and batch.request_counts.total == 0
     bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.held == 0 and bal.settled == 0

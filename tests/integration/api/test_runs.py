@@ -21,8 +21,8 @@ from tests.support.runs import (
     ISO,
     Api,
     GatedEngine,
+    fast_runs,
     http_catalog,
-    runs_raw,
 )
 from tests.support.server import asgi_client
 
@@ -62,7 +62,7 @@ def svc(make_service):
 
     The ledger audit runs after the test and must be clean.
     """
-    return make_service(raw=runs_raw())
+    return make_service(runs=fast_runs())
 
 
 def balance(svc, org_id):
@@ -259,7 +259,7 @@ async def test_failed_rows_are_counted_and_listed_not_fatal(svc):
 
 
 async def test_a_broken_route_fails_the_run_after_a_streak(make_service):
-    svc = make_service(raw=runs_raw(failure_streak=5))
+    svc = make_service(runs=fast_runs(failure_streak=5))
     svc.engines.set(
         "embedded", ScriptedEngine("ok", clock=svc.clock, failures=[UpstreamError("down")] * 40)
     )
@@ -295,7 +295,7 @@ async def test_without_funds_a_run_is_blocked_and_moves_on_when_credit_arrives(s
 
 
 async def test_a_large_quote_waits_for_billing_review_and_the_cli_approves_it(make_service):
-    svc = make_service(raw=runs_raw(), billing_review_threshold=Decimal("0.000001"))
+    svc = make_service(runs=fast_runs(), billing_review_threshold=Decimal("0.000001"))
     svc.engines.set("embedded", ScriptedEngine("ok", clock=svc.clock))
     acct = make_account(svc, credit="5")
     async with asgi_client(svc) as http:
@@ -432,7 +432,7 @@ async def test_datasets_and_runs_of_other_projects_and_organisations_are_404(svc
 async def test_five_thousand_rows_through_a_fake_upstream_over_http(make_service):
     # How fast is bench/runs.py's question; this one is that every row is answered once.
     with FakeUpstream(mode="echo") as up:
-        svc = make_service(catalog=http_catalog(up.base_url), raw=runs_raw(concurrency=16))
+        svc = make_service(catalog=http_catalog(up.base_url), runs=fast_runs(concurrency=16))
         acct = make_account(svc, credit="10")
         rows = [{"text": f"row {i} says hello"} for i in range(5000)]
         async with asgi_client(svc) as http:
@@ -452,7 +452,7 @@ async def test_five_thousand_rows_through_a_fake_upstream_over_http(make_service
 
 @pytest.mark.postgres
 async def test_the_same_flow_on_postgresql_with_two_workers_claiming(make_service):
-    svc = make_service(postgres=True, raw=runs_raw(max_active_runs=1))
+    svc = make_service(postgres=True, runs=fast_runs(max_active_runs=1))
     engine = ScriptedEngine(lambda req: f"re: {req.messages[-1]['content']}", clock=svc.clock)
     svc.engines.set("embedded", engine)
     acct = make_account(svc, credit="5")

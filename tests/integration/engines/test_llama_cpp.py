@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from batchyard.engines.llama.requests import candidate_tokens
 from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
 from batchyard.engines.model_files import default_model_path
 from batchyard.engines.protocol import CompletionRequest, Engine, ScoringEngine
@@ -73,7 +74,7 @@ async def test_candidates_tokenize_as_they_would_after_the_whole_prompt(
 ) -> None:
     # Scoring tokenizes each candidate after the prompt's last special token only.
     await engine.load()
-    model = engine._slots[None].model
+    model = engine._states[None].model
     assert model is not None
     tokenize = model.llama.tokenize
     messages = [*CAPITAL, {"role": "assistant", "content": "Paris."}, *CAPITAL]
@@ -81,7 +82,7 @@ async def test_candidates_tokenize_as_they_would_after_the_whole_prompt(
     prompt = tokenize(text.encode("utf-8"), False, True)
     candidates = ["Paris", " Paris", "paris: yes", "Ünïcödé ✓", "<|im_end|>", "a\nb"]
     whole = [tokenize((text + c).encode("utf-8"), False, True)[len(prompt) :] for c in candidates]
-    assert engine._conts(model, text, prompt, candidates) == whole
+    assert candidate_tokens(model, text, prompt, candidates, turn_end=False) == whole
 
 
 async def test_json_schema_constrains_the_output(engine: LlamaCppEngine) -> None:

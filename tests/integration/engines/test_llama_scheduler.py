@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from batchyard.engines import llama_scheduler
 from batchyard.engines.llama_cpp import LlamaCppEngine
 from batchyard.engines.model_files import default_model_path
 from batchyard.engines.protocol import Completion, CompletionRequest, Delta
@@ -44,17 +43,17 @@ async def _all_in_one_step(engine: LlamaCppEngine, calls: list[Any]) -> list[Any
     which prompts are read in one micro-batch (which rounds differently): the
     same test would see a different batch each run.
     """
-    scheduler = engine._slots[None].model.scheduler  # type: ignore[union-attr]
+    steps = engine._states[None].model.steps  # type: ignore[union-attr]
     inside, go = threading.Event(), threading.Event()
 
     def hold() -> None:
         inside.set()
         go.wait()
 
-    held_step = asyncio.ensure_future(scheduler.call(hold))
+    held_step = asyncio.ensure_future(steps.call(hold))
     await asyncio.to_thread(inside.wait)
     gathered = asyncio.gather(*calls)
-    while len(scheduler._inbox) < len(calls):
+    while len(steps._inbox) < len(calls):
         await asyncio.sleep(0)
     go.set()
     await held_step
@@ -130,7 +129,7 @@ async def test_n_samples_fork_one_read_prompt(engine: LlamaCppEngine) -> None:
 
 
 async def test_a_cancelled_stream_frees_its_sequence(engine: LlamaCppEngine) -> None:
-    scheduler = engine._slots[None].model.scheduler  # type: ignore[union-attr]
+    steps = engine._states[None].model.steps  # type: ignore[union-attr]
     stream = engine.stream(ask("Tell me a very long story about the sea.", max_tokens=200))
     got = []
     async for piece in stream:
@@ -142,9 +141,9 @@ async def test_a_cancelled_stream_frees_its_sequence(engine: LlamaCppEngine) -> 
     # The next request runs only after the scheduler has reaped the cancelled one.
     after = await engine.complete(ask("Hi", max_tokens=2))
     assert after.usage.output_tokens > 0
-    assert scheduler._live == []
-    held = len(scheduler._free) + len(scheduler._idle)
-    assert held == scheduler.n_seq  # every sequence id is free or an idle prefix
+    assert steps.scheduler.live == []
+    held = len(steps.scheduler.cache.free) + len(steps.scheduler.cache.idle)
+    assert held == steps.ctx.n_seq  # every sequence id is free or an idle prefix
 
 
 async def test_a_full_cache_queues_instead_of_failing() -> None:
@@ -159,11 +158,12 @@ async def test_a_full_cache_queues_instead_of_failing() -> None:
         await eng.aclose()
 
 
-async def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> None:
-    """The first text of a set stays whole in the cache; later ones keep the set's opening.
+async def test_a_decision_sets_later_texts_copy_its_opening() -> None:
+    """Each text of a set copies the set's opening; what the next does not share is shelved.
 
-    Their own texts are rarely asked again, and every idle cell widens what each
-    step attends over; the opening is what the next text copies.
+    Every idle cell widens what each step attends over, so a text's own words
+    leave the cache when the next text is admitted; asked again, a text comes
+    back whole from the shelf, its last row with it, and scores as before.
     """
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
     await eng.load()
@@ -186,10 +186,9 @@ async def test_a_decision_sets_later_texts_keep_only_the_shared_opening() -> Non
         # The first stays whole: asked again, nothing of it is read.
         again_first, a1 = await eng.score("smollm2", scored(happy), candidates)
         assert a1.cached_input_tokens == a1.input_tokens
-        # A later text kept only the opening: asked again, its own part is read again,
-        # and its scores are the same.
+        # A later text, asked again, comes back whole too, and its scores are the same.
         again_second, a2 = await eng.score("smollm2", scored(sad), candidates)
-        assert a2.cached_input_tokens == u2.cached_input_tokens
+        assert a2.cached_input_tokens == a2.input_tokens
         # Read alone each time, its trie in a step of its own: the same scores.
         assert again_first == pytest.approx(first, abs=1e-4)
         assert again_second == pytest.approx(second, abs=1e-4)
@@ -205,137 +204,11 @@ def _trie_size(prompts: list[list[int]]) -> int:
     return len(nodes)
 
 
-async def test_idle_prefixes_are_packed_when_a_burst_ends(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """After a burst, the prompts kept for reuse move to the lowest cells, unchanged.
-
-    Every step attends over the cache up to its highest used cell, so idle
-    prefixes left where a burst placed them slowed the next lone request; once
-    nothing runs they are packed (``Scheduler._compact``). Answers, scores and
-    cache hits are the same after as before, and openings stay shared.
-    """
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8)
-    await eng.load()
-    try:
-        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
-        head = "Questions:\nmood: Is the writer happy?\n  - yes\n  - no\n\nText:\n"
-        candidates = ["mood: yes", "mood: no"]
-
-        def scored(text: str) -> list[dict[str, str]]:
-            return [{"role": "user", "content": head + text}]
-
-        question = ask("Which planet is the largest?", max_tokens=12, temperature=0.0)
-        before = await eng.complete(question)
-        # Asked twice: the whole prompt is reused.
-        assert (await eng.complete(question)).text == before.text
-        happy, _ = await eng.score("smollm2", scored("I love this new phone."), candidates)
-        sad, u_sad = await eng.score("smollm2", scored("Terrible service."), candidates)
-        # A burst of long answers spreads the cache well past the idle prefixes.
-        stories = [f"Tell me a long story about {t}." for t in ("a dragon", "the sea", "a robot")]
-        burst = await asyncio.gather(
-            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in stories]
-        )
-        assert sum(b.usage.output_tokens for b in burst) >= 300
-        await scheduler.call(lambda: None)  # the step thread has gone quiet
-        assert scheduler._idle and scheduler._high == scheduler._used  # it was packed
-        held = await scheduler.call(lambda: _cells(scheduler))
-        assert held == _trie_size([i.tokens for i in scheduler._idle])
-
-        # Idle prompts too long to copy quickly stay where they are.
-        restored: list[int] = []
-        lib = scheduler._lib
-
-        class Counting:
-            def __getattr__(self, name: str) -> object:
-                return getattr(lib, name)
-
-            def llama_state_seq_set_data(self, *args: object) -> int:
-                if packing:  # the shelf's put-backs use the same call
-                    restored.append(1)
-                return int(lib.llama_state_seq_set_data(*args))
-
-        packing: list[bool] = []
-        compact = scheduler._compact
-
-        def counted_compact() -> None:
-            packing.append(True)
-            try:
-                compact()
-            finally:
-                packing.clear()
-
-        monkeypatch.setattr(scheduler, "_compact", counted_compact)
-
-        monkeypatch.setattr(llama_scheduler, "PACK_BYTES", 0)
-        monkeypatch.setattr(scheduler, "_lib", Counting())
-        # Other stories: the first burst's are on the shelf, and a prompt put back
-        # from it holds its own copy of the chat template's opening.
-        others = [f"Tell me a long story about {t}." for t in ("a castle", "the wind", "a cat")]
-        await asyncio.gather(
-            *[eng.complete(ask(p, max_tokens=150, temperature=0.0)) for p in others]
-        )
-        await scheduler.call(lambda: None)
-        assert restored == [] and scheduler._high == scheduler._used
-        assert await scheduler.call(lambda: _cells(scheduler)) == _trie_size(
-            [i.tokens for i in scheduler._idle]
-        )
-
-        again = await eng.complete(question)
-        assert again.text == before.text
-        assert again.usage.cached_input_tokens == again.usage.input_tokens - 1
-        happy_again, u_happy = await eng.score(
-            "smollm2", scored("I love this new phone."), candidates
-        )
-        assert u_happy.cached_input_tokens == u_happy.input_tokens
-        assert happy_again == pytest.approx(happy, abs=1e-4)
-        sad_again, u_sad_again = await eng.score("smollm2", scored("Terrible service."), candidates)
-        assert u_sad_again.cached_input_tokens == u_sad.cached_input_tokens
-        assert sad_again == pytest.approx(sad, abs=1e-4)
-    finally:
-        await eng.aclose()
-
-
 OPENING = (
     "You label customer messages for a support team. Read the message, decide how the "
     "writer feels and what the message is about, and answer with the labels only. "
     "Be strict: a polite complaint is still a complaint, and a question is not praise."
 )
-
-
-async def test_requests_that_start_together_read_a_shared_opening_once() -> None:
-    """Four texts of one decision set sent at once: one reads the opening, three copy it.
-
-    Before, each read it (nothing held it yet), and each kept its whole prompt
-    in the cache afterwards: four copies of the opening, idle.
-    """
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
-    await eng.load()
-    try:
-        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
-        texts = ["I love it.", "It broke in a day.", "Where is my parcel?", "Too expensive."]
-        candidates = ["mood: happy", "mood: upset"]
-        got = await _all_in_one_step(
-            eng,
-            [
-                eng.score("smollm2", [{"role": "user", "content": f"{OPENING}\n\n{t}"}], candidates)
-                for t in texts
-            ],
-        )
-        opening = len(eng._slots[None].model.llama.tokenize(OPENING.encode()))  # type: ignore[union-attr]
-        cached = sorted(usage.cached_input_tokens for _, usage in got)
-        assert cached[0] < opening // 2  # the one that read it
-        assert all(c >= opening for c in cached[1:])  # the three that copied it
-        for scores, _ in got:
-            assert len(scores) == 2 and all(s < 0 for s in scores)
-        await scheduler.call(lambda: None)
-        # The cache holds the opening once: every idle prefix shares its cells.
-        tokens = [i.tokens for i in scheduler._idle]
-        held = await scheduler.call(lambda: _cells(scheduler))
-        assert held == _trie_size(tokens)
-        assert held < 2 * max(len(t) for t in tokens)
-    finally:
-        await eng.aclose()
 
 
 async def test_rows_of_a_run_leave_their_opening_and_shelve_their_texts() -> None:
@@ -350,7 +223,7 @@ async def test_rows_of_a_run_leave_their_opening_and_shelve_their_texts() -> Non
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=8)
     await eng.load()
     try:
-        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+        steps = eng._states[None].model.steps  # type: ignore[union-attr]
         system = {"role": "system", "content": OPENING}
 
         def row(text: str, *turns: dict[str, str]) -> CompletionRequest:
@@ -362,18 +235,18 @@ async def test_rows_of_a_run_leave_their_opening_and_shelve_their_texts() -> Non
         opening = done[1].usage.cached_input_tokens
         assert opening > 40  # the system prompt, copied
         assert all(d.usage.cached_input_tokens == opening for d in done[1:])
-        await scheduler.call(lambda: None)
-        idle = scheduler._idle
+        await steps.call(lambda: None)
+        idle = steps.scheduler.cache.idle
         # Beyond the opening, only the newest row's whole prompt is idle.
         assert [len(i.tokens) for i in idle if len(i.tokens) > opening + 1] == [
             done[-1].usage.input_tokens
         ]
-        held = await scheduler.call(lambda: _cells(scheduler))
+        held = await steps.call(lambda: _cells(steps))
         assert held == _trie_size([i.tokens for i in idle])
         # The opening once, and the newest row's own tail: not six rows' worth.
         tail = done[-1].usage.input_tokens - opening
         assert held <= opening + tail + 2
-        assert len(scheduler._shelf) == len(rows) - 1
+        assert len(steps.scheduler.cache.shelf) == len(rows) - 1
 
         # A conversation: its second turn copies the first turn's whole prompt.
         first = await eng.complete(row("Hello, who are you?"))
@@ -403,10 +276,10 @@ async def test_a_few_tokens_more_than_the_cache_holds_are_taken_from_the_shelf()
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=2)
     await eng.load()
     try:
-        scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+        steps = eng._states[None].model.steps  # type: ignore[union-attr]
         first = await eng.complete(ask("Write a poem about the moon.", 2, temperature=0.0))
         other = await eng.complete(ask("Tell me a fun fact about bees.", 2, temperature=0.0))
-        assert len(scheduler._shelf) == 1  # the poem's own words, moved out for the fact
+        assert len(steps.scheduler.cache.shelf) == 1  # the poem's own words, moved out for the fact
         opening = other.usage.cached_input_tokens  # the template's opening, still in the cache
         assert 0 < opening < first.usage.input_tokens
         again = await eng.complete(ask("Write a poem about the sea.", 2, temperature=0.0))
@@ -417,29 +290,13 @@ async def test_a_few_tokens_more_than_the_cache_holds_are_taken_from_the_shelf()
         await eng.aclose()
 
 
-async def test_a_copy_waits_for_an_opening_whose_reader_ended_first() -> None:
-    """The reader of a shared opening may end in the step it read it (one token):
-    the one waiting copies the opening from the prompt it left in the cache."""
-    eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
-    await eng.load()
-    try:
-        question = ask(f"{OPENING} Which planet is the largest?", max_tokens=1, temperature=0.0)
-        first, second = await asyncio.gather(eng.complete(question), eng.complete(question))
-        assert first.text == second.text
-        reads = sorted(c.usage.input_tokens - c.usage.cached_input_tokens for c in (first, second))
-        assert reads[0] == 1  # the copy reads only the last token, for its logits
-        assert reads[1] > 40
-    finally:
-        await eng.aclose()
-
-
-def _cells(scheduler: object) -> int:
+def _cells(steps: object) -> int:
     """Cells in use in the scheduler's cache, read from llama.cpp's own state (step thread)."""
     import ctypes
 
     import llama_cpp
 
-    ctx = scheduler.ctx.ctx  # type: ignore[attr-defined]
+    ctx = steps.ctx.ctx.ctx  # type: ignore[attr-defined]
     size = llama_cpp.llama_state_seq_get_size(ctx, -1)
     data = (ctypes.c_uint8 * size)()
     assert llama_cpp.llama_state_seq_get_data(ctx, data, size, -1) == size
@@ -460,28 +317,24 @@ async def test_the_shelf_keeps_within_its_budget_and_can_be_turned_off() -> None
         eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
         await eng.load()
         try:
-            scheduler = eng._slots[None].model.scheduler  # type: ignore[union-attr]
+            steps = eng._states[None].model.steps  # type: ignore[union-attr]
             first = await eng.complete(ask(prompts[0], max_tokens=4, temperature=0.0))
-            size = await scheduler.call(
-                lambda: scheduler._lib.llama_state_seq_get_size(
-                    scheduler.ctx.ctx, scheduler._idle[0].seq
-                )
-            )
+            size = await steps.call(lambda: steps.ctx.state_size(steps.scheduler.cache.idle[0].seq))
             # Room for three such prompts (their cells are about 23 KB a token), or none.
-            scheduler.shelf_bytes = 3 * size + size // 2 if budget is None else 0
+            steps.scheduler.cache.shelf_bytes = 3 * size + size // 2 if budget is None else 0
             for prompt in prompts[1:]:
                 await eng.complete(ask(prompt, max_tokens=4, temperature=0.0))
-            await scheduler.call(lambda: None)
-            assert scheduler.shelf_held <= scheduler.shelf_bytes
+            await steps.call(lambda: None)
+            assert steps.scheduler.cache.shelf_held <= steps.scheduler.cache.shelf_bytes
             again = await eng.complete(ask(prompts[0], max_tokens=4, temperature=0.0))
             assert again.text == first.text
             if budget is None:
                 # The oldest prompts went first; the newest shelved are there to copy.
-                assert len(scheduler._shelf) == 3
+                assert len(steps.scheduler.cache.shelf) == 3
                 late = await eng.complete(ask(prompts[-2], max_tokens=4, temperature=0.0))
                 assert late.usage.cached_input_tokens == late.usage.input_tokens - 1
             else:
-                assert scheduler._shelf == []
+                assert steps.scheduler.cache.shelf == []
             # The first prompt was long gone from the shelf (or there was none): read again.
             assert again.usage.cached_input_tokens < again.usage.input_tokens - 1
         finally:
@@ -502,35 +355,22 @@ async def four_slots() -> AsyncIterator[LlamaCppEngine]:
         await eng.aclose()
 
 
-class _LibWith:
-    """llama-cpp-python's bindings as the scheduler calls them, some functions replaced."""
-
-    def __init__(self, lib: object, **replaced: object) -> None:
-        self._lib = lib
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._lib, name)
-
-
 async def test_a_prompt_that_cannot_be_put_back_is_read_instead(
     four_slots: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No run of free cells long enough for a shelved prompt: it is read, not failed."""
-    scheduler = four_slots._slots[None].model.scheduler  # type: ignore[union-attr]
+    steps = four_slots._states[None].model.steps  # type: ignore[union-attr]
     first = await four_slots.complete(STORY)
     other = await four_slots.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
     assert other.usage.cached_input_tokens > 0  # the chat template's opening, copied
-    assert any(len(s.tokens) == first.usage.input_tokens for s in scheduler._shelf)
+    assert any(len(s.tokens) == first.usage.input_tokens for s in steps.scheduler.cache.shelf)
     refused: list[int] = []
 
-    def no_room(*_args: object) -> int:
+    def no_room(*_args: object) -> bool:
         refused.append(1)
-        return 0
+        return False
 
-    monkeypatch.setattr(
-        scheduler, "_lib", _LibWith(scheduler._lib, llama_state_seq_set_data=no_room)
-    )
+    monkeypatch.setattr(steps.ctx, "state_set", no_room)
     again = await four_slots.complete(STORY)
     assert refused == [1]
     assert again.text == first.text
@@ -545,21 +385,21 @@ async def test_a_decode_refused_for_room_is_sent_again_after_the_idle_prompts_le
 
     The story, moved to the shelf when the next request was admitted, is found after it.
     """
-    scheduler = four_slots._slots[None].model.scheduler  # type: ignore[union-attr]
+    steps = four_slots._states[None].model.steps  # type: ignore[union-attr]
     first = await four_slots.complete(STORY)
-    assert [len(i.tokens) for i in scheduler._idle] == [first.usage.input_tokens]
-    lib = scheduler._lib
+    assert [len(i.tokens) for i in steps.scheduler.cache.idle] == [first.usage.input_tokens]
+    decode = steps.ctx.decode
     refused: list[int] = []
 
-    def fragmented(*args: object) -> int:
+    def fragmented() -> int:
         if not refused:
             refused.append(1)
             return 1  # no slot for the batch: nothing was written
-        return int(lib.llama_decode(*args))
+        return int(decode())
 
-    monkeypatch.setattr(scheduler, "_lib", _LibWith(lib, llama_decode=fragmented))
+    monkeypatch.setattr(steps.ctx, "decode", fragmented)
     other = await four_slots.complete(ask("Name three rivers in Europe.", 4, temperature=0.0))
-    monkeypatch.setattr(scheduler, "_lib", lib)
+    monkeypatch.setattr(steps.ctx, "decode", decode)
     assert refused == [1] and other.text
     again = await four_slots.complete(STORY)
     assert again.text == first.text

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from batchyard.core.clock import ManualClock
-from batchyard.engines import llama_scheduler
+from batchyard.engines.llama import scheduler as llama_scheduler
 from batchyard.engines.llama_cpp import LlamaCppEngine, VersionSpec
 from batchyard.engines.model_files import default_model_path
 from batchyard.engines.protocol import CompletionRequest
@@ -78,7 +78,7 @@ async def test_a_lora_version_is_an_adapter_on_the_base_and_answers_as_the_adapt
     eng = engine()
     try:
         await eng.load_version("tuned")
-        slot = eng._slots["tuned"]
+        slot = eng._states["tuned"]
         # No second model: the adapter lives on the base, its requests on the base's scheduler.
         assert slot.model is None and slot.adapter is not None
         assert eng.is_loaded(None) and eng.is_loaded("tuned")
@@ -104,21 +104,21 @@ async def test_a_lora_version_is_an_adapter_on_the_base_and_answers_as_the_adapt
 
 async def test_base_and_version_requests_share_one_scheduler_a_group_a_step(monkeypatch) -> None:
     applied: list[str] = []
-    original = llama_scheduler.Scheduler._apply_adapter
+    original = llama_scheduler.Scheduler._apply
 
     def spy(self: Any, adapter: Any) -> None:
         if adapter is not self._applied:
             applied.append(adapter.name if adapter is not None else "base")
         original(self, adapter)
 
-    monkeypatch.setattr(llama_scheduler.Scheduler, "_apply_adapter", spy)
+    monkeypatch.setattr(llama_scheduler.Scheduler, "_apply", spy)
     texts = ["Best purchase ever!", "It broke.", "Meh. It arrived.", "Refund, now."]
     eng = engine(slots=4)
     try:
         got = await asyncio.gather(
             *(eng.complete(chat(m, t, 12)) for t in texts for m in ("tuned", "base"))
         )
-        assert eng._slots["tuned"].model is None  # one scheduler: the base's
+        assert eng._states["tuned"].model is None  # one scheduler: the base's
     finally:
         await eng.aclose()
     # The groups took turns on the one context: switched in both directions, and at

@@ -25,7 +25,12 @@ from batchyard.engines.protocol import (
     RateLimitSignal,
     Usage,
 )
-from batchyard.errors import UpstreamError, UpstreamRateLimited, UpstreamTimeout
+from batchyard.errors import (
+    UpstreamError,
+    UpstreamRateLimited,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from tests.support.fake_upstream import FakeUpstream
 
 
@@ -162,13 +167,13 @@ async def test_timeout_maps_to_upstream_timeout(up: FakeUpstream) -> None:
     await eng.aclose()
 
 
-async def test_connection_refused_is_a_retryable_upstream_error() -> None:
+async def test_connection_refused_is_a_retryable_upstream_unreachable() -> None:
     with FakeUpstream() as gone:
         url = gone.base_url
     eng = OpenAIHttpEngine(url, timeout_s=1.0)
-    with pytest.raises(UpstreamError) as caught:
+    with pytest.raises(UpstreamUnreachable) as caught:
         await eng.complete(request())
-    assert type(caught.value) is UpstreamError and caught.value.retryable
+    assert caught.value.code == "upstream_unreachable" and caught.value.retryable
     await eng.aclose()
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
+from batchyard.core.clock import isoformat, parse_iso
 from tests.support.accounts import make_account
 from tests.support.deferred_batches import batch_body, worker
 from tests.support.file_batches import chat_line, jsonl
@@ -44,6 +46,9 @@ async def test_upload_follow_read_answers_and_download(service):
             data={"csrf": csrf_of(page)},
             files={"file": ("x.jsonl", b"{oops\n", "application/jsonl")},
         )
+        # A line that is not JSON uploads, and the batch fails naming it (OpenAI's order).
+        assert bad.status_code == 303, bad.text
+        failed = (await http.get(bad.headers["location"])).text
     assert 'id="status">completed<' in done and "3 of 3" in done
     assert done.count("a short answer") == 3 and "row-2" in done
     assert 'id="charge">$0.' in done
@@ -51,7 +56,8 @@ async def test_upload_follow_read_answers_and_download(service):
     assert downloaded.headers["content-disposition"].startswith("attachment;")
     assert [ln for ln in downloaded.text.splitlines() if '"custom_id":"row-0"' in ln]
     assert forged.status_code == 403
-    assert bad.status_code == 400 and "line 1" in bad.text and "invalid_json" in bad.text
+    assert 'id="status">failed<' in failed
+    assert "<code>invalid_json</code> line 1: the line is not valid JSON" in failed
 
 
 async def test_a_deferred_batch_page_shows_its_answers(service):
@@ -66,3 +72,29 @@ async def test_a_deferred_batch_page_shows_its_answers(service):
         await worker(service).run_pass()
         page = (await http.get(r.headers["location"])).text
     assert "the release summary" in page
+
+
+async def test_the_file_batch_list_shows_when_each_batch_was_created_and_its_deadline(
+    service, clock
+):
+    answer_with(service, "a short answer")
+    acct = make_account(service, credit="1")
+    created = isoformat(clock.now())
+    content = jsonl([chat_line("row-0", "Question?")])
+    async with asgi_app(service, worker=False) as client, client() as http:
+        page = await signed_in(http, acct.key)
+        r = await http.post(
+            "/workspace/files",
+            data={"csrf": csrf_of(page), "completion_window": "6h"},
+            files={"file": ("questions.jsonl", content, "application/jsonl")},
+        )
+        assert r.status_code == 303, r.text
+        clock.advance(90)  # the page is read later: it must show when the batch was made
+        listing = (await http.get("/workspace/batches")).text
+    table = listing.split('id="file-batches"', 1)[1].split("</table>", 1)[0]
+    heads = re.findall(r"<th>([^<]+)</th>", table)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", table.split("<tbody>", 1)[1], re.S)
+    column = dict(zip(heads, cells, strict=True))
+    deadline = isoformat(parse_iso(created) + timedelta(hours=6))
+    assert column["Created"] == created
+    assert column["Deadline"] == deadline

@@ -17,8 +17,8 @@ import httpx
 from aiohttp import web
 
 from batchyard.core.leases import Lease
+from batchyard.core.sections import WebhookSettings, parse_networks
 from batchyard.core.telemetry import MemoryRecorder
-from batchyard.core.webhook_rules import WebhookSettings, parse_networks
 from batchyard.errors import UpstreamError
 from batchyard.store.webhook_deliveries import Delivery
 from batchyard.work.webhook_sender import WebhookSender

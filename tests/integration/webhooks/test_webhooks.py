@@ -20,6 +20,7 @@ from batchyard.app import webhook_sender
 from batchyard.core.accounts import Scope
 from batchyard.core.clock import SystemClock
 from batchyard.core.sealing import generate_key, key_text
+from batchyard.core.sections import WebhookSettings
 from batchyard.store import webhook_deliveries, webhook_endpoints
 from tests.support.accounts import add_key, make_account
 from tests.support.file_batches import chat_line, create, jsonl, upload, worker
@@ -35,7 +36,7 @@ def _service(make_service, settings, clock=None, **overrides: Any):
     """A service whose webhooks may reach loopback; ``clock``: set it to the real time first."""
     if clock is not None:
         clock.set(SystemClock().now())
-    return make_service(raw={**settings.raw, "webhooks": LOOPBACK}, **overrides)
+    return make_service(webhooks=WebhookSettings(**LOOPBACK), **overrides)
 
 
 async def _register(http, acct, rx: Receiver, *events: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from batchyard.core.outlook import HistoryScenarios, depth, discount, fit_route
+from batchyard.core.outlook import HistoryScenarios, depth, discount, first_crossing, fit_route
 from batchyard.core.route_history import SLOT, RouteHistory, slot_index
 from batchyard.core.stopping import COLUMNS
 
@@ -107,3 +107,19 @@ def test_scenarios_see_the_cycle_coming() -> None:
     assert (discounts[:, noon] > discounts[:, 0] + 25).all()
     expected = 100 * (1 - 0.5 * math.exp(0.4))
     assert float(np.median(discounts[:, 0])) == pytest.approx(expected, abs=3)
+
+
+def test_first_crossing_tells_a_plateau_from_a_ramp() -> None:
+    rng = np.random.default_rng(5)
+    # Plateaus: a block is one level throughout, so the first check past any
+    # threshold is already the deepest.
+    flat = np.repeat(rng.normal(0, 1, size=(400, 1)), 16, axis=1)
+    assert first_crossing(flat) == pytest.approx(0.0)
+    # Ramps that deepen through the block: the first check past the threshold is
+    # at the threshold's edge, far from the deepest (the last).
+    ramps = rng.normal(0, 1, size=(400, 1)) + np.linspace(0, 3, 16)[None, :]
+    got = first_crossing(ramps)
+    assert got is not None and got > 0.6
+    # Too few blocks cross to tell, or nothing known: no opinion.
+    assert first_crossing(flat[:20]) is None
+    assert first_crossing(np.full((400, 16), -np.inf)) is None

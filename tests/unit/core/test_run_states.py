@@ -12,7 +12,6 @@ from batchyard.core.runs import (
     LIVE,
     TERMINAL,
     TRANSITIONS,
-    RunSettings,
     RunStatus,
     check_transition,
     message_for,
@@ -69,12 +68,6 @@ def test_messages_explain_each_status_and_block():
     assert "batchyard runs approve bir.1" in text and "$9" in text
     assert "credit" in message_for("blocked", blocked_reason="funds")
     assert "3 of 10" in message_for("running", done=3, total=10)
-
-
-def test_settings_come_from_the_config_section():
-    s = RunSettings.from_raw({"quote_ttl_s": 60, "lease_s": 5, "concurrency": 4})
-    assert s.quote_ttl.total_seconds() == 60 and s.lease_s == 5 and s.default_concurrency == 4
-    assert RunSettings.from_raw(None) == RunSettings()
 
 
 def test_prompts_come_from_messages_or_a_text_field():

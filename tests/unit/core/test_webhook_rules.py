@@ -8,13 +8,12 @@ from datetime import UTC, datetime
 import pytest
 from standardwebhooks import Webhook
 
+from batchyard.core.sections import WebhookSettings, parse_networks
 from batchyard.core.webhook_rules import (
     EVENTS,
-    WebhookSettings,
     address_allowed,
     event_for,
     new_secret,
-    parse_networks,
     parse_target,
     retry_delay,
     sign,

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from batchyard.engines.llama_cpp import FA_TILE_ROWS, _embedding_packs
+from batchyard.engines.llama.models import FA_TILE_ROWS, embedding_packs
 
 
 def test_short_inputs_share_a_decode_while_their_rows_stay_under_the_tile() -> None:
-    assert _embedding_packs([20, 2, 28, 5, 30]) == [[0, 1, 2, 3], [4]]
-    assert _embedding_packs([32, 31]) == [[0, 1]]
-    assert _embedding_packs([32, 32]) == [[0], [1]]  # 64 rows would take the tiled kernel
+    assert embedding_packs([20, 2, 28, 5, 30]) == [[0, 1, 2, 3], [4]]
+    assert embedding_packs([32, 31]) == [[0, 1]]
+    assert embedding_packs([32, 32]) == [[0], [1]]  # 64 rows would take the tiled kernel
 
 
 def test_a_long_input_is_read_alone_and_order_is_kept() -> None:
     counts = [FA_TILE_ROWS, 3, 200, 4, 5]
-    packs = _embedding_packs(counts)
+    packs = embedding_packs(counts)
     assert packs == [[0], [1], [2], [3, 4]]
     assert [i for pack in packs for i in pack] == list(range(len(counts)))
-    assert _embedding_packs([]) == []
+    assert embedding_packs([]) == []

@@ -50,8 +50,7 @@ async def test_cached_tokens_settle_at_the_routes_cached_price(
         org_id=org,
         model=MODEL,
         route=route(cached_input_per_mtok=cached_price),
-        request=CompletionRequest(model="up-m", messages=PROMPT, max_tokens=16),
-        input_tokens=4,
+        requests=[(CompletionRequest(model="up-m", messages=PROMPT, max_tokens=16), 4)],
         max_cost=hold,
         price=PRICE,
         purpose="chat",
@@ -74,7 +73,7 @@ async def test_a_list_of_prompts_adds_up_its_cached_tokens_and_settles_them_cach
     org = add_org(db, clock.now(), credit="10")
     d = make_dispatcher(db, clock, CachingEngine())
     request = CompletionRequest(model="up-m", messages=PROMPT, max_tokens=16)
-    result = await d.execute_all(
+    result = await d.execute(
         org_id=org,
         model=MODEL,
         route=route(cached_input_per_mtok=Decimal("250")),

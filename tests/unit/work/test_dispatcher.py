@@ -22,10 +22,11 @@ from batchyard.core.catalog import RouteSpec
 from batchyard.core.limits import PENALTY, InMemoryLimiter, RateLimitSignal
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
 from batchyard.core.route_pace import PACE_MARGIN
+from batchyard.core.telemetry import MemoryRecorder
 from batchyard.engines.protocol import CompletionRequest, Usage
 from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import InsufficientCredit, UpstreamError, UpstreamRateLimited
-from batchyard.store import activity, ledger
+from batchyard.store import activity, billing, ledger
 from batchyard.store.database import Database
 from batchyard.store.tables import ledger_entries, reservations
 from batchyard.work.dispatcher import Dispatcher
@@ -53,8 +54,7 @@ def paid(org_id: str, **route_limits: Any) -> dict[str, Any]:
         "org_id": org_id,
         "model": MODEL,
         "route": route(**route_limits),
-        "request": request(),
-        "input_tokens": 4,
+        "requests": [(request(), 4)],
         "max_cost": most(),
         "price": PRICE,
         "purpose": "chat",
@@ -250,6 +250,8 @@ async def test_a_call_is_settled_to_its_real_usage_with_its_activity_record(
         "route": "r",
         "input_tokens": 4,
         "output_tokens": 3,
+        # The price it was charged at: what lets the audit price the charge again.
+        "price": {"input_per_mtok": "1000", "output_per_mtok": "2000"},
     }
 
 
@@ -273,10 +275,11 @@ async def test_settlement_and_its_activity_record_commit_together_or_not_at_all(
     assert balance(db, org) == ledger.Balance(CREDIT, 0, most())
 
 
-async def test_decide_s_separate_settle_is_capped_at_the_hold_and_keeps_its_detail(
+async def test_a_charge_above_its_hold_posts_the_hold_and_is_recorded_counted_and_audited(
     db: Database, clock: SleepWatchingClock, org: str
 ) -> None:
     d = make_dispatcher(db, clock, ScriptedEngine(clock=clock))
+    d.metrics = recorder = MemoryRecorder()
     res = await d.reserve(org, 1000, purpose="decide", ref="dec.1")
 
     charged = await d.settle(
@@ -301,7 +304,57 @@ async def test_decide_s_separate_settle_is_capped_at_the_hold_and_keeps_its_deta
         "input_tokens": 7,
         "output_tokens": 2,
         "outcomes": 2,
+        # Never capped silently: what the hold did not cover is on the record ...
+        "over_hold": 4000,
     }
+    # ... counted on /metrics ...
+    assert recorder.counts["over_hold", "decide"] == 1
+    # ... and listed by `batchyard audit`.
+    [problem] = db.read_sync(billing.audit_charges)
+    assert act["id"] in problem and "above its hold" in problem
+
+
+# -- the one way to pay -------------------------------------------------------------
+
+
+async def test_paying_settles_what_the_block_used_at_the_route_s_price_once(
+    db: Database, clock: SleepWatchingClock, org: str
+) -> None:
+    d = make_dispatcher(db, clock, ScriptedEngine(clock=clock))
+    cached = route(cached_input_per_mtok=Decimal("250"))
+    async with d.paying(
+        org, most(), model=MODEL, route=cached, price=PRICE, purpose="chat", ref="c.1"
+    ) as pay:
+        charged = await pay.settle(Usage(4, 3, cached_input_tokens=2))
+    # 2 tokens in at $0.001, 2 cached at $0.00025, 3 out at $0.002: the one rule (core).
+    assert charged == pay.ticks == charge_ticks(Decimal("0.0085")) <= most()
+    assert entries_of(db, pay.reservation.id)["settle"] == charged
+    [act] = activity_of(db, org)
+    assert act["detail"]["price"] == {
+        "input_per_mtok": "1000",
+        "output_per_mtok": "2000",
+        "cached_input_per_mtok": "250",
+    }
+    # The record names the usage and the price, and the audit finds the charge to be them.
+    assert db.read_sync(billing.audit_charges) == []
+
+
+async def test_paying_releases_the_hold_when_the_block_fails_or_never_settles(
+    db: Database, clock: SleepWatchingClock, org: str
+) -> None:
+    d = make_dispatcher(db, clock, ScriptedEngine(clock=clock))
+    paid = {"model": MODEL, "route": route(), "price": PRICE, "purpose": "chat"}
+    with pytest.raises(UpstreamError):
+        async with d.paying(org, most(), **paid, ref="c.1"):
+            raise UpstreamError("the upstream broke")
+    async with d.paying(org, most(), **paid, ref="c.2") as unused:
+        pass
+    assert unused.ticks == 0
+    assert {(a["ref"], a["kind"], a["detail"]["reason"]) for a in activity_of(db, org)} == {
+        ("c.1", "release", "upstream_error"),
+        ("c.2", "release", "unanswered"),
+    }
+    assert balance(db, org) == ledger.Balance(CREDIT, 0, 0)
 
 
 # -- release on failure -------------------------------------------------------------
@@ -456,7 +509,9 @@ async def test_more_429s_than_the_retries_allowed_fail_the_call_and_release_it(
 
 def stream(d: Dispatcher, org_id: str, on_send: Any = None, **route_limits: Any) -> Any:
     words = lambda text: len(text.split())  # noqa: E731
-    return d.stream(**paid(org_id, **route_limits), count_tokens=words, on_send=on_send)
+    pay = paid(org_id, **route_limits)
+    ((one, n),) = pay.pop("requests")
+    return d.stream(**pay, request=one, input_tokens=n, count_tokens=words, on_send=on_send)
 
 
 async def test_a_stream_refused_before_its_first_piece_is_waited_out_on_the_same_hold(

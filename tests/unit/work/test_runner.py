@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 from batchyard.core.telemetry import MemoryRecorder
-from batchyard.errors import StorageUnavailable, UpstreamError, UpstreamTimeout
+from batchyard.errors import (
+    StorageUnavailable,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from batchyard.store.database import Database
 from batchyard.work.dispatcher import OnSend
 from batchyard.work.runner import (
@@ -205,6 +210,26 @@ async def test_an_outage_before_the_send_hands_the_unit_back_after_a_pause(
 
     assert (ran.unsent, ran.answered) == (1, 1)
     assert queue.units[1].claims == 2 and queue.units[1].written == 1
+
+
+async def test_a_call_refused_at_the_connection_waits_for_its_route_and_is_not_sent_twice(
+    db: Database, clock: SleepWatchingClock
+) -> None:
+    # Marked sent, then the route refused the connection: nothing left, so the unit's
+    # mark is taken back and it waits (after the pause) instead of failing.
+    calls = Calls(fail={1: UpstreamUnreachable("upstream unreachable (ClientConnectorError)")})
+    queue = MemoryQueue.of(1)
+    task = asyncio.create_task(pipeline(db, clock).run(queue, width=1, call=calls, render=render))
+
+    assert await within(clock.next_sleep()) == 2.0  # the pause, on the clock
+    assert calls.sent == [1] and queue.units[1].sent is True
+    del calls.fail[1]  # the route is back
+    clock.advance(2.0)
+    ran = await within(task)
+
+    assert (ran.unsent, ran.answered, ran.failed) == (1, 1, 0)
+    assert calls.sent == [1, 1] and queue.units[1].written == 1
+    assert queue.units[1].claims == 2
 
 
 async def test_a_streak_of_failures_stops_claiming(db: Database, clock: SleepWatchingClock) -> None:

@@ -16,8 +16,8 @@ from datetime import timedelta
 
 from sqlalchemy import select
 
+from batchyard.core.sections import WebhookSettings
 from batchyard.core.telemetry import MemoryRecorder
-from batchyard.core.webhook_rules import WebhookSettings
 from batchyard.errors import UpstreamError
 from batchyard.store import accounts, activity
 from batchyard.store import webhook_deliveries as outbox

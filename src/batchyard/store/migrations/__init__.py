@@ -17,6 +17,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 
+from batchyard.core.config_errors import ConfigError
+
 __all__ = ["alembic_config", "behind", "upgrade"]
 
 _HERE = Path(__file__).parent
@@ -33,6 +35,36 @@ def alembic_config() -> Config:
 def _heads() -> frozenset[str]:
     """The revisions this code's migrations end at (read once: they do not change)."""
     return frozenset(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+
+@cache
+def _known() -> frozenset[str]:
+    """Every revision this code's migrations hold."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return frozenset(rev.revision for rev in script.walk_revisions())
+
+
+def _refuse_unknown(conn: Connection) -> None:
+    """A database another batchyard migrated: one line for the operator, not Alembic's trace.
+
+    A newer release's database, or a development build's from before 0.1.0
+    folded its migrations into one, is at a revision this code cannot
+    upgrade from (nor should it guess at the schema).
+    """
+    unknown = sorted(set(MigrationContext.configure(conn).get_current_heads()) - _known())
+    if unknown:
+        url = conn.engine.url
+        aside = (
+            f"move {url.database} aside"
+            if url.get_backend_name() == "sqlite"
+            else f"not {url.database}: create another"
+        )
+        raise ConfigError(
+            "database_url",
+            f"the database is at revision {', '.join(unknown)}, which this batchyard does not "
+            "know (a newer release, or a development build before 0.1.0, migrated it)",
+            f"use a new database ({aside}) or run the batchyard that migrated it",
+        )
 
 
 def behind(conn: Connection) -> str | None:
@@ -58,6 +90,7 @@ def upgrade(engine: Engine, revision: str = "heads") -> None:
             conn.execute(text("SELECT pg_advisory_lock(:id)"), {"id": _LOCK_ID})
             conn.commit()
         try:
+            _refuse_unknown(conn)
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
             conn.commit()

@@ -91,9 +91,14 @@ def settle_as_uncertain(conn: Connection, item: store.ItemRow, now: datetime, wh
     return True
 
 
-def unwind_unsent(conn: Connection, item: store.ItemRow, now: datetime, why: str) -> bool:
-    """A claimed item whose call never started: its hold released, back to waiting."""
-    if item.reservation_id is None or not store.return_to_waiting(conn, item, now):
+def unwind_unsent(
+    conn: Connection, item: store.ItemRow, now: datetime, why: str, *, unmark: bool = False
+) -> bool:
+    """A claimed item whose call never started: its hold released, back to waiting.
+
+    ``unmark``: its call never left though it was marked sent (``return_to_waiting``).
+    """
+    if item.reservation_id is None or not store.return_to_waiting(conn, item, now, unmark=unmark):
         return False
     _release_hold(
         conn, item, now, "not_sent", f"{why}; the call never started, so the item waits again"

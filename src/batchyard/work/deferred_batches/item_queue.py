@@ -155,6 +155,7 @@ class ItemQueue:
                 record="dispatch",
                 detail=item_detail(item, model=item.model, route=route.id),
                 savepoint=True,
+                key_id=item.key_id,
             )
         except InsufficientCredit as exc:
             finish_failed(conn, self.sealer, item, exc, now)
@@ -203,8 +204,10 @@ class ItemQueue:
     ) -> int:
         for end in results:
             if end.completion is not None:
-                charged = succeed(conn, self.sealer, end.job, end.completion, now)
-                self.metrics.charged("batch", from_ticks(charged))
+                settled = succeed(conn, self.sealer, end.job, end.completion, now)
+                if settled is not None:
+                    over = from_ticks(settled.over)
+                    self.metrics.charged("batch", from_ticks(settled.charged), over)
             elif end.error is not None:
                 fail(conn, self.sealer, end.job, end.error, now)
         return len(results)
@@ -216,9 +219,10 @@ class ItemQueue:
         back = 0
         for item_id, lease in held.items():
             item = store.dispatched_item(conn, item_id, lease)
-            if item is not None and item.sent_at is None:
-                why = "the worker gave the item back before its call"
-                back += housekeeping.unwind_unsent(conn, item, now, why)
+            if item is not None:
+                # Handed back by the pipeline: its call never left (see ``LeaseQueue.requeue``).
+                why = "the worker gave the item back before its call left"
+                back += housekeeping.unwind_unsent(conn, item, now, why, unmark=True)
         return back
 
     def let_go(

@@ -25,15 +25,15 @@ from batchyard.core.catalog import RouteSpec
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.leases import Lease
-from batchyard.core.money import charge_ticks, format_money
+from batchyard.core.money import format_money
 from batchyard.core.prices import Price
+from batchyard.core.quotes import charge
 from batchyard.core.sealing import Sealer
 from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.errors import BatchyardError
 from batchyard.store import billing
 from batchyard.store import deferred_batches as store
 from batchyard.work.batch_key import result_aad
-from batchyard.work.dispatcher import settled_cost
 from batchyard.work.openai_wire import Reply
 
 __all__ = ["ClaimedItem", "fail", "finish_failed", "item_detail", "succeed"]
@@ -96,29 +96,23 @@ def _still_ours(conn: Connection, job: ClaimedItem) -> bool:
 
 def succeed(
     conn: Connection, sealer: Sealer, job: ClaimedItem, completion: Completion, now: datetime
-) -> int:
-    """Settle the hold to real usage and keep the sealed completion; the ticks this posted."""
+) -> billing.Resolved | None:
+    """Settle the hold to real usage and keep the sealed completion; the settlement this
+    made (``None`` where another path had resolved the hold, or the item is no longer ours)."""
     item = job.item
-    usage = completion.usage
-    charge = charge_ticks(settled_cost(job.price, job.route, usage))
+    priced = charge(job.price, job.route, completion.usage)
     if not _still_ours(conn, job):
-        return 0
+        return None
     settled = billing.settle(
         conn,
         job.reservation_id,
-        charge,
+        priced.ticks,
         now,
         ref=item.id,
-        detail=item_detail(
-            item,
-            model=item.model,
-            route=job.route.id,
-            input_tokens=usage.input_tokens,
-            output_tokens=usage.output_tokens,
-        ),
+        detail=item_detail(item, model=item.model, route=job.route.id, **priced.detail()),
         if_held=True,
     )
-    charged = settled.charged if settled.now else charge
+    charged = settled.charged if settled.now else priced.ticks
     body = {
         "status_code": 200,
         "body": _completion_body(job, completion, charged, now),
@@ -137,7 +131,7 @@ def succeed(
         "batch item succeeded",
         extra={"event": "batch_item_succeeded", "item_id": item.id, "route": job.route.id},
     )
-    return settled.charged if settled.now else 0
+    return settled if settled.now else None
 
 
 def fail(

@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from functools import partial
-from typing import Any
 
 from sqlalchemy import Connection
 
@@ -50,7 +48,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
 from batchyard.core.money import from_ticks
 from batchyard.core.sealing import Sealer
-from batchyard.core.sections import section_settings
+from batchyard.core.sections import FileBatchSettings
 from batchyard.store import accounts, billing, webhook_deliveries
 from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
@@ -62,7 +60,7 @@ from batchyard.work.file_batches.line_queue import Line, LineQueue
 from batchyard.work.market_prices import MarketPrices
 from batchyard.work.runner import Answered, Ended, Failed, NotSent, Runner, recover_lapsed
 
-__all__ = ["FileBatchSettings", "FileBatchWorker"]
+__all__ = ["FileBatchWorker"]
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -70,28 +68,6 @@ log = logging.getLogger("batchyard.file_batches")
 SWEEP_EVERY = timedelta(minutes=1)
 #: An upload still invisible this long after it began belongs to a dead process.
 STALE_UPLOAD = timedelta(hours=1)
-
-
-@dataclass(frozen=True, slots=True)
-class FileBatchSettings:
-    """Timings and widths; an operator sets them under ``file_batches:`` in the config."""
-
-    #: Seconds between idle rounds.
-    poll_s: float = 0.5
-    #: How long a worker may go silent before its in-flight lines become uncertain.
-    lease_s: float = 60.0
-    #: Finished lines are committed this often (or when half the slots are free).
-    flush_s: float = 0.25
-    #: Calls in flight per batch when the route names no concurrency of its own.
-    concurrency: int = 32
-    #: Batches one worker executes at once.
-    max_active: int = 2
-    #: Lines ended (expired, canceled, uncertain) per transaction.
-    end_chunk: int = 1000
-
-    @classmethod
-    def from_raw(cls, raw: Any) -> FileBatchSettings:
-        return section_settings(cls, raw)
 
 
 class FileBatchWorker(Runner):
@@ -257,7 +233,8 @@ class FileBatchWorker(Runner):
                 )
                 charged = settled.charged
                 if settled.now:
-                    self.dispatcher.metrics.charged("file_batch", from_ticks(charged))
+                    over = from_ticks(settled.over)
+                    self.dispatcher.metrics.charged("file_batch", from_ticks(charged), over)
             files: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
             halves = (
                 ("output", per["succeeded"], totals.output_bytes),

@@ -102,7 +102,9 @@ class LineQueue:
         return store.mark_sent(conn, self._the_batch().id, held, now)
 
     def requeue(self, conn: Connection, held: Mapping[int, Lease], now: datetime) -> int:
-        return store.requeue_unsent(conn, now, batch_id=self._the_batch().id, held=held)
+        return store.requeue_unsent(
+            conn, now, batch_id=self._the_batch().id, held=held, unmark=True
+        )
 
     def let_go(
         self, conn: Connection, held: Mapping[int, Lease] | None, now: datetime

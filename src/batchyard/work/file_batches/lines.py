@@ -35,17 +35,17 @@ from batchyard.core.anthropic_bodies import Translated
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, engine_name
 from batchyard.core.ids import new_id
 from batchyard.core.market import offer_cost, qualifies
-from batchyard.core.money import charge_ticks, format_money
+from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.core.prices import Price
-from batchyard.core.quotes import direct_price, quote
+from batchyard.core.quotes import charge, direct_price
 from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.protocol import Completion, Embeddings, Usage
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import InternalError
 from batchyard.store.file_batches import Claimed, LineEnd, out_aad
 from batchyard.store.files import line_aad
-from batchyard.work.dispatcher import Dispatcher, OnSend, settled_cost
+from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.market_prices import MarketPrices
 from batchyard.work.openai_wire import (
     LineRequest,
@@ -244,11 +244,10 @@ def result(
         )
         return LineEnd(claimed.line, "failed", out, size, route=plan.route.id)
     request, usage, answered = attempt.value.request, attempt.value.usage, attempt.value.answered
-    cap = quote(plan.model, claimed.input_tokens, claimed.max_tokens)
-    charge = min(charge_ticks(settled_cost(plan.price, plan.route, usage)), cap)
+    ticks = charge(plan.price, plan.route, usage).ticks
     request_id = new_id(_ID_PREFIXES[type(request)], now)
     reply = Reply(request_id, int(now.timestamp()), plan.model.id)
-    body = {**_answer_body(request, answered, reply), "charge": format_money(charge)}
+    body = {**_answer_body(request, answered, reply), "charge": format_money(ticks)}
     answered_line = {
         "status_code": 200,
         "request_id": request_id,
@@ -265,5 +264,5 @@ def result(
         route=plan.route.id,
         usage_input=usage.input_tokens,
         usage_output=usage.output_tokens,
-        charge=charge,
+        charge=ticks,
     )

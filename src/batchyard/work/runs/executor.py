@@ -36,17 +36,17 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec
 from batchyard.core.clock import Clock
 from batchyard.core.leases import Lease
-from batchyard.core.money import charge_ticks, from_ticks
+from batchyard.core.money import from_ticks
 from batchyard.core.prices import Price
-from batchyard.core.quotes import direct_price, quote
+from batchyard.core.quotes import charge, direct_price
 from batchyard.core.runs import (
     BlockedReason,
     ItemState,
-    RunSettings,
     RunStatus,
     prompt_messages,
     resolve_model,
 )
+from batchyard.core.sections import RunSettings
 from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.errors import BatchyardError, InvalidRequest
 from batchyard.store import billing, work_items
@@ -55,7 +55,7 @@ from batchyard.store.leases import LET_GO
 from batchyard.store.run_leases import release
 from batchyard.store.runs import Run, load_run, update_run
 from batchyard.store.work_items import ItemResult
-from batchyard.work.dispatcher import Dispatcher, OnSend, settled_cost
+from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.runner import Answered, Ended, Failed, Pipeline
 from batchyard.work.runs.outputs import write_outputs
 from batchyard.work.runs.row_queue import Row, RowQueue
@@ -80,10 +80,6 @@ class _Plan:
     samples: int
     temperature: float | None
     top_p: float | None
-
-    def row_cap(self, input_tokens: int) -> int:
-        """The most one row may be charged: its own share of the quote."""
-        return quote(self.model, input_tokens, self.max_tokens, self.samples)
 
 
 def _plan(catalog: Catalog, run: Run) -> _Plan:
@@ -158,13 +154,12 @@ class RunExecutor:
 
     @staticmethod
     def _result(plan: _Plan, row: Row, attempt: Answered[Completion] | Failed) -> ItemResult:
-        """A row's result: its answers and usage, charged within its share of the quote."""
+        """A row's result: its answers and usage, charged at the run's price (``core.quotes``)."""
         item, _ = row
         if isinstance(attempt, Failed):
             error = {"code": attempt.error.code, "message": attempt.error.message}
             return ItemResult(item.row_id, ItemState.FAILED, error=error)
         c = attempt.value
-        charge = charge_ticks(settled_cost(plan.price, plan.route, c.usage))
         return ItemResult(
             item.row_id,
             ItemState.SUCCEEDED,
@@ -172,7 +167,7 @@ class RunExecutor:
             usage_input=c.usage.input_tokens,
             usage_output=c.usage.output_tokens,
             usage_cached=c.usage.cached_input_tokens,
-            charge=min(charge, plan.row_cap(item.input_tokens)),
+            charge=charge(plan.price, plan.route, c.usage).ticks,
         )
 
     async def execute(self, run: Run) -> None:
@@ -220,7 +215,7 @@ class RunExecutor:
         streak = self.settings.failure_streak
         ran = await self.pipeline.run(
             RowQueue(run),
-            width=self.dispatcher.concurrency(plan.route) or self.settings.default_concurrency,
+            width=self.dispatcher.concurrency(plan.route) or self.settings.concurrency,
             call=partial(self._call, plan),
             render=partial(self._result, plan),
             failure_streak=streak,
@@ -299,7 +294,7 @@ class RunExecutor:
                 )
                 charged = settled.charged
                 if settled.now:
-                    metrics.charged("run", from_ticks(charged))
+                    metrics.charged("run", from_ticks(charged), from_ticks(settled.over))
             update_run(
                 c,
                 run_id,

@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 from batchyard.core.money import from_ticks
 from batchyard.core.runs import BlockedReason, RunStatus
 from batchyard.core.tiers import Tier
-from batchyard.errors import InsufficientCredit, InvalidState
+from batchyard.errors import InsufficientCredit, InvalidState, SpendCapExceeded
 from batchyard.store import billing
 from batchyard.store.runs import Run, load_run, update_run
 
@@ -45,10 +45,21 @@ def fund(
         update_run(conn, run.id, now, status=S.BLOCKED, blocked_reason=BlockedReason.BILLING_REVIEW)
         return S.BLOCKED
     try:
-        res = billing.reserve(conn, run.org_id, cost, now, purpose="run", ref=run.id, tiers=tiers)
-    except InsufficientCredit:
-        if run.status != S.BLOCKED or run.blocked_reason != BlockedReason.FUNDS:
-            update_run(conn, run.id, now, status=S.BLOCKED, blocked_reason=BlockedReason.FUNDS)
+        res = billing.reserve(
+            conn,
+            run.org_id,
+            cost,
+            now,
+            purpose="run",
+            ref=run.id,
+            tiers=tiers,
+            key_id=run.key_id,
+            project_id=run.project_id,
+        )
+    except InsufficientCredit as exc:
+        why = BlockedReason.SPEND_CAP if isinstance(exc, SpendCapExceeded) else BlockedReason.FUNDS
+        if run.status != S.BLOCKED or run.blocked_reason != why:
+            update_run(conn, run.id, now, status=S.BLOCKED, blocked_reason=why)
         return S.BLOCKED
     update_run(conn, run.id, now, status=S.QUEUED, blocked_reason=None, reservation_id=res.id)
     return S.QUEUED

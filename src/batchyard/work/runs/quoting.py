@@ -27,12 +27,12 @@ from batchyard.core.filters import compile_filter
 from batchyard.core.quotes import quote, room
 from batchyard.core.runs import (
     ItemState,
-    RunSettings,
     RunStatus,
     prompt_messages,
     prompt_text,
     resolve_model,
 )
+from batchyard.core.sections import RunSettings
 from batchyard.core.tokens import TokenizerSource
 from batchyard.errors import BatchyardError, ContextWindowExceeded
 from batchyard.store import projects as pstore

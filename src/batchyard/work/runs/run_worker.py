@@ -34,7 +34,8 @@ from sqlalchemy import Connection
 
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
-from batchyard.core.runs import BlockedReason, RunSettings, RunStatus
+from batchyard.core.runs import BlockedReason, RunStatus
+from batchyard.core.sections import RunSettings
 from batchyard.core.tiers import Tier
 from batchyard.core.tokens import TokenizerSource
 from batchyard.store import projects as pstore

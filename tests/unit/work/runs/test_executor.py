@@ -21,7 +21,8 @@ from sqlalchemy import Connection, select
 
 from batchyard.core.clock import ManualClock
 from batchyard.core.money import charge_ticks, quote_ticks, to_ticks
-from batchyard.core.runs import BlockedReason, ItemState, RunSettings, RunStatus
+from batchyard.core.runs import BlockedReason, ItemState, RunStatus
+from batchyard.core.sections import RunSettings
 from batchyard.core.tokens import FallbackTokenizer
 from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.engines.scripted import ScriptedEngine
@@ -131,21 +132,23 @@ def charges(db: Database, org: str) -> list[dict[str, Any]]:
     ]
 
 
-async def test_rows_are_answered_charged_per_row_within_their_share_and_settled_once(
+async def test_rows_are_answered_charged_their_usage_and_settled_once(
     db: Database, clock: SleepWatchingClock
 ) -> None:
     honest = {"text": "alpha beta"}
     long = {"text": "one two three four five six seven eight nine ten"}
     rows = [honest, long, {"note": "no prompt in the frozen row"}]
-    # The long row was quoted at 1 input token: its charge cannot pass that share.
+    # The long row was quoted at 1 input token: it is charged its usage all the same
+    # (a share is never capped silently), within the run's one hold.
     org, run_id = running_run(db, clock, rows, tokens=[100, 1, 100], max_out=4)
     engine = ScriptedEngine("w1 w2 w3", clock=clock)
 
     await executor(db, clock, engine).execute(load(db, run_id))
 
     first = charge_ticks(PRICE.cost(2, 3))  # 2 words in, 3 out
-    capped = quote_ticks(PRICE.cost(1, 4))  # its share: 1 token in, maxOutputTokens out
-    assert charge_ticks(PRICE.cost(10, 3)) > capped
+    share = quote_ticks(PRICE.cost(1, 4))  # its share: 1 token in, maxOutputTokens out
+    full = charge_ticks(PRICE.cost(10, 3))
+    assert full > share
     [a, b, c] = items(db, run_id)
     assert (a["state"], a["usage_input"], a["usage_output"], a["charge"]) == (
         ItemState.SUCCEEDED,
@@ -157,7 +160,7 @@ async def test_rows_are_answered_charged_per_row_within_their_share_and_settled_
         ItemState.SUCCEEDED,
         10,
         3,
-        capped,
+        full,
     )
     # Written into the dataset (below), the answers leave no second copy in the run's rows.
     assert a["outputs"] is None and b["outputs"] is None
@@ -165,7 +168,7 @@ async def test_rows_are_answered_charged_per_row_within_their_share_and_settled_
     assert len(engine.calls) == 2
 
     run = load(db, run_id)
-    assert (run.status, run.charge, run.error) == (S.COMPLETED, first + capped, None)
+    assert (run.status, run.charge, run.error) == (S.COMPLETED, first + full, None)
     assert (run.rows_done, run.rows_failed, run.input_tokens, run.output_tokens) == (2, 1, 12, 6)
     assert run.outputs_written == 2
     assert (run.lease_owner, run.lease_expires_at) == (None, None)
@@ -176,12 +179,12 @@ async def test_rows_are_answered_charged_per_row_within_their_share_and_settled_
     hold = run.quote_max_cost or 0
     assert run_entries(db, run.reservation_id) == [
         ("reserve", hold),
-        ("settle", first + capped),
-        ("release", hold - first - capped),
+        ("settle", first + full),
+        ("release", hold - first - full),
     ]
-    assert balance(db, org) == ledger.Balance(CREDIT, first + capped, 0)
+    assert balance(db, org) == ledger.Balance(CREDIT, first + full, 0)
     [charge] = charges(db, org)
-    assert (charge["ref"], charge["amount"]) == (run_id, first + capped)
+    assert (charge["ref"], charge["amount"]) == (run_id, first + full)
     assert (charge["detail"]["rows"], charge["detail"]["input_tokens"]) == (2, 12)
 
     # A second settlement (a worker retrying) changes nothing.
@@ -249,7 +252,7 @@ async def test_a_streak_of_failures_stops_the_run_and_cancels_its_unsent_rows(
     org, run_id = running_run(db, clock, rows)
     engine = ScriptedEngine("ok", clock=clock, failures=failures)
     # One row at a time, so "in a row" is the order the rows were sent.
-    settings = RunSettings(failure_streak=3, default_concurrency=1)
+    settings = RunSettings(failure_streak=3, concurrency=1)
 
     await executor(db, clock, engine, settings=settings).execute(load(db, run_id))
 
@@ -278,7 +281,7 @@ async def test_a_run_canceled_mid_way_keeps_and_charges_what_was_answered(
         return "ok"
 
     engine = ScriptedEngine(answer, clock=clock)
-    settings = RunSettings(default_concurrency=1)
+    settings = RunSettings(concurrency=1)
 
     await executor(db, clock, engine, settings=settings).execute(load(db, run_id))
 
@@ -353,7 +356,7 @@ async def test_a_run_whose_lease_was_lost_records_and_settles_nothing(
         return "ok"
 
     engine = ScriptedEngine(answer, clock=clock)
-    settings = RunSettings(default_concurrency=1)
+    settings = RunSettings(concurrency=1)
 
     await executor(db, clock, engine, settings=settings).execute(load(db, run_id))
 
@@ -388,7 +391,7 @@ async def test_a_worker_whose_run_was_claimed_again_under_its_own_name_writes_no
         return "ok"
 
     engine = ScriptedEngine(answer, clock=clock)
-    settings = RunSettings(default_concurrency=1)
+    settings = RunSettings(concurrency=1)
     await executor(db, clock, engine, settings=settings).execute(stale)
 
     assert len(engine.calls) == 1
@@ -457,7 +460,7 @@ async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
         catalog=catalog(rpm=60),
         dispatcher=make_dispatcher(db, clock, engine),
         owner=OWNER,
-        settings=RunSettings(default_concurrency=3),
+        settings=RunSettings(concurrency=3),
         draining=lambda: stopping[0],
     )
     task = asyncio.create_task(ex.execute(load(db, run_id)))

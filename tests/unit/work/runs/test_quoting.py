@@ -16,7 +16,8 @@ from typing import Any
 from batchyard.core.catalog import Catalog, ModelSpec
 from batchyard.core.clock import ManualClock
 from batchyard.core.money import quote_ticks
-from batchyard.core.runs import ItemState, RunSettings, RunStatus
+from batchyard.core.runs import ItemState, RunStatus
+from batchyard.core.sections import RunSettings
 from batchyard.core.tokens import FallbackTokenizer, Tokenizer, TokenizerSource
 from batchyard.engines.tokenizers import Tokenizers
 from batchyard.store import row_versions
