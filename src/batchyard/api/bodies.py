@@ -76,8 +76,8 @@ class DecideBody(Shape):
     input: DecideText | DecideImage
     decisions: Annotated[list[DecideQuestion], Field(min_length=1), Coded("no_decisions")]
     max_output_tokens: int | None = None
-    fallback: Literal["base", "none"] | None = None
-    calibration: Literal["batch", "content_free", "none"] | None = None
+    fallback: Literal["base", "none"] = "base"
+    calibration: Literal["batch", "content_free", "none"] = "batch"
 
 
 class KeepWarmBody(Shape):

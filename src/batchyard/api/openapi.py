@@ -361,6 +361,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         multipart={
             "type": "object",
             "required": ["purpose", "file"],
+            "additionalProperties": False,
             # The expiry is both its parts or neither.
             "dependentRequired": {
                 "expires_after[anchor]": ["expires_after[seconds]"],
