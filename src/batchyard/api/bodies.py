@@ -49,7 +49,12 @@ class DecideOutcome(Shape):
 class DecideQuestion(Shape):
     id: str = Field(pattern=_ID)
     question: str = Field(pattern=_SOME_TEXT)
-    outcomes: Annotated[list[DecideOutcome], Field(min_length=2), Coded("too_few_outcomes")]
+    #: Each outcome's id once (the document can say no two are the same object).
+    outcomes: Annotated[
+        list[DecideOutcome],
+        Field(min_length=2, json_schema_extra={"uniqueItems": True}),
+        Coded("too_few_outcomes"),
+    ]
 
 
 class DecideText(Shape):
@@ -69,10 +74,10 @@ class DecideBody(Shape):
 
     model: str = Field(min_length=1)
     input: DecideText | DecideImage
-    decisions: list[DecideQuestion] | None = None
+    decisions: Annotated[list[DecideQuestion], Field(min_length=1), Coded("no_decisions")]
     max_output_tokens: int | None = None
-    fallback: Literal["base", "none"] | None = None
-    calibration: Literal["batch", "content_free", "none"] | None = None
+    fallback: Literal["base", "none"] = "base"
+    calibration: Literal["batch", "content_free", "none"] = "batch"
 
 
 class KeepWarmBody(Shape):
@@ -153,7 +158,7 @@ class WebhookEndpointBody(Shape):
 
     url: Annotated[str, Field(pattern=r"^https?://[^\s/]+"), Coded("invalid_webhook_url")]
     events: Annotated[
-        list[Annotated[Literal[EVENTS], Coded("unknown_webhook_event")]] | None,  # type: ignore[valid-type]
+        list[Annotated[Literal[EVENTS], Coded("unknown_webhook_event")]],  # type: ignore[valid-type]
         Field(min_length=1),
-    ] = None
+    ]
     description: str | None = Field(default=None, max_length=500)

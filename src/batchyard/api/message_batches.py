@@ -113,10 +113,10 @@ async def cancel_message_batch(request: Request, batch_id: str) -> Response:
 
 @router.post(_PATH + "/{batch_id}/retry")
 @anthropic_door
-async def retry_message_batch(request: Request) -> Response:
+async def retry_message_batch(request: Request, batch_id: str) -> Response:
     """A batchyard extension: a new batch of this one's errored, canceled and expired requests."""
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(request.path_params["batch_id"])
+    batch_id = _id(batch_id)
     body = await read_empty(request)
     svc = service_of(request)
 
@@ -139,10 +139,10 @@ async def message_batch_results(request: Request, batch_id: str) -> Response:
 
 @router.get(_PATH + "/{batch_id}/finished")
 @anthropic_door
-async def message_batch_finished(request: Request) -> Response:
+async def message_batch_finished(request: Request, batch_id: str) -> Response:
     """A batchyard extension: the results so far, from a cursor, while the batch runs."""
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(request.path_params["batch_id"])
+    batch_id = _id(batch_id)
     after, limit = finished_query(request)
     page = await message_batches.finished(
         service_of(request), principal, batch_id, after=after, limit=limit

@@ -361,11 +361,21 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         multipart={
             "type": "object",
             "required": ["purpose", "file"],
+            "additionalProperties": False,
+            # The expiry is both its parts or neither.
+            "dependentRequired": {
+                "expires_after[anchor]": ["expires_after[seconds]"],
+                "expires_after[seconds]": ["expires_after[anchor]"],
+            },
             "properties": {
                 "purpose": {"type": "string", "enum": ["batch"]},
                 "file": {"type": "string", "format": "binary"},
                 "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
-                "expires_after[seconds]": {"type": "integer", "minimum": 3600},
+                "expires_after[seconds]": {
+                    "type": "integer",
+                    "minimum": 3600,
+                    "maximum": 2_592_000,
+                },
             },
         },
     ),
@@ -523,15 +533,6 @@ def _anthropic_errors(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
                     )
 
 
-#: Fields a body's shape leaves optional (so that the door's own check gives its specific
-#: code) but the door refuses to go without: required in the document all the same.
-_REQUIRED_TOO: dict[str, tuple[str, ...]] = {
-    "DecideBody": ("decisions",),
-    "BatchBody": ("min_discount",),
-    "WebhookEndpointBody": ("events",),
-}
-
-
 def _model_version_operations() -> dict[tuple[str, str], Operation]:
     """A project's uploaded model versions (kept apart so other edits of the table merge)."""
     path = "/v1/projects/{project_id}/models"
@@ -668,21 +669,6 @@ def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _require(schema: dict[str, Any], fields: tuple[str, ...]) -> None:
-    """Make ``fields`` required and not nullable (null is refused like a missing field)."""
-    schema["required"] = sorted({*schema.get("required", ()), *fields})
-    for name in fields:
-        prop = schema["properties"][name]
-        prop.pop("default", None)
-        alternatives = [s for s in prop.pop("anyOf", [prop]) if s.get("type") != "null"]
-        if len(alternatives) == 1:
-            prop.update(alternatives[0])
-        else:
-            prop["anyOf"] = alternatives
-        if prop.get("type") == "array":
-            prop["minItems"] = max(1, prop.get("minItems", 0))
-
-
 def _document(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(
         title=app.title,
@@ -747,9 +733,6 @@ def _document(app: FastAPI) -> dict[str, Any]:
     found = components.setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         found.pop(unused, None)
-    for name, fields in _REQUIRED_TOO.items():
-        if name in schemas:
-            _require(schemas[name], fields)
     found.update(schemas)
     return doc
 

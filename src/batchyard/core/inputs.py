@@ -108,9 +108,9 @@ def _bare(tp: Any) -> Any:
 
 
 def _field_code(model: type[BaseModel], loc: tuple[Any, ...]) -> Coded | None:
-    """The ``Coded`` of the field ``loc`` names in ``model`` (through nested shapes and lists)."""
+    """The ``Coded`` of the field ``loc`` ends at in ``model`` (through nested shapes and lists)."""
     current: Any = model
-    for part in loc:
+    for n, part in enumerate(loc):
         found: Any = None
         metadata: list[Any] = []
         for member in map(_bare, _members(current)):
@@ -133,9 +133,8 @@ def _field_code(model: type[BaseModel], loc: tuple[Any, ...]) -> Coded | None:
         metadata = list(getattr(found, "metadata", ()))
         annotation = getattr(found, "annotation", found)
         metadata += [m for alt in _members(annotation) for m in getattr(alt, "__metadata__", ())]
-        for meta in metadata:
-            if isinstance(meta, Coded):
-                return meta
+        if n == len(loc) - 1:  # the field the error is at, not one it lies inside
+            return next((m for m in metadata if isinstance(m, Coded)), None)
         current = found
     return None
 

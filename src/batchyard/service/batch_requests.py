@@ -101,7 +101,7 @@ class ChatRequestBody(Shape):
 
     unknown_code: ClassVar[str] = "unsupported_parameter"
 
-    model: str
+    model: str = Field(min_length=1)
     messages: Annotated[list[dict[str, Any]], AsDicts(list[TextMessage]), Field(min_length=1)]
     max_tokens: _MaxTokens | None = None
     max_completion_tokens: _MaxTokens | None = None

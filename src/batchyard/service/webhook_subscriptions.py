@@ -113,7 +113,7 @@ async def check_url(url: Any, settings: WebhookSettings) -> str:
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-    except OSError:
+    except (OSError, UnicodeError):  # UnicodeError: a host no IDNA encoding can name
         raise InvalidRequest(
             f"the host {target.host!r} does not resolve", param="url", code="invalid_webhook_url"
         ) from None

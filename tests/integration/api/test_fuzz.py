@@ -377,16 +377,17 @@ async def test_the_workspace_form_takes_malformed_json_without_a_5xx(world: Worl
 
 
 FILE_BODIES = {
+    "empty": b"",
+}
+#: Lines that are no valid request (not even JSON): they upload (OpenAI's order) and fail
+#: the batch, each named in ``errors.data``.
+LINE_BODIES = {
     "nan": b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": NaN}\n',
     "surrogate": b'{"custom_id": "\\ud800", "method": "POST", "url": "/v1/chat/completions"}\n',
     "nul": b'{"custom_id": "a\\u0000", "method": "POST", "url": "/v1/chat/completions"}\n',
     "deep": b"[" * 50_000 + b"\n",
     "not json": b"hello\n",
     "not utf-8": b'{"custom_id": "\xff"}\n',
-    "empty": b"",
-}
-#: JSON lines that are no valid request: they upload (OpenAI's order) and fail the batch.
-LINE_BODIES = {
     "wrong types": file_jsonl([{**chat_line("a"), "body": {"model": ["x"], "messages": 1}}]),
     "huge int": file_jsonl([chat_line("a", max_tokens=10**30)]),
     "not an object": b"[1, 2]\n",
