@@ -22,7 +22,7 @@ tokens produced.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -30,6 +30,7 @@ from fastapi.responses import Response
 
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.event_streams import DONE, Dialect, events, sse
+from batchyard.api.hangups import listening, log_hangup
 from batchyard.core.accounts import Principal
 from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.prices import Price
@@ -220,13 +221,22 @@ class ModelCall:
 
         async def whole() -> tuple[int, Any]:
             await limits()
-            if len(requests) > 1:
-                each = list(zip(requests, self.quote.counts, strict=True))
-                result = await svc.dispatcher.execute_all(requests=each, **pay)
-            else:
-                result = await svc.dispatcher.execute(
-                    request=requests[0], input_tokens=self.quote.input_tokens, **pay
-                )
+            async with listening(self.request) as hangup:
+                stoppable = [replace(r, hangup=hangup) for r in requests]
+                try:
+                    if len(stoppable) > 1:
+                        each = list(zip(stoppable, self.quote.counts, strict=True))
+                        result = await svc.dispatcher.execute_all(requests=each, **pay)
+                    else:
+                        result = await svc.dispatcher.execute(
+                            request=stoppable[0], input_tokens=self.quote.input_tokens, **pay
+                        )
+                except BatchyardError:
+                    if hangup.is_set():
+                        log_hangup(self.ref, self.route.id, None)
+                    raise
+            if hangup.is_set():
+                log_hangup(self.ref, self.route.id, result.completion.usage.output_tokens)
             return 200, render(result)
 
         return await idempotent(self.request, self.principal, raw, whole)

@@ -660,16 +660,37 @@ class LlamaCppEngine:
         version = self.version_for(request_model)
         return self._slots[version].adapter if version is not None else None
 
-    async def _run(self, model: _Model, job: Job) -> AsyncIterator[Any]:
-        """``model.scheduler.run(job)``, counted as its version's use (for idle eviction)."""
+    async def _run(
+        self, model: _Model, job: Job, hangup: asyncio.Event | None = None
+    ) -> AsyncIterator[Any]:
+        """``model.scheduler.run(job)``, counted as its version's use (for idle eviction).
+
+        ``hangup`` set (the caller hung up) stops the job at the scheduler's
+        next step (``Scheduler.stop``): what it produced is its answer.
+        """
         slot = self._slots.get(job.adapter.name if job.adapter is not None else model.version)
         if slot is None:
             slot = self._slots[None]
         slot.active += 1
+
+        async def stop_on_hangup(hangup: asyncio.Event) -> None:
+            await hangup.wait()
+            model.scheduler.stop(job)
+
+        watch = None if hangup is None else asyncio.create_task(stop_on_hangup(hangup))
         try:
             async for event in model.scheduler.run(job):
+                if event[0] == "stopped":
+                    raise UpstreamError(
+                        "the caller hung up before its answer began",
+                        code="client_disconnected",
+                        status=499,
+                        retryable=True,
+                    )
                 yield event
         finally:
+            if watch is not None:
+                watch.cancel()
             slot.active -= 1
             slot.last_used = self.clock.time()
 
@@ -705,7 +726,7 @@ class LlamaCppEngine:
         grammar = None
         if tools:
             grammar = grammar_for(
-                tool_calls.answer_schema(request.tools or [], request.tool_choice)
+                tool_calls.answer_schema(request.tools or [], request.tool_choice), param="tools"
             )
         elif request.prompt is None:
             wants_json, schema = _response_format(request.response_format)
@@ -757,7 +778,7 @@ class LlamaCppEngine:
         matched: list[str | None] = [None] * n
         out = [0] * n
         prompt_tokens = cached = 0
-        async for event in self._run(model, job):
+        async for event in self._run(model, job, request.hangup):
             kind = event[0]
             if kind == "piece":
                 _, i, text, entries = event
@@ -774,7 +795,9 @@ class LlamaCppEngine:
         for i in range(n):
             text, finish, calls = texts[i], finishes[i], None
             if tools:
-                text, calls = tool_calls.parse_answer(text, finish_reason=finish)
+                text, calls = tool_calls.parse_answer(
+                    text, request.tools or [], request.tool_choice, finish_reason=finish
+                )
                 # A plain reply cut at max_tokens says so; a complete one stopped.
                 finish = "tool_calls" if calls else ("length" if finish == "length" else "stop")
             wanted = request.logprobs and calls is None

@@ -222,6 +222,8 @@ class Job:
     #: core from llama.cpp's threads for every token of a lone request.
     whole: bool = False
     cancelled: bool = False
+    #: Asked to end at the next step with what it has (``Scheduler.stop``).
+    stopping: bool = False
     # Run state, owned by the scheduler's thread.
     seq: int = -1
     pos: int = 0
@@ -415,6 +417,19 @@ class Scheduler:
         with self._cv:
             self._cv.notify()
 
+    def stop(self, job: Job) -> None:
+        """End ``job``'s branches at the next step, each with what it produced so far.
+
+        Its caller hung up: the branches end as if at their token limit
+        (``length``) and the job ends as any other (its answer, then ``done``),
+        so it is billed for what it produced. A job that has produced nothing
+        yet (its prompt is still being read, or it waits) ends with a
+        ``stopped`` event instead, and is dropped as a cancelled one.
+        """
+        job.stopping = True
+        with self._cv:
+            self._cv.notify()
+
     def release(self, adapter: Adapter, free: Callable[[], None]) -> threading.Event:
         """End ``adapter``'s jobs and prefixes, then ``free`` it, between two steps.
 
@@ -471,7 +486,7 @@ class Scheduler:
                     ended = True
                     raise event[1]
                 yield event
-                if event[0] == "done":
+                if event[0] in ("done", "stopped"):
                     ended = True
                     return
         finally:
@@ -667,6 +682,16 @@ class Scheduler:
             back.append(idle)
 
     def _reap(self) -> None:
+        for job in [j for j in (*self._waiting, *self._live) if j.stopping and not j.cancelled]:
+            job.stopping = False
+            if job.forked and job.scoring is None and job in self._live:
+                for branch in job.branches:
+                    if not branch.done:
+                        self._end(job, branch, "length", stopped=False)
+                self._maybe_done(job)
+            else:
+                job.cancelled = True
+                job.post(("stopped",))
         if any(j.cancelled for j in self._waiting):
             self._waiting = deque(j for j in self._waiting if not j.cancelled)
         for job in [j for j in self._live if j.cancelled]:
