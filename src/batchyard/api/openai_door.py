@@ -22,7 +22,7 @@ tokens produced.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -30,6 +30,7 @@ from fastapi.responses import Response
 
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.event_streams import DONE, Dialect, events, sse
+from batchyard.api.hangups import listening, log_hangup
 from batchyard.core.accounts import Principal
 from batchyard.engines.protocol import CompletionRequest, Delta
 from batchyard.errors import BatchyardError, ModelNotFound, UnknownModel
@@ -137,8 +138,18 @@ class ModelCall:
 
         async def whole() -> tuple[int, Any]:
             await limits()
-            each = list(zip(requests, call.counts, strict=True))
-            return 200, render(await svc.dispatcher.execute(requests=each, **pay))
+            async with listening(self.request) as hangup:
+                stoppable = [replace(r, hangup=hangup) for r in requests]
+                each = list(zip(stoppable, call.counts, strict=True))
+                try:
+                    result = await svc.dispatcher.execute(requests=each, **pay)
+                except BatchyardError:
+                    if hangup.is_set():
+                        log_hangup(self.ref, call.route.id, None)
+                    raise
+            if hangup.is_set():
+                log_hangup(self.ref, call.route.id, result.completion.usage.output_tokens)
+            return 200, render(result)
 
         return await idempotent(self.request, self.principal, raw, whole)
 

@@ -37,6 +37,7 @@ from batchyard.engines.llama.jobs import (
     Job,
     Piece,
     Scored,
+    Stopped,
 )
 from batchyard.engines.llama.models import (
     Model,
@@ -445,16 +446,38 @@ class LlamaCppEngine:
         version = self.version_for(request_model)
         return self._states[version].adapter if version is not None else None
 
-    async def _run(self, model: Model, job: Job) -> AsyncIterator[Event]:
-        """``model.steps.run(job)``, counted as its version's use (for idle eviction)."""
+    async def _run(
+        self, model: Model, job: Job, hangup: asyncio.Event | None = None
+    ) -> AsyncIterator[Event]:
+        """``model.steps.run(job)``, counted as its version's use (for idle eviction).
+
+        ``hangup`` set (the caller hung up) stops the job at the scheduler's
+        next step (``StepThread.stop``): what it produced is its answer; a job
+        that had produced nothing ends ``Stopped``, a 499 nobody reads.
+        """
         state = self._states.get(job.adapter.name if job.adapter is not None else model.version)
         if state is None:
             state = self._states[None]
         state.active += 1
+
+        async def stop_on_hangup(hangup: asyncio.Event) -> None:
+            await hangup.wait()
+            model.steps.stop(job)
+
+        watch = None if hangup is None else asyncio.create_task(stop_on_hangup(hangup))
         try:
             async for event in model.steps.run(job):
+                if isinstance(event, Stopped):
+                    raise UpstreamError(
+                        "the caller hung up before its answer began",
+                        code="client_disconnected",
+                        status=499,
+                        retryable=True,
+                    )
                 yield event
         finally:
+            if watch is not None:
+                watch.cancel()
             state.active -= 1
             state.last_used = self.clock.time()
 
@@ -478,7 +501,7 @@ class LlamaCppEngine:
         matched: list[str | None] = [None] * n
         out = [0] * n
         prompt_tokens = cached = 0
-        async for event in self._run(model, job):
+        async for event in self._run(model, job, request.hangup):
             if isinstance(event, Piece):
                 texts[event.branch] += event.text
                 if event.entries:
@@ -493,7 +516,9 @@ class LlamaCppEngine:
         for i in range(n):
             text, finish, calls = texts[i], finishes[i], None
             if tools:
-                text, calls = tool_calls.parse_answer(text, finish_reason=finish)
+                text, calls = tool_calls.parse_answer(
+                    text, request.tools or [], request.tool_choice, finish_reason=finish
+                )
                 # A plain reply cut at max_tokens says so; a complete one stopped.
                 finish = "tool_calls" if calls else ("length" if finish == "length" else "stop")
             wanted = request.logprobs and calls is None

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from batchyard.engines.json_grammar import gbnf, resolved
+
 __all__ = [
     "SamplingParams",
     "StopMatcher",
@@ -78,27 +80,30 @@ class SamplingParams:
 _grammars: dict[str, Any] = {}
 
 
-def grammar_for(schema: dict[str, Any] | None) -> Any:
+def grammar_for(
+    schema: dict[str, Any] | None, *, param: str = "response_format.json_schema.schema"
+) -> Any:
     """llama-cpp-python's grammar for a JSON schema (any JSON object when ``None``), cached.
 
-    A compiled grammar is only its GBNF text; each sequence gets its own
-    grammar sampler from it, so one compilation serves every request with
-    the same schema.
+    The schema's references are resolved and its properties kept in the
+    order written (``json_grammar``); one the grammar cannot hold is a 400
+    ``unsupported_schema`` naming ``param``, never a grammar for any JSON in
+    its place. A compiled grammar is only its GBNF text; each sequence gets
+    its own grammar sampler from it, so one compilation serves every request
+    with the same schema.
     """
     from llama_cpp import llama_grammar
 
-    key = json.dumps(schema, sort_keys=True) if schema is not None else ""
+    key = json.dumps(schema) if schema is not None else ""
     found = _grammars.get(key)
     if found is None:
         if schema is None:
             found = llama_grammar.LlamaGrammar.from_string(llama_grammar.JSON_GBNF, verbose=False)
         else:
-            try:
-                found = llama_grammar.LlamaGrammar.from_json_schema(key, verbose=False)
-            except Exception:  # llama-cpp-python's own fallback: any JSON
-                found = llama_grammar.LlamaGrammar.from_string(
-                    llama_grammar.JSON_GBNF, verbose=False
-                )
+            defs: dict[str, Any] = {}
+            root = resolved(schema, defs, prefix="def-", param=param)
+            text = gbnf({**root, "$defs": defs} if defs else root, param=param)
+            found = llama_grammar.LlamaGrammar.from_string(text, verbose=False)
         if len(_grammars) > 256:
             _grammars.clear()
         _grammars[key] = found

@@ -8,6 +8,7 @@ dispatcher can pace by them instead of guessing.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -65,6 +66,10 @@ class CompletionRequest:
     prompt: str | None = None
     #: Ask an HTTP upstream to report usage at the end of a stream.
     stream_usage: bool = True
+    #: Set when the caller of a whole (not streamed) answer hung up: an engine that
+    #: can (the embedded one) stops generating at its next step and answers what it
+    #: produced, finish_reason ``length``; one that cannot runs to the end.
+    hangup: asyncio.Event | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,19 @@
 """Tool calls for an engine that has no tool calling of its own: a schema, a prompt, a parse.
 
 A small local model asked in prose to "call a tool" answers whatever it likes.
-Here it cannot: its output is constrained by a grammar (llama.cpp compiles a
-JSON schema into one) to a single JSON object that is either a call of one of
-the offered tools, ``{"name": <that tool>, "arguments": <its parameters>}``, or,
-where ``tool_choice`` lets it decline, a plain reply ``{"content": "..."}``. So
-every answer parses, and every call's arguments match its tool's schema.
+Here it cannot: its output is constrained by a grammar (``json_grammar``
+compiles the JSON schema) to a single JSON object that is either a call of one
+of the offered tools, ``{"name": <that tool>, "arguments": <its parameters>}``,
+or, where ``tool_choice`` lets it decline, a plain reply ``{"content": "..."}``.
+Each tool's parameters keep their own ``$defs`` (``json_grammar.resolved``), so
+a schema written by pydantic (enums, nested models) is constrained as written;
+one the grammar cannot hold is refused up front (400 ``unsupported_schema``).
+
+An answer is read back as a call only when it names an offered tool and its
+arguments validate against that tool's schema; anything else (a call cut by
+``max_tokens``, a slip the grammar could not rule out) comes back as the text
+the model wrote, with its ``finish_reason``, as OpenAI answers it: the model
+broke no rule of ours, so it is no error.
 
 Messages that carry earlier calls and their results (an agent's round trip)
 are rendered as text the chat template can hold: the call as the JSON it was
@@ -19,7 +27,9 @@ import re
 import uuid
 from typing import Any
 
-from batchyard.errors import ModelOutputInvalid
+import jsonschema
+
+from batchyard.engines.json_grammar import resolved
 
 __all__ = ["answer_schema", "parse_answer", "plain_messages", "tools_prompt"]
 
@@ -40,21 +50,34 @@ def _offered(
 def answer_schema(
     tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None
 ) -> dict[str, Any] | None:
-    """The JSON schema every answer must match; ``None`` when no tool may be called."""
+    """The JSON schema every answer must match; ``None`` when no tool may be called.
+
+    Every tool's parameters sit under ``arguments`` with their references
+    rewritten to the root's ``$defs``; a schema that cannot be (a remote or
+    dangling ``$ref``, not a JSON schema) is a 400 naming the tool.
+    """
     if tool_choice == "none" or not tools:
         return None
     functions, may_decline = _offered(tools, tool_choice)
-    alternatives: list[dict[str, Any]] = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": f.get("parameters") or _ANY_OBJECT,
-            },
-            "required": ["name", "arguments"],
-        }
-        for f in functions
-    ]
+    defs: dict[str, Any] = {}
+    alternatives: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        f = tool.get("function") or {}
+        if not any(f is offered for offered in functions):
+            continue
+        arguments = resolved(
+            f.get("parameters") or _ANY_OBJECT,
+            defs,
+            prefix=f"def-{i}-",
+            param=f"tools.{i}.function.parameters",
+        )
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": arguments},
+                "required": ["name", "arguments"],
+            }
+        )
     if may_decline:
         alternatives.append(
             {
@@ -63,7 +86,8 @@ def answer_schema(
                 "required": ["content"],
             }
         )
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    root = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    return {**root, "$defs": defs} if defs else root
 
 
 def tools_prompt(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None) -> str:
@@ -86,40 +110,53 @@ def tools_prompt(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] 
     return f"You can call these tools:\n{listed}\n{how}."
 
 
-def parse_answer(text: str, *, finish_reason: str) -> tuple[str, list[dict[str, Any]] | None]:
+def parse_answer(
+    text: str,
+    tools: list[dict[str, Any]],
+    tool_choice: str | dict[str, Any] | None,
+    *,
+    finish_reason: str,
+) -> tuple[str, list[dict[str, Any]] | None]:
     """(reply text, tool calls) from a grammar-constrained answer.
 
-    The grammar makes the answer valid JSON unless generation stopped at
-    ``max_tokens`` mid-object. A plain reply cut there is a reply cut at
-    ``max_tokens``, as any chat answer is: its text so far comes back (the
-    caller reports ``finish_reason`` ``length``). A tool call cut there has no
-    complete arguments: that is ``model_output_invalid`` (nothing is charged
-    for it), with the advice to allow more tokens.
+    A call counts only when it names an offered tool and its arguments
+    validate against that tool's parameters. A plain reply ``{"content": ...}``
+    is its content, as far as it was written when cut at ``max_tokens``.
+    Anything else (a call cut at ``max_tokens``, arguments the grammar could
+    not hold to the schema) is the model's text as it wrote it: the caller
+    answers it with its ``finish_reason``, as any reply.
     """
     try:
         data = json.loads(text)
     except ValueError:
         cut = _cut_reply(text) if finish_reason == "length" else None
-        if cut is not None:
-            return cut, None
-        raise ModelOutputInvalid(
-            "the model's tool call was cut off before it was complete "
-            f"(finish_reason {finish_reason}); allow more max_tokens",
-            param="max_tokens",
-        ) from None
+        return (text if cut is None else cut), None
     if isinstance(data, dict) and "name" in data:
+        functions, _ = _offered(tools, tool_choice)
+        called = next((f for f in functions if f.get("name") == data["name"]), None)
+        arguments = data.get("arguments")
+        if called is None or not _valid(arguments, called.get("parameters") or _ANY_OBJECT):
+            return text, None
         call = {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {
                 "name": str(data["name"]),
-                "arguments": json.dumps(data.get("arguments", {}), ensure_ascii=False),
+                "arguments": json.dumps(arguments, ensure_ascii=False),
             },
         }
         return "", [call]
     if isinstance(data, dict) and isinstance(data.get("content"), str):
         return data["content"], None
-    raise ModelOutputInvalid("the model's answer is neither a tool call nor a reply")
+    return text, None
+
+
+def _valid(arguments: Any, schema: dict[str, Any]) -> bool:
+    """Whether a call's arguments are an object its tool's JSON schema accepts."""
+    if not isinstance(arguments, dict):
+        return False
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return bool(validator.is_valid(arguments))
 
 
 _CUT_REPLY = re.compile(r'\s*\{\s*"content"\s*:\s*"')

@@ -7,11 +7,13 @@ one) fails here rather than in a user's code.
 
 from __future__ import annotations
 
+import enum
 import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pydantic
 import pytest
 from openai.types import Completion, CreateEmbeddingResponse, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -126,6 +128,64 @@ def test_a_tool_call_round_trip(gateway):
     assert answer.message.content or answer.message.tool_calls
     if answer.finish_reason == "length":
         assert answer.message.content and second.usage.completion_tokens == 40
+
+
+class Operator(enum.StrEnum):
+    EQ = "="
+    GT = ">"
+    LT = "<"
+
+
+class Condition(pydantic.BaseModel):
+    column: str
+    operator: Operator
+    value: str | int
+
+
+class Query(pydantic.BaseModel):
+    """A query over one table (the SDK's parsing_tools example, on a 135M model)."""
+
+    table_name: str
+    conditions: list[Condition]
+
+
+def test_parse_with_a_pydantic_tool_of_an_enum_and_a_nested_model(gateway):
+    """``$defs`` and ``$ref`` are constrained as written: a call to the offered tool whose
+    arguments the SDK parses into the model, or a 200 text reply; never another tool."""
+    sdk = client(gateway, gateway.org("parse"))
+    done = sdk.chat.completions.parse(
+        model="kettei-core",
+        messages=[{"role": "user", "content": "Find the users older than 30."}],
+        tools=[openai.pydantic_function_tool(Query)],
+        max_tokens=120,
+        seed=1,
+        temperature=1.0,
+    )
+    choice = done.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        assert call.function.name == "Query"
+        assert isinstance(call.function.parsed_arguments, Query)
+    else:
+        assert choice.finish_reason in ("stop", "length")
+        assert choice.message.content is not None
+
+
+def test_a_tool_call_cut_by_max_tokens_is_its_text_not_a_502(gateway):
+    sdk = client(gateway, gateway.org("cut-call"))
+    done = sdk.chat.completions.create(
+        model="kettei-core",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=3,
+    )
+    ChatCompletion.model_validate(done.model_dump(mode="json"), strict=True)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content and choice.message.content.startswith("{")
+    assert done.usage is not None and done.usage.completion_tokens == 3
 
 
 def test_embeddings_and_completions_answer(gateway):

@@ -23,6 +23,7 @@ from batchyard.engines.llama.jobs import (
     JobState,
     Piece,
     Scored,
+    Stopped,
 )
 from batchyard.engines.llama.scheduler import ADAPTER_TURN, Scheduler
 from batchyard.engines.llama.scoring import Trie
@@ -362,6 +363,62 @@ def test_a_job_cancelled_while_waiting_never_runs() -> None:
     assert all(seq != second.job.seq for b in ctx.decoded for *_, seqs, _ in b for seq in seqs)
 
 
+# -- stopping (the caller hung up) --------------------------------------------------------
+
+
+def test_a_stopped_job_answers_what_it_produced_and_frees_its_sequences() -> None:
+    sched, ctx = make()
+    p = prompt(40, 10)
+    r = chat(p, 50, n=2)
+    sched.add(r.job)
+    for _ in range(3):
+        sched.step()
+    branch_seqs = [b.seq for b in r.job.branches]
+    r.job.stopping = True
+    sched.step()
+    # Ended at the step, before its decode: each branch as at its token limit, with
+    # the tokens it had, and the job as any other, so it is billed for them.
+    ends = [e for e in r.events if isinstance(e, BranchEnded)]
+    assert sorted((e.branch, e.finish, e.tokens) for e in ends) == [
+        (0, "length", 3),
+        (1, "length", 3),
+    ]
+    assert r.text(0) == r.text(1) == text_of(greedy(p, 3))
+    assert r.done == Done(10, 0)
+    assert not any(isinstance(e, Stopped) for e in r.events)
+    assert r.job.state is JobState.DONE and not sched.busy
+    assert not any(ctx.held(s) for s in branch_seqs)
+    assert ctx.samplers == 0
+    # Freed the normal way: its read prompt stays idle, every other id is free.
+    assert [len(i.tokens) for i in sched.cache.idle] == [10]
+    assert len(sched.cache.free) + len(sched.cache.idle) == ctx.n_seq
+
+
+def test_a_job_stopped_before_it_produced_anything_ends_stopped() -> None:
+    sched, ctx = make(slots=1, prefill=16)
+    reading, waiting = chat(prompt(41, 50), 5), chat(prompt(42, 10), 5)
+    sched.add(reading.job)
+    sched.add(waiting.job)
+    sched.step()  # the first chunk of the long prompt; the other waits for the slot
+    assert (reading.job.state, waiting.job.state) == (JobState.READING, JobState.WAITING)
+    reading.job.stopping = waiting.job.stopping = True
+    sched.step()
+    assert reading.events == [Stopped()] and waiting.events == [Stopped()]
+    assert (reading.job.state, waiting.job.state) == (JobState.DONE, JobState.DONE)
+    assert not sched.busy and ctx.used_cells <= 16  # at most the read chunk, kept idle
+    assert all(seq != waiting.job.seq for b in ctx.decoded for *_, seqs, _ in b for seq in seqs)
+
+
+def test_stopping_a_job_that_ended_changes_nothing() -> None:
+    sched, _ = make()
+    r = chat(prompt(43, 8), 3)
+    run_all(sched, r)
+    before = list(r.events)
+    r.job.stopping = True
+    sched.step()
+    assert r.events == before and r.job.state is JobState.DONE
+
+
 # -- scoring ----------------------------------------------------------------------------
 
 
@@ -508,6 +565,26 @@ async def test_the_step_thread_streams_a_job_and_runs_work_between_steps() -> No
     finally:
         steps.close()
     assert ctx.closed
+
+
+async def test_the_step_thread_stops_a_job_at_its_next_step() -> None:
+    sched, _ = make()
+    steps = StepThread(sched)
+    try:
+        r = chat(prompt(98, 8), 200, whole=False)
+        events: list[Event] = []
+        async for event in steps.run(r.job):
+            events.append(event)
+            if isinstance(event, Piece) and event.text and not r.job.stopping:
+                steps.stop(r.job)
+        assert isinstance(events[-1], Done)
+        end = next(e for e in events if isinstance(e, BranchEnded))
+        assert end.finish == "length" and 0 < end.tokens < 200
+        text = "".join(e.text for e in events if isinstance(e, Piece)) + end.tail
+        assert text == text_of(greedy(prompt(98, 8), end.tokens))
+        assert not r.job.cancelled and not sched.live
+    finally:
+        steps.close()
 
 
 async def test_leaving_a_stream_early_cancels_its_job() -> None:

@@ -11,7 +11,8 @@ goes in, a chunk a step. ``GENERATING``: its branches (the ``n``
 samples) were forked off the read prompt and sample a token a step.
 ``SCORING``: a scoring job whose candidates' trie is still to be decoded.
 ``DONE``: its sequences are freed and its last event posted. The asyncio side
-only ever sets ``cancelled``; the step thread reaps the job at its next step.
+only ever sets ``cancelled`` or ``stopping``; the step thread reaps the job at
+its next step.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "JobState",
     "Piece",
     "Scored",
+    "Stopped",
 ]
 
 
@@ -88,7 +90,12 @@ class Failed:
     error: BaseException
 
 
-Event = Cached | Piece | BranchEnded | Scored | Done | Failed
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """The job was stopped (``Job.stopping``) before it produced anything: no answer."""
+
+
+Event = Cached | Piece | BranchEnded | Scored | Done | Failed | Stopped
 
 
 class JobState(enum.Enum):
@@ -152,6 +159,9 @@ class Job:
     whole: bool = False
     #: Set by the asyncio side; the step thread ends the job at its next step.
     cancelled: bool = False
+    #: Set by the asyncio side (its caller hung up): the step thread ends the job at its
+    #: next step with what it produced (``Scheduler._reap``).
+    stopping: bool = False
     # Run state, owned by the step thread.
     state: JobState = JobState.WAITING
     seq: int = -1

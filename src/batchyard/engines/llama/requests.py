@@ -103,7 +103,9 @@ def generation_job(
         )
     grammar = None
     if tools:
-        grammar = grammar_for(tool_calls.answer_schema(request.tools or [], request.tool_choice))
+        grammar = grammar_for(
+            tool_calls.answer_schema(request.tools or [], request.tool_choice), param="tools"
+        )
     elif request.prompt is None:
         wants_json, schema = response_format(request.response_format)
         if wants_json:

@@ -2,7 +2,7 @@
 
 One step is one ``llama_decode``:
 
-1. drop cancelled jobs, freeing their cells;
+1. drop cancelled jobs, freeing their cells, and end stopped ones;
 2. admit waiting jobs while a slot (a request running at once, as
    ``llama-server`` calls it), sequence ids and cells are free; the cache
    manager (``engines.llama.cache``) gives each its opening from the cache or
@@ -50,6 +50,7 @@ from batchyard.engines.llama.jobs import (
     JobState,
     Piece,
     Scored,
+    Stopped,
 )
 from batchyard.engines.llama_sampling import StopMatcher, log_softmax, top_logprobs
 from batchyard.errors import UpstreamError
@@ -161,6 +162,20 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------
 
     def _reap(self) -> None:
+        for job in [j for j in (*self.waiting, *self.live) if j.stopping and not j.cancelled]:
+            # Its caller hung up. Generating: each branch ends as at its token limit and
+            # the job as any other (its answer, then ``Done``), so it is billed for what
+            # it produced. Anything else produced nothing: ``Stopped``, then it is
+            # dropped as a cancelled job is.
+            job.stopping = False
+            if job.state is JobState.GENERATING:
+                for branch in job.branches:
+                    if not branch.done:
+                        self._end(job, branch, "length", stopped=False)
+                self._maybe_done(job)
+            else:
+                job.cancelled = True
+                job.post(Stopped())
         if any(j.cancelled for j in self.waiting):
             for job in [j for j in self.waiting if j.cancelled]:
                 job.state = JobState.DONE

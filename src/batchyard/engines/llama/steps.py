@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from batchyard.engines.llama.context import Adapter, Context
-from batchyard.engines.llama.jobs import Done, Event, Failed, Job
+from batchyard.engines.llama.jobs import Done, Event, Failed, Job, Stopped
 from batchyard.engines.llama.scheduler import Scheduler
 from batchyard.errors import UpstreamError
 
@@ -100,6 +100,19 @@ class StepThread:
         with self._cv:
             self._cv.notify()
 
+    def stop(self, job: Job) -> None:
+        """End ``job`` at the next step with what it produced so far (its caller hung up).
+
+        Its branches end as if at their token limit (``length``) and the job
+        ends as any other (its answer, then ``Done``), so it is billed for what
+        it produced. A job that has produced nothing yet (it waits, or its
+        prompt is still being read) ends with ``Stopped`` and is dropped as a
+        cancelled one.
+        """
+        job.stopping = True
+        with self._cv:
+            self._cv.notify()
+
     def release(self, adapter: Adapter, free: Callable[[], None]) -> threading.Event:
         """End ``adapter``'s jobs and prefixes, then ``free`` it, between two steps.
 
@@ -156,7 +169,7 @@ class StepThread:
                     ended = True
                     raise event.error
                 yield event
-                if isinstance(event, Done):
+                if isinstance(event, Done | Stopped):
                     ended = True
                     return
         finally:
