@@ -61,6 +61,7 @@ from batchyard.work.webhook_sender import WebhookSender
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from fastapi.telemetry import TelemetryConfig
 
 __all__ = [
     "BACKGROUND_ENV",
@@ -471,6 +472,10 @@ def _run_worker(
 ReadinessCheck = Callable[[Service], Awaitable[str | None]]
 
 #: How long ``/readyz`` waits for the store to take its probe write.
+#: FastAPI's own OpenTelemetry, off: batchyard counts in ``/metrics`` instead, and with it
+#: on FastAPI asks the global providers whether they are configured on every request.
+NO_OTEL: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -583,6 +588,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        telemetry=NO_OTEL,
     )
     app.state.service = service
     install_error_handlers(app)
@@ -648,7 +654,13 @@ def create_metrics_app(service: Service) -> FastAPI:
     from batchyard.api import scrape
     from batchyard.api.errors import install_error_handlers
 
-    app = FastAPI(title="batchyard worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="batchyard worker",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        telemetry=NO_OTEL,
+    )
     app.state.service = service
     install_error_handlers(app)
 

@@ -12,8 +12,10 @@ instead of capping (``store.billing``) and the ledger audit after every test lis
 
 Images: no route of the default catalog reads images (the embedded model reads text
 only; kettei-chub and kettei-fat have no route until an operator points one at an
-engine that can see), so no way serves them here. Decide joins the ways (``WAYS``) once
-it pays through ``Dispatcher.paying`` like the others.
+engine that can see), so no way serves them here. Decide pays through
+``Dispatcher.paying`` like the others: its variants are one decision, several (``n``),
+and a long text (``system``), each with the content-free calibration its first call
+estimates, whose prompts the charge includes.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from batchyard.store.runs import run_items
 from tests.support.accounts import Account, make_account
 from tests.support.file_batches import jsonl, lines_of, upload
 from tests.support.file_batches import worker as file_worker
-from tests.support.runs import Api, runs_raw
+from tests.support.runs import Api, fast_runs
 from tests.support.server import asgi_client
 
 pytestmark = pytest.mark.model
@@ -276,10 +278,37 @@ async def run_row(service: Service, http: httpx.AsyncClient, acct: Account, v: s
     return paid
 
 
+async def decide(service: Service, http: httpx.AsyncClient, acct: Account, v: str) -> list[Paid]:
+    mood = {
+        "id": "mood",
+        "question": "How does the writer feel?",
+        "outcomes": [{"id": "pleased"}, {"id": "unhappy"}],
+    }
+    city = {
+        "id": "city",
+        "question": "Which city does it name?",
+        "outcomes": [{"id": "lisbon"}, {"id": "oslo"}, {"id": "cairo"}],
+    }
+    body = {
+        "model": MODEL,
+        "input": {"text": SYSTEM if v == "system" else ASK},
+        "decisions": [mood, city] if v == "n" else [mood],
+    }
+    r = await http.post("/v1/decide", json=body, headers=acct.headers)
+    assert r.status_code == 200, r.text
+    [paid] = charges_of(service, acct)
+    usage = r.json()["usage"]
+    assert (paid.input_tokens, paid.output_tokens) == (
+        usage["input_tokens"],
+        usage["output_tokens"],
+    )
+    assert paid.price == DIRECT and paid.charged == charge_ticks(Decimal(r.json()["charge"]))
+    return [paid]
+
+
 Way = Callable[[Service, httpx.AsyncClient, Account, str], Awaitable[list[Paid]]]
 
-#: Every way a call comes in, and what it serves of ``VARIANTS``. Decide goes here
-#: once it pays through ``Dispatcher.paying``.
+#: Every way a call comes in, and what it serves of ``VARIANTS``.
 WAYS: dict[str, tuple[Way, tuple[str, ...]]] = {
     "chat": (chat, VARIANTS),
     "completions": (completions, ("plain", "n", "system")),
@@ -289,6 +318,7 @@ WAYS: dict[str, tuple[Way, tuple[str, ...]]] = {
     "message_batch": (message_batch, ("plain", "tools", "system")),
     "deferred_item": (deferred_item, ("plain", "system")),
     "run_row": (run_row, ("plain", "n", "system")),
+    "decide": (decide, ("plain", "n", "system")),
 }
 
 
@@ -299,7 +329,7 @@ WAYS: dict[str, tuple[Way, tuple[str, ...]]] = {
 async def test_every_way_in_charges_usage_at_its_price_within_its_hold(
     make_service: Any, way: str, variant: str
 ) -> None:
-    service = make_service(raw=runs_raw())
+    service = make_service(runs=fast_runs())
     acct = make_account(service, credit="1")
     pay, _ = WAYS[way]
     async with asgi_client(service, worker=way == "run_row", timeout=120) as http:

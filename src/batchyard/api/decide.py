@@ -10,7 +10,7 @@ call reads.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -18,7 +18,6 @@ from fastapi.responses import Response
 from batchyard.api.bodies import DecideBody, KeepWarmBody
 from batchyard.api.context import ServiceDep, authenticate, check_tier_limits, idempotent, read_json
 from batchyard.api.inputs import strict
-from batchyard.core.accounts import Principal
 from batchyard.service import decisions
 
 __all__ = ["router"]
@@ -26,36 +25,31 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-def _admit(request: Request, principal: Principal, kind: str) -> decisions.Admit:
-    async def admit(tokens: int) -> None:
-        await check_tier_limits(request, principal, requests=1, tokens=tokens, kind=kind)
-
-    return admit
-
-
 @router.post("/v1/decide")
 async def decide(request: Request, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    raw = await read_json(request)
-    strict(DecideBody, raw)
-    call = await decisions.prepare(svc, principal.org_id, raw)
-    admit = _admit(request, principal, "decide")
-
-    async def handler() -> tuple[int, Any]:
-        return 200, await decisions.decide(svc, principal, call, admit)
-
-    return await idempotent(request, principal, raw, handler)
+    return await _answered(request, svc, "decide")
 
 
 @router.post("/v1/decide/estimate")
 async def estimate(request: Request, svc: ServiceDep) -> Response:
+    return await _answered(request, svc, "estimate")
+
+
+async def _answered(
+    request: Request, svc: ServiceDep, kind: Literal["decide", "estimate"]
+) -> Response:
+    """Decide or its estimate: the same body, checked and planned, then run once per key."""
     principal = await authenticate(request)
     raw = await read_json(request)
     strict(DecideBody, raw)
     call = await decisions.prepare(svc, principal.org_id, raw)
-    admit = _admit(request, principal, "estimate")
+
+    async def admit(tokens: int) -> None:
+        await check_tier_limits(request, principal, requests=1, tokens=tokens, kind=kind)
 
     async def handler() -> tuple[int, Any]:
+        if kind == "decide":
+            return 200, await decisions.decide(svc, principal, call, admit)
         return 200, await decisions.estimate(svc, principal.org_id, call, admit)
 
     return await idempotent(request, principal, raw, handler)

@@ -12,6 +12,7 @@ cancel; every key reads; an ``inference`` key sees only its own batches.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -34,6 +35,8 @@ __all__ = ["router"]
 
 router = APIRouter()
 _PATH = "/v1/messages/batches"
+#: ``message_batches.cancel`` or ``retry``: a change to one batch, answered with its view.
+_Change = Callable[..., Awaitable[dict[str, Any]]]
 
 
 def _base(request: Request) -> str:
@@ -98,30 +101,25 @@ async def get_message_batch(request: Request, batch_id: str) -> Response:
 @router.post(_PATH + "/{batch_id}/cancel")
 @anthropic_door
 async def cancel_message_batch(request: Request, batch_id: str) -> Response:
-    principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(batch_id)
-    body = await read_empty(request)
-    svc = service_of(request)
-
-    async def handler() -> tuple[int, Any]:
-        view = await message_batches.cancel(svc, principal, batch_id, base_url=_base(request))
-        svc.file_batches.notify()
-        return 200, view
-
-    return await idempotent(request, principal, body, handler)
+    return await _changed(request, batch_id, message_batches.cancel)
 
 
 @router.post(_PATH + "/{batch_id}/retry")
 @anthropic_door
 async def retry_message_batch(request: Request, batch_id: str) -> Response:
     """A batchyard extension: a new batch of this one's errored, canceled and expired requests."""
+    return await _changed(request, batch_id, message_batches.retry)
+
+
+async def _changed(request: Request, batch_id: str, change: _Change) -> Response:
+    """Cancel or retry: once per idempotency key, then the worker is woken for what it holds."""
     principal = await authenticate(request, x_api_key=True)
     batch_id = _id(batch_id)
     body = await read_empty(request)
     svc = service_of(request)
 
     async def handler() -> tuple[int, Any]:
-        view = await message_batches.retry(svc, principal, batch_id, base_url=_base(request))
+        view = await change(svc, principal, batch_id, base_url=_base(request))
         svc.file_batches.notify()
         return 200, view
 

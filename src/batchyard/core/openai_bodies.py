@@ -263,9 +263,6 @@ class ChatRequest(_Common):
     functions: Annotated[Any, Unserved()] = None
     function_call: Annotated[Any, Unserved()] = None
 
-    def tool_names(self) -> list[str]:
-        return [t["function"]["name"] for t in self.tools or []]
-
 
 _T = TypeVar("_T")
 _NonEmpty = Annotated[list[_T], Field(min_length=1)]

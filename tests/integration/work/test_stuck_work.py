@@ -37,7 +37,7 @@ from tests.support.file_batches import (
     upload,
     worker,
 )
-from tests.support.runs import Api, http_catalog, runs_raw
+from tests.support.runs import Api, fast_runs, http_catalog
 from tests.support.server import asgi_client
 from tests.support.services import ServiceFactory
 from tests.support.workspace import answer_with
@@ -282,7 +282,7 @@ async def test_a_deferred_batch_waiting_on_the_market_is_stuck_for_the_market(ma
 
 async def test_a_run_whose_route_is_down_waits_and_is_stuck_for_its_route(make_service):
     svc = make_service(
-        catalog=http_catalog(closed_port_url()), raw=runs_raw(), stuck_after_s=STUCK_AFTER
+        catalog=http_catalog(closed_port_url()), runs=fast_runs(), stuck_after_s=STUCK_AFTER
     )
     acct = make_account(svc, credit="5")
     rows = [{"text": f"ticket {i}"} for i in range(3)]
