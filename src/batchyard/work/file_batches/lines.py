@@ -27,14 +27,14 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from batchyard.core.anthropic_bodies import Translated
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, engine_name
 from batchyard.core.ids import new_id
-from batchyard.core.market import offer_cost, qualifies
+from batchyard.core.market import Item, Policy, offer_cost, qualifies
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.core.prices import Price
@@ -59,7 +59,17 @@ from batchyard.work.openai_wire import (
 )
 from batchyard.work.runner import Answered, Failed
 
-__all__ = ["LineAnswer", "LinePlan", "call", "never_answered", "plan_for", "result"]
+__all__ = [
+    "RUN_TIME",
+    "LineAnswer",
+    "LinePlan",
+    "call",
+    "never_answered",
+    "plan_by_policy",
+    "plan_for",
+    "result",
+    "waits_until",
+]
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -120,6 +130,47 @@ def plan_for(
         return None
     offer = best[1]
     assert offer.price is not None
+    return LinePlan(model, catalog.routes[offer.route], offer.price, direct)
+
+
+#: What a batch is left to run in once it stops waiting: OpenAI's window, which a
+#: 24 h batch runs in today.
+RUN_TIME = timedelta(hours=24)
+
+
+def waits_until(created_at: datetime, expires_at: datetime) -> datetime | None:
+    """Until when a batch's lines may wait for a price: None for a window of 24 h or less.
+
+    A longer window waits until 24 h are left, the deferred batches' policy
+    choosing when (``plan_by_policy``); then its lines go as a 24 h batch's
+    would, so the window's end is met as a 24 h batch meets it.
+    """
+    if expires_at - created_at <= RUN_TIME:
+        return None
+    return expires_at - RUN_TIME
+
+
+def plan_by_policy(
+    catalog: Catalog,
+    prices: MarketPrices,
+    policy: Policy,
+    item: Item,
+    model_id: str,
+    now: datetime,
+) -> LinePlan | None:
+    """The route the deferred batches' policy picks for a model's lines now, or None: wait.
+
+    ``item`` stands for the batch's lines of ``model_id`` (its deadline the end
+    of their wait). As for a deferred item, the policy only narrows the rule
+    (``qualifies``), and a line is charged the chosen route's offered price.
+    """
+    model = catalog.find(model_id)
+    if model is None or not catalog.is_available(model_id):
+        return None
+    direct = prices.direct(model_id)
+    offer = policy.choose(item, prices.offers(model_id, now), direct, now)
+    if offer is None or offer.price is None or not qualifies(offer, direct, item.min_discount):
+        return None
     return LinePlan(model, catalog.routes[offer.route], offer.price, direct)
 
 
