@@ -155,6 +155,8 @@ file_batch_lines = Table(
     Column("usage_input", Integer, nullable=True),
     Column("usage_output", Integer, nullable=True),
     Column("charge", BigInteger, nullable=True),
+    # What the line's usage would have cost at the model's direct price (its quote's).
+    Column("direct_charge", BigInteger, nullable=True),
     # The line's rendered output- or error-file line (with its newline), sealed.
     Column("out", LargeBinary, nullable=True),
     Column("out_bytes", Integer, nullable=True),
@@ -226,6 +228,8 @@ class LineEnd:
     usage_input: int = 0
     usage_output: int = 0
     charge: int = 0
+    #: What the usage would have cost at the model's direct price (the quote's).
+    direct_charge: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +242,8 @@ class Totals:
     charge: int
     output_bytes: int
     error_bytes: int
+    #: What the answered lines would have cost at their models' direct prices.
+    direct_charge: int = 0
 
 
 def out_aad(batch_id: str, line: int) -> bytes:
@@ -362,7 +368,10 @@ def totals(conn: Connection, batch_ids: Iterable[str]) -> dict[str, Totals]:
     if not ids:
         return {}
     acc: dict[str, dict[str, Any]] = {
-        b: {"per": dict.fromkeys(LINE_STATES, 0), "in": 0, "out": 0, "ch": 0, "ob": 0, "eb": 0}
+        b: {
+            "per": dict.fromkeys(LINE_STATES, 0),
+            **dict.fromkeys(("in", "out", "ch", "ob", "eb", "dc"), 0),
+        }
         for b in ids
     }
     rows = conn.execute(
@@ -374,22 +383,25 @@ def totals(conn: Connection, batch_ids: Iterable[str]) -> dict[str, Totals]:
             func.sum(file_batch_lines.c.usage_output),
             func.sum(file_batch_lines.c.charge),
             func.sum(file_batch_lines.c.out_bytes),
+            func.sum(file_batch_lines.c.direct_charge),
         )
         .where(file_batch_lines.c.batch_id.in_(ids))
         .group_by(file_batch_lines.c.batch_id, file_batch_lines.c.state)
     ).all()
-    for batch_id, state, n, ui, uo, ch, ob in rows:
+    for batch_id, state, n, ui, uo, ch, ob, dc in rows:
         a = acc[batch_id]
         a["per"][state] = int(n)
         a["in"] += int(ui or 0)
         a["out"] += int(uo or 0)
         a["ch"] += int(ch or 0)
+        a["dc"] += int(dc or 0)
         if state == "succeeded":
             a["ob"] += int(ob or 0)
         else:
             a["eb"] += int(ob or 0)
     return {
-        b: Totals(a["per"], a["in"], a["out"], a["ch"], a["ob"], a["eb"]) for b, a in acc.items()
+        b: Totals(a["per"], a["in"], a["out"], a["ch"], a["ob"], a["eb"], a["dc"])
+        for b, a in acc.items()
     }
 
 
@@ -504,6 +516,7 @@ def record_results(
             usage_input=bindparam("b_ui"),
             usage_output=bindparam("b_uo"),
             charge=bindparam("b_ch"),
+            direct_charge=bindparam("b_dc"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
             ended_seq=bindparam("b_seq"),
@@ -521,6 +534,7 @@ def record_results(
                 "b_ui": e.usage_input,
                 "b_uo": e.usage_output,
                 "b_ch": e.charge,
+                "b_dc": e.direct_charge,
                 "b_out": e.out,
                 "b_ob": e.out_bytes,
             }

@@ -58,10 +58,16 @@ async def test_a_72h_batch_waits_for_a_dip_and_pays_less_than_at_24h(market, clo
         set_price(svc, "spot", *CHEAP)  # the dip
         await w.run_until_idle()
         done = await _show(http, acct, long["id"])
+        shown_day = await _show(http, acct, day["id"])
     assert done["status"] == "completed" and done["completed_at"] < done["expires_at"]
     paid_day = sum(from_ticks(ln.charge) for ln in lines_of(svc, day["id"]))
     paid_long = sum(from_ticks(ln.charge) for ln in lines_of(svc, long["id"]))
     assert Decimal(0) < paid_long < paid_day
+    # The batch object says what its lines paid against the direct price they were quoted at.
+    assert Decimal(done["charge"]) == paid_long
+    assert Decimal(done["direct_charge"]) == Decimal(shown_day["direct_charge"]) == paid_day
+    assert Decimal(done["saved"]) == paid_day - paid_long > 0
+    assert Decimal(shown_day["saved"]) == 0
     for line in lines_of(svc, long["id"]):
         assert line.route == "spot" and from_ticks(line.charge) < _direct(line)
     for line in lines_of(svc, day["id"]):  # 24 h: at once, at the direct price, as today

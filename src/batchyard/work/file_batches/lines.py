@@ -296,6 +296,8 @@ def result(
         return LineEnd(claimed.line, "failed", out, size, route=plan.route.id)
     request, usage, answered = attempt.value.request, attempt.value.usage, attempt.value.answered
     ticks = charge(plan.price, plan.route, usage).ticks
+    # The same usage at the direct price, every prompt token uncached, as the quote priced it.
+    direct_ticks = charge(plan.direct, None, usage).ticks
     request_id = new_id(_ID_PREFIXES[type(request)], now)
     reply = Reply(request_id, int(now.timestamp()), plan.model.id)
     body = {**_answer_body(request, answered, reply), "charge": format_money(ticks)}
@@ -316,4 +318,5 @@ def result(
         usage_input=usage.input_tokens,
         usage_output=usage.output_tokens,
         charge=ticks,
+        direct_charge=direct_ticks,
     )
