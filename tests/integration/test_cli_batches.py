@@ -47,3 +47,25 @@ async def test_submit_wait_output_then_list_get_cancel_download(service, tmp_pat
     assert got[0] == 0 and json.loads(got[1])["status"] == "completed"
     assert refused[0] != 0 and "batch_not_cancellable" in refused[1]
     assert downloaded[0] == 0 and again.read_bytes() == out.read_bytes()
+
+
+async def test_submit_a_longer_window_that_waits_for_a_price(service, tmp_path):
+    acct = make_account(service, credit="1")
+    source = tmp_path / "requests.jsonl"
+    source.write_bytes(jsonl([chat_line("q0")]))
+
+    async with live_server(service) as base:
+        env = {"BATCHYARD_BASE_URL": base, "BATCHYARD_API_KEY": acct.key, "COLUMNS": "200"}
+
+        def run(*args: str) -> tuple[int, str]:
+            result = CliRunner().invoke(cli, ["batches", *args], env=env)
+            return result.exit_code, result.output
+
+        code, text = await asyncio.to_thread(run, "submit", str(source), "--window", "72h")
+        assert code == 0, text
+        got = await asyncio.to_thread(run, "get", text.split(":", 1)[0])
+        bad = await asyncio.to_thread(run, "submit", str(source), "--window", "36h")
+    shown = json.loads(got[1])
+    assert shown["completion_window"] == "72h"
+    assert shown["expires_at"] - shown["created_at"] == 72 * 3600
+    assert bad[0] != 0 and "36h" in bad[1]
