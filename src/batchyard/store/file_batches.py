@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -56,6 +56,7 @@ from batchyard.store.tables import UtcDateTime, metadata
 __all__ = [
     "LINE_STATES",
     "LIVE",
+    "RUN_TIME",
     "BatchRow",
     "Claimed",
     "LineEnd",
@@ -86,6 +87,7 @@ __all__ = [
     "requeue_unsent",
     "set_status",
     "totals",
+    "waits_until",
 ]
 
 LINE_STATES = ("pending", "dispatched", "succeeded", "failed", "expired", "canceled", "uncertain")
@@ -244,6 +246,23 @@ class Totals:
     error_bytes: int
     #: What the answered lines would have cost at their models' direct prices.
     direct_charge: int = 0
+
+
+#: What a batch is left to run in once it stops waiting: OpenAI's window, which a
+#: 24 h batch runs in today.
+RUN_TIME = timedelta(hours=24)
+
+
+def waits_until(created_at: datetime, expires_at: datetime) -> datetime | None:
+    """Until when a batch's lines may wait for a price: None for a window of 24 h or less.
+
+    A longer window waits until 24 h are left, the deferred batches' policy
+    choosing when (``work.file_batches.lines.plan_by_policy``); then its lines go as a 24 h batch's
+    would, so the window's end is met as a 24 h batch meets it.
+    """
+    if expires_at - created_at <= RUN_TIME:
+        return None
+    return expires_at - RUN_TIME
 
 
 def out_aad(batch_id: str, line: int) -> bytes:

@@ -7,8 +7,10 @@ from decimal import Decimal
 
 import pytest
 
+from batchyard.app import stuck_watch
 from batchyard.core.money import from_ticks
 from batchyard.engines.scripted import ScriptedEngine
+from batchyard.store import stuck
 from tests.support.accounts import make_account
 from tests.support.deferred_batches import feed_route, set_price
 from tests.support.file_batches import chat_line, create, jsonl, lines_of, upload, worker
@@ -86,6 +88,10 @@ async def test_a_72h_batch_on_a_market_that_never_dips_meets_its_deadline(market
             await w.run_until_idle()
             clock.advance(4 * 3600)
         assert (await _show(http, acct, long["id"]))["request_counts"]["waiting"] == 3
+        # Seen as waiting for a price, not stuck for no reason.
+        (idle,) = svc.db.read_sync(lambda c: stuck.idle_work(c, clock.now()))
+        why = stuck_watch(svc).why(idle, clock.now())
+        assert idle.id == long["id"] and why.reason == "market" and "wait for a price" in why.detail
         clock.advance(4 * 3600 + 1)  # 24 h are left: the lines go as a 24 h batch's do
         set_price(svc, "spot", *HIGH)
         await w.run_until_idle()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -43,7 +43,7 @@ from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.protocol import Completion, Embeddings, Usage
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import InternalError
-from batchyard.store.file_batches import Claimed, LineEnd, out_aad
+from batchyard.store.file_batches import RUN_TIME, Claimed, LineEnd, out_aad, waits_until
 from batchyard.store.files import line_aad
 from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.market_prices import MarketPrices
@@ -131,23 +131,6 @@ def plan_for(
     offer = best[1]
     assert offer.price is not None
     return LinePlan(model, catalog.routes[offer.route], offer.price, direct)
-
-
-#: What a batch is left to run in once it stops waiting: OpenAI's window, which a
-#: 24 h batch runs in today.
-RUN_TIME = timedelta(hours=24)
-
-
-def waits_until(created_at: datetime, expires_at: datetime) -> datetime | None:
-    """Until when a batch's lines may wait for a price: None for a window of 24 h or less.
-
-    A longer window waits until 24 h are left, the deferred batches' policy
-    choosing when (``plan_by_policy``); then its lines go as a 24 h batch's
-    would, so the window's end is met as a 24 h batch meets it.
-    """
-    if expires_at - created_at <= RUN_TIME:
-        return None
-    return expires_at - RUN_TIME
 
 
 def plan_by_policy(
