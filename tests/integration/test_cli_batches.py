@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 
 from click.testing import CliRunner
 
 from batchyard.cli.main import cli
+from batchyard.store import file_batches as file_store
 from tests.support.accounts import make_account
 from tests.support.file_batches import chat_line, jsonl
 from tests.support.server import live_server
@@ -63,9 +65,8 @@ async def test_submit_a_longer_window_that_waits_for_a_price(service, tmp_path):
 
         code, text = await asyncio.to_thread(run, "submit", str(source), "--window", "72h")
         assert code == 0, text
-        got = await asyncio.to_thread(run, "get", text.split(":", 1)[0])
         bad = await asyncio.to_thread(run, "submit", str(source), "--window", "36h")
-    shown = json.loads(got[1])
-    assert shown["completion_window"] == "72h"
-    assert shown["expires_at"] - shown["created_at"] == 72 * 3600
+    row = service.db.read_sync(lambda c: file_store.load_batch(c, text.split(":", 1)[0]))
+    assert row is not None and row.completion_window == "72h"
+    assert row.expires_at - row.created_at == timedelta(hours=72)
     assert bad[0] != 0 and "36h" in bad[1]
