@@ -161,7 +161,9 @@ def build_service(
         )
     deferred_batches = _deferred_batch_worker(settings, db, clock, dispatcher, key, policy=policy)
     runs = _run_worker(settings, db, clock, dispatcher, tokenizers)
-    file_batches = _file_batch_worker(settings, db, clock, dispatcher, key, deferred_batches.prices)
+    file_batches = _file_batch_worker(
+        settings, db, clock, dispatcher, key, deferred_batches.prices, deferred_batches.policy
+    )
     warmth = Warmth(clock=clock, engines=registry, dispatcher=dispatcher, idle_s=versions.idle_s)
     holds = HoldSweeper(db=db, clock=clock)
     stuck_watch = _stuck_watch(settings, db, clock, dispatcher, deferred_batches.prices)
@@ -368,6 +370,7 @@ def file_batch_worker(service: Service, *, owner: str | None = None) -> FileBatc
         service.dispatcher,
         service.batch_key,
         service.deferred_batches.prices,
+        service.deferred_batches.policy,
         owner=owner,
     )
 
@@ -379,10 +382,12 @@ def _file_batch_worker(
     dispatcher: Dispatcher,
     key: BatchKey,
     prices: MarketPrices,
+    policy: Policy,
     *,
     owner: str | None = None,
 ) -> FileBatchWorker:
-    """File batches share the market's prices: a batch that waits for a discount reads them."""
+    """File batches share the market's prices and policy: a batch that waits for a discount
+    or a price reads them."""
     return FileBatchWorker(
         db=db,
         clock=clock,
@@ -390,6 +395,7 @@ def _file_batch_worker(
         dispatcher=dispatcher,
         key=key,
         prices=prices,
+        policy=policy,
         settings=s.file_batches,
         owner=owner,
     )

@@ -143,7 +143,13 @@ def batches() -> None:
     type=click.Choice(ENDPOINTS),
     help="The endpoint every line names (default: read from the file's first line).",
 )
-@click.option("--window", type=click.Choice(["1h", "6h", "24h"]), default="24h", show_default=True)
+@click.option(
+    "--window",
+    type=click.Choice(["1h", "6h", "24h", "48h", "72h", "168h"]),
+    default="24h",
+    show_default=True,
+    help="Longer than 24h: the lines wait for a lower price until 24h are left.",
+)
 @click.option("--min-discount", type=click.FloatRange(0, 100), help="Wait for this % off.")
 @click.option("--wait", is_flag=True, help="Follow the batch with a progress bar until it ends.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="With --wait.")

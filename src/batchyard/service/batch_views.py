@@ -84,6 +84,7 @@ def file_batch_view(row: fstore.BatchRow, totals: fstore.Totals | None) -> dict[
     counts["total"] = row.request_count
     errors = json.loads(row.errors) if row.errors else None
     charge = row.charge if row.charge is not None else (totals.charge if totals else 0)
+    direct = totals.direct_charge if totals else 0
     return {
         "id": row.id,
         "object": "batch",
@@ -116,6 +117,11 @@ def file_batch_view(row: fstore.BatchRow, totals: fstore.Totals | None) -> dict[
         # batchyard's: the quote held, and what was charged so far.
         "max_cost": format_money(row.max_cost),
         "charge": format_money(charge),
+        # batchyard's: what the answered lines would have cost at the direct price their
+        # quote held at, and what paying the market's price instead saved so far (lines
+        # answered before batchyard recorded it count as saving nothing).
+        "direct_charge": format_money(direct),
+        "saved": format_money(max(0, direct - (totals.charge if totals else 0))),
         "reservation_id": row.reservation_id,
         # batchyard's: the batch this one retries, and the batch that retried it.
         "retry_of": row.retry_of,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from datetime import timedelta
 from decimal import Decimal
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -53,6 +54,7 @@ from batchyard.store.files import line_aad
 
 __all__ = [
     "ENDED",
+    "FILE_WINDOWS",
     "PERCENT",
     "RETRIED",
     "FileBatchBody",
@@ -71,6 +73,17 @@ ENDED = ("completed", "failed", "expired", "canceled")
 MAX_METADATA = 16
 #: The most invalid lines a failed batch lists in ``errors.data``.
 MAX_ERRORS = 1000
+
+
+#: A file batch's windows: OpenAI's 24 h (and deferred batches' shorter ones), and
+#: batchyard's longer ones, whose lines wait for a price until 24 h are left
+#: (``work.file_batches.lines.waits_until``).
+FILE_WINDOWS = {
+    **WINDOWS,
+    "48h": timedelta(hours=48),
+    "72h": timedelta(hours=72),
+    "168h": timedelta(hours=168),
+}
 
 
 def _bad(message: str, param: str, code: str = "invalid_request") -> InvalidRequest:
@@ -120,7 +133,9 @@ class FileBatchBody(Shape):
         Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"],
         Coded("unsupported_endpoint"),
     ]
-    completion_window: Annotated[Literal["24h", "6h", "1h"], Coded("invalid_completion_window")]
+    completion_window: Annotated[
+        Literal["24h", "6h", "1h", "48h", "72h", "168h"], Coded("invalid_completion_window")
+    ]
     metadata: BatchMetadata | None = None
     output_expires_after: OutputExpiry | None = None
 
@@ -222,7 +237,7 @@ async def create(
             output_file_id=None,
             error_file_id=None,
             created_at=now,
-            expires_at=now + WINDOWS[parsed["window"]],
+            expires_at=now + FILE_WINDOWS[parsed["window"]],
             in_progress_at=now,
             finalizing_at=None,
             completed_at=None,

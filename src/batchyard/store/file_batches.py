@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -56,6 +56,7 @@ from batchyard.store.tables import UtcDateTime, metadata
 __all__ = [
     "LINE_STATES",
     "LIVE",
+    "RUN_TIME",
     "BatchRow",
     "Claimed",
     "LineEnd",
@@ -86,6 +87,7 @@ __all__ = [
     "requeue_unsent",
     "set_status",
     "totals",
+    "waits_until",
 ]
 
 LINE_STATES = ("pending", "dispatched", "succeeded", "failed", "expired", "canceled", "uncertain")
@@ -155,6 +157,8 @@ file_batch_lines = Table(
     Column("usage_input", Integer, nullable=True),
     Column("usage_output", Integer, nullable=True),
     Column("charge", BigInteger, nullable=True),
+    # What the line's usage would have cost at the model's direct price (its quote's).
+    Column("direct_charge", BigInteger, nullable=True),
     # The line's rendered output- or error-file line (with its newline), sealed.
     Column("out", LargeBinary, nullable=True),
     Column("out_bytes", Integer, nullable=True),
@@ -226,6 +230,8 @@ class LineEnd:
     usage_input: int = 0
     usage_output: int = 0
     charge: int = 0
+    #: What the usage would have cost at the model's direct price (the quote's).
+    direct_charge: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +244,25 @@ class Totals:
     charge: int
     output_bytes: int
     error_bytes: int
+    #: What the answered lines would have cost at their models' direct prices.
+    direct_charge: int = 0
+
+
+#: What a batch is left to run in once it stops waiting: OpenAI's window, which a
+#: 24 h batch runs in today.
+RUN_TIME = timedelta(hours=24)
+
+
+def waits_until(created_at: datetime, expires_at: datetime) -> datetime | None:
+    """Until when a batch's lines may wait for a price: None for a window of 24 h or less.
+
+    A longer window waits until 24 h are left, the deferred batches' policy
+    choosing when (``work.file_batches.lines.plan_by_policy``); then its lines go as a 24 h batch's
+    would, so the window's end is met as a 24 h batch meets it.
+    """
+    if expires_at - created_at <= RUN_TIME:
+        return None
+    return expires_at - RUN_TIME
 
 
 def out_aad(batch_id: str, line: int) -> bytes:
@@ -362,7 +387,10 @@ def totals(conn: Connection, batch_ids: Iterable[str]) -> dict[str, Totals]:
     if not ids:
         return {}
     acc: dict[str, dict[str, Any]] = {
-        b: {"per": dict.fromkeys(LINE_STATES, 0), "in": 0, "out": 0, "ch": 0, "ob": 0, "eb": 0}
+        b: {
+            "per": dict.fromkeys(LINE_STATES, 0),
+            **dict.fromkeys(("in", "out", "ch", "ob", "eb", "dc"), 0),
+        }
         for b in ids
     }
     rows = conn.execute(
@@ -374,22 +402,25 @@ def totals(conn: Connection, batch_ids: Iterable[str]) -> dict[str, Totals]:
             func.sum(file_batch_lines.c.usage_output),
             func.sum(file_batch_lines.c.charge),
             func.sum(file_batch_lines.c.out_bytes),
+            func.sum(file_batch_lines.c.direct_charge),
         )
         .where(file_batch_lines.c.batch_id.in_(ids))
         .group_by(file_batch_lines.c.batch_id, file_batch_lines.c.state)
     ).all()
-    for batch_id, state, n, ui, uo, ch, ob in rows:
+    for batch_id, state, n, ui, uo, ch, ob, dc in rows:
         a = acc[batch_id]
         a["per"][state] = int(n)
         a["in"] += int(ui or 0)
         a["out"] += int(uo or 0)
         a["ch"] += int(ch or 0)
+        a["dc"] += int(dc or 0)
         if state == "succeeded":
             a["ob"] += int(ob or 0)
         else:
             a["eb"] += int(ob or 0)
     return {
-        b: Totals(a["per"], a["in"], a["out"], a["ch"], a["ob"], a["eb"]) for b, a in acc.items()
+        b: Totals(a["per"], a["in"], a["out"], a["ch"], a["ob"], a["eb"], a["dc"])
+        for b, a in acc.items()
     }
 
 
@@ -504,6 +535,7 @@ def record_results(
             usage_input=bindparam("b_ui"),
             usage_output=bindparam("b_uo"),
             charge=bindparam("b_ch"),
+            direct_charge=bindparam("b_dc"),
             out=bindparam("b_out"),
             out_bytes=bindparam("b_ob"),
             ended_seq=bindparam("b_seq"),
@@ -521,6 +553,7 @@ def record_results(
                 "b_ui": e.usage_input,
                 "b_uo": e.usage_output,
                 "b_ch": e.charge,
+                "b_dc": e.direct_charge,
                 "b_out": e.out,
                 "b_ob": e.out_bytes,
             }

@@ -33,7 +33,7 @@ from sqlalchemy import Connection, case, func, select
 from batchyard.core.clock import isoformat
 from batchyard.core.runs import ItemState, RunStatus
 from batchyard.store.deferred_batch_tables import ACTIVE, batch_items, batches
-from batchyard.store.file_batches import LIVE, file_batch_lines, file_batches
+from batchyard.store.file_batches import LIVE, file_batch_lines, file_batches, waits_until
 from batchyard.store.runs import run_items, runs
 from batchyard.store.tables import activity
 
@@ -62,6 +62,8 @@ class Idle:
     models: tuple[str, ...]
     #: The discount it waits on the price market for, if any.
     min_discount: str | None
+    #: Until when its window lets it wait for a price (a file batch's window over 24 h).
+    waits_until: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,13 +97,23 @@ def _file_batches(conn: Connection, before: datetime) -> list[Idle]:
             fb.c.org_id,
             fb.c.endpoint,
             fb.c.min_discount,
+            fb.c.created_at,
+            fb.c.expires_at,
             started.label("started"),
             func.max(case((~waiting, fbl.c.updated_at))).label("last_end"),
             func.sum(case((waiting, 1), else_=0)).label("left"),
         )
         .select_from(fb.join(fbl, fbl.c.batch_id == fb.c.id))
         .where(fb.c.status.in_(LIVE))
-        .group_by(fb.c.id, fb.c.org_id, fb.c.endpoint, fb.c.min_discount, started)
+        .group_by(
+            fb.c.id,
+            fb.c.org_id,
+            fb.c.endpoint,
+            fb.c.min_discount,
+            fb.c.created_at,
+            fb.c.expires_at,
+            started,
+        )
     )
     found = []
     for r in conn.execute(q):
@@ -118,6 +130,7 @@ def _file_batches(conn: Connection, before: datetime) -> list[Idle]:
             int(r.left),
             models[r.id],
             r.min_discount,
+            waits_until(r.created_at, r.expires_at),
         )
         for r in found
     ]

@@ -12,7 +12,8 @@ counts it (``batchyard_work_stuck_total``), with the reason it waits:
   (``work.route_health``); its units wait for the route instead of failing;
 - ``limits``: that route's upstream answered 429, and the calls wait out its
   penalty;
-- ``market``: it waits for a discount no route's fresh price meets;
+- ``market``: it waits for a discount no route's fresh price meets, or for a
+  price its window lets it wait for (a file batch's window over 24 h);
 - ``unknown``: none of these; the worker's log says more.
 
 The sweep also rewrites one row of ``store_probes`` (``WATCH_PROBE``), so
@@ -108,6 +109,11 @@ class StuckWatch:
                     f"route {route.id}'s upstream has answered 429 since "
                     f"{isoformat(trouble.since)}; its calls wait out the penalty",
                 )
+        if work.waits_until is not None and now < work.waits_until:
+            return Why(
+                "market",
+                f"its window lets it wait for a price until {isoformat(work.waits_until)}",
+            )
         if work.min_discount is not None:
             wanted = Decimal(work.min_discount)
             if all(

@@ -158,7 +158,7 @@ async def test_bad_batches_change_nothing(service, clock):
         theirs = await create(http, other.headers, f["id"])
         deleted = await create(http, acct.headers, gone["id"])
         mismatch = await create(http, acct.headers, f["id"], endpoint="/v1/embeddings")
-        window = await create(http, acct.headers, f["id"], window="48h")
+        window = await create(http, acct.headers, f["id"], window="36h")
         # Not strings at all: read by the declared body, never hashed by hand (was a 500).
         windows = [await create(http, acct.headers, f["id"], window=w) for w in ({}, [], 24)]
         endpoint = await create(http, acct.headers, f["id"], endpoint={})

@@ -25,7 +25,11 @@ Each round, in order:
    holds it (every write is fenced by the line's lease).
 
 A batch that waits for a discount (``metadata.min_discount``) claims lines
-only while a route's fresh price meets it (``lines.plan_for``).
+only while a route's fresh price meets it (``lines.plan_for``). A batch whose
+window is longer than 24 h waits for a price as a deferred item does: until 24 h
+are left, the deferred batches' policy (``core.market``) says, per model, on each
+claim, whether its lines go now and on which route, at the route's offered
+price (``lines.plan_by_policy``); then they go as a 24 h batch's do.
 
 ``drain`` is the graceful stop (the runner's, ``work.runner``): nothing more
 is claimed or sent, lines in flight land, and lines claimed but not sent go
@@ -46,6 +50,7 @@ from sqlalchemy import Connection
 from batchyard.core.catalog import Catalog
 from batchyard.core.clock import Clock
 from batchyard.core.ids import new_id
+from batchyard.core.market import FirstEligible, Item, Policy
 from batchyard.core.money import from_ticks
 from batchyard.core.sealing import Sealer
 from batchyard.core.sections import FileBatchSettings
@@ -82,6 +87,7 @@ class FileBatchWorker(Runner):
         dispatcher: Dispatcher,
         key: BatchKey,
         prices: MarketPrices,
+        policy: Policy | None = None,
         settings: FileBatchSettings | None = None,
         owner: str | None = None,
     ) -> None:
@@ -92,6 +98,7 @@ class FileBatchWorker(Runner):
         self.dispatcher = dispatcher
         self.key = key
         self.prices = prices
+        self.policy: Policy = policy if policy is not None else FirstEligible()
         self._swept: datetime | None = None
         self.pipeline = self.new_pipeline(
             db, dispatcher.metrics, lease_s=self.settings.lease_s, flush_s=self.settings.flush_s
@@ -122,17 +129,16 @@ class FileBatchWorker(Runner):
                 continue
             if now >= batch.expires_at or not await self._has_pending(batch.id):
                 continue
-            if batch.min_discount and not await self._market_open(batch):
+            waits = batch.min_discount or lines.waits_until(batch.created_at, batch.expires_at)
+            if waits and not await self._market_open(batch):
                 continue  # no route meets the discount now; a later round looks again
             self.start(batch.id, self._execute(batch))
         return False
 
     async def _market_open(self, batch: store.BatchRow) -> bool:
-        """Whether a route's fresh price meets the batch's discount for any of its models."""
+        """Whether any of the batch's models has a route to go to now (``_plan``)."""
         models = await self.db.read(lambda c: store.models_of(c, batch.id))
-        discount = Decimal(str(batch.min_discount))
-        now = self.clock.now()
-        return any(lines.plan_for(self.catalog, self.prices, m, discount, now) for m in models)
+        return any(self._plan(batch, m) is not None for m in models)
 
     async def _has_pending(self, batch_id: str) -> bool:
         totals = await self.db.read(lambda c: store.totals(c, [batch_id]))
@@ -288,15 +294,29 @@ class FileBatchWorker(Runner):
     # -- executing -------------------------------------------------------------------------
 
     def _plan(self, batch: store.BatchRow, model: str) -> lines.LinePlan | None:
-        """Where a line of ``model`` goes now (None while no route meets the batch's discount)."""
+        """Where a line of ``model`` goes now (None while it waits for a price)."""
+        now = self.clock.now()
         min_discount = Decimal(batch.min_discount) if batch.min_discount else None
-        return lines.plan_for(self.catalog, self.prices, model, min_discount, self.clock.now())
+        until = lines.waits_until(batch.created_at, batch.expires_at)
+        if until is not None and now < until:
+            # The batch's lines of one model, as one deferred item (a line's own size is
+            # not known before its claim; 1000 and 1000 tokens rank routes as plan_for does).
+            item = Item(
+                id=f"{batch.id}/{model}",
+                min_discount=min_discount or Decimal(0),
+                deadline=until,
+                submitted_at=batch.created_at,
+                input_tokens=1000,
+                max_output_tokens=1000,
+            )
+            return lines.plan_by_policy(self.catalog, self.prices, self.policy, item, model, now)
+        return lines.plan_for(self.catalog, self.prices, model, min_discount, now)
 
     async def _call(
         self, batch: store.BatchRow, sealer: Sealer, line: Line, on_send: OnSend
     ) -> lines.LineAnswer:
         if line.plan is None:  # the market moved: back to waiting, never sent
-            raise NotSent("no route meets the batch's discount now", stop=True)
+            raise NotSent("no route meets the batch's discount or the policy now", stop=True)
         return await lines.call(
             self.dispatcher,
             sealer,

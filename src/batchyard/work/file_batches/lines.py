@@ -34,7 +34,7 @@ from typing import Any
 from batchyard.core.anthropic_bodies import Translated
 from batchyard.core.catalog import Catalog, ModelSpec, RouteSpec, engine_name
 from batchyard.core.ids import new_id
-from batchyard.core.market import offer_cost, qualifies
+from batchyard.core.market import Item, Policy, offer_cost, qualifies
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.core.prices import Price
@@ -43,7 +43,7 @@ from batchyard.core.sealing import Sealer, SealError
 from batchyard.engines.protocol import Completion, Embeddings, Usage
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import InternalError
-from batchyard.store.file_batches import Claimed, LineEnd, out_aad
+from batchyard.store.file_batches import RUN_TIME, Claimed, LineEnd, out_aad, waits_until
 from batchyard.store.files import line_aad
 from batchyard.work.dispatcher import Dispatcher, OnSend
 from batchyard.work.market_prices import MarketPrices
@@ -59,7 +59,17 @@ from batchyard.work.openai_wire import (
 )
 from batchyard.work.runner import Answered, Failed
 
-__all__ = ["LineAnswer", "LinePlan", "call", "never_answered", "plan_for", "result"]
+__all__ = [
+    "RUN_TIME",
+    "LineAnswer",
+    "LinePlan",
+    "call",
+    "never_answered",
+    "plan_by_policy",
+    "plan_for",
+    "result",
+    "waits_until",
+]
 
 log = logging.getLogger("batchyard.file_batches")
 
@@ -120,6 +130,30 @@ def plan_for(
         return None
     offer = best[1]
     assert offer.price is not None
+    return LinePlan(model, catalog.routes[offer.route], offer.price, direct)
+
+
+def plan_by_policy(
+    catalog: Catalog,
+    prices: MarketPrices,
+    policy: Policy,
+    item: Item,
+    model_id: str,
+    now: datetime,
+) -> LinePlan | None:
+    """The route the deferred batches' policy picks for a model's lines now, or None: wait.
+
+    ``item`` stands for the batch's lines of ``model_id`` (its deadline the end
+    of their wait). As for a deferred item, the policy only narrows the rule
+    (``qualifies``), and a line is charged the chosen route's offered price.
+    """
+    model = catalog.find(model_id)
+    if model is None or not catalog.is_available(model_id):
+        return None
+    direct = prices.direct(model_id)
+    offer = policy.choose(item, prices.offers(model_id, now), direct, now)
+    if offer is None or offer.price is None or not qualifies(offer, direct, item.min_discount):
+        return None
     return LinePlan(model, catalog.routes[offer.route], offer.price, direct)
 
 
@@ -245,6 +279,8 @@ def result(
         return LineEnd(claimed.line, "failed", out, size, route=plan.route.id)
     request, usage, answered = attempt.value.request, attempt.value.usage, attempt.value.answered
     ticks = charge(plan.price, plan.route, usage).ticks
+    # The same usage at the direct price, every prompt token uncached, as the quote priced it.
+    direct_ticks = charge(plan.direct, None, usage).ticks
     request_id = new_id(_ID_PREFIXES[type(request)], now)
     reply = Reply(request_id, int(now.timestamp()), plan.model.id)
     body = {**_answer_body(request, answered, reply), "charge": format_money(ticks)}
@@ -265,4 +301,5 @@ def result(
         usage_input=usage.input_tokens,
         usage_output=usage.output_tokens,
         charge=ticks,
+        direct_charge=direct_ticks,
     )
