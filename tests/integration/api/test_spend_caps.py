@@ -59,7 +59,8 @@ async def test_fifty_calls_at_once_against_a_cap_of_exactly_ten_hold_ten(make_se
     service = make_service(postgres=True)
     engine = BlockingEngine("hi")
     service.engines.set("embedded", engine)
-    acct = make_account(service, credit="100")
+    # Tier 3: its concurrency (100) and request rate let all fifty reach the hold at once.
+    acct = make_account(service, credit="100", tier=3)
     probe = add_key(service, "acme", Scope.FULL)
     async with asgi_client(service, worker=False) as http:
         # What one call holds (its quote), measured on another key of the organisation.
