@@ -10,6 +10,7 @@ import os
 import time
 
 import anthropic
+from pydantic import BaseModel
 
 client = anthropic.Anthropic(
     base_url=os.environ["BATCHYARD_BASE"], api_key=os.environ["BATCHYARD_KEY"]
@@ -46,4 +47,19 @@ while batch.processing_status != "ended":
     batch = client.messages.batches.retrieve(batch.id)
 results = {r.custom_id: r.result.type for r in client.messages.batches.results(batch.id)}
 assert results == {"req-0": "succeeded", "req-1": "succeeded"}, results
+
+
+# examples/structured_outputs.py: messages.parse sends output_config; the answer is held to
+# the schema by the same grammar as OpenAI's response_format.
+class Verdict(BaseModel):
+    answer: str
+
+
+parsed = client.messages.parse(
+    model=MODEL,
+    max_tokens=32,
+    messages=[{"role": "user", "content": "Is water wet? Answer yes or no."}],
+    output_format=Verdict,
+)
+assert isinstance(parsed.parsed_output, Verdict), parsed
 print("anthropic examples: ok")
