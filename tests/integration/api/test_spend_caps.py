@@ -83,10 +83,12 @@ async def test_fifty_calls_at_once_against_a_cap_of_exactly_ten_hold_ten(make_se
             asyncio.create_task(http.post("/v1/chat/completions", json=CHAT, headers=acct.headers))
             for _ in range(50)
         ]
-        # Nothing settles while the engine is held: every call holds or is refused first.
-        await eventually(lambda: sum(t.done() for t in calls) == 40, timeout=120)
-        assert _held_now(service) == 10
-        engine.release.set()
+        try:
+            # Nothing settles while the engine is held: every call holds or is refused first.
+            await eventually(lambda: sum(t.done() for t in calls) == 40, timeout=120)
+            assert _held_now(service) == 10
+        finally:
+            engine.release.set()  # a failure above must not leave calls waiting forever
         answers = await asyncio.gather(*calls)
         account = (await http.get("/v1/account", headers=acct.headers)).json()
     codes = Counter(a.status_code for a in answers)
