@@ -20,7 +20,7 @@ import pytest
 from batchyard.core.idempotency import fingerprint
 from batchyard.core.money import to_ticks
 from batchyard.errors import InvalidState
-from batchyard.store import holds, ledger
+from batchyard.store import billing, holds, ledger
 from batchyard.store import idempotency as idem_store
 from batchyard.work.holds import HoldSweeper
 from tests.support.accounts import make_account
@@ -81,7 +81,8 @@ async def test_a_dead_requests_hold_is_shown_once_and_released_by_an_operator(se
     assert (bal.held, bal.settled) == (0, 0)
 
 
-async def test_an_operator_settles_a_hold_to_what_the_provider_charged_at_most(service, clock):
+async def test_an_operator_settles_a_hold_to_what_the_provider_charged_at_most(make_service, clock):
+    service = make_service()
     acct = make_account(service, credit="1")
     res = await service.dispatcher.reserve(acct.org_id, to_ticks(Decimal("0.02")), purpose="decide")
     clock.advance(holds.SYNC_HOLD_LIMIT.total_seconds() + 1)
@@ -93,3 +94,7 @@ async def test_an_operator_settles_a_hold_to_what_the_provider_charged_at_most(s
     assert settled.charged == to_ticks(Decimal("0.02"))  # never more than was held
     bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
     assert (bal.held, bal.settled) == (0, to_ticks(Decimal("0.02")))
+    # Not silently: the audit lists the charge the hold could not cover.
+    (found,) = service.db.read_sync(billing.audit_charges)
+    assert res.id in found and "above its hold" in found
+    make_service.expect_over_hold(service, 1)

@@ -263,7 +263,7 @@ async def run_row(service: Service, http: httpx.AsyncClient, acct: Account, v: s
         "sampling": {"maxOutputTokens": MAX_TOKENS, "samplesPerRow": samples},
     }
     run_id, _ = await api.confirmed([row], spec)
-    await api.wait(run_id, "completed", timeout=120)
+    await api.wait(run_id, "completed")
     items = service.db.read_sync(
         lambda c: c.execute(select(run_items).where(run_items.c.run_id == run_id)).all()
     )

@@ -165,9 +165,10 @@ def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str,
         "results_url": (
             f"{base_url}/v1/messages/batches/{row.id}/results" if processing == "ended" else None
         ),
-        # batchyard's: the batch this one retries, and the batch that retried it.
-        "retry_of": row.retry_of,
-        "retried_by": row.retried_by,
+        # batchyard's, only where there is one (Anthropic's object has no such fields): the
+        # batch this one retries, and the batch that retried it.
+        **({"retry_of": row.retry_of} if row.retry_of else {}),
+        **({"retried_by": row.retried_by} if row.retried_by else {}),
     }
 
 

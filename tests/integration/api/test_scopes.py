@@ -35,6 +35,7 @@ PARAMS = {
     "file_id": new_id("file", NOW),
     "version_id": new_id("mv", NOW),
     "endpoint_id": new_id("we", NOW),
+    "key_id": new_id("key", NOW),
     "model_id": "kettei-core",
     "row_id": "1",
 }
