@@ -84,21 +84,9 @@ def reserve(
     top-up tried on the way is not kept either. ``key_id`` and ``project_id``:
     who spends it, for their spend caps (``store.spend_caps``).
     """
-    if savepoint:
-        with conn.begin_nested():
-            res = ledger.reserve(
-                conn,
-                org_id,
-                amount,
-                now,
-                purpose=purpose,
-                ref=ref,
-                tiers=tiers,
-                key_id=key_id,
-                project_id=project_id,
-            )
-    else:
-        res = ledger.reserve(
+
+    def hold() -> ledger.Reservation:
+        return ledger.reserve(
             conn,
             org_id,
             amount,
@@ -109,6 +97,12 @@ def reserve(
             key_id=key_id,
             project_id=project_id,
         )
+
+    if savepoint:
+        with conn.begin_nested():
+            res = hold()
+    else:
+        res = hold()
     if record is not None:
         activity.record(
             conn,
