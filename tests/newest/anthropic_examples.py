@@ -52,7 +52,8 @@ assert results == {"req-0": "succeeded", "req-1": "succeeded"}, results
 # examples/structured_outputs.py: messages.parse sends output_config; the answer is held to
 # the schema by the same grammar as OpenAI's response_format.
 class Verdict(BaseModel):
-    answer: str
+    wet: bool
+    sure: bool
 
 
 parsed = client.messages.parse(

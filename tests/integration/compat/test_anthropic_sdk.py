@@ -9,7 +9,7 @@ misspelt or of the wrong type fails here rather than in a user's code.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 import anthropic
 import pytest
@@ -211,7 +211,10 @@ def test_errors_are_the_sdks_own_exceptions_in_anthropics_envelope(gateway):
 
 
 class Verdict(BaseModel):
-    answer: Literal["yes", "no"]
+    # Booleans, not a ``Literal``: the SDK moves an enum into the description before it
+    # sends the schema, then checks the enum itself, so no server can hold a model to it.
+    wet: bool
+    sure: bool
 
 
 def test_structured_outputs_parse_into_the_callers_type(gateway):
@@ -225,4 +228,4 @@ def test_structured_outputs_parse_into_the_callers_type(gateway):
         output_format=Verdict,
     )
     assert isinstance(parsed.parsed_output, Verdict)
-    assert parsed.parsed_output.answer in ("yes", "no")
+    assert list(json.loads(parsed.content[0].text)) == ["wet", "sure"]  # the schema's order
