@@ -204,20 +204,27 @@ async def test_the_python_client_follows_a_batch_to_its_end(service):
     lines = [chat_line(f"c{i}", f"Say hi to {i}.") for i in range(6)]
 
     class Ticks:
-        """The client's clock: each poll lets the engine answer one more call."""
+        """The client's clock: each poll lets the engine answer one more call, and returns
+        once its line has ended (no real time passes for the poll itself)."""
+
+        batch_id = ""
 
         def time(self) -> float:
             return 0.0
 
         async def sleep(self, seconds: float) -> None:
-            engine.release()
-            await asyncio.sleep(0.01)
+            before = ended_lines(service, self.batch_id)
+            if before < len(lines):
+                engine.release()
+                await eventually(lambda: ended_lines(service, self.batch_id) > before)
 
     async with asgi_client(service, worker=True) as http:
         f = (await upload(http, acct.headers, jsonl(lines))).json()
         batch = (await create(http, acct.headers, f["id"])).json()
+        ticks = Ticks()
+        ticks.batch_id = batch["id"]
         client = AsyncClient(
-            base_url=str(http.base_url), api_key=acct.key, http_client=http, clock=Ticks()
+            base_url=str(http.base_url), api_key=acct.key, http_client=http, clock=ticks
         )
         followed = [x async for x in client.follow_batch(batch["id"], poll=1.0)]
     assert sorted(x["custom_id"] for x in followed) == [f"c{i}" for i in range(6)]
