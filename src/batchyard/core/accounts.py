@@ -76,6 +76,11 @@ class Principal:
     def may(self, *scopes: Scope) -> bool:
         return self.scope in scopes
 
+    @property
+    def own_key(self) -> str | None:
+        """The key whose work alone this caller sees (``own_only``), or None for all."""
+        return self.key_id if self.own_only else None
+
 
 def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)

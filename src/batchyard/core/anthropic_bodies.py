@@ -1,20 +1,8 @@
 """The bodies of Anthropic's Messages API, checked strictly and turned into OpenAI's shape.
 
-``parse_messages`` and ``parse_count_tokens`` take a decoded JSON object and
-return a typed request or raise a coded 400, as ``core.openai_bodies`` does for
-OpenAI's endpoints: every field Anthropic documents is accepted (those that
-change nothing here, such as ``metadata`` or ``service_tier``, are accepted and
-ignored; those no engine here can honour, such as extended thinking or server
-tools, are refused with ``capability_unsupported``), an unknown field is
-``unknown_field`` naming it, and nothing is coerced.
-
-The engines take one request shape, OpenAI's (``engines.protocol.CompletionRequest``),
-so a Messages body is translated rather than answered by a second path:
-``to_openai_messages`` writes the system prompt as a system message, content
-blocks as content parts, ``tool_use`` blocks as an assistant's ``tool_calls``
-and ``tool_result`` blocks as ``tool`` messages; ``to_openai_tools`` and
-``to_openai_tool_choice`` do the same for the tools. The translation touches
-no service, so a line of a Message Batch can be checked by the same code.
+Checked as ``core.openai_bodies`` checks OpenAI's. The engines take one request shape,
+OpenAI's, so a Messages body is translated rather than answered by a second path, and
+the translation touches no service, so a Message Batch line is checked by the same code.
 """
 
 from __future__ import annotations
@@ -27,9 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from batchyard.core.inputs import AsDicts, Unserved
-from batchyard.core.openai_bodies import validated
-from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
+from batchyard.core.inputs import AsDicts, Unserved, strict
+from batchyard.errors import InvalidRequest
 
 __all__ = [
     "ERROR_TYPES",
@@ -87,7 +74,6 @@ ERROR_TYPES = {
 }
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
-_MEDIA_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 
 
 class _Strict(BaseModel):
@@ -287,266 +273,100 @@ class CountTokensRequest(_Prompt):
     """``POST /v1/messages/count_tokens``: a prompt, never run."""
 
 
-def _where(*parts: object) -> str:
-    return ".".join(str(p) for p in parts)
+# The translation reads what the shapes above already checked (``parse_messages``): only
+# what no shape can say is checked here, each tool named once and a choice naming one.
 
 
-def _text_of(block: dict[str, Any], where: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise InvalidRequest(f"{where}.text must be a string", param=f"{where}.text")
-    return text
-
-
-def _known(block: dict[str, Any], where: str, allowed: set[str]) -> None:
-    for name in block:
-        if name not in allowed:
-            raise UnknownField(
-                f"unknown field {name!r} in a {block.get('type')} block", param=f"{where}.{name}"
-            )
-
-
-def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
-    """An Anthropic image block as OpenAI's ``image_url`` part (a data URL or a URL)."""
-    _known(block, where, {"type", "source", "cache_control"})
-    source = block.get("source")
-    kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "base64" and isinstance(source, dict):
-        media, data = source.get("media_type"), source.get("data")
-        if media not in _MEDIA_TYPES or not isinstance(data, str) or not data:
-            raise InvalidRequest(
-                f"{where}.source needs media_type (one of {', '.join(sorted(_MEDIA_TYPES))}) "
-                "and base64 data",
-                param=f"{where}.source",
-            )
-        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
-    if kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
+def _image_part(source: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic image source as OpenAI's ``image_url`` part (a data URL or a URL)."""
+    if source["type"] == "url":
         return {"type": "image_url", "image_url": {"url": source["url"]}}
-    raise InvalidRequest(
-        f"{where}.source must be {{type: base64, media_type, data}} or {{type: url, url}}",
-        param=f"{where}.source",
-    )
+    url = f"data:{source['media_type']};base64,{source['data']}"
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _result_content(block: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
-    content = block.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(
-            f"{where}.content must be a string or a list of blocks", param=f"{where}.content"
-        )
-    parts: list[dict[str, Any]] = []
-    for k, sub in enumerate(content):
-        at = _where(where, "content", k)
-        kind = sub.get("type") if isinstance(sub, dict) else None
-        if kind == "text" and isinstance(sub, dict):
-            _known(sub, at, {"type", "text", "cache_control", "citations"})
-            parts.append({"type": "text", "text": _text_of(sub, at)})
-        elif kind == "image" and isinstance(sub, dict):
-            parts.append(_image_part(sub, at))
-        else:
-            raise InvalidRequest(
-                f"{at} must be a text or image block inside a tool_result", param=at
-            )
-    return parts
-
-
-_UNSUPPORTED_BLOCKS = frozenset(
-    {
-        "document",
-        "search_result",
-        "thinking",
-        "redacted_thinking",
-        "server_tool_use",
-        "web_search_tool_result",
-        "container_upload",
-        "mcp_tool_use",
-        "mcp_tool_result",
-    }
-)
-
-
-def _blocks(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
-    content = message.get("content")
-    where = _where("messages", i, "content")
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string or a list of blocks", param=where)
-    out: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        at = _where(where, j)
-        kind = block.get("type") if isinstance(block, dict) else None
-        if not isinstance(block, dict) or not isinstance(kind, str):
-            raise InvalidRequest(f"{at} must be a content block with a type", param=at)
-        if kind in _UNSUPPORTED_BLOCKS:
-            raise CapabilityUnsupported(f"{at}: {kind} blocks are not supported here", param=at)
-        out.append(block)
-    return out
-
-
-def _user(i: int, blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One user turn: its tool results as ``tool`` messages, then its other content."""
-    out: list[dict[str, Any]] = []
-    parts: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        at = _where("messages", i, "content", j)
-        kind = block["type"]
-        if kind == "text":
-            _known(block, at, {"type", "text", "cache_control", "citations"})
-            parts.append({"type": "text", "text": _text_of(block, at)})
-        elif kind == "image":
-            parts.append(_image_part(block, at))
-        elif kind == "tool_result":
-            _known(block, at, {"type", "tool_use_id", "content", "is_error", "cache_control"})
-            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
-                raise InvalidRequest(
-                    f"{at}.tool_use_id must name the tool_use it answers",
-                    param=f"{at}.tool_use_id",
-                )
-            if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
-                raise InvalidRequest(f"{at}.is_error must be a boolean", param=f"{at}.is_error")
-            result = _result_content(block, at)
-            if block.get("is_error"):
-                text = result if isinstance(result, str) else _joined(result)
-                result = f"Error: {text}"
-            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
-        elif kind == "tool_use":
-            raise InvalidRequest(f"{at}: tool_use blocks belong to assistant turns", param=at)
-        else:
-            raise InvalidRequest(f"{at} is a content block of unknown type {kind!r}", param=at)
-    if parts:
-        only_text = all(p["type"] == "text" for p in parts)
-        content: Any = _joined(parts) if only_text and len(parts) == 1 else parts
-        out.append({"role": "user", "content": content})
-    return out
+def _parts(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Text and image blocks as OpenAI content parts."""
+    return [
+        {"type": "text", "text": b["text"]} if b["type"] == "text" else _image_part(b["source"])
+        for b in blocks
+    ]
 
 
 def _joined(parts: list[dict[str, Any]]) -> str:
     return "\n".join(str(p.get("text", "")) for p in parts if p.get("type") == "text")
 
 
-def _assistant(i: int, blocks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One assistant turn: its text, and its ``tool_use`` blocks as OpenAI tool calls."""
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        at = _where("messages", i, "content", j)
-        kind = block["type"]
-        if kind == "text":
-            _known(block, at, {"type", "text", "cache_control", "citations"})
-            texts.append(_text_of(block, at))
-        elif kind == "tool_use":
-            _known(block, at, {"type", "id", "name", "input", "cache_control"})
-            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-                raise InvalidRequest(f"{at} needs an id and a name", param=at)
-            if not isinstance(block.get("input"), dict):
-                raise InvalidRequest(f"{at}.input must be an object", param=f"{at}.input")
-            arguments = json.dumps(block["input"], ensure_ascii=False, separators=(",", ":"))
-            calls.append(
-                {
-                    "id": block["id"],
-                    "type": "function",
-                    "function": {"name": block["name"], "arguments": arguments},
-                }
-            )
-        elif kind in ("image", "tool_result"):
-            raise InvalidRequest(f"{at}: {kind} blocks belong to user turns", param=at)
-        else:
-            raise InvalidRequest(f"{at} is a content block of unknown type {kind!r}", param=at)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
-    if calls:
-        message["tool_calls"] = calls
-    elif message["content"] is None:
-        message["content"] = ""
-    return message
-
-
-def _system_text(system: str | list[dict[str, Any]] | None) -> str | None:
-    if system is None or isinstance(system, str):
-        return system or None
-    texts = []
-    for k, block in enumerate(system):
-        at = _where("system", k)
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise InvalidRequest(f"{at} must be a text block", param=at)
-        _known(block, at, {"type", "text", "cache_control", "citations"})
-        texts.append(_text_of(block, at))
-    return "\n".join(texts) or None
-
-
-def to_openai_messages(req: _Prompt) -> list[dict[str, Any]]:
-    """The request's system prompt and turns as OpenAI chat messages; a coded 400 if malformed."""
+def _user(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One user turn: its tool results as ``tool`` messages, then its other content."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
     out: list[dict[str, Any]] = []
-    system = _system_text(req.system)
-    if system is not None:
-        out.append({"role": "system", "content": system})
-    for i, m in enumerate(req.messages):
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"messages.{i} must be an object", param=f"messages.{i}")
-        for name in m:
-            if name not in ("role", "content"):
-                raise UnknownField(
-                    f"unknown field {name!r} in a message", param=f"messages.{i}.{name}"
-                )
-        role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise InvalidRequest(
-                f"messages.{i}.role must be user or assistant (the system prompt is the "
-                "top-level system field)",
-                param=f"messages.{i}.role",
-            )
-        blocks = _blocks(m, i)
-        if role == "user":
-            out.extend(_user(i, blocks))
-        else:
-            out.append(_assistant(i, blocks))
+    for block in content:
+        if block["type"] != "tool_result":
+            continue
+        given = block.get("content")
+        result: Any = given if isinstance(given, str) else _parts(given) if given else ""
+        if block.get("is_error"):
+            result = f"Error: {result if isinstance(result, str) else _joined(result)}"
+        out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+    parts = _parts([b for b in content if b["type"] != "tool_result"])
+    if parts:
+        only_text = len(parts) == 1 and parts[0]["type"] == "text"
+        out.append({"role": "user", "content": _joined(parts) if only_text else parts})
     return out
 
 
-_TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type", "strict"}
+def _assistant(content: str | list[dict[str, Any]]) -> dict[str, Any]:
+    """One assistant turn: its text, and its ``tool_use`` blocks as OpenAI tool calls."""
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    calls = [
+        {
+            "id": b["id"],
+            "type": "function",
+            "function": {
+                "name": b["name"],
+                "arguments": json.dumps(b["input"], ensure_ascii=False, separators=(",", ":")),
+            },
+        }
+        for b in blocks
+        if b["type"] == "tool_use"
+    ]
+    text = "".join(b["text"] for b in blocks if b["type"] == "text")
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def to_openai_messages(req: _Prompt) -> list[dict[str, Any]]:
+    """The request's system prompt and turns as OpenAI chat messages."""
+    system = req.system if isinstance(req.system, str) else _joined(req.system or [])
+    out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    for m in req.messages:
+        if m["role"] == "user":
+            out.extend(_user(m["content"]))
+        else:
+            out.append(_assistant(m["content"]))
+    return out
 
 
 def to_openai_tools(req: _Prompt) -> list[dict[str, Any]] | None:
-    """Client tools as OpenAI function tools; Anthropic's server tools are refused with a code."""
+    """Client tools as OpenAI function tools, each name once (a coded 400 otherwise)."""
     if not req.tools:
         return None
     out: list[dict[str, Any]] = []
     names: set[str] = set()
     for i, tool in enumerate(req.tools):
-        at = f"tools.{i}"
-        if not isinstance(tool, dict):
-            raise InvalidRequest(f"{at} must be an object", param=at)
-        kind = tool.get("type")
-        if kind not in (None, "custom"):
-            raise CapabilityUnsupported(
-                f"{at}: Anthropic's server tool {kind!r} is not offered here; "
-                "define it as a client tool (name, description, input_schema)",
-                param=f"{at}.type",
-            )
-        for field in tool:
-            if field not in _TOOL_FIELDS:
-                raise UnknownField(f"unknown field {field!r} in a tool", param=f"{at}.{field}")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name or name in names:
+        if tool["name"] in names:
             raise InvalidRequest(
-                f"{at}.name must be a non-empty name, each tool's its own", param=f"{at}.name"
+                f"tools.{i}.name must be a non-empty name, each tool's its own",
+                param=f"tools.{i}.name",
             )
-        names.add(name)
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise InvalidRequest(
-                f"{at}.input_schema must be a JSON schema object", param=f"{at}.input_schema"
-            )
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise InvalidRequest(f"{at}.description must be a string", param=f"{at}.description")
-        function: dict[str, Any] = {"name": name, "parameters": schema}
-        if description:
-            function["description"] = description
+        names.add(tool["name"])
+        function: dict[str, Any] = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if tool.get("description"):
+            function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
     return out
 
@@ -556,39 +376,18 @@ def to_openai_tool_choice(req: _Prompt) -> str | dict[str, Any] | None:
     choice = req.tool_choice
     if choice is None:
         return None
-    kind = choice.get("type")
-    allowed = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
-    for name in choice:
-        if name not in allowed:
-            raise UnknownField(
-                f"unknown field {name!r} in tool_choice of type {kind}", param=f"tool_choice.{name}"
-            )
-    parallel = choice.get("disable_parallel_tool_use")
-    if parallel is not None and not isinstance(parallel, bool):
+    kind = choice["type"]
+    names = {t["name"] for t in req.tools or []}
+    if kind == "any" and not names:
+        raise InvalidRequest("tool_choice any needs tools", param="tool_choice")
+    if kind == "tool" and choice["name"] not in names:
         raise InvalidRequest(
-            "tool_choice.disable_parallel_tool_use must be a boolean",
-            param="tool_choice.disable_parallel_tool_use",
+            "tool_choice of type tool must name one of the request's tools",
+            param="tool_choice.name",
         )
-    names = {t.get("name") for t in req.tools or [] if isinstance(t, dict)}
-    if kind == "auto":
-        return "auto"
-    if kind == "none":
-        return "none"
-    if kind == "any":
-        if not names:
-            raise InvalidRequest("tool_choice any needs tools", param="tool_choice")
-        return "required"
     if kind == "tool":
-        wanted = choice.get("name")
-        if wanted not in names:
-            raise InvalidRequest(
-                "tool_choice of type tool must name one of the request's tools",
-                param="tool_choice.name",
-            )
-        return {"type": "function", "function": {"name": wanted}}
-    raise InvalidRequest(
-        "tool_choice.type must be auto, any, tool or none", param="tool_choice.type"
-    )
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return "required" if kind == "any" else str(kind)
 
 
 def openai_prompt(
@@ -645,21 +444,20 @@ def translate(req: MessagesRequest) -> Translated:
 
 def _check_prompt(req: _Prompt) -> None:
     """What the shapes cannot say: each tool named once, a choice naming one of them."""
-    to_openai_messages(req)
     to_openai_tools(req)
     to_openai_tool_choice(req)
 
 
 def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
     """A Messages body, checked whole (its translation included); raises a coded 400."""
-    req = validated(MessagesRequest, raw)
+    req = strict(MessagesRequest, raw)
     _check_prompt(req)
     return req
 
 
 def parse_count_tokens(raw: dict[str, Any]) -> CountTokensRequest:
     """A count_tokens body, checked as strictly as a Messages body; raises a coded 400."""
-    req = validated(CountTokensRequest, raw)
+    req = strict(CountTokensRequest, raw)
     _check_prompt(req)
     return req
 

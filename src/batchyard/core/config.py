@@ -1,20 +1,11 @@
 """Settings for one deployment: defaults, then the config file, then the environment.
 
-With nothing configured, batchyard keeps its SQLite database (and the batch
-encryption key it makes) in ``~/.batchyard`` (or ``$BATCHYARD_HOME``) and
-serves kettei-core from the embedded model, so ``batchyard serve`` works on a
-fresh machine. Every operator command reads ``BATCHYARD_DATABASE_URL`` and
-``BATCHYARD_CONFIG`` so the CLI and the server agree on where the data is.
-
-Every setting is declared once, as a field of ``Settings`` (a frozen pydantic
-dataclass) or of one of its sections (``core.sections``). That one declaration
-is what the code reads, what checks the config file and the environment
-(each top-level scalar can also be set as ``BATCHYARD_<NAME>``, which wins over
-the file), and what docs/reference/configuration.md shows (``docs/gen_config.py``
-writes its tables; ``make docs`` fails when they drift). A wrong value anywhere
-is a ``ConfigError`` that names where it came from and the field
-(``routes[0].engine``), which the CLI prints as one line. A new setting is one
-field here and nothing else.
+With nothing configured, batchyard keeps its SQLite database in ``~/.batchyard`` (or
+``$BATCHYARD_HOME``) and serves the embedded model, so ``batchyard serve`` works on a
+fresh machine. Every setting is one field of ``Settings`` or of a section
+(``core.sections``): what the code reads, what checks the file and the environment
+(``BATCHYARD_<NAME>`` wins over the file), and what docs/reference/configuration.md shows
+(``docs/gen_config.py``). A new setting is one field here and nothing else.
 """
 
 from __future__ import annotations

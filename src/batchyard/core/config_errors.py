@@ -1,13 +1,9 @@
 """What is wrong with a configuration, said in one line an operator can act on.
 
-A mistake in the config file or the environment is not a bug: ``serve``,
-``worker`` and ``audit`` must refuse to start with one line that names where
-the value came from (the file, or the ``BATCHYARD_...`` variable), the field
-(``routes[0].engine``) and what to do about it, never a traceback. The typed
-settings model (``core.config``, and the sections ``core.catalog`` and
-``core.tiers`` validate) raises pydantic's ``ValidationError``; ``from_validation``
-turns its first error into a ``ConfigError`` with that field path, so every field
-gets a clear message without a hand-written check per field.
+A config mistake is not a bug: ``serve``, ``worker`` and ``audit`` refuse to start with
+one line naming where the value came from, the field and the fix, never a traceback.
+``from_validation`` turns pydantic's first error into that line, so no field needs a
+hand-written check.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 #: Parts of a Pydantic error location that name a union member, not a field.
 _TAGS = {"str", "int", "float", "bool", "dict", "list", "tuple", "none", "any", "literal"}
 
-M = TypeVar("M", bound="Shape")
+M = TypeVar("M", bound=BaseModel)
 
 
 class Shape(BaseModel):

@@ -1,30 +1,20 @@
 """The bodies of the OpenAI-compatible endpoints, checked strictly, one function each.
 
-``parse_chat``, ``parse_completion`` and ``parse_embedding`` take a decoded
-JSON object and return a typed request or raise a coded 400; they touch no
-service, so a line of an OpenAI batch file can be checked by the same code
-as a request on the wire, and ``check_images`` refuses an image for a
-text-only model on both. ``work.openai_wire`` turns the typed request into the
-engines' request and renders the answer.
-
-Strict means what OpenAI documents and nothing else: every documented field
-is accepted (those that change nothing here, such as ``user`` or ``store``, are
-accepted and ignored; those that would change the answer in a way no engine
-here can honour, such as audio output, are refused with a code), an unknown
-field is ``unknown_field`` naming it, and no value is coerced: ``"1"`` is not
-a number and ``1`` is not a boolean. A ``null`` optional field means its
-default, as on OpenAI's API (LiteLLM sends ``"encoding_format": null``); a
-required one (``model``, ``messages``, ``input``) is still refused as null.
+They touch no service, so a batch-file line is checked by the code a request on the wire
+is. Every documented field is accepted (ignored where it changes nothing here, refused
+with a code where no engine here can honour it), an unknown field is ``unknown_field``,
+nothing is coerced, and an optional field sent as ``null`` means its default, as on
+OpenAI's API (LiteLLM sends ``"encoding_format": null``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batchyard.core.catalog import ModelSpec
-from batchyard.core.inputs import AsDicts, Unserved, field_error
+from batchyard.core.inputs import AsDicts, Unserved, strict
 from batchyard.errors import InvalidRequest, UnsupportedInput
 
 __all__ = [
@@ -36,7 +26,6 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_embedding",
-    "validated",
 ]
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -315,17 +304,6 @@ def _items(given: _Given) -> list[str | list[int]]:
     return [i for i in given if not isinstance(i, int)]
 
 
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-def validated(cls: type[_Model], raw: dict[str, Any]) -> _Model:
-    """``raw`` read strictly as ``cls``; its first problem a coded 400 naming the field."""
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as exc:
-        raise field_error(exc, raw, cls) from None
-
-
 def _check_tools(req: ChatRequest) -> None:
     """What the tools' shapes cannot say: each name once, and a choice that names one."""
     names: set[str] = set()
@@ -348,19 +326,19 @@ def _check_tools(req: ChatRequest) -> None:
 
 def parse_chat(raw: dict[str, Any]) -> ChatRequest:
     """A chat completions body, checked whole; raises a coded 400."""
-    req = validated(ChatRequest, raw)
+    req = strict(ChatRequest, raw)
     _check_tools(req)
     return req
 
 
 def parse_completion(raw: dict[str, Any]) -> CompletionTextRequest:
     """A text completions body, checked whole; raises a coded 400."""
-    return validated(CompletionTextRequest, raw)
+    return strict(CompletionTextRequest, raw)
 
 
 def parse_embedding(raw: dict[str, Any]) -> EmbeddingRequest:
     """An embeddings body, checked whole; raises a coded 400."""
-    return validated(EmbeddingRequest, raw)
+    return strict(EmbeddingRequest, raw)
 
 
 def check_images(messages: list[dict[str, Any]], model: ModelSpec) -> None:

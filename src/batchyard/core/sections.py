@@ -1,14 +1,8 @@
 """The config file's sections: each part's settings, declared once with their limits and docs.
 
-Each part an operator tunes (runs, file batches, files, model versions,
-webhooks) reads its settings as one of these frozen dataclasses. They are
-pydantic dataclasses: the same class is the part's defaults, the check of the
-config file's section (a wrong value is a ``ConfigError`` naming the field,
-printed as one line), and, through each field's ``description``, its row in
-docs/reference/configuration.md (``docs/gen_config.py`` writes the tables).
-They used to be written three times: a dataclass per part, an all-optional
-model that checked the section, and the raw mapping read again into the
-dataclass.
+Each is a frozen pydantic dataclass: the part's defaults, the check of its section (a
+``ConfigError`` naming the field) and, through each field's ``description``, its row in
+docs/reference/configuration.md.
 """
 
 from __future__ import annotations

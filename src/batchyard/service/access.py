@@ -1,22 +1,10 @@
 """Who may call what: one table of route × scope, read by ``authenticate`` and nothing else.
 
-The three scopes mean:
-
-- ``full``: everything the organisation can do;
-- ``read``: reads everything (account, activity, models, projects, datasets,
-  rows, runs, batches and their results) and never spends or changes anything;
-- ``inference``: calls models on requests it sends itself (chat and text
-  completions, embeddings, decide and its estimate, keep-warm, deferred and
-  file batches, the files they read), and
-  reads, cancels or deletes only the batches and files it created. It never
-  reads customer data it did not send (projects, datasets, rows, runs, other
-  keys' files and batches) nor the account or its activity, and it cannot
-  create, confirm or cancel runs (they spend over a dataset).
-
-Keeping the rules in one table (``ACCESS``) rather than in each handler means a
-new route cannot forget its check: ``create_app`` refuses to start while an
-app route has no row here, the matrix test walks every route × every scope,
-and ``docs/reference/scopes.md`` is checked against this table.
+``full`` does everything; ``read`` reads everything and never spends or changes anything;
+``inference`` calls models on what it sends itself and sees only the batches and files it
+created (docs/reference/scopes.md, checked against this table). One table rather than a
+check per handler, so a new route cannot forget its check: ``create_app`` refuses to start
+while an app route has no row here.
 """
 
 from __future__ import annotations

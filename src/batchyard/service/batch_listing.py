@@ -24,14 +24,9 @@ from batchyard.store import file_batches as file_store
 __all__ = ["is_file_batch", "list_views", "load_view"]
 
 
-def _own(principal: Principal) -> str | None:
-    """The key whose batches alone this caller sees (an inference key), or None for all."""
-    return principal.key_id if principal.own_only else None
-
-
 def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
     """The caller's batch of either dialect; another organisation's (or key's) is 404."""
-    org, own = principal.org_id, _own(principal)
+    org, own = principal.org_id, principal.own_key
     if file_store.get_batch(conn, org, batch_id, key_id=own) is not None:
         return file_batches.load_view(conn, org, batch_id, key_id=own)
     if deferred_store.get_batch(conn, org, batch_id, key_id=own) is not None:
@@ -40,7 +35,7 @@ def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str
 
 
 async def is_file_batch(svc: Service, principal: Principal, batch_id: str) -> bool:
-    org, own = principal.org_id, _own(principal)
+    org, own = principal.org_id, principal.own_key
     found = await svc.db.read(lambda c: file_store.get_batch(c, org, batch_id, key_id=own))
     return found is not None
 
@@ -51,7 +46,7 @@ async def list_views(
     """One page of the caller's batches of both dialects, newest first; and whether more follow."""
 
     def load(conn: Connection) -> list[tuple[str, dict[str, Any]]]:
-        org, own = principal.org_id, _own(principal)
+        org, own = principal.org_id, principal.own_key
         seed_rows = deferred_store.list_batches(conn, org, after=after, limit=limit + 1, key_id=own)
         seed_counts = deferred_store.counts(conn, [b.id for b in seed_rows])
         file_rows = file_store.list_batches(conn, org, after=after, limit=limit + 1, key_id=own)

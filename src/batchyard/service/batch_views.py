@@ -1,28 +1,11 @@
 """One batch object for both dialects of ``/v1/batches``.
 
-Every batch, deferred or from a file (OpenAI's), is shown with
-OpenAI's Batch fields and batchyard's own fields together, so the ``openai`` SDK
-can retrieve and list every batch and a client of the deferred dialect reads its own
-as docs/reference/batches.md documents it. Where the two name the same thing, one field serves both:
-
-- ``created_at``, ``completed_at`` and the other ``*_at`` are Unix seconds
-  (OpenAI's type); the deferred dialect's ``deadline`` stays an ISO 8601 string and says
-  the same instant as OpenAI's ``expires_at``.
-- ``request_counts`` holds OpenAI's ``total``, ``completed`` (answered) and
-  ``failed`` (calls that failed) beside the deferred dialect's count per request state
-  (``waiting``, ``dispatched``, ``succeeded``, ``failed``, ``expired``,
-  ``canceled``, ``uncertain``); ``failed`` means the same in both.
-- ``status`` is the dialect's own word: OpenAI's for file batches
-  (``cancelling``/``cancelled``, its SDK's literals), batchyard's for deferred
-  ones (``canceling``/``canceled``). Everywhere else (the store, the code,
-  request states, Anthropic's Message Batches) the two states are spelled
-  ``canceling``/``canceled``; ``openai_status`` is the one place that writes
-  OpenAI's spelling.
-
-Fields one dialect lacks are present and null (or the deferred dialect's
-``input_file_id`` of a deferred batch: ``""``, since its requests came inline
-and OpenAI's type requires a string). ``dialect`` says which one a batch is.
-docs/explanation/batch-dialects.md gives the reasons.
+Every batch, deferred or from a file, shows OpenAI's Batch fields and batchyard's own
+together, so the ``openai`` SDK reads every batch and a deferred-dialect client reads its
+own; where the two name the same thing one field serves both, and fields a dialect lacks
+are null. ``status`` is the dialect's own word: ``openai_status`` is the one place that
+writes OpenAI's ``cancelling``/``cancelled``. docs/explanation/batch-dialects.md gives
+the reasons.
 """
 
 from __future__ import annotations

@@ -1,32 +1,17 @@
 """Decide: every question about one text, answered in one call.
 
-``prepare`` checks the body whole (the model, its versions, the answer
-format, the output budget, the context window) and plans the call before
-anything is claimed, charged or counted, so the door can refuse a bad request
-with a 400 that leaves its idempotency key free for the fixed body. ``decide``
-then runs it: what calibration will cost this organisation now, the door's
-admission (the tier's limits, handed in as ``admit``), a hold for the most
-expensive outcome (the version's price or, where it may fall back, the base
-model's, whichever is higher), the model call, and settlement to the real
-usage at the price of the model that answered (prompt tokens the engine read
-from its cache at the route's cached-input price, as every settlement does).
-
-A model output that cannot be read (``model_output_invalid``) releases the
-hold: nothing is charged for a call that gave no answer.
-
-``estimate`` builds the same prompt, counts it with the model's tokenizer and
-quotes the most the call can cost, without running a model or charging
-anything. ``prepare_keep_warm`` and ``keep_warm`` keep a fine-tuned version
-loaded for a while, so a call to it need not wait or fall back.
-
-Paying is ``_paid``, the one place this module touches the ledger.
+``prepare`` checks the body whole and plans the call before anything is claimed,
+charged or counted, so a bad request is a 400 that leaves its idempotency key free.
+``decide`` holds the dearer of the version's and (where it may fall back) its base's
+quote, and settles to the usage of the model that answered; a model output that cannot
+be read releases the hold. ``estimate`` quotes without running anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +23,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.prices import Price
 from batchyard.core.quotes import check_context, direct_price, quote
-from batchyard.engines.protocol import Completion, CompletionRequest, Usage
+from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.errors import (
     ContextWindowExceeded,
     InvalidRequest,
@@ -50,7 +35,7 @@ from batchyard.errors import (
 from batchyard.service import model_versions
 from batchyard.service.deployment import Service
 from batchyard.work import decide_scoring as scoring_work
-from batchyard.work.decide_scoring import CalibrationInfo
+from batchyard.work.decide_scoring import ScoredAnswers as _Scored
 from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
 
 __all__ = [
@@ -225,16 +210,6 @@ async def _priced(svc: Service, org_id: str, call: Prepared) -> Prepared:
 
 
 @dataclass(frozen=True, slots=True)
-class _Scored:
-    chosen: list[str]
-    probabilities: Sequence[dict[str, float] | None]
-    usage: Usage
-    raw: list[dict[str, float]] | None = None
-    calibration_input_tokens: int = 0
-    calibration: CalibrationInfo | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class _Answered:
     """Who answered (the plan used) and what it said."""
 
@@ -253,7 +228,7 @@ class _Caller:
 
 async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Caller) -> _Scored:
     tok = svc.tokenizer(plan.model)
-    got = await svc.calibrations.score(
+    return await svc.calibrations.score(
         org_id=caller.org_id,
         model_id=plan.model.id,
         route=plan.serving.route,
@@ -264,14 +239,6 @@ async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Ca
         count=tok.count_messages,
         count_text=tok.count,
         retain=caller.retain,
-    )
-    return _Scored(
-        got.chosen,
-        got.probabilities,
-        got.usage,
-        got.raw,
-        got.calibration_input_tokens,
-        got.calibration,
     )
 
 

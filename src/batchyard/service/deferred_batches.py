@@ -93,15 +93,15 @@ def view_of(
     return view
 
 
-def _own(principal: Principal) -> str | None:
-    """The key whose batches alone this caller sees (an inference key), or None for all."""
-    return principal.key_id if principal.own_only else None
+def _batch(conn: Connection, principal: Principal, batch_id: str) -> store.DeferredBatchRow:
+    batch = store.get_batch(conn, principal.org_id, batch_id, key_id=principal.own_key)
+    if batch is None:
+        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    return batch
 
 
 def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
-    batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
-    if batch is None:
-        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    batch = _batch(conn, principal, batch_id)
     per = store.counts(conn, [batch.id])[batch.id]
     return view_of(batch, per, store.items_of(conn, batch.id))
 
@@ -187,9 +187,7 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
     now = svc.clock.now()
 
     def tx(conn: Connection) -> dict[str, Any]:
-        batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
-        if batch is None:
-            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        batch = _batch(conn, principal, batch_id)
         if batch.status in ("completed", "expired"):
             raise InvalidState(f"batch {batch_id} is already {batch.status}; nothing to cancel")
         stopped = store.cancel_batch(conn, batch.id, now)
@@ -204,9 +202,7 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
 
 def _readable(conn: Connection, principal: Principal, batch_id: str) -> store.DeferredBatchRow:
     """The caller's batch whose results are still kept; 404, or 410 once purged."""
-    batch = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
-    if batch is None:
-        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    batch = _batch(conn, principal, batch_id)
     if batch.purged_at is not None:
         raise NotFound(
             f"the results of batch {batch_id} were deleted 24 hours after it completed; "
@@ -272,7 +268,7 @@ async def list_views(
 
     def load(conn: Connection) -> list[dict[str, Any]]:
         rows = store.list_batches(
-            conn, principal.org_id, after=after, limit=limit, key_id=_own(principal)
+            conn, principal.org_id, after=after, limit=limit, key_id=principal.own_key
         )
         per = store.counts(conn, [b.id for b in rows])
         return [view_of(b, per[b.id], None) for b in rows]

@@ -1,21 +1,11 @@
 """The parts of one deployment, held together: what every front door reaches for.
 
-A ``Service`` holds what the composition root (``batchyard.app``) built:
-settings, clock, store, limiter, engines, dispatcher, tokenizers, the batch
-encryption key, and its background workers as one list (``workers``: each a
-``work.runner.Worker``; today deferred batches, batch inference runs, file
-batches, the webhook sender, and three sweeps: fine-tuned versions going cold,
-stranded holds, stuck work),
-with the ones a door wakes also by name. It builds nothing itself, so a test hands
-in a ``ManualClock`` or a scripted engine once, at the root, and every part of
-the system sees the same one; and each worker was given only the parts it
-uses, never the ``Service``.
-
-Stopping comes in two kinds. ``stop`` is abrupt, as a crash would be: work in
-flight is abandoned and its leases lapse. ``drain`` is the graceful stop a
-SIGTERM asks for: nothing more is claimed or sent, calls in flight get
-``grace_s`` seconds to land, and only those still in flight then are cut off
-(``uncertain``); claimed work that was never sent goes back to waiting.
+A ``Service`` holds what the composition root (``batchyard.app``) built and builds
+nothing itself, so a test hands in a ``ManualClock`` or a scripted engine once and every
+part sees the same one; each worker was given only the parts it uses, never the
+``Service``. ``stop`` is abrupt, as a crash would be; ``drain`` is SIGTERM's graceful
+stop: nothing more is claimed, calls in flight get ``grace_s`` to land, and claimed work
+never sent goes back to waiting.
 """
 
 from __future__ import annotations

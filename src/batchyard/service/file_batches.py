@@ -1,22 +1,11 @@
-"""File batches (OpenAI's dialect of ``/v1/batches``): create, show, cancel.
+"""File batches (OpenAI's dialect of ``/v1/batches``): create, show, retry, cancel.
 
-Creating one is where batchyard's promises begin. The input file was checked
-line by line when it was uploaded, and a line that is JSON but not a valid
-request was kept with its error: a batch from such a file is written
-``failed`` at once with every invalid line in ``errors.data`` (``code``,
-``line``, ``message``, ``param``, OpenAI's order and shape), and nothing is
-held or charged. Otherwise the batch only has to agree with the file (the
-endpoint its lines name, models still served), and then the whole
-file is priced: each model's prompt tokens (counted with its own tokenizer at
-upload) at its input price plus the most output tokens at its output price,
-the most the batch can cost. That amount is held in one reservation in the
-same transaction that writes the batch and its lines, so nothing is
-dispatched without its money. Without the credit the batch is written
-``failed`` with an ``insufficient_credit`` error at once, in the answer to
-the create call itself, and nothing is held or charged.
-
-Execution is ``work.file_batches``. The object a batch shows is one for both
-dialects (``service.batch_views``).
+A batch from a file with invalid lines is written ``failed`` at once, naming every such
+line in ``errors.data`` (OpenAI's order), and nothing is held. Otherwise the whole file is
+quoted (each line's tokens, counted at upload, at its model's price) and held in the same
+transaction that writes the batch, so nothing is dispatched without its money; without
+the credit the batch is written ``failed`` (``insufficient_credit``) in the answer to the
+create call. Execution is ``work.file_batches``.
 """
 
 from __future__ import annotations
@@ -24,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
 from typing import Annotated, Any, ClassVar, Literal
@@ -169,8 +159,7 @@ async def create(
     file_id = parsed["input_file_id"]
 
     def tx(conn: Connection) -> dict[str, Any]:
-        own = principal.key_id if principal.own_only else None
-        f = file_store.get_file(conn, principal.org_id, file_id, key_id=own)
+        f = file_store.get_file(conn, principal.org_id, file_id, key_id=principal.own_key)
         if f is None:
             raise NotFound(
                 f"file {file_id} not found", param="input_file_id", code="file_not_found"
@@ -321,27 +310,40 @@ def _replace(row: store.BatchRow, **values: Any) -> store.BatchRow:
     return dataclasses.replace(row, **values)
 
 
+def _batch(
+    conn: Connection, org_id: str, batch_id: str, key_id: str | None, lock: bool = False
+) -> store.BatchRow:
+    row = store.get_batch(conn, org_id, batch_id, key_id=key_id, lock=lock)
+    if row is None:
+        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    return row
+
+
 def load_view(
     conn: Connection, org_id: str, batch_id: str, *, key_id: str | None = None
 ) -> dict[str, Any]:
-    row = store.get_batch(conn, org_id, batch_id, key_id=key_id)
-    if row is None:
-        raise NotFound(f"batch {batch_id} not found", param="batch_id")
+    row = _batch(conn, org_id, batch_id, key_id)
     return file_batch_view(row, store.totals(conn, [row.id])[row.id])
 
 
 async def finished(
-    svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
+    svc: Service,
+    principal: Principal,
+    batch_id: str,
+    *,
+    after: int,
+    limit: int,
+    render: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The lines that ended after ``after``, as the output and error files show them."""
+    """The lines that ended after ``after``, as the output and error files show them
+    (``render``: rewritten for another dialect, a Message Batch's result lines)."""
     sealer = svc.batch_key.require()
-    own = principal.key_id if principal.own_only else None
 
     def read(conn: Connection) -> dict[str, Any]:
-        row = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
-        if row is None:
-            raise NotFound(f"batch {batch_id} not found", param="batch_id")
-        items = following.file_batch_items(conn, sealer, row.id, after=after, limit=limit)
+        row = _batch(conn, principal.org_id, batch_id, principal.own_key)
+        items = following.file_batch_items(
+            conn, sealer, row.id, after=after, limit=limit, render=render
+        )
         return following.page(items, after=after, limit=limit, ended=row.status in ENDED)
 
     return await svc.db.read(read)
@@ -364,12 +366,9 @@ async def retry(svc: Service, principal: Principal, batch_id: str) -> dict[str, 
     sealer = svc.batch_key.require()
     now = svc.clock.now()
     file_id = new_id("file", now)
-    own = principal.key_id if principal.own_only else None
 
     def copy(conn: Connection) -> tuple[store.BatchRow, int, list[str], int]:
-        row = store.get_batch(conn, principal.org_id, batch_id, key_id=own)
-        if row is None:
-            raise NotFound(f"batch {batch_id} not found", param="batch_id")
+        row = _batch(conn, principal.org_id, batch_id, principal.own_key)
         if row.status not in ENDED:
             raise InvalidState(
                 f"batch {batch_id} is still {openai_status(row.status)}; retry it once it ends",
@@ -440,13 +439,9 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
     """Stop a batch: lines not yet sent are canceled, calls in flight may finish."""
     now = svc.clock.now()
 
-    own = principal.key_id if principal.own_only else None
-
     def tx(conn: Connection) -> dict[str, Any]:
-        row = store.get_batch(conn, principal.org_id, batch_id, lock=True, key_id=own)
-        if row is None:
-            raise NotFound(f"batch {batch_id} not found", param="batch_id")
-        if row.status in ("completed", "failed", "expired", "canceled", "finalizing"):
+        row = _batch(conn, principal.org_id, batch_id, principal.own_key, lock=True)
+        if row.status in (*ENDED, "finalizing"):
             raise InvalidState(
                 f"batch {batch_id} is already {openai_status(row.status)}; nothing to cancel",
                 code="batch_not_cancellable",

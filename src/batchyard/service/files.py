@@ -1,21 +1,10 @@
 """Files as both front doors use them: take in an upload, show, list, read, delete.
 
-An upload arrives on disk (the API streams the multipart part to a temporary
-file; the workspace does the same). ``ingest`` then reads it line by line,
-on a thread, in bounded memory: each line is parsed, checked whole
-(``custom_id`` unique, ``method`` POST, one ``url`` for the file, the body a
-valid request for it through ``service.openai_requests``), has privacy
-applied, is counted with its model's tokenizer, sealed, and written in
-batches under a file that stays invisible (``uploading``) until its last line
-is in. As OpenAI does, the upload takes any file of lines: a line that is not
-JSON, or is JSON and not a valid request, is kept with its error
-(``store.files.INVALID_LINE``), and creating a batch from the file fails the
-batch with every such line (its number, code and message) in ``errors.data``
-(``service.file_batches``), holding and charging nothing. A process that dies mid-upload leaves an
-invisible file that the file-batch worker removes later.
-
-Limits (OpenAI's by default, ``files:`` in the config to change them):
-200 MB and 50,000 requests per file, 1 MB per line.
+``ingest`` reads an upload line by line on a thread, in bounded memory: each line is
+checked whole (``service.openai_requests``), has privacy applied, is counted and sealed,
+under a file that stays invisible until its last line is in. As OpenAI does, an upload
+takes any file of lines: a line that is not a valid request is kept with its error, and a
+batch made from the file fails naming it.
 """
 
 from __future__ import annotations
@@ -354,13 +343,8 @@ def _write(c: Connection, *, file_id: str, lines: list[store.LineRow]) -> None:
     store.write_lines(c, file_id, lines)
 
 
-def _own(principal: Principal) -> str | None:
-    """The key whose files alone this caller sees (an inference key), or None for all."""
-    return principal.key_id if principal.own_only else None
-
-
 def _visible(c: Connection, principal: Principal, file_id: str) -> store.FileRow:
-    row = store.get_file(c, principal.org_id, file_id, key_id=_own(principal))
+    row = store.get_file(c, principal.org_id, file_id, key_id=principal.own_key)
     if row is None or row.deleted_at is not None:
         raise NotFound(f"file {file_id} not found", param="file_id", code="file_not_found")
     return row
@@ -390,7 +374,7 @@ async def list_views(
             limit=limit + 1,
             purpose=purpose,
             newest_first=newest_first,
-            key_id=_own(principal),
+            key_id=principal.own_key,
         )
 
     rows = await svc.db.read(load)

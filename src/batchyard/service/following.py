@@ -1,17 +1,9 @@
 """Following a batch while it runs: its finished items, from a cursor, in the final format.
 
-Batch APIs give nothing until a batch ends; a user with 200,000 lines wants
-the first answers now, to check them before the rest are paid for. Every
-batch kind (file batches, Message Batches, deferred batches, runs) numbers
-its items in the order they end (``store.end_order``), so one page shape
-serves them all: the items that ended after the caller's cursor, oldest
-first, each exactly as the kind's final results show it (an OpenAI output-
-or error-file line, an Anthropic result line, a deferred batch's result
-line, a run's output row), and the cursor to ask from next time.
-
-``ended`` says the batch has ended: once it is true and ``has_more`` is
-false, the reader has seen every item. The status is read before the items
-(in the same read), so a batch seen ended has all its items numbered.
+A user with 200,000 lines wants the first answers now, to check them before the rest are
+paid for. Every batch kind numbers its items in the order they end (``store.end_order``),
+so one page shape serves them all; ``ended`` with ``has_more`` false means every item was
+seen (the status is read before the items, in the same read).
 """
 
 from __future__ import annotations

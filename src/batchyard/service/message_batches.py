@@ -1,18 +1,9 @@
 """Anthropic's Message Batches, as file batches: one machinery, a second dialect.
 
-A Message Batch is taken in as the file batch it would be if its requests had
-been uploaded as a file of ``/v1/messages`` lines (``service.files.ingest``,
-each line's ``params`` checked by the wire's own function, privacy applied,
-counted with the model's tokenizer, sealed), then created as a file batch
-(``service.file_batches.create``: the whole quote held in the same
-transaction). From there the file-batch worker answers it like any other:
-leased lines, ``uncertain`` for a call cut off in flight, one settlement.
-
-What this module adds is only the dialect: the create body, Anthropic's
-``message_batch`` object (``processing_status``, ``request_counts``,
-RFC 3339 times, ``results_url`` once it has ended), its paging, and each
-result line rewritten as ``{custom_id, result}`` of type ``succeeded``,
-``errored``, ``canceled`` or ``expired``.
+A Message Batch is taken in as the file of ``/v1/messages`` lines it stands for
+(``service.files.ingest``) and created as a file batch; the file-batch worker answers
+it. What this module adds is only the dialect: the create body, the ``message_batch``
+object, its paging, and each result line as ``{custom_id, result}``.
 """
 
 from __future__ import annotations
@@ -33,15 +24,14 @@ from sqlalchemy import Connection
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest
 from batchyard.core.clock import isoformat
-from batchyard.core.inputs import Coded
-from batchyard.core.openai_bodies import validated
+from batchyard.core.inputs import Coded, strict
 from batchyard.errors import (
     BatchyardError,
     InsufficientCredit,
     InvalidState,
     NotFound,
 )
-from batchyard.service import file_batches, files, following
+from batchyard.service import file_batches, files
 from batchyard.service.deployment import Service
 from batchyard.service.file_batches import PERCENT
 from batchyard.service.openai_requests import MESSAGES
@@ -85,7 +75,7 @@ class MessageBatchBody(BaseModel):
 
 def _jsonl(raw: dict[str, Any]) -> tuple[bytes, Decimal | None]:
     """The create body as the batch file it stands for, and the discount it waits for."""
-    body = validated(MessageBatchBody, raw)
+    body = strict(MessageBatchBody, raw)
     out = io.BytesIO()
     for item in raw["requests"]:
         line = {"custom_id": item["custom_id"], "method": "POST", "url": MESSAGES}
@@ -133,11 +123,16 @@ async def create(svc: Service, principal: Principal, raw: dict[str, Any]) -> dic
         "metadata": None,
         "min_discount": min_discount,
     }
-    view = await file_batches.create(svc, principal, parsed)
+    view = _held(await file_batches.create(svc, principal, parsed))
+    return await get(svc, principal, view["id"], base_url="")
+
+
+def _held(view: dict[str, Any]) -> dict[str, Any]:
+    """A file batch written failed at creation lacked the credit: Anthropic's 402."""
     if view["status"] == "failed":
         errors = (view.get("errors") or {}).get("data") or [{}]
         raise InsufficientCredit(str(errors[0].get("message", "not enough credit")))
-    return await get(svc, principal, view["id"], base_url="")
+    return view
 
 
 def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str, Any]:
@@ -172,12 +167,8 @@ def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str,
     }
 
 
-def _own(principal: Principal) -> str | None:
-    return principal.key_id if principal.own_only else None
-
-
 def _load(conn: Connection, principal: Principal, batch_id: str) -> store.BatchRow:
-    row = store.get_batch(conn, principal.org_id, batch_id, key_id=_own(principal))
+    row = store.get_batch(conn, principal.org_id, batch_id, key_id=principal.own_key)
     if row is None or row.endpoint != MESSAGES:
         raise NotFound(f"message batch {batch_id} not found", param="message_batch_id")
     return row
@@ -211,7 +202,7 @@ async def list_page(
             after=after,
             before=before,
             limit=limit + 1,
-            key_id=_own(principal),
+            key_id=principal.own_key,
             endpoint=MESSAGES,
         )
         more = len(rows) > limit
@@ -252,10 +243,7 @@ async def retry(
     402 as at create, and nothing is linked.
     """
     await svc.db.read(lambda c: _load(c, principal, batch_id))
-    view = await file_batches.retry(svc, principal, batch_id)
-    if view["status"] == "failed":
-        errors = (view.get("errors") or {}).get("data") or [{}]
-        raise InsufficientCredit(str(errors[0].get("message", "not enough credit")))
+    view = _held(await file_batches.retry(svc, principal, batch_id))
     answer = await get(svc, principal, view["id"], base_url=base_url)
     answer["retry"] = view["retry"]
     return answer
@@ -265,16 +253,10 @@ async def finished(
     svc: Service, principal: Principal, batch_id: str, *, after: int, limit: int
 ) -> dict[str, Any]:
     """The requests that ended after ``after``, as the results file shows them."""
-    sealer = svc.batch_key.require()
-
-    def read(conn: Connection) -> dict[str, Any]:
-        row = _load(conn, principal, batch_id)
-        items = following.file_batch_items(
-            conn, sealer, row.id, after=after, limit=limit, render=_result
-        )
-        return following.page(items, after=after, limit=limit, ended=row.status in _ENDED)
-
-    return await svc.db.read(read)
+    await svc.db.read(lambda c: _load(c, principal, batch_id))
+    return await file_batches.finished(
+        svc, principal, batch_id, after=after, limit=limit, render=_result
+    )
 
 
 def _result(line: dict[str, Any]) -> dict[str, Any]:

@@ -1,20 +1,9 @@
 """Prometheus metrics: the one module that imports ``prometheus_client``.
 
-``PrometheusRecorder`` is the ``core.telemetry.Recorder`` a deployment counts
-into, and ``exposition`` renders ``/metrics``: the counters and histograms
-this process (or, under ``serve --workers N``, every process) counted, plus
-the gauges read from the store at scrape time (``store.backlog``: queue
-depths and open holds), so every API process reports the same fleet-wide
-backlog. [The reference](../../../docs/reference/metrics.md) lists every
-metric.
-
-Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set before
-``prometheus_client`` is first imported (``serve --workers N`` sets it to a
-fresh directory, ``prepare_multiprocess``), each process writes its values to
-files there and a scrape sums them across processes with
-``MultiProcessCollector``; the supervisor marks a dead process's live gauges
-gone with ``mark_dead``. Without it each recorder keeps its own registry, so
-several services in one process (tests) do not share counts.
+Under ``serve --workers N`` (``PROMETHEUS_MULTIPROC_DIR`` set before the first import,
+``prepare_multiprocess``) each process writes its values to files that a scrape sums;
+without it each recorder keeps its own registry, so several services in one process
+(tests) do not share counts. docs/reference/metrics.md lists every metric.
 """
 
 from __future__ import annotations

@@ -1,39 +1,10 @@
 """Model versions in a project: take in a GGUF, show, list, delete, and serve it.
 
-``POST /v1/projects/{projectId}/models`` streams the file part to a temporary
-file in the deployment's model-version folder (``service.uploads``, counted as
-it arrives, refused as soon as it crosses its type's limit). ``take_in`` then
-checks it on a thread before anything is kept:
-
-- a real GGUF whose header and tensor table agree with its bytes
-  (``engines.gguf_files.read_header``: counts, lengths, shapes and offsets,
-  so a truncated file or a huge declared tensor is refused here, not by
-  llama.cpp);
-- ``lora``: an adapter llama.cpp would load on this base (its architecture,
-  each ``lora_a``/``lora_b`` pair against the base GGUF's tensor shapes);
-- ``weights``: a model whose own tokenizer loads, since quotes count its
-  requests with it.
-
-Only then is the file renamed to ``<id>.gguf`` and its row written, with the
-file's SHA-256; anything that fails on the way removes the file, so a refused
-upload leaves neither file nor row. The engine checks the checksum again on
-its loading thread each time it loads the file, so a file changed at rest is
-refused (``model_version_corrupt``) instead of served.
-
-Versions are named like catalog models (``model: "mv.…"``, a run's
-``{"type": "version", "id": "mv.…"}``): the catalog finds one through
-``fetcher`` on first use (``resolve`` does that read on a thread, for the
-doors that can wait for it) and serves it on its base's routes, a LoRA as an
-adapter on the base's GGUF, full weights as a model of their own. A version is
-its organisation's alone; to anyone else it does not exist.
-
-A delete is seen by every process of the deployment: the engine asks ``gate``
-(one read of the row by its key) before each use of a project version, and
-its idle sweep asks the same of every version it holds, so a version deleted
-through another process is refused (404) and its adapter freed. Settings
-(``model_versions:`` in the config file): the size limits (256 MiB for an
-adapter, 8 GiB for weights), the folder, how long an idle version stays
-loaded and the memory budget of loaded versions.
+``take_in`` checks an uploaded file on a thread before anything is kept (a real GGUF,
+an adapter that loads on its base, weights whose tokenizer loads, since quotes count
+with it); anything that fails removes the file, so a refused upload leaves neither file
+nor row. A delete is seen by every process: the engine asks ``gate`` (one read by key)
+before each use of a version and at each idle sweep.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""The one seam that says whether a request body is valid for an OpenAI endpoint, in a batch.
+"""Whether a request body is valid for an OpenAI endpoint, in a batch: the one seam.
 
-A batch input line (``{custom_id, method, url, body}``) is checked here,
-body and all, before the file it belongs to is kept: ``validate_line`` takes
-the endpoint and the body and returns the body as it will be stored and sent
-(privacy applied), its model, every prompt token the engine reads, and the
-most output tokens it may be billed for. Anything wrong
-is a coded ``InvalidRequest`` whose ``param`` names the field.
-
-The body is checked by the same function as a request on the wire
-(``core.openai_bodies``) into the door's own typed request, and what is stored
-is that request's JSON, which the worker reads back as the same type
-(``work.openai_wire.line_request``) and sends through the door's own function.
-A line is prepared by the door's own preparation (``service.preparation``:
-model, route, ``max_tokens`` by the same rule, every token counted, the window,
-the quote), so it is accepted exactly when the same body sent to the endpoint
-would be, tools included (the answer is the tool call, as OpenAI's Batch API
-gives it), with what a batch adds and takes away: batchyard's ``privacy`` field
-(redaction before the line is stored, and counted after it), no streaming, and
-OpenAI's sampling penalties refused by name rather than silently dropped, since
-a line is answered later by a worker that sends only what it stores.
+A batch line's body is checked by the wire's own function (``core.openai_bodies``) and
+prepared by the door's own preparation, so it is accepted exactly when the same body sent
+to the endpoint would be; what a batch adds and takes away is batchyard's ``privacy``
+field, no streaming, and the sampling penalties refused by name rather than dropped,
+since a worker later sends only what is stored.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """One preparation: any door's parsed request and its caller, turned into a prepared call.
 
-The chat, completions, embeddings and Messages doors, a line of an OpenAI batch
-file, a request of a Message Batch and a deferred item are prepared here and
-nowhere else. ``Preparer`` answers, once for each, what the call is before
-anything is held:
-
-- the model and its route, and whether the route serves what the request needs
-  (``NEEDS``, the one capability table);
-- ``max_tokens`` left out, by one rule per kind of request, the same at every
-  door and in every batch format: the deployment's ``default_max_tokens`` for a
-  chat (OpenAI sets none), OpenAI's 16 for text completions, the deferred-batch
-  spec's 1,024 for its requests; Anthropic's Messages require it;
-- every token the engine reads, counted with the model's own tokenizer: the chat
-  template, system prompts, images, and the tools' instructions an engine
-  without tool calling of its own reads first (``engine_messages``);
-- the context-window check, once for each prompt, and the quote (the hold).
-
-A run's rows are quoted by the run worker below this layer
-(``work.runs.quoting``), by the same rules: ``core.quotes`` and the chat default.
+Every door, batch-file line, Message Batch request and deferred item is prepared here and
+nowhere else: model and route (and what the route must serve, ``NEEDS``), ``max_tokens``
+left out by one rule per kind of request, every token the engine reads counted with the
+model's tokenizer, the context window, and the quote. A run's rows are quoted below this
+layer (``work.runs.quoting``) by the same rules.
 """
 
 from __future__ import annotations

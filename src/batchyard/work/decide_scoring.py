@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -113,12 +113,14 @@ class CalibrationInfo:
 
 @dataclass(frozen=True, slots=True)
 class ScoredAnswers:
+    """Decide's answers, however they were reached: scored here, or read from a generation."""
+
     chosen: list[str]
-    probabilities: list[dict[str, float]]
-    raw: list[dict[str, float]] | None
+    probabilities: Sequence[dict[str, float] | None]
     usage: Usage
-    calibration_input_tokens: int
-    calibration: CalibrationInfo | None
+    raw: list[dict[str, float]] | None = None
+    calibration_input_tokens: int = 0
+    calibration: CalibrationInfo | None = None
 
 
 def _write_sums(
@@ -317,7 +319,7 @@ class Calibrations:
             got = await self._score(route, upstream_model, req, prompt_tokens, lambda _k: None)
             answer = rules.answer_text(req.decisions, got.chosen, "lines")
             usage = got.read + Usage(0, count_text(answer))
-            return ScoredAnswers(got.chosen, by_id(got.final), None, usage, 0, None)
+            return ScoredAnswers(got.chosen, by_id(got.final), usage)
         key = (org_id, fingerprint(model_id, req))
         content_free, cf = await self._content_free(key, route, upstream_model, req, count)
         shape = [len(o) for o in ids]
@@ -336,8 +338,8 @@ class Calibrations:
         return ScoredAnswers(
             got.chosen,
             by_id(got.final),
-            by_id(got.raw),
             got.read + cf + Usage(0, count_text(answer)),
+            by_id(got.raw),
             # What calibration added: the content-free prompts, on the call that made them.
             cf.input_tokens,
             CalibrationInfo(mode, min(texts), cf.input_tokens > 0),

@@ -1,23 +1,12 @@
 """The dispatcher: the only caller of engines.
 
-Every front door ends here with the same thing: a model call for one item,
-paid from one reservation, paced by one set of limits. The order is fixed:
-reserve the most the call can cost (402 before anything runs), wait for the
-route's pace (its RPM, TPM and concurrency, pushed back by the upstream's own
-Retry-After and ``x-ratelimit-*`` signals), call the engine, then settle to the
-real usage and release the rest, in one transaction with its activity record.
-
-A call that fails is released: nothing is charged. An upstream 429 was not
-processed, so it is waited out and tried again on the same reservation; no
-other failure is retried here, because only the caller knows whether a retry
-is safe (deferred items never retry a dispatched failure).
-
-A caller that must know whether a call really started (a worker, whose crash
-leaves claimed work behind) passes ``on_send``: it is awaited after the pace
-and the concurrency slot are granted, immediately before the engine is
-called, and records "sent" durably. Work claimed but still waiting for its
-turn when a worker dies was never sent, so it can go back to waiting instead
-of becoming ``uncertain``. If ``on_send`` raises, the call is not made.
+Every door ends here: reserve the most the call can cost (402 before anything runs),
+wait for the route's pace, call the engine, then settle to the real usage in one
+transaction with its activity record. A call that fails is released. An upstream 429 was
+not processed, so it is waited out and sent again; nothing else is retried here, because
+only the caller knows whether a retry is safe. ``on_send`` is awaited right before the
+engine is called, so a worker can record "sent" durably: work claimed but not yet sent
+when a worker dies goes back to waiting instead of becoming ``uncertain``.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar, Unpack
 
 from sqlalchemy import Connection
 
@@ -36,7 +25,7 @@ from batchyard.core.clock import Clock
 from batchyard.core.limits import Limiter
 from batchyard.core.money import from_ticks
 from batchyard.core.prices import Price
-from batchyard.core.quotes import Charge, charge
+from batchyard.core.quotes import charge
 from batchyard.core.telemetry import NO_RECORDER, Recorder
 from batchyard.core.tiers import Tier
 from batchyard.engines.protocol import (
@@ -76,6 +65,24 @@ T = TypeVar("T")
 
 #: Awaited just before the engine is called (see the module docstring).
 OnSend = Callable[[], Awaitable[None]]
+
+
+class Terms(TypedDict):
+    """``paying``'s terms as a door hands them on: who pays, at what price."""
+
+    org_id: str
+    max_cost: int
+    model: ModelSpec
+    route: RouteSpec
+    price: Price
+    ref: NotRequired[str | None]
+    key_id: NotRequired[str | None]
+
+
+class Paid(Terms):
+    """``Terms`` and what the call is for (an activity record's ``purpose``)."""
+
+    purpose: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,19 +146,6 @@ class Dispatcher:
             )
         )
 
-    async def release(self, reservation_id: str, *, reason: str, ref: str | None = None) -> None:
-        """Charge nothing: the hold is released with its activity record (``reason``)."""
-        now = self.clock.now()
-
-        def tx(c: Connection) -> None:
-            billing.release(c, reservation_id, now, ref=ref, detail={"reason": reason})
-
-        await self.db.write_through(tx)
-
-    async def pace(self, route: RouteSpec, input_tokens: int, max_output_tokens: int) -> None:
-        """Wait for the route's turn: its rate (declared or learned), tokens and penalty."""
-        await self.pacer.admit(route, input_tokens, max_output_tokens)
-
     def concurrency(self, route: RouteSpec) -> int | None:
         """How many calls the route runs at once, where it has a bound: the one answer.
 
@@ -197,7 +191,7 @@ class Dispatcher:
                 # Until a route without a declared rate first answers, only a few
                 # calls go out: its headers (or its 429) say what the rate is.
                 await slot.enter_async_context(self.pacer.cold(route))
-                await self.pace(route, input_tokens, cost_tokens)
+                await self.pacer.admit(route, input_tokens, cost_tokens)
                 if sem is not None:
                     await slot.enter_async_context(sem)
                 if on_send is not None:
@@ -260,27 +254,24 @@ class Dispatcher:
     async def paying(
         self,
         org_id: str,
-        hold: int,
+        max_cost: int,
         *,
         model: ModelSpec,
         route: RouteSpec,
         price: Price,
         purpose: str,
         ref: str | None = None,
-        reservation: ledger.Reservation | None = None,
         key_id: str | None = None,
     ) -> AsyncIterator[Payment]:
         """Reserve → call → settle or release: the one way a call is paid.
 
-        Holds ``hold`` ticks (402 before anything runs; ``reservation``: one the
-        caller already holds), yields the ``Payment`` the block settles with
-        what its call used (``Payment.settle``), and releases the hold when the
-        block raises (its reason the error's code) or ends without settling.
-        Either way the hold resolves exactly once.
+        Holds ``max_cost`` ticks (402 before anything runs), yields the
+        ``Payment`` the block settles with what its call used
+        (``Payment.settle``), and releases the hold when the block raises (its
+        reason the error's code) or ends without settling. Either way the hold
+        resolves exactly once.
         """
-        res = reservation or await self.reserve(
-            org_id, hold, purpose=purpose, ref=ref, key_id=key_id
-        )
+        res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref, key_id=key_id)
         pay = Payment(self, res, model, route, price, purpose, ref)
         try:
             yield pay
@@ -292,17 +283,7 @@ class Dispatcher:
             await asyncio.shield(pay.release("unanswered"))
 
     async def execute(
-        self,
-        *,
-        org_id: str,
-        model: ModelSpec,
-        route: RouteSpec,
-        requests: Sequence[tuple[CompletionRequest, int]],
-        max_cost: int,
-        price: Price,
-        purpose: str,
-        ref: str | None = None,
-        key_id: str | None = None,
+        self, *, requests: Sequence[tuple[CompletionRequest, int]], **terms: Unpack[Paid]
     ) -> DispatchResult:
         """One call to its caller, paid as one: one hold, the calls side by side, one settlement.
 
@@ -313,16 +294,8 @@ class Dispatcher:
         fails, the others are cancelled and the whole hold is released: nothing
         was answered, so nothing is charged.
         """
-        async with self.paying(
-            org_id,
-            max_cost,
-            model=model,
-            route=route,
-            price=price,
-            purpose=purpose,
-            ref=ref,
-            key_id=key_id,
-        ) as pay:
+        route = terms["route"]
+        async with self.paying(**terms) as pay:
             if len(requests) == 1:
                 ((request, n),) = requests
                 completion = await self.call(route=route, request=request, input_tokens=n)
@@ -347,18 +320,11 @@ class Dispatcher:
     async def stream(
         self,
         *,
-        org_id: str,
-        model: ModelSpec,
-        route: RouteSpec,
         request: CompletionRequest,
         input_tokens: int,
-        max_cost: int,
-        price: Price,
-        purpose: str,
         count_tokens: Callable[[str], int],
-        ref: str | None = None,
         on_send: OnSend | None = None,
-        key_id: str | None = None,
+        **terms: Unpack[Paid],
     ) -> AsyncIterator[Delta | DispatchResult]:
         """Reserve, then the engine's pieces as they come, then the settled result, last.
 
@@ -372,22 +338,14 @@ class Dispatcher:
         produced nothing is released. Either way the reservation resolves
         exactly once.
         """
+        route = terms["route"]
         engine = self.engines.for_route(route)
         if not isinstance(engine, StreamingEngine):
             raise CapabilityUnsupported(f"route {route.id} cannot stream", param="stream")
         seen: dict[int, list[str]] = {}
         opened = False
         cached = 0  # prompt tokens the engine said it read from its cache, so far
-        async with self.paying(
-            org_id,
-            max_cost,
-            model=model,
-            route=route,
-            price=price,
-            purpose=purpose,
-            ref=ref,
-            key_id=key_id,
-        ) as pay:
+        async with self.paying(**terms) as pay:
             try:
                 async with contextlib.AsyncExitStack() as slot:
                     pieces = await self._paced(
@@ -444,30 +402,13 @@ class Dispatcher:
         )
 
     async def embed(
-        self,
-        *,
-        org_id: str,
-        model: ModelSpec,
-        route: RouteSpec,
-        texts: list[str],
-        input_tokens: int,
-        max_cost: int,
-        price: Price,
-        ref: str | None = None,
-        key_id: str | None = None,
+        self, *, texts: list[str], input_tokens: int, **terms: Unpack[Terms]
     ) -> tuple[Embeddings, int]:
         """Reserve, embed, settle: the vectors and the charge posted."""
-        async with self.paying(
-            org_id,
-            max_cost,
-            model=model,
-            route=route,
-            price=price,
-            purpose="embeddings",
-            ref=ref,
-            key_id=key_id,
-        ) as pay:
-            result = await self.call_embed(route=route, texts=texts, input_tokens=input_tokens)
+        async with self.paying(purpose="embeddings", **terms) as pay:
+            result = await self.call_embed(
+                route=terms["route"], texts=texts, input_tokens=input_tokens
+            )
             used = Usage(result.usage.input_tokens or input_tokens, 0)
             await pay.settle(used)
             return Embeddings(result.vectors, used), pay.ticks
@@ -493,47 +434,6 @@ class Dispatcher:
         return await self._paced(
             route, len(candidates), input_tokens, lambda: engine.score(model, messages, candidates)
         )
-
-    async def settle(
-        self,
-        *,
-        reservation_id: str,
-        charge: int | Charge,
-        model: str,
-        route: str,
-        usage: Usage,
-        purpose: str,
-        ref: str | None = None,
-        detail: dict[str, Any] | None = None,
-    ) -> int:
-        """Settle a reservation to a real charge, with its activity record, in one transaction.
-
-        ``Payment.settle`` is its caller; a ``Charge`` (``core.quotes.charge``)
-        puts its usage and price in the record, for ``batchyard audit``. A charge
-        above the hold is recorded and counted (``store.billing``). Returns the
-        charge posted.
-        """
-        now = self.clock.now()
-        if isinstance(charge, Charge):
-            ticks, priced = charge.ticks, charge.detail()
-        else:
-            n = usage.cached_input_tokens
-            ticks, priced = (
-                charge,
-                {
-                    "input_tokens": usage.input_tokens,
-                    "output_tokens": usage.output_tokens,
-                    **({"cached_input_tokens": n} if n else {}),
-                },
-            )
-        record = {"purpose": purpose, "model": model, "route": route, **priced, **(detail or {})}
-
-        def tx(c: Connection) -> billing.Resolved:
-            return billing.settle(c, reservation_id, ticks, now, ref=ref, detail=record)
-
-        settled = await asyncio.shield(self.db.write_through(tx))
-        self.metrics.charged(purpose, from_ticks(settled.charged), from_ticks(settled.over))
-        return settled.charged
 
 
 @dataclass(eq=False)
@@ -569,22 +469,35 @@ class Payment:
         (decide's fallback to the base model)."""
         self.model, self.route = model or self.model, route or self.route
         self.price = price or self.price
-        self.charged = await self.dispatcher.settle(
-            reservation_id=self.reservation.id,
-            charge=charge(self.price, self.route, usage),
-            model=self.model.id,
-            route=self.route.id,
-            usage=usage,
-            purpose=self.purpose,
-            ref=self.ref,
-            detail=detail,
-        )
+        priced = charge(self.price, self.route, usage)
+        record = {
+            "purpose": self.purpose,
+            "model": self.model.id,
+            "route": self.route.id,
+            **priced.detail(),
+            **(detail or {}),
+        }
+        d, res_id, now = self.dispatcher, self.reservation.id, self.dispatcher.clock.now()
+
+        def tx(c: Connection) -> billing.Resolved:
+            return billing.settle(c, res_id, priced.ticks, now, ref=self.ref, detail=record)
+
+        # In one transaction with its activity record; a charge above the hold is recorded
+        # and counted there (``store.billing``).
+        settled = await asyncio.shield(d.db.write_through(tx))
+        d.metrics.charged(self.purpose, from_ticks(settled.charged), from_ticks(settled.over))
+        self.charged = settled.charged
         return self.charged
 
     async def release(self, reason: str) -> None:
         """Charge nothing: the hold is released, its record saying why."""
         self.charged = 0
-        await self.dispatcher.release(self.reservation.id, reason=reason, ref=self.ref)
+        now, why = self.dispatcher.clock.now(), {"reason": reason}
+
+        def tx(c: Connection) -> None:
+            billing.release(c, self.reservation.id, now, ref=self.ref, detail=why)
+
+        await self.dispatcher.db.write_through(tx)
 
 
 def usage_of(result: object) -> Usage | None:

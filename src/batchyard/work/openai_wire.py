@@ -1,28 +1,10 @@
 """OpenAI's wire, written once: typed bodies into engine requests, answers into bodies.
 
-Every path that answers in OpenAI's shapes goes through here: the HTTP doors
-(``api.chat``, ``api.completions``, ``api.embeddings``), the lines of an OpenAI
-file batch (``work.file_batches.lines``) and the results of a deferred batch
-(``work.deferred_batches.results``). So a ``chat.completion`` is one object whichever
-way it was asked for; the three differ only in the batchyard fields each caller
-adds beside OpenAI's (``charge``, where it was answered).
-
-A body is checked by ``core.openai_bodies`` (strict rules, no I/O) into its
-typed request; here that request becomes the engines' ``CompletionRequest``
-(``chat_request``, ``text_requests``), and an engine's answer becomes the body
-OpenAI's API returns (``Reply``, ``embedding_list``), the ``openai`` SDK's
-types being the reference:
-``message.refusal`` is null, ``logprobs`` is null unless asked for and then
-``{content, refusal}`` with every token's ``top_logprobs`` list,
-``system_fingerprint`` is null, and ``usage`` has
-``prompt_tokens_details.cached_tokens`` where the engine read part of the
-prompt from its cache. Streams are the same objects cut into chunks.
-
-A line of a file batch is stored as its typed request's JSON and read back as
-that type (``line_request``), so its worker builds the engine request with the
-function the door uses. Anthropic's Messages are translated onto the same
-request (``core.anthropic_bodies.Translated``): ``messages_request`` and
-``anthropic_message`` serve its door and the lines of a Message Batch alike.
+The HTTP doors, the lines of a file batch and the results of a deferred batch all answer
+through here, so a ``chat.completion`` is one object whichever way it was asked for; the
+``openai`` SDK's types are the reference. A batch line is stored as its typed request's
+JSON and read back as that type (``line_request``), so its worker builds the engine
+request with the function the door uses.
 """
 
 from __future__ import annotations

@@ -280,32 +280,25 @@ async def test_a_charge_above_its_hold_posts_the_hold_and_is_recorded_counted_an
 ) -> None:
     d = make_dispatcher(db, clock, ScriptedEngine(clock=clock))
     d.metrics = recorder = MemoryRecorder()
-    res = await d.reserve(org, 1000, purpose="decide", ref="dec.1")
+    terms = {"model": MODEL, "route": route(), "price": PRICE, "purpose": "decide"}
+    async with d.paying(org, 1000, **terms, ref="dec.1") as pay:
+        charged = await pay.settle(Usage(7, 2), {"outcomes": 2})
 
-    charged = await d.settle(
-        reservation_id=res.id,
-        charge=5000,
-        model="m",
-        route="r",
-        usage=Usage(7, 2),
-        purpose="decide",
-        ref="dec.1",
-        detail={"outcomes": 2},
-    )
-
-    assert charged == 1000
-    assert entries_of(db, res.id) == {"reserve": 1000, "settle": 1000}
+    owed = charge_ticks(PRICE.cost(7, 2))
+    assert owed > charged == 1000
+    assert entries_of(db, pay.reservation.id) == {"reserve": 1000, "settle": 1000}
     [act] = activity_of(db, org)
     assert act["amount"] == 1000
     assert act["detail"] == {
         "purpose": "decide",
-        "model": "m",
-        "route": "r",
+        "model": MODEL.id,
+        "route": route().id,
         "input_tokens": 7,
         "output_tokens": 2,
+        "price": {"input_per_mtok": "1000", "output_per_mtok": "2000"},
         "outcomes": 2,
         # Never capped silently: what the hold did not cover is on the record ...
-        "over_hold": 4000,
+        "over_hold": owed - 1000,
     }
     # ... counted on /metrics ...
     assert recorder.counts["over_hold", "decide"] == 1

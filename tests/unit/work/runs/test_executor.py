@@ -216,7 +216,7 @@ async def test_rows_go_through_the_dispatcher_at_the_route_s_pace(
     engine = ScriptedEngine("ok", clock=clock)
     t0 = clock.time()
     paced = executor(db, clock, engine, rpm=60)
-    pace = paced.dispatcher.pace
+    pace = paced.dispatcher.pacer.admit
 
     async def admitted(*args: Any) -> None:
         # When the route admits each call: the engine call follows after the row is
@@ -224,7 +224,7 @@ async def test_rows_go_through_the_dispatcher_at_the_route_s_pace(
         await pace(*args)
         seen.append(clock.time())
 
-    paced.dispatcher.pace = admitted  # type: ignore[method-assign]
+    paced.dispatcher.pacer.admit = admitted  # type: ignore[method-assign]
     await drive(clock, asyncio.create_task(paced.execute(load(db, run_id))))
 
     assert sorted(seen) == [t0, pytest.approx(t0 + 1), pytest.approx(t0 + 2)]
