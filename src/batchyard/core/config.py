@@ -114,9 +114,7 @@ class Settings:
     )
     default_max_tokens: PositiveInt = setting(256)
     billing_review_threshold: Annotated[Decimal, Field(ge=0, allow_inf_nan=False)] | None = setting(
-        None,
-        "runs quoted above it wait for `batchyard runs approve`",
-        kind="decimal (US dollars)",
+        None, "runs quoted above it wait for `batchyard runs approve`", kind="decimal (US dollars)"
     )
     privacy_default: str = setting("off", "`off`, `redact`, `reject`")
     price_feed: str | None = setting(None, "the market's price feed", kind="text (path or URL)")

@@ -225,8 +225,7 @@ class ChatRequest(_Common):
     tools: Annotated[list[dict[str, Any]], AsDicts(list[FunctionTool])] | None = None
     tool_choice: (
         Annotated[
-            str | dict[str, Any],
-            AsDicts(Literal["none", "auto", "required"] | NamedToolChoice),
+            str | dict[str, Any], AsDicts(Literal["none", "auto", "required"] | NamedToolChoice)
         ]
         | None
     ) = None

@@ -44,11 +44,7 @@ def counts_of(per_state: dict[str, int]) -> dict[str, int]:
     per = dict(per_state)
     if "pending" in per:  # a file batch's not-yet-sent lines are the deferred dialect's "waiting"
         per["waiting"] = per.pop("pending")
-    return {
-        "total": sum(per.values()),
-        "completed": per.get("succeeded", 0),
-        **per,
-    }
+    return {"total": sum(per.values()), "completed": per.get("succeeded", 0), **per}
 
 
 def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:

@@ -25,13 +25,7 @@ from batchyard.core.accounts import Principal
 from batchyard.core.ids import new_id
 from batchyard.core.inputs import parse_json
 from batchyard.core.sections import FileSettings
-from batchyard.errors import (
-    BatchyardError,
-    Conflict,
-    InvalidRequest,
-    NotFound,
-    PayloadTooLarge,
-)
+from batchyard.errors import BatchyardError, Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import Rules, validate_line
 from batchyard.store import file_batches as batch_store

@@ -25,27 +25,14 @@ from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest
 from batchyard.core.clock import isoformat
 from batchyard.core.inputs import Coded, strict
-from batchyard.errors import (
-    BatchyardError,
-    InsufficientCredit,
-    InvalidState,
-    NotFound,
-)
+from batchyard.errors import BatchyardError, InsufficientCredit, InvalidState, NotFound
 from batchyard.service import file_batches, files
 from batchyard.service.deployment import Service
 from batchyard.service.file_batches import PERCENT
 from batchyard.service.openai_requests import MESSAGES
 from batchyard.store import file_batches as store
 
-__all__ = [
-    "cancel",
-    "create",
-    "finished",
-    "get",
-    "list_page",
-    "results",
-    "retry",
-]
+__all__ = ["cancel", "create", "finished", "get", "list_page", "results", "retry"]
 
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _ENDED = file_batches.ENDED

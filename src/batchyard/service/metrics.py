@@ -134,10 +134,7 @@ class PrometheusRecorder:
             registry=r,
         )
         self.upstream_429s = Counter(
-            "batchyard_upstream_429",
-            "Upstream 429 answers, by route.",
-            ["route"],
-            registry=r,
+            "batchyard_upstream_429", "Upstream 429 answers, by route.", ["route"], registry=r
         )
         self.retry_after = Counter(
             "batchyard_upstream_retry_after_seconds",

@@ -29,12 +29,7 @@ from batchyard.core.runs import TERMINAL
 from batchyard.core.sections import VersionSettings
 from batchyard.engines import gguf_files
 from batchyard.engines.model_files import sha256_of
-from batchyard.errors import (
-    Conflict,
-    InvalidRequest,
-    NotFound,
-    PayloadTooLarge,
-)
+from batchyard.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from batchyard.service.deployment import Service
 from batchyard.store import model_versions as store
 from batchyard.store import projects as project_store

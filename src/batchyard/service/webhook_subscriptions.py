@@ -24,12 +24,7 @@ from sqlalchemy import Connection
 from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.sections import WebhookSettings
-from batchyard.core.webhook_rules import (
-    EVENTS,
-    address_allowed,
-    new_secret,
-    parse_target,
-)
+from batchyard.core.webhook_rules import EVENTS, address_allowed, new_secret, parse_target
 from batchyard.errors import InvalidRequest, NotFound
 from batchyard.service.deployment import Service
 from batchyard.store import webhook_deliveries, webhook_endpoints
@@ -76,8 +71,7 @@ def check_events(events: Any) -> list[str]:
     """A non-empty list of known event names, each once."""
     if not isinstance(events, list) or not events:
         raise InvalidRequest(
-            f"events must be a non-empty list of event names ({', '.join(EVENTS)})",
-            param="events",
+            f"events must be a non-empty list of event names ({', '.join(EVENTS)})", param="events"
         )
     seen: list[str] = []
     for i, name in enumerate(events):
