@@ -23,6 +23,7 @@ from batchyard.core.market import effective_min_discount
 from batchyard.core.openai_bodies import ResponseFormat, TextPart
 from batchyard.errors import InvalidRequest, InvalidType, UnsupportedInput
 from batchyard.service.deployment import Service
+from batchyard.service.openai_requests import private_messages
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -42,23 +43,6 @@ MAX_OUTPUT_TOKENS = 4096
 WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(hours=24)}
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
-_TOP_KEYS = {"min_discount", "completion_window", "requests"}
-_REQUEST_KEYS = {"custom_id", "body", "min_discount"}
-_BODY_KEYS = {
-    "model",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "stop",
-    "seed",
-    "response_format",
-    "privacy",
-    "n",
-    "stream",
-    "user",
-}
 _TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _ROLES = {"system", "developer", "user", "assistant"}
 #: The sampling options a deferred request keeps, as given.
@@ -69,29 +53,14 @@ class PrivacyBody(Shape):
     mode: Annotated[Literal["off", "redact", "reject"], Coded("invalid_privacy_mode")]
 
 
-class _TextMessage(Shape):
+class TextMessage(Shape):
+    """A deferred request's message: text only, no tools."""
+
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
 
 
-class _System(_TextMessage):
-    role: Literal["system"]
-
-
-class _Developer(_TextMessage):
-    role: Literal["developer"]
-
-
-class _User(_TextMessage):
-    role: Literal["user"]
-
-
-class _Assistant(_TextMessage):
-    role: Literal["assistant"]
-
-
-#: A deferred request's messages: text only, no tools.
-TextMessage = Annotated[_System | _Developer | _User | _Assistant, Field(discriminator="role")]
 _MaxTokens = Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS), Coded("max_tokens_out_of_range")]
 _Percent = Annotated[float, Field(ge=0, le=100), Coded("min_discount_out_of_range")]
 
@@ -139,6 +108,11 @@ class BatchBody(Shape):
         Annotated[Literal["1h", "6h", "24h"], Coded("invalid_completion_window")] | None
     ) = None
     requests: Annotated[list[BatchRequestBody], Field(min_length=1, max_length=MAX_REQUESTS)]
+
+
+_TOP_KEYS = set(BatchBody.model_fields)
+_REQUEST_KEYS = set(BatchRequestBody.model_fields)
+_BODY_KEYS = set(ChatRequestBody.model_fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,9 +254,10 @@ def _parse_request(
     req = strict(ChatRequestBody, body, prefix=bp)
     model = svc.catalog.model(body.get("model"), org_id)
     svc.catalog.route_for(model.id)
+    # Both are whole numbers from 1 to MAX_OUTPUT_TOKENS by now; the model may take fewer.
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
-    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= limit):
+    if mt is not None and mt > limit:
         raise _bad(
             f"max_tokens is from 1 to {limit} for {model.id}",
             f"{bp}.max_tokens",
@@ -291,14 +266,7 @@ def _parse_request(
     options = req.model_dump(include=_OPTIONS, exclude_none=True)
     if isinstance(req.stop, str):
         options["stop"] = [req.stop]
-    raw_privacy = body.get("privacy")
-    mode_name = "off" if raw_privacy is None else raw_privacy["mode"]
-    try:
-        mode = privacy.PrivacyMode(str(mode_name))
-    except ValueError:
-        raise _bad(
-            "privacy.mode is off, redact or reject", f"{bp}.privacy.mode", "invalid_privacy_mode"
-        ) from None
+    mode = privacy.PrivacyMode(req.privacy.mode if req.privacy is not None else "off")
     stored = {"messages": body["messages"], **options}
     return ParsedRequest(cid, model.id, min_discount, 0, mt or 0, stored), mode
 
@@ -344,26 +312,17 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
     out: list[ParsedRequest] = []
     redactions = 0
     for i, (req, mode) in enumerate(parsed):
-        messages = req.stored["messages"]
-        if mode is privacy.PrivacyMode.REDACT:
-            messages, found = privacy.redact_messages(messages)
-            redactions += found
-        elif mode is privacy.PrivacyMode.REJECT:
-            try:
-                privacy.apply(privacy.PrivacyMode.REJECT, messages)
-            except InvalidRequest as exc:
-                raise InvalidRequest(
-                    f"requests[{i}]: {exc.message}",
-                    param=f"requests[{i}].body.messages",
-                    code=exc.code,
-                ) from None
+        where = f"requests[{i}]: "
+        param = f"requests[{i}].body.messages"
+        messages, found = private_messages(req.stored["messages"], mode, param, where)
+        redactions += found
         call = svc.preparer.deferred(
             req.model,
             messages,
             req.max_tokens or None,
             org_id=org_id,
-            param=f"requests[{i}].body.messages",
-            where=f"requests[{i}]: ",
+            param=param,
+            where=where,
         )
         stored = {**req.stored, "messages": messages}
         out.append(

@@ -94,8 +94,11 @@ def _batchable(body: dict[str, Any]) -> None:
             raise InvalidRequest(message, param=name, code=code)
 
 
-def _private_messages(
-    messages: list[dict[str, Any]], mode: privacy.PrivacyMode, param: str = "messages"
+def private_messages(
+    messages: list[dict[str, Any]],
+    mode: privacy.PrivacyMode,
+    param: str = "messages",
+    where: str = "",
 ) -> tuple[list[dict[str, Any]], int]:
     """Messages as they may be stored under ``mode``, and how many findings were redacted.
 
@@ -107,7 +110,7 @@ def _private_messages(
         try:
             privacy.apply(privacy.PrivacyMode.REJECT, messages)
         except InvalidRequest as exc:
-            raise InvalidRequest(exc.message, param=param, code=exc.code) from None
+            raise InvalidRequest(where + exc.message, param=param, code=exc.code) from None
     return messages, 0
 
 
@@ -116,7 +119,7 @@ def _private_texts(
 ) -> tuple[list[str], int]:
     """Texts as they may be stored under ``mode`` (raises for a rejected one)."""
     messages = [{"role": "user", "content": t} for t in texts]
-    kept, found = _private_messages(messages, mode, param)
+    kept, found = private_messages(messages, mode, param)
     return [str(m["content"]) for m in kept], found
 
 
@@ -124,7 +127,7 @@ def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_chat(rest)
     _batchable(rest)
-    messages, found = _private_messages(req.messages, mode)
+    messages, found = private_messages(req.messages, mode)
     call = rules.preparer.chat(req.model_copy(update={"messages": messages}), org_id=rules.org_id)
     rest["messages"] = messages
     return CheckedBody(call.model, rest, call.input_tokens, call.output_tokens, found)
@@ -140,14 +143,9 @@ def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
     """
     rest, mode = _split(body, rules)
     req = parse_messages(rest)
-    if req.stream:
-        raise InvalidRequest(
-            "batch requests do not stream; send stream: false or leave it out",
-            param="stream",
-            code="streaming_unsupported",
-        )
+    _batchable(rest)
     asked = translate(req)
-    messages, found = _private_messages(asked.messages, mode)
+    messages, found = private_messages(asked.messages, mode)
     stored = asked.model_copy(update={"messages": messages})
     call = rules.preparer.messages(stored, org_id=rules.org_id)
     body_out = stored.model_dump(exclude_none=True)

@@ -1,16 +1,9 @@
 """An organisation's webhook endpoints: registered, listed, shown, deleted, their secret rotated.
 
-What an endpoint may be is checked here, before anything is written: an
-``http(s)`` URL (no credentials in it, no fragment), at least one event and
-only known ones, and a target deliveries may reach. The target rule is
-``core.webhook_rules.address_allowed``: by default only public addresses
-(a URL naming 10.0.0.1, 169.254.169.254 or localhost, or a host name that
-resolves to one, is refused: SSRF), plus the networks the operator allows
-in ``webhooks.allowed_networks``. The host is resolved again at every
-delivery (``work.webhook_sender``), since DNS can change after registration.
-
-The secret (``whsec_...``) is made here and shown once, in the answer to the
-create or the rotation; the store keeps it sealed.
+An endpoint is checked before anything is written; by default its target must be a
+public address (``core.webhook_rules.address_allowed``: SSRF), plus the networks the
+operator allows, and the host is resolved again at every delivery since DNS can change.
+The secret is shown once, in the answer that made it; the store keeps it sealed.
 """
 
 from __future__ import annotations
