@@ -195,9 +195,9 @@ async def create(
         cost = Decimal(0)
         for model_id, _, tokens_in, tokens_out, line in totals:
             model = catalog.find(model_id)
-            if invalid and (model is None or not catalog.is_available(model_id)):
-                continue  # the batch fails on its invalid lines; this one costs nothing
             if model is None or not catalog.is_available(model_id):
+                if invalid:
+                    continue  # the batch fails on its invalid lines; this one costs nothing
                 raise InvalidRequest(
                     f"line {line}: model {model_id!r} is no longer served here",
                     param=f"line {line}: body.model",
@@ -221,34 +221,25 @@ async def create(
             errors=None,
             request_count=f.line_count,
             max_cost=max_cost,
-            reservation_id=None,
-            charge=None,
-            output_file_id=None,
-            error_file_id=None,
             created_at=now,
             expires_at=now + FILE_WINDOWS[parsed["window"]],
             in_progress_at=now,
-            finalizing_at=None,
-            completed_at=None,
-            failed_at=None,
-            expired_at=None,
-            cancelling_at=None,
-            cancelled_at=None,
         )
-        if invalid:
-            # OpenAI's order: the file uploaded, the batch fails its validation, naming
-            # every invalid line; nothing is held or charged.
-            row = _replace(
-                row,
-                status="failed",
-                errors=json.dumps(invalid),
-                request_count=0,  # OpenAI's: a batch that failed validation ran no request
-                failed_at=now,
-                in_progress_at=None,
+
+        def failed(errors: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+            """Written failed, holding and charging nothing."""
+            text = json.dumps(errors)
+            ended = dataclasses.replace(
+                row, status="failed", errors=text, failed_at=now, in_progress_at=None, **more
             )
-            store.create_batch(conn, row)
+            store.create_batch(conn, ended)
             webhook_deliveries.batch_ended(conn, batch_id, now)
             return load_view(conn, principal.org_id, batch_id)
+
+        if invalid:
+            # OpenAI's order: the file uploaded, the batch fails its validation, naming
+            # every invalid line; as OpenAI's, such a batch ran no request.
+            return failed(invalid, request_count=0)
         try:
             res = billing.reserve(
                 conn,
@@ -275,21 +266,15 @@ async def create(
                 "param": None,
                 "line": None,
             }
-            row = _replace(
-                row, status="failed", errors=json.dumps([error]), failed_at=now, in_progress_at=None
+            return failed([error])
+        # A retry that will run is linked both ways; one that failed for want of
+        # credit runs nothing, and the batch it retried may be retried again.
+        if retry_of is not None and not store.link_retry(conn, retry_of, batch_id):
+            raise InvalidState(
+                f"batch {retry_of} was already retried; retry that batch instead",
+                code="already_retried",
             )
-            store.create_batch(conn, row)
-            webhook_deliveries.batch_ended(conn, batch_id, now)
-        else:
-            # A retry that will run is linked both ways; one that failed for want of
-            # credit runs nothing, and the batch it retried may be retried again.
-            if retry_of is not None and not store.link_retry(conn, retry_of, batch_id):
-                raise InvalidState(
-                    f"batch {retry_of} was already retried; retry that batch instead",
-                    code="already_retried",
-                )
-            row = _replace(row, retry_of=retry_of)
-            store.create_batch(conn, _replace(row, reservation_id=res.id))
+        store.create_batch(conn, dataclasses.replace(row, retry_of=retry_of, reservation_id=res.id))
         return load_view(conn, principal.org_id, batch_id)
 
     view = await svc.db.transact(tx)
@@ -304,10 +289,6 @@ async def create(
         },
     )
     return view
-
-
-def _replace(row: store.BatchRow, **values: Any) -> store.BatchRow:
-    return dataclasses.replace(row, **values)
 
 
 def _batch(

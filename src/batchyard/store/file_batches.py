@@ -187,19 +187,19 @@ class BatchRow:
     errors: str | None
     request_count: int
     max_cost: int
-    reservation_id: str | None
-    charge: int | None
-    output_file_id: str | None
-    error_file_id: str | None
     created_at: datetime
     expires_at: datetime
     in_progress_at: datetime | None
-    finalizing_at: datetime | None
-    completed_at: datetime | None
-    failed_at: datetime | None
-    expired_at: datetime | None
-    cancelling_at: datetime | None
-    cancelled_at: datetime | None
+    reservation_id: str | None = None
+    charge: int | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    finalizing_at: datetime | None = None
+    completed_at: datetime | None = None
+    failed_at: datetime | None = None
+    expired_at: datetime | None = None
+    cancelling_at: datetime | None = None
+    cancelled_at: datetime | None = None
     ended_seq: int = 0
     retry_of: str | None = None
     retried_by: str | None = None
