@@ -15,8 +15,6 @@ from typing import Any, Literal
 
 from batchyard.core.accounts import Scope
 
-__all__ = ["ACCESS", "Access", "access_for", "app_routes", "check_complete"]
-
 F, R, INF = Scope.FULL, Scope.READ, Scope.INFERENCE
 
 

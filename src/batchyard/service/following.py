@@ -17,8 +17,6 @@ from sqlalchemy import Connection
 from batchyard.core.sealing import Sealer
 from batchyard.store import file_batches as store
 
-__all__ = ["MAX_PAGE", "file_batch_items", "page"]
-
 #: The most items one page holds.
 MAX_PAGE = 1000
 

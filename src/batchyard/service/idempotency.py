@@ -26,8 +26,6 @@ from batchyard.errors import BatchyardError, StorageUnavailable, error_type
 from batchyard.service.deployment import Service
 from batchyard.store import idempotency as idem_store
 
-__all__ = ["KeyedAnswer", "Stream", "Whole", "run_once", "unkeyed"]
-
 
 @dataclass(frozen=True, slots=True)
 class Whole:
