@@ -161,16 +161,8 @@ class _Choice(_Strict):
     disable_parallel_tool_use: bool | None = None
 
 
-class AutoChoice(_Choice):
-    type: Literal["auto"]
-
-
-class AnyChoice(_Choice):
-    type: Literal["any"]
-
-
-class NoneChoice(_Choice):
-    type: Literal["none"]
+class PlainChoice(_Choice):
+    type: Literal["auto", "any", "none"]
 
 
 class ToolChoice(_Choice):
@@ -178,7 +170,7 @@ class ToolChoice(_Choice):
     name: str
 
 
-Choice = Annotated[AutoChoice | AnyChoice | NoneChoice | ToolChoice, Field(discriminator="type")]
+Choice = Annotated[PlainChoice | ToolChoice, Field(discriminator="type")]
 
 
 class JsonOutputFormat(_Strict):

@@ -68,26 +68,24 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+#: pydantic's error types -> (what was expected, the fix)
 _KINDS: dict[str, tuple[str, str]] = {
-    # pydantic's error type -> (what was expected, the fix)
-    "int_parsing": ("a whole number", "write a whole number such as 30"),
-    "int_type": ("a whole number", "write a whole number such as 30"),
-    "int_from_float": ("a whole number", "write a whole number, without a fraction"),
-    "float_parsing": ("a number", "write a number such as 30 or 2.5"),
-    "float_type": ("a number", "write a number such as 30 or 2.5"),
-    "finite_number": ("a finite number", "write a number such as 30 or 2.5"),
-    "decimal_parsing": ("a decimal number", 'write a decimal such as "0.50"'),
-    "decimal_type": ("a decimal number", 'write a decimal such as "0.50"'),
-    "bool_parsing": ("true or false", "write true or false"),
-    "bool_type": ("true or false", "write true or false"),
-    "string_type": ("text", "write it as a string"),
-    "list_type": ("a list", "write a list (YAML `- item` lines, or [a, b])"),
-    "tuple_type": ("a list", "write a list (YAML `- item` lines, or [a, b])"),
-    "dict_type": ("a mapping", "write `name: value` pairs under it"),
-    "model_type": ("a mapping", "write `name: value` pairs under it"),
-    "model_attributes_type": ("a mapping", "write `name: value` pairs under it"),
-    "dataclass_type": ("a mapping", "write `name: value` pairs under it"),
-    "dataclass_args_type": ("a mapping", "write `name: value` pairs under it"),
+    kind: said
+    for kinds, said in (
+        ("int_parsing int_type", ("a whole number", "write a whole number such as 30")),
+        ("int_from_float", ("a whole number", "write a whole number, without a fraction")),
+        ("float_parsing float_type", ("a number", "write a number such as 30 or 2.5")),
+        ("finite_number", ("a finite number", "write a number such as 30 or 2.5")),
+        ("decimal_parsing decimal_type", ("a decimal number", 'write a decimal such as "0.50"')),
+        ("bool_parsing bool_type", ("true or false", "write true or false")),
+        ("string_type", ("text", "write it as a string")),
+        ("list_type tuple_type", ("a list", "write a list (YAML `- item` lines, or [a, b])")),
+        (
+            "dict_type model_type model_attributes_type dataclass_type dataclass_args_type",
+            ("a mapping", "write `name: value` pairs under it"),
+        ),
+    )
+    for kind in kinds.split()
 }
 
 

@@ -92,21 +92,12 @@ Part = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")
 Content = str | list[Part]
 
 
-class _Message(_Body):
+class PromptMessage(_Body):
+    """A system, developer or user message."""
+
+    role: Literal["system", "developer", "user"]
     content: Content
     name: str | None = None
-
-
-class SystemMessage(_Message):
-    role: Literal["system"]
-
-
-class DeveloperMessage(_Message):
-    role: Literal["developer"]
-
-
-class UserMessage(_Message):
-    role: Literal["user"]
 
 
 class CalledFunction(_Body):
@@ -144,13 +135,7 @@ class FunctionMessage(_Body):
 
 
 Message = Annotated[
-    SystemMessage
-    | DeveloperMessage
-    | UserMessage
-    | AssistantMessage
-    | ToolMessage
-    | FunctionMessage,
-    Field(discriminator="role"),
+    PromptMessage | AssistantMessage | ToolMessage | FunctionMessage, Field(discriminator="role")
 ]
 
 

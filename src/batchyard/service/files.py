@@ -260,26 +260,18 @@ def ingest(
                     raise
                 # Kept: creating a batch from this file fails it, naming this line.
                 invalid += 1
-                cid, kept = _invalid(n, obj, raw, exc, limits)
+                cid, stored = _invalid(n, obj, raw, exc, limits)
                 size += len(raw) + 1
-                line = store.LineRow(
-                    n, cid, store.INVALID_LINE, 0, 0, sealer.seal(kept, line_aad(file_id, n))
-                )
+                model, tokens = store.INVALID_LINE, (0, 0)
             else:
                 endpoint = url
                 redactions += checked.redactions
                 size += len(stored) + 1
-                line = store.LineRow(
-                    n,
-                    cid,
-                    checked.model.id,
-                    checked.input_tokens,
-                    checked.max_output_tokens,
-                    sealer.seal(stored, line_aad(file_id, n)),
-                )
-            pending.append(line)
+                model, tokens = checked.model.id, (checked.input_tokens, checked.max_output_tokens)
+            sealed = sealer.seal(stored, line_aad(file_id, n))
+            pending.append(store.LineRow(n, cid, model, *tokens, sealed))
             if len(pending) >= WRITE_BATCH:
-                svc.db.transact_sync(partial(_write, file_id=file_id, lines=pending))
+                svc.db.transact_sync(partial(store.write_lines, file_id=file_id, lines=pending))
                 pending = []
         if count == 0:
             raise InvalidRequest(
@@ -319,10 +311,6 @@ def _as_sent(model: str, body: bytes) -> bytes:
     if "line_base64" in kept:
         return base64.b64decode(kept["line_base64"]) + b"\n"
     return b"" if kept["line"] is None else kept["line"].encode("utf-8") + b"\n"
-
-
-def _write(c: Connection, *, file_id: str, lines: list[store.LineRow]) -> None:
-    store.write_lines(c, file_id, lines)
 
 
 def _visible(c: Connection, principal: Principal, file_id: str) -> store.FileRow:
