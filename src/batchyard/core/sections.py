@@ -54,13 +54,8 @@ _Count = Annotated[int, Field(ge=1)]
 class RunSettings:
     """``runs:``: timings of batch inference runs.
 
-    ``lease_s`` is how long a worker may go silent before another takes its
-    runs over (its in-flight rows become ``uncertain``); heartbeats renew it
-    every ``heartbeat_s`` of real time. Finished rows are committed in groups:
-    when half the run's slots are free, or ``flush_s`` after the last commit.
-    ``failure_streak`` consecutive failed rows with no success between them
-    mean the route is broken, not the rows, and the run fails instead of
-    burning through every row.
+    ``failure_streak`` failed rows in a row mean the route is broken, not the rows, so the
+    run fails instead of burning through every row.
     """
 
     quote_ttl_s: _Seconds = setting(

@@ -305,12 +305,7 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
         messages, found = private_messages(req.stored["messages"], mode, param, where)
         redactions += found
         call = svc.preparer.deferred(
-            req.model,
-            messages,
-            req.max_tokens or None,
-            org_id=org_id,
-            param=param,
-            where=where,
+            req.model, messages, req.max_tokens or None, org_id=org_id, param=param, where=where
         )
         stored = {**req.stored, "messages": messages}
         out.append(

@@ -125,24 +125,12 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
             param="max_output_tokens",
             code="max_output_tokens_out_of_range",
         )
-    prompt_tokens = tok.count_messages(messages)
-    check_context(model, prompt_tokens, max_out, param="input.text", output="max_output_tokens")
-    price = direct_price(model)
+    n_in = tok.count_messages(messages)
+    check_context(model, n_in, max_out, param="input.text", output="max_output_tokens")
     mode: CalibrationMode = req.calibration if scoring else "none"
-    max_cost = quote(model, prompt_tokens, max_out)
-    return Plan(
-        model,
-        where,
-        scoring,
-        fmt,
-        messages,
-        prompt_tokens,
-        max_out,
-        price,
-        max_cost,
-        mode,
-        prompt_tokens,
-    )
+    cost = quote(model, n_in, max_out)
+    price = direct_price(model)
+    return Plan(model, where, scoring, fmt, messages, n_in, max_out, price, cost, mode, n_in)
 
 
 async def prepare(svc: Service, org_id: str, raw: dict[str, Any]) -> Prepared:
@@ -203,16 +191,7 @@ class _Answered:
     scored: _Scored
 
 
-@dataclass(frozen=True, slots=True)
-class _Caller:
-    org_id: str
-    # False for zero data retention: its texts never join the running mean.
-    retain: bool
-    #: The calling key, whose spend caps the hold counts against.
-    key_id: str | None = None
-
-
-async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Caller) -> _Scored:
+async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: Principal) -> _Scored:
     tok = svc.tokenizer(plan.model)
     return await svc.calibrations.score(
         org_id=caller.org_id,
@@ -224,12 +203,13 @@ async def _score(svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Ca
         prompt_tokens=plan.prompt_tokens,
         count=tok.count_messages,
         count_text=tok.count,
-        retain=caller.retain,
+        # Zero data retention: its texts never join the running mean.
+        retain=not caller.zero_data_retention,
     )
 
 
 async def _engine(
-    svc: Service, plan: Plan, req: rules.DecideRequest, caller: _Caller
+    svc: Service, plan: Plan, req: rules.DecideRequest, caller: Principal
 ) -> _Scored | Completion:
     """The model's work, unbilled: billing wraps it, and a load given up on bills no one."""
     if plan.scoring:
@@ -257,7 +237,7 @@ def _read(plan: Plan, req: rules.DecideRequest, result: _Scored | Completion) ->
     return _Scored(chosen, probabilities, result.usage)
 
 
-async def _answer(svc: Service, call: Prepared, caller: _Caller) -> _Answered:
+async def _answer(svc: Service, call: Prepared, caller: Principal) -> _Answered:
     """Who answers, and what: the model asked for, or its base while a cold version loads."""
     req, primary, fallback = call.req, call.primary, call.fallback
     if primary.model.type != "version":
@@ -282,7 +262,7 @@ async def _answer(svc: Service, call: Prepared, caller: _Caller) -> _Answered:
 
 async def _paid(
     svc: Service,
-    caller: _Caller,
+    caller: Principal,
     decision_id: str,
     call: Prepared,
     answer: Callable[[], Awaitable[_Answered]],
@@ -329,17 +309,16 @@ async def decide(
     """
     call = await _priced(svc, principal.org_id, call)
     await admit(call.primary.input_tokens)
-    caller = _Caller(
-        principal.org_id, retain=not principal.zero_data_retention, key_id=principal.key_id
-    )
     decision_id = new_id("dec", svc.clock.now())
-    got, charged = await _paid(svc, caller, decision_id, call, lambda: _answer(svc, call, caller))
+    got, charged = await _paid(
+        svc, principal, decision_id, call, lambda: _answer(svc, call, principal)
+    )
     req, used, answered = call.req, got.plan, got.scored
     fell_back = used is not call.primary
     log.info(
         "decided",
         extra={
-            "org_id": caller.org_id,
+            "org_id": principal.org_id,
             "model": used.model.id,
             "decisions": len(req.decisions),
             "fallback": fell_back,
