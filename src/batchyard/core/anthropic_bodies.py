@@ -435,6 +435,18 @@ def parse_count_tokens(raw: dict[str, Any]) -> CountTokensRequest:
     return req
 
 
+def batch_counts(per_state: dict[str, int]) -> dict[str, int]:
+    """A Message Batch's ``request_counts`` from how many of its lines are in each state."""
+    per = per_state
+    return {
+        "processing": per.get("pending", 0) + per.get("dispatched", 0),
+        "succeeded": per.get("succeeded", 0),
+        "errored": per.get("failed", 0) + per.get("uncertain", 0),
+        "canceled": per.get("canceled", 0),
+        "expired": per.get("expired", 0),
+    }
+
+
 def stop_reason(finish_reason: str) -> str:
     """OpenAI's ``finish_reason`` as Anthropic's ``stop_reason``."""
     return {
@@ -467,15 +479,9 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
 def usage_object(
     input_tokens: int, output_tokens: int, cached_input_tokens: int = 0
 ) -> dict[str, Any]:
-    """Anthropic's ``usage`` for a prompt of ``input_tokens``, ``cached_input_tokens`` of them
-    read from the engine's prompt cache.
-
-    Anthropic counts the two apart: ``input_tokens`` are the prompt tokens read
-    anew and ``cache_read_input_tokens`` those the cache gave (their sum is the
-    prompt), so a client prices each as Anthropic's own usage asks. Nothing is
-    written to a cache on request, so ``cache_creation_input_tokens`` is null;
-    with nothing read from one, ``cache_read_input_tokens`` is null too.
-    """
+    """Anthropic's ``usage``: ``input_tokens`` the prompt tokens read anew and
+    ``cache_read_input_tokens`` those the engine's cache gave (their sum is the prompt), so a
+    client prices each as Anthropic's own usage asks; nothing is written to a cache."""
     cached = max(0, min(cached_input_tokens, input_tokens))
     return {
         "input_tokens": input_tokens - cached,

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
-from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest
+from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest, batch_counts
 from batchyard.core.clock import isoformat
 from batchyard.core.inputs import Coded, strict
 from batchyard.errors import BatchyardError, InsufficientCredit, InvalidState, NotFound
@@ -130,13 +130,7 @@ def _view(row: store.BatchRow, totals: store.Totals, base_url: str) -> dict[str,
         "id": row.id,
         "type": "message_batch",
         "processing_status": processing,
-        "request_counts": {
-            "processing": per.get("pending", 0) + per.get("dispatched", 0),
-            "succeeded": per.get("succeeded", 0),
-            "errored": per.get("failed", 0) + per.get("uncertain", 0),
-            "canceled": per.get("canceled", 0),
-            "expired": per.get("expired", 0),
-        },
+        "request_counts": batch_counts(per),
         "created_at": isoformat(row.created_at),
         "expires_at": isoformat(row.expires_at),
         "ended_at": isoformat(ended_at) if ended_at is not None else None,
@@ -220,13 +214,8 @@ async def cancel(
 async def retry(
     svc: Service, principal: Principal, batch_id: str, *, base_url: str
 ) -> dict[str, Any]:
-    """A new Message Batch of an ended one's errored, canceled and expired requests.
-
-    ``service.file_batches.retry`` underneath: the same ``custom_id``s, quoted
-    and held, linked both ways; succeeded and ``uncertain`` requests are not sent
-    again (``retry.not_retried`` names the uncertain ones). Without the credit,
-    402 as at create, and nothing is linked.
-    """
+    """A new Message Batch of an ended one's errored, canceled and expired requests
+    (``service.file_batches.retry``); without the credit, 402 as at create."""
     await svc.db.read(lambda c: _load(c, principal, batch_id))
     view = _held(await file_batches.retry(svc, principal, batch_id))
     answer = await get(svc, principal, view["id"], base_url=base_url)

@@ -310,15 +310,11 @@ async def org_versions(svc: Service, org_id: str) -> list[ModelSpec]:
 
 
 async def resolve(svc: Service, model_id: object) -> None:
-    """Bring this process's catalog up to the store's word on an ``mv.…`` name.
+    """Bring this process's catalog up to the store's word on an ``mv.…`` name, off the loop.
 
-    A name it knows is checked (one read by key: deleted through another
-    process, it is forgotten here, so the door answers 404); a name it does
-    not know is read from the store on a thread. The catalog would read an
-    unknown name on first use by itself (``Catalog.find``), but on the event
-    loop; a door that can wait calls this first. The version's own tokenizer
-    (full weights) is loaded here too, off the loop.
-    """
+    A known name is checked (one read by key: one deleted through another process is
+    forgotten, so the door answers 404); an unknown one is read on a thread, with its own
+    tokenizer (full weights), where ``Catalog.find`` would read it on the event loop."""
     if not isinstance(model_id, str) or not model_id.startswith(PROJECT_VERSION_PREFIX):
         return
     if model_id in svc.catalog.models:

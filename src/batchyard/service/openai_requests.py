@@ -132,13 +132,8 @@ def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
 
 
 def _messages(body: dict[str, Any], rules: Rules) -> CheckedBody:
-    """An Anthropic Messages body, stored as the translated request the door would send.
-
-    The line is checked by the wire's own function and translated once here
-    (``core.anthropic_bodies.translate``), so the worker answers it through the
-    door's own request; privacy applies to the translated messages, which are
-    what is stored.
-    """
+    """An Anthropic Messages body, stored as the translated request the door would send, so
+    the worker answers it through the door's own request; privacy applies to what is stored."""
     rest, mode = _split(body, rules)
     req = parse_messages(rest)
     _batchable(rest)

@@ -47,6 +47,7 @@ from sqlalchemy import (
     update,
 )
 
+from batchyard.core.anthropic_bodies import batch_counts
 from batchyard.core.ids import new_id
 from batchyard.core.leases import Lease
 from batchyard.core.webhook_rules import event_for
@@ -229,13 +230,7 @@ def batch_ended(conn: Connection, batch_id: str, now: datetime) -> list[str]:
             "id": batch.id,
             "type": "message_batch",
             "processing_status": "ended",
-            "request_counts": {
-                "processing": per.get("pending", 0) + per.get("dispatched", 0),
-                "succeeded": per.get("succeeded", 0),
-                "errored": per.get("failed", 0) + per.get("uncertain", 0),
-                "canceled": per.get("canceled", 0),
-                "expired": per.get("expired", 0),
-            },
+            "request_counts": batch_counts(per),
         }
     else:
         data = {
