@@ -98,9 +98,9 @@ class BatchBody(Shape):
     requests: Annotated[list[BatchRequestBody], Field(min_length=1, max_length=MAX_REQUESTS)]
 
 
-_TOP_KEYS = set(BatchBody.model_fields)
-_REQUEST_KEYS = set(BatchRequestBody.model_fields)
-_BODY_KEYS = set(ChatRequestBody.model_fields)
+_TOP_KEYS = frozenset(BatchBody.model_fields)
+_REQUEST_KEYS = frozenset(BatchRequestBody.model_fields)
+_BODY_KEYS = frozenset(ChatRequestBody.model_fields)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
 from typing import Annotated, Any, ClassVar, Literal
@@ -116,22 +117,30 @@ class FileBatchBody(Shape):
     output_expires_after: OutputExpiry | None = None
 
 
-def parse_create(raw: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Creation:
+    """What ``create`` makes a batch of, as its row keeps it."""
+
+    input_file_id: str
+    endpoint: str
+    window: str
+    #: The metadata as JSON text.
+    metadata: str | None = None
+    #: The least discount, a percentage.
+    min_discount: str | None = None
+
+
+def parse_create(raw: dict[str, Any]) -> Creation:
     """The file dialect's body checked (no store reads): what ``create`` needs."""
     body = strict(FileBatchBody, raw)
-    meta = body.metadata.model_dump(exclude_none=True) if body.metadata is not None else None
-    given = body.metadata.min_discount if body.metadata is not None else None
-    return {
-        "input_file_id": body.input_file_id,
-        "endpoint": body.endpoint,
-        "window": body.completion_window,
-        "metadata": meta,
-        "min_discount": Decimal(given) if given is not None else None,
-    }
+    meta = body.metadata
+    text = json.dumps(meta.model_dump(exclude_none=True)) if meta is not None else None
+    least = str(Decimal(meta.min_discount)) if meta and meta.min_discount is not None else None
+    return Creation(body.input_file_id, body.endpoint, body.completion_window, text, least)
 
 
 async def create(
-    svc: Service, principal: Principal, parsed: dict[str, Any], *, retry_of: str | None = None
+    svc: Service, principal: Principal, parsed: Creation, *, retry_of: str | None = None
 ) -> dict[str, Any]:
     """Write the batch and hold its quote, or write it failed for want of credit.
 
@@ -142,7 +151,7 @@ async def create(
     now = svc.clock.now()
     batch_id = new_id("bat", now)
     catalog = svc.catalog
-    file_id = parsed["input_file_id"]
+    file_id = parsed.input_file_id
 
     def tx(conn: Connection) -> dict[str, Any]:
         f = file_store.get_file(conn, principal.org_id, file_id, key_id=principal.own_key)
@@ -170,10 +179,10 @@ async def create(
         ]
         totals = [t for t in totals if t[0] != file_store.INVALID_LINE]
         first = min((t[4] for t in totals), default=1)
-        if not invalid and f.endpoint != parsed["endpoint"]:
+        if not invalid and f.endpoint != parsed.endpoint:
             raise InvalidRequest(
                 f"line {first}: url {f.endpoint!r} does not match the batch's endpoint "
-                f"{parsed['endpoint']!r}",
+                f"{parsed.endpoint!r}",
                 param=f"line {first}: url",
                 code="endpoint_mismatch",
                 details={"line": first},
@@ -197,18 +206,16 @@ async def create(
             org_id=principal.org_id,
             key_id=principal.key_id,
             status="in_progress",
-            endpoint=parsed["endpoint"],
+            endpoint=parsed.endpoint,
             input_file_id=f.id,
-            completion_window=parsed["window"],
-            metadata=json.dumps(parsed["metadata"]) if parsed["metadata"] is not None else None,
-            min_discount=(
-                str(parsed["min_discount"]) if parsed["min_discount"] is not None else None
-            ),
+            completion_window=parsed.window,
+            metadata=parsed.metadata,
+            min_discount=parsed.min_discount,
             errors=None,
             request_count=f.line_count,
             max_cost=max_cost,
             created_at=now,
-            expires_at=now + FILE_WINDOWS[parsed["window"]],
+            expires_at=now + FILE_WINDOWS[parsed.window],
             in_progress_at=now,
         )
 
@@ -378,13 +385,9 @@ async def retry(svc: Service, principal: Principal, batch_id: str) -> dict[str, 
         return row, len(copies), uncertain, succeeded
 
     row, count, uncertain, succeeded = await svc.db.transact(copy)
-    parsed = {
-        "input_file_id": file_id,
-        "endpoint": row.endpoint,
-        "window": row.completion_window,
-        "metadata": json.loads(row.metadata) if row.metadata else None,
-        "min_discount": Decimal(row.min_discount) if row.min_discount else None,
-    }
+    parsed = Creation(
+        file_id, row.endpoint, row.completion_window, row.metadata or None, row.min_discount or None
+    )
     try:
         view = await create(svc, principal, parsed, retry_of=batch_id)
     except BaseException:

@@ -101,13 +101,8 @@ async def create(svc: Service, principal: Principal, raw: dict[str, Any]) -> dic
         )
     except BatchyardError as exc:
         raise _as_request_error(exc) from None
-    parsed = {
-        "input_file_id": taken["id"],
-        "endpoint": MESSAGES,
-        "window": "24h",
-        "metadata": None,
-        "min_discount": min_discount,
-    }
+    least = str(min_discount) if min_discount is not None else None
+    parsed = file_batches.Creation(taken["id"], MESSAGES, "24h", min_discount=least)
     view = _held(await file_batches.create(svc, principal, parsed))
     return await get(svc, principal, view["id"], base_url="")
 
