@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy
 
 from batchyard.core.clock import Clock, SystemClock
-from batchyard.core.config import Settings, load_settings
-from batchyard.core.config_errors import ConfigError
+from batchyard.core.config import ConfigError, Settings, load_settings
 from batchyard.core.limits import InMemoryLimiter, Limit, Limiter
 from batchyard.core.market import Policy, policy_by_name
 from batchyard.core.prices import PriceBook

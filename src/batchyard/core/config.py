@@ -32,7 +32,8 @@ from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
 from batchyard.core.catalog import Catalog, ModelEntry, RouteEntry, build_catalog, default_catalog
-from batchyard.core.config_errors import ConfigError, from_validation
+from batchyard.core.config_errors import ConfigError as ConfigError  # for its old importers
+from batchyard.core.config_errors import from_validation
 from batchyard.core.sections import (
     SECTION,
     FileBatchSettings,

@@ -113,12 +113,16 @@ def private_messages(
 
 
 def _private_texts(
-    texts: list[str], mode: privacy.PrivacyMode, param: str
+    rest: dict[str, Any], given: list[str | list[int]], mode: privacy.PrivacyMode, param: str
 ) -> tuple[list[str], int]:
-    """Texts as they may be stored under ``mode`` (raises for a rejected one)."""
-    messages = [{"role": "user", "content": t} for t in texts]
+    """A prompt's or an input's texts as they may be stored under ``mode`` (raises for a
+    rejected one), stored in ``rest`` as given: one, or a list (token ids as their text)."""
+    messages = [{"role": "user", "content": t} for t in as_texts(given, param)]
     kept, found = private_messages(messages, mode, param)
-    return [str(m["content"]) for m in kept], found
+    texts = [str(m["content"]) for m in kept]
+    one = isinstance(rest[param], str) or isinstance(rest[param][0], int)
+    rest[param] = texts[0] if one else texts
+    return texts, found
 
 
 def _chat(body: dict[str, Any], rules: Rules) -> CheckedBody:
@@ -151,21 +155,16 @@ def _completions(body: dict[str, Any], rules: Rules) -> CheckedBody:
     _batchable(rest)
     if len(req.prompts()) != 1:
         raise InvalidRequest("send one prompt per request line", param="prompt")
-    prompts, found = _private_texts(as_texts(req.prompts(), "prompt"), mode, "prompt")
+    prompts, found = _private_texts(rest, req.prompts(), mode, "prompt")
     call = rules.preparer.completion(req, prompts, org_id=rules.org_id)
-    # Token ids are stored as the text they encode, which is what the line runs.
-    one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
-    rest["prompt"] = prompts[0] if one else prompts
     return CheckedBody(call.model, rest, call.input_tokens, call.output_tokens, found)
 
 
 def _embeddings(body: dict[str, Any], rules: Rules) -> CheckedBody:
     rest, mode = _split(body, rules)
     req = parse_embedding(rest)
-    inputs, found = _private_texts(as_texts(req.inputs(), "input"), mode, "input")
+    inputs, found = _private_texts(rest, req.inputs(), mode, "input")
     call = rules.preparer.embeddings(req, inputs, org_id=rules.org_id)
-    one = isinstance(req.input, str) or isinstance(req.input[0], int)
-    rest["input"] = inputs[0] if one else inputs
     return CheckedBody(call.model, rest, call.input_tokens, 0, found)
 
 
