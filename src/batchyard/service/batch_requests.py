@@ -1,10 +1,7 @@
 """What a deferred batch submission may say, and the check of one (docs/reference/batches.md).
 
-A submission is checked whole before anything is kept: every request is
-validated first, and only then does privacy run (``redact`` or ``reject``)
-and are tokens counted on the text that will actually be stored and sent.
-Nothing here writes: sealing and keeping a checked ``Submission`` is
-``api.batches.store_submission``, shared by the API and the workspace.
+Every request is validated before privacy runs, and tokens are counted on the text that
+will actually be stored and sent; nothing here writes (``service.deferred_batches``).
 """
 
 from __future__ import annotations

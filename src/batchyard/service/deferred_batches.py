@@ -1,10 +1,8 @@
 """Deferred batches as both front doors use them: submit, show, cancel, read results.
 
-The API (``api.batches``) and the workspace (``web``) call these same
-functions, so the workspace cannot queue, cancel or show anything the API
-would not: one submission rate, one pending limit, one way of sealing bodies
-and one view of a batch. Execution is the deferred-batch worker's
-(``work.deferred_batches.deferred_batch_worker``).
+The API and the workspace call these same functions, so the workspace cannot queue,
+cancel or show anything the API would not: one submission rate, one pending limit, one
+way of sealing bodies and one view of a batch.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Running a call once per Idempotency-Key, whichever front door it came through.
 
-The API (``api.context.idempotent``) and the workspace's submission form
-share these rules, so a key used in the workspace and then with curl (same
-body) names the same answer. Streamed answers keep them too: a handler that
-answers with a ``Stream`` has its key claimed and its refusals saved exactly as
-any other (they happen before the first byte), and the answer is kept when the
-stream ends whole; a stream cut short (the client hung up, an error event
-after the status line) keeps nothing and frees the key.
+The API and the workspace share these rules, so a key used in the workspace and then
+with curl (same body) names the same answer. A streamed answer is kept when the stream
+ends whole; one cut short keeps nothing and frees the key.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Setting and reading spend caps on API keys and projects (``store.spend_caps`` enforces them).
 
-A cap body is ``{"total": "10.00", "monthly": "2.50"}``: dollars as decimal
-strings (or numbers), either one ``null`` for no cap of that kind, both
-``null`` to remove the caps. Only a ``full`` key sets caps, on its own
-organisation's keys and projects; the operator sets them with
-``batchyard keys cap``.
+A cap body is ``{"total": "10.00", "monthly": "2.50"}``: dollars, either one ``null`` for
+no cap of that kind. Only a ``full`` key sets caps, on its own organisation's keys and
+projects.
 """
 
 from __future__ import annotations
