@@ -245,18 +245,3 @@ async def finished(
         return following.page(items, after=after, limit=limit, ended=ended)
 
     return await svc.db.read(read)
-
-
-async def list_views(
-    svc: Service, principal: Principal, *, after: str | None, limit: int
-) -> list[dict[str, Any]]:
-    """One page of the caller's batches, newest first, without their per-request lists."""
-
-    def load(conn: Connection) -> list[dict[str, Any]]:
-        rows = store.list_batches(
-            conn, principal.org_id, after=after, limit=limit, key_id=principal.own_key
-        )
-        per = store.counts(conn, [b.id for b in rows])
-        return [view_of(b, per[b.id], None) for b in rows]
-
-    return await svc.db.read(load)

@@ -17,9 +17,6 @@ from sqlalchemy import Connection
 from batchyard.core.sealing import Sealer
 from batchyard.store import file_batches as store
 
-#: The most items one page holds.
-MAX_PAGE = 1000
-
 
 def page(
     items: Sequence[tuple[int, dict[str, Any]]], *, after: int, limit: int, ended: bool
