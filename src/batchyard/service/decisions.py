@@ -18,7 +18,7 @@ from typing import Any
 from batchyard.core import decisions as rules
 from batchyard.core.accounts import Principal
 from batchyard.core.calibration import CalibrationMode
-from batchyard.core.catalog import ModelSpec, RouteSpec
+from batchyard.core.catalog import ModelSpec
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.prices import Price
@@ -94,11 +94,6 @@ class Prepared:
         return max(self.primary.max_cost, self.fallback.max_cost if self.fallback else 0)
 
 
-def can_score(svc: Service, route: RouteSpec) -> bool:
-    """Whether the route's engine scores candidate replies (decide's scoring path)."""
-    return svc.dispatcher.can_score(route)
-
-
 def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
     if req.input.image_url is not None and not model.reads_images:
         raise UnsupportedInput(
@@ -106,7 +101,7 @@ def _plan(svc: Service, req: rules.DecideRequest, model: ModelSpec) -> Plan:
             param="input.image_url",
         )
     where = serving(svc.catalog, model)
-    scoring = req.input.image_url is None and can_score(svc, where.route)
+    scoring = req.input.image_url is None and svc.dispatcher.can_score(where.route)
     fmt: rules.AnswerFormat = (
         "json" if not scoring and where.route.supports_json_schema else "lines"
     )

@@ -28,11 +28,6 @@ MAX_ENDPOINTS = 20
 _MAX_DESCRIPTION = 500
 
 
-def settings_of(svc: Service) -> WebhookSettings:
-    """The deployment's webhook settings (``webhooks:`` in the config, checked at start)."""
-    return svc.webhooks.settings
-
-
 def endpoint_view(e: Endpoint, secret: str | None = None) -> dict[str, Any]:
     """The endpoint as the API shows it; ``secret`` only in the answer that made it."""
     view: dict[str, Any] = {
@@ -111,7 +106,7 @@ async def create(
     """Register an endpoint; its view with the secret, shown this once."""
     checked = check_events(events)
     text = _description(description)
-    url = await check_url(url, settings_of(svc))
+    url = await check_url(url, svc.webhooks.settings)
     secret = new_secret()
     now = svc.clock.now()
 
