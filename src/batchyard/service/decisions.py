@@ -75,10 +75,6 @@ class Plan:
     content_free_tokens: int = 0
     prior_pending: bool = False
 
-    @property
-    def calibration_input_tokens(self) -> int:
-        return self.content_free_tokens
-
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
@@ -172,9 +168,7 @@ async def _with_prior(svc: Service, org_id: str, req: rules.DecideRequest, plan:
 async def _priced(svc: Service, org_id: str, call: Prepared) -> Prepared:
     """``prepare``'s plans with what calibration will cost this organisation now."""
     primary = await _with_prior(svc, org_id, call.req, call.primary)
-    fallback = call.fallback
-    if fallback is not None:
-        fallback = await _with_prior(svc, org_id, call.req, fallback)
+    fallback = call.fallback and await _with_prior(svc, org_id, call.req, call.fallback)
     return Prepared(call.req, primary, fallback)
 
 
@@ -347,7 +341,7 @@ async def estimate(svc: Service, org_id: str, call: Prepared, admit: Admit) -> d
         "input_tokens": primary.input_tokens,
         "max_output_tokens": primary.max_output_tokens,
         "max_cost": format_money(call.max_cost),
-        "calibration_input_tokens": primary.calibration_input_tokens,
+        "calibration_input_tokens": primary.content_free_tokens,
         "content_free_input_tokens": primary.content_free_tokens if primary.prior_pending else 0,
     }
 
