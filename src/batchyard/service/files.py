@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
-from datetime import datetime, timedelta
+from datetime import timedelta
 from functools import partial
 from typing import IO, Any
 
@@ -26,6 +26,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.inputs import parse_json
 from batchyard.core.sections import FileSettings
 from batchyard.errors import BatchyardError, Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from batchyard.service.batch_views import ts
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import Rules, validate_line
 from batchyard.store import file_batches as batch_store
@@ -52,22 +53,18 @@ def rules_of(svc: Service, org_id: str | None = None) -> Rules:
     return Rules(preparer=svc.preparer, privacy_default=mode, org_id=org_id)
 
 
-def _ts(when: datetime | None) -> int | None:
-    return int(when.timestamp()) if when is not None else None
-
-
 def file_view(f: store.FileRow) -> dict[str, Any]:
     """OpenAI's File object (``status`` is its deprecated field, always ``processed``)."""
     return {
         "id": f.id,
         "object": "file",
         "bytes": f.bytes,
-        "created_at": int(f.created_at.timestamp()),
+        "created_at": ts(f.created_at),
         "filename": f.filename,
         "purpose": f.purpose,
         "status": "processed",
         "status_details": None,
-        "expires_at": _ts(f.expires_at),
+        "expires_at": ts(f.expires_at),
         # batchyard's own: what the file holds.
         "lines": f.line_count,
         "endpoint": f.endpoint,
