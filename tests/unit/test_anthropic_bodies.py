@@ -203,3 +203,26 @@ def test_structured_outputs_are_the_openai_doors_json_schema_constraint():
         assert translate(parse_messages({**body, **given})).response_format == wanted
     for off in ({"thinking": {"type": "disabled"}}, {"mcp_servers": []}, {"speed": "fast"}):
         assert translate(parse_messages({**body, **off})).response_format is None
+
+
+def test_the_hints_a_tool_and_its_blocks_may_carry_are_accepted_and_change_nothing():
+    """docs/reference/messages.md: a tool's runner hints are accepted, as the shapes declare."""
+    hints = {"allowed_callers": ["direct"], "defer_loading": False, "input_examples": [{}]}
+    turns = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}, "caller": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t", "content": "ok", "toolset_name": "s"}
+            ],
+        },
+    ]
+    got = translate(parse_messages({**BASE, "tools": [{**TOOL, **hints}], "messages": turns}))
+    assert got.tools == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    assert got.messages[2] == {"role": "tool", "tool_call_id": "t", "content": "ok"}
