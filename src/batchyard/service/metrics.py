@@ -61,6 +61,53 @@ def mark_dead(pid: int) -> None:
         multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
+#: Every counter: ``batchyard_<key>`` on /metrics, its labels, and what it counts.
+_COUNTERS = {
+    "http_requests": ("route method status", "HTTP answers, by route template, method and status."),
+    "model_calls": (
+        "route outcome",
+        "Engine calls, by route and outcome (ok, upstream_429, or the failure's code).",
+    ),
+    "tokens": (
+        "route direction",
+        "Tokens engine calls used, by route and direction (input, output).",
+    ),
+    "prompt_tokens_cached": (
+        "route",
+        "Prompt tokens engine calls read from their prompt cache instead of evaluating.",
+    ),
+    "credits_charged": (
+        "purpose",
+        "Credits (US dollars) charged when reservations settled, by purpose.",
+    ),
+    "charges_over_hold": (
+        "purpose",
+        "Settlements whose charge came to more than their hold (a defect), by purpose.",
+    ),
+    "limiter_admissions": (
+        "scope verdict limit",
+        "Limiter verdicts, by key scope (org, route), verdict and the limit that refused.",
+    ),
+    "upstream_429": ("route", "Upstream 429 answers, by route."),
+    "upstream_retry_after_seconds": (
+        "route",
+        "Seconds of Retry-After the upstream asked a route to wait, by route.",
+    ),
+    "leases_recovered": (
+        "kind",
+        "Lapsed leases taken over from a worker that stopped, by kind of work.",
+    ),
+    "items_uncertain": (
+        "kind",
+        "Items that became uncertain (sent, then their worker died), by kind of work.",
+    ),
+    "work_stuck": (
+        "kind reason",
+        "Work whose progress stood still for stuck_after_s, by kind and why it waits.",
+    ),
+}
+
+
 class PrometheusRecorder:
     """Counts the events of ``core.telemetry.Recorder`` as Prometheus metrics."""
 
@@ -70,12 +117,10 @@ class PrometheusRecorder:
         # reads them all through a fresh registry (``exposition``).
         self.registry = None if self.multiprocess else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.http_requests = Counter(
-            "batchyard_http_requests",
-            "HTTP answers, by route template, method and status.",
-            ["route", "method", "status"],
-            registry=r,
-        )
+        self.counters = {
+            key: Counter(f"batchyard_{key}", doc, labels.split(), registry=r)
+            for key, (labels, doc) in _COUNTERS.items()
+        }
         self.http_duration = Histogram(
             "batchyard_http_request_duration_seconds",
             "How long an HTTP answer took, by route template and method.",
@@ -88,109 +133,46 @@ class PrometheusRecorder:
             registry=r,
             multiprocess_mode="liveall",
         )
-        self.model_calls = Counter(
-            "batchyard_model_calls",
-            "Engine calls, by route and outcome (ok, upstream_429, or the failure's code).",
-            ["route", "outcome"],
-            registry=r,
-        )
-        self.token_counts = Counter(
-            "batchyard_tokens",
-            "Tokens engine calls used, by route and direction (input, output).",
-            ["route", "direction"],
-            registry=r,
-        )
-        self.cached_tokens = Counter(
-            "batchyard_prompt_tokens_cached",
-            "Prompt tokens engine calls read from their prompt cache instead of evaluating.",
-            ["route"],
-            registry=r,
-        )
-        self.credits = Counter(
-            "batchyard_credits_charged",
-            "Credits (US dollars) charged when reservations settled, by purpose.",
-            ["purpose"],
-            registry=r,
-        )
-        self.over_hold = Counter(
-            "batchyard_charges_over_hold",
-            "Settlements whose charge came to more than their hold (a defect), by purpose.",
-            ["purpose"],
-            registry=r,
-        )
-        self.admissions = Counter(
-            "batchyard_limiter_admissions",
-            "Limiter verdicts, by key scope (org, route), verdict and the limit that refused.",
-            ["scope", "verdict", "limit"],
-            registry=r,
-        )
-        self.upstream_429s = Counter(
-            "batchyard_upstream_429", "Upstream 429 answers, by route.", ["route"], registry=r
-        )
-        self.retry_after = Counter(
-            "batchyard_upstream_retry_after_seconds",
-            "Seconds of Retry-After the upstream asked a route to wait, by route.",
-            ["route"],
-            registry=r,
-        )
-        self.recovered = Counter(
-            "batchyard_leases_recovered",
-            "Lapsed leases taken over from a worker that stopped, by kind of work.",
-            ["kind"],
-            registry=r,
-        )
-        self.uncertain_items = Counter(
-            "batchyard_items_uncertain",
-            "Items that became uncertain (sent, then their worker died), by kind of work.",
-            ["kind"],
-            registry=r,
-        )
-        self.stuck = Counter(
-            "batchyard_work_stuck",
-            "Work whose progress stood still for stuck_after_s, by kind and why it waits.",
-            ["kind", "reason"],
-            registry=r,
-        )
 
     # --- core.telemetry.Recorder ---------------------------------------------------------
 
     def http_request(self, route: str, method: str, status: int, seconds: float) -> None:
-        self.http_requests.labels(route, method, str(status)).inc()
+        self.counters["http_requests"].labels(route, method, str(status)).inc()
         self.http_duration.labels(route, method).observe(max(0.0, seconds))
         self.process_requests.inc()
 
     def model_call(self, route: str, outcome: str) -> None:
-        self.model_calls.labels(route, outcome).inc()
+        self.counters["model_calls"].labels(route, outcome).inc()
 
     def tokens(self, route: str, input_tokens: int, output_tokens: int) -> None:
-        self.token_counts.labels(route, "input").inc(input_tokens)
-        self.token_counts.labels(route, "output").inc(output_tokens)
+        self.counters["tokens"].labels(route, "input").inc(input_tokens)
+        self.counters["tokens"].labels(route, "output").inc(output_tokens)
 
     def prompt_tokens_cached(self, route: str, tokens: int) -> None:
-        self.cached_tokens.labels(route).inc(tokens)
+        self.counters["prompt_tokens_cached"].labels(route).inc(tokens)
 
     def charged(self, purpose: str, credits: Decimal, over_hold: Decimal = Decimal(0)) -> None:
-        self.credits.labels(purpose).inc(float(credits))
+        self.counters["credits_charged"].labels(purpose).inc(float(credits))
         if over_hold:
-            self.over_hold.labels(purpose).inc()
+            self.counters["charges_over_hold"].labels(purpose).inc()
 
     def admission(self, scope: str, verdict: str, limit: str | None) -> None:
-        self.admissions.labels(scope, verdict, limit or "").inc()
+        self.counters["limiter_admissions"].labels(scope, verdict, limit or "").inc()
 
     def upstream_429(self, route: str, retry_after_s: float) -> None:
-        self.upstream_429s.labels(route).inc()
-        self.retry_after.labels(route).inc(max(0.0, retry_after_s))
+        self.counters["upstream_429"].labels(route).inc()
+        self.counters["upstream_retry_after_seconds"].labels(route).inc(max(0.0, retry_after_s))
 
     def leases_recovered(self, kind: str, count: int) -> None:
         if count:
-            self.recovered.labels(kind).inc(count)
+            self.counters["leases_recovered"].labels(kind).inc(count)
 
     def uncertain(self, kind: str, count: int) -> None:
         if count:
-            self.uncertain_items.labels(kind).inc(count)
+            self.counters["items_uncertain"].labels(kind).inc(count)
 
     def work_stuck(self, kind: str, reason: str) -> None:
-        self.stuck.labels(kind, reason).inc()
+        self.counters["work_stuck"].labels(kind, reason).inc()
 
     # --- /metrics ---------------------------------------------------------------------------
 
