@@ -7,7 +7,7 @@ will actually be stored and sent; nothing here writes (``service.deferred_batche
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, ClassVar, Literal
@@ -305,14 +305,6 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
             req.model, messages, req.max_tokens or None, org_id=org_id, param=param, where=where
         )
         stored = {**req.stored, "messages": messages}
-        out.append(
-            ParsedRequest(
-                req.custom_id,
-                req.model,
-                req.min_discount,
-                call.input_tokens,
-                call.max_tokens,
-                stored,
-            )
-        )
+        tokens = call.input_tokens
+        out.append(replace(req, input_tokens=tokens, max_tokens=call.max_tokens, stored=stored))
     return Submission(batch_min, window, out, redactions)

@@ -114,21 +114,11 @@ async def submit(svc: Service, principal: Principal, sub: Submission) -> dict[st
     now = svc.clock.now()
     batch_id = new_id("bat", now)
     items = []
-    for pos, req in enumerate(sub.requests):
+    for pos, r in enumerate(sub.requests):
         item_id = new_id("bti", now)
-        blob = sealer.seal(json.dumps(req.stored).encode(), item_id.encode())
-        items.append(
-            store.NewItem(
-                item_id,
-                pos,
-                req.custom_id,
-                req.model,
-                req.min_discount,
-                req.input_tokens,
-                req.max_tokens,
-                blob,
-            )
-        )
+        blob = sealer.seal(json.dumps(r.stored).encode(), item_id.encode())
+        asked = (r.custom_id, r.model, r.min_discount, r.input_tokens, r.max_tokens)
+        items.append(store.NewItem(item_id, pos, *asked, blob))
 
     def tx(conn: Connection) -> dict[str, Any]:
         store.lock_org(conn, principal.org_id)
