@@ -279,7 +279,7 @@ def _user(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if block["type"] != "tool_result":
             continue
         given = block.get("content")
-        result: Any = given if isinstance(given, str) else _parts(given) if given else ""
+        result: Any = "" if given is None else given if isinstance(given, str) else _parts(given)
         if block.get("is_error"):
             result = f"Error: {result if isinstance(result, str) else _joined(result)}"
         out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
