@@ -245,7 +245,7 @@ class AsyncClient:
         """One page of what ended after the cursor ``after``: ``data``, ``cursor``, ``ended``."""
         return cast(dict[str, Any], await self.send(calls.batch_finished(batch_id, after, limit)))
 
-    async def follow_batch(
+    def follow_batch(
         self, batch_id: str, *, after: str = "0", poll: float = 2.0
     ) -> AsyncIterator[dict[str, Any]]:
         """Every line (file batch) or item (deferred batch) once, as it ends, until the batch has.
@@ -254,9 +254,7 @@ class AsyncClient:
         it waits ``poll`` seconds on the client's clock; pass a later
         ``after`` (a page's ``cursor``) to resume where an earlier reader stopped.
         """
-        pages = self._follow(lambda at: calls.batch_finished(batch_id, at, 1000), after, poll)
-        async for item in pages:
-            yield item
+        return self._follow(lambda at: calls.batch_finished(batch_id, at, 1000), after, poll)
 
     async def _follow(
         self, page_at: Callable[[str], Call], after: str, poll: float
@@ -344,15 +342,17 @@ class AsyncClient:
         call = calls.run_finished(project_id, run_id, after, limit)
         return cast(dict[str, Any], await self.send(call))
 
-    async def follow_run(
+    def follow_run(
         self, project_id: str, run_id: str, *, after: str = "0", poll: float = 2.0
     ) -> AsyncIterator[dict[str, Any]]:
-        """Every row of a run once, as it ends, until the run has (``follow_batch``'s loop)."""
-        pages = self._follow(
+        """Every row of a run once, as it ends, until the run has (``follow_batch``'s loop).
+
+        Each as ``…/finished`` shows it: its ``outputs`` while they wait in the
+        run, ``written`` once they are in the dataset.
+        """
+        return self._follow(
             lambda at: calls.run_finished(project_id, run_id, at, 1000), after, poll
         )
-        async for item in pages:
-            yield item
 
     async def list_runs(
         self, project_id: str, *, status: str | None = None, cursor: str | None = None
