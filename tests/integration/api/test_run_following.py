@@ -8,53 +8,20 @@ the run (the same answers the dataset gets once they are written).
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import Any
 
-import httpx
 from sqlalchemy import func, select
 
 from batchyard.client import AsyncClient
-from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Usage
-from batchyard.errors import ModelOutputInvalid
 from batchyard.service import Service
 from batchyard.store.runs import run_items
 from tests.support.accounts import make_account
+from tests.support.clocks import ReleasingClock
 from tests.support.deferred_batches import eventually
-from tests.support.runs import Api, GatedEngine, fast_runs
+from tests.support.following import read_pages
+from tests.support.runs import FIELD_RUN as RUN
+from tests.support.runs import Api, GatedEngine, RowEngine, fast_runs
 from tests.support.server import asgi_client
-
-RUN = {
-    "model": {"type": "base", "id": "kettei-core"},
-    "input": {"type": "field", "field": "text"},
-    "output": {"type": "field", "field": "answer"},
-    "sampling": {"maxOutputTokens": 8},
-}
-
-
-class OneAtATime:
-    """Answers one row per ``release()``; a prompt naming ``fail`` fails at once."""
-
-    name = "one-at-a-time"
-
-    def __init__(self) -> None:
-        self._gate = asyncio.Semaphore(0)
-
-    def release(self) -> None:
-        self._gate.release()
-
-    async def complete(self, request: CompletionRequest) -> Completion:
-        text = str(request.messages[-1]["content"])
-        if "fail" in text:
-            raise ModelOutputInvalid("the model answered outside the schema")
-        await self._gate.acquire()
-        return Completion(
-            model=request.model, choices=[Choice(f"answer to {text}")], usage=Usage(3, 3)
-        )
-
-    async def aclose(self) -> None:
-        return None
 
 
 def ended_rows(service: Service, run_id: str) -> int:
@@ -62,51 +29,17 @@ def ended_rows(service: Service, run_id: str) -> int:
     return int(service.db.read_sync(lambda c: c.execute(q).scalar_one()))
 
 
-async def read_pages(
-    http: httpx.AsyncClient, path: str, headers: dict[str, str], cursor: str, limit: int
-) -> tuple[list[dict[str, Any]], str, bool]:
-    """Every page from ``cursor`` until one says there is no more: the items, the cursor, ended."""
-    got: list[dict[str, Any]] = []
-    while True:
-        r = await http.get(path, params={"after": cursor, "limit": limit}, headers=headers)
-        assert r.status_code == 200, r.text
-        page = r.json()
-        assert set(page) == {"object", "data", "cursor", "has_more", "ended"}
-        got += page["data"]
-        cursor = page["cursor"]
-        if not page["has_more"]:
-            return got, cursor, page["ended"]
-
-
 async def test_the_python_client_follows_a_run_row_by_row_to_its_end(make_service):
     service = make_service(runs=fast_runs())
-    engine = OneAtATime()
+    engine = RowEngine(gated=True)
     service.engines.set("embedded", engine)
     acct = make_account(service, credit="5")
     rows = [{"text": f"fail {i}" if i == 2 else f"row {i}"} for i in range(6)]
 
-    class Ticks:
-        """The client's clock: each poll lets the engine answer one more row and returns once
-        that row has ended; once every row has, it only lets the run finish writing."""
-
-        run_id = ""
-
-        def time(self) -> float:
-            return 0.0
-
-        async def sleep(self, seconds: float) -> None:
-            before = ended_rows(service, self.run_id)
-            if before < len(rows):
-                engine.release()
-                await eventually(lambda: ended_rows(service, self.run_id) > before)
-            else:
-                await asyncio.sleep(0.01)
-
     async with asgi_client(service) as http:
         api = await Api(http, acct.headers).start()
         run_id, ds_id = await api.confirmed(rows, RUN)
-        ticks = Ticks()
-        ticks.run_id = run_id
+        ticks = ReleasingClock(lambda: ended_rows(service, run_id), len(rows), engine.release)
         client = AsyncClient(
             base_url=str(http.base_url), api_key=acct.key, http_client=http, clock=ticks
         )

@@ -13,47 +13,18 @@ from __future__ import annotations
 import asyncio
 from decimal import Decimal
 
+import pytest
 from sqlalchemy import update
 
 from batchyard.client import AsyncClient
 from batchyard.core.money import parse_money, to_ticks
-from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Usage
-from batchyard.errors import ModelOutputInvalid
 from batchyard.store import ledger
 from batchyard.store.runs import run_items
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
-from tests.support.runs import Api, fast_runs, http_catalog
+from tests.support.runs import FIELD_RUN as RUN
+from tests.support.runs import Api, RowEngine, fast_runs, http_catalog
 from tests.support.server import asgi_client
-
-RUN = {
-    "model": {"type": "base", "id": "kettei-core"},
-    "input": {"type": "field", "field": "text"},
-    "output": {"type": "field", "field": "answer"},
-    "sampling": {"maxOutputTokens": 8},
-}
-
-
-class Flaky:
-    """Fails every prompt that says ``flaky`` until ``healed``; answers the rest."""
-
-    name = "flaky"
-
-    def __init__(self) -> None:
-        self.healed = False
-        self.prompts: list[str] = []
-
-    async def complete(self, request: CompletionRequest) -> Completion:
-        text = str(request.messages[-1]["content"])
-        self.prompts.append(text)
-        if "flaky" in text and not self.healed:
-            raise ModelOutputInvalid("the model answered outside the schema")
-        return Completion(
-            model=request.model, choices=[Choice(f"answer to {text}")], usage=Usage(3, 3)
-        )
-
-    async def aclose(self) -> None:
-        return None
 
 
 def balance(svc, org_id):
@@ -66,7 +37,7 @@ def ticks(value: str | None) -> int:
 
 async def test_a_retry_run_sends_only_the_failed_rows_and_charges_only_them(make_service):
     svc = make_service(runs=fast_runs())
-    engine = Flaky()
+    engine = RowEngine("flaky")
     svc.engines.set("embedded", engine)
     acct = make_account(svc, credit="5")
     rows = [{"text": f"flaky {i}" if i in (1, 4) else f"row {i}"} for i in range(6)]
@@ -120,7 +91,7 @@ async def test_a_retry_run_sends_only_the_failed_rows_and_charges_only_them(make
 
 async def test_uncertain_and_succeeded_rows_are_never_retried_and_are_named(make_service):
     svc = make_service(runs=fast_runs())
-    engine = Flaky()
+    engine = RowEngine("flaky")
     svc.engines.set("embedded", engine)
     acct = make_account(svc, credit="5")
     rows = [{"text": f"flaky {i}" if i < 2 else f"row {i}"} for i in range(4)]
@@ -158,42 +129,32 @@ async def test_uncertain_and_succeeded_rows_are_never_retried_and_are_named(make
     assert failures.json()["data"] == []
 
 
-async def test_a_row_the_upstream_refused_with_503_is_sent_again_before_it_fails(make_service):
+@pytest.mark.parametrize(("retries", "succeeded", "answered_upstream"), [(2, 2, 2), (1, 1, 1)])
+async def test_a_row_the_upstream_refused_with_503_is_sent_again_within_its_bound(
+    make_service, retries, succeeded, answered_upstream
+):
     # The fake upstream answers the first two calls 503 (it took nothing): the worker sends
-    # each again, after the pause, and every row is answered; nothing else is sent twice.
-    with FakeUpstream(mode="echo") as up:
-        svc = make_service(catalog=http_catalog(up.base_url), runs=fast_runs(concurrency=1))
-        acct = make_account(svc, credit="5")
-        up.fail_next(2, status=503)
-        rows = [{"text": f"row {i}"} for i in range(3)]
-        async with asgi_client(svc) as http:
-            api = await Api(http, acct.headers).start()
-            run_id, _ = await api.confirmed(rows, RUN)
-            done = await wait_ticking(svc, api, run_id)
-        assert done["status"] == "completed", done
-        assert done["results"]["rowsSucceeded"] == 3 and done["results"]["rowsFailed"] == 0
-        assert up.statuses[503] == 2 and up.statuses[200] == 3
-
-
-async def test_past_its_bound_a_row_the_upstream_refused_fails(make_service):
+    # the row again after the pause, up to ``upstream_unavailable_retries`` times; past
+    # that the row fails. Nothing else is sent twice.
     with FakeUpstream(mode="echo") as up:
         svc = make_service(
             catalog=http_catalog(up.base_url),
             runs=fast_runs(concurrency=1),
-            upstream_unavailable_retries=1,
+            upstream_unavailable_retries=retries,
         )
         acct = make_account(svc, credit="5")
         up.fail_next(2, status=503)
-        rows = [{"text": f"row {i}"} for i in range(2)]
         async with asgi_client(svc) as http:
             api = await Api(http, acct.headers).start()
-            run_id, _ = await api.confirmed(rows, RUN)
+            run_id, _ = await api.confirmed([{"text": f"row {i}"} for i in range(2)], RUN)
             done = await wait_ticking(svc, api, run_id)
             failures = await http.get(f"{api.runs}/{run_id}/failures", headers=acct.headers)
-        assert done["results"]["rowsSucceeded"] == 1 and done["results"]["rowsFailed"] == 1
-        [failed] = failures.json()["data"]
-        assert failed["rowId"] == 1 and failed["error"]["code"] == "upstream_error"
-        assert up.statuses[503] == 2 and up.statuses[200] == 1
+    assert done["status"] == "completed", done
+    assert done["results"]["rowsSucceeded"] == succeeded
+    assert [(f["rowId"], f["error"]["code"]) for f in failures.json()["data"]] == [
+        (1, "upstream_error")
+    ] * (2 - succeeded)
+    assert up.statuses[503] == 2 and up.statuses[200] == answered_upstream
 
 
 async def wait_ticking(svc, api: Api, run_id: str) -> dict:
