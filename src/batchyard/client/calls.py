@@ -39,6 +39,8 @@ __all__ = [
     "list_activity",
     "list_models",
     "list_runs",
+    "retry_run",
+    "run_finished",
     "upload_dataset",
 ]
 
