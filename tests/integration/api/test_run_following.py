@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from sqlalchemy import func, select
 
 from batchyard.client import AsyncClient
@@ -66,8 +67,11 @@ async def test_the_python_client_follows_a_run_row_by_row_to_its_end(make_servic
     assert all(x["updatedAt"].endswith("Z") for x in followed)
 
 
-async def test_a_run_read_in_pages_gives_each_row_once_canceled_ones_included(make_service):
-    service = make_service(runs=fast_runs(concurrency=2))
+@pytest.mark.parametrize("postgres", [False, True], ids=["sqlite", "postgresql"])
+async def test_a_run_read_in_pages_gives_each_row_once_canceled_ones_included(
+    make_service, postgres
+):
+    service = make_service(runs=fast_runs(concurrency=2), postgres=postgres)
     engine = GatedEngine(open_first=2)
     service.engines.set("embedded", engine)
     acct = make_account(service, credit="5")

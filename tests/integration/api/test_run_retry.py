@@ -35,8 +35,9 @@ def ticks(value: str | None) -> int:
     return to_ticks(parse_money(value or "0"))
 
 
-async def test_a_retry_run_sends_only_the_failed_rows_and_charges_only_them(make_service):
-    svc = make_service(runs=fast_runs())
+@pytest.mark.parametrize("postgres", [False, True], ids=["sqlite", "postgresql"])
+async def test_a_retry_run_sends_only_the_failed_rows_and_charges_only_them(make_service, postgres):
+    svc = make_service(runs=fast_runs(), postgres=postgres)
     engine = RowEngine("flaky")
     svc.engines.set("embedded", engine)
     acct = make_account(svc, credit="5")
