@@ -442,7 +442,10 @@ async def answer(
     while the unit stays claimed; then it counts as failed. Nothing else is
     sent twice here: a call that may have reached the engine is the unit's
     answer. Each attempt is marked sent again, so a worker that stops during
-    the wait leaves the unit ``uncertain``, never sent twice silently.
+    the wait leaves the unit ``uncertain``, never sent twice silently; and the
+    mark is refused once the pipeline stops (its batch's window closed, the
+    batch was canceled, the worker drains), so no attempt goes past the unit's
+    deadline: the unit is handed back unsent and ends as its kind ends those.
     """
     sent = False
     tries = 0
