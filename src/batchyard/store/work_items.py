@@ -179,22 +179,23 @@ def add_items(
     """
     if not items:
         return
-    # A row frozen as failed (its prompt cannot fit) has ended already: it takes its number now.
-    ended = sum(1 for *_, state, _ in items if state != ItemState.PENDING)
-    seq = end_order.take(conn, runs, runs.c.id, run_id, ended) if ended else 0
-    numbered: list[tuple[str, int, int, int, str, str | None, bool, int | None]] = []
-    for row_id, version, tokens, state, error in items:
-        if state == ItemState.PENDING:
-            numbered.append((run_id, row_id, version, tokens, str(state), error, False, None))
+    # A row frozen as failed (its prompt cannot fit) has ended already: it takes its number
+    # now, in the same insert (the numbers run from ``first``, one per failed row, in order).
+    failed = sum(1 for item in items if item[3] != ItemState.PENDING)
+    seq = end_order.take(conn, runs, runs.c.id, run_id, failed) if failed else 0
+    rows: list[tuple[str, int, int, int, str, str | None, bool, int | None]] = []
+    for r, v, t, s, e in items:
+        if s == ItemState.PENDING:
+            rows.append((run_id, r, v, t, str(s), e, False, None))
         else:
-            numbered.append((run_id, row_id, version, tokens, str(state), error, False, seq))
+            rows.append((run_id, r, v, t, str(s), e, False, seq))
             seq += 1
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     table = run_items.name
     conn.exec_driver_sql(
         f"INSERT INTO {table} (run_id, row_id, version, input_tokens, state, error, written, "
         f"ended_seq) VALUES ({', '.join([mark] * 8)})",
-        numbered,
+        rows,
     )
 
 

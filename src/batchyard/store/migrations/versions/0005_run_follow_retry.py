@@ -28,7 +28,14 @@ def upgrade() -> None:
     op.add_column(
         "batch_inference_run_items", sa.Column("ended_seq", sa.BigInteger(), nullable=True)
     )
-    op.create_index("ix_bir_items_ended", "batch_inference_run_items", ["run_id", "ended_seq"])
+    # Partial: a row enters it when it ends, so freezing pending rows pays nothing for it.
+    op.create_index(
+        "ix_bir_items_ended",
+        "batch_inference_run_items",
+        ["run_id", "ended_seq"],
+        sqlite_where=sa.text("ended_seq IS NOT NULL"),
+        postgresql_where=sa.text("ended_seq IS NOT NULL"),
+    )
 
 
 def downgrade() -> None:
