@@ -166,3 +166,26 @@ async def wait_ticking(svc, api: Api, run_id: str) -> dict:
             return run
         svc.clock.advance(0.2)
         await asyncio.sleep(0.02)
+
+
+async def test_a_retry_of_a_dataset_output_run_adds_to_the_same_output_dataset(make_service):
+    svc = make_service(runs=fast_runs())
+    engine = RowEngine("flaky")
+    svc.engines.set("embedded", engine)
+    acct = make_account(svc, credit="5")
+    rows = [{"text": "flaky 0"}, {"text": "row 1"}, {"text": "row 2"}]
+    body = {**RUN, "output": {"type": "dataset", "name": "answers"}}
+    async with asgi_client(svc) as http:
+        api = await Api(http, acct.headers).start()
+        run_id, _ = await api.confirmed(rows, body)
+        first = await api.wait(run_id, "completed")
+        retry = (await api.post(run_id, "retry")).json()
+        engine.healed = True
+        await api.post(retry["id"], "confirm")
+        done = await api.wait(retry["id"], "completed")
+        out = await api.rows(first["output"]["datasetId"])
+
+    assert done["output"]["datasetId"] == first["output"]["datasetId"]
+    assert sorted(r["data"]["sourceRowId"] for r in out) == [1, 2, 3]
+    answers = {r["data"]["sourceRowId"]: r["data"]["messages"][-1]["content"] for r in out}
+    assert answers[1] == "answer to flaky 0"
