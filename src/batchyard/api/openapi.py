@@ -421,6 +421,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/failures"): Operation(
         200, ListOf, _READ
     ),
+    ("get", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/finished"): Operation(
+        200,
+        Finished,
+        _READ,
+        summary="A batchyard extension: the rows that ended so far, from a cursor, while it runs",
+    ),
+    ("post", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/retry"): Operation(
+        201,
+        _Open,
+        _WRITE,
+        EmptyBody,
+        body_required=False,
+        summary="A new run of the failed and canceled rows, quoted and awaiting confirmation",
+    ),
 }
 
 # -- Anthropic's Messages door (api/messages.py): its own answers and error envelope --

@@ -19,6 +19,7 @@ from sqlalchemy import Connection
 from batchyard.api.bodies import RunBody
 from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
 from batchyard.api.inputs import (
+    finished_query,
     object_id,
     query_cursor,
     query_id_cursor,
@@ -33,12 +34,13 @@ from batchyard.core.ids import is_id, new_id
 from batchyard.core.money import format_money
 from batchyard.core.runs import TERMINAL, RunStatus, message_for
 from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, QuoteExpired
-from batchyard.service import model_versions
+from batchyard.service import following, model_versions
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
 from batchyard.store import work_items
 from batchyard.work.runs.canceling import canceled_by_owner, stop_run
 from batchyard.work.runs.funding import fund
+from batchyard.work.runs.quoting import retry_run
 
 __all__ = ["router", "run_json"]
 
@@ -128,6 +130,8 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
         "results": results,
         "charge": charge,
         "error": run.error,
+        "retryOf": run.retry_of,
+        "retriedBy": run.retried_by,
         "createdAt": isoformat(run.created_at),
         "updatedAt": isoformat(run.updated_at),
     }
@@ -315,3 +319,56 @@ async def list_failures(
             "nextCursor": str(rows[-1]["rowId"]) if more else None,
         }
     )
+
+
+@router.get(BASE + "/{run_id}/finished")
+async def run_finished(
+    request: Request, project_id: str, run_id: str, svc: ServiceDep
+) -> JSONResponse:
+    """A batchyard extension: the rows that ended so far, from a cursor, while the run runs."""
+    principal = await authenticate(request)
+    _ids(project_id, run_id)
+    after, limit = finished_query(request)
+
+    def read(c: Connection) -> dict[str, Any]:
+        # The status first, in the same read: a run seen ended has every row numbered.
+        run = rstore.get_run(c, principal.org_id, run_id, project_id)
+        items = following.run_items(c, run.id, after=after, limit=limit)
+        return following.page(items, after=after, limit=limit, ended=run.status in TERMINAL)
+
+    return json_response(await svc.db.read(read))
+
+
+@router.post(BASE + "/{run_id}/retry")
+async def retry(request: Request, project_id: str, run_id: str, svc: ServiceDep) -> Response:
+    """A new run of an ended run's failed and canceled rows, quoted and awaiting confirmation."""
+    principal = await authenticate(request)
+    _ids(project_id, run_id)
+    body = await read_empty(request)
+
+    async def handler() -> tuple[int, Any]:
+        now = svc.clock.now()
+        original = await svc.db.read(
+            lambda c: rstore.get_run(c, principal.org_id, run_id, project_id)
+        )
+        if original.spec["model"].get("type") == "version":
+            # A project version is read from the store off the event loop.
+            await model_versions.resolve(svc, original.spec["model"].get("id"))
+        new = new_id("bir", now)
+
+        def tx(c: Connection) -> tuple[rstore.Run, dict[str, Any]]:
+            run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
+            return retry_run(
+                c,
+                run,
+                run_id=new,
+                catalog=svc.catalog,
+                settings=svc.settings.runs,
+                now=now,
+                key_id=principal.key_id,
+            )
+
+        run, report = await svc.db.transact(tx)
+        return 201, {**run_json(run), "retry": report}
+
+    return await idempotent(request, principal, body, handler)
