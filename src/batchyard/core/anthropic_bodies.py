@@ -18,6 +18,25 @@ from pydantic_core import PydanticCustomError
 from batchyard.core.inputs import AsDicts, Unserved, strict
 from batchyard.errors import InvalidRequest
 
+__all__ = [
+    "ERROR_TYPES",
+    "CountTokensRequest",
+    "MessagesRequest",
+    "Translated",
+    "anthropic_version_ok",
+    "message_object",
+    "openai_prompt",
+    "parse_count_tokens",
+    "parse_messages",
+    "stop_reason",
+    "to_openai_messages",
+    "to_openai_tool_choice",
+    "to_openai_tools",
+    "tool_id",
+    "translate",
+    "usage_object",
+]
+
 
 def anthropic_version_ok(version: str) -> bool:
     """Whether ``anthropic-version`` is well formed: a calendar date, ``YYYY-MM-DD``.

@@ -45,6 +45,18 @@ from batchyard.core.sections import (
 )
 from batchyard.core.tiers import DEFAULT_TIERS, Tier, tiers_from_config
 
+__all__ = [
+    "ENV_PREFIX",
+    "SECTIONS",
+    "ConfigError",
+    "Settings",
+    "default_home",
+    "env_names",
+    "load_settings",
+    "normalise_database_url",
+    "scalar_settings",
+]
+
 ENV_PREFIX = "BATCHYARD_"
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+__all__ = ["ConfigError", "field_path", "from_validation"]
+
 
 class ConfigError(ValueError):
     """One operator mistake: the field, what is wrong with it, and the fix.

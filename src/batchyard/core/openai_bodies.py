@@ -17,6 +17,17 @@ from batchyard.core.catalog import ModelSpec
 from batchyard.core.inputs import AsDicts, Unserved, strict
 from batchyard.errors import InvalidRequest, UnsupportedInput
 
+__all__ = [
+    "ChatRequest",
+    "CompletionTextRequest",
+    "EmbeddingRequest",
+    "StreamOptions",
+    "check_images",
+    "parse_chat",
+    "parse_completion",
+    "parse_embedding",
+]
+
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 

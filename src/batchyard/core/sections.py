@@ -17,6 +17,18 @@ from pydantic.dataclasses import dataclass
 
 from batchyard.core.config_errors import ConfigError
 
+__all__ = [
+    "SECTION",
+    "FileBatchSettings",
+    "FileSettings",
+    "Network",
+    "RunSettings",
+    "VersionSettings",
+    "WebhookSettings",
+    "parse_networks",
+    "setting",
+]
+
 #: How every section (and the settings themselves) are checked: unknown names refused.
 SECTION = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 

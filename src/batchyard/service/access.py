@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from batchyard.core.accounts import Scope
 
+__all__ = ["ACCESS", "Access", "access_for", "app_routes", "check_complete"]
+
 F, R, INF = Scope.FULL, Scope.READ, Scope.INFERENCE
 
 

@@ -21,6 +21,8 @@ from batchyard.service.deployment import Service
 from batchyard.store import deferred_batches as deferred_store
 from batchyard.store import file_batches as file_store
 
+__all__ = ["is_file_batch", "list_views", "load_view"]
+
 
 def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
     """The caller's batch of either dialect; another organisation's (or key's) is 404."""

@@ -22,6 +22,18 @@ from batchyard.errors import InvalidRequest, InvalidType, UnsupportedInput
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import private_messages
 
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_REQUESTS",
+    "WINDOWS",
+    "BatchBody",
+    "BatchRequestBody",
+    "ChatRequestBody",
+    "ParsedRequest",
+    "Submission",
+    "parse_submission",
+]
+
 MAX_BODY_BYTES = 1_000_000
 MAX_REQUESTS = 50
 MAX_OUTPUT_TOKENS = 4096

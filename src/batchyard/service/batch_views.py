@@ -19,6 +19,8 @@ from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
 from batchyard.store import file_batches as fstore
 
+__all__ = ["counts_of", "file_batch_view", "number", "openai_status", "ts"]
+
 #: OpenAI's spelling of the two cancel states (its ``Batch.status`` literals).
 _OPENAI_WORDS = {"canceling": "cancelling", "canceled": "cancelled"}
 

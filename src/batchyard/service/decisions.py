@@ -38,6 +38,20 @@ from batchyard.work import decide_scoring as scoring_work
 from batchyard.work.decide_scoring import ScoredAnswers as _Scored
 from batchyard.work.warmth import MAX_KEEP_WARM_MINUTES, Serving, serving
 
+__all__ = [
+    "LOAD_WAIT_BOUND_S",
+    "Admit",
+    "Plan",
+    "Prepared",
+    "WarmTarget",
+    "can_score",
+    "decide",
+    "estimate",
+    "keep_warm",
+    "prepare",
+    "prepare_keep_warm",
+]
+
 log = logging.getLogger("batchyard.decide")
 
 # With ``fallback: none``, how long a call waits for a version to load before

@@ -28,6 +28,18 @@ from batchyard.store import deferred_batches as store
 from batchyard.work.batch_key import result_aad
 from batchyard.work.deferred_batches.housekeeping import RESULTS_KEPT
 
+__all__ = [
+    "MAX_PENDING",
+    "SUBMISSIONS_PER_MINUTE",
+    "cancel",
+    "finished",
+    "list_views",
+    "load_view",
+    "result_lines",
+    "submit",
+    "view_of",
+]
+
 log = logging.getLogger("batchyard.deferred_batches")
 
 MAX_PENDING = 200

@@ -41,6 +41,7 @@ from batchyard.work.webhook_sender import WebhookSender
 if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
+__all__ = ["Service", "service_of"]
 
 log = logging.getLogger("batchyard.service")
 

@@ -43,6 +43,20 @@ from batchyard.store import file_batches as store
 from batchyard.store import files as file_store
 from batchyard.store.files import line_aad
 
+__all__ = [
+    "ENDED",
+    "FILE_WINDOWS",
+    "PERCENT",
+    "RETRIED",
+    "FileBatchBody",
+    "cancel",
+    "create",
+    "finished",
+    "load_view",
+    "parse_create",
+    "retry",
+]
+
 log = logging.getLogger("batchyard.file_batches")
 
 #: The statuses of a batch whose every line has ended.

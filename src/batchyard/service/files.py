@@ -34,6 +34,18 @@ from batchyard.store import files as store
 from batchyard.store.file_batches import out_aad
 from batchyard.store.files import line_aad
 
+__all__ = [
+    "PURPOSES",
+    "content",
+    "delete",
+    "file_view",
+    "get",
+    "ingest",
+    "list_views",
+    "rules_of",
+    "settings_of",
+]
+
 log = logging.getLogger("batchyard.files")
 
 #: What a caller may upload; ``batch_output`` files are batchyard's own.

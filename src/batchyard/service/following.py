@@ -19,6 +19,8 @@ from batchyard.core.sealing import Sealer
 from batchyard.store import file_batches as store
 from batchyard.store import work_items
 
+__all__ = ["file_batch_items", "page", "run_items"]
+
 
 def page(
     items: Sequence[tuple[int, dict[str, Any]]], *, after: int, limit: int, ended: bool

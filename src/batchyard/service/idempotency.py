@@ -22,6 +22,8 @@ from batchyard.errors import BatchyardError, StorageUnavailable, error_type
 from batchyard.service.deployment import Service
 from batchyard.store import idempotency as idem_store
 
+__all__ = ["KeyedAnswer", "Stream", "Whole", "run_once", "unkeyed"]
+
 
 @dataclass(frozen=True, slots=True)
 class Whole:

@@ -29,8 +29,10 @@ from batchyard.errors import BatchyardError, InsufficientCredit, InvalidState, N
 from batchyard.service import file_batches, files
 from batchyard.service.deployment import Service
 from batchyard.service.file_batches import PERCENT
+from batchyard.service.openai_requests import MESSAGES
 from batchyard.store import file_batches as store
-from batchyard.work.openai_wire import MESSAGES
+
+__all__ = ["cancel", "create", "finished", "get", "list_page", "results", "retry"]
 
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _ENDED = file_batches.ENDED

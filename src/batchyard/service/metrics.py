@@ -31,6 +31,15 @@ from batchyard.core.money import from_ticks
 from batchyard.engines.protocol import CacheState
 from batchyard.store.backlog import Backlog
 
+__all__ = [
+    "CONTENT_TYPE",
+    "MULTIPROC_ENV",
+    "PrometheusRecorder",
+    "mark_dead",
+    "multiprocess_dir",
+    "prepare_multiprocess",
+]
+
 #: The environment variable prometheus_client reads for its multiprocess directory.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -35,6 +35,24 @@ from batchyard.store import model_versions as store
 from batchyard.store import projects as project_store
 from batchyard.store.database import Database
 
+__all__ = [
+    "TYPES",
+    "check_fields",
+    "delete",
+    "discard_spool",
+    "fetcher",
+    "folder_of",
+    "gate",
+    "get",
+    "list_views",
+    "org_versions",
+    "resolve",
+    "settings_of",
+    "spool",
+    "take_in",
+    "version_view",
+]
+
 log = logging.getLogger("batchyard.model_versions")
 
 TYPES = ("lora", "weights")

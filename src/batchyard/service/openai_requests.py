@@ -24,6 +24,8 @@ from batchyard.errors import InvalidRequest
 from batchyard.service.preparation import Preparer
 from batchyard.work.openai_wire import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, MESSAGES
 
+__all__ = ["ENDPOINTS", "MESSAGES", "VALIDATORS", "CheckedBody", "Rules", "validate_line"]
+
 
 @dataclass(frozen=True, slots=True)
 class Rules:

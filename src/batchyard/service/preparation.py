@@ -27,6 +27,15 @@ from batchyard.core.tokens import TokenizerSource
 from batchyard.engines import tool_calls
 from batchyard.errors import CapabilityUnsupported, InvalidRequest
 
+__all__ = [
+    "COMPLETIONS_MAX_TOKENS",
+    "DEFERRED_MAX_TOKENS",
+    "NEEDS",
+    "Prepared",
+    "Preparer",
+    "engine_messages",
+]
+
 #: OpenAI's default ``max_tokens`` for ``/v1/completions`` (and its batch lines).
 COMPLETIONS_MAX_TOKENS = 16
 #: The deferred-batch spec's default ``max_tokens`` for one of its requests.

@@ -20,6 +20,8 @@ from batchyard.store import projects
 from batchyard.store import spend_caps as store
 from batchyard.store.tables import api_keys
 
+__all__ = ["cap_views", "parse_caps", "set_key_cap", "set_project_cap"]
+
 #: The most a cap may be: a billion dollars.
 MAX_CAP = Decimal(1_000_000_000)
 

@@ -20,6 +20,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from batchyard.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 
+__all__ = ["Upload", "read_multipart"]
+
 FIELD_LIMIT = 1024
 
 

@@ -23,6 +23,17 @@ from batchyard.service.deployment import Service
 from batchyard.store import webhook_deliveries, webhook_endpoints
 from batchyard.store.webhook_endpoints import Endpoint
 
+__all__ = [
+    "check_events",
+    "create",
+    "delete",
+    "endpoint_view",
+    "get",
+    "list_page",
+    "rotate",
+    "settings_of",
+]
+
 #: The most endpoints one organisation may have.
 MAX_ENDPOINTS = 20
 _MAX_DESCRIPTION = 500

@@ -24,6 +24,7 @@ from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound
 from batchyard.service import file_batches, files, service_of
 from batchyard.service.batch_views import openai_status
+from batchyard.service.openai_requests import ENDPOINTS
 from batchyard.service.uploads import read_multipart
 from batchyard.store import file_batches as fstore
 from batchyard.web.routes import (
@@ -36,7 +37,6 @@ from batchyard.web.routes import (
     signed_in_or_redirect,
 )
 from batchyard.web.sessions import Session, same_token
-from batchyard.work.openai_wire import ENDPOINTS
 
 __all__ = ["router"]
 

@@ -51,6 +51,8 @@ from batchyard.work.engines import EngineRegistry
 from batchyard.work.route_health import RouteHealth
 from batchyard.work.route_pacing import RoutePacer
 
+__all__ = ["DispatchResult", "Dispatcher", "OnSend", "Payment", "outcome_of", "usage_of"]
+
 log = logging.getLogger("batchyard.dispatch")
 T = TypeVar("T")
 

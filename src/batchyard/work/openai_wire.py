@@ -20,6 +20,29 @@ from batchyard.core.anthropic_bodies import Translated, message_object
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Delta, Usage
 
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "EMBEDDINGS",
+    "ENDPOINTS",
+    "MESSAGES",
+    "LineRequest",
+    "Reply",
+    "anthropic_message",
+    "chat_first",
+    "chat_piece",
+    "chat_replay",
+    "chat_request",
+    "embedding_list",
+    "line_request",
+    "matched_stop",
+    "messages_request",
+    "text_piece",
+    "text_replay",
+    "text_requests",
+    "usage_body",
+]
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
