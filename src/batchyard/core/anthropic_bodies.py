@@ -24,6 +24,7 @@ __all__ = [
     "MessagesRequest",
     "Translated",
     "anthropic_version_ok",
+    "batch_counts",
     "message_object",
     "openai_prompt",
     "parse_count_tokens",

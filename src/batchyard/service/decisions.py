@@ -44,7 +44,6 @@ __all__ = [
     "Plan",
     "Prepared",
     "WarmTarget",
-    "can_score",
     "decide",
     "estimate",
     "keep_warm",

@@ -33,7 +33,6 @@ __all__ = [
     "SUBMISSIONS_PER_MINUTE",
     "cancel",
     "finished",
-    "list_views",
     "load_view",
     "result_lines",
     "submit",

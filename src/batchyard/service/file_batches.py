@@ -48,6 +48,7 @@ __all__ = [
     "FILE_WINDOWS",
     "PERCENT",
     "RETRIED",
+    "Creation",
     "FileBatchBody",
     "cancel",
     "create",

@@ -32,7 +32,16 @@ from batchyard.service.file_batches import PERCENT
 from batchyard.service.openai_requests import MESSAGES
 from batchyard.store import file_batches as store
 
-__all__ = ["cancel", "create", "finished", "get", "list_page", "results", "retry"]
+__all__ = [
+    "MessageBatchBody",
+    "cancel",
+    "create",
+    "finished",
+    "get",
+    "list_page",
+    "results",
+    "retry",
+]
 
 _CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _ENDED = file_batches.ENDED

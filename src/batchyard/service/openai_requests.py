@@ -24,7 +24,15 @@ from batchyard.errors import InvalidRequest
 from batchyard.service.preparation import Preparer
 from batchyard.work.openai_wire import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, MESSAGES
 
-__all__ = ["ENDPOINTS", "MESSAGES", "VALIDATORS", "CheckedBody", "Rules", "validate_line"]
+__all__ = [
+    "ENDPOINTS",
+    "MESSAGES",
+    "VALIDATORS",
+    "CheckedBody",
+    "Rules",
+    "private_messages",
+    "validate_line",
+]
 
 
 @dataclass(frozen=True, slots=True)

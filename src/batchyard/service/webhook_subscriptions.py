@@ -31,7 +31,6 @@ __all__ = [
     "get",
     "list_page",
     "rotate",
-    "settings_of",
 ]
 
 #: The most endpoints one organisation may have.
