@@ -570,7 +570,7 @@ def create_app(
     from batchyard.api.envelope import EnvelopeMiddleware
     from batchyard.api.errors import install_error_handlers
     from batchyard.api.metering import MeteringMiddleware
-    from batchyard.api.openapi import install_openapi
+    from batchyard.api.openapi import Health, Readiness, declare, install_openapi
     from batchyard.api.overflow import OverflowMiddleware
     from batchyard.web import file_pages
     from batchyard.web import routes as workspace
@@ -602,12 +602,18 @@ def create_app(
     app.add_middleware(EnvelopeMiddleware)
     app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 
-    @app.get("/healthz", response_model=None)
+    @app.get("/healthz", response_model=None, summary="Liveness: the process is up")
+    @declare(Health, errors=(503,), error_body=Health, public=True)
     async def healthz() -> JSONResponse:
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
-    @app.get("/readyz", response_model=None)
+    @app.get(
+        "/readyz",
+        response_model=None,
+        summary="Readiness: store writable, migrations current, limiter reachable",
+    )
+    @declare(Readiness, errors=(503,), error_body=Readiness, public=True)
     async def readyz() -> JSONResponse:
         """200 when every check passes; 503 with each failing check's reason otherwise."""
         if not service.started or service.draining:

@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import Connection
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
-from batchyard.api.inputs import query_id_cursor, query_limit
+from batchyard.api.context import Caller, ServiceDep, query_id_cursor, query_limit
+from batchyard.api.openapi import Account, ListOf, declare
 from batchyard.core.accounts import Organisation
 from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
@@ -19,10 +19,9 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.get("/v1/account")
-async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-
+@router.get("/v1/account", summary="Your account")
+@declare(Account)
+async def get_account(principal: Caller, svc: ServiceDep) -> JSONResponse:
     now = svc.clock.now()
 
     def load(conn: Connection) -> tuple[Organisation, ledger.Balance, list[dict[str, object]]]:
@@ -37,7 +36,7 @@ async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
             "threshold": format_money(org.auto_topup_threshold),
             "amount": format_money(org.auto_topup_amount),
         }
-    return json_response(
+    return JSONResponse(
         {
             "organization": {"id": principal.org_id, "name": principal.org_name},
             "tier": tier.level,
@@ -55,9 +54,9 @@ async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
     )
 
 
-@router.get("/v1/activity")
-async def get_activity(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@router.get("/v1/activity", summary="Credit activity")
+@declare(ListOf)
+async def get_activity(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
     limit = query_limit(request, default=100, most=1000)
     after = query_id_cursor(request, "act", name="after")
     rows = await svc.db.read(
@@ -71,7 +70,7 @@ async def get_activity(request: Request, svc: ServiceDep) -> JSONResponse:
         }
         for r in rows
     ]
-    return json_response(
+    return JSONResponse(
         {
             "object": "list",
             "data": data,

@@ -22,10 +22,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from batchyard.api.openai_door import Chunks, ModelCall, prepared, read_body
+from batchyard.api.openapi import MODEL_CALL, ChatCompletion, declare
 from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
-from batchyard.core.openai_bodies import parse_chat
+from batchyard.core.openai_bodies import ChatRequest, parse_chat
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import Reply, chat_first, chat_piece, chat_replay, chat_request
 
@@ -34,7 +35,8 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", summary="Chat completions (OpenAI's shape)")
+@declare(ChatCompletion, body=ChatRequest, errors=MODEL_CALL, streams=True)
 async def chat_completions(request: Request) -> Response:
     principal, raw, svc, body = await read_body(request, parse_chat)
     org_id, stream = principal.org_id, bool(body.stream)

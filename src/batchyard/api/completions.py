@@ -17,9 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from batchyard.api.openai_door import Chunks, ModelCall, prepared, read_body
+from batchyard.api.openapi import MODEL_CALL, TextCompletion, declare
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
-from batchyard.core.openai_bodies import parse_completion
+from batchyard.core.openai_bodies import CompletionTextRequest, parse_completion
 from batchyard.engines.protocol import Delta
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import CapabilityUnsupported
@@ -31,7 +32,8 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", summary="Text completions (OpenAI's shape)")
+@declare(TextCompletion, body=CompletionTextRequest, errors=MODEL_CALL, streams=True)
 async def completions(request: Request) -> Response:
     principal, raw, svc, body = await read_body(request, parse_completion)
     prompts = as_texts(body.prompts(), "prompt")

@@ -22,9 +22,10 @@ from fastapi.responses import Response
 
 from batchyard.api.context import check_tier_limits, idempotent
 from batchyard.api.openai_door import prepared, read_body
+from batchyard.api.openapi import MODEL_CALL, EmbeddingList, declare
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
-from batchyard.core.openai_bodies import parse_embedding
+from batchyard.core.openai_bodies import EmbeddingRequest, parse_embedding
 from batchyard.engines.token_ids import as_texts
 from batchyard.work.openai_wire import embedding_list
 
@@ -33,7 +34,8 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", summary="Embeddings (OpenAI's shape)")
+@declare(EmbeddingList, body=EmbeddingRequest, errors=MODEL_CALL)
 async def embeddings(request: Request) -> Response:
     principal, raw, svc, body = await read_body(request, parse_embedding)
     texts = as_texts(body.inputs(), "input")
@@ -42,7 +44,7 @@ async def embeddings(request: Request) -> Response:
     ref = new_id("emb", svc.clock.now())
 
     async def handler() -> tuple[int, Any]:
-        await check_tier_limits(request, principal, requests=1, tokens=p.input_tokens)
+        await check_tier_limits(request, principal, tokens=p.input_tokens)
         result, charged = await svc.dispatcher.embed(
             org_id=org_id,
             key_id=principal.key_id,

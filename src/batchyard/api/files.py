@@ -16,13 +16,21 @@ the files it uploaded and the output files of its own batches.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    allow_query,
+    listing,
+    path_id,
+    query_id_cursor,
+    query_limit,
+)
+from batchyard.api.openapi import ListOf, declare
 from batchyard.errors import InvalidRequest, PayloadTooLarge
 from batchyard.service import files
 from batchyard.service.uploads import read_multipart
@@ -30,6 +38,7 @@ from batchyard.service.uploads import read_multipart
 __all__ = ["router"]
 
 router = APIRouter()
+FileId = Annotated[str, path_id("file_id", "file", "file", code="file_not_found")]
 
 #: OpenAI's other purposes: named so the refusal can say what is wrong.
 OTHER_PURPOSES = (
@@ -83,9 +92,26 @@ def _expires_after(fields: dict[str, str]) -> int | None:
     return value
 
 
-@router.post("/v1/files")
-async def create_file(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@router.post("/v1/files", summary="Upload a batch input file (multipart/form-data: purpose, file)")
+@declare(
+    multipart={
+        "type": "object",
+        "required": ["purpose", "file"],
+        "additionalProperties": False,
+        # The expiry is both its parts or neither.
+        "dependentRequired": {
+            "expires_after[anchor]": ["expires_after[seconds]"],
+            "expires_after[seconds]": ["expires_after[anchor]"],
+        },
+        "properties": {
+            "purpose": {"type": "string", "enum": ["batch"]},
+            "file": {"type": "string", "format": "binary"},
+            "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+            "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000},
+        },
+    }
+)
+async def create_file(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
     svc.batch_key.require()  # 503 before the body is read when batches are off
     limits = files.settings_of(svc)
     declared = request.headers.get("content-length")
@@ -116,26 +142,13 @@ async def create_file(request: Request, svc: ServiceDep) -> JSONResponse:
         )
     finally:
         upload.close()
-    return json_response(view)
+    return JSONResponse(view)
 
 
-def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
-    params = dict(request.query_params)
-    for key in sorted(params.keys() - set(allowed)):
-        raise InvalidRequest(
-            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
-        )
-    return params
-
-
-def _file_id(value: str) -> str:
-    return object_id(value, "file", param="file_id", what="file", code="file_not_found")
-
-
-@router.get("/v1/files")
-async def list_files(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    q = _query(request, ("after", "limit", "order", "purpose"))
+@router.get("/v1/files", summary="Files")
+@declare(ListOf)
+async def list_files(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
+    q = allow_query(request, "after", "limit", "order", "purpose")
     limit = query_limit(request, default=10_000, most=10_000)
     after = query_id_cursor(request, "file", name="after")
     order = q.get("order", "desc")
@@ -156,39 +169,30 @@ async def list_files(request: Request, svc: ServiceDep) -> JSONResponse:
         purpose=purpose,
         newest_first=order == "desc",
     )
-    return json_response(_page(data, more))
-
-
-def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": more,
-    }
+    return JSONResponse(listing(data, more))
 
 
 @router.get("/v1/files/{file_id}")
-async def get_file(request: Request, file_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _query(request, ())
-    _file_id(file_id)
-    return json_response(await files.get(svc, principal, file_id))
+async def get_file(
+    request: Request, principal: Caller, file_id: FileId, svc: ServiceDep
+) -> JSONResponse:
+    allow_query(request)
+    return JSONResponse(await files.get(svc, principal, file_id))
 
 
-@router.get("/v1/files/{file_id}/content")
-async def file_content(request: Request, file_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    _query(request, ())
-    _file_id(file_id)
+@router.get("/v1/files/{file_id}/content", summary="A file's lines")
+@declare(media="application/jsonl")
+async def file_content(
+    request: Request, principal: Caller, file_id: FileId, svc: ServiceDep
+) -> Response:
+    allow_query(request)
     lines = await files.content(svc, principal, file_id)
     return StreamingResponse(lines, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(request: Request, file_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _query(request, ())
-    _file_id(file_id)
-    return json_response(await files.delete(svc, principal, file_id))
+async def delete_file(
+    request: Request, principal: Caller, file_id: FileId, svc: ServiceDep
+) -> JSONResponse:
+    allow_query(request)
+    return JSONResponse(await files.delete(svc, principal, file_id))

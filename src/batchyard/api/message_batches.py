@@ -1,13 +1,9 @@
 """``/v1/messages/batches``: Anthropic's Message Batches, on the file-batch machinery.
 
-Create, retrieve, list (Anthropic's ``before_id`` / ``after_id`` / ``limit``
-paging), cancel and results, answered in Anthropic's objects and error
-envelope (the Messages door's ``anthropic_door``). Everything underneath is
-the file batches' (``service.message_batches`` explains the mapping): the
-quote held at create, the leased worker, ``uncertain``, one settlement.
-
-Scopes (``service.access``): ``full`` and ``inference`` keys create and
-cancel; every key reads; an ``inference`` key sees only its own batches.
+Answered in Anthropic's objects and error envelope (``messages.anthropic_door``);
+everything underneath is the file batches' (``service.message_batches`` explains
+the mapping): the quote held at create, the leased worker, ``uncertain``, one
+settlement.
 """
 
 from __future__ import annotations
@@ -16,20 +12,26 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import authenticate, idempotent, json_response, read_json, service_of
-from batchyard.api.inputs import (
+from batchyard.api.context import (
+    ServiceDep,
+    allow_query,
+    authenticate,
     finished_query,
+    idempotent,
     object_id,
     query_id_cursor,
     query_limit,
     read_empty,
+    read_json,
 )
 from batchyard.api.messages import anthropic_door
+from batchyard.api.openapi import Finished, declare
 from batchyard.errors import InvalidRequest
-from batchyard.service import message_batches
+from batchyard.service import Service, message_batches
 from batchyard.service.files import settings_of
+from batchyard.service.message_batches import MessageBatchBody
 
 __all__ = ["router"]
 
@@ -47,11 +49,11 @@ def _id(value: str) -> str:
     return object_id(value, "bat", param="message_batch_id", what="message batch")
 
 
-@router.post(_PATH)
+@router.post(_PATH, summary="Create a Message Batch (Anthropic's shape; a file batch underneath)")
+@declare(body=MessageBatchBody, errors=(402,))
 @anthropic_door
-async def create_message_batch(request: Request) -> Response:
+async def create_message_batch(request: Request, svc: ServiceDep) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    svc = service_of(request)
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=settings_of(svc).max_bytes)
 
@@ -63,60 +65,51 @@ async def create_message_batch(request: Request) -> Response:
     return await idempotent(request, principal, raw, handler)
 
 
-@router.get(_PATH)
+@router.get(_PATH, summary="Message Batches, newest first (before_id / after_id)")
 @anthropic_door
-async def list_message_batches(request: Request) -> Response:
+async def list_message_batches(request: Request, svc: ServiceDep) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    for key in sorted(request.query_params.keys() - {"after_id", "before_id", "limit"}):
-        raise InvalidRequest(
-            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
-        )
+    allow_query(request, "after_id", "before_id", "limit")
     limit = query_limit(request, default=20, most=1000)
     after = query_id_cursor(request, "bat", name="after_id")
     before = query_id_cursor(request, "bat", name="before_id")
     if after and before:
         raise InvalidRequest("send after_id or before_id, not both", param="before_id")
     page = await message_batches.list_page(
-        service_of(request),
-        principal,
-        limit=limit,
-        after=after,
-        before=before,
-        base_url=_base(request),
+        svc, principal, limit=limit, after=after, before=before, base_url=_base(request)
     )
-    return json_response(page)
+    return JSONResponse(page)
 
 
 @router.get(_PATH + "/{batch_id}")
 @anthropic_door
-async def get_message_batch(request: Request, batch_id: str) -> Response:
+async def get_message_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(batch_id)
-    view = await message_batches.get(
-        service_of(request), principal, batch_id, base_url=_base(request)
-    )
-    return json_response(view)
+    view = await message_batches.get(svc, principal, _id(batch_id), base_url=_base(request))
+    return JSONResponse(view)
 
 
 @router.post(_PATH + "/{batch_id}/cancel")
 @anthropic_door
-async def cancel_message_batch(request: Request, batch_id: str) -> Response:
-    return await _changed(request, batch_id, message_batches.cancel)
+async def cancel_message_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
+    return await _changed(request, batch_id, svc, message_batches.cancel)
 
 
-@router.post(_PATH + "/{batch_id}/retry")
+@router.post(
+    _PATH + "/{batch_id}/retry",
+    summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
+)
+@declare(errors=(402,))
 @anthropic_door
-async def retry_message_batch(request: Request, batch_id: str) -> Response:
-    """A batchyard extension: a new batch of this one's errored, canceled and expired requests."""
-    return await _changed(request, batch_id, message_batches.retry)
+async def retry_message_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
+    return await _changed(request, batch_id, svc, message_batches.retry)
 
 
-async def _changed(request: Request, batch_id: str, change: _Change) -> Response:
+async def _changed(request: Request, batch_id: str, svc: Service, change: _Change) -> Response:
     """Cancel or retry: once per idempotency key, then the worker is woken for what it holds."""
     principal = await authenticate(request, x_api_key=True)
     batch_id = _id(batch_id)
     body = await read_empty(request)
-    svc = service_of(request)
 
     async def handler() -> tuple[int, Any]:
         view = await change(svc, principal, batch_id, base_url=_base(request))
@@ -126,23 +119,26 @@ async def _changed(request: Request, batch_id: str, change: _Change) -> Response
     return await idempotent(request, principal, body, handler)
 
 
-@router.get(_PATH + "/{batch_id}/results")
+@router.get(
+    _PATH + "/{batch_id}/results",
+    summary="Results, one {custom_id, result} line per request, once ended",
+)
+@declare(errors=(409,), media="application/x-jsonl")
 @anthropic_door
-async def message_batch_results(request: Request, batch_id: str) -> Response:
+async def message_batch_results(request: Request, batch_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(batch_id)
-    lines = await message_batches.results(service_of(request), principal, batch_id)
+    lines = await message_batches.results(svc, principal, _id(batch_id))
     return StreamingResponse(lines, media_type="application/x-jsonl")
 
 
-@router.get(_PATH + "/{batch_id}/finished")
+@router.get(
+    _PATH + "/{batch_id}/finished",
+    summary="A batchyard extension: the results so far, from a cursor, while it runs",
+)
+@declare(Finished)
 @anthropic_door
-async def message_batch_finished(request: Request, batch_id: str) -> Response:
-    """A batchyard extension: the results so far, from a cursor, while the batch runs."""
+async def message_batch_finished(request: Request, batch_id: str, svc: ServiceDep) -> Response:
     principal = await authenticate(request, x_api_key=True)
-    batch_id = _id(batch_id)
     after, limit = finished_query(request)
-    page = await message_batches.finished(
-        service_of(request), principal, batch_id, after=after, limit=limit
-    )
-    return json_response(page)
+    page = await message_batches.finished(svc, principal, _id(batch_id), after=after, limit=limit)
+    return JSONResponse(page)

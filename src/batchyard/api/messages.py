@@ -42,13 +42,16 @@ from typing import Any, Concatenate, ParamSpec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import check_tier_limits, json_response
+from batchyard.api.context import check_tier_limits
 from batchyard.api.envelope import envelope_of
 from batchyard.api.errors import error_headers
 from batchyard.api.event_streams import sse
 from batchyard.api.openai_door import ModelCall, prepared, read_body
+from batchyard.api.openapi import MODEL_CALL, AnthropicMessage, MessageTokensCount, declare
 from batchyard.core.anthropic_bodies import (
     ERROR_TYPES,
+    CountTokensRequest,
+    MessagesRequest,
     anthropic_version_ok,
     openai_prompt,
     parse_count_tokens,
@@ -330,7 +333,8 @@ def _replay(whole: dict[str, Any]) -> bytes:
 # -- the routes -----------------------------------------------------------------------
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", summary="Messages (Anthropic's shape)")
+@declare(AnthropicMessage, body=MessagesRequest, errors=(*MODEL_CALL, 529), streams=True)
 @anthropic_door
 async def create_message(request: Request) -> Response:
     principal, raw, svc, body = await read_body(request, parse_messages, x_api_key=True)
@@ -356,7 +360,10 @@ async def create_message(request: Request) -> Response:
     return await call.answer(raw, [req], charged, events)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post(
+    "/v1/messages/count_tokens", summary="Count a Messages prompt's tokens without running it"
+)
+@declare(MessageTokensCount, body=CountTokensRequest, errors=(429,))
 @anthropic_door
 async def count_tokens(request: Request) -> Response:
     principal, _, svc, body = await read_body(request, parse_count_tokens, x_api_key=True)
@@ -368,5 +375,5 @@ async def count_tokens(request: Request) -> Response:
         return svc.preparer.count_chat(model, prompt, tools, choice)
 
     counted = prepared(body.model, count)
-    await check_tier_limits(request, principal, requests=0, tokens=counted, kind="estimate")
-    return json_response({"input_tokens": counted})
+    await check_tier_limits(request, principal, tokens=counted, kind="estimate")
+    return JSONResponse({"input_tokens": counted})

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
-from batchyard.api.inputs import object_id
+from batchyard.api.context import Caller, ServiceDep, allow_query, path_id
+from batchyard.api.openapi import ListOf, declare
+from batchyard.api.projects import ProjectId
 from batchyard.errors import InvalidRequest, PayloadTooLarge
 from batchyard.service import model_versions as versions
 from batchyard.service.uploads import read_multipart
@@ -37,26 +38,30 @@ _FIELDS = ("base", "type", "name")
 _SLACK = 64 * 1024
 
 
-def _project_id(value: str) -> str:
-    return object_id(value, "pp", param="projectId", what="project")
+VersionId = Annotated[str, path_id("version_id", "mv", "model version", code="model_not_found")]
 
 
-def _version_id(value: str) -> str:
-    return object_id(value, "mv", param="version_id", what="model version", code="model_not_found")
-
-
-def _no_query(request: Request) -> None:
-    for key in sorted(request.query_params.keys()):
-        raise InvalidRequest(
-            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
-        )
-
-
-@router.post(_PATH)
-async def upload_version(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
+@router.post(
+    _PATH,
+    status_code=201,
+    summary="Upload a model version (multipart/form-data: file, base, type, name)",
+)
+@declare(
+    multipart={
+        "type": "object",
+        "required": ["file", "base", "type"],
+        "properties": {
+            "file": {"type": "string", "format": "binary"},
+            "base": {"type": "string"},
+            "type": {"type": "string", "enum": ["lora", "weights"]},
+            "name": {"type": "string"},
+        },
+    }
+)
+async def upload_version(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> JSONResponse:
+    allow_query(request)
     limits = versions.settings_of(svc)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
@@ -102,35 +107,38 @@ async def upload_version(request: Request, project_id: str, svc: ServiceDep) -> 
         # Accepted, the file was renamed away; refused, it is still here to remove.
         for f in made:
             versions.discard_spool(f)
-    return json_response(view, status_code=201)
+    return JSONResponse(view, 201)
 
 
-@router.get(_PATH)
-async def list_versions(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
+@router.get(_PATH, summary="The project's model versions")
+@declare(ListOf)
+async def list_versions(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> JSONResponse:
+    allow_query(request)
     data = await versions.list_views(svc, principal, project_id)
-    return json_response({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": data})
 
 
 @router.get(_PATH + "/{version_id}")
 async def get_version(
-    request: Request, project_id: str, version_id: str, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    version_id: VersionId,
+    svc: ServiceDep,
 ) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
-    _version_id(version_id)
-    return json_response(await versions.get(svc, principal, project_id, version_id))
+    allow_query(request)
+    return JSONResponse(await versions.get(svc, principal, project_id, version_id))
 
 
 @router.delete(_PATH + "/{version_id}")
 async def delete_version(
-    request: Request, project_id: str, version_id: str, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    version_id: VersionId,
+    svc: ServiceDep,
 ) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
-    _version_id(version_id)
-    return json_response(await versions.delete(svc, principal, project_id, version_id))
+    allow_query(request)
+    return JSONResponse(await versions.delete(svc, principal, project_id, version_id))

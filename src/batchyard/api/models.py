@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
+from batchyard.api.context import Caller, ServiceDep
+from batchyard.api.openapi import ModelList, ModelObject, declare
 from batchyard.core.catalog import ModelSpec
 from batchyard.core.money import format_money
 from batchyard.errors import BatchyardError, ModelNotFound, ModelUnavailable
@@ -128,22 +129,22 @@ def model_json(
     }
 
 
-@router.get("/v1/models")
-async def list_models(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@router.get("/v1/models", summary="The catalog")
+@declare(ModelList)
+async def list_models(principal: Caller, svc: ServiceDep) -> JSONResponse:
     await org_versions(svc, principal.org_id)
     data = [
         model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc)
         for m in svc.catalog.visible(principal.org_id)
     ]
-    return json_response({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{model_id}")
-async def get_model(request: Request, model_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@declare(ModelObject)
+async def get_model(principal: Caller, model_id: str, svc: ServiceDep) -> JSONResponse:
     await resolve(svc, model_id)
     m = svc.catalog.find(model_id, principal.org_id)
     if m is None:
         raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
-    return json_response(model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc))
+    return JSONResponse(model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc))

@@ -114,9 +114,7 @@ class ModelCall:
         }
 
         async def limits() -> None:
-            await check_tier_limits(
-                self.request, self.principal, requests=1, tokens=call.input_tokens
-            )
+            await check_tier_limits(self.request, self.principal, tokens=call.input_tokens)
 
         if stream is not None:
             dialect = stream

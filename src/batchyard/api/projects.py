@@ -25,24 +25,27 @@ import hashlib
 import json
 import tempfile
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
 from batchyard.api.bodies import DatasetBody, ProjectBody, RowPatchBody
-from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
-from batchyard.api.inputs import (
-    object_id,
-    parse_json,
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    camel_page,
+    idempotent,
+    path_id,
     query_cursor,
     query_limit,
-    strict,
+    read_json,
 )
-from batchyard.api.inputs import row_id as parse_row_id
+from batchyard.api.context import row_id as parse_row_id
+from batchyard.api.openapi import ListOf, declare
 from batchyard.core.clock import isoformat
-from batchyard.core.inputs import check_document
+from batchyard.core.inputs import check_document, parse_json, strict
 from batchyard.core.runs import prompt_messages
 from batchyard.errors import (
     BatchyardError,
@@ -53,9 +56,11 @@ from batchyard.errors import (
 from batchyard.store import projects as store
 from batchyard.store import row_versions
 
-__all__ = ["dataset_json", "router"]
+__all__ = ["ProjectId", "dataset_json", "router"]
 
 router = APIRouter()
+ProjectId = Annotated[str, path_id("project_id", "pp", "project", param="projectId")]
+DatasetId = Annotated[str, path_id("dataset_id", "ds", "dataset", param="datasetId")]
 
 KINDS = ("text", "chat-sft")
 BATCH = 1000
@@ -106,17 +111,9 @@ def _name(value: Any, param: str = "name") -> str:
     return value.strip()
 
 
-def _project_id(value: str) -> str:
-    return object_id(value, "pp", param="projectId", what="project")
-
-
-def _dataset_id(value: str) -> str:
-    return object_id(value, "ds", param="datasetId", what="dataset")
-
-
-@router.post("/v1/projects")
-async def create_project(request: Request, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
+@router.post("/v1/projects", status_code=201)
+@declare(body=ProjectBody)
+async def create_project(request: Request, principal: Caller, svc: ServiceDep) -> Response:
     body = await read_json(request)
     name = _name(strict(ProjectBody, body).name)
 
@@ -131,11 +128,9 @@ async def create_project(request: Request, svc: ServiceDep) -> Response:
 
 
 @router.get("/v1/projects/{project_id}")
-async def get_project(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _project_id(project_id)
+async def get_project(principal: Caller, project_id: ProjectId, svc: ServiceDep) -> JSONResponse:
     project = await svc.db.read(lambda c: store.get_project(c, principal.org_id, project_id))
-    return json_response(project_json(project))
+    return JSONResponse(project_json(project))
 
 
 # -- uploads ---------------------------------------------------------------------
@@ -265,10 +260,14 @@ def _format(request: Request) -> str:
     return fmt
 
 
-@router.post("/v1/projects/{project_id}/datasets")
-async def create_dataset(request: Request, project_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    _project_id(project_id)
+@router.post("/v1/projects/{project_id}/datasets", status_code=201)
+@declare(
+    body=DatasetBody,
+    extra_body_types=("text/csv", "application/x-ndjson", "application/vnd.apache.parquet"),
+)
+async def create_dataset(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> Response:
     org = principal.org_id
     await svc.db.read(lambda c: store.get_project(c, org, project_id))
     fmt = _format(request)
@@ -318,22 +317,21 @@ async def create_dataset(request: Request, project_id: str, svc: ServiceDep) -> 
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}")
 async def get_dataset(
-    request: Request, project_id: str, dataset_id: str, svc: ServiceDep
+    principal: Caller, project_id: ProjectId, dataset_id: DatasetId, svc: ServiceDep
 ) -> JSONResponse:
-    principal = await authenticate(request)
-    _project_id(project_id)
-    _dataset_id(dataset_id)
     ds = await svc.db.read(lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id))
-    return json_response(dataset_json(ds))
+    return JSONResponse(dataset_json(ds))
 
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}/rows")
+@declare(ListOf)
 async def list_rows(
-    request: Request, project_id: str, dataset_id: str, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    dataset_id: DatasetId,
+    svc: ServiceDep,
 ) -> JSONResponse:
-    principal = await authenticate(request)
-    _project_id(project_id)
-    _dataset_id(dataset_id)
     limit = query_limit(request, default=100, most=1000)
     after = query_cursor(request)
 
@@ -342,26 +340,20 @@ async def list_rows(
         return store.list_rows(c, dataset_id, after=after, limit=limit + 1)
 
     rows = await svc.db.read(tx)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return json_response(
-        {
-            "object": "list",
-            "data": [row_json(r) for r in rows],
-            "hasMore": more,
-            "nextCursor": str(rows[-1].id) if more else None,
-        }
-    )
+    return JSONResponse(camel_page([row_json(r) for r in rows], limit, lambda r: str(r["id"])))
 
 
 @router.patch("/v1/projects/{project_id}/datasets/{dataset_id}/rows/{row_id}")
+@declare(body=RowPatchBody)
 async def patch_row(
-    request: Request, project_id: str, dataset_id: str, row_id: str, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    dataset_id: DatasetId,
+    row_id: str,
+    svc: ServiceDep,
 ) -> Response:
     """Merge ``{"data": {...}}`` into a row as a new version; ``null`` removes a field."""
-    principal = await authenticate(request)
-    _project_id(project_id)
-    _dataset_id(dataset_id)
     rid = parse_row_id(row_id)
     body = await read_json(request)
     changes = strict(RowPatchBody, body).data

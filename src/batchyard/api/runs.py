@@ -10,30 +10,40 @@ beyond the rows actually answered.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
 from batchyard.api.bodies import RunBody
-from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
-from batchyard.api.inputs import (
-    object_id,
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    camel_page,
+    idempotent,
+    once,
+    path_id,
     query_cursor,
     query_id_cursor,
     query_limit,
     read_empty,
-    strict,
+    read_json,
 )
+from batchyard.api.openapi import EmptyBody, ListOf, declare
+from batchyard.api.projects import ProjectId
 from batchyard.api.run_requests import any_row_matches, validate_run_request
+from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.filters import compile_filter
 from batchyard.core.ids import is_id, new_id
+from batchyard.core.inputs import strict
 from batchyard.core.money import format_money
 from batchyard.core.runs import TERMINAL, RunStatus, message_for
 from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, QuoteExpired
-from batchyard.service import model_versions
+from batchyard.service import Service, model_versions
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
 from batchyard.store import work_items
@@ -45,13 +55,7 @@ __all__ = ["router", "run_json"]
 router = APIRouter()
 BASE = "/v1/projects/{project_id}/batch-inference-runs"
 S = RunStatus
-
-
-def _ids(project_id: str, run_id: str | None = None) -> None:
-    """Path IDs that cannot name anything are 404 before the store is asked."""
-    object_id(project_id, "pp", param="projectId", what="project")
-    if run_id is not None:
-        object_id(run_id, "bir", param="runId", what="batch inference run")
+RunId = Annotated[str, path_id("run_id", "bir", "batch inference run", param="runId")]
 
 
 def _output(run: rstore.Run) -> dict[str, Any]:
@@ -133,10 +137,11 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
     }
 
 
-@router.post(BASE)
-async def create_run(request: Request, project_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    _ids(project_id)
+@router.post(BASE, status_code=201)
+@declare(body=RunBody, errors=(402, 429))
+async def create_run(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> Response:
     raw = await read_json(request)
     dataset_id = strict(RunBody, raw).datasetId
     if not is_id(dataset_id, "ds"):
@@ -188,9 +193,10 @@ async def create_run(request: Request, project_id: str, svc: ServiceDep) -> Resp
 
 
 @router.get(BASE)
-async def list_runs(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _ids(project_id)
+@declare(ListOf)
+async def list_runs(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> JSONResponse:
     status = request.query_params.get("status") or None
     if status is not None and status not in set(S):
         raise InvalidRequest(f"status {status[:40]!r} is not a run status", param="status")
@@ -203,98 +209,97 @@ async def list_runs(request: Request, project_id: str, svc: ServiceDep) -> JSONR
             c, principal.org_id, project_id, status=status, before=cursor, limit=limit + 1
         )
 
-    runs = await svc.db.read(tx)
-    more = len(runs) > limit
-    runs = runs[:limit]
-    return json_response(
-        {
-            "object": "list",
-            "data": [run_json(r) for r in runs],
-            "hasMore": more,
-            "nextCursor": runs[-1].id if more else None,
-        }
-    )
+    runs = [run_json(r) for r in await svc.db.read(tx)]
+    return JSONResponse(camel_page(runs, limit, lambda r: str(r["id"])))
 
 
 @router.get(BASE + "/{run_id}")
-async def get_run(request: Request, project_id: str, run_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _ids(project_id, run_id)
+async def get_run(
+    principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+) -> JSONResponse:
     run = await svc.db.read(lambda c: rstore.get_run(c, principal.org_id, run_id, project_id))
-    return json_response(run_json(run))
+    return JSONResponse(run_json(run))
 
 
 @router.post(BASE + "/{run_id}/confirm")
-async def confirm_run(request: Request, project_id: str, run_id: str, svc: ServiceDep) -> Response:
+@declare(body=EmptyBody, errors=(402,))
+async def confirm_run(
+    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+) -> Response:
     """Reserve the quote and queue the run, or block it (funds, billing review)."""
-    principal = await authenticate(request)
-    _ids(project_id, run_id)
-    body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
-        now = svc.clock.now()
-
-        def tx(c: Connection) -> rstore.Run:
-            run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
-            if run.status != S.AWAITING_CONFIRMATION:
-                raise InvalidState(
-                    f"run {run_id} is {run.status}; only a run awaiting confirmation can be "
-                    "confirmed",
-                    details={"status": run.status},
-                )
-            assert run.quote_expires_at is not None
-            if now > run.quote_expires_at:
-                raise QuoteExpired(
-                    f"the quote expired at {isoformat(run.quote_expires_at)}; create the run "
-                    "again for a fresh quote",
-                    details={"status": run.status},
-                )
-            # The key that confirms starts the spending: revoking it stops the run.
-            rstore.update_run(c, run_id, now, key_id=principal.key_id)
-            fund(
-                c,
-                rstore.load_run(c, run_id),
-                now,
-                threshold=svc.settings.billing_review_threshold,
-                tiers=svc.settings.tiers,
+    def confirm(c: Connection, run: rstore.Run, now: datetime) -> rstore.Run:
+        if run.status != S.AWAITING_CONFIRMATION:
+            raise InvalidState(
+                f"run {run_id} is {run.status}; only a run awaiting confirmation can be confirmed",
+                details={"status": run.status},
             )
-            return rstore.load_run(c, run_id)
+        assert run.quote_expires_at is not None
+        if now > run.quote_expires_at:
+            raise QuoteExpired(
+                f"the quote expired at {isoformat(run.quote_expires_at)}; create the run "
+                "again for a fresh quote",
+                details={"status": run.status},
+            )
+        # The key that confirms starts the spending: revoking it stops the run.
+        rstore.update_run(c, run_id, now, key_id=principal.key_id)
+        settings = svc.settings
+        fund(
+            c,
+            rstore.load_run(c, run_id),
+            now,
+            threshold=settings.billing_review_threshold,
+            tiers=settings.tiers,
+        )
+        return rstore.load_run(c, run_id)
 
-        run = await svc.db.transact(tx)
-        svc.runs.notify()
-        return 200, run_json(run)
-
-    return await idempotent(request, principal, body, handler)
+    return await _changed(request, principal, project_id, run_id, svc, confirm)
 
 
 @router.post(BASE + "/{run_id}/cancel")
-async def cancel_run(request: Request, project_id: str, run_id: str, svc: ServiceDep) -> Response:
+@declare(body=EmptyBody)
+async def cancel_run(
+    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+) -> Response:
     """Stop a run: answered rows are kept and charged, the rest is released."""
-    principal = await authenticate(request)
-    _ids(project_id, run_id)
+
+    def cancel(c: Connection, run: rstore.Run, now: datetime) -> rstore.Run:
+        return stop_run(c, run, now, error=canceled_by_owner(principal.key_id, now))
+
+    return await _changed(request, principal, project_id, run_id, svc, cancel)
+
+
+async def _changed(
+    request: Request,
+    principal: Principal,
+    project_id: str,
+    run_id: str,
+    svc: Service,
+    change: Callable[[Connection, rstore.Run, datetime], rstore.Run],
+) -> Response:
+    """Confirm or cancel: the run, locked, changed once per key; the worker is woken."""
     body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
+    async def answer() -> dict[str, Any]:
         now = svc.clock.now()
 
         def tx(c: Connection) -> rstore.Run:
             run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
-            return stop_run(c, run, now, error=canceled_by_owner(principal.key_id, now))
+            return change(c, run, now)
 
         run = await svc.db.transact(tx)
         svc.runs.notify()
-        return 200, run_json(run)
+        return run_json(run)
 
-    return await idempotent(request, principal, body, handler)
+    return await once(request, principal, body, answer)
 
 
 @router.get(BASE + "/{run_id}/failures")
+@declare(ListOf)
 async def list_failures(
-    request: Request, project_id: str, run_id: str, svc: ServiceDep
+    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
 ) -> JSONResponse:
     """Rows that failed, and rows left ``uncertain`` by a worker that died mid-call."""
-    principal = await authenticate(request)
-    _ids(project_id, run_id)
     cursor = query_cursor(request)
     limit = query_limit(request, default=100, most=1000)
 
@@ -303,15 +308,6 @@ async def list_failures(
         return work_items.list_failures(c, run_id, after=cursor, limit=limit + 1)
 
     rows = await svc.db.read(tx)
-    more = len(rows) > limit
-    rows = rows[:limit]
     for r in rows:
         r["updatedAt"] = isoformat(r["updatedAt"]) if r["updatedAt"] else None
-    return json_response(
-        {
-            "object": "list",
-            "data": rows,
-            "hasMore": more,
-            "nextCursor": str(rows[-1]["rowId"]) if more else None,
-        }
-    )
+    return JSONResponse(camel_page(rows, limit, lambda r: str(r["rowId"])))

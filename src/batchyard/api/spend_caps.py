@@ -7,41 +7,42 @@ checks the body and ``store.spend_caps`` enforces the caps at every hold.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from batchyard.api.context import ServiceDep, authenticate, idempotent, read_json
-from batchyard.api.inputs import object_id
+from batchyard.api.context import Caller, ServiceDep, once, path_id, read_json
+from batchyard.api.openapi import SpendCapBody, declare
+from batchyard.api.projects import ProjectId
 from batchyard.service import spend_caps
 
 __all__ = ["router"]
 
 router = APIRouter()
+KeyId = Annotated[str, path_id("key_id", "key", "key")]
 
 
-@router.put("/v1/keys/{key_id}/spend-cap")
-async def set_key_cap(request: Request, key_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    object_id(key_id, "key", param="key_id", what="key")
-    body = await read_json(request)
-    caps = spend_caps.parse_caps(body)
-
-    async def handler() -> tuple[int, Any]:
-        return 200, await spend_caps.set_key_cap(svc, principal, key_id, caps)
-
-    return await idempotent(request, principal, body, handler)
+@router.put("/v1/keys/{key_id}/spend-cap", summary="Cap what a key may spend")
+@declare(body=SpendCapBody)
+async def set_key_cap(
+    request: Request, principal: Caller, key_id: KeyId, svc: ServiceDep
+) -> Response:
+    caps = spend_caps.parse_caps(body := await read_json(request))
+    return await once(
+        request, principal, body, lambda: spend_caps.set_key_cap(svc, principal, key_id, caps)
+    )
 
 
-@router.put("/v1/projects/{project_id}/spend-cap")
-async def set_project_cap(request: Request, project_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    object_id(project_id, "pp", param="projectId", what="project")
-    body = await read_json(request)
-    caps = spend_caps.parse_caps(body)
-
-    async def handler() -> tuple[int, Any]:
-        return 200, await spend_caps.set_project_cap(svc, principal, project_id, caps)
-
-    return await idempotent(request, principal, body, handler)
+@router.put("/v1/projects/{project_id}/spend-cap", summary="Cap what a project's runs may spend")
+@declare(body=SpendCapBody)
+async def set_project_cap(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> Response:
+    caps = spend_caps.parse_caps(body := await read_json(request))
+    return await once(
+        request,
+        principal,
+        body,
+        lambda: spend_caps.set_project_cap(svc, principal, project_id, caps),
+    )
