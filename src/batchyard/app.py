@@ -552,23 +552,20 @@ def create_app(
     from batchyard.api import (
         account,
         batches,
-        chat,
-        completions,
         decide,
-        embeddings,
         files,
         message_batches,
         messages,
         model_versions,
         models,
+        openai_door,
         projects,
         runs,
         scrape,
         spend_caps,
         webhooks,
     )
-    from batchyard.api.envelope import EnvelopeMiddleware
-    from batchyard.api.errors import install_error_handlers
+    from batchyard.api.envelope import EnvelopeMiddleware, install_error_handlers
     from batchyard.api.metering import MeteringMiddleware
     from batchyard.api.openapi import Health, Readiness, declare, install_openapi
     from batchyard.api.overflow import OverflowMiddleware
@@ -632,9 +629,7 @@ def create_app(
     # One router per front door; each door adds its own line.
     app.include_router(account.router)
     app.include_router(batches.router)
-    app.include_router(chat.router)
-    app.include_router(completions.router)
-    app.include_router(embeddings.router)
+    app.include_router(openai_door.router)  # chat, completions, embeddings
     app.include_router(decide.router)
     app.include_router(files.router)
     app.include_router(message_batches.router)  # ... and its Message Batches
@@ -664,7 +659,7 @@ def create_metrics_app(service: Service) -> FastAPI:
     from fastapi.responses import JSONResponse
 
     from batchyard.api import scrape
-    from batchyard.api.errors import install_error_handlers
+    from batchyard.api.envelope import install_error_handlers
 
     app = FastAPI(
         title="batchyard worker",

@@ -43,10 +43,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import check_tier_limits
-from batchyard.api.envelope import envelope_of
-from batchyard.api.errors import error_headers
-from batchyard.api.event_streams import sse
-from batchyard.api.openai_door import ModelCall, prepared, read_body
+from batchyard.api.envelope import envelope_of, error_headers
+from batchyard.api.openai_door import ModelCall, prepared, read_body, sse
 from batchyard.api.openapi import MODEL_CALL, AnthropicMessage, MessageTokensCount, declare
 from batchyard.core.anthropic_bodies import (
     ERROR_TYPES,

@@ -10,6 +10,7 @@ beyond the rows actually answered.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any
@@ -18,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
-from batchyard.api.bodies import RunBody
+from batchyard.api.bodies import RunBody, RunInput, RunSampling
 from batchyard.api.context import (
     Caller,
     ServiceDep,
@@ -34,15 +35,27 @@ from batchyard.api.context import (
 )
 from batchyard.api.openapi import EmptyBody, ListOf, declare
 from batchyard.api.projects import ProjectId
-from batchyard.api.run_requests import any_row_matches, validate_run_request
 from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
-from batchyard.core.filters import compile_filter
+from batchyard.core.filters import RowFilter, compile_filter
 from batchyard.core.ids import is_id, new_id
 from batchyard.core.inputs import strict
 from batchyard.core.money import format_money
-from batchyard.core.runs import TERMINAL, RunStatus, message_for
-from batchyard.errors import EmptyFilterResult, InvalidRequest, InvalidState, QuoteExpired
+from batchyard.core.runs import (
+    MAX_SAMPLES_PER_ROW,
+    TERMINAL,
+    RunStatus,
+    message_for,
+    prompt_messages,
+    resolve_model,
+)
+from batchyard.errors import (
+    EmptyFilterResult,
+    InvalidRequest,
+    InvalidState,
+    QuoteExpired,
+    UnknownModel,
+)
 from batchyard.service import Service, model_versions
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
@@ -137,13 +150,131 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
     }
 
 
+def _spec(svc: Service, body: RunBody, ds: pstore.Dataset) -> dict[str, Any]:
+    """The run's spec, normalised, or the 400 that names what is wrong.
+
+    Answered before a run exists, so the worker can trust a run's ``spec`` as written.
+    """
+    model, _, _ = resolve_model(svc.catalog, body.model.model_dump(), ds.org_id)
+    if model.project_id is not None and model.project_id != ds.project_id:
+        # docs/reference/runs.md: "a model version in this project".
+        raise UnknownModel(
+            f"model version {model.id} is not in project {ds.project_id}", param="model.id"
+        )
+    if body.mode is not None and body.mode.type != "single_turn":
+        raise InvalidRequest(
+            f"mode.type {body.mode.type!r} is not supported; use single_turn",
+            param="mode.type",
+            code="unsupported_mode",
+        )
+    source = body.input or RunInput(type="messages" if ds.kind == "chat-sft" else "field")
+    if source.type == "messages":
+        if "messages" not in ds.fields and ds.row_count:
+            raise InvalidRequest(
+                "the dataset's rows have no `messages` field",
+                param="input",
+                code="input_field_not_found",
+            )
+        read: dict[str, Any] = {"type": "messages"}
+    elif source.type == "field":
+        field = "text" if body.input is None else source.field
+        if not field:
+            raise InvalidRequest("input.field must name a field", param="input.field")
+        if field not in ds.fields:
+            raise InvalidRequest(
+                f"the dataset has no field {field!r}",
+                param="input.field",
+                code="input_field_not_found",
+            )
+        read = {"type": "field", "field": field}
+    else:
+        raise InvalidRequest(
+            "input.type must be messages or field", param="input.type", code="unsupported_input"
+        )
+    out = body.output
+    if out.type == "field":
+        if not out.field or len(out.field) > 200:
+            raise InvalidRequest("output.field must name a field", param="output.field")
+        if out.field == read.get("field", "messages"):
+            raise InvalidRequest(
+                f"output.field {out.field!r} would overwrite the prompt the rows are read from",
+                param="output.field",
+                code="output_overwrites_input",
+            )
+        output = {"type": "field", "field": out.field}
+    elif out.type == "dataset":
+        if not out.name or not out.name.strip() or len(out.name) > 200:
+            raise InvalidRequest("output.name must be 1 to 200 characters", param="output.name")
+        output = {"type": "dataset", "name": out.name.strip()}
+    else:
+        raise InvalidRequest(
+            "output.type must be field or dataset",
+            param="output.type",
+            code="unsupported_output_type",
+        )
+    sampling = body.sampling or RunSampling()
+    most = model.max_output_tokens
+    max_out = sampling.maxOutputTokens
+    max_out = min(svc.settings.default_max_tokens, most) if max_out is None else max_out
+    samples = 1 if sampling.samplesPerRow is None else sampling.samplesPerRow
+    t, p = sampling.temperature, sampling.topP
+    checks = (
+        ("maxOutputTokens", 1 <= max_out <= most, f"from 1 to {most} for {model.id}"),
+        ("samplesPerRow", 1 <= samples <= MAX_SAMPLES_PER_ROW, f"from 1 to {MAX_SAMPLES_PER_ROW}"),
+        ("temperature", t is None or 0 <= t <= 2, "at least 0 and at most 2"),
+        ("topP", p is None or 0 < p <= 1, "above 0 and at most 1"),
+    )
+    codes = {"maxOutputTokens": "max_output_tokens", "samplesPerRow": "samples_per_row"}
+    for name, ok, bound in checks:
+        if not ok:
+            raise InvalidRequest(
+                f"sampling.{name} must be {bound}",
+                param=f"sampling.{name}",
+                code=f"{codes.get(name, 'sampling')}_out_of_range",
+            )
+    return {
+        "model": {"type": model.type, "id": model.id},
+        "mode": {"type": "single_turn"},
+        "input": read,
+        "output": output,
+        "sampling": {
+            "maxOutputTokens": max_out,
+            "samplesPerRow": samples,
+            "temperature": None if t is None else float(t),
+            "topP": None if p is None else float(p),
+        },
+        "filter": body.filter,
+    }
+
+
+def _any_row_matches(svc: Any, dataset_id: str, keep: RowFilter, source: dict[str, Any]) -> bool:
+    """Whether a current row passes the filter and has a prompt (runs on a thread).
+
+    Checked before a run is created, so a filter that matches nothing is a 400
+    at once rather than a run that fails while it is being quoted.
+    """
+    after = 0
+    while True:
+        batch = svc.db.read_sync(
+            lambda c, a=after: pstore.current_rows(c, dataset_id, after=a, limit=2000)
+        )
+        if not batch:
+            return False
+        for _, _, raw in batch:
+            data = json.loads(raw)
+            if keep(data) and prompt_messages(data, source) is not None:
+                return True
+        after = batch[-1][0]
+
+
 @router.post(BASE, status_code=201)
 @declare(body=RunBody, errors=(402, 429))
 async def create_run(
     request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
 ) -> Response:
     raw = await read_json(request)
-    dataset_id = strict(RunBody, raw).datasetId
+    body = strict(RunBody, raw)
+    dataset_id = body.datasetId
     if not is_id(dataset_id, "ds"):
         raise InvalidRequest("datasetId must be a dataset ID (ds.<uuid>)", param="datasetId")
     org = principal.org_id
@@ -153,16 +284,14 @@ async def create_run(
         return pstore.get_dataset(c, org, dataset_id, project_id)
 
     ds = await svc.db.read(lookup)
-    named = raw.get("model")
-    if isinstance(named, dict):
-        # A project version is read from the store off the event loop.
-        await model_versions.resolve(svc, named.get("id"))
-    spec = validate_run_request(svc, raw, ds)
+    # A project version is read from the store off the event loop.
+    await model_versions.resolve(svc, body.model.id)
+    spec = _spec(svc, body, ds)
     keep = compile_filter(spec["filter"])
 
     # Checked before the key is claimed: a request refused for its content leaves nothing.
     loop = asyncio.get_running_loop()
-    found = await loop.run_in_executor(None, any_row_matches, svc, ds.id, keep, spec["input"])
+    found = await loop.run_in_executor(None, _any_row_matches, svc, ds.id, keep, spec["input"])
     if not found:
         raise EmptyFilterResult(
             "no row of the dataset matches the filter with a prompt to send", param="filter"
