@@ -4,7 +4,7 @@ Each is a ``core.inputs.Shape``: strict types and unknown fields refused, so
 ``max_token`` (a typo) or ``"maxOutputTokens": "5"`` is a 400 naming the
 field. A shape says only which fields exist and their JSON types; ranges and
 the rules between fields stay with each door's own checks
-(``core.decisions``, ``api.run_requests``), which keep their specific codes.
+(``core.decisions``, ``api.runs``), which keep their specific codes.
 The fuzz tests generate bodies from these same classes.
 
 Field names are the wire's: snake_case for decide, camelCase for the runs API's

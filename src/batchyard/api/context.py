@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import tempfile
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 from fastapi import Depends, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +51,7 @@ from batchyard.errors import (
 from batchyard.service.access import access_for
 from batchyard.service.deployment import Service, service_of
 from batchyard.service.idempotency import Stream, run_once, unkeyed
+from batchyard.service.uploads import Upload, read_multipart
 from batchyard.store import accounts
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "query_limit",
     "read_empty",
     "read_json",
+    "read_upload",
     "row_id",
 ]
 
@@ -78,6 +81,8 @@ MAX_ROW_ID = 2**31 - 1
 _DIGITS = re.compile(r"[0-9]{1,10}")
 _JSON_TYPE = re.compile(r"application/(?:[a-z0-9.+-]+\+)?json")
 EVENT_STREAM = "text/event-stream"
+#: Multipart framing around an upload's file part, allowed on top of the file limit.
+_SLACK = 64 * 1024
 #: How long past its time a refused request's place in line waits for it to come back.
 LINE_HOLD_S = 5.0
 
@@ -367,6 +372,32 @@ async def read_empty(request: Request) -> dict[str, Any]:
     for key in body:
         raise UnknownField(f"this call takes no body; {key[:60]!r} is not a field", param=key)
     return body
+
+
+async def read_upload(
+    request: Request,
+    fields: tuple[str, ...],
+    max_bytes: int,
+    spool: Callable[[], IO[bytes]] = tempfile.TemporaryFile,
+) -> Upload:
+    """A ``multipart/form-data`` upload of one ``file`` part and ``fields`` (``service.uploads``).
+
+    Declared larger than ``max_bytes`` and its framing, it is a 413 before a byte is read.
+    """
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes + _SLACK:
+        raise PayloadTooLarge(
+            f"the file is over {max_bytes} bytes", param="file", code="file_too_large"
+        )
+    content_type = request.headers.get("content-type")
+    return await read_multipart(
+        request.stream(),
+        content_type,
+        file_field="file",
+        fields=fields,
+        max_file_bytes=max_bytes,
+        spool=spool,
+    )
 
 
 # -- query parameters -------------------------------------------------------------

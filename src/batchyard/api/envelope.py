@@ -162,8 +162,7 @@ class EnvelopeMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 log.debug(
-                    "answered",
-                    extra={"status": message["status"], "path": scope.get("path")},
+                    "answered", extra={"status": message["status"], "path": scope.get("path")}
                 )
                 headers = list(message.get("headers") or [])
                 extra = {"x-request-id": env.request_id, **env.extra_headers}

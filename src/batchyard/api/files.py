@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import (
@@ -29,11 +29,12 @@ from batchyard.api.context import (
     path_id,
     query_id_cursor,
     query_limit,
+    read_upload,
 )
 from batchyard.api.openapi import ListOf, declare
-from batchyard.errors import InvalidRequest, PayloadTooLarge
+from batchyard.core.accounts import Principal
+from batchyard.errors import InvalidRequest
 from batchyard.service import files
-from batchyard.service.uploads import read_multipart
 
 __all__ = ["router"]
 
@@ -52,8 +53,6 @@ OTHER_PURPOSES = (
     "evals",
 )
 _FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
-#: Multipart framing around the file part, allowed on top of the file limit.
-_SLACK = 64 * 1024
 
 
 def _purpose(given: str | None) -> str:
@@ -113,19 +112,7 @@ def _expires_after(fields: dict[str, str]) -> int | None:
 )
 async def create_file(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
     svc.batch_key.require()  # 503 before the body is read when batches are off
-    limits = files.settings_of(svc)
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
-        raise PayloadTooLarge(
-            f"the file is over {limits.max_bytes} bytes", param="file", code="file_too_large"
-        )
-    upload = await read_multipart(
-        request.stream(),
-        request.headers.get("content-type"),
-        file_field="file",
-        fields=_FIELDS,
-        max_file_bytes=limits.max_bytes,
-    )
+    upload = await read_upload(request, _FIELDS, files.settings_of(svc).max_bytes)
     try:
         purpose = _purpose(upload.fields.get("purpose"))
         expires = _expires_after(upload.fields)
@@ -162,37 +149,31 @@ async def list_files(request: Request, principal: Caller, svc: ServiceDep) -> JS
             code="invalid_purpose",
         )
     data, more = await files.list_views(
-        svc,
-        principal,
-        after=after,
-        limit=limit,
-        purpose=purpose,
-        newest_first=order == "desc",
+        svc, principal, after=after, limit=limit, purpose=purpose, newest_first=order == "desc"
     )
     return JSONResponse(listing(data, more))
 
 
-@router.get("/v1/files/{file_id}")
-async def get_file(
-    request: Request, principal: Caller, file_id: FileId, svc: ServiceDep
-) -> JSONResponse:
+async def _file(request: Request, principal: Caller, file_id: FileId) -> tuple[Principal, str]:
     allow_query(request)
-    return JSONResponse(await files.get(svc, principal, file_id))
+    return principal, file_id
+
+
+#: The caller and the file its path names (a show, a download or a delete takes no query).
+File = Annotated[tuple[Principal, str], Depends(_file)]
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(file: File, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await files.get(svc, *file))
 
 
 @router.get("/v1/files/{file_id}/content", summary="A file's lines")
 @declare(media="application/jsonl")
-async def file_content(
-    request: Request, principal: Caller, file_id: FileId, svc: ServiceDep
-) -> Response:
-    allow_query(request)
-    lines = await files.content(svc, principal, file_id)
-    return StreamingResponse(lines, media_type="application/jsonl")
+async def file_content(file: File, svc: ServiceDep) -> Response:
+    return StreamingResponse(await files.content(svc, *file), media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(
-    request: Request, principal: Caller, file_id: FileId, svc: ServiceDep
-) -> JSONResponse:
-    allow_query(request)
-    return JSONResponse(await files.delete(svc, principal, file_id))
+async def delete_file(file: File, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await files.delete(svc, *file))

@@ -1,33 +1,19 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's door onto the same core.
 
 A Messages body is checked strictly and translated into the OpenAI-shaped
-request every engine already takes (``core.anthropic_bodies.translate``, the
-request a Message Batch's lines store too); from there it is the chat door's
-path, not a copy of it: the same authentication and scope row
-(``service.access``), the same preparation (``service.preparation``: counted
-with the model's tokenizer, the tools' instructions included, ``max_tokens`` and
-the context window checked, quoted), and the
-same ``openai_door.ModelCall``: tier limits and concurrency slot, the
-Idempotency-Key rules of ``service.idempotency.run_once`` (streams included),
-and reserve → call → settle in the dispatcher, which bills a stream cut short
-for the tokens it produced. A stream is the one loop of ``api.event_streams``
-written in Anthropic's events (``_Events``). Tools are answered under a
-grammar by the embedded engine, as for OpenAI's tools.
+request every engine takes (``core.anthropic_bodies.translate``, which a Message
+Batch's lines store too); from there it is the chat door's path, not a copy of
+it: the same scope row, preparation and ``openai_door.ModelCall``, streams
+written by the one loop in Anthropic's events (``_Events``).
 
 What differs is only the wire: the key may come as ``x-api-key``;
-``anthropic-version`` is read (any date is answered in the newest shapes this door
-knows, since a list of accepted dates breaks on the SDK's next release; a value that
-is not a date is refused); answers are
-Anthropic's ``message`` objects and stream events (``message_start``,
-``content_block_start``, ``ping``, ``content_block_delta``,
-``content_block_stop``, ``message_delta``, ``message_stop``); and every error,
-whichever layer raised it, leaves in Anthropic's envelope
-``{"type": "error", "error": {"type", "message"}}`` with Anthropic's statuses
-(``overloaded_error`` as 529 when the model or its upstream is overloaded),
-keeping batchyard's stable ``code`` beside them.
+``anthropic-version`` is read, and any date is answered in the newest shapes this
+door knows (a list of accepted dates breaks on the SDK's next release); answers
+are Anthropic's objects and events, and every error, whichever layer raised it,
+leaves in Anthropic's envelope with its statuses (529 ``overloaded_error`` when
+the model or its upstream is overloaded), batchyard's stable ``code`` beside.
 
-``count_tokens`` counts the prompt as the model will see it (the tools'
-instructions included) with the model's real tokenizer, runs no model and
+``count_tokens`` counts the prompt as the model will see it, runs no model and
 charges nothing; it spends from the tier's estimate budget, as
 ``/v1/decide/estimate`` does.
 """
@@ -62,12 +48,7 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images
 from batchyard.engines.protocol import Delta
-from batchyard.errors import (
-    BatchyardError,
-    InvalidRequest,
-    ModelWarming,
-    UpstreamRateLimited,
-)
+from batchyard.errors import BatchyardError, InvalidRequest, ModelWarming, UpstreamRateLimited
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import anthropic_message, messages_request
 

@@ -18,15 +18,15 @@ import asyncio
 from pathlib import Path
 from typing import IO, Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from batchyard.api.context import Caller, ServiceDep, allow_query, path_id
+from batchyard.api.context import Caller, ServiceDep, allow_query, path_id, read_upload
 from batchyard.api.openapi import ListOf, declare
 from batchyard.api.projects import ProjectId
-from batchyard.errors import InvalidRequest, PayloadTooLarge
+from batchyard.core.accounts import Principal
+from batchyard.errors import InvalidRequest
 from batchyard.service import model_versions as versions
-from batchyard.service.uploads import read_multipart
 
 __all__ = ["router"]
 
@@ -34,8 +34,6 @@ router = APIRouter()
 
 _PATH = "/v1/projects/{project_id}/models"
 _FIELDS = ("base", "type", "name")
-#: Multipart framing around the file part, allowed on top of the file limit.
-_SLACK = 64 * 1024
 
 
 VersionId = Annotated[str, path_id("version_id", "mv", "model version", code="model_not_found")]
@@ -62,12 +60,6 @@ async def upload_version(
     request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
 ) -> JSONResponse:
     allow_query(request)
-    limits = versions.settings_of(svc)
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
-        raise PayloadTooLarge(
-            f"the file is over {limits.max_bytes} bytes", param="file", code="file_too_large"
-        )
     spool = versions.spool(versions.folder_of(svc))
     made: list[IO[bytes]] = []
 
@@ -77,14 +69,7 @@ async def upload_version(
         return f
 
     try:
-        upload = await read_multipart(
-            request.stream(),
-            request.headers.get("content-type"),
-            file_field="file",
-            fields=_FIELDS,
-            max_file_bytes=limits.max_bytes,
-            spool=make,
-        )
+        upload = await read_upload(request, _FIELDS, versions.settings_of(svc).max_bytes, make)
     except BaseException:
         for f in made:
             versions.discard_spool(f)
@@ -120,25 +105,22 @@ async def list_versions(
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.get(_PATH + "/{version_id}")
-async def get_version(
-    request: Request,
-    principal: Caller,
-    project_id: ProjectId,
-    version_id: VersionId,
-    svc: ServiceDep,
-) -> JSONResponse:
+async def _version(
+    request: Request, principal: Caller, project_id: ProjectId, version_id: VersionId
+) -> tuple[Principal, str, str]:
     allow_query(request)
-    return JSONResponse(await versions.get(svc, principal, project_id, version_id))
+    return principal, project_id, version_id
+
+
+#: The caller and the version its path names (a show or a delete takes no query).
+Version = Annotated[tuple[Principal, str, str], Depends(_version)]
+
+
+@router.get(_PATH + "/{version_id}")
+async def get_version(version: Version, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await versions.get(svc, *version))
 
 
 @router.delete(_PATH + "/{version_id}")
-async def delete_version(
-    request: Request,
-    principal: Caller,
-    project_id: ProjectId,
-    version_id: VersionId,
-    svc: ServiceDep,
-) -> JSONResponse:
-    allow_query(request)
-    return JSONResponse(await versions.delete(svc, principal, project_id, version_id))
+async def delete_version(version: Version, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await versions.delete(svc, *version))

@@ -94,10 +94,7 @@ def route_concurrency(svc: Service, m: ModelSpec) -> int | None:
 
 
 def model_json(
-    m: ModelSpec,
-    available: bool,
-    warm: dict[str, Any] | None = None,
-    svc: Service | None = None,
+    m: ModelSpec, available: bool, warm: dict[str, Any] | None = None, svc: Service | None = None
 ) -> dict[str, Any]:
     return {
         "id": m.id,

@@ -47,12 +47,7 @@ from batchyard.api.openapi import ListOf, declare
 from batchyard.core.clock import isoformat
 from batchyard.core.inputs import check_document, parse_json, strict
 from batchyard.core.runs import prompt_messages
-from batchyard.errors import (
-    BatchyardError,
-    InvalidRequest,
-    PayloadTooLarge,
-    UnsupportedMediaType,
-)
+from batchyard.errors import BatchyardError, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from batchyard.store import projects as store
 from batchyard.store import row_versions
 
