@@ -29,7 +29,7 @@ from fastapi import Depends, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import Connection
 
-from batchyard.api.envelope import HeldSlot, envelope_of
+from batchyard.api.envelope import ANTHROPIC_DOOR, HeldSlot, envelope_of
 from batchyard.core import idempotency as idem_rules
 from batchyard.core.accounts import Principal
 from batchyard.core.ids import is_id
@@ -107,17 +107,17 @@ def _presented_key(request: Request, x_api_key: bool) -> str:
     return value.strip()
 
 
-async def authenticate(request: Request, *, x_api_key: bool = False) -> Principal:
+async def authenticate(request: Request) -> Principal:
     """The caller, checked against the route's row of ``service.access.ACCESS``; 401 or 403.
 
-    ``x_api_key``: also take the key from Anthropic's ``x-api-key`` header (its door).
+    At Anthropic's door the key may also come as its ``x-api-key`` header.
     """
     route = request.scope.get("route")
     rule = access_for(request.method, getattr(route, "path", ""))
     if rule is None or rule.kind != "key":
         raise RuntimeError(f"{request.method} {getattr(route, 'path', '?')} has no key rule")
     svc = service_of(request)
-    secret = _presented_key(request, x_api_key)
+    secret = _presented_key(request, request.url.path.startswith(ANTHROPIC_DOOR))
 
     def lookup(conn: Connection) -> Principal | None:
         return accounts.authenticate(conn, secret)
@@ -138,13 +138,9 @@ async def authenticate(request: Request, *, x_api_key: bool = False) -> Principa
     return principal
 
 
-async def _caller(request: Request) -> Principal:
-    return await authenticate(request)
-
-
 #: The authenticated caller as a handler parameter; put it first, so a request without a
 #: key is 401 before its IDs are looked at.
-Caller = Annotated[Principal, Depends(_caller)]
+Caller = Annotated[Principal, Depends(authenticate)]
 
 
 def tier_limits(tier: Tier, tokens: float) -> list[tuple[Limit, float]]:

@@ -46,9 +46,16 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchyard import logs
+from batchyard.core.anthropic_bodies import ERROR_TYPES
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limit, Limiter, Standing
-from batchyard.errors import BatchyardError, InternalError, InvalidRequest
+from batchyard.errors import (
+    BatchyardError,
+    InternalError,
+    InvalidRequest,
+    ModelWarming,
+    UpstreamRateLimited,
+)
 
 __all__ = [
     "Envelope",
@@ -242,10 +249,39 @@ def error_headers(exc: BatchyardError) -> dict[str, str]:
     return headers
 
 
-def error_response(exc: BatchyardError) -> JSONResponse:
-    return JSONResponse(
-        _encodable(exc.to_body()), status_code=exc.status, headers=error_headers(exc)
-    )
+#: The paths of Anthropic's door: its errors leave in Anthropic's envelope.
+ANTHROPIC_DOOR = "/v1/messages"
+
+
+def anthropic_status(exc: BatchyardError) -> int:
+    """Anthropic's status for an error: 529 where the model or its upstream is overloaded."""
+    return 529 if isinstance(exc, UpstreamRateLimited | ModelWarming) else exc.status
+
+
+def anthropic_error(
+    status: int, message: str, code: str, request_id: str | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """Anthropic's error body; batchyard's stable ``code`` (and ``param``) ride beside its type."""
+    error: dict[str, Any] = {
+        "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+        "message": message,
+        "code": code,
+    }
+    error.update({k: v for k, v in extra.items() if k in ("param", "retry_after")})
+    body: dict[str, Any] = {"type": "error", "error": error}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def error_response(exc: BatchyardError, request: Request | None = None) -> JSONResponse:
+    """The error's answer: batchyard's envelope, or Anthropic's on its door (and its header)."""
+    status, body, headers = exc.status, exc.to_body(), error_headers(exc)
+    if request is not None and request.url.path.startswith(ANTHROPIC_DOOR):
+        status, request_id = anthropic_status(exc), envelope_of(request).request_id
+        body = anthropic_error(status, exc.message, exc.code, request_id, body["error"])
+        headers["request-id"] = request_id
+    return JSONResponse(_encodable(body), status_code=status, headers=headers)
 
 
 #: What reading a body from, or sending an answer to, a client that hung up raises:
@@ -279,30 +315,29 @@ def allowed_methods(request: Request) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BatchyardError)
-    async def _batchyard(_: Request, exc: BatchyardError) -> JSONResponse:
-        return error_response(exc)
+    async def _batchyard(request: Request, exc: BatchyardError) -> JSONResponse:
+        return error_response(exc, request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{loc or 'request'}: {first.get('msg', 'invalid')}"
-        return error_response(InvalidRequest(message, param=loc or None))
+        return error_response(InvalidRequest(message, param=loc or None), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = HTTP_CODES.get(exc.status_code, "http_error")
-        response = error_response(
-            BatchyardError(str(exc.detail), code=code, status=exc.status_code)
-        )
+        error = BatchyardError(str(exc.detail), code=code, status=exc.status_code)
+        response = error_response(error, request)
         if exc.status_code == 405:
             response.headers["Allow"] = allowed_methods(request)
         return response
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         if client_gone(exc):
             log.info("client disconnected", extra={"event": "client_disconnected"})
-            return error_response(InternalError("the client disconnected"))
+            return error_response(InternalError("the client disconnected"), request)
         log.exception("unhandled error", extra={"error_type": type(exc).__name__})
-        return error_response(InternalError("internal error; it has been logged"))
+        return error_response(InternalError("internal error; it has been logged"), request)

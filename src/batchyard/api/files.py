@@ -1,16 +1,9 @@
 """``/v1/files``: OpenAI's Files, for batch inputs and the outputs batchyard writes.
 
-``POST /v1/files`` takes ``multipart/form-data`` as the ``openai`` SDK's
-``files.create`` sends it (``file``, ``purpose=batch``, and optionally
-``expires_after[anchor]``/``expires_after[seconds]``). The file part streams
-to disk (``service.uploads``) and is then checked and stored line by line
-on a thread (``service.files.ingest``); a bad file answers a coded error
-naming its line and leaves nothing behind. Every ID is checked against the
-caller's organisation: another organisation's file is 404.
-
-Scopes (``service.access``): ``full`` and ``inference`` keys upload and
-delete; every key lists, shows and downloads; an ``inference`` key sees only
-the files it uploaded and the output files of its own batches.
+An upload is ``multipart/form-data`` as the ``openai`` SDK's ``files.create``
+sends it; its file part streams to disk and is then checked and stored line by
+line on a thread (``service.files.ingest``): a bad file answers a coded error
+naming its line and leaves nothing behind.
 """
 
 from __future__ import annotations

@@ -20,20 +20,17 @@ charges nothing; it spends from the tier's estimate budget, as
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any, Concatenate, ParamSpec
+from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import check_tier_limits
-from batchyard.api.envelope import envelope_of, error_headers
+from batchyard.api.envelope import anthropic_error, anthropic_status, envelope_of
 from batchyard.api.openai_door import ModelCall, prepared, read_body, sse
 from batchyard.api.openapi import MODEL_CALL, AnthropicMessage, MessageTokensCount, declare
 from batchyard.core.anthropic_bodies import (
-    ERROR_TYPES,
     CountTokensRequest,
     MessagesRequest,
     anthropic_version_ok,
@@ -48,51 +45,33 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images
 from batchyard.engines.protocol import Delta
-from batchyard.errors import BatchyardError, InvalidRequest, ModelWarming, UpstreamRateLimited
+from batchyard.errors import BatchyardError, InvalidRequest
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import anthropic_message, messages_request
 
-__all__ = ["anthropic_door", "anthropic_error", "router"]
-
-router = APIRouter()
-_Params = ParamSpec("_Params")
-
-# -- errors, in Anthropic's envelope -------------------------------------------------
+__all__ = ["ANTHROPIC_WIRE", "router", "translated"]
 
 
-def _status(exc: BatchyardError) -> int:
-    """Anthropic's status for an error: 529 where the model or its upstream is overloaded."""
-    if isinstance(exc, UpstreamRateLimited | ModelWarming):
-        return 529
-    return exc.status
+async def _anthropic_wire(request: Request) -> None:
+    """Anthropic's request-id header on every answer, and its version read before all else."""
+    env = envelope_of(request)
+    env.extra_headers["request-id"] = env.request_id
+    version = request.headers.get("anthropic-version")
+    if version is not None and not anthropic_version_ok(version):
+        raise InvalidRequest(
+            f"anthropic-version {version!r} is not a date; send one such as "
+            "2023-06-01 (every dated version is answered in the newest shapes)",
+            param="anthropic-version",
+            code="unsupported_anthropic_version",
+        )
 
 
-def anthropic_error(
-    status: int, message: str, code: str, request_id: str | None, extra: dict[str, Any]
-) -> dict[str, Any]:
-    """Anthropic's error body; batchyard's stable ``code`` (and ``param``) ride beside its type."""
-    error: dict[str, Any] = {
-        "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-        "message": message,
-        "code": code,
-    }
-    error.update({k: v for k, v in extra.items() if k in ("param", "retry_after")})
-    body: dict[str, Any] = {"type": "error", "error": error}
-    if request_id is not None:
-        body["request_id"] = request_id
-    return body
+#: The dependency of every route of Anthropic's door (its errors: ``envelope.error_response``).
+ANTHROPIC_WIRE = Depends(_anthropic_wire)
+router = APIRouter(dependencies=[ANTHROPIC_WIRE])
 
 
-def _error_response(request: Request, exc: BatchyardError) -> JSONResponse:
-    status = _status(exc)
-    extra: dict[str, Any] = {"param": exc.param} if exc.param is not None else {}
-    if exc.retry_after is not None:
-        extra["retry_after"] = exc.retry_after
-    body = anthropic_error(status, exc.message, exc.code, envelope_of(request).request_id, extra)
-    return JSONResponse(body, status_code=status, headers=error_headers(exc))
-
-
-def _translated(request: Request, response: Response) -> Response:
+def translated(request: Request, response: Response) -> Response:
     """A saved (replayed) error, written in batchyard's envelope, rewritten in Anthropic's."""
     if response.status_code < 400 or isinstance(response, StreamingResponse):
         return response
@@ -115,35 +94,6 @@ def _translated(request: Request, response: Response) -> Response:
         if name in response.headers:
             out.headers[name] = response.headers[name]
     return out
-
-
-def anthropic_door(
-    handler: Callable[Concatenate[Request, _Params], Awaitable[Response]],
-) -> Callable[Concatenate[Request, _Params], Awaitable[Response]]:
-    """Anthropic's wire around a handler: its request-id header, its version, its errors.
-
-    The handler's own signature (its path parameters) is what FastAPI reads and documents.
-    """
-
-    @functools.wraps(handler)
-    async def wrapped(request: Request, *args: _Params.args, **kwargs: _Params.kwargs) -> Response:
-        env = envelope_of(request)
-        env.extra_headers["request-id"] = env.request_id
-        try:
-            version = request.headers.get("anthropic-version")
-            if version is not None and not anthropic_version_ok(version):
-                raise InvalidRequest(
-                    f"anthropic-version {version!r} is not a date; send one such as "
-                    "2023-06-01 (every dated version is answered in the newest shapes)",
-                    param="anthropic-version",
-                    code="unsupported_anthropic_version",
-                )
-            return _translated(request, await handler(request, *args, **kwargs))
-        except BatchyardError as exc:
-            return _error_response(request, exc)
-
-    # FastAPI passes ``request`` by name, so it cannot be positional-only as Concatenate says.
-    return wrapped  # type: ignore[return-value]
 
 
 # -- streams --------------------------------------------------------------------------
@@ -257,11 +207,10 @@ class _Events:
         call_id: str,
         model: str,
         input_tokens: int,
-        render: Callable[[DispatchResult], dict[str, Any]],
         request_id: str,
     ) -> None:
         self._call_id, self._model, self._input_tokens = call_id, model, input_tokens
-        self._render, self._request_id = render, request_id
+        self._request_id = request_id
         self._blocks = _Blocks()
 
     def opening(self) -> list[bytes]:
@@ -274,15 +223,12 @@ class _Events:
             out += self._blocks.tool(k, call)
         return out
 
-    def whole(self, result: DispatchResult) -> dict[str, Any]:
-        return self._render(result)
-
     def closing(self, whole: dict[str, Any]) -> list[bytes]:
         return [*self._blocks.finish(), *_end(whole)]
 
     def error(self, exc: BatchyardError) -> bytes:
         # The status line has gone: Anthropic's clients read an error event.
-        body = anthropic_error(_status(exc), exc.message, exc.code, self._request_id, {})
+        body = anthropic_error(anthropic_status(exc), exc.message, exc.code, self._request_id, {})
         return sse(body, "error")
 
     def replay(self, whole: dict[str, Any]) -> bytes:
@@ -314,9 +260,8 @@ def _replay(whole: dict[str, Any]) -> bytes:
 
 @router.post("/v1/messages", summary="Messages (Anthropic's shape)")
 @declare(AnthropicMessage, body=MessagesRequest, errors=(*MODEL_CALL, 529), streams=True)
-@anthropic_door
 async def create_message(request: Request) -> Response:
-    principal, raw, svc, body = await read_body(request, parse_messages, x_api_key=True)
+    principal, raw, svc, body = await read_body(request, parse_messages)
     asked = translate(body)
     org_id, stream = principal.org_id, bool(body.stream)
     p = prepared(body.model, lambda: svc.preparer.messages(asked, org_id=org_id, stream=stream))
@@ -324,28 +269,25 @@ async def create_message(request: Request) -> Response:
     call = ModelCall(request, principal, p, "chat", new_id("msg", svc.clock.now()))
 
     def message(result: DispatchResult) -> dict[str, Any]:
+        # A whole answer's header; a stream's has gone before its charge is known.
+        envelope_of(request).extra_headers["x-batchyard-charge"] = format_money(result.charge)
         return anthropic_message(
             id=call.ref, model=p.model.id, completion=result.completion, stops=asked.stop
         )
 
-    def charged(result: DispatchResult) -> dict[str, Any]:
-        envelope_of(request).extra_headers["x-batchyard-charge"] = format_money(result.charge)
-        return message(result)
-
     events = None
     if body.stream:
         request_id = envelope_of(request).request_id
-        events = _Events(call.ref, p.model.id, p.input_tokens, message, request_id)
-    return await call.answer(raw, [req], charged, events)
+        events = _Events(call.ref, p.model.id, p.input_tokens, request_id)
+    return translated(request, await call.answer(raw, [req], message, events))
 
 
 @router.post(
     "/v1/messages/count_tokens", summary="Count a Messages prompt's tokens without running it"
 )
 @declare(MessageTokensCount, body=CountTokensRequest, errors=(429,))
-@anthropic_door
 async def count_tokens(request: Request) -> Response:
-    principal, _, svc, body = await read_body(request, parse_count_tokens, x_api_key=True)
+    principal, _, svc, body = await read_body(request, parse_count_tokens)
     prompt, tools, choice = openai_prompt(body)
 
     def count() -> int:

@@ -1,15 +1,8 @@
 """``/v1/projects/{projectId}/models``: LoRA adapters and full weights uploaded into a project.
 
-``POST`` takes ``multipart/form-data``: ``file`` (a GGUF), ``base`` (a catalog
-model ID), ``type`` (``lora`` or ``weights``) and optionally ``name``. The
-type and base are checked as soon as they arrive; the file part streams to
-disk beside the accepted versions and is checked whole before anything is
-kept (``service.model_versions``). A refused upload answers a coded 4xx and
-leaves neither a file nor a row.
-
-Scopes (``service.access``): ``full`` keys upload and delete; ``read`` keys
-list and show; ``inference`` keys only use a version by naming it as a model.
-Another organisation's project or version is 404.
+The file part streams to disk beside the accepted versions and is checked whole
+before anything is kept (``service.model_versions``): a refused upload leaves
+neither a file nor a row.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""``GET /v1/models``: the catalog with its prices (docs/reference/http.md).
+"""``GET /v1/models``: the catalog with its prices and what each route can do here.
 
-Each model is an OpenAI model object (``id``, ``object``, ``created``,
-``owned_by``) with batchyard's own fields beside: its prices, its
-``capabilities`` (chat, tools, vision, streaming, completions, embeddings,
-scoring: what its route can do here, so a client can tell before it asks),
-and ``concurrency``, how many calls its route runs at once (the embedded
-model's contexts), which a runner should not exceed however high its tier.
-
-Fine-tuned versions also show their warm state (``warm``: cold, loading or
-warm, until when, and how long the last load took), so a caller can warm one
-before a long run; base models are always served and show ``warm: null``.
-``loaded`` is the engine's own word on whether the model is in memory now
-(``null`` where the engine cannot say: a remote upstream).
-
-The list holds the catalog and the versions uploaded into the caller's
-projects (``mv.…``, ``owned_by`` the organisation, ``project_id`` set); a
-version of another organisation is not there, and is 404 by its ID.
+Each model is an OpenAI model object with batchyard's fields beside
+(docs/reference/http.md): ``capabilities``, so a client can tell before it
+asks; ``concurrency``, which a runner should not exceed however high its tier;
+a version's ``warm`` state, so a caller can warm one before a long run; and
+``loaded``, the engine's own word (``null`` where it cannot say: an upstream).
 """
 
 from __future__ import annotations

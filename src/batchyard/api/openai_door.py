@@ -119,10 +119,6 @@ class Dialect(Protocol):
         """The events of one piece of the answer (none for an empty piece)."""
         ...
 
-    def whole(self, result: DispatchResult) -> dict[str, Any]:
-        """The whole answer, as a non-streamed call answers it and as it is kept."""
-        ...
-
     def closing(self, whole: dict[str, Any]) -> list[bytes]:
         """The events after the last piece."""
         ...
@@ -137,9 +133,12 @@ class Dialect(Protocol):
 
 
 async def events(
-    dialect: Dialect, first: Piece, pieces: AsyncIterator[Piece]
+    dialect: Dialect,
+    render: Callable[[DispatchResult], dict[str, Any]],
+    first: Piece,
+    pieces: AsyncIterator[Piece],
 ) -> AsyncGenerator[bytes | Whole, None]:
-    """The stream's events in ``dialect``, then its whole answer; see the module docstring.
+    """The stream's events in ``dialect``, then its whole answer as ``render`` makes it.
 
     ``first`` is the piece the door awaited before answering (so a refusal
     was an ordinary error answer); ``pieces`` are the rest.
@@ -153,7 +152,7 @@ async def events(
             for event in dialect.piece(piece):
                 yield event
             piece = await anext(pieces)
-        whole = dialect.whole(piece)
+        whole = render(piece)
         for event in dialect.closing(whole):
             yield event
         finished = True
@@ -211,13 +210,10 @@ _Done = TypeVar("_Done")
 
 
 async def read_body(
-    request: Request, parse: Callable[[dict[str, Any]], _Body], *, x_api_key: bool = False
+    request: Request, parse: Callable[[dict[str, Any]], _Body]
 ) -> tuple[Principal, dict[str, Any], Service, _Body]:
-    """The prelude of every model door: the caller, its JSON body, the service, the body checked.
-
-    ``x_api_key``: also take the key from Anthropic's ``x-api-key`` header.
-    """
-    principal = await authenticate(request, x_api_key=x_api_key)
+    """The prelude of every model door: the caller, its JSON body, the service, the body checked."""
+    principal = await authenticate(request)
     raw = await read_json(request)
     svc = service_of(request)
     # A project version named here is read from the store off the event loop.
@@ -291,7 +287,7 @@ class ModelCall:
                     **pay,
                 )
                 first = await anext(pieces)
-                return 200, Stream(events(dialect, first, pieces))
+                return 200, Stream(events(dialect, render, first, pieces))
 
             return await idempotent(
                 self.request, self.principal, raw, streamed, stream_replay=dialect.replay
@@ -327,8 +323,6 @@ class Chunks:
     first: Callable[[int], dict[str, Any]]
     #: A piece as a chunk choice.
     choice: Callable[[Delta], dict[str, Any]]
-    #: The whole answer (as saved under a key) from the stream's result.
-    render: Callable[[DispatchResult], dict[str, Any]]
     #: A saved answer's choices as chunk choices, one each.
     replayed: Callable[[dict[str, Any]], list[dict[str, Any]]]
 
@@ -345,9 +339,6 @@ class Chunks:
         if not (piece.text or piece.tool_calls or piece.finish_reason):
             return []
         return [self._chunk([self.choice(piece)])]
-
-    def whole(self, result: DispatchResult) -> dict[str, Any]:
-        return self.render(result)
 
     def closing(self, whole: dict[str, Any]) -> list[bytes]:
         usage = [self._chunk([], whole["usage"])] if self.include_usage else []
@@ -395,7 +386,6 @@ async def chat_completions(request: Request) -> Response:
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             first=chat_first,
             choice=lambda d: chat_piece(d, logprobs),
-            render=render,
             replayed=chat_replay,
         )
     return await call.answer(raw, [req], render, chunks)
@@ -436,7 +426,6 @@ async def completions(request: Request) -> Response:
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             first=lambda i: text_piece(Delta(i, echo)),
             choice=text_piece,
-            render=render,
             replayed=text_replay,
         )
     return await call.answer(raw, reqs, render, chunks)

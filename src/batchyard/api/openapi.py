@@ -28,6 +28,8 @@ from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
+from batchyard.api.envelope import ANTHROPIC_DOOR
+
 __all__ = ["Operation", "declare", "install_openapi", "operations"]
 
 
@@ -424,8 +426,8 @@ def _document(app: FastAPI) -> dict[str, Any]:
     schemas: dict[str, Any] = {}
     for (method, path), spec in operations(app).items():
         op = doc["paths"][path][method]
-        # Anthropic's door answers its errors in Anthropic's envelope (``messages.anthropic_door``).
-        anthropic = path.startswith("/v1/messages")
+        # Anthropic's door answers its errors in Anthropic's envelope (``envelope.error_response``).
+        anthropic = path.startswith(ANTHROPIC_DOOR)
         content: dict[str, Any] = {}
         bodies = spec.body if isinstance(spec.body, tuple) else (spec.body,)
         refs = [_ref(b, schemas) for b in bodies if b is not None]

@@ -1,13 +1,8 @@
 """Webhook endpoints: ``/v1/webhook-endpoints``, where an organisation hears that batches ended.
 
-``POST`` registers a URL for some events and answers its signing secret
-(``whsec_...``) once; ``GET`` lists and shows endpoints (never the secret);
-``DELETE`` removes one; ``POST …/rotate-secret`` makes a new secret, shown once.
-The rules (which URLs, which events) are ``service.webhook_subscriptions``';
-deliveries are ``work.webhook_sender``'s.
-
+The rules are ``service.webhook_subscriptions``', deliveries ``work.webhook_sender``'s.
 A create is not replayed under an ``Idempotency-Key``: the answer holds the
-secret, which is kept nowhere readable but the endpoint's own sealed row. A
+secret, which is kept nowhere readable but the endpoint's own sealed row; a
 client that lost the answer deletes the endpoint or rotates its secret.
 """
 
