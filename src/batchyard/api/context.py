@@ -1,19 +1,12 @@
 """What every handler needs: the service, the caller, the body, its IDs, its key.
 
-Authentication accepts ``Authorization: Bearer <key>`` and the runs API's
-``Authorization: ApiKey <key>`` (and, at Anthropic's door, ``x-api-key``);
-what each scope may call is the one table in ``service.access``, looked up by
-the route that matched.
-
-Everything a handler reads from a request is read here, so the rules are the
-same at every door and a malformed request is a coded 400 (or 404, 413, 415)
-before anything is claimed, charged or written: a JSON body needs
-``Content-Type: application/json``, is read with a size cap (a 50 MB upload is
-refused with 413 without being held whole) and parsed strictly
-(``core.inputs``: no NaN, lone surrogates or NUL, bounded nesting); paging
-parameters are ASCII decimal within their range, never clamped, and a cursor is
-one this API could have given out; an ID in a path that cannot name anything
-(its prefix and a UUIDv7) is 404 before the store is asked.
+What each scope may call is the one table in ``service.access``, looked up by
+the route that matched. Everything a handler reads from a request is read here,
+so the rules are the same at every door and a malformed request is a coded 400
+(or 404, 413, 415) before anything is claimed, charged or written: a body is read
+with a size cap (a 50 MB upload is refused without being held whole) and parsed
+strictly (``core.inputs``); paging parameters are never clamped; an ID in a path
+that cannot name anything is 404 before the store is asked.
 """
 
 from __future__ import annotations
@@ -331,7 +324,7 @@ def json_content_type(request: Request) -> None:
             )
 
 
-async def read_body(request: Request, cap: int) -> bytes:
+async def _read_bytes(request: Request, cap: int) -> bytes:
     """The raw body, refused with 413 as soon as it passes ``cap`` bytes."""
     declared = request.headers.get("content-length")
     if declared and _DIGITS.fullmatch(declared) and int(declared) > cap:
@@ -350,7 +343,7 @@ async def read_json(request: Request, *, limit: int | None = None) -> Any:
     """The body as one strict JSON object, declared ``application/json``, size-capped."""
     json_content_type(request)
     cap = limit or service_of(request).settings.max_body_bytes
-    body = parse_json(await read_body(request, cap), request=True)
+    body = parse_json(await _read_bytes(request, cap), request=True)
     if not isinstance(body, dict):
         raise InvalidJson("the request body must be a JSON object")
     return body
@@ -358,7 +351,7 @@ async def read_json(request: Request, *, limit: int | None = None) -> Any:
 
 async def read_empty(request: Request) -> dict[str, Any]:
     """A call that takes no body: nothing, or ``{}``; any field is refused by name."""
-    raw = await read_body(request, 64 * 1024)
+    raw = await _read_bytes(request, 64 * 1024)
     if not raw.strip():
         return {}
     json_content_type(request)

@@ -1,11 +1,8 @@
 """``POST /v1/decide``, its estimate, and keep-warm: the door to ``service.decisions``.
 
-Each handler authenticates, reads the body strictly, has the service check
-and plan it (a bad body is a 400 before its idempotency key is claimed, so
-the key stays free for the fixed body), and runs the call once per key. What
-the door adds is admission: the tier's limits, which hold a slot of the
-request's envelope, are checked when the service says how many tokens the
-call reads.
+A bad body is a 400 before its idempotency key is claimed, so the key stays
+free for the fixed body. What the door adds is admission: the tier's limits
+are checked when the service says how many tokens the call reads.
 """
 
 from __future__ import annotations

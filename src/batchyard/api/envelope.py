@@ -1,28 +1,19 @@
 """What every answer carries, whichever handler made it, and how every error leaves.
 
-A small ASGI middleware around the whole app:
+A small ASGI middleware around the whole app adds ``x-request-id`` (also on the
+logging context, so every log line of the request names it) and, on every
+answer to an authenticated caller, OpenAI's ``x-ratelimit-*`` headers. It gives
+the organisation's concurrency slot back before the last byte of the answer
+leaves, so a client that sends its next request the moment it has the answer
+never finds its previous one still counted in flight.
 
-- ``x-request-id``: the id of this request (the caller's own, when it sent a
-  sane one, else a new ``req_…``), also put on the logging context so every log
-  line the request writes names it;
-- ``x-ratelimit-limit|remaining|reset-requests`` and ``-tokens``: where the
-  caller's organisation stands against its tier, OpenAI's way, on every answer
-  to an authenticated caller (from the check the request made, or a look that
-  consumes nothing);
-- the organisation's concurrency slot, given back before the last byte of the
-  answer leaves, so a client that sends its next request the moment it has the
-  answer never finds its own previous request still counted in flight. A
-  stream holds its slot until its last event; a client that hangs up frees it
-  at once.
-
-Every error leaves as ``{"error": {"code", "type", "message", "retryable"}}``:
-FastAPI's own 422 for a malformed body and Starlette's 404/405 are mapped to the
-same shape, so a client branches on ``code`` and never on prose; a 405 says in
-``Allow`` which methods the path takes. Every error also says ``x-should-retry``:
-the OpenAI SDKs retry 408, 409, 429 and 5xx by status unless this header says
-otherwise, so a 409 ``idempotency_conflict`` would be sent twice more for nothing.
-A wait is sent as ``retry-after-ms`` (exact) beside ``Retry-After`` (whole
-seconds, rounded up so it is never early).
+Every error leaves in one envelope with a stable ``code`` (Anthropic's on its
+door), FastAPI's 422 and Starlette's 404/405 included, so a client branches on
+``code`` and never on prose. Every error also says ``x-should-retry``: the
+OpenAI SDKs retry 409, 429 and 5xx by status unless told otherwise, so a 409
+``idempotency_conflict`` would be sent twice more for nothing. A wait is sent as
+``retry-after-ms`` beside ``Retry-After`` (whole seconds, rounded up so it is
+never early).
 """
 
 from __future__ import annotations

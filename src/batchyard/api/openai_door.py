@@ -1,43 +1,29 @@
 """OpenAI's model doors (chat, completions, embeddings) and what every model door shares.
 
-``read_body`` authenticates the caller and reads its body strictly;
-``prepared`` runs the door's preparation (``service.preparation``: the model
-and route, what the route must serve, ``max_tokens``, every token the engine
-reads counted, the tools' instructions included, the window and the quote),
-with OpenAI's 404 ``model_not_found`` for a name nobody serves.
+``read_body`` and ``prepared`` are every model door's prelude: the caller, the
+body read strictly, the door's preparation (``service.preparation``) with
+OpenAI's 404 ``model_not_found`` for a name nobody serves. ``ModelCall.answer``
+is the rest: the tier's limits, the dispatcher's reserve → call → settle, the
+Idempotency-Key rules of ``service.idempotency.run_once``, the answer whole or
+streamed (``work.openai_wire``'s, which batch lines share, with the settled
+``charge`` beside).
 
-``ModelCall.answer`` is the rest of every door that calls a model (these and
-Anthropic's messages): the tier's limits, the dispatcher's reserve → call →
-settle, and the Idempotency-Key rules of ``service.idempotency.run_once``, the
-answer whole or streamed. The answers are ``work.openai_wire``'s, which a file
-batch's lines and a deferred batch's results share, with the settled
-``charge`` added as a decimal string.
+A stream is one loop (``events``) whichever dialect writes it; a ``Dialect``
+says only what each step looks like on the wire (``Chunks`` for OpenAI's, the
+Messages door's ``_Events`` for Anthropic's). It ends with the whole answer,
+kept under the key and replayed as the stream it was; a stream cut short (the
+client hung up) stops the engine, is billed for the tokens produced, and saves
+nothing, so the same key runs again.
 
-A stream is one loop (``events``) whichever dialect writes its events: a
-``Dialect`` says only what each step looks like on the wire (``Chunks`` here
-for OpenAI's ``data:`` chunks, Anthropic's events in ``messages``). The events
-end with the whole answer (``service.idempotency.Whole``), kept under the
-request's Idempotency-Key; a replay of a streamed request is that answer as the
-stream it was (for OpenAI, a chunk per choice holding its whole text, the usage
-chunk if asked for, ``[DONE]``). A stream that does not end whole (the client
-hung up) closes the dispatcher's stream, which stops the engine and bills
-exactly the tokens produced, and saves nothing: the same key runs again.
+A whole answer writes nothing until the end, so a client that hangs up on one
+is heard by ``listening`` (``http.disconnect``) and the engine stops at its next
+step (``CompletionRequest.hangup``) instead of generating to ``max_tokens`` for
+nobody and being paid in full (an SDK's timeout, then its retry, paid twice).
 
-A client that hangs up on a whole answer stops the work too: a whole answer
-writes nothing until the end, so without a listener the engine would generate
-to ``max_tokens`` for nobody and the call be paid in full (an SDK's timeout,
-then its retry, paid twice). So while one is made, ``listening`` reads the
-connection for ``http.disconnect`` and sets an event the engine checks at each
-step (``CompletionRequest.hangup``); the call is then settled to its real usage
-and kept under its key like any other.
-
-A list of prompts to ``/v1/completions`` is answered as OpenAI does, one choice
-per prompt × ``n`` in order, and is one call to its caller: one tier check, one
-hold, one charge. A prompt or input of token ids is read as ``cl100k_base`` ids
-(``engines.token_ids``), so LangChain's ``OpenAIEmbeddings()`` gets the vectors
-of its texts. The embedded model serves embeddings from its chat model's own
-hidden states (mean-pooled, unit length); a deployment that needs a trained
-embedding model points a route at one (``serves_embeddings: true``).
+A list of prompts to ``/v1/completions`` is one call to its caller: one tier
+check, one hold, one charge. Token-id prompts and inputs are read as
+``cl100k_base`` ids (``engines.token_ids``), as LangChain's
+``OpenAIEmbeddings()`` sends them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Projects and their datasets: ``/v1/projects`` and ``…/datasets``.
 
-A dataset is created empty (a JSON body ``{"name", "kind"}``) or from an
-upload of JSONL, CSV or Parquet sent as the raw request body (``?name=`` and
-``?kind=`` in the query; the format from ``Content-Type`` or ``?format=``).
-Uploads are streamed: the body goes to a temporary file chunk by chunk, then
-it is parsed incrementally and inserted in batches, so a large file never sits
-in memory whole. An upload that fails part-way leaves no dataset behind.
-
-Every ID is checked against the caller's organisation; another
-organisation's project, dataset or row is 404, never 403. Every POST and the
-row PATCH honour ``Idempotency-Key`` (an upload is fingerprinted by a hash of
-its bytes), so a retried create never makes a second project or dataset.
-Uploaded rows obey the same strict JSON as request bodies (``core.inputs``):
-a ``NaN`` in a file is refused with the line it is on.
+A dataset is created empty (a JSON body) or from a JSONL, CSV or Parquet upload
+sent as the raw body. An upload streams to a temporary file and is parsed and
+inserted in batches, so a large file never sits in memory whole; one that fails
+part-way leaves no dataset behind. An upload is fingerprinted for its
+Idempotency-Key by a hash of its bytes, and its rows obey the same strict JSON as
+request bodies (a ``NaN`` is refused with the line it is on).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Batch inference runs: ``/v1/projects/{projectId}/batch-inference-runs``.
 
-Wire format as docs/reference/runs.md writes it (camelCase). Creating a run validates the
-request against the dataset and answers the run in ``preparing`` at once; the
-worker freezes the rows and prices them (``awaiting_confirmation`` with a
-``quote``). Nothing is reserved before ``confirm``, and nothing is charged
-beyond the rows actually answered.
+Creating a run checks its body against the dataset before a run exists, so the
+worker can trust a run's ``spec`` as written, and answers the run in
+``preparing`` at once; the worker prices it (``awaiting_confirmation``).
+Nothing is reserved before ``confirm``, nor charged beyond the rows answered.
 """
 
 from __future__ import annotations
