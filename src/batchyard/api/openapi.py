@@ -94,38 +94,35 @@ class ChatMessage(_Open):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
+    finish_reason: str
+    logprobs: dict[str, Any] | None
+
+
+class ChatChoice(_Choice):
     message: ChatMessage
-    finish_reason: str
-    logprobs: dict[str, Any] | None
 
 
-class ChatCompletion(_Open):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    charge: str
-
-
-class TextChoice(BaseModel):
-    index: int
+class TextChoice(_Choice):
     text: str
-    finish_reason: str
-    logprobs: dict[str, Any] | None
 
 
-class TextCompletion(_Open):
+class _Completion(_Open):
     id: str
     object: str
     created: int
     model: str
-    choices: list[TextChoice]
     usage: Usage
     charge: str
+
+
+class ChatCompletion(_Completion):
+    choices: list[ChatChoice]
+
+
+class TextCompletion(_Completion):
+    choices: list[TextChoice]
 
 
 class Embedding(BaseModel):
@@ -287,7 +284,6 @@ class WebhookEndpointDeleted(BaseModel):
 
 _JSON = "application/json"
 _SSE = "text/event-stream"
-_NDJSON = "application/x-ndjson"
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 #: What every operation of a method may answer besides success: no key (401), a scope

@@ -62,18 +62,12 @@ from batchyard.store import work_items
 from batchyard.work.runs.canceling import canceled_by_owner, stop_run
 from batchyard.work.runs.funding import fund
 
-__all__ = ["router", "run_json"]
+__all__ = ["router"]
 
 router = APIRouter()
 BASE = "/v1/projects/{project_id}/batch-inference-runs"
 S = RunStatus
 RunId = Annotated[str, path_id("run_id", "bir", "batch inference run", param="runId")]
-
-
-def _output(run: rstore.Run) -> dict[str, Any]:
-    out = dict(run.spec["output"])
-    out["datasetId"] = run.dataset_id if out["type"] == "field" else run.output_dataset_id
-    return out
 
 
 def run_json(run: rstore.Run) -> dict[str, Any]:
@@ -90,18 +84,20 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
             "maxCost": max_cost,
             "expiresAt": expires,
         }
-    progress = None
+    tokens = {
+        "inputTokens": run.input_tokens,
+        "cachedInputTokens": run.cached_input_tokens,
+        "outputTokens": run.output_tokens,
+    }
+    progress = results = None
     if run.status in (S.RUNNING, S.STOPPING):
         progress = {
             "rowsDone": run.rows_done,
             "rowsFailed": run.rows_failed,
             "rowsUncertain": run.rows_uncertain,
             "rowsTotal": run.rows_total,
-            "inputTokens": run.input_tokens,
-            "cachedInputTokens": run.cached_input_tokens,
-            "outputTokens": run.output_tokens,
+            **tokens,
         }
-    results = None
     if run.status in TERMINAL and run.reservation_id is not None:
         results = {
             "rowsSucceeded": run.rows_done,
@@ -109,11 +105,11 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
             "rowsUncertain": run.rows_uncertain,
             "rowsCanceled": run.rows_canceled,
             "outputsWritten": run.outputs_written,
-            "inputTokens": run.input_tokens,
-            "cachedInputTokens": run.cached_input_tokens,
-            "outputTokens": run.output_tokens,
+            **tokens,
         }
     charge = format_money(run.charge) if run.charge is not None else None
+    output = run.spec["output"]
+    field = output["type"] == "field"
     message = message_for(
         run.status,
         blocked_reason=run.blocked_reason,
@@ -137,7 +133,7 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
         "mode": run.spec["mode"],
         "input": run.spec["input"],
         "filter": run.spec.get("filter"),
-        "output": _output(run),
+        "output": {**output, "datasetId": run.dataset_id if field else run.output_dataset_id},
         "sampling": run.spec["sampling"],
         "quote": quote,
         "progress": progress,
