@@ -93,10 +93,16 @@ def row_json(r: store.Row) -> dict[str, Any]:
     return {"id": r.id, "version": r.version, "data": r.data, "updatedAt": isoformat(r.updated_at)}
 
 
-def _name(value: Any, param: str = "name") -> str:
+def _name(value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or len(value) > 200:
-        raise InvalidRequest(f"{param} must be a string of 1 to 200 characters", param=param)
+        raise InvalidRequest("name must be a string of 1 to 200 characters", param="name")
     return value.strip()
+
+
+def _kind(value: str | None) -> str | None:
+    if value is not None and value not in KINDS:
+        raise InvalidRequest("kind must be text or chat-sft", param="kind")
+    return value
 
 
 @router.post("/v1/projects", status_code=201)
@@ -137,18 +143,10 @@ def _check_row(row: Any, kind: str, where: str) -> dict[str, Any]:
     return row
 
 
-def _file_error(where: str, exc: BatchyardError) -> InvalidRequest:
-    return InvalidRequest(f"{where}: {exc.message}", code="invalid_dataset_file")
-
-
 def _jsonl(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     for n, line in enumerate(f, 1):
-        if not line.strip():
-            continue
-        try:
+        if line.strip():
             yield f"line {n}", parse_json(line, f"line {n}")
-        except BatchyardError as exc:
-            raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
 
 
 def _csv(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
@@ -156,14 +154,9 @@ def _csv(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     try:
         for n, record in enumerate(csv.DictReader(text), 2):
             row = {k: v for k, v in record.items() if k is not None}
-            try:
-                yield f"line {n}", check_document(row, f"line {n}")
-            except BatchyardError as exc:
-                raise _file_error(f"line {n}", exc) from None
+            yield f"line {n}", check_document(row, f"line {n}")
     except (csv.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest(
-            f"the CSV file is not valid: {exc}", code="invalid_dataset_file"
-        ) from None
+        raise InvalidRequest(f"the CSV file is not valid: {exc}") from None
 
 
 def _parquet(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
@@ -171,29 +164,28 @@ def _parquet(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(f)
-        n = 0
-        for batch in pf.iter_batches(batch_size=BATCH):
-            for row in batch.to_pylist():
-                n += 1
-                # Timestamps, decimals and bytes become strings: rows are JSON,
-                # and strict JSON (a float NaN is refused, not stored).
-                try:
-                    yield f"row {n}", parse_json(json.dumps(row, default=str), f"row {n}")
-                except BatchyardError as exc:
-                    raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
+        batches = pq.ParquetFile(f).iter_batches(batch_size=BATCH)
+        for n, row in enumerate((row for b in batches for row in b.to_pylist()), 1):
+            # Timestamps, decimals and bytes become strings: rows are JSON,
+            # and strict JSON (a float NaN is refused, not stored).
+            yield f"row {n}", parse_json(json.dumps(row, default=str), f"row {n}")
     except (pa.ArrowException, OSError) as exc:
-        raise InvalidRequest(
-            f"the Parquet file is not valid: {exc}", code="invalid_dataset_file"
-        ) from None
+        raise InvalidRequest(f"the Parquet file is not valid: {exc}") from None
+
+
+def _file_rows(fmt: str, f: IO[bytes]) -> Iterator[tuple[str, Any]]:
+    """The upload's rows, each where it is; anything wrong with the file is its 400."""
+    try:
+        yield from {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](f)
+    except BatchyardError as exc:
+        raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
 
 
 def _import(
     svc: Any, f: IO[bytes], fmt: str, org_id: str, project_id: str, name: str, kind: str | None
 ) -> store.Dataset:
     """Parse the spooled upload and insert it in batches (runs on a thread)."""
-    reader = {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt]
-    rows = reader(f)
+    rows = _file_rows(fmt, f)
     first = next(rows, None)
     if first is None:
         raise InvalidRequest("the uploaded file holds no rows", code="invalid_dataset_file")
@@ -262,10 +254,7 @@ async def create_dataset(
     if fmt == "json":
         body = await read_json(request)
         shape = strict(DatasetBody, body)
-        name = _name(shape.name)
-        kind = "text" if shape.kind is None else shape.kind
-        if kind not in KINDS:
-            raise InvalidRequest("kind must be text or chat-sft", param="kind")
+        name, kind = _name(shape.name), _kind(shape.kind) or "text"
 
         async def create() -> tuple[int, Any]:
             now = svc.clock.now()
@@ -275,10 +264,8 @@ async def create_dataset(
             return 201, dataset_json(ds)
 
         return await idempotent(request, principal, body, create)
-    name = _name(request.query_params.get("name"), "name")
-    kind_param = request.query_params.get("kind")
-    if kind_param is not None and kind_param not in KINDS:
-        raise InvalidRequest("kind must be text or chat-sft", param="kind")
+    name = _name(request.query_params.get("name"))
+    kind_param = _kind(request.query_params.get("kind"))
     cap = svc.settings.max_upload_bytes
     with tempfile.TemporaryFile(prefix="batchyard-upload-") as f:
         size = 0
