@@ -554,7 +554,6 @@ def create_app(
         batches,
         decide,
         files,
-        message_batches,
         messages,
         model_versions,
         models,
@@ -600,7 +599,7 @@ def create_app(
     app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 
     @app.get("/healthz", response_model=None, summary="Liveness: the process is up")
-    @declare(Health, errors=(503,), error_body=Health, public=True)
+    @declare(Health, errors=(503,), public=True)
     async def healthz() -> JSONResponse:
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
@@ -610,7 +609,7 @@ def create_app(
         response_model=None,
         summary="Readiness: store writable, migrations current, limiter reachable",
     )
-    @declare(Readiness, errors=(503,), error_body=Readiness, public=True)
+    @declare(Readiness, errors=(503,), public=True)
     async def readyz() -> JSONResponse:
         """200 when every check passes; 503 with each failing check's reason otherwise."""
         if not service.started or service.draining:
@@ -632,8 +631,7 @@ def create_app(
     app.include_router(openai_door.router)  # chat, completions, embeddings
     app.include_router(decide.router)
     app.include_router(files.router)
-    app.include_router(message_batches.router)  # ... and its Message Batches
-    app.include_router(messages.router)  # Anthropic's Messages door
+    app.include_router(messages.router)  # Anthropic's door: Messages and Message Batches
     app.include_router(models.router)
     app.include_router(model_versions.router)  # a project's uploaded model versions
     app.include_router(projects.router)

@@ -30,7 +30,7 @@ def test_every_operation_has_its_body_its_answer_and_the_error_body(service: Ser
             envelope = (
                 "AnthropicErrorBody"
                 if path.startswith("/v1/messages")
-                else (spec.error_body or ErrorBody).__name__
+                else (spec.response if spec.public else ErrorBody).__name__
             )
             assert error["content"]["application/json"]["schema"] == {
                 "$ref": f"#/components/schemas/{envelope}"

@@ -1,10 +1,11 @@
-"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's door onto the same core.
+"""Anthropic's door: ``/v1/messages``, ``count_tokens`` and Message Batches, onto the same core.
 
 A Messages body is checked strictly and translated into the OpenAI-shaped
 request every engine takes (``core.anthropic_bodies.translate``, which a Message
 Batch's lines store too); from there it is the chat door's path, not a copy of
 it: the same scope row, preparation and ``openai_door.ModelCall``, streams
-written by the one loop in Anthropic's events (``_Events``).
+written by the one loop in Anthropic's events (``_Events``). A Message Batch is
+a file batch underneath (``service.message_batches`` explains the mapping).
 
 What differs is only the wire: the key may come as ``x-api-key``;
 ``anthropic-version`` is read, and any date is answered in the newest shapes this
@@ -21,15 +22,35 @@ charges nothing; it spends from the tier's estimate budget, as
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import check_tier_limits
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    allow_query,
+    check_tier_limits,
+    finished_query,
+    idempotent,
+    path_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+    read_json,
+)
 from batchyard.api.envelope import anthropic_error, anthropic_status, envelope_of
 from batchyard.api.openai_door import ModelCall, prepared, read_body, sse
-from batchyard.api.openapi import MODEL_CALL, AnthropicMessage, MessageTokensCount, declare
+from batchyard.api.openapi import (
+    MODEL_CALL,
+    AnthropicMessage,
+    Finished,
+    MessageTokensCount,
+    declare,
+)
+from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
     CountTokensRequest,
     MessagesRequest,
@@ -46,10 +67,13 @@ from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images
 from batchyard.engines.protocol import Delta
 from batchyard.errors import BatchyardError, InvalidRequest
+from batchyard.service import Service, message_batches
+from batchyard.service.files import settings_of
+from batchyard.service.message_batches import MessageBatchBody
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import anthropic_message, messages_request
 
-__all__ = ["ANTHROPIC_WIRE", "router", "translated"]
+__all__ = ["router"]
 
 
 async def _anthropic_wire(request: Request) -> None:
@@ -66,9 +90,12 @@ async def _anthropic_wire(request: Request) -> None:
         )
 
 
-#: The dependency of every route of Anthropic's door (its errors: ``envelope.error_response``).
-ANTHROPIC_WIRE = Depends(_anthropic_wire)
-router = APIRouter(dependencies=[ANTHROPIC_WIRE])
+#: Every route here is Anthropic's door (its errors: ``envelope.error_response``).
+router = APIRouter(dependencies=[Depends(_anthropic_wire)])
+_PATH = "/v1/messages/batches"
+BatchId = Annotated[str, path_id("batch_id", "bat", "message batch", param="message_batch_id")]
+#: ``message_batches.cancel`` or ``retry``: a change to one batch, answered with its view.
+_Change = Callable[..., Awaitable[dict[str, Any]]]
 
 
 def translated(request: Request, response: Response) -> Response:
@@ -298,3 +325,101 @@ async def count_tokens(request: Request) -> Response:
     counted = prepared(body.model, count)
     await check_tier_limits(request, principal, tokens=counted, kind="estimate")
     return JSONResponse({"input_tokens": counted})
+
+
+# -- Message Batches ------------------------------------------------------------------
+
+
+def _base(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+@router.post(_PATH, summary="Create a Message Batch (Anthropic's shape; a file batch underneath)")
+@declare(body=MessageBatchBody, errors=(402,))
+async def create_message_batch(request: Request, principal: Caller, svc: ServiceDep) -> Response:
+    svc.batch_key.require()  # 503 before the body is read when batches are off
+    raw = await read_json(request, limit=settings_of(svc).max_bytes)
+
+    async def handler() -> tuple[int, Any]:
+        view = await message_batches.create(svc, principal, raw)
+        svc.file_batches.notify()
+        return 200, view
+
+    return translated(request, await idempotent(request, principal, raw, handler))
+
+
+@router.get(_PATH, summary="Message Batches, newest first (before_id / after_id)")
+async def list_message_batches(request: Request, principal: Caller, svc: ServiceDep) -> Response:
+    allow_query(request, "after_id", "before_id", "limit")
+    limit = query_limit(request, default=20, most=1000)
+    after = query_id_cursor(request, "bat", name="after_id")
+    before = query_id_cursor(request, "bat", name="before_id")
+    if after and before:
+        raise InvalidRequest("send after_id or before_id, not both", param="before_id")
+    page = await message_batches.list_page(
+        svc, principal, limit=limit, after=after, before=before, base_url=_base(request)
+    )
+    return JSONResponse(page)
+
+
+@router.get(_PATH + "/{batch_id}")
+async def get_message_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    view = await message_batches.get(svc, principal, batch_id, base_url=_base(request))
+    return JSONResponse(view)
+
+
+@router.post(_PATH + "/{batch_id}/cancel")
+async def cancel_message_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    return await _changed(request, principal, batch_id, svc, message_batches.cancel)
+
+
+@router.post(
+    _PATH + "/{batch_id}/retry",
+    summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
+)
+@declare(errors=(402,))
+async def retry_message_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    return await _changed(request, principal, batch_id, svc, message_batches.retry)
+
+
+async def _changed(
+    request: Request, principal: Principal, batch_id: str, svc: Service, change: _Change
+) -> Response:
+    """Cancel or retry: once per idempotency key, then the worker is woken for what it holds."""
+    body = await read_empty(request)
+
+    async def handler() -> tuple[int, Any]:
+        view = await change(svc, principal, batch_id, base_url=_base(request))
+        svc.file_batches.notify()
+        return 200, view
+
+    return translated(request, await idempotent(request, principal, body, handler))
+
+
+@router.get(
+    _PATH + "/{batch_id}/results",
+    summary="Results, one {custom_id, result} line per request, once ended",
+)
+@declare(errors=(409,), media="application/x-jsonl")
+async def message_batch_results(principal: Caller, batch_id: BatchId, svc: ServiceDep) -> Response:
+    lines = await message_batches.results(svc, principal, batch_id)
+    return StreamingResponse(lines, media_type="application/x-jsonl")
+
+
+@router.get(
+    _PATH + "/{batch_id}/finished",
+    summary="A batchyard extension: the results so far, from a cursor, while it runs",
+)
+@declare(Finished)
+async def message_batch_finished(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    after, limit = finished_query(request)
+    page = await message_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    return JSONResponse(page)

@@ -314,9 +314,7 @@ class Operation:
     extra_body_types: tuple[str, ...] = ()
     #: The schema of a multipart/form-data body, where there is one.
     multipart: dict[str, Any] | None = None
-    #: What the error statuses answer where it is not the error body (a probe's own body).
-    error_body: type[BaseModel] | None = None
-    #: A probe: no key, so none of ``_COMMON``.
+    #: A probe: no key, so none of ``_COMMON``; its errors answer its own body.
     public: bool = False
     #: Filled from the route by ``operations``.
     success: int = 200
@@ -327,7 +325,7 @@ def declare(response: type[BaseModel] = _Open, **facts: Any) -> Callable[[_F], _
     operation = Operation(response, **facts)
 
     def mark(handler: _F) -> _F:
-        handler.__dict__["operation"] = operation  # ``functools.wraps`` carries it on
+        handler.__dict__["operation"] = operation
         return handler
 
     return mark
@@ -442,7 +440,8 @@ def _document(app: FastAPI) -> dict[str, Any]:
         }
         if spec.streams:
             ok[_SSE] = {"schema": {"type": "string", "description": _STREAMS[anthropic]}}
-        error = _ref(AnthropicErrorBody if anthropic else spec.error_body or ErrorBody, schemas)
+        error_body = spec.response if spec.public else ErrorBody
+        error = _ref(AnthropicErrorBody if anthropic else error_body, schemas)
         op["responses"] = {
             **{
                 str(status): {
