@@ -561,7 +561,6 @@ def create_app(
         projects,
         runs,
         scrape,
-        spend_caps,
         webhooks,
     )
     from batchyard.api.envelope import EnvelopeMiddleware, install_error_handlers
@@ -626,7 +625,7 @@ def create_app(
         )
 
     # One router per front door; each door adds its own line.
-    app.include_router(account.router)
+    app.include_router(account.router)  # ... and the caps on a key's and a project's spend
     app.include_router(batches.router)
     app.include_router(openai_door.router)  # chat, completions, embeddings
     app.include_router(decide.router)
@@ -636,7 +635,6 @@ def create_app(
     app.include_router(model_versions.router)  # a project's uploaded model versions
     app.include_router(projects.router)
     app.include_router(runs.router)
-    app.include_router(spend_caps.router)  # caps on a key's and a project's spend
     app.include_router(scrape.router)  # /metrics
     app.include_router(webhooks.router)  # /v1/webhook-endpoints
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
