@@ -36,10 +36,7 @@ from batchyard.service import webhook_subscriptions as subscriptions
 __all__ = ["router"]
 
 router = APIRouter()
-
 _BASE = "/v1/webhook-endpoints"
-
-
 EndpointId = Annotated[str, path_id("endpoint_id", "we", "webhook endpoint")]
 
 
