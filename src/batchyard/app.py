@@ -151,6 +151,7 @@ def build_service(
         limiter=limiter,
         engines=registry,
         tiers=settings.tiers,
+        upstream_unavailable_retries=settings.upstream_unavailable_retries,
         metrics=metrics,
     )
     tokenizers = Tokenizers(settings.embedded_model_path)

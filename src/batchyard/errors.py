@@ -366,9 +366,21 @@ class PendingLimitExceeded(BatchyardError):
 
 
 class UpstreamError(BatchyardError):
+    """The engine or its upstream failed.
+
+    ``not_taken``: the upstream said it did not take the call (503 Service
+    Unavailable, before any token), so the call never reached the engine and
+    a batch worker may send it again (``upstream_unavailable_retries``);
+    anything else may have reached it, and is never sent twice.
+    """
+
     code = "upstream_error"
     status = 502
     retryable = True
+
+    def __init__(self, message: str, *, not_taken: bool = False, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.not_taken = not_taken
 
 
 class UpstreamUnreachable(UpstreamError):

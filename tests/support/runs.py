@@ -161,3 +161,49 @@ class GatedEngine:
 
     async def aclose(self) -> None:
         return None
+
+
+#: A run of the ``text`` field into the ``answer`` field, 8 tokens at most a row.
+FIELD_RUN: dict[str, Any] = {
+    "model": {"type": "base", "id": "kettei-core"},
+    "input": {"type": "field", "field": "text"},
+    "output": {"type": "field", "field": "answer"},
+    "sampling": {"maxOutputTokens": 8},
+}
+
+
+class RowEngine:
+    """Answers ``answer to <prompt>``; a prompt naming ``fail_word`` fails until ``healed``.
+
+    ``gated``: each answer waits for one ``release()``, so a test reads between answers.
+    Every prompt it was sent is kept, in order.
+    """
+
+    name = "rows"
+
+    def __init__(self, fail_word: str = "fail", *, gated: bool = False) -> None:
+        self.fail_word = fail_word
+        self.healed = False
+        self.gated = gated
+        self.prompts: list[str] = []
+        self._gate = asyncio.Semaphore(0)
+
+    def release(self) -> None:
+        self._gate.release()
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        from batchyard.engines.protocol import Choice, Usage
+        from batchyard.errors import ModelOutputInvalid
+
+        text = str(request.messages[-1]["content"])
+        self.prompts.append(text)
+        if self.fail_word in text and not self.healed:
+            raise ModelOutputInvalid("the model answered outside the schema")
+        if self.gated:
+            await self._gate.acquire()
+        return Completion(
+            model=request.model, choices=[Choice(f"answer to {text}")], usage=Usage(3, 3)
+        )
+
+    async def aclose(self) -> None:
+        return None

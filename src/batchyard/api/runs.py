@@ -23,6 +23,7 @@ from batchyard.api.context import (
     Caller,
     ServiceDep,
     camel_page,
+    finished_query,
     idempotent,
     once,
     path_id,
@@ -32,7 +33,7 @@ from batchyard.api.context import (
     read_empty,
     read_json,
 )
-from batchyard.api.openapi import EmptyBody, ListOf, declare
+from batchyard.api.openapi import EmptyBody, Finished, ListOf, declare
 from batchyard.api.projects import ProjectId
 from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
@@ -55,12 +56,13 @@ from batchyard.errors import (
     QuoteExpired,
     UnknownModel,
 )
-from batchyard.service import Service, model_versions
+from batchyard.service import Service, following, model_versions
 from batchyard.store import projects as pstore
 from batchyard.store import runs as rstore
 from batchyard.store import work_items
 from batchyard.work.runs.canceling import canceled_by_owner, stop_run
 from batchyard.work.runs.funding import fund
+from batchyard.work.runs.quoting import retry_run
 
 __all__ = ["router"]
 
@@ -140,6 +142,8 @@ def run_json(run: rstore.Run) -> dict[str, Any]:
         "results": results,
         "charge": charge,
         "error": run.error,
+        "retryOf": run.retry_of,
+        "retriedBy": run.retried_by,
         "createdAt": isoformat(run.created_at),
         "updatedAt": isoformat(run.updated_at),
     }
@@ -435,3 +439,62 @@ async def list_failures(
     for r in rows:
         r["updatedAt"] = isoformat(r["updatedAt"]) if r["updatedAt"] else None
     return JSONResponse(camel_page(rows, limit, lambda r: str(r["rowId"])))
+
+
+@router.get(
+    BASE + "/{run_id}/finished",
+    summary="A batchyard extension: the rows that ended so far, from a cursor, while it runs",
+)
+@declare(Finished)
+async def run_finished(
+    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+) -> JSONResponse:
+    after, limit = finished_query(request)
+
+    def read(c: Connection) -> dict[str, Any]:
+        # The status first, in the same read: a run seen ended has every row numbered.
+        run = rstore.get_run(c, principal.org_id, run_id, project_id)
+        items = following.run_items(c, run.id, after=after, limit=limit)
+        return following.page(items, after=after, limit=limit, ended=run.status in TERMINAL)
+
+    return JSONResponse(await svc.db.read(read))
+
+
+@router.post(
+    BASE + "/{run_id}/retry",
+    status_code=201,
+    summary="A new run of the failed and canceled rows, quoted and awaiting confirmation",
+)
+@declare(body=EmptyBody)
+async def retry(
+    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+) -> Response:
+    """A new run of an ended run's failed and canceled rows, quoted and awaiting confirmation."""
+    body = await read_empty(request)
+
+    async def handler() -> tuple[int, Any]:
+        now = svc.clock.now()
+        original = await svc.db.read(
+            lambda c: rstore.get_run(c, principal.org_id, run_id, project_id)
+        )
+        if original.spec["model"].get("type") == "version":
+            # A project version is read from the store off the event loop.
+            await model_versions.resolve(svc, original.spec["model"].get("id"))
+        new = new_id("bir", now)
+
+        def tx(c: Connection) -> tuple[rstore.Run, dict[str, Any]]:
+            run = rstore.get_run(c, principal.org_id, run_id, project_id, lock=True)
+            return retry_run(
+                c,
+                run,
+                run_id=new,
+                catalog=svc.catalog,
+                settings=svc.settings.runs,
+                now=now,
+                key_id=principal.key_id,
+            )
+
+        run, report = await svc.db.transact(tx)
+        return 201, {**run_json(run), "retry": report}
+
+    return await idempotent(request, principal, body, handler)

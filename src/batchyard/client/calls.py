@@ -39,6 +39,8 @@ __all__ = [
     "list_activity",
     "list_models",
     "list_runs",
+    "retry_run",
+    "run_finished",
     "upload_dataset",
 ]
 
@@ -221,6 +223,16 @@ def confirm_run(project_id: str, run_id: str, key: str | None) -> Call:
 
 def cancel_run(project_id: str, run_id: str, key: str | None) -> Call:
     return Call("POST", f"{_runs(project_id)}/{_seg(run_id)}/cancel", idempotency_key=_key(key))
+
+
+def retry_run(project_id: str, run_id: str, key: str | None) -> Call:
+    return Call("POST", f"{_runs(project_id)}/{_seg(run_id)}/retry", idempotency_key=_key(key))
+
+
+def run_finished(project_id: str, run_id: str, after: str, limit: int) -> Call:
+    """The rows of a run that ended after the cursor ``after``."""
+    params = {"after": after, "limit": str(limit)}
+    return Call("GET", f"{_runs(project_id)}/{_seg(run_id)}/finished", params=params)
 
 
 def list_runs(project_id: str, status: str | None, cursor: str | None) -> Call:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -255,9 +255,15 @@ class Client:
         it waits ``poll`` seconds on the client's clock; pass a later
         ``after`` (a page's ``cursor``) to resume where an earlier reader stopped.
         """
+        return self._follow(lambda at: calls.batch_finished(batch_id, at, 1000), after, poll)
+
+    def _follow(
+        self, page_at: Callable[[str], Call], after: str, poll: float
+    ) -> Iterator[dict[str, Any]]:
+        """The one follow loop of every ``/finished``: pages from a cursor until ``ended``."""
         cursor = after
         while True:
-            page = self.batch_finished(batch_id, after=cursor, limit=1000)
+            page = cast(dict[str, Any], self.send(page_at(cursor)))
             yield from page["data"]
             cursor = page["cursor"]
             if page["has_more"]:
@@ -321,6 +327,32 @@ class Client:
     ) -> dict[str, Any]:
         call = calls.cancel_run(project_id, run_id, idempotency_key)
         return cast(dict[str, Any], self.send(call))
+
+    def retry_run(
+        self, project_id: str, run_id: str, *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """A new run of an ended run's failed and canceled rows, quoted; confirm it to start."""
+        call = calls.retry_run(project_id, run_id, idempotency_key)
+        return cast(dict[str, Any], self.send(call))
+
+    def run_finished(
+        self, project_id: str, run_id: str, *, after: str = "0", limit: int = 100
+    ) -> dict[str, Any]:
+        """One page of the rows that ended after the cursor ``after``: ``data``, ``cursor``."""
+        call = calls.run_finished(project_id, run_id, after, limit)
+        return cast(dict[str, Any], self.send(call))
+
+    def follow_run(
+        self, project_id: str, run_id: str, *, after: str = "0", poll: float = 2.0
+    ) -> Iterator[dict[str, Any]]:
+        """Every row of a run once, as it ends, until the run has (``follow_batch``'s loop).
+
+        Each as ``…/finished`` shows it: its ``outputs`` while they wait in the
+        run, ``written`` once they are in the dataset.
+        """
+        return self._follow(
+            lambda at: calls.run_finished(project_id, run_id, at, 1000), after, poll
+        )
 
     def list_runs(
         self, project_id: str, *, status: str | None = None, cursor: str | None = None

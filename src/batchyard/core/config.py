@@ -181,6 +181,11 @@ class Settings:
     #: Work with units left whose progress has not moved for this long is stuck:
     #: counted, shown to its owner and listed by ``batchyard stuck``.
     stuck_after_s: _Seconds = setting(900.0)
+    #: How many times a batch worker sends a line, row or item again when its
+    #: upstream answered 503 before taking the call (it never reached the engine),
+    #: before the unit counts as failed; 0: never. A call that may have reached
+    #: the engine is never sent again.
+    upstream_unavailable_retries: Annotated[int, Field(ge=0, le=10)] = setting(2)
     # A concurrency slot's lease, renewed while its request runs: how long a
     # crashed process can hold slots it never gave back.
     slot_lease_s: _Seconds = setting(60.0)

@@ -303,7 +303,10 @@ class OpenAIHttpEngine:
             )
         elif status >= 500:
             error = UpstreamError(
-                f"upstream failed with HTTP {status}: {message}", retry_after=retry_after
+                f"upstream failed with HTTP {status}: {message}",
+                retry_after=retry_after,
+                # 503 says the server is not handling requests: it took nothing.
+                not_taken=status == 503,
             )
         else:
             error = UpstreamError(

@@ -125,6 +125,8 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("POST", _RUNS + "/{run_id}/confirm"): _key(F),
     ("POST", _RUNS + "/{run_id}/cancel"): _key(F),
     ("GET", _RUNS + "/{run_id}/failures"): _key(F, R),
+    ("GET", _RUNS + "/{run_id}/finished"): _key(F, R),
+    ("POST", _RUNS + "/{run_id}/retry"): _key(F),
     # webhook endpoints: where the organisation hears that its batches ended (secrets: full)
     ("POST", _HOOKS): _key(F),
     ("GET", _HOOKS): _key(F, R),

@@ -22,10 +22,12 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from batchyard.core.clock import isoformat
 from batchyard.core.sealing import Sealer
 from batchyard.store import file_batches as store
+from batchyard.store import work_items
 
-__all__ = ["MAX_PAGE", "file_batch_items", "page"]
+__all__ = ["MAX_PAGE", "file_batch_items", "page", "run_items"]
 
 #: The most items one page holds.
 MAX_PAGE = 1000
@@ -63,4 +65,20 @@ def file_batch_items(
     for seq, line, sealed in store.ended_lines(conn, batch_id, after=after, limit=limit + 1):
         stored = json.loads(sealer.open(sealed, store.out_aad(batch_id, line)))
         items.append((seq, render(stored) if render is not None else stored))
+    return items
+
+
+def run_items(
+    conn: Connection, run_id: str, *, after: int, limit: int
+) -> list[tuple[int, dict[str, Any]]]:
+    """Up to ``limit + 1`` rows of a run that ended after ``after``.
+
+    Each as the run's ``/failures`` shows a row, with its ``outputs`` while
+    they wait in the run; a run writes its answers into the dataset when its
+    calls are done, and a row written there says ``written`` (its answers
+    are read from the dataset then: the run keeps no second copy).
+    """
+    items = work_items.ended_rows(conn, run_id, after=after, limit=limit + 1)
+    for _, item in items:
+        item["updatedAt"] = isoformat(item["updatedAt"]) if item["updatedAt"] else None
     return items

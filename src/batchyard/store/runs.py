@@ -30,6 +30,7 @@ from sqlalchemy import (
     Text,
     insert,
     select,
+    text,
     update,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "Run",
     "create_run",
     "get_run",
+    "link_retry",
     "list_runs",
     "load_run",
     "run_items",
@@ -95,6 +97,11 @@ runs = Table(
     Column("updated_at", UtcDateTime(), nullable=False),
     # The key that started the run (created it, then confirmed it): revoking it stops the run.
     Column("key_id", String(64), nullable=True),
+    # The end numbers its rows have taken (``store.end_order``): what a follower reads after.
+    Column("ended_seq", BigInteger, nullable=False, default=0, server_default="0"),
+    # The run this one retries (its failed and canceled rows), and the run that retried it.
+    Column("retry_of", String(64), nullable=True),
+    Column("retried_by", String(64), nullable=True),
     Index("ix_bir_project", "project_id", "id"),
     Index("ix_bir_status", "status", "lease_expires_at"),
 )
@@ -117,7 +124,17 @@ run_items = Table(
     Column("updated_at", UtcDateTime(), nullable=True),
     # Written durably just before the row's engine call (see ``store.work_items``).
     Column("sent_at", UtcDateTime(), nullable=True),
+    # Its place in the order the run's rows ended (``store.end_order``); None until it ends.
+    Column("ended_seq", BigInteger, nullable=True),
     Index("ix_bir_items_state", "run_id", "state", "row_id"),
+    # Partial: a row enters it when it ends, so freezing a million pending rows pays nothing.
+    Index(
+        "ix_bir_items_ended",
+        "run_id",
+        "ended_seq",
+        sqlite_where=text("ended_seq IS NOT NULL"),
+        postgresql_where=text("ended_seq IS NOT NULL"),
+    ),
 )
 
 
@@ -157,6 +174,9 @@ class Run:
     key_id: str | None = None
     lease_token: int = 0
     cached_input_tokens: int = 0
+    ended_seq: int = 0
+    retry_of: str | None = None
+    retried_by: str | None = None
 
     @property
     def lease(self) -> Lease:
@@ -267,3 +287,13 @@ def update_run(
     if "error" in values and values["error"] is not None:
         values["error"] = json.dumps(values["error"])
     return conn.execute(q.values(updated_at=now, **values)).rowcount == 1
+
+
+def link_retry(conn: Connection, run_id: str, retry_id: str, now: datetime) -> bool:
+    """Name ``retry_id`` as the run that retries ``run_id``, unless another already does."""
+    done = conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.retried_by.is_(None))
+        .values(retried_by=retry_id, updated_at=now)
+    )
+    return done.rowcount == 1

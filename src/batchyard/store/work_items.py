@@ -22,14 +22,17 @@ from sqlalchemy import (
     and_,
     bindparam,
     delete,
+    false,
     func,
+    insert,
+    literal,
     select,
     update,
 )
 
 from batchyard.core.leases import Lease
 from batchyard.core.runs import ItemState
-from batchyard.store import leases
+from batchyard.store import end_order, leases
 from batchyard.store.at_rest import open_text, seal_text
 from batchyard.store.projects import dataset_rows as dr
 from batchyard.store.projects import row_aad
@@ -46,11 +49,14 @@ UNCERTAIN_ERROR = json.dumps(
 
 __all__ = [
     "ItemResult",
+    "RetryCopy",
     "WorkItem",
     "add_items",
     "cancel_pending",
     "claim_items",
     "clear_items",
+    "copy_for_retry",
+    "ended_rows",
     "list_failures",
     "mark_sent",
     "mark_uncertain",
@@ -85,6 +91,78 @@ class ItemResult:
     usage_cached: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RetryCopy:
+    """What a retry took from the run it retries, and what it left (``copy_for_retry``)."""
+
+    rows: int
+    input_tokens: int
+    succeeded: int
+    too_long: int
+    uncertain: int
+    uncertain_row_ids: list[int]
+
+
+#: The row states a retry sends again: the call failed, or it was never sent.
+RETRIED = (ItemState.FAILED, ItemState.CANCELED)
+
+
+def copy_for_retry(
+    conn: Connection, from_run: str, to_run: str, *, fits: int, name_at_most: int
+) -> RetryCopy:
+    """Freeze another run's failed and canceled rows into ``to_run``, pending, as they were.
+
+    Each keeps its row ID and the version the first run froze (the text it
+    priced) and its token count; one ``INSERT … SELECT``, so a retry of a
+    million rows moves no row through Python. A row whose prompt cannot fit
+    (``fits`` tokens) would fail again and is left out; a row that succeeded
+    or is ``uncertain`` (its call may have been answered upstream) is never
+    copied, and up to ``name_at_most`` uncertain rows are named.
+    """
+    ri = run_items
+    source = select(
+        literal(to_run),
+        ri.c.row_id,
+        ri.c.version,
+        ri.c.input_tokens,
+        literal(str(ItemState.PENDING)),
+        false(),
+    ).where(ri.c.run_id == from_run, ri.c.state.in_(RETRIED), ri.c.input_tokens <= fits)
+    conn.execute(
+        insert(ri).from_select(
+            ["run_id", "row_id", "version", "input_tokens", "state", "written"], source
+        )
+    )
+    rows, tokens = conn.execute(
+        select(func.count(), func.sum(ri.c.input_tokens)).where(ri.c.run_id == to_run)
+    ).one()
+    by_state: dict[str, int] = {
+        str(state): int(n)
+        for state, n in conn.execute(
+            select(ri.c.state, func.count()).where(ri.c.run_id == from_run).group_by(ri.c.state)
+        )
+    }
+    retriable = sum(by_state.get(state, 0) for state in RETRIED)
+    uncertain = (
+        conn.execute(
+            select(ri.c.row_id)
+            .where(ri.c.run_id == from_run, ri.c.state == ItemState.UNCERTAIN)
+            .order_by(ri.c.row_id)
+            .limit(name_at_most)
+        )
+        .scalars()
+        .all()
+    )
+    return RetryCopy(
+        rows=int(rows),
+        input_tokens=int(tokens or 0),
+        succeeded=by_state.get(ItemState.SUCCEEDED, 0),
+        too_long=retriable - int(rows),
+        uncertain=by_state.get(ItemState.UNCERTAIN, 0),
+        uncertain_row_ids=[int(r) for r in uncertain],
+    )
+
+
 def clear_items(conn: Connection, run_id: str) -> None:
     """Forget a half-prepared quote's rows, so a new preparation starts clean."""
     conn.execute(delete(run_items).where(run_items.c.run_id == run_id))
@@ -101,12 +179,23 @@ def add_items(
     """
     if not items:
         return
+    # A row frozen as failed (its prompt cannot fit) has ended already: it takes its number
+    # now, in the same insert (the numbers run from ``first``, one per failed row, in order).
+    failed = sum(1 for item in items if item[3] != ItemState.PENDING)
+    seq = end_order.take(conn, runs, runs.c.id, run_id, failed) if failed else 0
+    rows: list[tuple[str, int, int, int, str, str | None, bool, int | None]] = []
+    for r, v, t, s, e in items:
+        if s == ItemState.PENDING:
+            rows.append((run_id, r, v, t, str(s), e, False, None))
+        else:
+            rows.append((run_id, r, v, t, str(s), e, False, seq))
+            seq += 1
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     table = run_items.name
     conn.exec_driver_sql(
-        f"INSERT INTO {table} (run_id, row_id, version, input_tokens, state, error, written) "
-        f"VALUES ({', '.join([mark] * 7)})",
-        [(run_id, r, v, t, str(s), e, False) for r, v, t, s, e in items],
+        f"INSERT INTO {table} (run_id, row_id, version, input_tokens, state, error, written, "
+        f"ended_seq) VALUES ({', '.join([mark] * 8)})",
+        rows,
     )
 
 
@@ -167,8 +256,10 @@ def record_results(
     """
     if not results:
         return
+    first = end_order.take(conn, runs, runs.c.id, run_id, len(results))
     params = [
         {
+            "seq": first + i,
             "rid": r.row_id,
             "st": r.state,
             # A model's answers wait here until they are written: sealed, like the rows.
@@ -184,7 +275,7 @@ def record_results(
             "err": json.dumps(r.error) if r.error else None,
             "now": now,
         }
-        for r in results
+        for i, r in enumerate(results)
     ]
     conn.execute(
         update(run_items)
@@ -204,6 +295,7 @@ def record_results(
             charge=bindparam("ch"),
             error=bindparam("err"),
             updated_at=bindparam("now"),
+            ended_seq=bindparam("seq"),
         ),
         params,
     )
@@ -236,9 +328,24 @@ def _set_state(
         conn.execute(
             update(run_items)
             .where(run_items.c.run_id == run_id, run_items.c.state == old)
-            .values(state=new, updated_at=now, error=error)
+            .values(
+                state=new, updated_at=now, error=error, ended_seq=_end_numbers(conn, run_id, ids)
+            )
         )
     return ids
+
+
+def _end_numbers(conn: Connection, run_id: str, ids: Sequence[int]) -> Any:
+    """The end numbers of rows ``ids`` that end in this statement (``store.end_order``).
+
+    One range is taken, from the lowest ID to the highest, and each row gets
+    its place in it, so a million rows canceled at once end in one ``UPDATE``
+    rather than a statement per row; the IDs left out of the range are gaps,
+    which a follower's cursor does not mind.
+    """
+    low = min(ids)
+    first = end_order.take(conn, runs, runs.c.id, run_id, max(ids) - low + 1)
+    return run_items.c.row_id + (first - low)
 
 
 def mark_sent(
@@ -317,7 +424,12 @@ def mark_uncertain(conn: Connection, run_id: str, now: datetime) -> list[int]:
         conn.execute(
             update(run_items)
             .where(run_items.c.run_id == run_id, run_items.c.row_id.in_(ids))
-            .values(state=ItemState.UNCERTAIN, updated_at=now, error=UNCERTAIN_ERROR)
+            .values(
+                state=ItemState.UNCERTAIN,
+                updated_at=now,
+                error=UNCERTAIN_ERROR,
+                ended_seq=_end_numbers(conn, run_id, ids),
+            )
         )
     return ids
 
@@ -423,4 +535,47 @@ def list_failures(
             "updatedAt": r.updated_at,
         }
         for r in conn.execute(q.order_by(run_items.c.row_id).limit(limit))
+    ]
+
+
+def ended_rows(
+    conn: Connection, run_id: str, *, after: int, limit: int
+) -> list[tuple[int, dict[str, Any]]]:
+    """``(end number, row)`` of rows that ended after ``after``, in end order.
+
+    Each row as ``list_failures`` shows a failed one, with its ``outputs``
+    while they wait in the run (opened); once written into the dataset they
+    are cleared here (``mark_written``) and ``written`` says where to read them.
+    """
+    rows = conn.execute(
+        select(
+            run_items.c.ended_seq,
+            run_items.c.row_id,
+            run_items.c.version,
+            run_items.c.state,
+            run_items.c.outputs,
+            run_items.c.written,
+            run_items.c.error,
+            run_items.c.updated_at,
+        )
+        .where(run_items.c.run_id == run_id, run_items.c.ended_seq > after)
+        .order_by(run_items.c.ended_seq)
+        .limit(limit)
+    ).all()
+    return [
+        (
+            int(r.ended_seq),
+            {
+                "rowId": r.row_id,
+                "version": r.version,
+                "state": r.state,
+                "outputs": json.loads(open_text(conn, r.outputs, _outputs_aad(run_id, r.row_id)))
+                if r.outputs
+                else None,
+                "written": bool(r.written),
+                "error": json.loads(r.error) if r.error else None,
+                "updatedAt": r.updated_at,
+            },
+        )
+        for r in rows
     ]

@@ -96,6 +96,7 @@ class Dispatcher:
         engines: EngineRegistry,
         tiers: tuple[Tier, ...],
         upstream_429_retries: int = 5,
+        upstream_unavailable_retries: int = 0,
         metrics: Recorder = NO_RECORDER,
     ) -> None:
         self.db = db
@@ -104,6 +105,10 @@ class Dispatcher:
         self.engines = engines
         self.tiers = tiers
         self.upstream_429_retries = upstream_429_retries
+        #: How many times a batch worker sends a unit again after an upstream 503 that took
+        #: nothing (``UpstreamError.not_taken``); the workers' pipelines read it. A door does
+        #: not: its caller decides whether to send again.
+        self.upstream_unavailable_retries = upstream_unavailable_retries
         self.pacer = RoutePacer(clock, limiter)
         #: Each route's trouble since its last answer (down, limited), for the stuck-work watch.
         self.health = RouteHealth()

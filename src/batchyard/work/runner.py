@@ -295,6 +295,7 @@ class Runner:
         flush_s: float,
         renew_s: float | None = None,
         outage_pause_s: float = 1.0,
+        unavailable_retries: int = 0,
     ) -> Pipeline:
         """A claim pipeline of this worker: it claims and sends nothing more once it drains.
 
@@ -310,6 +311,7 @@ class Runner:
             flush_s=flush_s,
             draining=lambda: self.draining,
             outage_pause_s=outage_pause_s,
+            unavailable_retries=unavailable_retries,
         )
 
     # The tasks a round starts.
@@ -420,6 +422,7 @@ async def answer(
     *,
     clock: Clock,
     outage_pause_s: float,
+    unavailable_retries: int = 0,
 ) -> Answered[T] | Failed | Unsent:
     """Call one unit; never raises but for cancellation (a failure is an answer too).
 
@@ -431,37 +434,57 @@ async def answer(
     (marked sent or not, nothing left). After an outage the unit waits ``outage_pause_s`` of
     the clock before it is handed back: claiming it again at once would only
     spin while the outage lasts.
+
+    The one bounded automatic retry of every kind of leased work: a call the
+    upstream answered 503 before taking it (``UpstreamError.not_taken``: it
+    never reached the engine) is made again, up to ``unavailable_retries``
+    times, after the upstream's ``Retry-After`` (else ``outage_pause_s``),
+    while the unit stays claimed; then it counts as failed. Nothing else is
+    sent twice here: a call that may have reached the engine is the unit's
+    answer. Each attempt is marked sent again, so a worker that stops during
+    the wait leaves the unit ``uncertain``, never sent twice silently; and the
+    mark is refused once the pipeline stops (its batch's window closed, the
+    batch was canceled, the worker drains), so no attempt goes past the unit's
+    deadline: the unit is handed back unsent and ends as its kind ends those.
     """
     sent = False
+    tries = 0
 
     async def on_send() -> None:
         nonlocal sent
         await mark()
         sent = True
 
-    try:
-        return Answered(await call(on_send))
-    except NotSent as exc:
-        return Unsent(str(exc), exc.stop)
-    except UpstreamUnreachable as exc:
-        # The route refused the connection: the call never left, whether or not
-        # the unit was marked sent, so it waits for its route (``requeue`` takes
-        # the mark back) instead of failing. Its pause keeps a route that is down
-        # from being asked again at once.
-        await clock.sleep(outage_pause_s)
-        return Unsent(exc.code)
-    except (StorageUnavailable, LimiterUnavailable) as exc:
-        if sent:
+    while True:
+        try:
+            return Answered(await call(on_send))
+        except NotSent as exc:
+            return Unsent(str(exc), exc.stop)
+        except UpstreamUnreachable as exc:
+            # The route refused the connection: the call never left, whether or not
+            # the unit was marked sent, so it waits for its route (``requeue`` takes
+            # the mark back) instead of failing. Its pause keeps a route that is down
+            # from being asked again at once.
+            await clock.sleep(outage_pause_s)
+            return Unsent(exc.code)
+        except (StorageUnavailable, LimiterUnavailable) as exc:
+            if sent:
+                return Failed(exc)
+            # The store refused the mark, or the limiter could not admit the call:
+            # nothing reached the engine.
+            await clock.sleep(outage_pause_s)
+            return Unsent(exc.code)
+        except UpstreamError as exc:
+            if not exc.not_taken or tries >= unavailable_retries:
+                return Failed(exc)
+            tries += 1
+            log.info("upstream unavailable; sending again", extra={"attempt": tries})
+            await clock.sleep(exc.retry_after if exc.retry_after is not None else outage_pause_s)
+        except BatchyardError as exc:
             return Failed(exc)
-        # The store refused the mark, or the limiter could not admit the call:
-        # nothing reached the engine.
-        await clock.sleep(outage_pause_s)
-        return Unsent(exc.code)
-    except BatchyardError as exc:
-        return Failed(exc)
-    except Exception as exc:
-        log.warning("a unit's call failed", extra={"error_type": type(exc).__name__})
-        return Failed(failure(exc))
+        except Exception as exc:
+            log.warning("a unit's call failed", extra={"error_type": type(exc).__name__})
+            return Failed(failure(exc))
 
 
 # --- the queue of one kind of leased work --------------------------------------------------
@@ -641,6 +664,8 @@ class Pipeline:
     draining: Callable[[], bool]
     #: How long a unit waits (on the clock) after an outage kept its call from starting.
     outage_pause_s: float = 1.0
+    #: How many times a unit's call is made again after an upstream 503 that took nothing.
+    unavailable_retries: int = 0
 
     def _until(self) -> datetime:
         return self.clock.now() + timedelta(seconds=self.lease_s)
@@ -690,6 +715,7 @@ class Pipeline:
                     mark,
                     clock=clock,
                     outage_pause_s=self.outage_pause_s,
+                    unavailable_retries=self.unavailable_retries,
                 )
             )
             flying[task] = claim

@@ -13,14 +13,13 @@ import json
 from collections import Counter
 from typing import Any
 
-import httpx
-
 from batchyard.client import AsyncClient
 from batchyard.engines.protocol import Completion, CompletionRequest
 from batchyard.engines.scripted import ScriptedEngine
 from batchyard.errors import ModelOutputInvalid
 from batchyard.service import Service
 from tests.support.accounts import make_account
+from tests.support.clocks import ReleasingClock
 from tests.support.deferred_batches import (
     batch_body,
     eventually,
@@ -38,6 +37,7 @@ from tests.support.file_batches import (
     upload,
     worker,
 )
+from tests.support.following import read_pages
 from tests.support.server import asgi_client
 
 
@@ -67,23 +67,6 @@ class OneAtATime:
 def ended_lines(service: Service, batch_id: str) -> int:
     """How many of the batch's lines have ended, read from the store."""
     return sum(1 for r in lines_of(service, batch_id) if r.state not in ("pending", "dispatched"))
-
-
-async def read_pages(
-    http: httpx.AsyncClient, path: str, headers: dict[str, str], cursor: str, limit: int
-) -> tuple[list[dict[str, Any]], str, bool]:
-    """Every page from ``cursor`` on, ``limit`` at a time: (items, new cursor, ended)."""
-    got: list[dict[str, Any]] = []
-    while True:
-        r = await http.get(path, params={"after": cursor, "limit": limit}, headers=headers)
-        assert r.status_code == 200, r.text
-        page = r.json()
-        assert page["object"] == "list" and len(page["data"]) <= limit
-        got += page["data"]
-        assert int(page["cursor"]) >= int(cursor)
-        cursor = page["cursor"]
-        if not page["has_more"]:
-            return got, cursor, page["ended"]
 
 
 async def test_a_file_batch_read_in_pieces_while_it_runs_is_its_final_files(service):
@@ -203,26 +186,12 @@ async def test_the_python_client_follows_a_batch_to_its_end(service):
     acct = make_account(service, credit="1")
     lines = [chat_line(f"c{i}", f"Say hi to {i}.") for i in range(6)]
 
-    class Ticks:
-        """The client's clock: each poll lets the engine answer one more call, and returns
-        once its line has ended (no real time passes for the poll itself)."""
-
-        batch_id = ""
-
-        def time(self) -> float:
-            return 0.0
-
-        async def sleep(self, seconds: float) -> None:
-            before = ended_lines(service, self.batch_id)
-            if before < len(lines):
-                engine.release()
-                await eventually(lambda: ended_lines(service, self.batch_id) > before)
-
     async with asgi_client(service, worker=True) as http:
         f = (await upload(http, acct.headers, jsonl(lines))).json()
         batch = (await create(http, acct.headers, f["id"])).json()
-        ticks = Ticks()
-        ticks.batch_id = batch["id"]
+        ticks = ReleasingClock(
+            lambda: ended_lines(service, batch["id"]), len(lines), engine.release
+        )
         client = AsyncClient(
             base_url=str(http.base_url), api_key=acct.key, http_client=http, clock=ticks
         )

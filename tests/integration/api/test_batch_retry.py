@@ -8,6 +8,7 @@ or is uncertain.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from batchyard.core.money import parse_money, to_ticks
@@ -24,6 +25,7 @@ from tests.support.deferred_batches import (
     feed_route,
     submit,
 )
+from tests.support.fake_upstream import FakeUpstream
 from tests.support.file_batches import (
     chat_line,
     create,
@@ -33,6 +35,7 @@ from tests.support.file_batches import (
     upload,
     worker,
 )
+from tests.support.runs import http_catalog
 from tests.support.server import asgi_client
 
 
@@ -183,3 +186,25 @@ async def test_a_deferred_batch_is_not_retried_here_and_another_org_sees_nothing
         theirs = await http.post(f"/v1/batches/{bid}/retry", headers=other.headers)
     assert mine.status_code == 409 and mine.json()["error"]["code"] == "retry_unsupported"
     assert theirs.status_code == 404
+
+
+async def test_a_line_the_upstream_refused_with_503_is_sent_again_by_the_worker(make_service):
+    # The automatic retry is the runner's, shared by every kind: a file batch's line the
+    # upstream answered 503 (it took nothing) is sent again and answered, not failed.
+    with FakeUpstream(mode="echo") as up:
+        svc = make_service(catalog=http_catalog(up.base_url))
+        acct = make_account(svc, credit="1")
+        up.fail_next(1, status=503)
+        async with asgi_client(svc, worker=False) as http:
+            f = (await upload(http, acct.headers, jsonl([chat_line("r0"), chat_line("r1")]))).json()
+            batch = (await create(http, acct.headers, f["id"])).json()
+            files = asyncio.create_task(worker(svc).run_until_idle())
+            while not files.done():
+                svc.clock.advance(1.0)  # the pause before the line is sent again
+                await asyncio.sleep(0.01)
+            await files
+            done = (await http.get(f"/v1/batches/{batch['id']}", headers=acct.headers)).json()
+    assert done["status"] == "completed"
+    counts = done["request_counts"]
+    assert (counts["total"], counts["completed"], counts["failed"]) == (2, 2, 0)
+    assert up.statuses[503] == 1 and up.statuses[200] == 2

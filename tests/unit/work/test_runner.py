@@ -379,6 +379,49 @@ async def test_answer_sees_a_refused_call_as_unsent_and_a_started_one_as_answere
     assert isinstance(failed, Failed) and failed.error.code == "storage_unavailable"
 
 
+async def test_a_call_the_upstream_did_not_take_is_sent_again_a_bounded_number_of_times(
+    clock: SleepWatchingClock,
+) -> None:
+    marks: list[int] = []
+    refusals = [
+        UpstreamError("upstream failed with HTTP 503", not_taken=True, retry_after=3.0),
+        UpstreamError("upstream failed with HTTP 503", not_taken=True),
+    ]
+
+    async def mark() -> None:
+        marks.append(1)
+
+    async def call(on_send: OnSend) -> str:
+        await on_send()
+        if refusals:
+            raise refusals.pop(0)
+        return "ok"
+
+    task = asyncio.create_task(
+        answer(call, mark, clock=clock, outage_pause_s=1, unavailable_retries=2)
+    )
+    assert await within(clock.next_sleep()) == 3.0  # the upstream's Retry-After
+    clock.advance(3.0)
+    assert await within(clock.next_sleep()) == 1  # else the outage pause
+    clock.advance(1.0)
+    assert await within(task) == Answered("ok")
+    assert len(marks) == 3  # each attempt marked sent, right before it
+
+    # Past the bound it fails; a 5xx that may have reached the engine is never sent again.
+    refusals[:] = [UpstreamError("503", not_taken=True)] * 2
+    once = asyncio.create_task(
+        answer(call, mark, clock=clock, outage_pause_s=1, unavailable_retries=1)
+    )
+    assert await within(clock.next_sleep()) == 1
+    clock.advance(1.0)
+    failed = await within(once)
+    assert isinstance(failed, Failed) and failed.error.code == "upstream_error"
+    marks.clear()
+    refusals[:] = [UpstreamError("upstream failed with HTTP 500")]
+    reached = await answer(call, mark, clock=clock, outage_pause_s=1, unavailable_retries=5)
+    assert isinstance(reached, Failed) and marks == [1]
+
+
 class Counting(Runner):
     """A runner whose rounds the test counts, with a task per round it can hold open."""
 

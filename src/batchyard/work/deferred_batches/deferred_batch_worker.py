@@ -125,7 +125,11 @@ class DeferredBatchWorker(Runner):
         self.scan_limit = self.settings.scan_limit
         self.memory = PriceMemory(db, clock, policy)
         self.pipeline = self.new_pipeline(
-            db, dispatcher.metrics, lease_s=self.settings.lease_s, flush_s=self.settings.flush_s
+            db,
+            dispatcher.metrics,
+            lease_s=self.settings.lease_s,
+            flush_s=self.settings.flush_s,
+            unavailable_retries=dispatcher.upstream_unavailable_retries,
         )
         self._feed_task: asyncio.Task[None] | None = None
 

@@ -101,7 +101,11 @@ class FileBatchWorker(Runner):
         self.policy: Policy = policy if policy is not None else FirstEligible()
         self._swept: datetime | None = None
         self.pipeline = self.new_pipeline(
-            db, dispatcher.metrics, lease_s=self.settings.lease_s, flush_s=self.settings.flush_s
+            db,
+            dispatcher.metrics,
+            lease_s=self.settings.lease_s,
+            flush_s=self.settings.flush_s,
+            unavailable_retries=dispatcher.upstream_unavailable_retries,
         )
 
     # -- the rounds ---------------------------------------------------------------------

@@ -129,6 +129,7 @@ class RunExecutor:
             flush_s=settings.flush_s,
             draining=draining,
             outage_pause_s=settings.heartbeat_s,
+            unavailable_retries=dispatcher.upstream_unavailable_retries,
         )
 
     def _lease_until(self) -> datetime:

@@ -21,11 +21,12 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from batchyard.core.catalog import Catalog
+from batchyard.core.catalog import Catalog, ModelSpec
 from batchyard.core.clock import Clock, isoformat
 from batchyard.core.filters import compile_filter
 from batchyard.core.quotes import quote, room
 from batchyard.core.runs import (
+    TERMINAL,
     ItemState,
     RunStatus,
     prompt_messages,
@@ -34,16 +35,127 @@ from batchyard.core.runs import (
 )
 from batchyard.core.sections import RunSettings
 from batchyard.core.tokens import TokenizerSource
-from batchyard.errors import BatchyardError, ContextWindowExceeded
+from batchyard.errors import BatchyardError, ContextWindowExceeded, InvalidState, NotFound
 from batchyard.store import projects as pstore
 from batchyard.store import work_items
 from batchyard.store.database import Database
-from batchyard.store.runs import Run, update_run
+from batchyard.store.runs import Run, create_run, link_retry, load_run, update_run
 
-__all__ = ["QuotePreparer"]
+__all__ = ["QuotePreparer", "quoted", "retry_run"]
 
 log = logging.getLogger("batchyard.runs")
 S = RunStatus
+
+
+def quoted(
+    model: ModelSpec, spec: dict[str, Any], rows: int, tokens: int, expires: datetime
+) -> dict[str, Any]:
+    """A run's quote on ``rows`` frozen rows of ``tokens`` input tokens: the columns it sets.
+
+    The one pricing of a run, whether its rows were just counted or copied
+    from the run it retries: the model's direct price for every row's
+    ``maxOutputTokens`` and samples, at most what the run can be charged.
+    """
+    max_out = int(spec["sampling"]["maxOutputTokens"])
+    samples = int(spec["sampling"]["samplesPerRow"])
+    return {
+        "status": S.AWAITING_CONFIRMATION,
+        "quote_rows": rows,
+        "quote_input_tokens": tokens,
+        "quote_max_output_tokens": rows * max_out * samples,
+        "quote_max_cost": quote(model, tokens, rows * max_out, samples),
+        "quote_expires_at": expires,
+    }
+
+
+#: The most ``uncertain`` rows a retry names one by one.
+MAX_NAMED = 1000
+
+
+def retry_run(
+    conn: Connection,
+    original: Run,
+    *,
+    run_id: str,
+    catalog: Catalog,
+    settings: RunSettings,
+    now: datetime,
+    key_id: str | None,
+) -> tuple[Run, dict[str, Any]]:
+    """A new run of an ended run's failed and canceled rows, quoted, awaiting confirmation.
+
+    The rows keep their IDs and the versions the first run froze, so the
+    retry answers the text that failed; a succeeded row is never sent again,
+    nor an ``uncertain`` one (its call may have been answered upstream), and
+    the answer says so (``notRetried``). The quote is priced at once, since
+    the rows' tokens were counted when they were first frozen; funds are held
+    only at ``confirm``, as for any run. The two runs name each other, in
+    this transaction: a run is retried once (409 ``already_retried``).
+    """
+    if original.status not in TERMINAL:
+        raise InvalidState(
+            f"run {original.id} is still {original.status}; retry it once it ends",
+            code="batch_not_ended",
+            details={"status": original.status},
+        )
+    if original.retried_by is not None:
+        raise InvalidState(
+            f"run {original.id} was already retried by {original.retried_by}; retry that run "
+            "instead",
+            code="already_retried",
+        )
+    spec = original.spec
+    model, _, _ = resolve_model(catalog, spec["model"], original.org_id)
+    create_run(
+        conn,
+        run_id=run_id,
+        org_id=original.org_id,
+        project_id=original.project_id,
+        dataset_id=original.dataset_id,
+        spec=spec,
+        now=now,
+        key_id=key_id,
+    )
+    fits = room(model, int(spec["sampling"]["maxOutputTokens"]))
+    copied = work_items.copy_for_retry(conn, original.id, run_id, fits=fits, name_at_most=MAX_NAMED)
+    if copied.rows == 0:
+        raise InvalidState(
+            f"run {original.id} has no failed or canceled row to retry"
+            + (" that fits the model's context window" if copied.too_long else ""),
+            code="nothing_to_retry",
+        )
+    if not link_retry(conn, original.id, run_id, now):
+        raise InvalidState(
+            f"run {original.id} was already retried; retry that run instead",
+            code="already_retried",
+        )
+    # A retry's answers join the dataset the first run wrote, where it made one.
+    target = original.output_dataset_id if spec["output"]["type"] == "dataset" else None
+    if target is not None:
+        try:
+            pstore.get_dataset(conn, original.org_id, target, original.project_id)
+        except NotFound:
+            target = None  # deleted since: the retry makes a dataset of its own
+    update_run(
+        conn,
+        run_id,
+        now,
+        retry_of=original.id,
+        output_dataset_id=target,
+        **quoted(model, spec, copied.rows, copied.input_tokens, now + settings.quote_ttl),
+    )
+    work_items.recount(conn, run_id, now)
+    report = {
+        "of": original.id,
+        "rows": copied.rows,
+        "notRetried": {
+            "succeeded": copied.succeeded,
+            "uncertain": copied.uncertain,
+            "uncertainRowIds": copied.uncertain_row_ids,
+            "tooLong": copied.too_long,
+        },
+    }
+    return load_run(conn, run_id), report
 
 
 class QuotePreparer:
@@ -194,9 +306,6 @@ class QuotePreparer:
                 "no row of the dataset matches the filter with a prompt to send",
             )
             return
-        samples = int(spec["sampling"]["samplesPerRow"])
-        out_tokens = rows * max_out * samples
-        cost = quote(model, tokens, rows * max_out, samples)
 
         def finish(c: Connection) -> None:
             now = clock.now()
@@ -206,14 +315,9 @@ class QuotePreparer:
                 now,
                 expect=[S.PREPARING],
                 lease=run.lease,
-                status=S.AWAITING_CONFIRMATION,
-                quote_rows=rows,
-                quote_input_tokens=tokens,
-                quote_max_output_tokens=out_tokens,
-                quote_max_cost=cost,
-                quote_expires_at=now + self.settings.quote_ttl,
                 lease_owner=None,
                 lease_expires_at=None,
+                **quoted(model, spec, rows, tokens, now + self.settings.quote_ttl),
             ):
                 return  # another claim holds the run now: its quote is the one that counts
             work_items.recount(c, run.id, now)

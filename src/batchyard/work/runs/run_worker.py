@@ -114,6 +114,7 @@ class RunWorker(Runner):
                 renew_s=self.settings.heartbeat_s,
                 flush_s=self.settings.flush_s,
                 outage_pause_s=self.settings.heartbeat_s,
+                unavailable_retries=dispatcher.upstream_unavailable_retries,
             ),
         )
 
