@@ -553,25 +553,20 @@ def create_app(
     from batchyard.api import (
         account,
         batches,
-        chat,
-        completions,
         decide,
-        embeddings,
         files,
-        message_batches,
         messages,
         model_versions,
         models,
+        openai_door,
         projects,
         runs,
         scrape,
-        spend_caps,
         webhooks,
     )
-    from batchyard.api.envelope import EnvelopeMiddleware
-    from batchyard.api.errors import install_error_handlers
+    from batchyard.api.envelope import EnvelopeMiddleware, install_error_handlers
     from batchyard.api.metering import MeteringMiddleware
-    from batchyard.api.openapi import install_openapi
+    from batchyard.api.openapi import Health, Readiness, declare, install_openapi
     from batchyard.api.overflow import OverflowMiddleware
     from batchyard.web import file_pages
     from batchyard.web import routes as workspace
@@ -603,12 +598,18 @@ def create_app(
     app.add_middleware(EnvelopeMiddleware)
     app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 
-    @app.get("/healthz", response_model=None)
+    @app.get("/healthz", response_model=None, summary="Liveness: the process is up")
+    @declare(Health, errors=(503,), public=True)
     async def healthz() -> JSONResponse:
         ok = service.started
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
-    @app.get("/readyz", response_model=None)
+    @app.get(
+        "/readyz",
+        response_model=None,
+        summary="Readiness: store writable, migrations current, limiter reachable",
+    )
+    @declare(Readiness, errors=(503,), public=True)
     async def readyz() -> JSONResponse:
         """200 when every check passes; 503 with each failing check's reason otherwise."""
         if not service.started or service.draining:
@@ -625,20 +626,16 @@ def create_app(
         )
 
     # One router per front door; each door adds its own line.
-    app.include_router(account.router)
+    app.include_router(account.router)  # ... and the caps on a key's and a project's spend
     app.include_router(batches.router)
-    app.include_router(chat.router)
-    app.include_router(completions.router)
-    app.include_router(embeddings.router)
+    app.include_router(openai_door.router)  # chat, completions, embeddings
     app.include_router(decide.router)
     app.include_router(files.router)
-    app.include_router(message_batches.router)  # ... and its Message Batches
-    app.include_router(messages.router)  # Anthropic's Messages door
+    app.include_router(messages.router)  # Anthropic's door: Messages and Message Batches
     app.include_router(models.router)
     app.include_router(model_versions.router)  # a project's uploaded model versions
     app.include_router(projects.router)
     app.include_router(runs.router)
-    app.include_router(spend_caps.router)  # caps on a key's and a project's spend
     app.include_router(scrape.router)  # /metrics
     app.include_router(webhooks.router)  # /v1/webhook-endpoints
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
@@ -659,7 +656,7 @@ def create_metrics_app(service: Service) -> FastAPI:
     from fastapi.responses import JSONResponse
 
     from batchyard.api import scrape
-    from batchyard.api.errors import install_error_handlers
+    from batchyard.api.envelope import install_error_handlers
 
     app = FastAPI(
         title="batchyard worker",

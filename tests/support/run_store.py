@@ -68,7 +68,7 @@ def run_spec(
     samples: int = 1,
     row_filter: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A run's spec as ``api.run_requests`` normalises it; ``field=None`` reads ``messages``."""
+    """A run's spec as ``api.runs`` normalises it; ``field=None`` reads ``messages``."""
     source = {"type": "messages"} if field is None else {"type": "field", "field": field}
     return {
         "model": {"type": "base", "id": model},

@@ -1,33 +1,56 @@
-"""``GET /v1/account`` and ``GET /v1/activity``: credit, tier, limits, and what was charged."""
+"""``/v1/account``, ``/v1/activity`` and the spend caps: credit, tier, limits, what was charged.
+
+A full key caps what one of its organisation's keys, or one of its projects, may
+spend in total and in a calendar month (UTC); ``service.spend_caps`` checks the
+body and ``store.spend_caps`` enforces the caps at every hold.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
-from batchyard.api.inputs import query_id_cursor, query_limit
-from batchyard.core.accounts import Organisation
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    once,
+    path_id,
+    query_id_cursor,
+    query_limit,
+    read_json,
+)
+from batchyard.api.openapi import Account, ListOf, SpendCapBody, declare
+from batchyard.api.projects import ProjectId
+from batchyard.core.accounts import Organisation, Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
-from batchyard.service.spend_caps import cap_views
+from batchyard.service import Service, spend_caps
 from batchyard.store import accounts, activity, ledger
 
 __all__ = ["router"]
 
 router = APIRouter()
+#: ``spend_caps.set_key_cap`` or ``set_project_cap``: the caps of one key or project.
+_Cap = Callable[[Service, Principal, str, Any], Awaitable[Any]]
+KeyId = Annotated[str, path_id("key_id", "key", "key")]
 
 
-@router.get("/v1/account")
-async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-
+@router.get("/v1/account", summary="Your account")
+@declare(Account)
+async def get_account(principal: Caller, svc: ServiceDep) -> JSONResponse:
     now = svc.clock.now()
 
     def load(conn: Connection) -> tuple[Organisation, ledger.Balance, list[dict[str, object]]]:
         org = accounts.get_org(conn, principal.org_id)
-        return org, ledger.balance(conn, principal.org_id), cap_views(conn, principal, now)
+        return (
+            org,
+            ledger.balance(conn, principal.org_id),
+            spend_caps.cap_views(conn, principal, now),
+        )
 
     org, bal, caps = await svc.db.read(load)
     tier = svc.tier(org.tier)
@@ -37,7 +60,7 @@ async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
             "threshold": format_money(org.auto_topup_threshold),
             "amount": format_money(org.auto_topup_amount),
         }
-    return json_response(
+    return JSONResponse(
         {
             "organization": {"id": principal.org_id, "name": principal.org_name},
             "tier": tier.level,
@@ -55,9 +78,9 @@ async def get_account(request: Request, svc: ServiceDep) -> JSONResponse:
     )
 
 
-@router.get("/v1/activity")
-async def get_activity(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@router.get("/v1/activity", summary="Credit activity")
+@declare(ListOf)
+async def get_activity(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
     limit = query_limit(request, default=100, most=1000)
     after = query_id_cursor(request, "act", name="after")
     rows = await svc.db.read(
@@ -71,10 +94,34 @@ async def get_activity(request: Request, svc: ServiceDep) -> JSONResponse:
         }
         for r in rows
     ]
-    return json_response(
+    return JSONResponse(
         {
             "object": "list",
             "data": data,
             "next_cursor": data[-1]["id"] if len(data) == limit else None,
         }
     )
+
+
+@router.put("/v1/keys/{key_id}/spend-cap", summary="Cap what a key may spend")
+@declare(body=SpendCapBody)
+async def set_key_cap(
+    request: Request, principal: Caller, key_id: KeyId, svc: ServiceDep
+) -> Response:
+    return await _capped(request, principal, svc, key_id, spend_caps.set_key_cap)
+
+
+@router.put("/v1/projects/{project_id}/spend-cap", summary="Cap what a project's runs may spend")
+@declare(body=SpendCapBody)
+async def set_project_cap(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> Response:
+    return await _capped(request, principal, svc, project_id, spend_caps.set_project_cap)
+
+
+async def _capped(
+    request: Request, principal: Principal, svc: Service, of: str, cap: _Cap
+) -> Response:
+    body = await read_json(request)
+    caps = spend_caps.parse_caps(body)
+    return await once(request, principal, body, lambda: cap(svc, principal, of, caps))

@@ -1,51 +1,55 @@
 """``/v1/batches``: one resource, two dialects.
 
-The body of ``POST /v1/batches`` says which dialect is meant. One that names
-``input_file_id`` or ``endpoint`` is OpenAI's file batch
-(``service.file_batches``: its lines are an uploaded file's, its quote is
-held at once, ``work.file_batches`` runs it). Any other is a
-deferred batch, exactly as docs/reference/batches.md says: inline ``requests`` checked whole
-(``service.batch_requests``), sealed and written in one transaction, a
-required Idempotency-Key, executed by the deferred-batch worker (``work.deferred_batches``).
-Reads, lists and cancels serve both with one object
-(``service.batch_views``); ``/results`` is the deferred batch's NDJSON, and a file
-batch's results are its output and error files.
-
-Scopes (``service.access``): ``full`` and ``inference`` keys create and cancel;
-every key reads; an ``inference`` key sees and cancels only its own batches.
+The body of ``POST /v1/batches`` says which dialect is meant: one that names
+``input_file_id`` or ``endpoint`` is OpenAI's file batch (``service.file_batches``),
+any other a deferred batch (``service.batch_requests``, docs/reference/batches.md),
+whose Idempotency-Key is required. Reads, lists and cancels serve both with one
+object (``service.batch_views``); ``/results`` is the deferred batch's NDJSON, and a
+file batch's results are its output and error files.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
-from batchyard.api.inputs import (
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    allow_query,
     finished_query,
-    object_id,
+    idempotent,
+    listing,
+    path_id,
     query_id_cursor,
     query_limit,
     read_empty,
+    read_json,
 )
-from batchyard.errors import InvalidRequest, InvalidState
+from batchyard.api.openapi import EmptyBody, Finished, ListOf, declare
+from batchyard.errors import InvalidState
 from batchyard.service import batch_listing, deferred_batches, file_batches
-from batchyard.service.batch_requests import MAX_BODY_BYTES, parse_submission
+from batchyard.service.batch_requests import MAX_BODY_BYTES, BatchBody, parse_submission
+from batchyard.service.file_batches import FileBatchBody
 
 __all__ = ["router"]
 
 router = APIRouter()
-
+BatchId = Annotated[str, path_id("batch_id", "bat", "batch")]
 
 #: Fields only a file batch names: their presence says the body is OpenAI's dialect.
 FILE_DIALECT = {"input_file_id", "endpoint"}
 
 
-@router.post("/v1/batches")
-async def create_batch(request: Request, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
+@router.post(
+    "/v1/batches",
+    status_code=201,
+    summary="Submit a batch: deferred (201, batchyard's body) or a file batch (200, OpenAI's)",
+)
+@declare(body=(BatchBody, FileBatchBody), errors=(402, 429), also=(200,))
+async def create_batch(request: Request, principal: Caller, svc: ServiceDep) -> Response:
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=MAX_BODY_BYTES)
     if FILE_DIALECT & raw.keys():
@@ -69,44 +73,27 @@ async def create_batch(request: Request, svc: ServiceDep) -> Response:
     )
 
 
-def _batch_id(value: str) -> str:
-    return object_id(value, "bat", param="batch_id", what="batch")
-
-
-@router.get("/v1/batches")
-async def list_batches(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    for key in sorted(request.query_params.keys() - {"after", "limit"}):
-        raise InvalidRequest(
-            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
-        )
+@router.get("/v1/batches", summary="Batches of both dialects")
+@declare(ListOf)
+async def list_batches(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
+    allow_query(request, "after", "limit")
     limit = query_limit(request, default=20, most=100)
     after = query_id_cursor(request, "bat", name="after")
     data, more = await batch_listing.list_views(svc, principal, after=after, limit=limit)
-    return json_response(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-            "next_cursor": data[-1]["id"] if more else None,
-        }
-    )
+    return JSONResponse({**listing(data, more), "next_cursor": data[-1]["id"] if more else None})
 
 
 @router.get("/v1/batches/{batch_id}")
-async def get_batch(request: Request, batch_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _batch_id(batch_id)
+async def get_batch(principal: Caller, batch_id: BatchId, svc: ServiceDep) -> JSONResponse:
     view = await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
-    return json_response(view)
+    return JSONResponse(view)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    _batch_id(batch_id)
+@declare(body=EmptyBody)
+async def cancel_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
     body = await read_empty(request)
 
     async def handler() -> tuple[int, Any]:
@@ -119,11 +106,14 @@ async def cancel_batch(request: Request, batch_id: str, svc: ServiceDep) -> Resp
     return await idempotent(request, principal, body, handler, answers_text=False)
 
 
-@router.post("/v1/batches/{batch_id}/retry")
-async def retry_batch(request: Request, batch_id: str, svc: ServiceDep) -> Response:
-    """A batchyard extension: a new file batch of this one's failed, expired and canceled lines."""
-    principal = await authenticate(request)
-    _batch_id(batch_id)
+@router.post(
+    "/v1/batches/{batch_id}/retry",
+    summary="A batchyard extension: a new file batch of the failed, expired, canceled lines",
+)
+@declare(body=EmptyBody, errors=(402,))
+async def retry_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
     body = await read_empty(request)
 
     async def handler() -> tuple[int, Any]:
@@ -141,22 +131,27 @@ async def retry_batch(request: Request, batch_id: str, svc: ServiceDep) -> Respo
     return await idempotent(request, principal, body, handler)
 
 
-@router.get("/v1/batches/{batch_id}/results")
-async def batch_results(request: Request, batch_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    _batch_id(batch_id)
+@router.get(
+    "/v1/batches/{batch_id}/results",
+    summary="Results, one JSON line per request (410 results_expired once purged)",
+)
+@declare(errors=(410,), media="application/x-ndjson")
+async def batch_results(principal: Caller, batch_id: BatchId, svc: ServiceDep) -> Response:
     lines = await deferred_batches.result_lines(svc, principal, batch_id)
     return StreamingResponse(lines, media_type="application/x-ndjson")
 
 
-@router.get("/v1/batches/{batch_id}/finished")
-async def batch_finished(request: Request, batch_id: str, svc: ServiceDep) -> Response:
-    """A batchyard extension: the lines that ended so far, from a cursor, while the batch runs."""
-    principal = await authenticate(request)
-    _batch_id(batch_id)
+@router.get(
+    "/v1/batches/{batch_id}/finished",
+    summary="A batchyard extension: what has ended so far, from a cursor, while it runs",
+)
+@declare(Finished, errors=(410,))
+async def batch_finished(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
     after, limit = finished_query(request)
     if await batch_listing.is_file_batch(svc, principal, batch_id):
         page = await file_batches.finished(svc, principal, batch_id, after=after, limit=limit)
     else:
         page = await deferred_batches.finished(svc, principal, batch_id, after=after, limit=limit)
-    return json_response(page)
+    return JSONResponse(page)

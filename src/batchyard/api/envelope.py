@@ -1,21 +1,19 @@
-"""What every answer carries, whichever handler made it.
+"""What every answer carries, whichever handler made it, and how every error leaves.
 
-A small ASGI middleware around the whole app:
+A small ASGI middleware around the whole app adds ``x-request-id`` (also on the
+logging context, so every log line of the request names it) and, on every
+answer to an authenticated caller, OpenAI's ``x-ratelimit-*`` headers. It gives
+the organisation's concurrency slot back before the last byte of the answer
+leaves, so a client that sends its next request the moment it has the answer
+never finds its previous one still counted in flight.
 
-- ``x-request-id``: the id of this request (the caller's own, when it sent a
-  sane one, else a new ``req_…``), also put on the logging context so every log
-  line the request writes names it;
-- ``x-ratelimit-limit|remaining|reset-requests`` and ``-tokens``: where the
-  caller's organisation stands against its tier, OpenAI's way, on every answer
-  to an authenticated caller (from the check the request made, or a look that
-  consumes nothing);
-- the organisation's concurrency slot, given back before the last byte of the
-  answer leaves, so a client that sends its next request the moment it has the
-  answer never finds its own previous request still counted in flight. A
-  stream holds its slot until its last event; a client that hangs up frees it
-  at once.
-
-Handlers reach the request's ``Envelope`` through ``envelope_of``.
+Every error leaves in one envelope with a stable ``code`` (Anthropic's on its
+door), FastAPI's 422 and Starlette's 404/405 included, so a client branches on
+``code`` and never on prose. Every error also says ``x-should-retry``: the
+OpenAI SDKs retry 409, 429 and 5xx by status unless told otherwise, so a 409
+``idempotency_conflict`` would be sent twice more for nothing. A wait is sent as
+``retry-after-ms`` beside ``Retry-After`` (whole seconds, rounded up so it is
+never early).
 """
 
 from __future__ import annotations
@@ -27,22 +25,36 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from starlette.requests import Request
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchyard import logs
-from batchyard.api.errors import client_gone, error_response
+from batchyard.core.anthropic_bodies import ERROR_TYPES
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limit, Limiter, Standing
-from batchyard.errors import InternalError
+from batchyard.errors import (
+    BatchyardError,
+    InternalError,
+    InvalidRequest,
+    ModelWarming,
+    UpstreamRateLimited,
+)
 
 __all__ = [
     "Envelope",
     "EnvelopeMiddleware",
     "HeldSlot",
     "envelope_of",
-    "ratelimit_headers",
+    "error_headers",
+    "install_error_handlers",
 ]
 
 log = logging.getLogger("batchyard.api")
@@ -148,8 +160,7 @@ class EnvelopeMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 log.debug(
-                    "answered",
-                    extra={"status": message["status"], "path": scope.get("path")},
+                    "answered", extra={"status": message["status"], "path": scope.get("path")}
                 )
                 headers = list(message.get("headers") or [])
                 extra = {"x-request-id": env.request_id, **env.extra_headers}
@@ -192,3 +203,132 @@ async def _peek(env: Envelope) -> tuple[Standing, ...]:
     except Exception:  # headers are advice; never fail an answer over them
         return ()
     return admission.standing
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+#: The codes of the errors Starlette's router raises itself (no route, wrong method).
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def _encodable(value: Any) -> Any:
+    """A body that always encodes: a message that echoes input may hold a lone surrogate."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
+
+
+def should_retry(exc: BatchyardError) -> bool:
+    """Whether an immediate retry of the same request can succeed.
+
+    A 402 is retryable in the documented sense (after buying credit, the same key
+    succeeds) but not soon: an SDK's automatic retries would only be refused again.
+    """
+    return exc.retryable and exc.status != 402
+
+
+def error_headers(exc: BatchyardError) -> dict[str, str]:
+    headers = {"x-should-retry": "true" if should_retry(exc) else "false"}
+    if exc.retry_after is not None:
+        wait = max(0.0, exc.retry_after)
+        headers["Retry-After"] = str(max(1, math.ceil(wait)))
+        headers["retry-after-ms"] = str(math.ceil(wait * 1000))
+    return headers
+
+
+#: The paths of Anthropic's door: its errors leave in Anthropic's envelope.
+ANTHROPIC_DOOR = "/v1/messages"
+
+
+def anthropic_status(exc: BatchyardError) -> int:
+    """Anthropic's status for an error: 529 where the model or its upstream is overloaded."""
+    return 529 if isinstance(exc, UpstreamRateLimited | ModelWarming) else exc.status
+
+
+def anthropic_error(
+    status: int, message: str, code: str, request_id: str | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """Anthropic's error body; batchyard's stable ``code`` (and ``param``) ride beside its type."""
+    error: dict[str, Any] = {
+        "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+        "message": message,
+        "code": code,
+    }
+    error.update({k: v for k, v in extra.items() if k in ("param", "retry_after")})
+    body: dict[str, Any] = {"type": "error", "error": error}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def error_response(exc: BatchyardError, request: Request | None = None) -> JSONResponse:
+    """The error's answer: batchyard's envelope, or Anthropic's on its door (and its header)."""
+    status, body, headers = exc.status, exc.to_body(), error_headers(exc)
+    if request is not None and request.url.path.startswith(ANTHROPIC_DOOR):
+        status, request_id = anthropic_status(exc), envelope_of(request).request_id
+        body = anthropic_error(status, exc.message, exc.code, request_id, body["error"])
+        headers["request-id"] = request_id
+    return JSONResponse(_encodable(body), status_code=status, headers=headers)
+
+
+#: What reading a body from, or sending an answer to, a client that hung up raises:
+#: Starlette's ``ClientDisconnect``, uvicorn's ``ClientDisconnected`` (an ``OSError``),
+#: and anyio's closed-stream errors.
+_GONE = ("ClientDisconnect", "ClientDisconnected")
+
+
+def client_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` only says the client went away (a stream cut, a body never finished)."""
+    if isinstance(exc, ClientDisconnect | anyio.EndOfStream | anyio.BrokenResourceError):
+        return True
+    return type(exc).__name__ in _GONE
+
+
+def allowed_methods(request: Request) -> str:
+    """The ``Allow`` of a 405: every method some route of this path takes.
+
+    Starlette's own header names the methods of the first route that matched the
+    path, but a path served by two routes (``GET`` and ``POST /v1/batches``) has
+    both, and FastAPI nests included routers; so each method is tried on the router.
+    """
+    routes = request.app.router.routes
+    methods = {
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
+    }
+    return ", ".join(sorted(methods))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(BatchyardError)
+    async def _batchyard(request: Request, exc: BatchyardError) -> JSONResponse:
+        return error_response(exc, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{loc or 'request'}: {first.get('msg', 'invalid')}"
+        return error_response(InvalidRequest(message, param=loc or None), request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = HTTP_CODES.get(exc.status_code, "http_error")
+        error = BatchyardError(str(exc.detail), code=code, status=exc.status_code)
+        response = error_response(error, request)
+        if exc.status_code == 405:
+            response.headers["Allow"] = allowed_methods(request)
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if client_gone(exc):
+            log.info("client disconnected", extra={"event": "client_disconnected"})
+            return error_response(InternalError("the client disconnected"), request)
+        log.exception("unhandled error", extra={"error_type": type(exc).__name__})
+        return error_response(InternalError("internal error; it has been logged"), request)

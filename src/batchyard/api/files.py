@@ -1,35 +1,38 @@
 """``/v1/files``: OpenAI's Files, for batch inputs and the outputs batchyard writes.
 
-``POST /v1/files`` takes ``multipart/form-data`` as the ``openai`` SDK's
-``files.create`` sends it (``file``, ``purpose=batch``, and optionally
-``expires_after[anchor]``/``expires_after[seconds]``). The file part streams
-to disk (``service.uploads``) and is then checked and stored line by line
-on a thread (``service.files.ingest``); a bad file answers a coded error
-naming its line and leaves nothing behind. Every ID is checked against the
-caller's organisation: another organisation's file is 404.
-
-Scopes (``service.access``): ``full`` and ``inference`` keys upload and
-delete; every key lists, shows and downloads; an ``inference`` key sees only
-the files it uploaded and the output files of its own batches.
+An upload is ``multipart/form-data`` as the ``openai`` SDK's ``files.create``
+sends it; its file part streams to disk and is then checked and stored line by
+line on a thread (``service.files.ingest``): a bad file answers a coded error
+naming its line and leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
-from batchyard.api.inputs import object_id, query_id_cursor, query_limit
-from batchyard.errors import InvalidRequest, PayloadTooLarge
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    allow_query,
+    listing,
+    path_id,
+    query_id_cursor,
+    query_limit,
+    read_upload,
+)
+from batchyard.api.openapi import ListOf, declare
+from batchyard.core.accounts import Principal
+from batchyard.errors import InvalidRequest
 from batchyard.service import files
-from batchyard.service.uploads import read_multipart
 
 __all__ = ["router"]
 
 router = APIRouter()
+FileId = Annotated[str, path_id("file_id", "file", "file", code="file_not_found")]
 
 #: OpenAI's other purposes: named so the refusal can say what is wrong.
 OTHER_PURPOSES = (
@@ -43,8 +46,6 @@ OTHER_PURPOSES = (
     "evals",
 )
 _FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
-#: Multipart framing around the file part, allowed on top of the file limit.
-_SLACK = 64 * 1024
 
 
 def _purpose(given: str | None) -> str:
@@ -83,23 +84,28 @@ def _expires_after(fields: dict[str, str]) -> int | None:
     return value
 
 
-@router.post("/v1/files")
-async def create_file(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@router.post("/v1/files", summary="Upload a batch input file (multipart/form-data: purpose, file)")
+@declare(
+    multipart={
+        "type": "object",
+        "required": ["purpose", "file"],
+        "additionalProperties": False,
+        # The expiry is both its parts or neither.
+        "dependentRequired": {
+            "expires_after[anchor]": ["expires_after[seconds]"],
+            "expires_after[seconds]": ["expires_after[anchor]"],
+        },
+        "properties": {
+            "purpose": {"type": "string", "enum": ["batch"]},
+            "file": {"type": "string", "format": "binary"},
+            "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+            "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000},
+        },
+    }
+)
+async def create_file(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
     svc.batch_key.require()  # 503 before the body is read when batches are off
-    limits = files.settings_of(svc)
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
-        raise PayloadTooLarge(
-            f"the file is over {limits.max_bytes} bytes", param="file", code="file_too_large"
-        )
-    upload = await read_multipart(
-        request.stream(),
-        request.headers.get("content-type"),
-        file_field="file",
-        fields=_FIELDS,
-        max_file_bytes=limits.max_bytes,
-    )
+    upload = await read_upload(request, _FIELDS, files.settings_of(svc).max_bytes)
     try:
         purpose = _purpose(upload.fields.get("purpose"))
         expires = _expires_after(upload.fields)
@@ -116,26 +122,13 @@ async def create_file(request: Request, svc: ServiceDep) -> JSONResponse:
         )
     finally:
         upload.close()
-    return json_response(view)
+    return JSONResponse(view)
 
 
-def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
-    params = dict(request.query_params)
-    for key in sorted(params.keys() - set(allowed)):
-        raise InvalidRequest(
-            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
-        )
-    return params
-
-
-def _file_id(value: str) -> str:
-    return object_id(value, "file", param="file_id", what="file", code="file_not_found")
-
-
-@router.get("/v1/files")
-async def list_files(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    q = _query(request, ("after", "limit", "order", "purpose"))
+@router.get("/v1/files", summary="Files")
+@declare(ListOf)
+async def list_files(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
+    q = allow_query(request, "after", "limit", "order", "purpose")
     limit = query_limit(request, default=10_000, most=10_000)
     after = query_id_cursor(request, "file", name="after")
     order = q.get("order", "desc")
@@ -149,46 +142,31 @@ async def list_files(request: Request, svc: ServiceDep) -> JSONResponse:
             code="invalid_purpose",
         )
     data, more = await files.list_views(
-        svc,
-        principal,
-        after=after,
-        limit=limit,
-        purpose=purpose,
-        newest_first=order == "desc",
+        svc, principal, after=after, limit=limit, purpose=purpose, newest_first=order == "desc"
     )
-    return json_response(_page(data, more))
+    return JSONResponse(listing(data, more))
 
 
-def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": more,
-    }
+async def _file(request: Request, principal: Caller, file_id: FileId) -> tuple[Principal, str]:
+    allow_query(request)
+    return principal, file_id
+
+
+#: The caller and the file its path names (a show, a download or a delete takes no query).
+File = Annotated[tuple[Principal, str], Depends(_file)]
 
 
 @router.get("/v1/files/{file_id}")
-async def get_file(request: Request, file_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _query(request, ())
-    _file_id(file_id)
-    return json_response(await files.get(svc, principal, file_id))
+async def get_file(file: File, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await files.get(svc, *file))
 
 
-@router.get("/v1/files/{file_id}/content")
-async def file_content(request: Request, file_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    _query(request, ())
-    _file_id(file_id)
-    lines = await files.content(svc, principal, file_id)
-    return StreamingResponse(lines, media_type="application/jsonl")
+@router.get("/v1/files/{file_id}/content", summary="A file's lines")
+@declare(media="application/jsonl")
+async def file_content(file: File, svc: ServiceDep) -> Response:
+    return StreamingResponse(await files.content(svc, *file), media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(request: Request, file_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _query(request, ())
-    _file_id(file_id)
-    return json_response(await files.delete(svc, principal, file_id))
+async def delete_file(file: File, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await files.delete(svc, *file))

@@ -1,54 +1,59 @@
-"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's door onto the same core.
+"""Anthropic's door: ``/v1/messages``, ``count_tokens`` and Message Batches, onto the same core.
 
 A Messages body is checked strictly and translated into the OpenAI-shaped
-request every engine already takes (``core.anthropic_bodies.translate``, the
-request a Message Batch's lines store too); from there it is the chat door's
-path, not a copy of it: the same authentication and scope row
-(``service.access``), the same preparation (``service.preparation``: counted
-with the model's tokenizer, the tools' instructions included, ``max_tokens`` and
-the context window checked, quoted), and the
-same ``openai_door.ModelCall``: tier limits and concurrency slot, the
-Idempotency-Key rules of ``service.idempotency.run_once`` (streams included),
-and reserve → call → settle in the dispatcher, which bills a stream cut short
-for the tokens it produced. A stream is the one loop of ``api.event_streams``
-written in Anthropic's events (``_Events``). Tools are answered under a
-grammar by the embedded engine, as for OpenAI's tools.
+request every engine takes (``core.anthropic_bodies.translate``, which a Message
+Batch's lines store too); from there it is the chat door's path, not a copy of
+it: the same scope row, preparation and ``openai_door.ModelCall``, streams
+written by the one loop in Anthropic's events (``_Events``). A Message Batch is
+a file batch underneath (``service.message_batches`` explains the mapping).
 
 What differs is only the wire: the key may come as ``x-api-key``;
-``anthropic-version`` is read (any date is answered in the newest shapes this door
-knows, since a list of accepted dates breaks on the SDK's next release; a value that
-is not a date is refused); answers are
-Anthropic's ``message`` objects and stream events (``message_start``,
-``content_block_start``, ``ping``, ``content_block_delta``,
-``content_block_stop``, ``message_delta``, ``message_stop``); and every error,
-whichever layer raised it, leaves in Anthropic's envelope
-``{"type": "error", "error": {"type", "message"}}`` with Anthropic's statuses
-(``overloaded_error`` as 529 when the model or its upstream is overloaded),
-keeping batchyard's stable ``code`` beside them.
+``anthropic-version`` is read, and any date is answered in the newest shapes this
+door knows (a list of accepted dates breaks on the SDK's next release); answers
+are Anthropic's objects and events, and every error, whichever layer raised it,
+leaves in Anthropic's envelope with its statuses (529 ``overloaded_error`` when
+the model or its upstream is overloaded), batchyard's stable ``code`` beside.
 
-``count_tokens`` counts the prompt as the model will see it (the tools'
-instructions included) with the model's real tokenizer, runs no model and
+``count_tokens`` counts the prompt as the model will see it, runs no model and
 charges nothing; it spends from the tier's estimate budget, as
 ``/v1/decide/estimate`` does.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, Concatenate, ParamSpec
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from batchyard.api.context import check_tier_limits, json_response
-from batchyard.api.envelope import envelope_of
-from batchyard.api.errors import error_headers
-from batchyard.api.event_streams import sse
-from batchyard.api.openai_door import ModelCall, prepared, read_body
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    allow_query,
+    check_tier_limits,
+    finished_query,
+    idempotent,
+    path_id,
+    query_id_cursor,
+    query_limit,
+    read_empty,
+    read_json,
+)
+from batchyard.api.envelope import anthropic_error, anthropic_status, envelope_of
+from batchyard.api.openai_door import ModelCall, prepared, read_body, sse
+from batchyard.api.openapi import (
+    MODEL_CALL,
+    AnthropicMessage,
+    Finished,
+    MessageTokensCount,
+    declare,
+)
+from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import (
-    ERROR_TYPES,
+    CountTokensRequest,
+    MessagesRequest,
     anthropic_version_ok,
     openai_prompt,
     parse_count_tokens,
@@ -61,56 +66,39 @@ from batchyard.core.ids import new_id
 from batchyard.core.money import format_money
 from batchyard.core.openai_bodies import check_images
 from batchyard.engines.protocol import Delta
-from batchyard.errors import (
-    BatchyardError,
-    InvalidRequest,
-    ModelWarming,
-    UpstreamRateLimited,
-)
+from batchyard.errors import BatchyardError, InvalidRequest
+from batchyard.service import Service, message_batches
+from batchyard.service.files import settings_of
+from batchyard.service.message_batches import MessageBatchBody
 from batchyard.work.dispatcher import DispatchResult
 from batchyard.work.openai_wire import anthropic_message, messages_request
 
-__all__ = ["anthropic_door", "anthropic_error", "router"]
-
-router = APIRouter()
-_Params = ParamSpec("_Params")
-
-# -- errors, in Anthropic's envelope -------------------------------------------------
+__all__ = ["router"]
 
 
-def _status(exc: BatchyardError) -> int:
-    """Anthropic's status for an error: 529 where the model or its upstream is overloaded."""
-    if isinstance(exc, UpstreamRateLimited | ModelWarming):
-        return 529
-    return exc.status
+async def _anthropic_wire(request: Request) -> None:
+    """Anthropic's request-id header on every answer, and its version read before all else."""
+    env = envelope_of(request)
+    env.extra_headers["request-id"] = env.request_id
+    version = request.headers.get("anthropic-version")
+    if version is not None and not anthropic_version_ok(version):
+        raise InvalidRequest(
+            f"anthropic-version {version!r} is not a date; send one such as "
+            "2023-06-01 (every dated version is answered in the newest shapes)",
+            param="anthropic-version",
+            code="unsupported_anthropic_version",
+        )
 
 
-def anthropic_error(
-    status: int, message: str, code: str, request_id: str | None, extra: dict[str, Any]
-) -> dict[str, Any]:
-    """Anthropic's error body; batchyard's stable ``code`` (and ``param``) ride beside its type."""
-    error: dict[str, Any] = {
-        "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-        "message": message,
-        "code": code,
-    }
-    error.update({k: v for k, v in extra.items() if k in ("param", "retry_after")})
-    body: dict[str, Any] = {"type": "error", "error": error}
-    if request_id is not None:
-        body["request_id"] = request_id
-    return body
+#: Every route here is Anthropic's door (its errors: ``envelope.error_response``).
+router = APIRouter(dependencies=[Depends(_anthropic_wire)])
+_PATH = "/v1/messages/batches"
+BatchId = Annotated[str, path_id("batch_id", "bat", "message batch", param="message_batch_id")]
+#: ``message_batches.cancel`` or ``retry``: a change to one batch, answered with its view.
+_Change = Callable[..., Awaitable[dict[str, Any]]]
 
 
-def _error_response(request: Request, exc: BatchyardError) -> JSONResponse:
-    status = _status(exc)
-    extra: dict[str, Any] = {"param": exc.param} if exc.param is not None else {}
-    if exc.retry_after is not None:
-        extra["retry_after"] = exc.retry_after
-    body = anthropic_error(status, exc.message, exc.code, envelope_of(request).request_id, extra)
-    return JSONResponse(body, status_code=status, headers=error_headers(exc))
-
-
-def _translated(request: Request, response: Response) -> Response:
+def translated(request: Request, response: Response) -> Response:
     """A saved (replayed) error, written in batchyard's envelope, rewritten in Anthropic's."""
     if response.status_code < 400 or isinstance(response, StreamingResponse):
         return response
@@ -133,35 +121,6 @@ def _translated(request: Request, response: Response) -> Response:
         if name in response.headers:
             out.headers[name] = response.headers[name]
     return out
-
-
-def anthropic_door(
-    handler: Callable[Concatenate[Request, _Params], Awaitable[Response]],
-) -> Callable[Concatenate[Request, _Params], Awaitable[Response]]:
-    """Anthropic's wire around a handler: its request-id header, its version, its errors.
-
-    The handler's own signature (its path parameters) is what FastAPI reads and documents.
-    """
-
-    @functools.wraps(handler)
-    async def wrapped(request: Request, *args: _Params.args, **kwargs: _Params.kwargs) -> Response:
-        env = envelope_of(request)
-        env.extra_headers["request-id"] = env.request_id
-        try:
-            version = request.headers.get("anthropic-version")
-            if version is not None and not anthropic_version_ok(version):
-                raise InvalidRequest(
-                    f"anthropic-version {version!r} is not a date; send one such as "
-                    "2023-06-01 (every dated version is answered in the newest shapes)",
-                    param="anthropic-version",
-                    code="unsupported_anthropic_version",
-                )
-            return _translated(request, await handler(request, *args, **kwargs))
-        except BatchyardError as exc:
-            return _error_response(request, exc)
-
-    # FastAPI passes ``request`` by name, so it cannot be positional-only as Concatenate says.
-    return wrapped  # type: ignore[return-value]
 
 
 # -- streams --------------------------------------------------------------------------
@@ -275,11 +234,10 @@ class _Events:
         call_id: str,
         model: str,
         input_tokens: int,
-        render: Callable[[DispatchResult], dict[str, Any]],
         request_id: str,
     ) -> None:
         self._call_id, self._model, self._input_tokens = call_id, model, input_tokens
-        self._render, self._request_id = render, request_id
+        self._request_id = request_id
         self._blocks = _Blocks()
 
     def opening(self) -> list[bytes]:
@@ -292,15 +250,12 @@ class _Events:
             out += self._blocks.tool(k, call)
         return out
 
-    def whole(self, result: DispatchResult) -> dict[str, Any]:
-        return self._render(result)
-
     def closing(self, whole: dict[str, Any]) -> list[bytes]:
         return [*self._blocks.finish(), *_end(whole)]
 
     def error(self, exc: BatchyardError) -> bytes:
         # The status line has gone: Anthropic's clients read an error event.
-        body = anthropic_error(_status(exc), exc.message, exc.code, self._request_id, {})
+        body = anthropic_error(anthropic_status(exc), exc.message, exc.code, self._request_id, {})
         return sse(body, "error")
 
     def replay(self, whole: dict[str, Any]) -> bytes:
@@ -330,10 +285,10 @@ def _replay(whole: dict[str, Any]) -> bytes:
 # -- the routes -----------------------------------------------------------------------
 
 
-@router.post("/v1/messages")
-@anthropic_door
+@router.post("/v1/messages", summary="Messages (Anthropic's shape)")
+@declare(AnthropicMessage, body=MessagesRequest, errors=(*MODEL_CALL, 529), streams=True)
 async def create_message(request: Request) -> Response:
-    principal, raw, svc, body = await read_body(request, parse_messages, x_api_key=True)
+    principal, raw, svc, body = await read_body(request, parse_messages)
     asked = translate(body)
     org_id, stream = principal.org_id, bool(body.stream)
     p = prepared(body.model, lambda: svc.preparer.messages(asked, org_id=org_id, stream=stream))
@@ -341,25 +296,25 @@ async def create_message(request: Request) -> Response:
     call = ModelCall(request, principal, p, "chat", new_id("msg", svc.clock.now()))
 
     def message(result: DispatchResult) -> dict[str, Any]:
+        # A whole answer's header; a stream's has gone before its charge is known.
+        envelope_of(request).extra_headers["x-batchyard-charge"] = format_money(result.charge)
         return anthropic_message(
             id=call.ref, model=p.model.id, completion=result.completion, stops=asked.stop
         )
 
-    def charged(result: DispatchResult) -> dict[str, Any]:
-        envelope_of(request).extra_headers["x-batchyard-charge"] = format_money(result.charge)
-        return message(result)
-
     events = None
     if body.stream:
         request_id = envelope_of(request).request_id
-        events = _Events(call.ref, p.model.id, p.input_tokens, message, request_id)
-    return await call.answer(raw, [req], charged, events)
+        events = _Events(call.ref, p.model.id, p.input_tokens, request_id)
+    return translated(request, await call.answer(raw, [req], message, events))
 
 
-@router.post("/v1/messages/count_tokens")
-@anthropic_door
+@router.post(
+    "/v1/messages/count_tokens", summary="Count a Messages prompt's tokens without running it"
+)
+@declare(MessageTokensCount, body=CountTokensRequest, errors=(429,))
 async def count_tokens(request: Request) -> Response:
-    principal, _, svc, body = await read_body(request, parse_count_tokens, x_api_key=True)
+    principal, _, svc, body = await read_body(request, parse_count_tokens)
     prompt, tools, choice = openai_prompt(body)
 
     def count() -> int:
@@ -368,5 +323,103 @@ async def count_tokens(request: Request) -> Response:
         return svc.preparer.count_chat(model, prompt, tools, choice)
 
     counted = prepared(body.model, count)
-    await check_tier_limits(request, principal, requests=0, tokens=counted, kind="estimate")
-    return json_response({"input_tokens": counted})
+    await check_tier_limits(request, principal, tokens=counted, kind="estimate")
+    return JSONResponse({"input_tokens": counted})
+
+
+# -- Message Batches ------------------------------------------------------------------
+
+
+def _base(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+@router.post(_PATH, summary="Create a Message Batch (Anthropic's shape; a file batch underneath)")
+@declare(body=MessageBatchBody, errors=(402,))
+async def create_message_batch(request: Request, principal: Caller, svc: ServiceDep) -> Response:
+    svc.batch_key.require()  # 503 before the body is read when batches are off
+    raw = await read_json(request, limit=settings_of(svc).max_bytes)
+
+    async def handler() -> tuple[int, Any]:
+        view = await message_batches.create(svc, principal, raw)
+        svc.file_batches.notify()
+        return 200, view
+
+    return translated(request, await idempotent(request, principal, raw, handler))
+
+
+@router.get(_PATH, summary="Message Batches, newest first (before_id / after_id)")
+async def list_message_batches(request: Request, principal: Caller, svc: ServiceDep) -> Response:
+    allow_query(request, "after_id", "before_id", "limit")
+    limit = query_limit(request, default=20, most=1000)
+    after = query_id_cursor(request, "bat", name="after_id")
+    before = query_id_cursor(request, "bat", name="before_id")
+    if after and before:
+        raise InvalidRequest("send after_id or before_id, not both", param="before_id")
+    page = await message_batches.list_page(
+        svc, principal, limit=limit, after=after, before=before, base_url=_base(request)
+    )
+    return JSONResponse(page)
+
+
+@router.get(_PATH + "/{batch_id}")
+async def get_message_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    view = await message_batches.get(svc, principal, batch_id, base_url=_base(request))
+    return JSONResponse(view)
+
+
+@router.post(_PATH + "/{batch_id}/cancel")
+async def cancel_message_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    return await _changed(request, principal, batch_id, svc, message_batches.cancel)
+
+
+@router.post(
+    _PATH + "/{batch_id}/retry",
+    summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
+)
+@declare(errors=(402,))
+async def retry_message_batch(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    return await _changed(request, principal, batch_id, svc, message_batches.retry)
+
+
+async def _changed(
+    request: Request, principal: Principal, batch_id: str, svc: Service, change: _Change
+) -> Response:
+    """Cancel or retry: once per idempotency key, then the worker is woken for what it holds."""
+    body = await read_empty(request)
+
+    async def handler() -> tuple[int, Any]:
+        view = await change(svc, principal, batch_id, base_url=_base(request))
+        svc.file_batches.notify()
+        return 200, view
+
+    return translated(request, await idempotent(request, principal, body, handler))
+
+
+@router.get(
+    _PATH + "/{batch_id}/results",
+    summary="Results, one {custom_id, result} line per request, once ended",
+)
+@declare(errors=(409,), media="application/x-jsonl")
+async def message_batch_results(principal: Caller, batch_id: BatchId, svc: ServiceDep) -> Response:
+    lines = await message_batches.results(svc, principal, batch_id)
+    return StreamingResponse(lines, media_type="application/x-jsonl")
+
+
+@router.get(
+    _PATH + "/{batch_id}/finished",
+    summary="A batchyard extension: the results so far, from a cursor, while it runs",
+)
+@declare(Finished)
+async def message_batch_finished(
+    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+) -> Response:
+    after, limit = finished_query(request)
+    page = await message_batches.finished(svc, principal, batch_id, after=after, limit=limit)
+    return JSONResponse(page)

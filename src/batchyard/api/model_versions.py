@@ -1,31 +1,25 @@
 """``/v1/projects/{projectId}/models``: LoRA adapters and full weights uploaded into a project.
 
-``POST`` takes ``multipart/form-data``: ``file`` (a GGUF), ``base`` (a catalog
-model ID), ``type`` (``lora`` or ``weights``) and optionally ``name``. The
-type and base are checked as soon as they arrive; the file part streams to
-disk beside the accepted versions and is checked whole before anything is
-kept (``service.model_versions``). A refused upload answers a coded 4xx and
-leaves neither a file nor a row.
-
-Scopes (``service.access``): ``full`` keys upload and delete; ``read`` keys
-list and show; ``inference`` keys only use a version by naming it as a model.
-Another organisation's project or version is 404.
+The file part streams to disk beside the accepted versions and is checked whole
+before anything is kept (``service.model_versions``): a refused upload leaves
+neither a file nor a row.
 """
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
-from batchyard.api.inputs import object_id
-from batchyard.errors import InvalidRequest, PayloadTooLarge
+from batchyard.api.context import Caller, ServiceDep, allow_query, path_id, read_upload
+from batchyard.api.openapi import ListOf, declare
+from batchyard.api.projects import ProjectId
+from batchyard.core.accounts import Principal
+from batchyard.errors import InvalidRequest
 from batchyard.service import model_versions as versions
-from batchyard.service.uploads import read_multipart
 
 __all__ = ["router"]
 
@@ -33,36 +27,32 @@ router = APIRouter()
 
 _PATH = "/v1/projects/{project_id}/models"
 _FIELDS = ("base", "type", "name")
-#: Multipart framing around the file part, allowed on top of the file limit.
-_SLACK = 64 * 1024
 
 
-def _project_id(value: str) -> str:
-    return object_id(value, "pp", param="projectId", what="project")
+VersionId = Annotated[str, path_id("version_id", "mv", "model version", code="model_not_found")]
 
 
-def _version_id(value: str) -> str:
-    return object_id(value, "mv", param="version_id", what="model version", code="model_not_found")
-
-
-def _no_query(request: Request) -> None:
-    for key in sorted(request.query_params.keys()):
-        raise InvalidRequest(
-            f"{key} is not a query parameter here", param=key, code="unsupported_parameter"
-        )
-
-
-@router.post(_PATH)
-async def upload_version(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
-    limits = versions.settings_of(svc)
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limits.max_bytes + _SLACK:
-        raise PayloadTooLarge(
-            f"the file is over {limits.max_bytes} bytes", param="file", code="file_too_large"
-        )
+@router.post(
+    _PATH,
+    status_code=201,
+    summary="Upload a model version (multipart/form-data: file, base, type, name)",
+)
+@declare(
+    multipart={
+        "type": "object",
+        "required": ["file", "base", "type"],
+        "properties": {
+            "file": {"type": "string", "format": "binary"},
+            "base": {"type": "string"},
+            "type": {"type": "string", "enum": ["lora", "weights"]},
+            "name": {"type": "string"},
+        },
+    }
+)
+async def upload_version(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> JSONResponse:
+    allow_query(request)
     spool = versions.spool(versions.folder_of(svc))
     made: list[IO[bytes]] = []
 
@@ -72,14 +62,7 @@ async def upload_version(request: Request, project_id: str, svc: ServiceDep) -> 
         return f
 
     try:
-        upload = await read_multipart(
-            request.stream(),
-            request.headers.get("content-type"),
-            file_field="file",
-            fields=_FIELDS,
-            max_file_bytes=limits.max_bytes,
-            spool=make,
-        )
+        upload = await read_upload(request, _FIELDS, versions.settings_of(svc).max_bytes, make)
     except BaseException:
         for f in made:
             versions.discard_spool(f)
@@ -102,35 +85,35 @@ async def upload_version(request: Request, project_id: str, svc: ServiceDep) -> 
         # Accepted, the file was renamed away; refused, it is still here to remove.
         for f in made:
             versions.discard_spool(f)
-    return json_response(view, status_code=201)
+    return JSONResponse(view, 201)
 
 
-@router.get(_PATH)
-async def list_versions(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
+@router.get(_PATH, summary="The project's model versions")
+@declare(ListOf)
+async def list_versions(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> JSONResponse:
+    allow_query(request)
     data = await versions.list_views(svc, principal, project_id)
-    return json_response({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _version(
+    request: Request, principal: Caller, project_id: ProjectId, version_id: VersionId
+) -> tuple[Principal, str, str]:
+    allow_query(request)
+    return principal, project_id, version_id
+
+
+#: The caller and the version its path names (a show or a delete takes no query).
+Version = Annotated[tuple[Principal, str, str], Depends(_version)]
 
 
 @router.get(_PATH + "/{version_id}")
-async def get_version(
-    request: Request, project_id: str, version_id: str, svc: ServiceDep
-) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
-    _version_id(version_id)
-    return json_response(await versions.get(svc, principal, project_id, version_id))
+async def get_version(version: Version, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await versions.get(svc, *version))
 
 
 @router.delete(_PATH + "/{version_id}")
-async def delete_version(
-    request: Request, project_id: str, version_id: str, svc: ServiceDep
-) -> JSONResponse:
-    principal = await authenticate(request)
-    _no_query(request)
-    _project_id(project_id)
-    _version_id(version_id)
-    return json_response(await versions.delete(svc, principal, project_id, version_id))
+async def delete_version(version: Version, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await versions.delete(svc, *version))

@@ -1,44 +1,34 @@
-"""``GET /v1/models``: the catalog with its prices (docs/reference/http.md).
+"""``GET /v1/models``: the catalog with its prices and what each route can do here.
 
-Each model is an OpenAI model object (``id``, ``object``, ``created``,
-``owned_by``) with batchyard's own fields beside: its prices, its
-``capabilities`` (chat, tools, vision, streaming, completions, embeddings,
-scoring: what its route can do here, so a client can tell before it asks),
-and ``concurrency``, how many calls its route runs at once (the embedded
-model's contexts), which a runner should not exceed however high its tier.
-
-Fine-tuned versions also show their warm state (``warm``: cold, loading or
-warm, until when, and how long the last load took), so a caller can warm one
-before a long run; base models are always served and show ``warm: null``.
-``loaded`` is the engine's own word on whether the model is in memory now
-(``null`` where the engine cannot say: a remote upstream).
-
-The list holds the catalog and the versions uploaded into the caller's
-projects (``mv.…``, ``owned_by`` the organisation, ``project_id`` set); a
-version of another organisation is not there, and is 404 by its ID.
+Each model is an OpenAI model object with batchyard's fields beside
+(docs/reference/http.md): ``capabilities``, so a client can tell before it
+asks; ``concurrency``, which a runner should not exceed however high its tier;
+a version's ``warm`` state, so a caller can warm one before a long run; and
+``loaded``, the engine's own word (``null`` where it cannot say: an upstream).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from batchyard.api.context import ServiceDep, authenticate, json_response
-from batchyard.core.catalog import ModelSpec
+from batchyard.api.context import Caller, ServiceDep
+from batchyard.api.openapi import ModelList, ModelObject, declare
+from batchyard.core.catalog import ModelSpec, RouteSpec
 from batchyard.core.money import format_money
 from batchyard.errors import BatchyardError, ModelNotFound, ModelUnavailable
 from batchyard.service import Service
 from batchyard.service.model_versions import org_versions, resolve
 from batchyard.work.warmth import serving
 
-__all__ = ["model_json", "router", "warm_json"]
+__all__ = ["router"]
 
 router = APIRouter()
 
 
-def warm_json(svc: Service, m: ModelSpec) -> dict[str, Any] | None:
+def _warm(svc: Service, m: ModelSpec) -> dict[str, Any] | None:
     if m.type != "version":
         return None
     try:
@@ -48,9 +38,7 @@ def warm_json(svc: Service, m: ModelSpec) -> dict[str, Any] | None:
     return svc.warmth.view(m.id, where).to_json()
 
 
-def capabilities(svc: Service, m: ModelSpec) -> dict[str, bool]:
-    routes = svc.catalog.routes_for(m.id)
-    route = routes[0] if routes else None
+def _capabilities(svc: Service, m: ModelSpec, route: RouteSpec | None) -> dict[str, bool]:
     return {
         "chat": route is not None,
         "tools": bool(route and route.tools),
@@ -65,12 +53,10 @@ def capabilities(svc: Service, m: ModelSpec) -> dict[str, bool]:
     }
 
 
-def loaded(svc: Service, m: ModelSpec) -> bool | None:
+def _loaded(svc: Service, m: ModelSpec, route: RouteSpec | None) -> bool | None:
     """Whether the engine holds the model in memory now; None where it cannot say."""
-    routes = svc.catalog.routes_for(m.id)
-    if not routes:
+    if route is None:
         return False
-    route = routes[0]
     try:
         engine = svc.engines.for_route(route)
     except (BatchyardError, ValueError):
@@ -85,19 +71,9 @@ def loaded(svc: Service, m: ModelSpec) -> bool | None:
         return None
 
 
-def route_concurrency(svc: Service, m: ModelSpec) -> int | None:
+def _model_json(svc: Service, m: ModelSpec) -> dict[str, Any]:
     routes = svc.catalog.routes_for(m.id)
-    if not routes:
-        return None
-    return svc.dispatcher.concurrency(routes[0])
-
-
-def model_json(
-    m: ModelSpec,
-    available: bool,
-    warm: dict[str, Any] | None = None,
-    svc: Service | None = None,
-) -> dict[str, Any]:
+    route = routes[0] if routes else None
     return {
         "id": m.id,
         "object": "model",
@@ -112,38 +88,29 @@ def model_json(
             "input_per_mtok": format_money(m.input_per_mtok),
             "output_per_mtok": format_money(m.output_per_mtok),
         },
-        "available": available,
-        "warm": warm,
+        "available": svc.catalog.is_available(m.id),
+        "warm": _warm(svc, m),
         "description": m.description,
         "project_id": m.project_id,
-        **(
-            {
-                "capabilities": capabilities(svc, m),
-                "concurrency": route_concurrency(svc, m),
-                "loaded": loaded(svc, m),
-            }
-            if svc is not None
-            else {}
-        ),
+        "capabilities": _capabilities(svc, m, route),
+        "concurrency": None if route is None else svc.dispatcher.concurrency(route),
+        "loaded": _loaded(svc, m, route),
     }
 
 
-@router.get("/v1/models")
-async def list_models(request: Request, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@router.get("/v1/models", summary="The catalog")
+@declare(ModelList)
+async def list_models(principal: Caller, svc: ServiceDep) -> JSONResponse:
     await org_versions(svc, principal.org_id)
-    data = [
-        model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc)
-        for m in svc.catalog.visible(principal.org_id)
-    ]
-    return json_response({"object": "list", "data": data})
+    data = [_model_json(svc, m) for m in svc.catalog.visible(principal.org_id)]
+    return JSONResponse({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{model_id}")
-async def get_model(request: Request, model_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
+@declare(ModelObject)
+async def get_model(principal: Caller, model_id: str, svc: ServiceDep) -> JSONResponse:
     await resolve(svc, model_id)
     m = svc.catalog.find(model_id, principal.org_id)
     if m is None:
         raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
-    return json_response(model_json(m, svc.catalog.is_available(m.id), warm_json(svc, m), svc))
+    return JSONResponse(_model_json(svc, m))

@@ -1,60 +1,205 @@
-"""What the model-calling doors share: the body, the prepared call, the call, OpenAI's streams.
+"""OpenAI's model doors (chat, completions, embeddings) and what every model door shares.
 
-``read_body`` authenticates the caller and reads its body strictly;
-``prepared`` runs the door's preparation (``service.preparation``: the model
-and route, what the route must serve, ``max_tokens``, every token counted, the
-window and the quote), with OpenAI's 404 ``model_not_found`` for a name nobody
-serves.
+``read_body`` and ``prepared`` are every model door's prelude: the caller, the
+body read strictly, the door's preparation (``service.preparation``) with
+OpenAI's 404 ``model_not_found`` for a name nobody serves. ``ModelCall.answer``
+is the rest: the tier's limits, the dispatcher's reserve → call → settle, the
+Idempotency-Key rules of ``service.idempotency.run_once``, the answer whole or
+streamed (``work.openai_wire``'s, which batch lines share, with the settled
+``charge`` beside).
 
-``ModelCall.answer`` is the rest of every door that calls a model (chat,
-completions and Anthropic's messages): the tier's limits, the dispatcher's
-reserve → call → settle, and the Idempotency-Key rules of
-``service.idempotency.run_once``, the answer whole or streamed. A stream is
-written by a ``Dialect`` (``api.event_streams``): ``Chunks`` here for OpenAI's
-``data:`` chunks, Anthropic's events in ``messages``. A replay of a streamed
-request is the saved answer as the stream it was: for OpenAI, one chunk per
-choice holding its whole text, then the usage chunk if asked for, then
-``[DONE]``. A stream that stops early (the client hung up) saves nothing: the
-same key runs again, and the partial answer has been billed exactly for the
-tokens produced.
+A stream is one loop (``events``) whichever dialect writes it; a ``Dialect``
+says only what each step looks like on the wire (``Chunks`` for OpenAI's, the
+Messages door's ``_Events`` for Anthropic's). It ends with the whole answer,
+kept under the key and replayed as the stream it was; a stream cut short (the
+client hung up) stops the engine, is billed for the tokens produced, and saves
+nothing, so the same key runs again.
+
+A whole answer writes nothing until the end, so a client that hangs up on one
+is heard by ``listening`` (``http.disconnect``) and the engine stops at its next
+step (``CompletionRequest.hangup``) instead of generating to ``max_tokens`` for
+nobody and being paid in full (an SDK's timeout, then its retry, paid twice).
+
+A list of prompts to ``/v1/completions`` is one call to its caller: one tier
+check, one hold, one charge. Token-id prompts and inputs are read as
+``cl100k_base`` ids (``engines.token_ids``), as LangChain's
+``OpenAIEmbeddings()`` sends them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
-from batchyard.api.event_streams import DONE, Dialect, events, sse
-from batchyard.api.hangups import listening, log_hangup
+from batchyard.api.openapi import MODEL_CALL, ChatCompletion, EmbeddingList, TextCompletion, declare
 from batchyard.core.accounts import Principal
+from batchyard.core.clock import isoformat
+from batchyard.core.ids import new_id
+from batchyard.core.money import format_money
+from batchyard.core.openai_bodies import (
+    ChatRequest,
+    CompletionTextRequest,
+    EmbeddingRequest,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
 from batchyard.engines.protocol import CompletionRequest, Delta
-from batchyard.errors import BatchyardError, ModelNotFound, UnknownModel
+from batchyard.engines.token_ids import as_texts
+from batchyard.errors import (
+    BatchyardError,
+    CapabilityUnsupported,
+    InternalError,
+    ModelNotFound,
+    UnknownModel,
+)
 from batchyard.service import Service, model_versions
 from batchyard.service.deployment import service_of
-from batchyard.service.idempotency import Stream
+from batchyard.service.idempotency import Stream, Whole
 from batchyard.service.preparation import Prepared
 from batchyard.work.dispatcher import DispatchResult
-from batchyard.work.openai_wire import Reply
+from batchyard.work.openai_wire import (
+    Reply,
+    chat_first,
+    chat_piece,
+    chat_replay,
+    chat_request,
+    embedding_list,
+    text_piece,
+    text_replay,
+    text_requests,
+)
 
-__all__ = ["Chunks", "ModelCall", "prepared", "read_body"]
+__all__ = ["Chunks", "Dialect", "ModelCall", "prepared", "read_body", "router", "sse"]
+
+router = APIRouter()
+Piece = Delta | DispatchResult
+
+#: OpenAI's last event.
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event of JSON ``data``, named where the dialect names its events."""
+    head = f"event: {event}\n".encode() if event is not None else b""
+    return head + b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Dialect(Protocol):
+    """How one answer's stream is written in one dialect (state may live here: blocks open)."""
+
+    def opening(self) -> list[bytes]:
+        """The events before the first piece."""
+        ...
+
+    def piece(self, piece: Delta) -> list[bytes]:
+        """The events of one piece of the answer (none for an empty piece)."""
+        ...
+
+    def closing(self, whole: dict[str, Any]) -> list[bytes]:
+        """The events after the last piece."""
+        ...
+
+    def error(self, exc: BatchyardError) -> bytes:
+        """A failure after the status line has gone, as the dialect's clients read it."""
+        ...
+
+    def replay(self, whole: dict[str, Any]) -> bytes:
+        """A kept answer as the stream it was (the same request again under its key)."""
+        ...
+
+
+async def events(
+    dialect: Dialect,
+    render: Callable[[DispatchResult], dict[str, Any]],
+    first: Piece,
+    pieces: AsyncIterator[Piece],
+) -> AsyncGenerator[bytes | Whole, None]:
+    """The stream's events in ``dialect``, then its whole answer as ``render`` makes it.
+
+    ``first`` is the piece the door awaited before answering (so a refusal
+    was an ordinary error answer); ``pieces`` are the rest.
+    """
+    finished = False
+    try:
+        for event in dialect.opening():
+            yield event
+        piece = first
+        while not isinstance(piece, DispatchResult):
+            for event in dialect.piece(piece):
+                yield event
+            piece = await anext(pieces)
+        whole = render(piece)
+        for event in dialect.closing(whole):
+            yield event
+        finished = True
+        yield Whole(whole)
+    except BatchyardError as exc:
+        yield dialect.error(exc)
+    except StopAsyncIteration:
+        yield dialect.error(InternalError("the stream ended without a result"))
+    finally:
+        if not finished:
+            await pieces.aclose()  # type: ignore[attr-defined]
+
+
+log = logging.getLogger("batchyard.api")
+
+
+@contextlib.asynccontextmanager
+async def listening(request: Request) -> AsyncIterator[asyncio.Event]:
+    """An event set when the client of ``request`` hangs up, while the block runs.
+
+    The body has been read whole before, so what the server hands the app
+    from now on is only ``http.disconnect``.
+    """
+    hangup = asyncio.Event()
+
+    async def listen() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        hangup.set()
+
+    task = asyncio.create_task(listen())
+    try:
+        yield hangup
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def log_hangup(ref: str, route: str, output_tokens: int | None) -> None:
+    """One structured line for a whole answer whose client hung up (no content, no caller)."""
+    log.info(
+        "client hung up; generation stopped",
+        extra={
+            "event": "client_disconnected",
+            "ref": ref,
+            "route": route,
+            "output_tokens": output_tokens,
+        },
+    )
+
 
 _Body = TypeVar("_Body")
 _Done = TypeVar("_Done")
 
 
 async def read_body(
-    request: Request, parse: Callable[[dict[str, Any]], _Body], *, x_api_key: bool = False
+    request: Request, parse: Callable[[dict[str, Any]], _Body]
 ) -> tuple[Principal, dict[str, Any], Service, _Body]:
-    """The prelude of every model door: the caller, its JSON body, the service, the body checked.
-
-    ``x_api_key``: also take the key from Anthropic's ``x-api-key`` header.
-    """
-    principal = await authenticate(request, x_api_key=x_api_key)
+    """The prelude of every model door: the caller, its JSON body, the service, the body checked."""
+    principal = await authenticate(request)
     raw = await read_json(request)
     svc = service_of(request)
     # A project version named here is read from the store off the event loop.
@@ -114,9 +259,7 @@ class ModelCall:
         }
 
         async def limits() -> None:
-            await check_tier_limits(
-                self.request, self.principal, requests=1, tokens=call.input_tokens
-            )
+            await check_tier_limits(self.request, self.principal, tokens=call.input_tokens)
 
         if stream is not None:
             dialect = stream
@@ -130,7 +273,7 @@ class ModelCall:
                     **pay,
                 )
                 first = await anext(pieces)
-                return 200, Stream(events(dialect, first, pieces))
+                return 200, Stream(events(dialect, render, first, pieces))
 
             return await idempotent(
                 self.request, self.principal, raw, streamed, stream_replay=dialect.replay
@@ -166,8 +309,6 @@ class Chunks:
     first: Callable[[int], dict[str, Any]]
     #: A piece as a chunk choice.
     choice: Callable[[Delta], dict[str, Any]]
-    #: The whole answer (as saved under a key) from the stream's result.
-    render: Callable[[DispatchResult], dict[str, Any]]
     #: A saved answer's choices as chunk choices, one each.
     replayed: Callable[[dict[str, Any]], list[dict[str, Any]]]
 
@@ -185,9 +326,6 @@ class Chunks:
             return []
         return [self._chunk([self.choice(piece)])]
 
-    def whole(self, result: DispatchResult) -> dict[str, Any]:
-        return self.render(result)
-
     def closing(self, whole: dict[str, Any]) -> list[bytes]:
         usage = [self._chunk([], whole["usage"])] if self.include_usage else []
         return [*usage, DONE]
@@ -203,3 +341,105 @@ class Chunks:
         if self.include_usage:
             parts.append(self._chunk([], whole.get("usage"), reply=saved))
         return b"".join([*parts, DONE])
+
+
+@router.post("/v1/chat/completions", summary="Chat completions (OpenAI's shape)")
+@declare(ChatCompletion, body=ChatRequest, errors=MODEL_CALL, streams=True)
+async def chat_completions(request: Request) -> Response:
+    principal, raw, svc, body = await read_body(request, parse_chat)
+    org_id, stream = principal.org_id, bool(body.stream)
+    p = prepared(body.model, lambda: svc.preparer.chat(body, org_id=org_id, stream=stream))
+    req = chat_request(body, model=p.engine_model, max_tokens=p.max_tokens)
+    now = svc.clock.now()
+    call = ModelCall(request, principal, p, "chat", new_id("chatcmpl", now))
+    reply = Reply(call.ref, int(now.timestamp()), p.model.id)
+    logprobs = bool(body.logprobs)
+
+    def render(result: DispatchResult) -> dict[str, Any]:
+        return {
+            **reply.chat(result.completion, logprobs=logprobs),
+            "charge": format_money(result.charge),
+            "reservation_id": result.reservation_id,
+            "created_at": isoformat(now),
+        }
+
+    chunks = None
+    if body.stream:
+        chunks = Chunks(
+            reply=reply,
+            object="chat.completion.chunk",
+            n=body.n,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            first=chat_first,
+            choice=lambda d: chat_piece(d, logprobs),
+            replayed=chat_replay,
+        )
+    return await call.answer(raw, [req], render, chunks)
+
+
+@router.post("/v1/completions", summary="Text completions (OpenAI's shape)")
+@declare(TextCompletion, body=CompletionTextRequest, errors=MODEL_CALL, streams=True)
+async def completions(request: Request) -> Response:
+    principal, raw, svc, body = await read_body(request, parse_completion)
+    prompts = as_texts(body.prompts(), "prompt")
+    if body.stream and len(prompts) > 1:
+        raise CapabilityUnsupported(
+            "a stream answers one prompt; send the list without stream", param="stream"
+        )
+    org_id, stream = principal.org_id, bool(body.stream)
+    p = prepared(
+        body.model, lambda: svc.preparer.completion(body, prompts, org_id=org_id, stream=stream)
+    )
+    reqs = text_requests(body, prompts, model=p.engine_model, max_tokens=p.max_tokens)
+    now = svc.clock.now()
+    call = ModelCall(request, principal, p, "completions", new_id("cmpl", now))
+    reply = Reply(call.ref, int(now.timestamp()), p.model.id)
+
+    def render(result: DispatchResult) -> dict[str, Any]:
+        return {
+            **reply.text(result.completion, body, prompts),
+            "charge": format_money(result.charge),
+            "reservation_id": result.reservation_id,
+        }
+
+    chunks = None
+    if body.stream:
+        echo = prompts[0] if body.echo else ""
+        chunks = Chunks(
+            reply=reply,
+            object="text_completion",
+            n=body.n,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            first=lambda i: text_piece(Delta(i, echo)),
+            choice=text_piece,
+            replayed=text_replay,
+        )
+    return await call.answer(raw, reqs, render, chunks)
+
+
+@router.post("/v1/embeddings", summary="Embeddings (OpenAI's shape)")
+@declare(EmbeddingList, body=EmbeddingRequest, errors=MODEL_CALL)
+async def embeddings(request: Request) -> Response:
+    principal, raw, svc, body = await read_body(request, parse_embedding)
+    texts = as_texts(body.inputs(), "input")
+    org_id = principal.org_id
+    p = prepared(body.model, lambda: svc.preparer.embeddings(body, texts, org_id=org_id))
+    ref = new_id("emb", svc.clock.now())
+
+    async def handler() -> tuple[int, Any]:
+        await check_tier_limits(request, principal, tokens=p.input_tokens)
+        result, charged = await svc.dispatcher.embed(
+            org_id=org_id,
+            key_id=principal.key_id,
+            model=p.model,
+            route=p.route,
+            texts=texts,
+            input_tokens=p.input_tokens,
+            max_cost=p.hold,
+            price=p.price,
+            ref=ref,
+        )
+        answer = embedding_list(body, p.model.id, result.vectors, result.usage)
+        return 200, {**answer, "charge": format_money(charged)}
+
+    return await idempotent(request, principal, raw, handler)

@@ -1,47 +1,36 @@
 """The OpenAPI document, made true, and docs that load with no network.
 
 The handlers read their bodies themselves (strictly, with coded errors), so
-FastAPI sees no body models and would document none, and it would advertise
-a 422 that is never sent (validation errors are 400 here). This module holds,
-per operation, the request body, the success status and schema, and the error
-statuses the operation really answers, and rewrites the generated document
-with them. ``tests/unit/test_openapi.py`` checks the table against the app's
-routes, and ``tests/integration/api/test_openapi_statuses.py`` checks that the
-statuses sent in practice are the documented ones.
+FastAPI sees no body models and would advertise a 422 that is never sent
+(validation errors are 400 here). So each route declares, beside its handler
+(``declare``), what FastAPI cannot see: its body, its answer's schema, and the
+statuses it answers beyond those every operation of its method answers; its
+success status and summary are the route's own (``status_code=``,
+``summary=``). The declarations are documentation only: no answer is
+validated on its way out (``response_model=`` would, on the hot path);
+``tests/support/wire_check.py`` checks the answers the suite sees instead.
 
-``/docs`` is a small page of our own that reads ``/openapi.json`` and lists
-every operation with its schemas: no script from a CDN, so it works on an
-offline network. FastAPI's Swagger and ReDoc pages (which load from a CDN) are
-turned off.
+``/docs`` is a small page of our own that reads ``/openapi.json``: no script
+from a CDN, so it works on an offline network.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
-from batchyard.api.bodies import (
-    DatasetBody,
-    DecideBody,
-    KeepWarmBody,
-    ProjectBody,
-    RowPatchBody,
-    RunBody,
-    WebhookEndpointBody,
-)
-from batchyard.core.anthropic_bodies import CountTokensRequest, MessagesRequest
-from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
-from batchyard.service.batch_requests import BatchBody
-from batchyard.service.file_batches import FileBatchBody
-from batchyard.service.message_batches import MessageBatchBody
+from batchyard.api.envelope import ANTHROPIC_DOOR
 
-__all__ = ["ANTHROPIC_PATHS", "OPERATIONS", "Operation", "install_openapi"]
+__all__ = ["Operation", "declare", "install_openapi", "operations"]
 
 
 class ErrorDetail(BaseModel):
@@ -105,38 +94,35 @@ class ChatMessage(_Open):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
+    finish_reason: str
+    logprobs: dict[str, Any] | None
+
+
+class ChatChoice(_Choice):
     message: ChatMessage
-    finish_reason: str
-    logprobs: dict[str, Any] | None
 
 
-class ChatCompletion(_Open):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    charge: str
-
-
-class TextChoice(BaseModel):
-    index: int
+class TextChoice(_Choice):
     text: str
-    finish_reason: str
-    logprobs: dict[str, Any] | None
 
 
-class TextCompletion(_Open):
+class _Completion(_Open):
     id: str
     object: str
     created: int
     model: str
-    choices: list[TextChoice]
     usage: Usage
     charge: str
+
+
+class ChatCompletion(_Completion):
+    choices: list[ChatChoice]
+
+
+class TextCompletion(_Completion):
+    choices: list[TextChoice]
 
 
 class Embedding(BaseModel):
@@ -236,210 +222,6 @@ class Readiness(BaseModel):
     checks: dict[str, dict[str, Any]]
 
 
-_JSON = "application/json"
-_SSE = "text/event-stream"
-_NDJSON = "application/x-ndjson"
-
-
-@dataclass(frozen=True)
-class Operation:
-    """What one operation takes and answers, as sent."""
-
-    success: int
-    response: type[BaseModel] | None
-    errors: tuple[int, ...]
-    #: The JSON body; several models are alternatives (``anyOf``: one door, two dialects).
-    body: type[BaseModel] | tuple[type[BaseModel], ...] | None = None
-    #: False where the body may be left out (a call that takes none, or ``{}``).
-    body_required: bool = True
-    media: str = _JSON
-    summary: str = ""
-    #: Also answers ``text/event-stream`` (with ``stream: true``).
-    streams: bool = False
-    #: Other success statuses with the same body (a dialect that answers differently).
-    also: tuple[int, ...] = ()
-    extra_body_types: tuple[str, ...] = field(default=())
-    #: The schema of a multipart/form-data body, where there is one.
-    multipart: dict[str, Any] | None = None
-    #: What the error statuses answer where it is not the error body (a probe's own body).
-    error_body: type[BaseModel] | None = None
-
-
-# Error statuses by kind of operation. 503: the store cannot take the request now
-# (storage_unavailable); 415: a JSON body without Content-Type: application/json.
-_READ = (400, 401, 403, 404, 500, 503)
-_WRITE = (400, 401, 403, 404, 409, 413, 415, 500, 503)
-_MODEL_CALL = (400, 401, 402, 403, 404, 409, 413, 415, 429, 500, 502, 503, 504)
-
-OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("get", "/healthz"): Operation(
-        200, Health, (503,), summary="Liveness: the process is up", error_body=Health
-    ),
-    ("get", "/readyz"): Operation(
-        200,
-        Readiness,
-        (503,),
-        summary="Readiness: store writable, migrations current, limiter reachable",
-        error_body=Readiness,
-    ),
-    ("get", "/v1/account"): Operation(200, Account, (401, 403, 500, 503), summary="Your account"),
-    ("get", "/v1/activity"): Operation(200, ListOf, _READ, summary="Credit activity"),
-    ("post", "/v1/chat/completions"): Operation(
-        200,
-        ChatCompletion,
-        _MODEL_CALL,
-        ChatRequest,
-        streams=True,
-        summary="Chat completions (OpenAI's shape)",
-    ),
-    ("post", "/v1/completions"): Operation(
-        200,
-        TextCompletion,
-        _MODEL_CALL,
-        CompletionTextRequest,
-        streams=True,
-        summary="Text completions (OpenAI's shape)",
-    ),
-    ("post", "/v1/embeddings"): Operation(
-        200, EmbeddingList, _MODEL_CALL, EmbeddingRequest, summary="Embeddings (OpenAI's shape)"
-    ),
-    ("post", "/v1/decide"): Operation(
-        200, Decision, _MODEL_CALL, DecideBody, summary="Every question about one text"
-    ),
-    ("post", "/v1/decide/estimate"): Operation(
-        200,
-        Estimate,
-        (400, 401, 403, 404, 409, 413, 415, 429, 500, 503),
-        DecideBody,
-        summary="Price a decide call without running it",
-    ),
-    ("post", "/v1/models/{model_id}/keep-warm"): Operation(
-        200, KeptWarm, _WRITE, KeepWarmBody, summary="Keep a fine-tuned version loaded"
-    ),
-    ("get", "/v1/models"): Operation(200, ModelList, (401, 500, 503), summary="The catalog"),
-    ("get", "/v1/models/{model_id}"): Operation(200, ModelObject, (401, 404, 500, 503)),
-    ("post", "/v1/batches"): Operation(
-        201,
-        _Open,
-        (*_WRITE, 402, 429, 503),
-        (BatchBody, FileBatchBody),
-        summary="Submit a batch: deferred (201, batchyard's body) or a file batch (200, OpenAI's)",
-        also=(200,),
-    ),
-    ("get", "/v1/batches"): Operation(200, ListOf, _READ, summary="Batches of both dialects"),
-    ("get", "/v1/batches/{batch_id}"): Operation(200, _Open, _READ),
-    ("post", "/v1/batches/{batch_id}/cancel"): Operation(
-        200, _Open, _WRITE, EmptyBody, body_required=False
-    ),
-    ("get", "/v1/batches/{batch_id}/results"): Operation(
-        200,
-        _Open,
-        (*_READ, 410),
-        media=_NDJSON,
-        summary="Results, one JSON line per request (410 results_expired once purged)",
-    ),
-    ("post", "/v1/batches/{batch_id}/retry"): Operation(
-        200,
-        _Open,
-        (*_WRITE, 402),
-        EmptyBody,
-        body_required=False,
-        summary="A batchyard extension: a new file batch of the failed, expired, canceled lines",
-    ),
-    ("get", "/v1/batches/{batch_id}/finished"): Operation(
-        200,
-        Finished,
-        (*_READ, 410),
-        summary="A batchyard extension: what has ended so far, from a cursor, while it runs",
-    ),
-    ("post", "/v1/files"): Operation(
-        200,
-        _Open,
-        (*_WRITE, 415),
-        None,
-        summary="Upload a batch input file (multipart/form-data: purpose, file)",
-        multipart={
-            "type": "object",
-            "required": ["purpose", "file"],
-            "additionalProperties": False,
-            # The expiry is both its parts or neither.
-            "dependentRequired": {
-                "expires_after[anchor]": ["expires_after[seconds]"],
-                "expires_after[seconds]": ["expires_after[anchor]"],
-            },
-            "properties": {
-                "purpose": {"type": "string", "enum": ["batch"]},
-                "file": {"type": "string", "format": "binary"},
-                "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
-                "expires_after[seconds]": {
-                    "type": "integer",
-                    "minimum": 3600,
-                    "maximum": 2_592_000,
-                },
-            },
-        },
-    ),
-    ("get", "/v1/files"): Operation(200, ListOf, _READ, summary="Files"),
-    ("get", "/v1/files/{file_id}"): Operation(200, _Open, _READ),
-    ("get", "/v1/files/{file_id}/content"): Operation(
-        200, _Open, _READ, media="application/jsonl", summary="A file's lines"
-    ),
-    ("delete", "/v1/files/{file_id}"): Operation(200, _Open, (*_READ, 409)),
-    ("post", "/v1/projects"): Operation(201, _Open, _WRITE, ProjectBody),
-    ("put", "/v1/projects/{project_id}/spend-cap"): Operation(
-        200, _Open, _WRITE, SpendCapBody, summary="Cap what a project's runs may spend"
-    ),
-    ("put", "/v1/keys/{key_id}/spend-cap"): Operation(
-        200, _Open, _WRITE, SpendCapBody, summary="Cap what a key may spend"
-    ),
-    ("get", "/v1/projects/{project_id}"): Operation(200, _Open, _READ),
-    ("post", "/v1/projects/{project_id}/datasets"): Operation(
-        201,
-        _Open,
-        _WRITE,
-        DatasetBody,
-        extra_body_types=("text/csv", _NDJSON, "application/vnd.apache.parquet"),
-    ),
-    ("get", "/v1/projects/{project_id}/datasets/{dataset_id}"): Operation(200, _Open, _READ),
-    ("get", "/v1/projects/{project_id}/datasets/{dataset_id}/rows"): Operation(200, ListOf, _READ),
-    ("patch", "/v1/projects/{project_id}/datasets/{dataset_id}/rows/{row_id}"): Operation(
-        200, _Open, _WRITE, RowPatchBody
-    ),
-    ("post", "/v1/projects/{project_id}/batch-inference-runs"): Operation(
-        201, _Open, (*_WRITE, 402, 429), RunBody
-    ),
-    ("get", "/v1/projects/{project_id}/batch-inference-runs"): Operation(200, ListOf, _READ),
-    ("get", "/v1/projects/{project_id}/batch-inference-runs/{run_id}"): Operation(
-        200, _Open, _READ
-    ),
-    ("post", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/confirm"): Operation(
-        200, _Open, (*_WRITE, 402), EmptyBody, body_required=False
-    ),
-    ("post", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/cancel"): Operation(
-        200, _Open, _WRITE, EmptyBody, body_required=False
-    ),
-    ("get", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/failures"): Operation(
-        200, ListOf, _READ
-    ),
-    ("get", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/finished"): Operation(
-        200,
-        Finished,
-        _READ,
-        summary="A batchyard extension: the rows that ended so far, from a cursor, while it runs",
-    ),
-    ("post", "/v1/projects/{project_id}/batch-inference-runs/{run_id}/retry"): Operation(
-        201,
-        _Open,
-        _WRITE,
-        EmptyBody,
-        body_required=False,
-        summary="A new run of the failed and canceled rows, quoted and awaiting confirmation",
-    ),
-}
-
-# -- Anthropic's Messages door (api/messages.py): its own answers and error envelope --
-
-
 class AnthropicErrorDetail(BaseModel):
     """Anthropic's error object, with batchyard's stable ``code`` beside its ``type``."""
 
@@ -474,109 +256,6 @@ class MessageTokensCount(BaseModel):
     input_tokens: int
 
 
-_ANTHROPIC_CALL = (400, 401, 402, 403, 404, 409, 413, 415, 429, 500, 502, 503, 504, 529)
-
-
-def _anthropic_operations() -> dict[tuple[str, str], Operation]:
-    return {
-        ("post", "/v1/messages"): Operation(
-            200,
-            AnthropicMessage,
-            _ANTHROPIC_CALL,
-            MessagesRequest,
-            streams=True,
-            summary="Messages (Anthropic's shape)",
-        ),
-        ("post", "/v1/messages/batches"): Operation(
-            200,
-            _Open,
-            (*_WRITE, 402),
-            MessageBatchBody,
-            summary="Create a Message Batch (Anthropic's shape; a file batch underneath)",
-        ),
-        ("get", "/v1/messages/batches"): Operation(
-            200, _Open, _READ, summary="Message Batches, newest first (before_id / after_id)"
-        ),
-        ("get", "/v1/messages/batches/{batch_id}"): Operation(200, _Open, _READ),
-        ("post", "/v1/messages/batches/{batch_id}/cancel"): Operation(200, _Open, _WRITE),
-        ("get", "/v1/messages/batches/{batch_id}/results"): Operation(
-            200,
-            _Open,
-            (*_READ, 409),
-            media="application/x-jsonl",
-            summary="Results, one {custom_id, result} line per request, once ended",
-        ),
-        ("post", "/v1/messages/batches/{batch_id}/retry"): Operation(
-            200,
-            _Open,
-            (*_WRITE, 402),
-            summary="A batchyard extension: a new batch of the errored, canceled, expired requests",
-        ),
-        ("get", "/v1/messages/batches/{batch_id}/finished"): Operation(
-            200,
-            Finished,
-            _READ,
-            summary="A batchyard extension: the results so far, from a cursor, while it runs",
-        ),
-        ("post", "/v1/messages/count_tokens"): Operation(
-            200,
-            MessageTokensCount,
-            (400, 401, 403, 404, 413, 415, 429, 500, 503),
-            CountTokensRequest,
-            summary="Count a Messages prompt's tokens without running it",
-        ),
-    }
-
-
-OPERATIONS.update(_anthropic_operations())
-ANTHROPIC_PATHS = frozenset(path for _, path in _anthropic_operations())
-
-
-def _anthropic_errors(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
-    """Anthropic's door answers errors in Anthropic's envelope, and streams its events."""
-    ref = _ref(AnthropicErrorBody, schemas)
-    for path in ANTHROPIC_PATHS:
-        for op in doc.get("paths", {}).get(path, {}).values():
-            for status, answer in op.get("responses", {}).items():
-                if int(status) >= 400:
-                    answer["content"] = {_JSON: {"schema": ref}}
-                elif _SSE in answer.get("content", {}):
-                    answer["content"][_SSE]["schema"]["description"] = (
-                        "with stream: true, server-sent events of Anthropic's types "
-                        "(message_start ... message_stop)"
-                    )
-
-
-def _model_version_operations() -> dict[tuple[str, str], Operation]:
-    """A project's uploaded model versions (kept apart so other edits of the table merge)."""
-    path = "/v1/projects/{project_id}/models"
-    return {
-        ("post", path): Operation(
-            201,
-            _Open,
-            (*_WRITE, 415),
-            None,
-            summary="Upload a model version (multipart/form-data: file, base, type, name)",
-            multipart={
-                "type": "object",
-                "required": ["file", "base", "type"],
-                "properties": {
-                    "file": {"type": "string", "format": "binary"},
-                    "base": {"type": "string"},
-                    "type": {"type": "string", "enum": ["lora", "weights"]},
-                    "name": {"type": "string"},
-                },
-            },
-        ),
-        ("get", path): Operation(200, ListOf, _READ, summary="The project's model versions"),
-        ("get", path + "/{version_id}"): Operation(200, _Open, _READ),
-        ("delete", path + "/{version_id}"): Operation(200, _Open, (*_READ, 409)),
-    }
-
-
-OPERATIONS.update(_model_version_operations())
-
-
 class WebhookEndpoint(BaseModel):
     """A webhook endpoint; ``secret`` only in the answers that make one (create, rotate)."""
 
@@ -603,33 +282,76 @@ class WebhookEndpointDeleted(BaseModel):
     deleted: bool
 
 
-def _webhook_operations() -> dict[tuple[str, str], Operation]:
-    """Webhook endpoints (kept apart so other edits of the table merge)."""
-    path = "/v1/webhook-endpoints"
-    one = path + "/{endpoint_id}"
-    return {
-        ("post", path): Operation(
-            201,
-            WebhookEndpoint,
-            _WRITE,
-            WebhookEndpointBody,
-            summary="Register a webhook endpoint (its secret is in this answer only)",
-        ),
-        ("get", path): Operation(200, WebhookEndpointList, _READ, summary="Webhook endpoints"),
-        ("get", one): Operation(200, WebhookEndpoint, _READ),
-        ("delete", one): Operation(200, WebhookEndpointDeleted, _READ),
-        ("post", one + "/rotate-secret"): Operation(
-            200,
-            WebhookEndpoint,
-            _WRITE,
-            EmptyBody,
-            body_required=False,
-            summary="A new signing secret, in this answer only",
-        ),
-    }
+_JSON = "application/json"
+_SSE = "text/event-stream"
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: What every operation of a method may answer besides success: no key (401), a scope
+#: that does not allow it (403), a store that cannot take it now (503); a malformed
+#: query or body (400), an object not found (404); a write's Idempotency-Key conflict
+#: or an object's state (409), a body too large (413) or not JSON (415).
+_COMMON = (401, 403, 500, 503)
+_BY_METHOD = {"get": (400, 404), "delete": (400, 404, 409)}
+_WRITE = (400, 404, 409, 413, 415)
+#: What a paid model call answers beyond a write's.
+MODEL_CALL = (402, 429, 502, 504)
 
 
-OPERATIONS.update(_webhook_operations())
+@dataclass(frozen=True)
+class Operation:
+    """What one operation takes and answers beyond what FastAPI sees of its route."""
+
+    response: type[BaseModel] = _Open
+    #: Statuses beyond those of every operation of its method (``_COMMON``, ``_BY_METHOD``).
+    errors: tuple[int, ...] = ()
+    #: The JSON body; several models are alternatives (``anyOf``: one door, two dialects).
+    body: type[BaseModel] | tuple[type[BaseModel], ...] | None = None
+    media: str = _JSON
+    #: Also answers ``text/event-stream`` (with ``stream: true``).
+    streams: bool = False
+    #: Other success statuses with the same body (a dialect that answers differently).
+    also: tuple[int, ...] = ()
+    extra_body_types: tuple[str, ...] = ()
+    #: The schema of a multipart/form-data body, where there is one.
+    multipart: dict[str, Any] | None = None
+    #: A probe: no key, so none of ``_COMMON``; its errors answer its own body.
+    public: bool = False
+    #: Filled from the route by ``operations``.
+    success: int = 200
+
+
+def declare(response: type[BaseModel] = _Open, **facts: Any) -> Callable[[_F], _F]:
+    """Record the handler's ``Operation`` on it, where ``operations`` finds it."""
+    operation = Operation(response, **facts)
+
+    def mark(handler: _F) -> _F:
+        handler.__dict__["operation"] = operation
+        return handler
+
+    return mark
+
+
+def _routes(routes: list[Any]) -> Iterator[Any]:
+    for route in routes:
+        inner = getattr(route, "original_router", None)  # an included router
+        yield from [route] if inner is None else _routes(inner.routes)
+
+
+def operations(app: FastAPI) -> dict[tuple[str, str], Operation]:
+    """Every documented operation, with its success status and every error status it answers."""
+    found: dict[tuple[str, str], Operation] = {}
+    for route in _routes(app.routes):
+        if not (isinstance(route, APIRoute) and route.include_in_schema):
+            continue
+        spec: Operation = getattr(route.endpoint, "operation", Operation())
+        for method in (m.lower() for m in route.methods or ()):
+            common = () if spec.public else (*_COMMON, *_BY_METHOD.get(method, _WRITE))
+            errors = tuple(sorted({*common, *spec.errors}))
+            found[method, route.path_format] = dataclasses.replace(
+                spec, errors=errors, success=route.status_code or 200
+            )
+    return found
+
 
 _REASONS = {
     200: "OK",
@@ -683,68 +405,62 @@ def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+#: The stream each dialect's ``stream: true`` answers.
+_STREAMS = {
+    False: "with stream: true, server-sent events of OpenAI chunks, ending with data: [DONE]",
+    True: "with stream: true, server-sent events of Anthropic's types "
+    "(message_start ... message_stop)",
+}
+
+
 def _document(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(
-        title=app.title,
-        version=app.version,
-        description=app.description,
-        routes=app.routes,
+        title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     schemas: dict[str, Any] = {}
-    error_ref = _ref(ErrorBody, schemas)
-    for path, ops in doc.get("paths", {}).items():
-        for method, op in ops.items():
-            spec = OPERATIONS.get((method, path))
-            if spec is None:
-                continue
-            if spec.summary:
-                op["summary"] = spec.summary
-            content: dict[str, Any] = {}
-            if isinstance(spec.body, tuple):
-                content[_JSON] = {"schema": {"anyOf": [_ref(b, schemas) for b in spec.body]}}
-            elif spec.body is not None:
-                content[_JSON] = {"schema": _ref(spec.body, schemas)}
-            for media in spec.extra_body_types:
-                content[media] = {"schema": {"type": "string", "format": "binary"}}
-            if spec.multipart is not None:
-                content["multipart/form-data"] = {"schema": spec.multipart}
-            if content:
-                op["requestBody"] = {"required": spec.body_required, "content": content}
-            ok: dict[str, Any] = {}
-            if spec.response is not None:
-                body_schema = (
-                    _ref(spec.response, schemas)
-                    if spec.media == _JSON
-                    else {"type": "string", "description": "one JSON object a line"}
-                )
-                ok[spec.media] = {"schema": body_schema}
-            if spec.streams:
-                ok[_SSE] = {
-                    "schema": {
-                        "type": "string",
-                        "description": "with stream: true, server-sent events of OpenAI "
-                        "chunks, ending with data: [DONE]",
-                    }
-                }
-            responses: dict[str, Any] = {
+    for (method, path), spec in operations(app).items():
+        op = doc["paths"][path][method]
+        # Anthropic's door answers its errors in Anthropic's envelope (``envelope.error_response``).
+        anthropic = path.startswith(ANTHROPIC_DOOR)
+        content: dict[str, Any] = {}
+        bodies = spec.body if isinstance(spec.body, tuple) else (spec.body,)
+        refs = [_ref(b, schemas) for b in bodies if b is not None]
+        if refs:
+            content[_JSON] = {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
+        for media in spec.extra_body_types:
+            content[media] = {"schema": {"type": "string", "format": "binary"}}
+        if spec.multipart is not None:
+            content["multipart/form-data"] = {"schema": spec.multipart}
+        if content:
+            # A call that takes no body may be sent without one, or with ``{}``.
+            op["requestBody"] = {"required": spec.body is not EmptyBody, "content": content}
+        lines = {"type": "string", "description": "one JSON object a line"}
+        ok = {
+            spec.media: {"schema": _ref(spec.response, schemas) if spec.media == _JSON else lines}
+        }
+        if spec.streams:
+            ok[_SSE] = {"schema": {"type": "string", "description": _STREAMS[anthropic]}}
+        error_body = spec.response if spec.public else ErrorBody
+        error = _ref(AnthropicErrorBody if anthropic else error_body, schemas)
+        op["responses"] = {
+            **{
                 str(status): {
                     "description": _REASONS[status],
                     "content": ok,
                     "headers": _RATE_HEADERS,
                 }
                 for status in sorted({spec.success, *spec.also})
-            }
-            errors_ref = error_ref if spec.error_body is None else _ref(spec.error_body, schemas)
-            for status in sorted(set(spec.errors)):
-                responses[str(status)] = {
+            },
+            **{
+                str(status): {
                     "description": _REASONS[status],
-                    "content": {_JSON: {"schema": errors_ref}},
+                    "content": {_JSON: {"schema": error}},
                     "headers": _ERROR_HEADERS,
                 }
-            op["responses"] = responses
-    _anthropic_errors(doc, schemas)
-    components = doc.setdefault("components", {})
-    found = components.setdefault("schemas", {})
+                for status in spec.errors
+            },
+        }
+    found = doc.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         found.pop(unused, None)
     found.update(schemas)
@@ -791,17 +507,8 @@ fetch('openapi.json').then(r=>r.json()).then(doc=>{
 
 def install_openapi(app: FastAPI) -> None:
     """Replace the generated document with the true one, and serve ``/docs`` offline."""
-    cached: list[dict[str, Any]] = []
+    app.openapi = functools.cache(lambda: _document(app))  # type: ignore[method-assign]
 
-    def openapi() -> dict[str, Any]:
-        if not cached:
-            cached.append(_document(app))
-        return cached[0]
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
+    @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         return HTMLResponse(_DOCS_PAGE)
-
-    page: Callable[[], Any] = docs
-    app.add_api_route("/docs", page, methods=["GET"], include_in_schema=False)

@@ -1,18 +1,11 @@
 """Projects and their datasets: ``/v1/projects`` and ``…/datasets``.
 
-A dataset is created empty (a JSON body ``{"name", "kind"}``) or from an
-upload of JSONL, CSV or Parquet sent as the raw request body (``?name=`` and
-``?kind=`` in the query; the format from ``Content-Type`` or ``?format=``).
-Uploads are streamed: the body goes to a temporary file chunk by chunk, then
-it is parsed incrementally and inserted in batches, so a large file never sits
-in memory whole. An upload that fails part-way leaves no dataset behind.
-
-Every ID is checked against the caller's organisation; another
-organisation's project, dataset or row is 404, never 403. Every POST and the
-row PATCH honour ``Idempotency-Key`` (an upload is fingerprinted by a hash of
-its bytes), so a retried create never makes a second project or dataset.
-Uploaded rows obey the same strict JSON as request bodies (``core.inputs``):
-a ``NaN`` in a file is refused with the line it is on.
+A dataset is created empty (a JSON body) or from a JSONL, CSV or Parquet upload
+sent as the raw body. An upload streams to a temporary file and is parsed and
+inserted in batches, so a large file never sits in memory whole; one that fails
+part-way leaves no dataset behind. An upload is fingerprinted for its
+Idempotency-Key by a hash of its bytes, and its rows obey the same strict JSON as
+request bodies (a ``NaN`` is refused with the line it is on).
 """
 
 from __future__ import annotations
@@ -25,37 +18,37 @@ import hashlib
 import json
 import tempfile
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import Connection
 
 from batchyard.api.bodies import DatasetBody, ProjectBody, RowPatchBody
-from batchyard.api.context import ServiceDep, authenticate, idempotent, json_response, read_json
-from batchyard.api.inputs import (
-    object_id,
-    parse_json,
+from batchyard.api.context import (
+    Caller,
+    ServiceDep,
+    camel_page,
+    idempotent,
+    path_id,
     query_cursor,
     query_limit,
-    strict,
+    read_json,
 )
-from batchyard.api.inputs import row_id as parse_row_id
+from batchyard.api.context import row_id as parse_row_id
+from batchyard.api.openapi import ListOf, declare
 from batchyard.core.clock import isoformat
-from batchyard.core.inputs import check_document
+from batchyard.core.inputs import check_document, parse_json, strict
 from batchyard.core.runs import prompt_messages
-from batchyard.errors import (
-    BatchyardError,
-    InvalidRequest,
-    PayloadTooLarge,
-    UnsupportedMediaType,
-)
+from batchyard.errors import BatchyardError, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from batchyard.store import projects as store
 from batchyard.store import row_versions
 
-__all__ = ["dataset_json", "router"]
+__all__ = ["ProjectId", "dataset_json", "router"]
 
 router = APIRouter()
+ProjectId = Annotated[str, path_id("project_id", "pp", "project", param="projectId")]
+DatasetId = Annotated[str, path_id("dataset_id", "ds", "dataset", param="datasetId")]
 
 KINDS = ("text", "chat-sft")
 BATCH = 1000
@@ -100,23 +93,21 @@ def row_json(r: store.Row) -> dict[str, Any]:
     return {"id": r.id, "version": r.version, "data": r.data, "updatedAt": isoformat(r.updated_at)}
 
 
-def _name(value: Any, param: str = "name") -> str:
+def _name(value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or len(value) > 200:
-        raise InvalidRequest(f"{param} must be a string of 1 to 200 characters", param=param)
+        raise InvalidRequest("name must be a string of 1 to 200 characters", param="name")
     return value.strip()
 
 
-def _project_id(value: str) -> str:
-    return object_id(value, "pp", param="projectId", what="project")
+def _kind(value: str | None) -> str | None:
+    if value is not None and value not in KINDS:
+        raise InvalidRequest("kind must be text or chat-sft", param="kind")
+    return value
 
 
-def _dataset_id(value: str) -> str:
-    return object_id(value, "ds", param="datasetId", what="dataset")
-
-
-@router.post("/v1/projects")
-async def create_project(request: Request, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
+@router.post("/v1/projects", status_code=201)
+@declare(body=ProjectBody)
+async def create_project(request: Request, principal: Caller, svc: ServiceDep) -> Response:
     body = await read_json(request)
     name = _name(strict(ProjectBody, body).name)
 
@@ -131,11 +122,9 @@ async def create_project(request: Request, svc: ServiceDep) -> Response:
 
 
 @router.get("/v1/projects/{project_id}")
-async def get_project(request: Request, project_id: str, svc: ServiceDep) -> JSONResponse:
-    principal = await authenticate(request)
-    _project_id(project_id)
+async def get_project(principal: Caller, project_id: ProjectId, svc: ServiceDep) -> JSONResponse:
     project = await svc.db.read(lambda c: store.get_project(c, principal.org_id, project_id))
-    return json_response(project_json(project))
+    return JSONResponse(project_json(project))
 
 
 # -- uploads ---------------------------------------------------------------------
@@ -154,18 +143,10 @@ def _check_row(row: Any, kind: str, where: str) -> dict[str, Any]:
     return row
 
 
-def _file_error(where: str, exc: BatchyardError) -> InvalidRequest:
-    return InvalidRequest(f"{where}: {exc.message}", code="invalid_dataset_file")
-
-
 def _jsonl(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     for n, line in enumerate(f, 1):
-        if not line.strip():
-            continue
-        try:
+        if line.strip():
             yield f"line {n}", parse_json(line, f"line {n}")
-        except BatchyardError as exc:
-            raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
 
 
 def _csv(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
@@ -173,14 +154,9 @@ def _csv(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     try:
         for n, record in enumerate(csv.DictReader(text), 2):
             row = {k: v for k, v in record.items() if k is not None}
-            try:
-                yield f"line {n}", check_document(row, f"line {n}")
-            except BatchyardError as exc:
-                raise _file_error(f"line {n}", exc) from None
+            yield f"line {n}", check_document(row, f"line {n}")
     except (csv.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest(
-            f"the CSV file is not valid: {exc}", code="invalid_dataset_file"
-        ) from None
+        raise InvalidRequest(f"the CSV file is not valid: {exc}") from None
 
 
 def _parquet(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
@@ -188,29 +164,28 @@ def _parquet(f: IO[bytes]) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(f)
-        n = 0
-        for batch in pf.iter_batches(batch_size=BATCH):
-            for row in batch.to_pylist():
-                n += 1
-                # Timestamps, decimals and bytes become strings: rows are JSON,
-                # and strict JSON (a float NaN is refused, not stored).
-                try:
-                    yield f"row {n}", parse_json(json.dumps(row, default=str), f"row {n}")
-                except BatchyardError as exc:
-                    raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
+        batches = pq.ParquetFile(f).iter_batches(batch_size=BATCH)
+        for n, row in enumerate((row for b in batches for row in b.to_pylist()), 1):
+            # Timestamps, decimals and bytes become strings: rows are JSON,
+            # and strict JSON (a float NaN is refused, not stored).
+            yield f"row {n}", parse_json(json.dumps(row, default=str), f"row {n}")
     except (pa.ArrowException, OSError) as exc:
-        raise InvalidRequest(
-            f"the Parquet file is not valid: {exc}", code="invalid_dataset_file"
-        ) from None
+        raise InvalidRequest(f"the Parquet file is not valid: {exc}") from None
+
+
+def _file_rows(fmt: str, f: IO[bytes]) -> Iterator[tuple[str, Any]]:
+    """The upload's rows, each where it is; anything wrong with the file is its 400."""
+    try:
+        yield from {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](f)
+    except BatchyardError as exc:
+        raise InvalidRequest(exc.message, code="invalid_dataset_file") from None
 
 
 def _import(
     svc: Any, f: IO[bytes], fmt: str, org_id: str, project_id: str, name: str, kind: str | None
 ) -> store.Dataset:
     """Parse the spooled upload and insert it in batches (runs on a thread)."""
-    reader = {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt]
-    rows = reader(f)
+    rows = _file_rows(fmt, f)
     first = next(rows, None)
     if first is None:
         raise InvalidRequest("the uploaded file holds no rows", code="invalid_dataset_file")
@@ -265,20 +240,21 @@ def _format(request: Request) -> str:
     return fmt
 
 
-@router.post("/v1/projects/{project_id}/datasets")
-async def create_dataset(request: Request, project_id: str, svc: ServiceDep) -> Response:
-    principal = await authenticate(request)
-    _project_id(project_id)
+@router.post("/v1/projects/{project_id}/datasets", status_code=201)
+@declare(
+    body=DatasetBody,
+    extra_body_types=("text/csv", "application/x-ndjson", "application/vnd.apache.parquet"),
+)
+async def create_dataset(
+    request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
+) -> Response:
     org = principal.org_id
     await svc.db.read(lambda c: store.get_project(c, org, project_id))
     fmt = _format(request)
     if fmt == "json":
         body = await read_json(request)
         shape = strict(DatasetBody, body)
-        name = _name(shape.name)
-        kind = "text" if shape.kind is None else shape.kind
-        if kind not in KINDS:
-            raise InvalidRequest("kind must be text or chat-sft", param="kind")
+        name, kind = _name(shape.name), _kind(shape.kind) or "text"
 
         async def create() -> tuple[int, Any]:
             now = svc.clock.now()
@@ -288,10 +264,8 @@ async def create_dataset(request: Request, project_id: str, svc: ServiceDep) -> 
             return 201, dataset_json(ds)
 
         return await idempotent(request, principal, body, create)
-    name = _name(request.query_params.get("name"), "name")
-    kind_param = request.query_params.get("kind")
-    if kind_param is not None and kind_param not in KINDS:
-        raise InvalidRequest("kind must be text or chat-sft", param="kind")
+    name = _name(request.query_params.get("name"))
+    kind_param = _kind(request.query_params.get("kind"))
     cap = svc.settings.max_upload_bytes
     with tempfile.TemporaryFile(prefix="batchyard-upload-") as f:
         size = 0
@@ -318,22 +292,21 @@ async def create_dataset(request: Request, project_id: str, svc: ServiceDep) -> 
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}")
 async def get_dataset(
-    request: Request, project_id: str, dataset_id: str, svc: ServiceDep
+    principal: Caller, project_id: ProjectId, dataset_id: DatasetId, svc: ServiceDep
 ) -> JSONResponse:
-    principal = await authenticate(request)
-    _project_id(project_id)
-    _dataset_id(dataset_id)
     ds = await svc.db.read(lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id))
-    return json_response(dataset_json(ds))
+    return JSONResponse(dataset_json(ds))
 
 
 @router.get("/v1/projects/{project_id}/datasets/{dataset_id}/rows")
+@declare(ListOf)
 async def list_rows(
-    request: Request, project_id: str, dataset_id: str, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    dataset_id: DatasetId,
+    svc: ServiceDep,
 ) -> JSONResponse:
-    principal = await authenticate(request)
-    _project_id(project_id)
-    _dataset_id(dataset_id)
     limit = query_limit(request, default=100, most=1000)
     after = query_cursor(request)
 
@@ -342,26 +315,20 @@ async def list_rows(
         return store.list_rows(c, dataset_id, after=after, limit=limit + 1)
 
     rows = await svc.db.read(tx)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return json_response(
-        {
-            "object": "list",
-            "data": [row_json(r) for r in rows],
-            "hasMore": more,
-            "nextCursor": str(rows[-1].id) if more else None,
-        }
-    )
+    return JSONResponse(camel_page([row_json(r) for r in rows], limit, lambda r: str(r["id"])))
 
 
 @router.patch("/v1/projects/{project_id}/datasets/{dataset_id}/rows/{row_id}")
+@declare(body=RowPatchBody)
 async def patch_row(
-    request: Request, project_id: str, dataset_id: str, row_id: str, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    dataset_id: DatasetId,
+    row_id: str,
+    svc: ServiceDep,
 ) -> Response:
     """Merge ``{"data": {...}}`` into a row as a new version; ``null`` removes a field."""
-    principal = await authenticate(request)
-    _project_id(project_id)
-    _dataset_id(dataset_id)
     rid = parse_row_id(row_id)
     body = await read_json(request)
     changes = strict(RowPatchBody, body).data

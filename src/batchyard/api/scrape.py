@@ -1,14 +1,9 @@
 """``GET /metrics``: Prometheus's scrape of this deployment (``service.metrics`` renders it).
 
 Open by default, like ``/healthz``: it carries counts and route IDs, never an
-organisation, a key or any text. A deployment that serves the API to the
-internet sets ``metrics_token`` (or ``BATCHYARD_METRICS_TOKEN``), and then
-only ``Authorization: Bearer <metrics_token>`` is answered; anything else is
-401 ``unauthorized``. The store's backlog (queue depths, open holds) is read
-for each scrape; a store that cannot answer leaves those gauges out and sets
-``batchyard_store_up`` to 0, while the counters still answer. The embedded
-model's shelf (prompts moved from its KV cache to host memory) is this
-process's, for each model loaded here.
+organisation, a key or any text; a deployment on the internet sets
+``metrics_token``. A store or a model that cannot answer in time leaves its
+gauges out (``batchyard_store_up`` 0) rather than failing the scrape.
 """
 
 from __future__ import annotations

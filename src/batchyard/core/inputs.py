@@ -1,6 +1,6 @@
 """Strict JSON and strict shapes: the rules every body obeys, whichever door it came through.
 
-Pure functions (no request, no store) so the API (``api.inputs``), the
+Pure functions (no request, no store) so the API (``api.context``), the
 workspace's submission form and uploaded dataset files share them:
 
 - strict JSON: UTF-8 only, no ``NaN``/``Infinity`` (and no number so large it
