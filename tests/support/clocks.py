@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from batchyard.core.clock import ManualClock
+from tests.support.waits import settles
 
 
 class SleepWatchingClock(ManualClock):
@@ -21,6 +22,6 @@ class SleepWatchingClock(ManualClock):
         await super().sleep(seconds)
 
     async def next_sleep(self) -> float:
-        await asyncio.wait_for(self.sleeping.wait(), 5)
+        await settles(self.sleeping.wait(), "a waiter sleeps on the clock")
         self.sleeping.clear()
         return self.sleeps[-1]

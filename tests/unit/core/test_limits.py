@@ -30,6 +30,7 @@ from batchyard.core.limits import (
 from batchyard.engines.protocol import RateLimitSignal
 from batchyard.errors import RateLimited
 from tests.support.clocks import SleepWatchingClock
+from tests.support.waits import settles
 
 RPM = Limit("rpm", per_minute=60)
 TPM = Limit("tpm", per_minute=6000, burst=100)
@@ -221,7 +222,7 @@ async def test_acquire_waits_on_the_clock(
     await asyncio.sleep(0)
     assert not waiter.done()
     clock.advance(0.5)
-    await asyncio.wait_for(waiter, 5)
+    await settles(waiter)
     assert clock.sleeps == [pytest.approx(1.0)]
 
 
@@ -235,7 +236,7 @@ async def test_a_penalty_reaches_a_sleeping_waiter(
     clock.advance(1.0)
     assert await clock.next_sleep() == pytest.approx(4.0)
     clock.advance(4.0)
-    await asyncio.wait_for(waiter, 5)
+    await settles(waiter)
 
 
 async def test_acquire_gives_up_past_max_wait(

@@ -40,6 +40,7 @@ from batchyard.work.runner import (
 )
 from tests.support.clocks import SleepWatchingClock
 from tests.support.memory_queue import MemoryQueue
+from tests.support.waits import settles
 from tests.unit.work.conftest import spin
 
 LEASE_S = 60.0
@@ -96,7 +97,7 @@ class Calls:
 
 
 async def within(task: asyncio.Future[Any] | asyncio.Task[Any]) -> Any:
-    return await asyncio.wait_for(task, 5)  # a hang guard, not a timing assertion
+    return await settles(task)  # a hang guard, not a timing assertion
 
 
 async def test_every_unit_is_answered_once_with_at_most_width_calls_in_flight(
