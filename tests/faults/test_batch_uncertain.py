@@ -40,6 +40,7 @@ from tests.support.fake_upstream import FakeUpstream
 from tests.support.processes import Workers, deployment
 from tests.support.server import asgi_client
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S, settles
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 TEXTS = [f"Summarize public release note number {i}." for i in range(4)]
@@ -121,7 +122,7 @@ async def test_killed_mid_call_becomes_uncertain_and_releases_its_hold(
                 [BATCHYARD, "audit", "--config", str(dep.config), "--database", database_url],
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=HANG_S,
                 env={"PATH": "/usr/bin:/bin", "BATCHYARD_HOME": str(tmp_path / "audit-home")},
                 check=False,
             )
@@ -172,7 +173,7 @@ async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(mar
     set_price(svc, "spot", "0.008", "0.03")
     slow = deferred_batch_worker(svc, lease_s=120, book=worker(svc).book)
     task = asyncio.create_task(slow.run_pass())
-    await asyncio.wait_for(engine.entered.wait(), 5)
+    await settles(engine.entered.wait(), "the slow call is in the engine")
     other = deferred_batch_worker(svc, book=worker(svc).book)
     for _ in range(6):  # 6 minutes of a long call, heartbeats every 40 s
         clock.advance(40)
@@ -182,5 +183,5 @@ async def test_a_worker_that_keeps_its_lease_alive_is_not_declared_uncertain(mar
         await other.run_pass()
         assert item_rows(svc, bid)[0].status == "dispatched"
     engine.release.set()
-    await asyncio.wait_for(task, 5)
+    await settles(task, "the slow pass ends")
     assert item_rows(svc, bid)[0].status == "succeeded"

@@ -29,6 +29,7 @@ from tests.support.deferred_batches import chat, item_rows, submit
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.processes import Workers, deployment
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S
 
 TEXTS = [f"Summarize public release note number {i}." for i in range(6)]
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
@@ -38,7 +39,7 @@ def batchyard(config: Path, database_url: str, *args: str) -> subprocess.Complet
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHYARD_")}
     env.update(BATCHYARD_CONFIG=str(config), BATCHYARD_DATABASE_URL=database_url)
     return subprocess.run(
-        [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+        [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=HANG_S, check=False
     )
 
 

@@ -29,6 +29,7 @@ from tests.support.fake_upstream import FakeUpstream
 from tests.support.processes import Workers, worker_config
 from tests.support.server import free_port
 from tests.support.small_disk import SmallDisk
+from tests.support.waits import HANG_S
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 
@@ -70,7 +71,7 @@ async def test_a_full_disk_answers_503_and_strands_nothing(
                 env=env,
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=HANG_S,
                 check=False,
             )
 
@@ -81,13 +82,13 @@ async def test_a_full_disk_answers_503_and_strands_nothing(
             except httpx.TransportError:
                 return False
 
-        await workers.until(ready, "serve is ready", timeout=90)
+        await workers.until(ready, "serve is ready")
         made = operator("keys", "create", "--org", "acme")
         assert made.returncode == 0, made.stderr
         headers = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
         assert operator("credit", "add", "--org", "acme", "1").returncode == 0
         up.hold(after=0)
-        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=base, timeout=HANG_S) as http:
             body = {**chat("a call the disk fills under"), "max_tokens": 8}
             call = asyncio.create_task(
                 http.post(

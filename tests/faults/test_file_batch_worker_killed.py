@@ -31,6 +31,7 @@ from tests.support.fake_upstream import FakeUpstream
 from tests.support.file_batches import chat_line, create, jsonl, lines_of, upload
 from tests.support.processes import Workers, deployment
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S
 
 pytestmark = pytest.mark.postgres
 
@@ -65,7 +66,6 @@ async def test_three_kills_leave_each_line_answered_once_or_uncertain(
                 await workers.until(
                     lambda: up.held == CONCURRENCY,
                     f"worker {kill} has {CONCURRENCY} calls held",
-                    timeout=120,
                 )
                 before = up.abandoned
                 assert current.kill() == -9
@@ -85,7 +85,7 @@ async def test_three_kills_leave_each_line_answered_once_or_uncertain(
                 got = await http.get(f"/v1/batches/{batch['id']}", headers=acct.headers)
                 return got.json()["status"] == "completed"
 
-            await workers.until(ended, "the last worker finishes the batch", timeout=240)
+            await workers.until(ended, "the last worker finishes the batch")
             assert current.terminate() == 0
             done = (await http.get(f"/v1/batches/{batch['id']}", headers=acct.headers)).json()
             out = await http.get(
@@ -137,7 +137,7 @@ async def test_three_kills_leave_each_line_answered_once_or_uncertain(
         [BATCHYARD, "audit", "--database", pg_url],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
         env={"PATH": "/usr/bin:/bin", "BATCHYARD_HOME": str(tmp_path / "audit-home")},
     )
     assert audit.returncode == 0, audit.stdout + audit.stderr

@@ -24,6 +24,7 @@ from tests.support.fake_upstream import FakeUpstream
 from tests.support.file_batches import lines_of
 from tests.support.processes import Workers, deployment
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S
 
 pytestmark = pytest.mark.postgres
 
@@ -67,9 +68,7 @@ async def test_a_kill_leaves_each_request_answered_once_or_uncertain(
             )
             assert created.status_code == 200, created.text
             batch = created.json()
-            await workers.until(
-                lambda: up.held == CONCURRENCY, "the worker has its calls held", timeout=120
-            )
+            await workers.until(lambda: up.held == CONCURRENCY, "the worker has its calls held")
             before = up.abandoned
             assert first.kill() == -9
             await workers.until(
@@ -84,7 +83,7 @@ async def test_a_kill_leaves_each_request_answered_once_or_uncertain(
                 got = await http.get(f"{PATH}/{batch['id']}", headers=h)
                 return got.json()["processing_status"] == "ended"
 
-            await workers.until(ended, "the second worker finishes the batch", timeout=240)
+            await workers.until(ended, "the second worker finishes the batch")
             assert last.terminate() == 0
             done = (await http.get(f"{PATH}/{batch['id']}", headers=h)).json()
             results = await http.get(f"{PATH}/{batch['id']}/results", headers=h)
@@ -115,7 +114,7 @@ async def test_a_kill_leaves_each_request_answered_once_or_uncertain(
         [BATCHYARD, "audit", "--database", pg_url],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
         env={"PATH": "/usr/bin:/bin", "BATCHYARD_HOME": str(tmp_path / "audit-home")},
     )
     assert audit.returncode == 0, audit.stdout + audit.stderr

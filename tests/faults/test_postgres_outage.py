@@ -31,6 +31,7 @@ from tests.support.processes import Workers, deployment
 from tests.support.runs import Api
 from tests.support.server import free_port
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S
 
 ROWS = [{"text": f"row {i}"} for i in range(16)]
 RUN = {
@@ -83,8 +84,8 @@ async def test_postgres_restarted_mid_run_answers_503_then_the_run_finishes_whol
                 except httpx.TransportError:
                     return False
 
-            await workers.until(ready, "serve answers", timeout=60)
-            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            await workers.until(ready, "serve answers")
+            async with httpx.AsyncClient(base_url=base, timeout=HANG_S) as http:
                 api = await Api(http, acct.headers).start()
                 run_id, dataset_id = await api.confirmed(ROWS, RUN)
 

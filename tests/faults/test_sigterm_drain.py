@@ -37,6 +37,7 @@ from tests.support.processes import WorkerProcess, Workers, deployment
 from tests.support.runs import Api
 from tests.support.server import free_port
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S
 
 TEXTS = [f"Summarize public release note number {i}." for i in range(4)]
 ROWS = [{"text": f"row {i}"} for i in range(12)]
@@ -58,7 +59,7 @@ def sigterm(proc: WorkerProcess) -> None:
 
 
 async def exited(workers: Workers, proc: WorkerProcess) -> int:
-    await workers.until(lambda: not proc.alive, f"{proc.name} exits", timeout=60)
+    await workers.until(lambda: not proc.alive, f"{proc.name} exits")
     code = proc.returncode
     assert code is not None
     return code
@@ -266,8 +267,8 @@ async def test_serve_finishes_the_requests_in_progress_on_sigterm(
                 except httpx.TransportError:
                     return False
 
-            await workers.until(ready, "serve is ready", timeout=60)
-            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            await workers.until(ready, "serve is ready")
+            async with httpx.AsyncClient(base_url=base, timeout=HANG_S) as client:
                 body = {**chat("a chat in flight"), "max_tokens": 8}
                 call = asyncio.create_task(
                     client.post(

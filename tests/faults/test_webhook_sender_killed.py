@@ -60,13 +60,11 @@ async def test_a_delivery_cut_off_by_sigkill_is_delivered_again_with_its_id(
             )
 
             first = workers.start(config=dep.config, database_url=pg_url, name="worker-1")
-            await workers.until(lambda: rx.seen == [(msg_id, 0)], "the POST is held", timeout=120)
+            await workers.until(lambda: rx.seen == [(msg_id, 0)], "the POST is held")
             assert first.kill() == -9
             rx.release()
             workers.start(config=dep.config, database_url=pg_url, name="worker-2")
-            await workers.until(
-                lambda: msg_id in rx.events, "the delivery arrives again", timeout=120
-            )
+            await workers.until(lambda: msg_id in rx.events, "the delivery arrives again")
 
             t = webhook_deliveries.webhook_deliveries
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.waits import HANG_S
+
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 
 
@@ -26,7 +28,7 @@ def cli(tmp_path):
 
     def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
         out = subprocess.run(
-            [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=60
+            [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=HANG_S
         )
         if ok:
             assert out.returncode == 0, (args, out.stdout, out.stderr)

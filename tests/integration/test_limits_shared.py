@@ -31,6 +31,7 @@ from batchyard.store.redis_limiter import RedisLimiter
 from batchyard.store.sql_limiter import SqlLimiter
 from batchyard.store.tables import rate_limits
 from tests.support.clocks import SleepWatchingClock
+from tests.support.waits import HANG_S, settles
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -200,7 +201,7 @@ async def test_acquire_paces_on_the_clock_and_sees_penalties(limiter, clock, ns)
     clock.advance(0.5)
     assert await clock.next_sleep() == pytest.approx(4.0)
     clock.advance(4.0)
-    await asyncio.wait_for(waiter, 5)
+    await settles(waiter)
 
 
 async def test_acquire_refuses_past_max_wait_without_consuming(limiter, clock, ns) -> None:
@@ -283,7 +284,7 @@ async def test_occupy_waits_for_a_slot_freed_in_this_process(limiter, clock, ns)
     await asyncio.sleep(0.05)
     assert not waiter.done()
     await limiter.free_slot(key, held.token)
-    grant = await asyncio.wait_for(waiter, 5)
+    grant = await settles(waiter)
     assert grant.token is not None
     refused = await limiter.occupy(key, 1, 60, max_wait=0)
     assert refused.token is None and refused.in_use == 1
@@ -339,7 +340,7 @@ async def test_a_check_with_nothing_to_count_locks_and_writes_nothing(clock, ns,
             .with_for_update()
         ).scalar_one()
         # A bound on a hang, not a timing: a locking check would wait for ``holder``.
-        admission = await asyncio.wait_for(limiter.try_acquire(key, []), 30)
+        admission = await settles(limiter.try_acquire(key, []))
         holder.rollback()
     assert admission == Admission(False, pytest.approx(5.0), PENALTY)
     with pg_engine.begin() as conn:
@@ -449,7 +450,7 @@ def test_two_processes_share_one_limit(backend, attempts, ns, request) -> None:
         for worker in workers:
             worker.stdin.write("go\n")
             worker.stdin.flush()
-        counts = [json.loads(worker.communicate(timeout=60)[0]) for worker in workers]
+        counts = [json.loads(worker.communicate(timeout=HANG_S)[0]) for worker in workers]
         assert all(worker.returncode == 0 for worker in workers)
     finally:
         for worker in workers:

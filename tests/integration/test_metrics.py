@@ -22,6 +22,7 @@ from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import make_account
 from tests.support.runs import Api, fast_runs
 from tests.support.server import live_server
+from tests.support.waits import HANG_S
 
 FAMILIES = {
     "batchyard_http_requests",
@@ -89,7 +90,7 @@ async def test_a_scrape_after_real_requests_has_every_family_and_the_counts_move
     svc.engines.set("embedded", engine)
     acct = make_account(svc, credit="5", tier=1)
     flood = make_account(svc, "flood", credit="5", tier=0)
-    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=HANG_S) as http:
         before = scrape((await http.get("/metrics")).text)
         assert set(before) >= FAMILIES, FAMILIES - set(before)
 
@@ -154,7 +155,7 @@ async def test_a_scrape_after_real_requests_has_every_family_and_the_counts_move
 
 async def test_a_metrics_token_keeps_the_scrape_to_its_holder(make_service):
     svc = make_service(metrics_token="scrape-secret")
-    async with live_server(svc) as base, httpx.AsyncClient(base_url=base) as http:
+    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=HANG_S) as http:
         assert (await http.get("/metrics")).status_code == 401
         wrong = await http.get("/metrics", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
@@ -173,7 +174,7 @@ async def test_the_embedded_models_shelf_and_cached_tokens_show_in_the_scrape(ma
     def chat(text: str) -> dict[str, object]:
         return {**CHAT, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
 
-    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+    async with live_server(svc) as base, httpx.AsyncClient(base_url=base, timeout=HANG_S) as http:
         before = scrape((await http.get("/metrics")).text)
         for text in (
             "Write a poem about the moon.",

@@ -332,7 +332,7 @@ async def test_every_way_in_charges_usage_at_its_price_within_its_hold(
     service = make_service(runs=fast_runs())
     acct = make_account(service, credit="1")
     pay, _ = WAYS[way]
-    async with asgi_client(service, worker=way == "run_row", timeout=120) as http:
+    async with asgi_client(service, worker=way == "run_row") as http:
         paid = await pay(service, http, acct, variant)
     assert paid
     for p in paid:

@@ -23,6 +23,7 @@ import pytest
 
 from tests.support.processes import wait_healthy
 from tests.support.server import free_port
+from tests.support.waits import HANG_S
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 COMMANDS = ("serve", "worker", "audit")
@@ -183,7 +184,7 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
 
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+        [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=HANG_S, check=False
     )
 
 
@@ -253,14 +254,14 @@ def _serve(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str],
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, base, output=lambda: str(proc.communicate()), timeout=90)
+    wait_healthy(proc, base, output=lambda: str(proc.communicate()))
     return proc, base
 
 
 def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     proc.send_signal(signal.SIGTERM)
     try:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -291,7 +292,7 @@ def test_a_lost_or_wrong_batch_key_is_refused_and_never_replaced(tmp_path):
             f"{base}/v1/chat/completions",
             json={"model": "kettei-core", "messages": [{"role": "user", "content": "hi"}]},
             headers={"Authorization": f"Bearer {secret}", "Idempotency-Key": "k-1"},
-            timeout=60,
+            timeout=HANG_S,
         )
         assert r.status_code == 200, r.text
     finally:
@@ -331,7 +332,7 @@ def test_a_lost_or_wrong_batch_key_is_refused_and_never_replaced(tmp_path):
             f"{base}/v1/chat/completions",
             json={"model": "kettei-core", "messages": [{"role": "user", "content": "hi"}]},
             headers={"Authorization": f"Bearer {secret}", "Idempotency-Key": "k-1"},
-            timeout=60,
+            timeout=HANG_S,
         )
         assert again.status_code == 200, again.text  # the sealed answer opens again
         assert again.json() == r.json()

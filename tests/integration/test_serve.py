@@ -22,6 +22,7 @@ from batchyard.store import accounts, ledger
 from batchyard.store.database import Database
 from tests.support.processes import wait_healthy
 from tests.support.server import free_port
+from tests.support.waits import HANG_S
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 PG_ADMIN = os.environ.get(
@@ -83,7 +84,7 @@ def served(request, tmp_path_factory):
         yield Served(base, normalise_database_url(url), key, org_id)
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught.
-        code = proc.wait(timeout=30)
+        code = proc.wait(timeout=HANG_S)
         output = proc.stdout.read()
         assert code == 0, output  # a clean drain is a clean exit (issue 22)
         assert "Traceback" not in output, output
@@ -125,7 +126,7 @@ def test_a_real_completion_on_the_embedded_model_is_billed(served):
             "temperature": 0,
         },
         headers={**served.headers, "Idempotency-Key": "serve-1"},
-        timeout=180,
+        timeout=HANG_S,
     )
     assert r.status_code == 200, r.text
     body = r.json()

@@ -29,6 +29,7 @@ from batchyard.store import accounts, ledger
 from batchyard.store.database import Database
 from tests.support.processes import wait_healthy
 from tests.support.server import free_port
+from tests.support.waits import HANG_S
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 
@@ -107,7 +108,7 @@ def test_urllib_reads_the_413_from_batchyard_serve(served):
         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
     )
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=60)
+        urllib.request.urlopen(request, timeout=HANG_S)
     assert refused.value.code == 413
     assert json.loads(refused.value.read())["error"]["code"] == "request_too_large"
 

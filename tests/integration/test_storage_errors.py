@@ -18,6 +18,7 @@ from sqlalchemy import event
 
 from tests.support.accounts import make_account
 from tests.support.server import asgi_client
+from tests.support.waits import HANG_S
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 
@@ -99,7 +100,7 @@ def test_operator_commands_say_in_one_line_that_the_database_cannot_be_used(tmp_
             env=env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=HANG_S,
             check=False,
         )
         assert out.returncode == 1, (what, out.stderr)
@@ -117,7 +118,7 @@ def test_serve_and_worker_refuse_a_database_they_cannot_use_without_a_traceback(
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
         check=False,
     )
     assert out.returncode == 1, out.stderr

@@ -20,6 +20,7 @@ from tests.support.processes import Workers, deployment
 from tests.support.runs import Api
 from tests.support.server import free_port
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S
 
 pytestmark = pytest.mark.postgres
 
@@ -55,7 +56,9 @@ async def test_a_worker_counts_its_model_calls_and_charges_on_its_own_port(
             run_id, _ = await api.confirmed(ROWS, RUN)
             await workers.until(lambda: api.status_in(run_id, "completed"), "the run ends")
 
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as scrape:
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}", timeout=HANG_S
+            ) as scrape:
                 assert (await scrape.get("/healthz")).status_code == 200
                 text = (await scrape.get("/metrics")).text
             assert proc.terminate() == 0

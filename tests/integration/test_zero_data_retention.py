@@ -19,6 +19,7 @@ from batchyard.store.tables import idempotency_keys
 from tests.support.accounts import make_account
 from tests.support.deferred_batches import batch_body, feed_route, submit
 from tests.support.server import asgi_client
+from tests.support.waits import HANG_S
 
 BATCHYARD = str(Path(sys.executable).with_name("batchyard"))
 
@@ -27,7 +28,7 @@ def batchyard(database_url: str, home: Path, *args: str) -> subprocess.Completed
     env = {**os.environ, "BATCHYARD_DATABASE_URL": database_url, "BATCHYARD_HOME": str(home)}
     env.pop("BATCHYARD_CONFIG", None)
     return subprocess.run(
-        [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        [BATCHYARD, *args], env=env, capture_output=True, text=True, timeout=HANG_S, check=False
     )
 
 

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from batchyard.core.clock import ManualClock
+from tests.support.waits import settles
 
 
 class SleepWatchingClock(ManualClock):
@@ -22,7 +23,7 @@ class SleepWatchingClock(ManualClock):
         await super().sleep(seconds)
 
     async def next_sleep(self) -> float:
-        await asyncio.wait_for(self.sleeping.wait(), 5)
+        await settles(self.sleeping.wait(), "a waiter sleeps on the clock")
         self.sleeping.clear()
         return self.sleeps[-1]
 

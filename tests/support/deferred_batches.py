@@ -26,6 +26,7 @@ from batchyard.store import deferred_batches as bstore
 from batchyard.store.deferred_batch_tables import batch_items
 from batchyard.work.deferred_batches.deferred_batch_worker import DeferredBatchWorker
 from tests.support.services import ServiceFactory
+from tests.support.waits import until
 
 CORE = ModelSpec(
     id="kettei-core",
@@ -159,14 +160,17 @@ class BlockingEngine:
 async def eventually(cond: Callable[[], bool], timeout: float | None = None) -> None:
     """Wait (real time, for other tasks to run) until ``cond`` holds.
 
-    Without ``timeout``, no deadline of its own: what the test waits for takes a
-    moment on a quiet machine and many beside other work, so a condition that
-    never holds is the test's timeout. ``timeout`` bounds one look (see
-    ``eventually_ticking``), raising ``AssertionError`` when it passes.
+    Without ``timeout``, bounded only against a hang (``tests.support.waits``): what
+    the test waits for takes a moment on a quiet machine and many beside other work.
+    ``timeout`` bounds one look (see ``eventually_ticking``), raising
+    ``AssertionError`` when it passes.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
+    if timeout is None:
+        await until(cond, interval=0.01)
+        return
+    deadline = time.monotonic() + timeout
     while not cond():
-        if deadline is not None and time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
 

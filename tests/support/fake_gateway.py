@@ -38,6 +38,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tests.support.waits import HANG_S
+
 __all__ = ["DECISIONS", "FakeGateway", "Recorded", "read_lines", "write_jsonl"]
 
 #: A decision set the server accepts, for tests that need one.
@@ -140,8 +142,10 @@ class FakeGateway:
         records must not land in the next test's.
         """
         with self._quiet:
-            if not self._quiet.wait_for(lambda: self._in_flight == 0, timeout=30):
-                raise RuntimeError("the fake gateway still has requests in flight after 30 s")
+            if not self._quiet.wait_for(lambda: self._in_flight == 0, timeout=HANG_S):
+                raise RuntimeError(
+                    f"hung: the fake gateway has requests in flight after {HANG_S:g} s"
+                )
         for name, value in self._initial.items():
             setattr(self, name, value)
         self.dumb_models = {"kettei-dumb"}
@@ -183,7 +187,7 @@ class FakeGateway:
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
         )
         self._thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while not self._server.started:
             if time.monotonic() > deadline:
                 raise RuntimeError("fake gateway did not start")
@@ -194,7 +198,7 @@ class FakeGateway:
     def __exit__(self, *exc: object) -> None:
         assert self._server is not None and self._thread is not None
         self._server.should_exit = True
-        self._thread.join(10)
+        self._thread.join(HANG_S)
 
     # rules ---------------------------------------------------------------
 

@@ -38,6 +38,8 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tests.support.waits import HANG_S
+
 __all__ = ["FakeUpstream"]
 
 _REASONS = {
@@ -395,7 +397,7 @@ class FakeUpstream:
         self._loop = loop
         self._thread = threading.Thread(target=run, name="fake-upstream", daemon=True)
         self._thread.start()
-        ready.wait(10)
+        ready.wait(HANG_S)
         if failure:
             raise failure[0]
         return self
@@ -403,7 +405,7 @@ class FakeUpstream:
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+            self._thread.join(HANG_S)
         self._loop = self._thread = None
 
     def __enter__(self) -> FakeUpstream:

@@ -25,6 +25,7 @@ from pathlib import Path
 from sqlalchemy import create_engine, text
 
 from tests.support.server import free_port
+from tests.support.waits import HANG_S
 
 __all__ = ["PrivatePostgres", "PrivateRedis"]
 
@@ -51,7 +52,7 @@ class PrivatePostgres:
             ["runuser", "-u", "postgres", "--", *argv],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=HANG_S,
             check=False,
         )
         if result.returncode != 0:
@@ -67,13 +68,14 @@ class PrivatePostgres:
         )
         self._as_postgres(
             str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.logfile),
-            "-o", options, "-w", "-t", "60", "start",
+            "-o", options, "-w", "-t", f"{HANG_S:.0f}", "start",
         )  # fmt: skip
 
     def stop(self) -> None:
         """A fast shutdown: open connections are cut, as in a real outage."""
         self._as_postgres(
-            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop"
+            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast",
+            "-w", "-t", f"{HANG_S:.0f}", "stop",
         )  # fmt: skip
 
     @property
@@ -109,7 +111,7 @@ class PrivateRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, *, timeout: float = 30.0) -> None:
+    def start(self) -> None:
         self._proc = subprocess.Popen(
             [
                 "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
@@ -118,7 +120,7 @@ class PrivateRedis:
             stdout=(self.root / "server.log").open("ab"),
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + HANG_S
         while not self._answers():
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
@@ -137,7 +139,7 @@ class PrivateRedis:
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
-            self._proc.wait(30)
+            self._proc.wait(HANG_S)
         self._proc = None
 
     def close(self) -> None:

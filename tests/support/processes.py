@@ -26,7 +26,6 @@ two minutes and not in the config).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import inspect
 import os
@@ -49,6 +48,7 @@ from batchyard.service import Service
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.server import asgi_client
 from tests.support.services import ServiceFactory
+from tests.support.waits import HANG_S, until
 
 __all__ = [
     "Deployment",
@@ -88,24 +88,23 @@ _SCRUB = (
 RUNNING = "batchyard worker: running"
 
 
-def wait_healthy(
-    proc: subprocess.Popen[Any], base: str, *, output: Callable[[], str], timeout: float = 60.0
-) -> None:
+def wait_healthy(proc: subprocess.Popen[Any], base: str, *, output: Callable[[], str]) -> None:
     """Until a real ``batchyard serve`` at ``base`` answers ``/healthz``.
 
     A process of its own cannot share a test's ManualClock, so this polls in real
-    time, bounded by ``timeout``; a process that exits first fails with ``output()``.
+    time, bounded only against a hang (``HANG_S``); a process that exits first
+    fails with ``output()``.
     """
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + HANG_S
     while True:
         if proc.poll() is not None:
             raise AssertionError(output())
         try:
-            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/healthz", timeout=HANG_S).status_code == 200:
                 return
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, "batchyard serve did not become healthy"
+        assert time.monotonic() < deadline, f"hung: batchyard serve not healthy in {HANG_S:g} s"
         time.sleep(0.1)
 
 
@@ -217,24 +216,25 @@ class WorkerProcess:
         """SIGKILL: no handler, no ``finally``, no flush; then reap. Returns the exit status."""
         return self.signal(signal.SIGKILL)
 
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait (bounded) for the worker to exit on its own; the exit status.
+    def terminate(self) -> int:
+        """SIGTERM, then wait for the worker to exit on its own; the exit status.
 
-        A worker still alive after ``timeout`` seconds is killed and the test fails.
+        A worker still alive after ``HANG_S`` seconds has hung: it is killed and the
+        test fails.
         """
-        return self.signal(signal.SIGTERM, timeout=timeout)
+        return self.signal(signal.SIGTERM)
 
-    def signal(self, sig: int, *, timeout: float = 30.0) -> int:
+    def signal(self, sig: int) -> int:
         if self.alive:
             self.signalled = sig
             os.kill(self.pid, sig)
         try:
-            return self.popen.wait(timeout)
+            return self.popen.wait(HANG_S)
         except subprocess.TimeoutExpired:
             self.reap()
             raise AssertionError(
-                f"{self.name} (pid {self.pid}) did not exit within {timeout} s of signal "
-                f"{signal.Signals(sig).name}\n{self.output()}"
+                f"hung: {self.name} (pid {self.pid}) did not exit within {HANG_S:g} s of "
+                f"signal {signal.Signals(sig).name}\n{self.output()}"
             ) from None
 
     def pause(self) -> None:
@@ -249,7 +249,7 @@ class WorkerProcess:
         """Kill if still running, and wait for it: never leave a zombie or an orphan."""
         if self.popen.poll() is None:
             self.popen.kill()
-        self.popen.wait(30)
+        self.popen.wait(HANG_S)
 
     def describe(self) -> str:
         rc = self.returncode
@@ -327,33 +327,27 @@ class Workers:
             if proc.signalled is None and not proc.alive:
                 raise AssertionError(f"{proc.name} exited by itself\n{proc.describe()}")
 
-    async def until(
-        self,
-        condition: Callable[[], bool | Awaitable[bool]],
-        what: str,
-        *,
-        timeout: float = 30.0,
-        interval: float = 0.02,
-    ) -> None:
-        """Poll ``condition`` (sync or async) until true; fail after ``timeout`` seconds.
+    async def until(self, condition: Callable[[], bool | Awaitable[bool]], what: str) -> None:
+        """Poll ``condition`` (sync or async) until true (``tests.support.waits.until``).
 
-        Wall time bounds the wait only: nothing is asserted about how long it took.
+        Fails at once, with every worker's output, if a worker the test did not
+        signal has died, and after ``HANG_S`` seconds as a hang; nothing is asserted
+        about how long it took.
         """
-        deadline = time.monotonic() + timeout
-        while True:
+
+        async def holds() -> bool:
             result = condition()
             if inspect.isawaitable(result):
                 result = await result
-            if result:
-                return
-            self.check()
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting until {what}\n{self.report()}")
-            await asyncio.sleep(interval)
+            if not result:
+                self.check()
+            return bool(result)
 
-    async def running(self, proc: WorkerProcess, *, timeout: float = 60.0) -> None:
+        await until(holds, what, interval=0.02, detail=self.report)
+
+    async def running(self, proc: WorkerProcess) -> None:
         """Wait until ``proc`` says its workers are started (its signal handlers are set)."""
-        await self.until(lambda: RUNNING in proc.output(), f"{proc.name} runs", timeout=timeout)
+        await self.until(lambda: RUNNING in proc.output(), f"{proc.name} runs")
 
     def report(self) -> str:
         return "\n".join(p.describe() for p in self.started)

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp
 
 from batchyard.app import create_app
 from batchyard.service import Service
+from tests.support.waits import HANG_S, settles
 from tests.support.wire_check import WIRE
 
 __all__ = ["asgi_app", "asgi_client", "free_port", "live_server"]
@@ -55,7 +56,7 @@ async def asgi_app(
     # Every answer is checked against the app's own OpenAPI document (tests.support.wire_check).
     transport = httpx.ASGITransport(app=WIRE.wrap(app), raise_app_exceptions=False)
 
-    def client(timeout: float = 30.0) -> httpx.AsyncClient:
+    def client(timeout: float = HANG_S) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=transport, base_url=ASGI_BASE, timeout=timeout)
 
     async with app.router.lifespan_context(app):
@@ -64,7 +65,7 @@ async def asgi_app(
 
 @asynccontextmanager
 async def asgi_client(
-    service: Service, *, worker: bool = True, timeout: float = 30.0
+    service: Service, *, worker: bool = True, timeout: float = HANG_S
 ) -> AsyncIterator[httpx.AsyncClient]:
     """One HTTP client wired to ``service``'s app in process (see ``asgi_app``)."""
     async with asgi_app(service, worker=worker) as client, client(timeout) as http:
@@ -101,4 +102,4 @@ async def live_server(
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, timeout=30)
+        await settles(task, "the live server stops")

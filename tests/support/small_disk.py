@@ -19,6 +19,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tests.support.waits import HANG_S
+
 __all__ = ["SmallDisk"]
 
 _MOUNT = 'mount -t tmpfs -o size={size}m,mode=0700 tmpfs "$0" && exec "$@"'
@@ -45,7 +47,7 @@ class SmallDisk:
         probe = SmallDisk(Path("/tmp"), 1)
         try:
             out = subprocess.run(
-                [*probe.prefix, "true"], capture_output=True, text=True, timeout=30, check=False
+                [*probe.prefix, "true"], capture_output=True, text=True, timeout=HANG_S, check=False
             )
         except AssertionError as exc:
             return str(exc)

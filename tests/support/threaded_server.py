@@ -23,6 +23,7 @@ from batchyard.service import Service
 from batchyard.store import ledger
 from tests.support.accounts import make_account
 from tests.support.server import live_server
+from tests.support.waits import HANG_S
 
 __all__ = ["Gateway", "ServerThread"]
 
@@ -45,7 +46,7 @@ class Gateway:
 
     def run(self, coro: Any) -> Any:
         """Run a coroutine on the server's loop (to read its state safely)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(HANG_S)
 
 
 class ServerThread:
@@ -102,7 +103,7 @@ class ServerThread:
 
     def start(self) -> Gateway:
         self._thread.start()
-        self.ready.wait(300)
+        self.ready.wait(HANG_S)
         if self.error is not None:
             raise self.error
         assert self.gateway is not None, "the compat server did not start"
@@ -111,4 +112,4 @@ class ServerThread:
     def stop(self) -> None:
         if self.gateway is not None and self._stop is not None:
             self.gateway.loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(120)
+        self._thread.join(HANG_S)

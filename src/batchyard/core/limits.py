@@ -501,13 +501,15 @@ class LimiterBase:
     ) -> SlotGrant:
         # A slot freed in this process wakes the waiters at once; one freed by
         # another process (or by a lease running out) is seen at the next poll.
+        # The wake-up is registered before the attempt: a slot freed while the
+        # attempt is on its way to the store sets it, and is not missed.
         deadline = self._clock.time() + max_wait
         while True:
+            event = self._slot_freed.setdefault(key, asyncio.Event())
             grant = await self.take_slot(key, capacity, lease_s)
             left = deadline - self._clock.time()
             if grant.token is not None or left <= EPSILON:
                 return grant
-            event = self._slot_freed.setdefault(key, asyncio.Event())
             waiter = asyncio.ensure_future(event.wait())
             sleeper = asyncio.ensure_future(self._clock.sleep(min(SLOT_POLL_S, left)))
             try:

@@ -9,9 +9,7 @@ the types do not declare.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from typing import Any
 
 import anthropic
@@ -24,6 +22,7 @@ from batchyard.core.clock import SystemClock
 from batchyard.store import ledger
 from tests.support.accounts import make_account
 from tests.support.server import live_server
+from tests.support.waits import until
 
 pytestmark = pytest.mark.model
 
@@ -67,12 +66,13 @@ async def test_message_batches_with_the_official_sdk_on_the_embedded_model(make_
         assert batch.processing_status == "in_progress" and batch.results_url is None
         assert batch.request_counts.processing == 2
 
-        deadline = time.monotonic() + 240
-        while batch.processing_status != "ended":
-            assert time.monotonic() < deadline, batch
-            await asyncio.sleep(0.5)
+        async def ended() -> bool:
+            nonlocal batch
             raw = await client.messages.batches.with_raw_response.retrieve(batch.id)
             batch = exactly(MessageBatch, raw.text)
+            return batch.processing_status == "ended"
+
+        await until(ended, "the batch ends", interval=0.5)
         assert batch.request_counts.succeeded == 2 and batch.results_url
 
         got = [r async for r in await client.messages.batches.results(batch.id)]
@@ -94,11 +94,13 @@ async def test_message_batches_with_the_official_sdk_on_the_embedded_model(make_
         assert canceled.processing_status in ("canceling", "ended")
         with pytest.raises(anthropic.NotFoundError):
             await client.messages.batches.retrieve("bat.nope")
+
         # The worker finishes (or cancels) the second batch; nothing stays held.
-        deadline = time.monotonic() + 240
-        while (await client.messages.batches.retrieve(second.id)).processing_status != "ended":
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.5)
+        async def second_ended() -> bool:
+            got = await client.messages.batches.retrieve(second.id)
+            return got.processing_status == "ended"
+
+        await until(second_ended, "the second batch ends", interval=0.5)
         await client.close()
     bal = service.db.read_sync(lambda c: ledger.balance(c, acct.org_id))
     assert bal.held == 0 and bal.settled > 0

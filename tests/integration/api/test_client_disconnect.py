@@ -8,7 +8,6 @@ that is the client's choice, not a bug, so nothing is logged as an
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 
@@ -17,14 +16,7 @@ import pytest
 from batchyard.engines.scripted import ScriptedEngine
 from tests.support.accounts import make_account
 from tests.support.server import live_server
-
-
-async def _until(condition, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "the server never saw the client go"
-        await asyncio.sleep(0.02)
+from tests.support.waits import until
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/projects"])
@@ -45,7 +37,9 @@ async def test_a_client_gone_mid_body_is_logged_once_as_info(service, caplog, pa
             # stream: the server starts the request, then its body read meets the end.
             sock.sendall(head + body)
         seen = ("client disconnected", "unhandled error")
-        await _until(lambda: any(r.msg in seen for r in caplog.records))
+        await until(
+            lambda: any(r.msg in seen for r in caplog.records), "the server sees the client go"
+        )
 
     assert not any(r.msg == "unhandled error" for r in caplog.records)
     gone = [r for r in caplog.records if r.msg == "client disconnected"]

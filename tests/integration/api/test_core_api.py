@@ -23,6 +23,7 @@ from batchyard.store import accounts, ledger
 from batchyard.store.tables import activity, idempotency_keys, ledger_entries
 from tests.support.accounts import add_key, make_account
 from tests.support.server import asgi_client
+from tests.support.waits import settles
 
 BODY = {
     "model": "kettei-core",
@@ -49,7 +50,7 @@ def engine(svc):
 
 @pytest.fixture
 async def http(svc):
-    async with asgi_client(svc, timeout=30) as client:
+    async with asgi_client(svc) as client:
         yield client
 
 
@@ -247,7 +248,7 @@ async def test_two_concurrent_requests_with_one_key_run_once(svc, http, clock):
     assert early.json()["error"]["code"] == "idempotency_in_progress"
     assert early.json()["error"]["retryable"] is True
     assert early.headers["Retry-After"] == "1"
-    await asyncio.wait_for(slow.entered.wait(), timeout=10)
+    await settles(slow.entered.wait())
     clock.advance(5)
     late = await asyncio.gather(first, second)
     winner = next(r for r in late if r.status_code == 200)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from decimal import Decimal
 from typing import Any
 
@@ -33,6 +33,7 @@ from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.server import asgi_client
 from tests.support.services import ServiceFactory
+from tests.support.waits import until
 
 TEXT = "The battery died after two days."
 SENTIMENT = {
@@ -88,15 +89,6 @@ def cost(prices: tuple[Decimal, Decimal], usage: dict[str, int]) -> str:
 
 def balance(svc: Service, org_id: str) -> ledger.Balance:
     return svc.db.read_sync(lambda c: ledger.balance(c, org_id))
-
-
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for the server (same loop) to reach a point; not a stand-in for the clock."""
-    for _ in range(int(timeout / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture

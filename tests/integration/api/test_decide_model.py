@@ -40,7 +40,7 @@ BODY = {
 
 async def test_decide_on_the_embedded_model(service) -> None:
     acct = make_account(service, credit="1")
-    async with asgi_client(service, timeout=120) as http:
+    async with asgi_client(service) as http:
         est = await http.post("/v1/decide/estimate", json=BODY, headers=acct.headers)
         assert est.status_code == 200, est.text
         service.clock.advance(2)
@@ -89,7 +89,7 @@ async def test_calibrated_answers_carry_the_raw_ones_and_pay_for_the_content_fre
     model = service.catalog.model("kettei-core")
     prices = (model.input_per_mtok, model.output_per_mtok)
     texts = ["I love it, best purchase all year!", "Broken on arrival. Awful.", "It is blue."]
-    async with asgi_client(service, timeout=300) as http:
+    async with asgi_client(service) as http:
         est = (
             await http.post("/v1/decide/estimate", json=_body(texts[0]), headers=acct.headers)
         ).json()
@@ -158,7 +158,7 @@ async def test_a_sets_questions_are_read_from_the_cache_and_charged_at_the_cache
     acct = make_account(service, credit="1")
     texts = ["The lid cracked the first week.", "Fast delivery and it works great."]
     answers = []
-    async with asgi_client(service, timeout=300) as http:
+    async with asgi_client(service) as http:
         for text in texts:
             service.clock.advance(2)
             r = await http.post(

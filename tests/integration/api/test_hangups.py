@@ -22,6 +22,7 @@ import pytest
 from batchyard.store import activity
 from tests.support.accounts import make_account
 from tests.support.server import live_server
+from tests.support.waits import HANG_S, until
 
 pytestmark = pytest.mark.model
 
@@ -67,7 +68,10 @@ async def test_a_hang_up_stops_the_generation_charges_what_was_made_and_replays(
     def hangups() -> list[logging.LogRecord]:
         return [r for r in caplog.records if getattr(r, "event", None) == "client_disconnected"]
 
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base, timeout=300) as http:
+    async with (
+        live_server(service) as base,
+        httpx.AsyncClient(base_url=base, timeout=HANG_S) as http,
+    ):
         # The model is loaded first, so the abandoned call's wait is spent reading and writing.
         warm = await http.post(
             "/v1/completions", json={**COUNTING, "max_tokens": 1}, headers=acct.headers
@@ -91,11 +95,15 @@ async def test_a_hang_up_stops_the_generation_charges_what_was_made_and_replays(
         paid_by_then = {
             c["ref"]: c["detail"]["output_tokens"] for c in charges(service, acct.org_id)
         }
-        for _ in range(500):  # the answer is kept just after the charge
+
+        async def kept() -> bool:  # the answer is kept just after the charge
+            nonlocal retry
             retry = await http.post("/v1/completions", json=COUNTING, headers=keyed)
-            if retry.status_code != 409:
-                break
-            await asyncio.sleep(0.02)
+            return retry.status_code != 409
+
+        retry = None
+        await until(kept, "the answer is kept", interval=0.02)
+        assert retry is not None
 
     assert made is not None, "the call had produced nothing after its client's longest wait"
     assert 0 < made < 1024

@@ -7,7 +7,6 @@ tests/integration/compat/test_anthropic_sdk.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from decimal import Decimal
 
@@ -21,6 +20,7 @@ from batchyard.errors import ModelWarming, UpstreamRateLimited
 from batchyard.store import activity, ledger
 from tests.support.accounts import add_key, make_account
 from tests.support.server import asgi_client, live_server
+from tests.support.waits import HANG_S, until
 
 ANSWER = "one two three four five six"
 BODY = {
@@ -425,7 +425,10 @@ async def test_a_stream_cut_short_pays_for_what_was_produced(service, engine):
     engine.stream_delay_s = 1.0
     acct = make_account(service, credit="1")
     body = {**BODY, "stream": True}
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+    async with (
+        live_server(service) as base,
+        httpx.AsyncClient(base_url=base, timeout=HANG_S) as http,
+    ):
         async with http.stream("POST", "/v1/messages", json=body, headers=anthropic(acct)) as r:
             seen = []
             async for line in r.aiter_lines():
@@ -434,10 +437,7 @@ async def test_a_stream_cut_short_pays_for_what_was_produced(service, engine):
                 if len(seen) == 2:
                     break
                 service.clock.advance(1.0)
-        for _ in range(200):
-            if charges(service, acct.org_id):
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: bool(charges(service, acct.org_id)), "the stopped stream is charged")
     [charge] = charges(service, acct.org_id)
     assert charge["detail"]["stopped"]
     assert 2 <= charge["detail"]["output_tokens"] < 6

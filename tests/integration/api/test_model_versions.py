@@ -29,6 +29,7 @@ from tests.support.accounts import add_key, make_account
 from tests.support.gguf import F32, I32, gguf_bytes, lora_for
 from tests.support.runs import Api, fast_runs
 from tests.support.server import asgi_client
+from tests.support.waits import settles, until
 
 pytestmark = pytest.mark.model
 
@@ -117,7 +118,7 @@ async def test_an_adapter_is_uploaded_listed_shown_scoped_and_deleted(svc) -> No
     reader = add_key(svc, "acme", Scope.READ)
     inference = add_key(svc, "acme", Scope.INFERENCE)
     other = make_account(svc, "rival", credit="5")
-    async with asgi_client(svc, timeout=120) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         r = await upload(http, acct.headers, api.project, ADAPTER.read_bytes(), name="sentiment")
         assert r.status_code == 201, r.text
@@ -203,7 +204,7 @@ def direct_answers(llm: Any) -> tuple[str, dict[str, float]]:
 
 async def test_the_versions_answers_are_the_adapters_own_not_the_bases(svc) -> None:
     acct = make_account(svc, credit="5")
-    async with asgi_client(svc, timeout=300) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         mv = (await upload(http, acct.headers, api.project, ADAPTER.read_bytes())).json()["id"]
         answers = await fresh_answers(svc, http, acct.headers, (mv, "kettei-core"))
@@ -270,7 +271,7 @@ def _direct_probs(llm: Any) -> dict[str, float]:
 async def test_a_batch_inference_run_on_the_version_writes_the_adapters_answers(svc) -> None:
     acct = make_account(svc, credit="5")
     rows = [{"text": t} for t in ("Meh. It arrived.", "Best purchase ever!", "It broke.")]
-    async with asgi_client(svc, timeout=300) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         mv = (await upload(http, acct.headers, api.project, ADAPTER.read_bytes())).json()["id"]
         body = {
@@ -308,7 +309,7 @@ async def test_a_batch_inference_run_on_the_version_writes_the_adapters_answers(
 
 async def test_a_version_in_use_by_a_live_run_cannot_be_deleted(svc) -> None:
     acct = make_account(svc, credit="5")
-    async with asgi_client(svc, timeout=120) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         mv = (await upload(http, acct.headers, api.project, ADAPTER.read_bytes())).json()["id"]
         ds = await api.upload([{"text": "hello"}])
@@ -428,7 +429,7 @@ async def test_hostile_uploads_are_refused_with_a_code_and_leave_nothing(svc, ca
     if case == "truncated":
         data = ADAPTER.read_bytes()[: ADAPTER.stat().st_size // 2]
     acct = make_account(svc, credit="1")
-    async with asgi_client(svc, timeout=120) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         r = await upload(http, acct.headers, api.project, data, filename=filename, **fields)
     assert 400 <= r.status_code < 500, r.text
@@ -439,7 +440,7 @@ async def test_hostile_uploads_are_refused_with_a_code_and_leave_nothing(svc, ca
 async def test_the_size_limit_is_configurable_and_coded(make_service) -> None:
     svc = make_service(model_versions=VersionSettings(max_lora_bytes=1024))
     acct = make_account(svc, credit="1")
-    async with asgi_client(svc, timeout=120) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         r = await upload(http, acct.headers, api.project, ADAPTER.read_bytes())
     assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
@@ -449,14 +450,14 @@ async def test_the_size_limit_is_configurable_and_coded(make_service) -> None:
 async def test_a_file_changed_at_rest_is_refused_not_served(make_service) -> None:
     first = make_service()
     acct = make_account(first, credit="1")
-    async with asgi_client(first, timeout=120) as http:
+    async with asgi_client(first) as http:
         api = await Api(http, acct.headers).start()
         mv = (await upload(http, acct.headers, api.project, ADAPTER.read_bytes())).json()["id"]
     kept = folder_of(first) / f"{mv}.gguf"
     kept.write_bytes(kept.read_bytes()[:-1] + b"\x01")
     # Another process, which has not seen the version yet, checks it before serving it.
     second = make_service(catalog=default_catalog())
-    async with asgi_client(second, timeout=120) as http:
+    async with asgi_client(second) as http:
         chat = {"model": mv, "messages": CHAT, "max_tokens": 2}
         r = await http.post("/v1/chat/completions", json=chat, headers=acct.headers)
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_version_corrupt"
@@ -466,7 +467,7 @@ async def test_full_weights_are_served_as_a_model_of_their_own(svc) -> None:
     """The embedded GGUF uploaded as ``weights``: its own file, its own tokenizer, its answers."""
     acct = make_account(svc, credit="5")
     weights = default_model_path()
-    async with asgi_client(svc, timeout=300) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         r = await upload(
             http, acct.headers, api.project, weights.read_bytes(), filename="w.gguf", type="weights"
@@ -515,15 +516,6 @@ async def test_full_weights_are_served_as_a_model_of_their_own(svc) -> None:
 # -- warming with a real load ---------------------------------------------------------------
 
 
-async def _until(check: Any, what: str, limit_s: float = 120.0) -> None:
-    """Wait (real time, bounded) for a real load on the engine's thread to reach ``check``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not check():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def test_an_evicted_version_warms_with_a_real_load_and_keep_warm_holds_it(
     make_service,
 ) -> None:
@@ -554,7 +546,7 @@ async def test_an_evicted_version_warms_with_a_real_load_and_keep_warm_holds_it(
 
 async def _warming(svc: Any, engine: Any, acct: Any, body: dict[str, Any], blocked: Any) -> None:
     clock = svc.clock
-    async with asgi_client(svc, timeout=300) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         mv = (await upload(http, acct.headers, api.project, ADAPTER.read_bytes())).json()["id"]
 
@@ -578,13 +570,13 @@ async def _warming(svc: Any, engine: Any, acct: Any, body: dict[str, Any], block
         # Evicted, with its load held up: after 10 s the base answers, model_warming.
         release = blocked()
         first = asyncio.create_task(decide())
-        await _until(lambda: svc.warmth._versions[mv].loading is not None, "the load to start")
+        await until(lambda: svc.warmth._versions[mv].loading is not None, "the load to start")
         clock.advance(10)
         fell_back = await first
         assert fell_back["fallback"] == {"reason": "model_warming", "model": "kettei-core"}
         # The load goes on, for real, once the thread is free; then the version answers.
         release.set()
-        await _until(lambda: engine.is_loaded(mv), "the version to load")
+        await until(lambda: engine.is_loaded(mv), "the version to load")
         assert (await decide())["fallback"] is None
         # Keep-warm: past idle_s the sweep leaves it loaded, and with the loading
         # thread held the next call is still answered by the version at once.
@@ -597,7 +589,7 @@ async def _warming(svc: Any, engine: Any, acct: Any, body: dict[str, Any], block
         assert engine.is_loaded(mv)
         release = blocked()
         try:
-            answered = await asyncio.wait_for(decide(), timeout=60)
+            answered = await settles(decide())
         finally:
             release.set()
         assert answered["fallback"] is None
@@ -609,7 +601,7 @@ async def _warming(svc: Any, engine: Any, acct: Any, body: dict[str, Any], block
             f"/v1/models/{mv}/keep-warm", json={"minutes": 5}, headers=acct.headers
         )
         assert again.json()["warm"]["state"] in ("loading", "warm")
-        await _until(lambda: engine.is_loaded(mv), "keep-warm's load")
+        await until(lambda: engine.is_loaded(mv), "keep-warm's load")
         assert (await decide())["fallback"] is None
 
 
@@ -624,7 +616,7 @@ async def test_a_delete_through_one_process_is_refused_by_another_and_frees_its_
     two = make_service(catalog=default_catalog(), embedded_slots=1)
     acct = make_account(one, credit="5")
     chat = {"messages": CHAT, "max_tokens": 2, "temperature": 0}
-    async with asgi_client(one, timeout=300) as a, asgi_client(two, timeout=300) as b:
+    async with asgi_client(one) as a, asgi_client(two) as b:
         api = await Api(a, acct.headers).start()
         first, second = [
             (await upload(a, acct.headers, api.project, ADAPTER.read_bytes())).json()["id"]
@@ -684,7 +676,7 @@ async def test_full_weights_answer_as_llama_cpp_python_with_that_gguf_and_not_as
     svc, merged_weights
 ) -> None:
     acct = make_account(svc, credit="5")
-    async with asgi_client(svc, timeout=300) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         r = await upload(
             http,
@@ -770,7 +762,7 @@ async def test_an_adapter_made_elsewhere_uploads_and_answers_as_llama_cpp_python
     adapter = _outside_adapter(tmp_path / f"outside-{kind}.gguf", kind)
     acct = make_account(svc, credit="5")
     messages = [{"role": "user", "content": "Name three colours."}]
-    async with asgi_client(svc, timeout=300) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         r = await upload(http, acct.headers, api.project, adapter.read_bytes())
         assert r.status_code == 201, r.text

@@ -9,9 +9,7 @@ sends is validated strictly against the SDK's own types (``FileObject``,
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -24,6 +22,7 @@ from tests.support.accounts import make_account
 from tests.support.deferred_batches import batch_body, submit
 from tests.support.file_batches import chat_line, jsonl
 from tests.support.server import live_server
+from tests.support.waits import HANG_S, until
 
 pytestmark = pytest.mark.model
 
@@ -58,15 +57,14 @@ async def test_files_and_batches_with_the_official_sdk_on_the_embedded_model(mak
         batch = raw.parse()
         assert batch.status == "in_progress" and batch.request_counts.total == 2
 
-        deadline = time.monotonic() + 240
-        while True:
+        async def ended() -> bool:
+            nonlocal batch
             raw = await client.batches.with_raw_response.retrieve(batch.id)
             strict(Batch, raw.http_response.json())
             batch = raw.parse()
-            if batch.status in ("completed", "failed", "expired", "cancelled"):
-                break
-            assert time.monotonic() < deadline, batch
-            await asyncio.sleep(0.5)
+            return batch.status in ("completed", "failed", "expired", "cancelled")
+
+        await until(ended, "the batch ends", interval=0.5)
         assert batch.status == "completed", batch
         assert batch.request_counts.completed == 2 and batch.output_file_id
 
@@ -83,7 +81,7 @@ async def test_files_and_batches_with_the_official_sdk_on_the_embedded_model(mak
         assert raw.parse().bytes == len(content.content)
 
         # A deferred batch shows in the same listing, and both validate.
-        async with httpx.AsyncClient(base_url=base) as http:
+        async with httpx.AsyncClient(base_url=base, timeout=HANG_S) as http:
             assert (await submit(http, acct.headers, batch_body(1))).status_code == 201
         raw = await client.batches.with_raw_response.list(limit=10)
         page = raw.http_response.json()

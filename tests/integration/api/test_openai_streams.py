@@ -7,7 +7,6 @@ subject of one test here.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -20,6 +19,7 @@ from batchyard.store.tables import idempotency_keys
 from tests.support.accounts import make_account
 from tests.support.deferred_batches import eventually
 from tests.support.server import asgi_client, live_server
+from tests.support.waits import HANG_S, until
 
 CHAT = {
     "model": "kettei-core",
@@ -93,7 +93,10 @@ async def test_a_client_that_hangs_up_half_way_pays_for_what_was_produced(servic
     """Words come a clock second apart; the client reads two and goes away."""
     engine.stream_delay_s = 1.0
     acct = make_account(service, credit="1")
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+    async with (
+        live_server(service) as base,
+        httpx.AsyncClient(base_url=base, timeout=HANG_S) as http,
+    ):
         async with http.stream(
             "POST", "/v1/chat/completions", json=CHAT, headers=acct.headers
         ) as r:
@@ -107,10 +110,7 @@ async def test_a_client_that_hangs_up_half_way_pays_for_what_was_produced(servic
                     break
                 service.clock.advance(1.0)
         # Hung up; the server notices, stops the stream and settles.
-        for _ in range(200):
-            if charges(service, acct.org_id):
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: bool(charges(service, acct.org_id)), "the stopped stream is charged")
     [charge] = charges(service, acct.org_id)
     assert charge["detail"]["stopped"]
     assert 2 <= charge["detail"]["output_tokens"] < 6
@@ -246,7 +246,10 @@ async def test_a_keyed_stream_cut_short_frees_its_key_for_the_retry(service, eng
     engine.stream_delay_s = 1.0
     acct = make_account(service, credit="1")
     h = {**acct.headers, "Idempotency-Key": "cut-short"}
-    async with live_server(service) as base, httpx.AsyncClient(base_url=base) as http:
+    async with (
+        live_server(service) as base,
+        httpx.AsyncClient(base_url=base, timeout=HANG_S) as http,
+    ):
         async with http.stream("POST", "/v1/chat/completions", json=CHAT, headers=h) as r:
             seen = 0
             async for line in r.aiter_lines():
@@ -257,11 +260,15 @@ async def test_a_keyed_stream_cut_short_frees_its_key_for_the_retry(service, eng
                 service.clock.advance(1.0)
         await eventually(lambda: bool(charges(service, acct.org_id)))
         engine.stream_delay_s = 0.0
-        for _ in range(200):  # the key is freed just after the partial charge
+
+        async def freed() -> bool:  # the key is freed just after the partial charge
+            nonlocal retry
             retry = await http.post("/v1/chat/completions", json=CHAT, headers=h)
-            if retry.status_code != 409:
-                break
-            await asyncio.sleep(0.02)
+            return retry.status_code != 409
+
+        retry = None
+        await until(freed, "the key is freed", interval=0.02)
+        assert retry is not None
     assert retry.status_code == 200 and "Idempotent-Replayed" not in retry.headers
     text = "".join(
         c["choices"][0]["delta"].get("content", "") for c in events(retry.text)[:-1] if c["choices"]

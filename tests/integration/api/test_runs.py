@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from decimal import Decimal
 
 import pytest
@@ -25,6 +24,7 @@ from tests.support.runs import (
     http_catalog,
 )
 from tests.support.server import asgi_client
+from tests.support.waits import until
 
 TICKETS = [
     {"text": f"ticket {i} about shipping", "lang": "en" if i % 4 else "fr"} for i in range(40)
@@ -140,12 +140,14 @@ async def test_progress_is_reported_while_running_and_cancel_keeps_answered_rows
         run = (await api.create({**RUN, "datasetId": ds["id"]})).json()
         await api.wait(run["id"], "awaiting_confirmation")
         await api.post(run["id"], "confirm")
-        deadline = time.monotonic() + 10
-        while True:
+
+        async def five_done() -> bool:
+            nonlocal cur
             cur = await api.get(run["id"])
-            if cur["status"] == "running" and cur["progress"]["rowsDone"] == 5:
-                break
-            assert time.monotonic() < deadline, cur
+            return bool(cur["status"] == "running" and cur["progress"]["rowsDone"] == 5)
+
+        cur = {}
+        await until(five_done, "five rows are done")
         assert cur["progress"] == {
             "rowsDone": 5,
             "rowsFailed": 0,
@@ -491,7 +493,7 @@ async def test_a_run_on_the_embedded_model_end_to_end(svc):
     # commits and lease renewals; bench/runs.py measures throughput.
     acct = make_account(svc, credit="5")
     rows = [{"text": f"Name one colour. Ticket {i}.", "lang": "en"} for i in range(48)]
-    async with asgi_client(svc, timeout=60) as http:
+    async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         ds = await api.upload(rows)
         run = (

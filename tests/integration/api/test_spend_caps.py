@@ -67,7 +67,7 @@ async def test_fifty_calls_at_once_against_a_cap_of_exactly_ten_hold_ten(make_se
         first = asyncio.create_task(
             http.post("/v1/chat/completions", json=CHAT, headers=probe.headers)
         )
-        await eventually(lambda: _held_now(service) == 1, timeout=60)
+        await eventually(lambda: _held_now(service) == 1)
         quote = _last_hold(service)
         engine.release.set()
         assert (await first).status_code == 200
@@ -85,7 +85,7 @@ async def test_fifty_calls_at_once_against_a_cap_of_exactly_ten_hold_ten(make_se
         ]
         try:
             # Nothing settles while the engine is held: every call holds or is refused first.
-            await eventually(lambda: sum(t.done() for t in calls) == 40, timeout=120)
+            await eventually(lambda: sum(t.done() for t in calls) == 40)
             assert _held_now(service) == 10
         finally:
             engine.release.set()  # a failure above must not leave calls waiting forever

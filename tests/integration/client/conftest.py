@@ -30,6 +30,7 @@ from batchyard.service import Service
 from tests.support.accounts import Account, make_account
 from tests.support.server import live_server
 from tests.support.services import ServiceFactory
+from tests.support.waits import settles
 
 #: The test organisation's requests a minute: 40 a second, one every 25 ms, and
 #: as many in flight as the widest run here sends at once.
@@ -82,9 +83,9 @@ class Wire:
         elif status == 200 and self.decide_statuses[200] > 0:
             await self._refused.wait()
 
-    async def quiet(self, timeout: float = 30.0) -> None:
+    async def quiet(self) -> None:
         """Wait until the server has finished every request it received."""
-        await asyncio.wait_for(self._idle.wait(), timeout)
+        await settles(self._idle.wait(), "the server has answered every request")
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
         async def counted(scope: Scope, receive: Receive, send: Send) -> None:

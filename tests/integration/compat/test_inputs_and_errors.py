@@ -35,6 +35,8 @@ import pytest
 import tiktoken
 from langchain_openai import OpenAIEmbeddings
 
+from tests.support.waits import HANG_S
+
 pytestmark = pytest.mark.model
 
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
@@ -155,7 +157,7 @@ def _post_with_urllib(url: str, key: str, data) -> urllib.error.HTTPError:
         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
     )
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=60)
+        urllib.request.urlopen(request, timeout=HANG_S)
     return refused.value
 
 

@@ -33,6 +33,7 @@ import pytest
 from batchyard.core.tiers import DEFAULT_TIERS, Tier
 from batchyard.engines.scripted import ScriptedEngine
 from tests.support.threaded_server import Gateway, ServerThread
+from tests.support.waits import HANG_S
 
 SPEED = 4
 TIER0 = DEFAULT_TIERS[0]
@@ -89,7 +90,7 @@ def test_forty_calls_at_tier_0_with_default_retries_are_all_answered(gateway):
         with lock:
             statuses.append(response.status_code)
 
-    http = httpx.Client(event_hooks={"response": [seen]}, timeout=60)
+    http = httpx.Client(event_hooks={"response": [seen]}, timeout=HANG_S)
     sdk = openai.OpenAI(
         base_url=gateway.url, api_key=gateway.org("storm", tier=0), http_client=http
     )

@@ -22,6 +22,7 @@ from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.remote_routes import remote_catalog
 from tests.support.server import asgi_client
+from tests.support.waits import settles, until
 
 IN_PRICE, OUT_PRICE = Decimal("1.5"), Decimal("6")
 BODY = {
@@ -55,7 +56,7 @@ def svc(make_service, upstream):
 
 @pytest.fixture
 async def http(svc):
-    async with asgi_client(svc, timeout=30) as client:
+    async with asgi_client(svc) as client:
         yield client
 
 
@@ -69,16 +70,6 @@ def entries(svc, org_id):
         return {kind: n for kind, n in rows}
 
     return svc.db.read_sync(q)
-
-
-async def until(predicate, timeout=10.0):
-    """Wait for something the server does, not for time the clock should move."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
 
 
 def expected_charge(body):
@@ -108,13 +99,14 @@ async def test_an_upstream_429_is_waited_out_then_retried_and_billed_once(svc, h
     upstream.fail_next(1, status=429, retry_after=7)
     call = asyncio.create_task(http.post(CHAT, json=BODY, headers=acct.headers))
     await until(lambda: upstream.statuses[429] == 1)
+
     # The route is held for the upstream's Retry-After; nothing is sent meanwhile.
     # (Asking with no limits reads the route's penalty and takes nothing.)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while (hold := await svc.limiter.try_acquire("route:remote", [])).allowed:
-        assert loop.time() < deadline, "the 429 never held the route"
-        await asyncio.sleep(0.005)
+    async def held() -> bool:
+        return not (await svc.limiter.try_acquire("route:remote", [])).allowed
+
+    await until(held, "the 429 holds the route")
+    hold = await svc.limiter.try_acquire("route:remote", [])
     assert hold.retry_after == pytest.approx(7, abs=0.01)
     assert not call.done()
     assert upstream.requests == 1
@@ -123,7 +115,7 @@ async def test_an_upstream_429_is_waited_out_then_retried_and_billed_once(svc, h
     assert not (await svc.limiter.try_acquire("route:remote", [])).allowed
     assert upstream.requests == 1
     svc.clock.advance(0.5)
-    r = await asyncio.wait_for(call, timeout=10)
+    r = await settles(call)
     assert r.status_code == 200, r.text
     assert upstream.requests == 2 and upstream.statuses[200] == 1
     assert r.json()["charge"] == expected_charge(r.json())
@@ -192,7 +184,7 @@ async def test_an_upstreams_cached_prompt_tokens_are_shown_and_charged_at_the_ca
         return cached_svc.db.transact_sync(lambda c: ledger.balance(c, acct.org_id)).settled
 
     charges, usages = [], []
-    async with asgi_client(cached_svc, timeout=30) as http:
+    async with asgi_client(cached_svc) as http:
         for question in ("what is one", "what is two"):
             body = {
                 "model": "remote-model",

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.waits import HANG_S
 
 
 class PinnedTime:
@@ -41,7 +42,7 @@ def post(client: httpx.Client, up: FakeUpstream, body: dict | None = None) -> ht
 
 def test_limit_is_rpm_over_sixty_per_second_window(up: FakeUpstream, clock: PinnedTime) -> None:
     assert up.per_second == 10
-    with httpx.Client() as client:
+    with httpx.Client(timeout=HANG_S) as client:
         statuses = [post(client, up).status_code for _ in range(13)]
         assert statuses == [200] * 10 + [429] * 3
         assert up.rate_limited == 3
@@ -64,14 +65,14 @@ def test_limit_is_rpm_over_sixty_per_second_window(up: FakeUpstream, clock: Pinn
 
 def test_limit_can_change_while_running(up: FakeUpstream, clock: PinnedTime) -> None:
     up.rpm = 120
-    with httpx.Client() as client:
+    with httpx.Client(timeout=HANG_S) as client:
         assert [post(client, up).status_code for _ in range(3)] == [200, 200, 429]
         up.rpm = None
         assert post(client, up).status_code == 200
 
 
 def test_echo_answers_with_word_count_usage(up: FakeUpstream) -> None:
-    with httpx.Client() as client:
+    with httpx.Client(timeout=HANG_S) as client:
         data = post(client, up).json()
     assert data["choices"][0]["message"]["content"] == "echo: hi there"
     assert data["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
@@ -82,7 +83,7 @@ def test_scripted_failures_then_malformed_then_normal(up: FakeUpstream) -> None:
     up.fail_next(2, status=503, retry_after=7)
     up.malformed_next(1, kind="missing_usage")
     up.malformed_next(1)
-    with httpx.Client() as client:
+    with httpx.Client(timeout=HANG_S) as client:
         first, second = post(client, up), post(client, up)
         assert (first.status_code, first.headers["retry-after"]) == (503, "7")
         assert second.status_code == 503
@@ -105,13 +106,13 @@ def test_json_schema_answers_first_enum_values() -> None:
         },
     }
     body = {**BODY, "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
-    with FakeUpstream() as up, httpx.Client() as client:
+    with FakeUpstream() as up, httpx.Client(timeout=HANG_S) as client:
         content = post(client, up, body).json()["choices"][0]["message"]["content"]
     assert json.loads(content) == {"label": "spam", "score": 3, "why": ""}
 
 
 def test_instant_mode_and_unknown_routes() -> None:
-    with FakeUpstream(mode="instant") as up, httpx.Client() as client:
+    with FakeUpstream(mode="instant") as up, httpx.Client(timeout=HANG_S) as client:
         responses = [post(client, up) for _ in range(50)]
         assert {r.json()["choices"][0]["message"]["content"] for r in responses} == {"ok"}
         assert client.get(f"{up.base_url}/nothing").status_code == 404
@@ -119,7 +120,7 @@ def test_instant_mode_and_unknown_routes() -> None:
 
 
 def test_api_key_is_checked_when_set() -> None:
-    with FakeUpstream(api_key="sk-test") as up, httpx.Client() as client:
+    with FakeUpstream(api_key="sk-test") as up, httpx.Client(timeout=HANG_S) as client:
         assert post(client, up).status_code == 401
         ok = client.post(
             f"{up.base_url}/chat/completions",
@@ -133,7 +134,7 @@ async def test_warming_delays_only_the_first_requests_for_a_model() -> None:
     import asyncio
 
     with FakeUpstream(warm_delay_s={"cold": 0.3}) as up:
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(timeout=HANG_S) as client:
             url = f"{up.base_url}/chat/completions"
             first = await asyncio.gather(
                 *[client.post(url, json={**BODY, "model": "cold"}) for _ in range(3)]
@@ -159,7 +160,7 @@ async def test_hold_keeps_calls_in_flight_until_release_and_counts_each_arrival(
 
     with FakeUpstream() as up:
         up.hold(after=1)
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(timeout=HANG_S) as client:
             assert (await _ask(client, up, "one")).status_code == 200
             pending = [asyncio.create_task(_ask(client, up, t)) for t in ("two", "three")]
             await eventually(lambda: up.held == 2)

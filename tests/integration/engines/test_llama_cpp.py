@@ -16,6 +16,7 @@ from batchyard.engines.model_files import default_model_path
 from batchyard.engines.protocol import CompletionRequest, Engine, ScoringEngine
 from batchyard.engines.tokenizers import GgufTokenizer, tokenizer_for
 from batchyard.errors import ContextWindowExceeded, UnsupportedInput
+from tests.support.waits import settles
 
 # One engine (and one event loop: its queues belong to a loop) for the module,
 # so the model loads once.
@@ -117,7 +118,7 @@ async def test_a_cancelled_call_returns_its_context_to_the_pool(engine: LlamaCpp
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    done = await asyncio.wait_for(engine.complete(ask(CAPITAL, max_tokens=3)), 60)
+    done = await settles(engine.complete(ask(CAPITAL, max_tokens=3)))
     assert done.usage.output_tokens > 0
 
 

@@ -17,6 +17,7 @@ from batchyard.core.catalog import catalog_from_config
 from tests.support.accounts import make_account
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.server import asgi_client
+from tests.support.waits import until
 
 BODY = {"model": "remote-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 CALLS = 6
@@ -45,15 +46,6 @@ def catalog(base_url: str):
             ],
         }
     )
-
-
-async def until(predicate, what: str, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"not reached: {what}")
-        await asyncio.sleep(0.005)
 
 
 async def quiet(up: FakeUpstream, polls: int = 10) -> None:
@@ -87,7 +79,7 @@ async def test_a_strict_upstream_s_429s_are_retried_after_retry_after_and_never_
     with up:
         svc = make_service(catalog=catalog(up.base_url))
         acct = make_account(svc, credit="100")
-        async with asgi_client(svc, timeout=60) as http:
+        async with asgi_client(svc) as http:
             calls = [
                 asyncio.create_task(
                     http.post("/v1/chat/completions", json=BODY, headers=acct.headers)

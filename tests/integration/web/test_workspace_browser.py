@@ -18,6 +18,7 @@ import pytest
 from tests.support.accounts import make_account
 from tests.support.deferred_batches import item_rows, worker
 from tests.support.server import live_server
+from tests.support.waits import HANG_S
 from tests.support.workspace import answer_with
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -71,7 +72,7 @@ def _click_and_load(driver: Any, by: str, value: str) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    wait = WebDriverWait(driver, 15)
+    wait = WebDriverWait(driver, HANG_S)
     for attempt in range(3):
         wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
         old = driver.find_element(By.TAG_NAME, "html")
@@ -154,7 +155,9 @@ async def test_sign_in_submit_complete_cancel_in_chromium(service, tmp_path):
             assert href == f"{base}/workspace/batches/{batch_id}/results"
             assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
             assert acct.key not in cookie["value"]
-            async with httpx.AsyncClient(cookies={"by_workspace": cookie["value"]}) as http:
+            async with httpx.AsyncClient(
+                cookies={"by_workspace": cookie["value"]}, timeout=HANG_S
+            ) as http:
                 download = await http.get(href)
             assert download.headers["content-disposition"].startswith("attachment;")
             assert '"status": "succeeded"' in download.text
@@ -213,7 +216,9 @@ async def test_a_sign_in_survives_a_restart_and_works_on_another_process(
                 assert "note=out" in driver.current_url
 
             await asyncio.to_thread(still_signed_in)
-            async with httpx.AsyncClient(cookies={"by_workspace": cookie["value"]}) as http:
+            async with httpx.AsyncClient(
+                cookies={"by_workspace": cookie["value"]}, timeout=HANG_S
+            ) as http:
                 replayed = await http.get(f"{other}/workspace/batches", follow_redirects=False)
             assert replayed.status_code == 303  # signed out everywhere, copies included
     finally:

@@ -23,6 +23,7 @@ from batchyard.errors import UpstreamError
 from batchyard.store.webhook_deliveries import Delivery
 from batchyard.work.webhook_sender import WebhookSender
 from tests.support.server import free_port
+from tests.support.waits import HANG_S
 
 SECRET = "whsec_" + "A" * 43 + "="
 NAME = "hooks.rebound.invalid"
@@ -84,7 +85,7 @@ async def test_the_post_goes_to_the_checked_address_under_the_registered_name(
         sent.append(True)
 
     try:
-        async with httpx.AsyncClient(timeout=5, follow_redirects=False) as http:
+        async with httpx.AsyncClient(timeout=HANG_S, follow_redirects=False) as http:
             sender.answer = ["127.0.0.1"]
             status = await sender.call(http, _delivery(f"http://{NAME}:{port}/hooks"), on_send)
             assert status == 204

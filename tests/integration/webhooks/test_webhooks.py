@@ -25,6 +25,7 @@ from batchyard.store import webhook_deliveries, webhook_endpoints
 from tests.support.accounts import add_key, make_account
 from tests.support.file_batches import chat_line, create, jsonl, upload, worker
 from tests.support.server import asgi_client, live_server
+from tests.support.waits import HANG_S
 from tests.support.webhook_receiver import Receiver
 from tests.support.workspace import answer_with
 
@@ -59,7 +60,7 @@ async def test_a_file_batch_run_with_the_openai_sdk_sends_batch_completed(
     answer_with(service, "hello")
     acct = make_account(service, credit="1")
     async with Receiver() as rx, live_server(service, worker=False) as base:
-        async with httpx.AsyncClient(base_url=base) as http:
+        async with httpx.AsyncClient(base_url=base, timeout=HANG_S) as http:
             endpoint = await _register(http, acct, rx, "batch.completed", "batch.failed")
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=acct.key, max_retries=0)
         f = await client.files.create(

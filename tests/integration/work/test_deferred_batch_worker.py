@@ -30,6 +30,7 @@ from tests.support.deferred_batches import (
     worker,
 )
 from tests.support.server import asgi_client
+from tests.support.waits import settles
 
 # kettei-core direct: 0.10 / 0.40 per Mtok. 90 % off needs <= 0.01 / 0.04.
 CHEAP = ("0.008", "0.03")  # 92 % / 92.5 %
@@ -237,7 +238,7 @@ async def test_cancel_stops_waiting_items_while_claimed_work_finishes(market, cl
         bid = (await submit(http, acct.headers, batch_body(3))).json()["id"]
         set_price(svc, "spot", *CHEAP)
         running = asyncio.create_task(w.run_pass())
-        await asyncio.wait_for(engine.entered.wait(), 5)
+        await settles(engine.entered.wait())
         r = await http.post(f"/v1/batches/{bid}/cancel", headers=acct.headers)
         assert r.json()["status"] == "canceling"
         assert r.json()["request_counts"] == {
@@ -246,7 +247,7 @@ async def test_cancel_stops_waiting_items_while_claimed_work_finishes(market, cl
             "canceled": 2,
         }
         engine.release.set()
-        await asyncio.wait_for(running, 5)
+        await settles(running)
         done = (await http.get(f"/v1/batches/{bid}", headers=acct.headers)).json()
     assert done["status"] == "canceled"
     assert [r["status"] for r in done["requests"]] == ["succeeded", "canceled", "canceled"]

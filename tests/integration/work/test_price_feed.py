@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +17,7 @@ import pytest
 from batchyard.core.clock import ManualClock
 from batchyard.core.prices import Price, PriceBook
 from batchyard.work.price_feed import PriceFeed
+from tests.support.waits import HANG_S, until
 
 T0 = datetime(2026, 3, 2, 12, 0, tzinfo=UTC)
 FIVE_MIN = timedelta(minutes=5)
@@ -68,21 +69,15 @@ async def test_run_loop_survives_bad_feeds_and_refreshes(tmp_path: Path) -> None
     task = asyncio.create_task(feed.run(clock, interval_s=15))
     # The file is read in a worker thread: yield to the loop until it is done
     # (bounded), while the feed's own time only moves with the manual clock.
-    await _until(lambda: feed.last_error is not None)
+    await until(lambda: feed.last_error is not None, "the feed records its error")
     assert book.latest("r") is None and task.done() is False
     path.write_text(_feed_doc("0.25"))
     clock.advance(15)
-    await _until(lambda: book.latest("r") is not None)
+    await until(lambda: book.latest("r") is not None, "the book has a price")
     assert book.fresh("r", clock.now(), FIVE_MIN) == p("0.25", "1")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(5):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 class _FeedHandler(BaseHTTPRequestHandler):
@@ -111,7 +106,7 @@ def feed_server() -> Iterator[tuple[str, type[_FeedHandler]]]:
     finally:
         server.shutdown()
         server.server_close()
-        thread.join(5)
+        thread.join(HANG_S)
 
 
 async def test_http_feed_on_loopback(

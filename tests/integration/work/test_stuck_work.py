@@ -295,7 +295,7 @@ async def test_a_run_whose_route_is_down_waits_and_is_stuck_for_its_route(make_s
     async with asgi_client(svc) as http:
         api = await Api(http, acct.headers).start()
         run_id, _ = await api.confirmed(rows, body)
-        await eventually(lambda: svc.dispatcher.health.trouble("fake") is not None, timeout=30)
+        await eventually(lambda: svc.dispatcher.health.trouble("fake") is not None)
         svc.clock.advance(STUCK_AFTER)
         assert await stuck_watch(svc).sweep() == 1
         run = await api.get(run_id)

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from batchyard.core.clock import Clock, ManualClock, SystemClock, isoformat, parse_iso
+from tests.support.waits import settles
 
 # The runs API's pattern for createdAt/updatedAt (docs/reference/runs.md).
 SEED_ISO = re.compile(
@@ -62,14 +63,14 @@ async def test_sleepers_wake_when_time_passes_them_and_not_before():
         await asyncio.sleep(0)
     assert woke == ["short"]
     clock.set(clock.now() + timedelta(minutes=5))
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=1)
+    await settles(asyncio.gather(*tasks))
     assert woke == ["short", "long"]
 
 
 async def test_zero_and_negative_sleeps_return_at_once():
     clock = ManualClock()
-    await asyncio.wait_for(clock.sleep(0), timeout=1)
-    await asyncio.wait_for(clock.sleep(-3), timeout=1)
+    await settles(clock.sleep(0))
+    await settles(clock.sleep(-3))
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from batchyard.core.limits import (
     Cell,
     InMemoryLimiter,
     Limit,
+    SlotGrant,
     cell_for,
     gcra,
     gcra_adjust,
@@ -30,6 +31,7 @@ from batchyard.core.limits import (
 from batchyard.engines.protocol import RateLimitSignal
 from batchyard.errors import RateLimited
 from tests.support.clocks import SleepWatchingClock
+from tests.support.waits import settles
 
 RPM = Limit("rpm", per_minute=60)
 TPM = Limit("tpm", per_minute=6000, burst=100)
@@ -221,7 +223,7 @@ async def test_acquire_waits_on_the_clock(
     await asyncio.sleep(0)
     assert not waiter.done()
     clock.advance(0.5)
-    await asyncio.wait_for(waiter, 5)
+    await settles(waiter)
     assert clock.sleeps == [pytest.approx(1.0)]
 
 
@@ -235,7 +237,7 @@ async def test_a_penalty_reaches_a_sleeping_waiter(
     clock.advance(1.0)
     assert await clock.next_sleep() == pytest.approx(4.0)
     clock.advance(4.0)
-    await asyncio.wait_for(waiter, 5)
+    await settles(waiter)
 
 
 async def test_acquire_gives_up_past_max_wait(
@@ -333,3 +335,33 @@ def test_admitted_cost_over_any_window_stays_within_rate_and_burst(
                 largest = max(largest, cost_of(cost))
                 bound = limit.per_minute / 60 * (at - start) + max(limit.burst, largest)
                 assert total <= bound + limit.per_minute / 60 * EPSILON * 10 + 1e-9
+
+
+async def test_a_slot_freed_while_the_waiter_s_attempt_is_on_its_way_wakes_it() -> None:
+    """The attempt sees the slot taken; the slot is freed before the waiter looks again.
+
+    (A store a round trip away, on a loaded machine.) The wake-up was registered
+    before the attempt, so the waiter tries again at once, on a clock that stands still.
+    """
+
+    class SlowStore(InMemoryLimiter):
+        def __init__(self, clock: ManualClock) -> None:
+            super().__init__(clock)
+            self.answered = asyncio.Event()
+            self.go_on = asyncio.Event()
+
+        async def take_slot(self, key: str, capacity: int, lease_s: float) -> SlotGrant:
+            grant = await super().take_slot(key, capacity, lease_s)
+            if grant.token is None and not self.answered.is_set():
+                self.answered.set()  # the store has answered "full"...
+                await self.go_on.wait()  # ...and the answer is still on its way back
+            return grant
+
+    limiter = SlowStore(ManualClock())
+    held = await limiter.take_slot("org:w", 1, 60)
+    waiter = asyncio.create_task(limiter.occupy("org:w", 1, 60, max_wait=30))
+    await settles(limiter.answered.wait(), "the waiter's attempt finds the slot taken")
+    await limiter.free_slot("org:w", held.token)
+    limiter.go_on.set()
+    grant = await settles(waiter, "the waiter takes the freed slot")
+    assert grant.token is not None

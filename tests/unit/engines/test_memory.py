@@ -10,6 +10,7 @@ from batchyard.core.clock import ManualClock
 from batchyard.engines.protocol import CompletionRequest, Engine, RateLimitSignal, ScoringEngine
 from batchyard.engines.scripted import ScriptedEngine, word_count
 from batchyard.errors import UpstreamError, UpstreamRateLimited
+from tests.support.waits import settles
 
 
 def request(
@@ -100,7 +101,7 @@ async def test_delay_waits_on_the_injected_clock() -> None:
     await asyncio.sleep(0)
     assert not task.done()
     clock.advance(0.2)
-    done = await asyncio.wait_for(task, 1)
+    done = await settles(task)
     assert done.text == "late"
     assert engine.max_in_flight == 1
     assert engine.in_flight == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -36,6 +35,7 @@ from batchyard.service import Service, decisions
 from batchyard.store import accounts, ledger
 from tests.support.accounts import make_account
 from tests.support.services import ServiceFactory
+from tests.support.waits import until
 
 SENTIMENT = {
     "id": "sentiment",
@@ -219,15 +219,6 @@ def versioned(make_service: ServiceFactory) -> Service:
         base_url="http://127.0.0.1:9/v1",
     )
     return with_catalog(make_service, [version], [route])
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Wait for the task under test (same loop) to reach a point; not a stand-in for the clock."""
-    for _ in range(2000):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
 
 
 async def test_a_version_that_never_loads_in_time_releases_its_hold(versioned):

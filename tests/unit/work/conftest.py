@@ -30,6 +30,7 @@ from batchyard.work.dispatcher import Dispatcher
 from batchyard.work.engines import EngineRegistry
 from tests.support.clocks import SleepWatchingClock
 from tests.support.memory_db import memory_copy
+from tests.support.waits import HANG_S
 
 MODEL = ModelSpec(
     "m",
@@ -83,12 +84,12 @@ async def drive(clock: SleepWatchingClock, task: asyncio.Task[T]) -> T:
 
     The clock moves only when something waits on it, by what that waiter
     asked for, so paced work runs in clock time without any real sleeping.
-    The 5 s bound on each step is a hang guard, not a timing assertion.
+    Each step is bounded only against a hang (``tests.support.waits``).
     """
     while True:
         sleeping = asyncio.ensure_future(clock.sleeping.wait())
         done, _ = await asyncio.wait(
-            {task, sleeping}, timeout=5, return_when=asyncio.FIRST_COMPLETED
+            {task, sleeping}, timeout=HANG_S, return_when=asyncio.FIRST_COMPLETED
         )
         if task in done:
             sleeping.cancel()

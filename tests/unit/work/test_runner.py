@@ -40,6 +40,7 @@ from batchyard.work.runner import (
 )
 from tests.support.clocks import SleepWatchingClock
 from tests.support.memory_queue import MemoryQueue
+from tests.support.waits import HANG_S, settles, until
 from tests.unit.work.conftest import spin
 
 LEASE_S = 60.0
@@ -96,7 +97,7 @@ class Calls:
 
 
 async def within(task: asyncio.Future[Any] | asyncio.Task[Any]) -> Any:
-    return await asyncio.wait_for(task, 5)  # a hang guard, not a timing assertion
+    return await settles(task)  # a hang guard, not a timing assertion
 
 
 async def test_every_unit_is_answered_once_with_at_most_width_calls_in_flight(
@@ -449,7 +450,7 @@ async def test_the_loop_wakes_on_notify_drains_and_stops(clock: SleepWatchingClo
     worker.drain()
     assert await worker.wait_idle(0.05) is False  # its task is still in hand
     worker.release.set()
-    assert await worker.wait_idle(1) is True
+    assert await worker.wait_idle(HANG_S) is True
     loop.cancel()
     with pytest.raises(asyncio.CancelledError):
         await loop
@@ -463,8 +464,9 @@ async def test_a_timed_loop_waits_on_the_clock_and_a_poll_on_real_time_too(
     polled = Counting(clock, timed=False)
     polled.poll_s = 0.05
     tasks = [asyncio.create_task(w.run_forever()) for w in (timed, polled)]
-    await asyncio.sleep(0.3)  # real time passes, the clock stands still
-    assert timed.rounds == 1 and polled.rounds > 2
+    # Real time passes, the clock stands still: the poll goes round, the timed loop waits.
+    await until(lambda: polled.rounds > 2, "the poll goes round on real time")
+    assert timed.rounds == 1
     clock.advance(30)
     await spin()
     assert timed.rounds == 2

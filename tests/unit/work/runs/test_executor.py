@@ -37,6 +37,7 @@ from batchyard.work.runs.executor import RunExecutor
 from batchyard.work.runs.funding import fund
 from tests.support.clocks import SleepWatchingClock
 from tests.support.run_store import add_dataset, add_org, add_run, balance, items, load, run_spec
+from tests.support.waits import settles
 from tests.unit.work.conftest import PRICE, catalog, drive, make_dispatcher
 
 S = RunStatus
@@ -464,7 +465,7 @@ async def test_a_drain_cut_off_by_its_grace_hands_the_run_over(
         draining=lambda: stopping[0],
     )
     task = asyncio.create_task(ex.execute(load(db, run_id)))
-    await asyncio.wait_for(engine.entered.wait(), 5)  # row 1's call is in flight
+    await settles(engine.entered.wait())  # row 1's call is in flight
     await clock.next_sleep()  # rows 2 and 3 wait for the route's pace
     stopping[0] = True  # SIGTERM, and then the grace period ends
     task.cancel()
