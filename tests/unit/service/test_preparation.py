@@ -122,6 +122,22 @@ def test_the_window_and_the_output_limit_are_checked_once_here(preparer: Prepare
         preparer.embeddings(emb, texts, org_id=None)
 
 
+def test_a_prompt_over_the_embedded_engines_window_is_refused_here_not_by_the_engine(
+    tokenizers: Tokenizers,
+) -> None:
+    """With ``embedded_n_ctx`` below the catalog's window, the preparation holds the engine's."""
+    narrow = Preparer(default_catalog().embedded_within(512), tokenizers, chat_max_tokens=256)
+    long = [{"role": "user", "content": "word " * 600}]
+    assert preparer_fits(Preparer(default_catalog(), tokenizers), long)
+    with pytest.raises(ContextWindowExceeded) as over:
+        narrow.chat(chat(messages=long, max_tokens=8), org_id=None)
+    assert "512-token context window" in over.value.message
+
+
+def preparer_fits(preparer: Preparer, messages: list[dict[str, Any]]) -> bool:
+    return preparer.chat(chat(messages=messages, max_tokens=8), org_id=None).input_tokens > 512
+
+
 def test_what_the_route_cannot_serve_is_refused_naming_the_field_that_asked(
     tokenizers: Tokenizers,
 ) -> None:
