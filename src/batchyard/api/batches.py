@@ -30,7 +30,7 @@ from batchyard.api.context import (
 )
 from batchyard.api.openapi import EmptyBody, Finished, ListOf, declare
 from batchyard.errors import InvalidState
-from batchyard.service import batch_listing, deferred_batches, file_batches
+from batchyard.service import batch_views, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, BatchBody, parse_submission
 from batchyard.service.file_batches import FileBatchBody
 
@@ -79,13 +79,13 @@ async def list_batches(request: Request, principal: Caller, svc: ServiceDep) -> 
     allow_query(request, "after", "limit")
     limit = query_limit(request, default=20, most=100)
     after = query_id_cursor(request, "bat", name="after")
-    data, more = await batch_listing.list_views(svc, principal, after=after, limit=limit)
+    data, more = await batch_views.list_views(svc, principal, after=after, limit=limit)
     return JSONResponse({**listing(data, more), "next_cursor": data[-1]["id"] if more else None})
 
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(principal: Caller, batch_id: BatchId, svc: ServiceDep) -> JSONResponse:
-    view = await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
+    view = await svc.db.read(lambda c: batch_views.load_view(c, principal, batch_id))
     return JSONResponse(view)
 
 
@@ -97,7 +97,7 @@ async def cancel_batch(
     body = await read_empty(request)
 
     async def handler() -> tuple[int, Any]:
-        if await batch_listing.is_file_batch(svc, principal, batch_id):
+        if await batch_views.is_file_batch(svc, principal, batch_id):
             view = await file_batches.cancel(svc, principal, batch_id)
             svc.file_batches.notify()
             return 200, view
@@ -117,9 +117,9 @@ async def retry_batch(
     body = await read_empty(request)
 
     async def handler() -> tuple[int, Any]:
-        if not await batch_listing.is_file_batch(svc, principal, batch_id):
+        if not await batch_views.is_file_batch(svc, principal, batch_id):
             # 404 unless it is the caller's deferred batch.
-            await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
+            await svc.db.read(lambda c: batch_views.load_view(c, principal, batch_id))
             raise InvalidState(
                 "a deferred batch is not retried here: submit its failed requests as a new batch",
                 code="retry_unsupported",
@@ -150,7 +150,7 @@ async def batch_finished(
     request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
 ) -> Response:
     after, limit = finished_query(request)
-    if await batch_listing.is_file_batch(svc, principal, batch_id):
+    if await batch_views.is_file_batch(svc, principal, batch_id):
         page = await file_batches.finished(svc, principal, batch_id, after=after, limit=limit)
     else:
         page = await deferred_batches.finished(svc, principal, batch_id, after=after, limit=limit)

@@ -23,7 +23,7 @@ from batchyard.core.accounts import Principal
 from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound
 from batchyard.service import file_batches, files, service_of
-from batchyard.service.batch_views import openai_status
+from batchyard.service.batch_views import load_file_view, openai_status
 from batchyard.service.openai_requests import ENDPOINTS
 from batchyard.service.uploads import read_multipart
 from batchyard.store import file_batches as fstore
@@ -138,7 +138,7 @@ async def _batch_page(
     def load(c: Connection) -> tuple[dict[str, Any], list[Any]] | None:
         if fstore.get_batch(c, principal.org_id, batch_id, key_id=own) is None:
             return None
-        view = file_batches.load_view(c, principal.org_id, batch_id, key_id=own)
+        view = load_file_view(c, principal.org_id, batch_id, key_id=own)
         return view, fstore.page_lines(c, batch_id, after=after, limit=LINES_PER_PAGE)
 
     # An ID that can name nothing is not looked up (a NUL would trouble PostgreSQL).
