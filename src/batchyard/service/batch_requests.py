@@ -20,7 +20,7 @@ from batchyard.core.market import effective_min_discount
 from batchyard.core.openai_bodies import ResponseFormat, TextPart
 from batchyard.errors import InvalidRequest, InvalidType, UnsupportedInput
 from batchyard.service.deployment import Service
-from batchyard.service.openai_requests import private_messages
+from batchyard.service.openai_requests import PrivacyBody, private_messages
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -44,10 +44,6 @@ _TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_to
 _ROLES = {"system", "developer", "user", "assistant"}
 #: The sampling options a deferred request keeps, as given.
 _OPTIONS = {"temperature", "top_p", "stop", "seed", "response_format"}
-
-
-class PrivacyBody(Shape):
-    mode: Annotated[Literal["off", "redact", "reject"], Coded("invalid_privacy_mode")]
 
 
 class TextMessage(Shape):
@@ -109,7 +105,6 @@ class BatchBody(Shape):
 
 _TOP_KEYS = frozenset(BatchBody.model_fields)
 _REQUEST_KEYS = frozenset(BatchRequestBody.model_fields)
-_BODY_KEYS = frozenset(ChatRequestBody.model_fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,26 +235,13 @@ def _parse_request(
         )
     if "modalities" in body or "audio" in body:
         raise UnsupportedInput("deferred batches take and give text only", param=f"{bp}.modalities")
-    for key in body.keys() - _BODY_KEYS:
-        raise _bad(
-            f"{bp}.{key} is not supported in deferred batches",
-            f"{bp}.{key}",
-            "unsupported_parameter",
-        )
     _check_messages(body.get("messages"), f"{bp}.messages")
-    # Every key is known now: the types of each, strictly (nothing coerced).
+    # The fields and their types, strictly (nothing coerced; an unknown one refused by name).
     req = strict(ChatRequestBody, body, prefix=bp)
-    model = svc.catalog.model(body.get("model"), org_id)
+    # Served here at all, before privacy reads any request; its limits are the preparation's.
+    model = svc.catalog.model(req.model, org_id)
     svc.catalog.route_for(model.id)
-    # Both are whole numbers from 1 to MAX_OUTPUT_TOKENS by now; the model may take fewer.
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
-    if mt is not None and mt > limit:
-        raise _bad(
-            f"max_tokens is from 1 to {limit} for {model.id}",
-            f"{bp}.max_tokens",
-            "max_tokens_out_of_range",
-        )
+    mt = req.max_completion_tokens or req.max_tokens
     options = req.model_dump(include=_OPTIONS, exclude_none=True)
     if isinstance(req.stop, str):
         options["stop"] = [req.stop]
@@ -309,12 +291,11 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
     out: list[ParsedRequest] = []
     redactions = 0
     for i, (req, mode) in enumerate(parsed):
-        where = f"requests[{i}]: "
-        param = f"requests[{i}].body.messages"
-        messages, found = private_messages(req.stored["messages"], mode, param, where)
+        where, at = f"requests[{i}]: ", f"requests[{i}].body."
+        messages, found = private_messages(req.stored["messages"], mode, f"{at}messages", where)
         redactions += found
         call = svc.preparer.deferred(
-            req.model, messages, req.max_tokens or None, org_id=org_id, param=param, where=where
+            req.model, messages, req.max_tokens or None, org_id=org_id, where=where, at=at
         )
         stored = {**req.stored, "messages": messages}
         tokens = call.input_tokens
