@@ -104,6 +104,22 @@ def test_a_batch_line_is_prepared_exactly_as_the_door_prepares_its_body(
     assert batched.input_tokens == asked.input_tokens > preparer.count_chat(asked.model, ASK)
 
 
+@pytest.mark.parametrize(
+    ("given", "code"),
+    [({"mode": "maybe"}, "invalid_privacy_mode"), ("redact", "invalid_type"), ({"x": 1}, None)],
+)
+def test_a_batch_lines_privacy_is_the_deferred_requests_shape(
+    preparer: Preparer, given: Any, code: str | None
+) -> None:
+    body = {"model": "kettei-core", "messages": ASK, "privacy": given}
+    with pytest.raises(InvalidRequest) as refused:
+        validate_line(CHAT, body, Rules(preparer))
+    assert refused.value.code == (code or "unknown_field")
+    assert refused.value.param is not None and refused.value.param.startswith("privacy")
+    kept = validate_line(CHAT, {**body, "privacy": {}}, Rules(preparer))  # {} is off
+    assert (kept.redactions, "privacy" in kept.body) == (0, False)
+
+
 def test_the_window_and_the_output_limit_are_checked_once_here(preparer: Preparer) -> None:
     with pytest.raises(InvalidRequest) as too_long:
         preparer.chat(chat(max_tokens=5000), org_id=None)
