@@ -17,13 +17,13 @@ from decimal import Decimal
 from functools import partial
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest, batch_counts
 from batchyard.core.clock import isoformat
-from batchyard.core.inputs import Coded, strict
+from batchyard.core.inputs import Coded, Shape, strict
 from batchyard.errors import BatchyardError, InsufficientCredit, InvalidState, NotFound
 from batchyard.service import file_batches, files
 from batchyard.service.batch_requests import CUSTOM_ID
@@ -46,9 +46,7 @@ __all__ = [
 _ENDED = file_batches.ENDED
 
 
-class MessageBatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class MessageBatchRequest(Shape):
     custom_id: str = Field(pattern=CUSTOM_ID.pattern)
     params: MessagesRequest
 
@@ -59,10 +57,8 @@ _Percent = Annotated[
 ]
 
 
-class MessageBatchBody(BaseModel):
+class MessageBatchBody(Shape):
     """``POST /v1/messages/batches``: Anthropic's requests, and batchyard's ``min_discount``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     requests: list[MessageBatchRequest] = Field(min_length=1, max_length=100_000)
     min_discount: _Percent | None = None
