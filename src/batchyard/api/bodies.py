@@ -98,9 +98,9 @@ class DatasetBody(Shape):
 
 
 class RowPatchBody(Shape):
-    """``PATCH …/rows/{rowId}``: the fields to change; ``null`` removes one."""
+    """``PATCH …/rows/{rowId}``: the fields to change (at least one); ``null`` removes one."""
 
-    data: dict[str, Any]
+    data: dict[str, Any] = Field(min_length=1)
 
 
 # -- webhook endpoints ---------------------------------------------------------------
