@@ -275,6 +275,7 @@ async def once(
     answer: Callable[[], Awaitable[Any]],
     *,
     status: int = 200,
+    min_len: int = 1,
     required: bool = False,
     answers_text: bool = True,
 ) -> Response:
@@ -284,7 +285,13 @@ async def once(
         return status, await answer()
 
     return await idempotent(
-        request, principal, body, handler, required=required, answers_text=answers_text
+        request,
+        principal,
+        body,
+        handler,
+        min_len=min_len,
+        required=required,
+        answers_text=answers_text,
     )
 
 

@@ -97,6 +97,13 @@ async def get_project(svc: Service, principal: Principal, project_id: str) -> di
     return project_view(project)
 
 
+async def get_dataset(
+    svc: Service, principal: Principal, project_id: str, dataset_id: str
+) -> dict[str, Any]:
+    ds = await svc.db.read(lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id))
+    return dataset_view(ds)
+
+
 async def create_dataset(
     svc: Service, principal: Principal, project_id: str, name: str, kind: str
 ) -> dict[str, Any]:
@@ -105,13 +112,6 @@ async def create_dataset(
     ds = await svc.db.transact(
         lambda c: store.create_dataset(c, principal.org_id, project_id, name, kind, now)
     )
-    return dataset_view(ds)
-
-
-async def get_dataset(
-    svc: Service, principal: Principal, project_id: str, dataset_id: str
-) -> dict[str, Any]:
-    ds = await svc.db.read(lambda c: store.get_dataset(c, principal.org_id, dataset_id, project_id))
     return dataset_view(ds)
 
 
