@@ -10,6 +10,7 @@ file batch's results are its output and error files.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -20,8 +21,8 @@ from batchyard.api.context import (
     ServiceDep,
     allow_query,
     finished_query,
-    idempotent,
     listing,
+    once,
     path_id,
     query_id_cursor,
     query_limit,
@@ -55,21 +56,18 @@ async def create_batch(request: Request, principal: Caller, svc: ServiceDep) -> 
     if FILE_DIALECT & raw.keys():
         parsed = file_batches.parse_create(raw)
 
-        async def create() -> tuple[int, Any]:
+        async def create() -> dict[str, Any]:
             view = await file_batches.create(svc, principal, parsed)
             svc.file_batches.notify()
-            return 200, view
+            return view
 
-        return await idempotent(request, principal, raw, create, answers_text=False)
+        return await once(request, principal, raw, create, answers_text=False)
     sub = parse_submission(svc, raw, principal.org_id)
-
-    async def handler() -> tuple[int, Any]:
-        return 201, await deferred_batches.submit(svc, principal, sub)
-
+    submit = partial(deferred_batches.submit, svc, principal, sub)
     # A submission's answer is the batch's ID and status, no text: its key holds under
     # zero data retention too (same body: the same batch; another body: 409).
-    return await idempotent(
-        request, principal, raw, handler, min_len=8, required=True, answers_text=False
+    return await once(
+        request, principal, raw, submit, status=201, min_len=8, required=True, answers_text=False
     )
 
 
@@ -96,14 +94,14 @@ async def cancel_batch(
 ) -> Response:
     body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
+    async def cancel() -> dict[str, Any]:
         if await batch_views.is_file_batch(svc, principal, batch_id):
             view = await file_batches.cancel(svc, principal, batch_id)
             svc.file_batches.notify()
-            return 200, view
-        return 200, await deferred_batches.cancel(svc, principal, batch_id)
+            return view
+        return await deferred_batches.cancel(svc, principal, batch_id)
 
-    return await idempotent(request, principal, body, handler, answers_text=False)
+    return await once(request, principal, body, cancel, answers_text=False)
 
 
 @router.post(
@@ -116,7 +114,7 @@ async def retry_batch(
 ) -> Response:
     body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
+    async def retry() -> dict[str, Any]:
         if not await batch_views.is_file_batch(svc, principal, batch_id):
             # 404 unless it is the caller's deferred batch.
             await svc.db.read(lambda c: batch_views.load_view(c, principal, batch_id))
@@ -126,9 +124,9 @@ async def retry_batch(
             )
         view = await file_batches.retry(svc, principal, batch_id)
         svc.file_batches.notify()
-        return 200, view
+        return view
 
-    return await idempotent(request, principal, body, handler)
+    return await once(request, principal, body, retry)
 
 
 @router.get(

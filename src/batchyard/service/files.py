@@ -30,6 +30,7 @@ from batchyard.errors import BatchyardError, Conflict, InvalidRequest, NotFound,
 from batchyard.service.batch_views import ts
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import Rules, validate_line
+from batchyard.service.uploads import Upload
 from batchyard.store import file_batches as batch_store
 from batchyard.store import files as store
 from batchyard.store.file_batches import out_aad
@@ -43,6 +44,7 @@ __all__ = [
     "first",
     "get",
     "ingest",
+    "ingest_upload",
     "list_views",
     "pages",
     "rules_of",
@@ -317,6 +319,28 @@ def ingest(
         },
     )
     return file_view(row)
+
+
+async def ingest_upload(
+    svc: Service,
+    principal: Principal,
+    upload: Upload,
+    *,
+    purpose: str,
+    expires_after_s: int | None = None,
+) -> dict[str, Any]:
+    """A multipart upload's file part taken in (``ingest``, on a thread), by either door."""
+    if upload.file is None:
+        raise InvalidRequest("the upload has no file part", param="file")
+    return await asyncio.to_thread(
+        ingest,
+        svc,
+        principal,
+        upload.file,
+        filename=(upload.filename or "upload.jsonl")[:255],
+        purpose=purpose,
+        expires_after_s=expires_after_s,
+    )
 
 
 def _as_sent(model: str, body: bytes) -> bytes:

@@ -11,7 +11,6 @@ the API would not: the pages call the same service functions.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -89,14 +88,7 @@ async def upload_and_create(request: Request) -> Response:
             return forbidden("the form did not carry this session's token; reload and retry")
         if upload.file is None or upload.size == 0:
             raise InvalidRequest("choose a JSONL file to upload", param="file")
-        view = await asyncio.to_thread(
-            files.ingest,
-            svc,
-            principal,
-            upload.file,
-            filename=(upload.filename or "upload.jsonl")[:255],
-            purpose="batch",
-        )
+        view = await files.ingest_upload(svc, principal, upload, purpose="batch")
         body: dict[str, Any] = {
             "input_file_id": view["id"],
             # No valid line names one: the batch fails, listing every line's error.
