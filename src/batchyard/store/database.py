@@ -49,6 +49,13 @@ T = TypeVar("T")
 # resources such as a full disk (class 53).
 _STORAGE_STATES = ("25006", "53")
 
+# How long PostgreSQL lets a session sit inside a transaction with nothing to do
+# before it ends the session. Our transactions run start to finish on one thread,
+# so only a frozen process (SIGSTOP, a paused VM, a long GC) leaves one idle: its
+# row locks would otherwise hold until it woke, and claims skip locked rows, so
+# no other worker could take over its leased work. The default run lease.
+IDLE_TRANSACTION_S = 60.0
+
 
 def storage_failure(exc: BaseException) -> StorageUnavailable | None:
     """The 503 a driver error stands for, or None when it is not the store's condition."""
@@ -97,6 +104,7 @@ class Database:
         pool_size: int = 8,
         sealer: Sealer | None = None,
         clock: Clock | None = None,
+        idle_transaction_s: float = IDLE_TRANSACTION_S,
     ) -> None:
         self.url = url
         self.sealer = sealer
@@ -134,6 +142,10 @@ class Database:
                 max_overflow=pool_size,
                 pool_pre_ping=True,
                 hide_parameters=True,
+                connect_args={
+                    "options": "-c idle_in_transaction_session_timeout="
+                    f"{max(1, round(idle_transaction_s * 1000))}"
+                },
             )
 
         # Customer text is sealed by the queries themselves (``store.at_rest``),
