@@ -13,7 +13,9 @@ must hold exactly N new settle entries, nothing held, and a clean audit.
     python bench/dispatch.py [--requests N] [--concurrency C] [--idempotency] [--profile]
 
 ``--profile`` runs the server under cProfile (every thread, merged) and
-prints where its time went.
+prints where its time went: each thread's CPU time by default, since a
+thread's wall time also counts its waits for the GIL and for fsync
+(``--profile-clock wall`` for that).
 """
 
 from __future__ import annotations
@@ -65,12 +67,15 @@ up.stop()
 """
 
 PROFILED_SERVE = """
-import cProfile, pstats, sys, threading
-out = sys.argv[1]
+import cProfile, pstats, sys, threading, time
+out, clock = sys.argv[1], sys.argv[2]
+# cpu: each thread's own CPU time (what "server CPU" counts); wall: time waited too
+# (the GIL, an fsync, the next request), which inflates every thread's figures.
+timer = time.thread_time if clock == "cpu" else time.perf_counter
 profiles = []
 _run = threading.Thread.run
 def run(self):
-    p = cProfile.Profile()
+    p = cProfile.Profile(timer)
     profiles.append(p)
     p.enable()
     try:
@@ -78,12 +83,12 @@ def run(self):
     finally:
         p.disable()
 threading.Thread.run = run
-main = cProfile.Profile()
+main = cProfile.Profile(timer)
 profiles.append(main)
 main.enable()
 try:
     from batchyard.cli.main import cli
-    cli(sys.argv[2:], standalone_mode=False)
+    cli(sys.argv[3:], standalone_mode=False)
 except KeyboardInterrupt:
     pass
 finally:
@@ -208,7 +213,14 @@ def main() -> None:
     ap.add_argument("--idempotency", action="store_true", help="send an Idempotency-Key each")
     ap.add_argument("--no-worker", action="store_true", help="serve with --no-worker")
     ap.add_argument("--profile", action="store_true", help="cProfile the server")
+    ap.add_argument(
+        "--profile-clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="what --profile counts: each thread's CPU time, or wall time (waits included)",
+    )
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--profile-out", type=Path, help="keep the server's profile (pstats) here")
     args = ap.parse_args()
     n, c = args.requests, args.concurrency
 
@@ -280,7 +292,7 @@ def main() -> None:
         serve_args.append("--no-worker")
     prof = tmp / "server.prof"
     cmd = (
-        [sys.executable, "-c", PROFILED_SERVE, str(prof), *serve_args]
+        [sys.executable, "-c", PROFILED_SERVE, str(prof), args.profile_clock, *serve_args]
         if args.profile
         else [sys.executable, "-m", "batchyard", *serve_args]
     )
@@ -349,6 +361,8 @@ def main() -> None:
         )
     if args.profile and prof.exists():
         print_profile(prof, args.top)
+        if args.profile_out:
+            shutil.copy(prof, args.profile_out)
     shutil.rmtree(tmp, ignore_errors=True)
     if not durable or gate.failed or bare.failed:
         sys.exit(1)

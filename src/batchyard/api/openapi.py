@@ -6,9 +6,10 @@ FastAPI sees no body models and would advertise a 422 that is never sent
 (``declare``), what FastAPI cannot see: its body, its answer's schema, and the
 statuses it answers beyond those every operation of its method answers; its
 success status and summary are the route's own (``status_code=``,
-``summary=``). The declarations are documentation only: no answer is
-validated on its way out (``response_model=`` would, on the hot path);
-``tests/support/wire_check.py`` checks the answers the suite sees instead.
+``summary=``). A chat or text completion is built through its declaration
+(``api.openai_door.declared``); the other declarations are documentation
+only (``response_model=`` would validate every answer, on every path), and
+``tests/support/wire_check.py`` checks the answers the suite sees.
 
 ``/docs`` is a small page of our own that reads ``/openapi.json``: no script
 from a CDN, so it works on an offline network.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, and_, bindparam, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from batchyard.core.idempotency import SavedResponse
@@ -29,6 +29,18 @@ __all__ = ["answer_aad", "begin", "finish", "forget", "purge"]
 # hold sweeper has put its hold (if it made one) in the activity log.
 STALE_CLAIM = SYNC_HOLD_LIMIT
 
+# Built once, as the ledger's are (``store.ledger``): a call under a key claims it and
+# saves its answer, two writes on the hot path of every keyed call.
+_THIS_KEY = and_(ik.c.org_id == bindparam("i_org"), ik.c.key == bindparam("i_key"))
+_CLAIMED = select(ik).where(_THIS_KEY)
+_CLAIM = insert(ik)
+_FINISH = (
+    update(ik)
+    .where(_THIS_KEY)
+    .values(state="done", status_code=bindparam("i_status"), response=bindparam("i_response"))
+)
+_FORGET = delete(ik).where(_THIS_KEY)
+
 
 def begin(
     conn: Connection,
@@ -43,19 +55,20 @@ def begin(
     Raises the 409s of the rules. ``None`` means: run the request, then
     ``finish`` or ``forget``.
     """
-    row = conn.execute(select(ik).where(ik.c.org_id == org_id, ik.c.key == key)).first()
+    row = conn.execute(_CLAIMED, {"i_org": org_id, "i_key": key}).first()
     if row is None:
         try:
             with conn.begin_nested():
                 conn.execute(
-                    insert(ik).values(
-                        org_id=org_id,
-                        key=key,
-                        fingerprint=fp,
-                        state="in_progress",
-                        created_at=now,
-                        expires_at=now + ttl,
-                    )
+                    _CLAIM,
+                    {
+                        "org_id": org_id,
+                        "key": key,
+                        "fingerprint": fp,
+                        "state": "in_progress",
+                        "created_at": now,
+                        "expires_at": now + ttl,
+                    },
                 )
         except IntegrityError:
             raise IdempotencyInProgress(
@@ -102,20 +115,15 @@ def answer_aad(org_id: str, key: str) -> str:
 
 def finish(conn: Connection, org_id: str, key: str, status_code: int, body: str) -> None:
     """Save the answer (sealed) for replays until the key expires."""
+    sealed = seal_text(conn, body, answer_aad(org_id, key))
     conn.execute(
-        update(ik)
-        .where(ik.c.org_id == org_id, ik.c.key == key)
-        .values(
-            state="done",
-            status_code=status_code,
-            response=seal_text(conn, body, answer_aad(org_id, key)),
-        )
+        _FINISH, {"i_org": org_id, "i_key": key, "i_status": status_code, "i_response": sealed}
     )
 
 
 def forget(conn: Connection, org_id: str, key: str) -> None:
     """Drop a claim: the request failed retryably, or nothing may be kept (ZDR)."""
-    conn.execute(delete(ik).where(ik.c.org_id == org_id, ik.c.key == key))
+    conn.execute(_FORGET, {"i_org": org_id, "i_key": key})
 
 
 def purge(conn: Connection, now: datetime) -> int:

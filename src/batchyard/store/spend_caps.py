@@ -30,11 +30,14 @@ from sqlalchemy import (
     Column,
     Connection,
     ForeignKey,
+    Select,
     String,
     Table,
+    bindparam,
     delete,
     func,
     insert,
+    or_,
     select,
     update,
 )
@@ -143,25 +146,51 @@ def _row(r: object) -> CapRow:
     return CapRow(**{name: m[name] for name in CapRow.__slots__})
 
 
+def _holders_query(n: int, for_update: bool) -> Select[tuple[object, ...]]:
+    """The rows of ``n`` holders (binds ``h0``…), in holder order: concurrent holds lock alike."""
+    named = or_(*(spend_caps.c.holder == bindparam(f"h{i}") for i in range(n)))
+    q = select(spend_caps).where(named).order_by(spend_caps.c.holder)
+    return q.with_for_update() if for_update else q
+
+
+# Built once, as the ledger's statements are (``store.ledger``): every hold and every
+# settlement reads its holders' rows, and a statement built per call (an expanding ``IN``
+# at that) cost several times the read itself. A hold names at most a key and a project.
+_LOCKED = {(n, pg): _holders_query(n, pg) for n in (1, 2) for pg in (False, True)}
+_WRITE = (
+    update(spend_caps)
+    .where(spend_caps.c.holder == bindparam("w_holder"))
+    .values(
+        total_held=bindparam("w_total_held"),
+        total_settled=bindparam("w_total_settled"),
+        month=bindparam("w_month"),
+        month_held=bindparam("w_month_held"),
+        month_settled=bindparam("w_month_settled"),
+        updated_at=bindparam("w_at"),
+    )
+)
+
+
 def _locked(conn: Connection, holders: Sequence[str]) -> list[CapRow]:
-    q = select(spend_caps).where(spend_caps.c.holder.in_(list(holders)))
-    if conn.dialect.name == "postgresql":
-        q = q.with_for_update()
-    return [_row(r) for r in conn.execute(q.order_by(spend_caps.c.holder))]
+    pg = conn.dialect.name == "postgresql"
+    q = _LOCKED.get((len(holders), pg))
+    if q is None:
+        q = _holders_query(len(holders), pg)
+    return [_row(r) for r in conn.execute(q, {f"h{i}": h for i, h in enumerate(holders)})]
 
 
 def _write(conn: Connection, row: CapRow, now: datetime) -> None:
     conn.execute(
-        update(spend_caps)
-        .where(spend_caps.c.holder == row.holder)
-        .values(
-            total_held=row.total_held,
-            total_settled=row.total_settled,
-            month=row.month,
-            month_held=row.month_held,
-            month_settled=row.month_settled,
-            updated_at=now,
-        )
+        _WRITE,
+        {
+            "w_holder": row.holder,
+            "w_total_held": row.total_held,
+            "w_total_settled": row.total_settled,
+            "w_month": row.month,
+            "w_month_held": row.month_held,
+            "w_month_settled": row.month_settled,
+            "w_at": now,
+        },
     )
 
 
