@@ -7,12 +7,11 @@ body and ``store.spend_caps`` enforces the caps at every hold.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from functools import partial
+from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy import Connection
 
 from batchyard.api.context import (
     Caller,
@@ -25,57 +24,18 @@ from batchyard.api.context import (
 )
 from batchyard.api.openapi import Account, ListOf, SpendCapBody, declare
 from batchyard.api.projects import ProjectId
-from batchyard.core.accounts import Organisation, Principal
-from batchyard.core.clock import isoformat
-from batchyard.core.money import format_money
-from batchyard.service import Service, spend_caps
-from batchyard.store import accounts, activity, ledger
+from batchyard.service import account, spend_caps
 
 __all__ = ["router"]
 
 router = APIRouter()
-#: ``spend_caps.set_key_cap`` or ``set_project_cap``: the caps of one key or project.
-_Cap = Callable[[Service, Principal, str, Any], Awaitable[Any]]
 KeyId = Annotated[str, path_id("key_id", "key", "key")]
 
 
 @router.get("/v1/account", summary="Your account")
 @declare(Account)
 async def get_account(principal: Caller, svc: ServiceDep) -> JSONResponse:
-    now = svc.clock.now()
-
-    def load(conn: Connection) -> tuple[Organisation, ledger.Balance, list[dict[str, object]]]:
-        org = accounts.get_org(conn, principal.org_id)
-        return (
-            org,
-            ledger.balance(conn, principal.org_id),
-            spend_caps.cap_views(conn, principal, now),
-        )
-
-    org, bal, caps = await svc.db.read(load)
-    tier = svc.tier(org.tier)
-    auto = None
-    if org.auto_topup_amount is not None and org.auto_topup_threshold is not None:
-        auto = {
-            "threshold": format_money(org.auto_topup_threshold),
-            "amount": format_money(org.auto_topup_amount),
-        }
-    return JSONResponse(
-        {
-            "organization": {"id": principal.org_id, "name": principal.org_name},
-            "tier": tier.level,
-            "credit": {
-                "balance": format_money(bal.topups - bal.settled),
-                "held": format_money(bal.held),
-                "available": format_money(max(bal.available, 0)),
-            },
-            "effective_limits": tier.effective_limits(),
-            "zero_data_retention": principal.zero_data_retention,
-            "auto_top_up": auto,
-            # Each capped key and project: its caps, and what it has charged and holds.
-            "spend_caps": caps,
-        }
-    )
+    return JSONResponse(await account.account_view(svc, principal))
 
 
 @router.get("/v1/activity", summary="Credit activity")
@@ -83,24 +43,9 @@ async def get_account(principal: Caller, svc: ServiceDep) -> JSONResponse:
 async def get_activity(request: Request, principal: Caller, svc: ServiceDep) -> JSONResponse:
     limit = query_limit(request, default=100, most=1000)
     after = query_id_cursor(request, "act", name="after")
-    rows = await svc.db.read(
-        lambda c: activity.list_activity(c, principal.org_id, after=after, limit=limit)
-    )
-    data = [
-        {
-            **r,
-            "amount": format_money(r["amount"]) if r["amount"] is not None else None,
-            "created_at": isoformat(r["created_at"]),
-        }
-        for r in rows
-    ]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "next_cursor": data[-1]["id"] if len(data) == limit else None,
-        }
-    )
+    data = await account.activity_views(svc, principal, after=after, limit=limit)
+    more = data[-1]["id"] if len(data) == limit else None
+    return JSONResponse({"object": "list", "data": data, "next_cursor": more})
 
 
 @router.put("/v1/keys/{key_id}/spend-cap", summary="Cap what a key may spend")
@@ -108,7 +53,10 @@ async def get_activity(request: Request, principal: Caller, svc: ServiceDep) -> 
 async def set_key_cap(
     request: Request, principal: Caller, key_id: KeyId, svc: ServiceDep
 ) -> Response:
-    return await _capped(request, principal, svc, key_id, spend_caps.set_key_cap)
+    body = await read_json(request)
+    caps = spend_caps.parse_caps(body)
+    set_cap = partial(spend_caps.set_key_cap, svc, principal, key_id, caps)
+    return await once(request, principal, body, set_cap)
 
 
 @router.put("/v1/projects/{project_id}/spend-cap", summary="Cap what a project's runs may spend")
@@ -116,12 +64,7 @@ async def set_key_cap(
 async def set_project_cap(
     request: Request, principal: Caller, project_id: ProjectId, svc: ServiceDep
 ) -> Response:
-    return await _capped(request, principal, svc, project_id, spend_caps.set_project_cap)
-
-
-async def _capped(
-    request: Request, principal: Principal, svc: Service, of: str, cap: _Cap
-) -> Response:
     body = await read_json(request)
     caps = spend_caps.parse_caps(body)
-    return await once(request, principal, body, lambda: cap(svc, principal, of, caps))
+    set_cap = partial(spend_caps.set_project_cap, svc, principal, project_id, caps)
+    return await once(request, principal, body, set_cap)

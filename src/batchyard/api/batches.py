@@ -10,6 +10,7 @@ file batch's results are its output and error files.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -20,8 +21,8 @@ from batchyard.api.context import (
     ServiceDep,
     allow_query,
     finished_query,
-    idempotent,
     listing,
+    once,
     path_id,
     query_id_cursor,
     query_limit,
@@ -30,7 +31,7 @@ from batchyard.api.context import (
 )
 from batchyard.api.openapi import EmptyBody, Finished, ListOf, declare
 from batchyard.errors import InvalidState
-from batchyard.service import batch_listing, deferred_batches, file_batches
+from batchyard.service import batch_views, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, BatchBody, parse_submission
 from batchyard.service.file_batches import FileBatchBody
 
@@ -55,21 +56,18 @@ async def create_batch(request: Request, principal: Caller, svc: ServiceDep) -> 
     if FILE_DIALECT & raw.keys():
         parsed = file_batches.parse_create(raw)
 
-        async def create() -> tuple[int, Any]:
+        async def create() -> dict[str, Any]:
             view = await file_batches.create(svc, principal, parsed)
             svc.file_batches.notify()
-            return 200, view
+            return view
 
-        return await idempotent(request, principal, raw, create, answers_text=False)
+        return await once(request, principal, raw, create, answers_text=False)
     sub = parse_submission(svc, raw, principal.org_id)
-
-    async def handler() -> tuple[int, Any]:
-        return 201, await deferred_batches.submit(svc, principal, sub)
-
+    submit = partial(deferred_batches.submit, svc, principal, sub)
     # A submission's answer is the batch's ID and status, no text: its key holds under
     # zero data retention too (same body: the same batch; another body: 409).
-    return await idempotent(
-        request, principal, raw, handler, min_len=8, required=True, answers_text=False
+    return await once(
+        request, principal, raw, submit, status=201, min_len=8, required=True, answers_text=False
     )
 
 
@@ -79,13 +77,13 @@ async def list_batches(request: Request, principal: Caller, svc: ServiceDep) -> 
     allow_query(request, "after", "limit")
     limit = query_limit(request, default=20, most=100)
     after = query_id_cursor(request, "bat", name="after")
-    data, more = await batch_listing.list_views(svc, principal, after=after, limit=limit)
+    data, more = await batch_views.list_views(svc, principal, after=after, limit=limit)
     return JSONResponse({**listing(data, more), "next_cursor": data[-1]["id"] if more else None})
 
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(principal: Caller, batch_id: BatchId, svc: ServiceDep) -> JSONResponse:
-    view = await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
+    view = await svc.db.read(lambda c: batch_views.load_view(c, principal, batch_id))
     return JSONResponse(view)
 
 
@@ -96,14 +94,14 @@ async def cancel_batch(
 ) -> Response:
     body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
-        if await batch_listing.is_file_batch(svc, principal, batch_id):
+    async def cancel() -> dict[str, Any]:
+        if await batch_views.is_file_batch(svc, principal, batch_id):
             view = await file_batches.cancel(svc, principal, batch_id)
             svc.file_batches.notify()
-            return 200, view
-        return 200, await deferred_batches.cancel(svc, principal, batch_id)
+            return view
+        return await deferred_batches.cancel(svc, principal, batch_id)
 
-    return await idempotent(request, principal, body, handler, answers_text=False)
+    return await once(request, principal, body, cancel, answers_text=False)
 
 
 @router.post(
@@ -116,19 +114,19 @@ async def retry_batch(
 ) -> Response:
     body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
-        if not await batch_listing.is_file_batch(svc, principal, batch_id):
+    async def retry() -> dict[str, Any]:
+        if not await batch_views.is_file_batch(svc, principal, batch_id):
             # 404 unless it is the caller's deferred batch.
-            await svc.db.read(lambda c: batch_listing.load_view(c, principal, batch_id))
+            await svc.db.read(lambda c: batch_views.load_view(c, principal, batch_id))
             raise InvalidState(
                 "a deferred batch is not retried here: submit its failed requests as a new batch",
                 code="retry_unsupported",
             )
         view = await file_batches.retry(svc, principal, batch_id)
         svc.file_batches.notify()
-        return 200, view
+        return view
 
-    return await idempotent(request, principal, body, handler)
+    return await once(request, principal, body, retry)
 
 
 @router.get(
@@ -150,7 +148,7 @@ async def batch_finished(
     request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
 ) -> Response:
     after, limit = finished_query(request)
-    if await batch_listing.is_file_batch(svc, principal, batch_id):
+    if await batch_views.is_file_batch(svc, principal, batch_id):
         page = await file_batches.finished(svc, principal, batch_id, after=after, limit=limit)
     else:
         page = await deferred_batches.finished(svc, principal, batch_id, after=after, limit=limit)

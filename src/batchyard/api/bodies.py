@@ -1,9 +1,9 @@
-"""The shapes of the request bodies the API reads (decide, keep-warm, projects, runs).
+"""The shapes of the request bodies the API reads (decide, keep-warm, projects, webhooks).
 
 Each is a ``core.inputs.Shape`` (strict types, unknown fields refused by name)
 that says only which fields exist and their JSON types; ranges and the rules
 between fields stay with each door's own checks (``core.decisions``,
-``api.runs``), which keep their specific codes. Field names are the wire's:
+``service.runs``), which keep their specific codes. Field names are the wire's:
 camelCase for the runs API, so some break Python's conventions on purpose.
 """
 
@@ -22,7 +22,6 @@ __all__ = [
     "KeepWarmBody",
     "ProjectBody",
     "RowPatchBody",
-    "RunBody",
     "WebhookEndpointBody",
 ]
 
@@ -99,51 +98,9 @@ class DatasetBody(Shape):
 
 
 class RowPatchBody(Shape):
-    """``PATCH …/rows/{rowId}``: the fields to change; ``null`` removes one."""
+    """``PATCH …/rows/{rowId}``: the fields to change (at least one); ``null`` removes one."""
 
-    data: dict[str, Any]
-
-
-# -- batch inference runs (docs/reference/runs.md) ----------------------------------------------
-
-
-class RunModelRef(Shape):
-    type: str
-    id: str
-
-
-class RunMode(Shape):
-    type: str
-
-
-class RunInput(Shape):
-    type: str
-    field: str | None = None
-
-
-class RunOutput(Shape):
-    type: str
-    field: str | None = None
-    name: str | None = None
-
-
-class RunSampling(Shape):
-    maxOutputTokens: int | None = None
-    samplesPerRow: int | None = None
-    temperature: float | None = None
-    topP: float | None = None
-
-
-class RunBody(Shape):
-    """``POST /v1/projects/{id}/batch-inference-runs``."""
-
-    datasetId: str
-    model: RunModelRef
-    output: RunOutput
-    mode: RunMode | None = None
-    input: RunInput | None = None
-    sampling: RunSampling | None = None
-    filter: dict[str, Any] | None = None
+    data: dict[str, Any] = Field(min_length=1)
 
 
 # -- webhook endpoints ---------------------------------------------------------------

@@ -269,14 +269,30 @@ async def idempotent(
 
 
 async def once(
-    request: Request, principal: Principal, body: Any, answer: Callable[[], Awaitable[Any]]
+    request: Request,
+    principal: Principal,
+    body: Any,
+    answer: Callable[[], Awaitable[Any]],
+    *,
+    status: int = 200,
+    min_len: int = 1,
+    required: bool = False,
+    answers_text: bool = True,
 ) -> Response:
-    """``idempotent`` for the common case: ``answer``'s body, with 200."""
+    """``idempotent`` for the common case: ``answer``'s body, with one status."""
 
     async def handler() -> tuple[int, Any]:
-        return 200, await answer()
+        return status, await answer()
 
-    return await idempotent(request, principal, body, handler)
+    return await idempotent(
+        request,
+        principal,
+        body,
+        handler,
+        min_len=min_len,
+        required=required,
+        answers_text=answers_text,
+    )
 
 
 def listing(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:

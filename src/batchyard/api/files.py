@@ -8,7 +8,6 @@ naming its line and leaves nothing behind.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -109,16 +108,8 @@ async def create_file(request: Request, principal: Caller, svc: ServiceDep) -> J
     try:
         purpose = _purpose(upload.fields.get("purpose"))
         expires = _expires_after(upload.fields)
-        if upload.file is None:
-            raise InvalidRequest("the upload has no file part", param="file")
-        view = await asyncio.to_thread(
-            files.ingest,
-            svc,
-            principal,
-            upload.file,
-            filename=(upload.filename or "upload.jsonl")[:255],
-            purpose=purpose,
-            expires_after_s=expires,
+        view = await files.ingest_upload(
+            svc, principal, upload, purpose=purpose, expires_after_s=expires
         )
     finally:
         upload.close()

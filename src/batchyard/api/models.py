@@ -1,116 +1,27 @@
-"""``GET /v1/models``: the catalog with its prices and what each route can do here.
-
-Each model is an OpenAI model object with batchyard's fields beside
-(docs/reference/http.md): ``capabilities``, so a client can tell before it
-asks; ``concurrency``, which a runner should not exceed however high its tier;
-a version's ``warm`` state, so a caller can warm one before a long run; and
-``loaded``, the engine's own word (``null`` where it cannot say: an upstream).
-"""
+"""``GET /v1/models``: the catalog, its prices and what each route can do (``service.models``)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from batchyard.api.context import Caller, ServiceDep
 from batchyard.api.openapi import ModelList, ModelObject, declare
-from batchyard.core.catalog import ModelSpec, RouteSpec
-from batchyard.core.money import format_money
-from batchyard.errors import BatchyardError, ModelNotFound, ModelUnavailable
-from batchyard.service import Service
-from batchyard.service.model_versions import org_versions, resolve
-from batchyard.work.warmth import serving
+from batchyard.service import models
 
 __all__ = ["router"]
 
 router = APIRouter()
 
 
-def _warm(svc: Service, m: ModelSpec) -> dict[str, Any] | None:
-    if m.type != "version":
-        return None
-    try:
-        where = serving(svc.catalog, m)
-    except ModelUnavailable:
-        return None
-    return svc.warmth.view(m.id, where).to_json()
-
-
-def _capabilities(svc: Service, m: ModelSpec, route: RouteSpec | None) -> dict[str, bool]:
-    return {
-        "chat": route is not None,
-        "tools": bool(route and route.tools),
-        "vision": m.reads_images and route is not None,
-        "streaming": bool(route and route.supports_streaming),
-        "completions": bool(route and route.serves_completions),
-        # The embedded engine's embeddings come from the base model's own states, so
-        # a version it serves has none of its own.
-        "embeddings": bool(route and route.embeddings)
-        and not (m.type == "version" and route is not None and route.engine == "llama_cpp"),
-        "scoring": bool(route and svc.dispatcher.can_score(route)),
-    }
-
-
-def _loaded(svc: Service, m: ModelSpec, route: RouteSpec | None) -> bool | None:
-    """Whether the engine holds the model in memory now; None where it cannot say."""
-    if route is None:
-        return False
-    try:
-        engine = svc.engines.for_route(route)
-    except (BatchyardError, ValueError):
-        return None
-    is_loaded = getattr(engine, "is_loaded", None)
-    if not callable(is_loaded):
-        return None
-    version = None if route.model == m.id else svc.catalog.engine_name(m.id, route)
-    try:
-        return bool(is_loaded(version))
-    except KeyError:
-        return None
-
-
-def _model_json(svc: Service, m: ModelSpec) -> dict[str, Any]:
-    routes = svc.catalog.routes_for(m.id)
-    route = routes[0] if routes else None
-    return {
-        "id": m.id,
-        "object": "model",
-        "created": m.created,
-        "owned_by": m.owned_by,
-        "type": m.type,
-        "base_model": m.base_model,
-        "modality": list(m.modality),
-        "context_window": m.context_window,
-        "max_output_tokens": m.max_output_tokens,
-        "pricing": {
-            "input_per_mtok": format_money(m.input_per_mtok),
-            "output_per_mtok": format_money(m.output_per_mtok),
-        },
-        "available": svc.catalog.is_available(m.id),
-        "warm": _warm(svc, m),
-        "description": m.description,
-        "project_id": m.project_id,
-        "capabilities": _capabilities(svc, m, route),
-        "concurrency": None if route is None else svc.dispatcher.concurrency(route),
-        "loaded": _loaded(svc, m, route),
-    }
-
-
 @router.get("/v1/models", summary="The catalog")
 @declare(ModelList)
 async def list_models(principal: Caller, svc: ServiceDep) -> JSONResponse:
-    await org_versions(svc, principal.org_id)
-    data = [_model_json(svc, m) for m in svc.catalog.visible(principal.org_id)]
+    data = await models.list_views(svc, principal)
     return JSONResponse({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{model_id}")
 @declare(ModelObject)
 async def get_model(principal: Caller, model_id: str, svc: ServiceDep) -> JSONResponse:
-    await resolve(svc, model_id)
-    m = svc.catalog.find(model_id, principal.org_id)
-    if m is None:
-        raise ModelNotFound(f"the model {model_id!r} does not exist", param="model")
-    return JSONResponse(_model_json(svc, m))
+    return JSONResponse(await models.get(svc, principal, model_id))

@@ -74,11 +74,9 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
-
 
 class _Strict(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class CacheControl(_Strict):
@@ -207,10 +205,8 @@ class OutputConfig(_Strict):
     task_budget: Annotated[Any, Unserved()] = None
 
 
-class _Prompt(BaseModel):
+class _Prompt(_Strict):
     """What ``/v1/messages`` and ``/v1/messages/count_tokens`` both take."""
-
-    model_config = _STRICT
 
     model: str = Field(min_length=1)
     messages: Annotated[list[dict[str, Any]], AsDicts(list[Turn]), Field(min_length=1)]
@@ -399,14 +395,12 @@ def openai_prompt(
     return messages, tools, choice
 
 
-class Translated(BaseModel):
+class Translated(_Strict):
     """A Messages request in the OpenAI shape the engines take, with Anthropic's ``top_k``.
 
     What the door sends (``work.openai_wire.messages_request``) and what a line of a
     Message Batch stores and its worker reads back: one type, so both answer alike.
     """
-
-    model_config = _STRICT
 
     model: str = Field(min_length=1)
     messages: list[dict[str, Any]] = Field(min_length=1)

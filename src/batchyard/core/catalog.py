@@ -11,7 +11,7 @@ meets their discount, which is why both live here side by side.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
@@ -159,6 +159,21 @@ class Catalog:
         for m in self.models.values():
             if m.type == "version" and (m.base_model not in self.models):
                 raise ValueError(f"version {m.id!r} needs a known base_model")
+
+    def embedded_within(self, n_ctx: int) -> Catalog:
+        """This catalog with each model the embedded engine serves given at most ``n_ctx`` tokens.
+
+        The embedded engine holds ``embedded_n_ctx`` tokens a sequence, whatever a model's
+        entry declares; with the window a call is prepared against (``service.preparation``)
+        the smaller of the two, a call the preparation accepts is one the engine can read,
+        and ``/v1/models`` shows the window that is really there.
+        """
+        embedded = {r.model for r in self.routes.values() if r.engine == "llama_cpp"}
+        served = [m for m in self.models.values() if embedded & {m.id, m.base_model}]
+        if all(m.context_window <= n_ctx for m in served):
+            return self
+        narrowed = {m.id: replace(m, context_window=min(m.context_window, n_ctx)) for m in served}
+        return Catalog([narrowed.get(m.id, m) for m in self.models.values()], self.routes.values())
 
     # -- project versions -----------------------------------------------------------
 

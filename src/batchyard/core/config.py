@@ -141,7 +141,9 @@ class Settings:
         validation_alias=AliasChoices("embedded_slots", "embedded_contexts"),
     )
     embedded_n_ctx: Annotated[int, Field(ge=128, le=131072)] = setting(
-        2048, kind="integer (tokens)"
+        2048,
+        "also the context window of each model the embedded engine serves, at most",
+        kind="integer (tokens)",
     )
     embedded_threads: PositiveInt | None = setting(
         None, "or leave unset for all cores", shown="all cores"
@@ -294,11 +296,12 @@ class Settings:
     @field_validator("catalog", mode="before")
     @classmethod
     def _catalog(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            return value
-        if "models" not in info.data or "routes" not in info.data:
+        if value is None and ("models" not in info.data or "routes" not in info.data):
             return default_catalog()  # their own error is the one reported
-        return build_catalog(info.data["models"], info.data["routes"])
+        if value is None:
+            value = build_catalog(info.data["models"], info.data["routes"])
+        n_ctx = info.data.get("embedded_n_ctx")
+        return value.embedded_within(n_ctx) if isinstance(value, Catalog) and n_ctx else value
 
     @field_validator("tiers", mode="before")
     @classmethod

@@ -28,13 +28,11 @@ __all__ = [
     "parse_embedding",
 ]
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
-
 
 class _Body(BaseModel):
     """A body of OpenAI's API: strict, and an optional field sent as ``null`` is its default."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -7,7 +7,7 @@ will actually be stored and sent; nothing here writes (``service.deferred_batche
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, ClassVar, Literal
@@ -18,9 +18,9 @@ from batchyard.core import privacy
 from batchyard.core.inputs import AsDicts, Coded, Shape, strict
 from batchyard.core.market import effective_min_discount
 from batchyard.core.openai_bodies import ResponseFormat, TextPart
-from batchyard.errors import InvalidRequest, InvalidType, UnsupportedInput
+from batchyard.errors import BatchyardError, InvalidRequest, InvalidType, UnsupportedInput
 from batchyard.service.deployment import Service
-from batchyard.service.openai_requests import private_messages
+from batchyard.service.openai_requests import PrivacyBody, private_messages
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -41,13 +41,8 @@ WINDOWS = {"1h": timedelta(hours=1), "6h": timedelta(hours=6), "24h": timedelta(
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 _TOOL_KEYS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
-_ROLES = {"system", "developer", "user", "assistant"}
 #: The sampling options a deferred request keeps, as given.
 _OPTIONS = {"temperature", "top_p", "stop", "seed", "response_format"}
-
-
-class PrivacyBody(Shape):
-    mode: Annotated[Literal["off", "redact", "reject"], Coded("invalid_privacy_mode")]
 
 
 class TextMessage(Shape):
@@ -107,11 +102,6 @@ class BatchBody(Shape):
     requests: Annotated[list[BatchRequestBody], Field(min_length=1, max_length=MAX_REQUESTS)]
 
 
-_TOP_KEYS = frozenset(BatchBody.model_fields)
-_REQUEST_KEYS = frozenset(BatchRequestBody.model_fields)
-_BODY_KEYS = frozenset(ChatRequestBody.model_fields)
-
-
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """One request of a submission, checked; ``stored`` is what gets sealed."""
@@ -120,7 +110,7 @@ class ParsedRequest:
     model: str
     min_discount: Decimal
     input_tokens: int
-    #: Once prepared, what the request says or the spec's default (0 until then: none given).
+    #: What the request says, or the spec's default.
     max_tokens: int
     stored: dict[str, Any]  # what is sealed: redacted messages and sampling options
 
@@ -157,77 +147,32 @@ def _discount(value: Any, param: str) -> Decimal:
     return d
 
 
-def _check_messages(messages: Any, param: str) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise _bad(f"{param} must be a non-empty list of chat messages", param, "invalid_request")
-    for i, m in enumerate(messages):
-        where = f"{param}[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(f"{where} must be an object", where, "invalid_request")
-        role = m.get("role")
-        if role == "tool" or "tool_calls" in m or "function_call" in m:
-            raise _bad("tools are not supported in deferred batches", where, "tools_unsupported")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise _bad(f"{where}.role is not a chat role", f"{where}.role", "invalid_request")
-        content = m.get("content")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise _bad(
-                f"{where}.content must be a string or a list of text parts",
-                f"{where}.content",
-                "invalid_request",
-            )
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise UnsupportedInput(
-                    "deferred batches take text only; images, audio and files are not supported",
-                    param=f"{where}.content",
-                )
-            if not isinstance(part.get("text"), str):
-                raise _bad(
-                    f"{where}.content has a text part without text", where, "invalid_request"
-                )
-
-
-def _parse_request(
-    svc: Service, raw: Any, i: int, batch_min: Decimal, seen: set[str], org_id: str | None
-) -> tuple[ParsedRequest, privacy.PrivacyMode]:
-    where = f"requests[{i}]"
+def _request(raw: Any, where: str, batch_min: Decimal, seen: set[str]) -> Decimal:
+    """What a request's shape cannot say, or says with another code: its custom_id given
+    once, a discount never below the batch's, and what deferred batches refuse by name
+    (streaming, tools, anything but text). The request's least discount."""
     if not isinstance(raw, dict):
-        raise _bad(f"{where} must be an object", where, "invalid_request")
-    for key in raw.keys() - _REQUEST_KEYS:
-        raise _bad(
-            f"{where}.{key} is not a request field", f"{where}.{key}", "unsupported_parameter"
-        )
+        return batch_min  # the shape says what is wrong
     cid = raw.get("custom_id")
-    if not isinstance(cid, str) or not CUSTOM_ID.match(cid):
-        raise _bad(
-            f"{where}.custom_id must be 1-64 letters, digits, '_' or '-'",
-            f"{where}.custom_id",
-            "invalid_custom_id",
-        )
-    if cid in seen:
+    if isinstance(cid, str) and cid in seen:
         raise _bad(
             f"custom_id {cid!r} appears more than once", f"{where}.custom_id", "duplicate_custom_id"
         )
-    seen.add(cid)
-    own = raw.get("min_discount")
-    min_discount = batch_min
+    if isinstance(cid, str):
+        seen.add(cid)
+    own, least = raw.get("min_discount"), batch_min
     if own is not None:
-        own_d = _discount(own, f"{where}.min_discount")
-        if own_d < batch_min:
+        least = _discount(own, f"{where}.min_discount")
+        if least < batch_min:
             raise _bad(
                 f"{where}.min_discount {own} is below the batch's {batch_min}; a request may "
                 "raise the minimum discount, never lower it",
                 f"{where}.min_discount",
                 "min_discount_below_batch",
             )
-        min_discount = effective_min_discount(batch_min, own_d)
-    body = raw.get("body")
-    bp = f"{where}.body"
+    body, bp = raw.get("body"), f"{where}.body"
     if not isinstance(body, dict):
-        raise _bad(f"{bp} must be a chat completion request object", bp, "invalid_request")
+        return effective_min_discount(batch_min, least)
     if body.get("stream"):
         raise _bad(
             "deferred batches do not stream; send stream: false",
@@ -240,32 +185,33 @@ def _parse_request(
         )
     if "modalities" in body or "audio" in body:
         raise UnsupportedInput("deferred batches take and give text only", param=f"{bp}.modalities")
-    for key in body.keys() - _BODY_KEYS:
-        raise _bad(
-            f"{bp}.{key} is not supported in deferred batches",
-            f"{bp}.{key}",
-            "unsupported_parameter",
-        )
-    _check_messages(body.get("messages"), f"{bp}.messages")
-    # Every key is known now: the types of each, strictly (nothing coerced).
-    req = strict(ChatRequestBody, body, prefix=bp)
-    model = svc.catalog.model(body.get("model"), org_id)
-    svc.catalog.route_for(model.id)
-    # Both are whole numbers from 1 to MAX_OUTPUT_TOKENS by now; the model may take fewer.
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    limit = min(MAX_OUTPUT_TOKENS, model.max_output_tokens)
-    if mt is not None and mt > limit:
-        raise _bad(
-            f"max_tokens is from 1 to {limit} for {model.id}",
-            f"{bp}.max_tokens",
-            "max_tokens_out_of_range",
-        )
-    options = req.model_dump(include=_OPTIONS, exclude_none=True)
-    if isinstance(req.stop, str):
-        options["stop"] = [req.stop]
-    mode = privacy.PrivacyMode(req.privacy.mode if req.privacy is not None else "off")
-    stored = {"messages": body["messages"], **options}
-    return ParsedRequest(cid, model.id, min_discount, 0, mt or 0, stored), mode
+    messages = body.get("messages")
+    for j, m in enumerate(messages if isinstance(messages, list) else []):
+        at, m = f"{bp}.messages[{j}]", m if isinstance(m, dict) else {}
+        if m.get("role") == "tool" or "tool_calls" in m or "function_call" in m:
+            raise _bad("tools are not supported in deferred batches", at, "tools_unsupported")
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            not (isinstance(part, dict) and part.get("type") == "text") for part in content
+        ):
+            raise UnsupportedInput(
+                "deferred batches take text only; images, audio and files are not supported",
+                param=f"{at}.content",
+            )
+    return effective_min_discount(batch_min, least)
+
+
+def _shaped(raw: dict[str, Any]) -> BatchBody:
+    """``raw`` as its shape, an error naming a request's fields as this door does
+    (``requests[3].body.messages[0]``)."""
+    try:
+        return strict(BatchBody, raw)
+    except BatchyardError as exc:
+        param = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", exc.param or "") or None
+        message = exc.message.replace(exc.param, param) if exc.param and param else exc.message
+        raise type(exc)(
+            message, param=param, code=exc.code, details=exc.details, status=exc.status
+        ) from None
 
 
 def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = None) -> Submission:
@@ -273,8 +219,6 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
 
     ``org_id`` is the submitter's: only its own project model versions are found.
     """
-    for key in raw.keys() - _TOP_KEYS:
-        raise _bad(f"{key} is not a batch field", key, "unsupported_parameter")
     if raw.get("min_discount") is None:
         raise _bad(
             "min_discount is required (a percentage from 0 to 100)",
@@ -283,40 +227,41 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
         )
     batch_min = _discount(raw["min_discount"], "min_discount")
     window = raw.get("completion_window")
-    window = "24h" if window is None else window
-    if not isinstance(window, str):
+    if window is not None and not isinstance(window, str):
         raise InvalidType("completion_window must be a string", param="completion_window")
-    if window not in WINDOWS:
-        raise _bad(
-            "completion_window is 1h, 6h or 24h", "completion_window", "invalid_completion_window"
-        )
     reqs = raw.get("requests")
-    if not isinstance(reqs, list):
-        raise _bad("requests must be a list of 1 to 50 requests", "requests", "invalid_request")
-    if not reqs:
+    if isinstance(reqs, list) and not reqs:
         raise _bad("a batch needs at least one request", "requests", "no_requests")
-    if len(reqs) > MAX_REQUESTS:
+    if isinstance(reqs, list) and len(reqs) > MAX_REQUESTS:
         raise _bad(
             f"a batch holds at most {MAX_REQUESTS} requests, not {len(reqs)}",
             "requests",
             "too_many_requests",
         )
     seen: set[str] = set()
-    parsed = [_parse_request(svc, r, i, batch_min, seen, org_id) for i, r in enumerate(reqs)]
+    reqs = reqs if isinstance(reqs, list) else []
+    least = [_request(r, f"requests[{i}]", batch_min, seen) for i, r in enumerate(reqs)]
+    shaped = _shaped(raw)
+    # Each model served here, before privacy reads any request; its limits are the preparation's.
+    models = [svc.catalog.model(r.body.model, org_id).id for r in shaped.requests]
+    for model in models:
+        svc.catalog.route_for(model)
     # Everything is valid; only now does privacy run, then each request is prepared
     # (``service.preparation``: tokens counted on the text that will actually be stored
     # and sent, the spec's default max_tokens, the context window).
     out: list[ParsedRequest] = []
     redactions = 0
-    for i, (req, mode) in enumerate(parsed):
-        where = f"requests[{i}]: "
-        param = f"requests[{i}].body.messages"
-        messages, found = private_messages(req.stored["messages"], mode, param, where)
+    for i, (r, given, model) in enumerate(zip(shaped.requests, reqs, models, strict=True)):
+        req, where, at = r.body, f"requests[{i}]: ", f"requests[{i}].body."
+        mode = privacy.PrivacyMode(req.privacy.mode if req.privacy is not None else "off")
+        messages, found = private_messages(given["body"]["messages"], mode, f"{at}messages", where)
         redactions += found
-        call = svc.preparer.deferred(
-            req.model, messages, req.max_tokens or None, org_id=org_id, param=param, where=where
-        )
-        stored = {**req.stored, "messages": messages}
-        tokens = call.input_tokens
-        out.append(replace(req, input_tokens=tokens, max_tokens=call.max_tokens, stored=stored))
-    return Submission(batch_min, window, out, redactions)
+        asked = req.max_completion_tokens or req.max_tokens
+        call = svc.preparer.deferred(model, messages, asked, org_id=org_id, where=where, at=at)
+        options = req.model_dump(include=_OPTIONS, exclude_none=True)
+        if isinstance(req.stop, str):
+            options["stop"] = [req.stop]
+        stored = {"messages": messages, **options}
+        tokens = (call.input_tokens, call.max_tokens)
+        out.append(ParsedRequest(r.custom_id, model, least[i], *tokens, stored))
+    return Submission(batch_min, shaped.completion_window or "24h", out, redactions)

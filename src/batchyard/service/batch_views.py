@@ -1,4 +1,4 @@
-"""One batch object for both dialects of ``/v1/batches``.
+"""One batch object for both dialects of ``/v1/batches``, shown by ID and listed together.
 
 Every batch, deferred or from a file, shows OpenAI's Batch fields and batchyard's own
 together, so the ``openai`` SDK reads every batch and a deferred-dialect client reads its
@@ -6,6 +6,11 @@ own; where the two name the same thing one field serves both, and fields a diale
 are null. ``status`` is the dialect's own word: ``openai_status`` is the one place that
 writes OpenAI's ``cancelling``/``cancelled``. docs/explanation/batch-dialects.md gives
 the reasons.
+
+Deferred and file batches live in their own tables but share the ``bat.`` prefix and its
+time order (UUIDv7), so one cursor pages through both: each table gives its next
+``limit + 1`` batches below the cursor, newest first, and the merge keeps the newest
+``limit``.
 """
 
 from __future__ import annotations
@@ -15,11 +20,32 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from sqlalchemy import Connection
+
+from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.money import format_money
+from batchyard.errors import NotFound
+from batchyard.service.deployment import Service
+from batchyard.store import deferred_batches as dstore
 from batchyard.store import file_batches as fstore
+from batchyard.work.deferred_batches.housekeeping import RESULTS_KEPT
 
-__all__ = ["counts_of", "file_batch_view", "number", "openai_status", "ts"]
+__all__ = [
+    "counts_of",
+    "deferred_batch",
+    "deferred_batch_view",
+    "file_batch",
+    "file_batch_view",
+    "is_file_batch",
+    "list_views",
+    "load_deferred_view",
+    "load_file_view",
+    "load_view",
+    "number",
+    "openai_status",
+    "ts",
+]
 
 #: OpenAI's spelling of the two cancel states (its ``Batch.status`` literals).
 _OPENAI_WORDS = {"canceling": "cancelling", "canceled": "cancelled"}
@@ -106,3 +132,116 @@ def file_batch_view(row: fstore.BatchRow, totals: fstore.Totals | None) -> dict[
         "retry_of": row.retry_of,
         "retried_by": row.retried_by,
     }
+
+
+def deferred_batch_view(
+    batch: dstore.DeferredBatchRow, per: dict[str, int], items: list[dstore.ItemRow] | None
+) -> dict[str, Any]:
+    """A deferred batch as the same object, with its requests' states where ``items`` are given."""
+    ended = batch.completed_at
+    view: dict[str, Any] = {
+        "id": batch.id,
+        "object": "batch",
+        "dialect": "deferred",
+        "endpoint": "/v1/chat/completions",
+        # Its requests came inline; OpenAI's type needs a string here.
+        "input_file_id": "",
+        "completion_window": batch.completion_window,
+        "status": batch.status,
+        "output_file_id": None,
+        "error_file_id": None,
+        "errors": None,
+        "created_at": ts(batch.created_at),
+        "in_progress_at": ts(batch.created_at),
+        "expires_at": ts(batch.deadline),
+        "finalizing_at": None,
+        "completed_at": ts(ended),
+        "failed_at": None,
+        "expired_at": ts(ended) if batch.status == "expired" else None,
+        "cancelling_at": ts(batch.cancel_requested_at),
+        "cancelled_at": ts(ended) if batch.status == "canceled" else None,
+        "request_counts": {**counts_of(per), "total": batch.request_count},
+        "metadata": None,
+        "deadline": isoformat(batch.deadline),
+        "min_discount": number(batch.min_discount),
+        "results_url": f"/v1/batches/{batch.id}/results",
+        "results_expire_at": isoformat(ended + RESULTS_KEPT) if ended else None,
+        "results_purged": batch.purged_at is not None,
+    }
+    if items is not None:
+        view["requests"] = [
+            {"custom_id": it.custom_id, "status": it.status}
+            | ({"reason": it.reason} if it.reason else {})
+            for it in items
+        ]
+    return view
+
+
+def _missing(batch_id: str) -> NotFound:
+    return NotFound(f"batch {batch_id} not found", param="batch_id")
+
+
+def file_batch(
+    conn: Connection, org_id: str, batch_id: str, key_id: str | None, lock: bool = False
+) -> fstore.BatchRow:
+    """The organisation's (or the key's own) file batch; 404 otherwise."""
+    row = fstore.get_batch(conn, org_id, batch_id, key_id=key_id, lock=lock)
+    if row is None:
+        raise _missing(batch_id)
+    return row
+
+
+def deferred_batch(
+    conn: Connection, principal: Principal, batch_id: str
+) -> dstore.DeferredBatchRow:
+    """The caller's deferred batch; 404 for another organisation's (or key's)."""
+    batch = dstore.get_batch(conn, principal.org_id, batch_id, key_id=principal.own_key)
+    if batch is None:
+        raise _missing(batch_id)
+    return batch
+
+
+def load_file_view(
+    conn: Connection, org_id: str, batch_id: str, *, key_id: str | None = None
+) -> dict[str, Any]:
+    row = file_batch(conn, org_id, batch_id, key_id)
+    return file_batch_view(row, fstore.totals(conn, [row.id])[row.id])
+
+
+def load_deferred_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
+    batch = deferred_batch(conn, principal, batch_id)
+    per = dstore.counts(conn, [batch.id])[batch.id]
+    return deferred_batch_view(batch, per, dstore.items_of(conn, batch.id))
+
+
+def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
+    """The caller's batch of either dialect; another organisation's (or key's) is 404."""
+    org, own = principal.org_id, principal.own_key
+    if fstore.get_batch(conn, org, batch_id, key_id=own) is not None:
+        return load_file_view(conn, org, batch_id, key_id=own)
+    return load_deferred_view(conn, principal, batch_id)
+
+
+async def is_file_batch(svc: Service, principal: Principal, batch_id: str) -> bool:
+    org, own = principal.org_id, principal.own_key
+    found = await svc.db.read(lambda c: fstore.get_batch(c, org, batch_id, key_id=own))
+    return found is not None
+
+
+async def list_views(
+    svc: Service, principal: Principal, *, after: str | None, limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """One page of the caller's batches of both dialects, newest first; and whether more follow."""
+
+    def load(conn: Connection) -> list[tuple[str, dict[str, Any]]]:
+        org, own = principal.org_id, principal.own_key
+        seed_rows = dstore.list_batches(conn, org, after=after, limit=limit + 1, key_id=own)
+        seed_counts = dstore.counts(conn, [b.id for b in seed_rows])
+        file_rows = fstore.list_batches(conn, org, after=after, limit=limit + 1, key_id=own)
+        file_totals = fstore.totals(conn, [b.id for b in file_rows])
+        views = [(b.id, deferred_batch_view(b, seed_counts[b.id], None)) for b in seed_rows]
+        views += [(b.id, file_batch_view(b, file_totals[b.id])) for b in file_rows]
+        return sorted(views, key=lambda v: v[0], reverse=True)
+
+    merged = await svc.db.read(load)
+    return [v for _, v in merged[:limit]], len(merged) > limit

@@ -15,92 +15,30 @@ from typing import Any
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
-from batchyard.core.clock import isoformat
 from batchyard.core.ids import new_id
 from batchyard.core.limits import Limit
 from batchyard.core.sealing import Sealer
 from batchyard.errors import InvalidState, NotFound, PendingLimitExceeded, RateLimited
 from batchyard.service import following
 from batchyard.service.batch_requests import WINDOWS, Submission
-from batchyard.service.batch_views import counts_of, number, ts
+from batchyard.service.batch_views import deferred_batch, load_deferred_view
 from batchyard.service.deployment import Service
 from batchyard.store import deferred_batches as store
 from batchyard.work.batch_key import result_aad
-from batchyard.work.deferred_batches.housekeeping import RESULTS_KEPT
 
 __all__ = [
     "MAX_PENDING",
     "SUBMISSIONS_PER_MINUTE",
     "cancel",
     "finished",
-    "load_view",
     "result_lines",
     "submit",
-    "view_of",
 ]
 
 log = logging.getLogger("batchyard.deferred_batches")
 
 MAX_PENDING = 200
 SUBMISSIONS_PER_MINUTE = 10
-
-
-def view_of(
-    batch: store.DeferredBatchRow, per: dict[str, int], items: list[store.ItemRow] | None
-) -> dict[str, Any]:
-    """A deferred batch as the one object both dialects share (``service.batch_views``)."""
-    ended = batch.completed_at
-    view: dict[str, Any] = {
-        "id": batch.id,
-        "object": "batch",
-        "dialect": "deferred",
-        "endpoint": "/v1/chat/completions",
-        # Its requests came inline; OpenAI's type needs a string here.
-        "input_file_id": "",
-        "completion_window": batch.completion_window,
-        "status": batch.status,
-        "output_file_id": None,
-        "error_file_id": None,
-        "errors": None,
-        "created_at": ts(batch.created_at),
-        "in_progress_at": ts(batch.created_at),
-        "expires_at": ts(batch.deadline),
-        "finalizing_at": None,
-        "completed_at": ts(ended),
-        "failed_at": None,
-        "expired_at": ts(ended) if batch.status == "expired" else None,
-        "cancelling_at": ts(batch.cancel_requested_at),
-        "cancelled_at": ts(ended) if batch.status == "canceled" else None,
-        "request_counts": {**counts_of(per), "total": batch.request_count},
-        "metadata": None,
-        "deadline": isoformat(batch.deadline),
-        "min_discount": number(batch.min_discount),
-        "results_url": f"/v1/batches/{batch.id}/results",
-        "results_expire_at": (
-            isoformat(batch.completed_at + RESULTS_KEPT) if batch.completed_at else None
-        ),
-        "results_purged": batch.purged_at is not None,
-    }
-    if items is not None:
-        view["requests"] = [
-            {"custom_id": it.custom_id, "status": it.status}
-            | ({"reason": it.reason} if it.reason else {})
-            for it in items
-        ]
-    return view
-
-
-def _batch(conn: Connection, principal: Principal, batch_id: str) -> store.DeferredBatchRow:
-    batch = store.get_batch(conn, principal.org_id, batch_id, key_id=principal.own_key)
-    if batch is None:
-        raise NotFound(f"batch {batch_id} not found", param="batch_id")
-    return batch
-
-
-def load_view(conn: Connection, principal: Principal, batch_id: str) -> dict[str, Any]:
-    batch = _batch(conn, principal, batch_id)
-    per = store.counts(conn, [batch.id])[batch.id]
-    return view_of(batch, per, store.items_of(conn, batch.id))
 
 
 async def _check_rate(svc: Service, principal: Principal) -> None:
@@ -153,7 +91,7 @@ async def submit(svc: Service, principal: Principal, sub: Submission) -> dict[st
             deadline=now + WINDOWS[sub.window],
             items=items,
         )
-        return load_view(conn, principal, batch_id)
+        return load_deferred_view(conn, principal, batch_id)
 
     view = await svc.db.transact(tx)
     log.info(
@@ -174,7 +112,7 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
     now = svc.clock.now()
 
     def tx(conn: Connection) -> dict[str, Any]:
-        batch = _batch(conn, principal, batch_id)
+        batch = deferred_batch(conn, principal, batch_id)
         if batch.status in ("completed", "expired"):
             raise InvalidState(f"batch {batch_id} is already {batch.status}; nothing to cancel")
         stopped = store.cancel_batch(conn, batch.id, now)
@@ -182,14 +120,14 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
             "batch canceled",
             extra={"event": "batch_canceled", "batch_id": batch.id, "stopped": stopped},
         )
-        return load_view(conn, principal, batch.id)
+        return load_deferred_view(conn, principal, batch.id)
 
     return await svc.db.transact(tx)
 
 
 def _readable(conn: Connection, principal: Principal, batch_id: str) -> store.DeferredBatchRow:
     """The caller's batch whose results are still kept; 404, or 410 once purged."""
-    batch = _batch(conn, principal, batch_id)
+    batch = deferred_batch(conn, principal, batch_id)
     if batch.purged_at is not None:
         raise NotFound(
             f"the results of batch {batch_id} were deleted 24 hours after it completed; "

@@ -36,7 +36,7 @@ from batchyard.errors import (
 )
 from batchyard.service import following
 from batchyard.service.batch_requests import WINDOWS
-from batchyard.service.batch_views import file_batch_view, openai_status
+from batchyard.service.batch_views import file_batch, load_file_view, openai_status
 from batchyard.service.deployment import Service
 from batchyard.store import billing, webhook_deliveries
 from batchyard.store import file_batches as store
@@ -53,7 +53,6 @@ __all__ = [
     "cancel",
     "create",
     "finished",
-    "load_view",
     "parse_create",
     "retry",
 ]
@@ -242,7 +241,7 @@ async def create(
             )
             store.create_batch(conn, ended)
             webhook_deliveries.batch_ended(conn, batch_id, now)
-            return load_view(conn, principal.org_id, batch_id)
+            return load_file_view(conn, principal.org_id, batch_id)
 
         if invalid:
             # OpenAI's order: the file uploaded, the batch fails its validation, naming
@@ -283,7 +282,7 @@ async def create(
                 code="already_retried",
             )
         store.create_batch(conn, dataclasses.replace(row, retry_of=retry_of, reservation_id=res.id))
-        return load_view(conn, principal.org_id, batch_id)
+        return load_file_view(conn, principal.org_id, batch_id)
 
     view = await svc.db.transact(tx)
     log.info(
@@ -297,22 +296,6 @@ async def create(
         },
     )
     return view
-
-
-def _batch(
-    conn: Connection, org_id: str, batch_id: str, key_id: str | None, lock: bool = False
-) -> store.BatchRow:
-    row = store.get_batch(conn, org_id, batch_id, key_id=key_id, lock=lock)
-    if row is None:
-        raise NotFound(f"batch {batch_id} not found", param="batch_id")
-    return row
-
-
-def load_view(
-    conn: Connection, org_id: str, batch_id: str, *, key_id: str | None = None
-) -> dict[str, Any]:
-    row = _batch(conn, org_id, batch_id, key_id)
-    return file_batch_view(row, store.totals(conn, [row.id])[row.id])
 
 
 async def finished(
@@ -329,7 +312,7 @@ async def finished(
     sealer = svc.batch_key.require()
 
     def read(conn: Connection) -> dict[str, Any]:
-        row = _batch(conn, principal.org_id, batch_id, principal.own_key)
+        row = file_batch(conn, principal.org_id, batch_id, principal.own_key)
         items = following.file_batch_items(
             conn, sealer, row.id, after=after, limit=limit, render=render
         )
@@ -357,7 +340,7 @@ async def retry(svc: Service, principal: Principal, batch_id: str) -> dict[str, 
     file_id = new_id("file", now)
 
     def copy(conn: Connection) -> tuple[store.BatchRow, int, list[str], int]:
-        row = _batch(conn, principal.org_id, batch_id, principal.own_key)
+        row = file_batch(conn, principal.org_id, batch_id, principal.own_key)
         if row.status not in ENDED:
             raise InvalidState(
                 f"batch {batch_id} is still {openai_status(row.status)}; retry it once it ends",
@@ -425,7 +408,7 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
     now = svc.clock.now()
 
     def tx(conn: Connection) -> dict[str, Any]:
-        row = _batch(conn, principal.org_id, batch_id, principal.own_key, lock=True)
+        row = file_batch(conn, principal.org_id, batch_id, principal.own_key, lock=True)
         if row.status in (*ENDED, "finalizing"):
             raise InvalidState(
                 f"batch {batch_id} is already {openai_status(row.status)}; nothing to cancel",
@@ -433,7 +416,7 @@ async def cancel(svc: Service, principal: Principal, batch_id: str) -> dict[str,
             )
         if row.status != "canceling":
             store.set_status(conn, row.id, "canceling", expect=("in_progress",), cancelling_at=now)
-        return load_view(conn, principal.org_id, batch_id)
+        return load_file_view(conn, principal.org_id, batch_id)
 
     view = await svc.db.transact(tx)
     log.info("file batch canceling", extra={"event": "file_batch_cancel", "batch_id": batch_id})

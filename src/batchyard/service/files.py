@@ -9,14 +9,15 @@ batch made from the file fails naming it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from sqlalchemy import Connection
 
@@ -29,6 +30,7 @@ from batchyard.errors import BatchyardError, Conflict, InvalidRequest, NotFound,
 from batchyard.service.batch_views import ts
 from batchyard.service.deployment import Service
 from batchyard.service.openai_requests import Rules, validate_line
+from batchyard.service.uploads import Upload
 from batchyard.store import file_batches as batch_store
 from batchyard.store import files as store
 from batchyard.store.file_batches import out_aad
@@ -39,19 +41,26 @@ __all__ = [
     "content",
     "delete",
     "file_view",
+    "first",
     "get",
     "ingest",
+    "ingest_upload",
     "list_views",
+    "pages",
     "rules_of",
     "settings_of",
 ]
 
 log = logging.getLogger("batchyard.files")
 
+T = TypeVar("T")
+
 #: What a caller may upload; ``batch_output`` files are batchyard's own.
 PURPOSES = ("batch",)
 #: Lines written per transaction while an upload is taken in.
 WRITE_BATCH = 500
+#: Lines read per page of a file's content.
+PAGE = 1000
 _LINE_KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -312,6 +321,28 @@ def ingest(
     return file_view(row)
 
 
+async def ingest_upload(
+    svc: Service,
+    principal: Principal,
+    upload: Upload,
+    *,
+    purpose: str,
+    expires_after_s: int | None = None,
+) -> dict[str, Any]:
+    """A multipart upload's file part taken in (``ingest``, on a thread), by either door."""
+    if upload.file is None:
+        raise InvalidRequest("the upload has no file part", param="file")
+    return await asyncio.to_thread(
+        ingest,
+        svc,
+        principal,
+        upload.file,
+        filename=(upload.filename or "upload.jsonl")[:255],
+        purpose=purpose,
+        expires_after_s=expires_after_s,
+    )
+
+
 def _as_sent(model: str, body: bytes) -> bytes:
     """A stored line as it was uploaded (an invalid line keeps it beside its error)."""
     if model != store.INVALID_LINE:
@@ -381,41 +412,47 @@ async def delete(svc: Service, principal: Principal, file_id: str) -> dict[str, 
     return {"id": file_id, "object": "file", "deleted": True}
 
 
+def first(numbered: tuple[int, bytes]) -> int:
+    """The number of a ``(number, sealed)`` line."""
+    return numbered[0]
+
+
+def pages(
+    svc: Service,
+    read: Callable[..., Sequence[T]],
+    number: Callable[[T], int],
+    text: Callable[[Sequence[T]], bytes],
+) -> AsyncIterator[bytes]:
+    """Stored lines as bytes, page by page: ``read(conn, after=...)`` gives the lines after the
+    last one's ``number``, and each page's ``text`` (opening sealed lines: CPU work) is made
+    off the event loop."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        after = 0
+        while page := await svc.db.read(partial(read, after=after)):
+            yield await asyncio.to_thread(text, page)
+            after = number(page[-1])
+
+    return stream()
+
+
 async def content(svc: Service, principal: Principal, file_id: str) -> AsyncIterator[bytes]:
     """The file's lines in order; errors are raised before the first byte."""
     sealer = svc.batch_key.require()
     row = await svc.db.read(lambda c: _visible(c, principal, file_id))
-    page = 1000
+    if row.batch_id is None:
 
-    async def input_lines() -> AsyncIterator[bytes]:
-        after = 0
-        while True:
-            got = await svc.db.read(
-                partial(store.read_lines, file_id=row.id, after=after, limit=page)
-            )
-            if not got:
-                return
-            opened = [(ln.model, sealer.open(ln.body, line_aad(row.id, ln.line))) for ln in got]
-            yield b"".join(_as_sent(model, body) for model, body in opened)
-            after = got[-1].line
+        def sent(lines: Sequence[store.LineRow]) -> bytes:
+            opened = ((ln.model, sealer.open(ln.body, line_aad(row.id, ln.line))) for ln in lines)
+            return b"".join(_as_sent(model, body) for model, body in opened)
 
-    async def output_lines() -> AsyncIterator[bytes]:
-        assert row.batch_id is not None
-        after = 0
-        errors = row.kind == "error"
-        while True:
-            got = await svc.db.read(
-                partial(
-                    batch_store.output_lines,
-                    batch_id=str(row.batch_id),
-                    errors=errors,
-                    after=after,
-                    limit=page,
-                )
-            )
-            if not got:
-                return
-            yield b"".join(sealer.open(out, out_aad(str(row.batch_id), n)) for n, out in got)
-            after = got[-1][0]
+        read = partial(store.read_lines, file_id=row.id, limit=PAGE)
+        return pages(svc, read, lambda ln: ln.line, sent)
+    batch_id = row.batch_id
 
-    return output_lines() if row.batch_id else input_lines()
+    def opened(got: Sequence[tuple[int, bytes]]) -> bytes:
+        return b"".join(sealer.open(out, out_aad(batch_id, n)) for n, out in got)
+
+    errors = row.kind == "error"
+    out = partial(batch_store.output_lines, batch_id=batch_id, errors=errors, limit=PAGE)
+    return pages(svc, out, first, opened)

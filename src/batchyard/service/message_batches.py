@@ -9,24 +9,24 @@ object, its paging, and each result line as ``{custom_id, result}``.
 from __future__ import annotations
 
 import asyncio
-import functools
-import heapq
 import io
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Sequence
 from decimal import Decimal
+from functools import partial
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest, batch_counts
 from batchyard.core.clock import isoformat
-from batchyard.core.inputs import Coded, strict
+from batchyard.core.inputs import Coded, Shape, strict
 from batchyard.errors import BatchyardError, InsufficientCredit, InvalidState, NotFound
 from batchyard.service import file_batches, files
+from batchyard.service.batch_requests import CUSTOM_ID
 from batchyard.service.deployment import Service
 from batchyard.service.file_batches import PERCENT
 from batchyard.service.openai_requests import MESSAGES
@@ -43,14 +43,11 @@ __all__ = [
     "retry",
 ]
 
-_CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _ENDED = file_batches.ENDED
 
 
-class MessageBatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    custom_id: str = Field(pattern=_CUSTOM_ID.pattern)
+class MessageBatchRequest(Shape):
+    custom_id: str = Field(pattern=CUSTOM_ID.pattern)
     params: MessagesRequest
 
 
@@ -60,10 +57,8 @@ _Percent = Annotated[
 ]
 
 
-class MessageBatchBody(BaseModel):
+class MessageBatchBody(Shape):
     """``POST /v1/messages/batches``: Anthropic's requests, and batchyard's ``min_discount``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     requests: list[MessageBatchRequest] = Field(min_length=1, max_length=100_000)
     min_discount: _Percent | None = None
@@ -76,9 +71,13 @@ def _jsonl(raw: dict[str, Any]) -> tuple[bytes, Decimal | None]:
     for item in raw["requests"]:
         line = {"custom_id": item["custom_id"], "method": "POST", "url": MESSAGES}
         line["body"] = item["params"]
-        out.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+        out.write(_jsonl_line(line))
     given = body.min_discount
     return out.getvalue(), None if given is None else Decimal(str(given))
+
+
+def _jsonl_line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
 
 def _as_request_error(exc: BatchyardError) -> BatchyardError:
@@ -281,33 +280,9 @@ async def results(svc: Service, principal: Principal, batch_id: str) -> AsyncIte
             code="results_not_ready",
         )
 
-    def half(errors: bool) -> Iterator[tuple[int, bytes]]:
-        after = 0
-        while True:
-            page = svc.db.read_sync(
-                functools.partial(
-                    store.output_lines, batch_id=batch_id, errors=errors, after=after, limit=500
-                )
-            )
-            if not page:
-                return
-            yield from page
-            after = page[-1][0]
+    def text(page: Sequence[tuple[int, bytes]]) -> bytes:
+        stored = (json.loads(sealer.open(s, store.out_aad(batch_id, n))) for n, s in page)
+        return b"".join(_jsonl_line(_result(line)) for line in stored)
 
-    def lines() -> Iterator[bytes]:
-        for line, sealed in heapq.merge(half(False), half(True)):
-            stored = json.loads(sealer.open(sealed, store.out_aad(batch_id, line)))
-            text = json.dumps(_result(stored), ensure_ascii=False, separators=(",", ":"))
-            yield text.encode() + b"\n"
-
-    async def stream() -> AsyncIterator[bytes]:
-        it = lines()
-        while True:
-            chunk = await asyncio.to_thread(
-                lambda: [b for _, b in zip(range(200), it, strict=False)]
-            )
-            if not chunk:
-                return
-            yield b"".join(chunk)
-
-    return stream()
+    read = partial(store.output_lines, batch_id=batch_id, errors=None, limit=500)
+    return files.pages(svc, read, files.first, text)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Annotated, Any, Literal
 
 from batchyard.core import privacy
 from batchyard.core.anthropic_bodies import parse_messages, translate
 from batchyard.core.catalog import ModelSpec
+from batchyard.core.inputs import Coded, Shape, strict
 from batchyard.core.openai_bodies import parse_chat, parse_completion, parse_embedding
 from batchyard.engines.token_ids import as_texts
 from batchyard.errors import InvalidRequest
@@ -29,6 +28,7 @@ __all__ = [
     "MESSAGES",
     "VALIDATORS",
     "CheckedBody",
+    "PrivacyBody",
     "Rules",
     "private_messages",
     "validate_line",
@@ -56,10 +56,10 @@ class CheckedBody:
     redactions: int
 
 
-class _Privacy(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class PrivacyBody(Shape):
+    """batchyard's ``privacy`` field of a request it keeps (a batch line, a deferred request)."""
 
-    mode: Literal["off", "redact", "reject"] = "off"
+    mode: Annotated[Literal["off", "redact", "reject"], Coded("invalid_privacy_mode")] = "off"
 
 
 #: OpenAI fields the wire accepts that a batch line may not carry, and why.
@@ -87,13 +87,7 @@ def _split(body: dict[str, Any], rules: Rules) -> tuple[dict[str, Any], privacy.
     raw = rest.pop("privacy", None)
     if raw is None:
         return rest, rules.privacy_default
-    try:
-        given = _Privacy.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(["privacy", *(str(p) for p in first.get("loc", ()))])
-        raise InvalidRequest(f"{loc}: {first.get('msg')}", param=loc) from None
-    return rest, privacy.PrivacyMode(given.mode)
+    return rest, privacy.PrivacyMode(strict(PrivacyBody, raw, prefix="privacy").mode)
 
 
 def _batchable(body: dict[str, Any]) -> None:

@@ -142,17 +142,21 @@ class Preparer:
         *,
         param: str,
         where: str = "",
+        at: str = "",
     ) -> Prepared:
-        """Checked against the model's output limit and window, once per prompt, and quoted."""
+        """Checked against the model's output limit and window, once per prompt, and quoted.
+
+        ``where`` starts the messages (``"requests[3]: "``), ``at`` the fields' names
+        (``"requests[3].body."``) of a request inside a batch."""
         if max_tokens > model.max_output_tokens:
             raise InvalidRequest(
                 f"{where}max_tokens can be at most {model.max_output_tokens} for {model.id}",
-                param="max_tokens",
+                param=f"{at}max_tokens",
                 code="max_tokens_out_of_range",
             )
         for i, count in enumerate(counts):
-            at = param if len(counts) == 1 else f"{param}.{i}"
-            check_context(model, count, max_tokens, param=at, where=where)
+            field = at + param if len(counts) == 1 else f"{at}{param}.{i}"
+            check_context(model, count, max_tokens, param=field, where=where)
         hold = quote(model, sum(counts), max_tokens, n * len(counts))
         name = self.catalog.engine_name(model.id, route)
         return Prepared(model, route, name, max_tokens, n, tuple(counts), direct_price(model), hold)
@@ -183,13 +187,13 @@ class Preparer:
         *,
         org_id: str | None,
         where: str = "",
-        param: str = "messages",
+        at: str = "",
     ) -> Prepared:
         """A deferred batch's request: a chat, with its spec's default ``max_tokens``."""
         model, route = self.resolve(model_id, org_id=org_id)
         mt = self._max_tokens(max_tokens, DEFERRED_MAX_TOKENS, model)
         count = self.count_chat(model, messages)
-        return self._prepared(model, route, [count], mt, 1, param=param, where=where)
+        return self._prepared(model, route, [count], mt, 1, param="messages", where=where, at=at)
 
     def messages(self, body: Translated, *, org_id: str | None, stream: bool = False) -> Prepared:
         """Anthropic's Messages (translated): the door's and a Message Batch request's."""

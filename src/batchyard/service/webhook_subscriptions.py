@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection
@@ -17,14 +18,13 @@ from sqlalchemy import Connection
 from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.sections import WebhookSettings
-from batchyard.core.webhook_rules import EVENTS, address_allowed, new_secret, parse_target
+from batchyard.core.webhook_rules import address_allowed, new_secret, parse_target
 from batchyard.errors import InvalidRequest, NotFound
 from batchyard.service.deployment import Service
 from batchyard.store import webhook_deliveries, webhook_endpoints
 from batchyard.store.webhook_endpoints import Endpoint
 
 __all__ = [
-    "check_events",
     "create",
     "delete",
     "endpoint_view",
@@ -35,7 +35,6 @@ __all__ = [
 
 #: The most endpoints one organisation may have.
 MAX_ENDPOINTS = 20
-_MAX_DESCRIPTION = 500
 
 
 def endpoint_view(e: Endpoint, secret: str | None = None) -> dict[str, Any]:
@@ -52,36 +51,6 @@ def endpoint_view(e: Endpoint, secret: str | None = None) -> dict[str, Any]:
     if secret is not None:
         view["secret"] = secret
     return view
-
-
-def check_events(events: Any) -> list[str]:
-    """A non-empty list of known event names, each once."""
-    if not isinstance(events, list) or not events:
-        raise InvalidRequest(
-            f"events must be a non-empty list of event names ({', '.join(EVENTS)})", param="events"
-        )
-    seen: list[str] = []
-    for i, name in enumerate(events):
-        if not isinstance(name, str) or name not in EVENTS:
-            raise InvalidRequest(
-                f"events[{i}] is not an event this server sends; use {', '.join(EVENTS)}",
-                param=f"events[{i}]",
-                code="unknown_webhook_event",
-            )
-        if name not in seen:
-            seen.append(name)
-    return seen
-
-
-def _description(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or len(value) > _MAX_DESCRIPTION:
-        raise InvalidRequest(
-            f"description must be a string of at most {_MAX_DESCRIPTION} characters",
-            param="description",
-        )
-    return value
 
 
 async def check_url(url: Any, settings: WebhookSettings) -> str:
@@ -111,11 +80,15 @@ async def check_url(url: Any, settings: WebhookSettings) -> str:
 
 
 async def create(
-    svc: Service, principal: Principal, url: str, events: Any, description: Any
+    svc: Service, principal: Principal, url: str, events: Sequence[str], description: str | None
 ) -> dict[str, Any]:
-    """Register an endpoint; its view with the secret, shown this once."""
-    checked = check_events(events)
-    text = _description(description)
+    """Register an endpoint; its view with the secret, shown this once.
+
+    ``events`` and ``description`` are the checked body's (``api.bodies.WebhookEndpointBody``:
+    known event names, a short text); what only a resolver can say about the URL is checked
+    here, where it is checked again at every delivery.
+    """
+    checked = list(dict.fromkeys(events))  # each once, in the order given
     url = await check_url(url, svc.webhooks.settings)
     secret = new_secret()
     now = svc.clock.now()
@@ -129,7 +102,7 @@ async def create(
                 code="too_many_webhook_endpoints",
             )
         return webhook_endpoints.create_endpoint(
-            c, principal.org_id, url, checked, text, secret, now
+            c, principal.org_id, url, checked, description, secret, now
         )
 
     endpoint = await svc.db.transact(tx)

@@ -640,17 +640,17 @@ def end_lines(
 
 
 def output_lines(
-    conn: Connection, batch_id: str, *, errors: bool, after: int, limit: int
+    conn: Connection, batch_id: str, *, errors: bool | None, after: int, limit: int
 ) -> list[tuple[int, bytes]]:
-    """``(line, sealed file line)`` of one half of the results, by input line."""
+    """``(line, sealed file line)`` of one half of the results (both: ``errors`` None), by
+    input line."""
     fbl = file_batch_lines
-    which = fbl.c.state != "succeeded" if errors else fbl.c.state == "succeeded"
-    rows = conn.execute(
-        select(fbl.c.line, fbl.c.out)
-        .where(fbl.c.batch_id == batch_id, which, fbl.c.out.is_not(None), fbl.c.line > after)
-        .order_by(fbl.c.line)
-        .limit(limit)
-    ).all()
+    query = select(fbl.c.line, fbl.c.out).where(
+        fbl.c.batch_id == batch_id, fbl.c.out.is_not(None), fbl.c.line > after
+    )
+    if errors is not None:
+        query = query.where(fbl.c.state != "succeeded" if errors else fbl.c.state == "succeeded")
+    rows = conn.execute(query.order_by(fbl.c.line).limit(limit)).all()
     return [(r[0], bytes(r[1])) for r in rows]
 
 

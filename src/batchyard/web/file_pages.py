@@ -11,7 +11,6 @@ the API would not: the pages call the same service functions.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -23,7 +22,7 @@ from batchyard.core.accounts import Principal
 from batchyard.core.ids import is_id
 from batchyard.errors import BatchyardError, InvalidRequest, NotFound
 from batchyard.service import file_batches, files, service_of
-from batchyard.service.batch_views import openai_status
+from batchyard.service.batch_views import load_file_view, openai_status
 from batchyard.service.openai_requests import ENDPOINTS
 from batchyard.service.uploads import read_multipart
 from batchyard.store import file_batches as fstore
@@ -89,14 +88,7 @@ async def upload_and_create(request: Request) -> Response:
             return forbidden("the form did not carry this session's token; reload and retry")
         if upload.file is None or upload.size == 0:
             raise InvalidRequest("choose a JSONL file to upload", param="file")
-        view = await asyncio.to_thread(
-            files.ingest,
-            svc,
-            principal,
-            upload.file,
-            filename=(upload.filename or "upload.jsonl")[:255],
-            purpose="batch",
-        )
+        view = await files.ingest_upload(svc, principal, upload, purpose="batch")
         body: dict[str, Any] = {
             "input_file_id": view["id"],
             # No valid line names one: the batch fails, listing every line's error.
@@ -138,7 +130,7 @@ async def _batch_page(
     def load(c: Connection) -> tuple[dict[str, Any], list[Any]] | None:
         if fstore.get_batch(c, principal.org_id, batch_id, key_id=own) is None:
             return None
-        view = file_batches.load_view(c, principal.org_id, batch_id, key_id=own)
+        view = load_file_view(c, principal.org_id, batch_id, key_id=own)
         return view, fstore.page_lines(c, batch_id, after=after, limit=LINES_PER_PAGE)
 
     # An ID that can name nothing is not looked up (a NUL would trouble PostgreSQL).

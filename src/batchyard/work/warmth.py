@@ -209,7 +209,14 @@ class Warmth:
         """Wait for ``task`` at most ``wait_s`` of clock time; whether it finished."""
         if task.done():
             return True
-        sleeper = asyncio.ensure_future(self.clock.sleep(wait_s))
+        # The budget runs from this call, not from the sleeper's first turn: on a
+        # busy loop that turn can come after the clock has already moved.
+        deadline = self.clock.time() + wait_s
+
+        async def until_deadline() -> None:
+            await self.clock.sleep(deadline - self.clock.time())
+
+        sleeper = asyncio.ensure_future(until_deadline())
         try:
             await asyncio.wait({task, sleeper}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -35,7 +35,7 @@ from sqlalchemy import func, select
 import batchyard.store.deferred_batches
 import batchyard.store.market_history
 import batchyard.store.work_items  # noqa: F401
-from batchyard.api.bodies import DecideBody, KeepWarmBody, ProjectBody, RowPatchBody, RunBody
+from batchyard.api.bodies import DecideBody, KeepWarmBody, ProjectBody, RowPatchBody
 from batchyard.core.clock import ManualClock
 from batchyard.core.ids import new_id
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
@@ -43,6 +43,7 @@ from batchyard.core.sealing import generate_key, key_text
 from batchyard.engines.scripted import ScriptedEngine
 from batchyard.service import Service
 from batchyard.service.batch_requests import BatchBody
+from batchyard.service.runs import RunBody
 from batchyard.store import ledger
 from batchyard.store.tables import metadata
 from tests.support.accounts import Account, make_account

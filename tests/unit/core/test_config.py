@@ -148,6 +148,16 @@ def test_sections_are_read_into_the_parts_settings(tmp_path):
     assert s.catalog.models["kettei-core"].context_window == 999
 
 
+def test_a_model_on_the_embedded_engine_gets_the_engines_window_at_most(tmp_path):
+    """The one preparation checks the catalog's window: it is never wider than the engine's."""
+    s = load_settings(database_url="sqlite://", embedded_n_ctx=512)
+    assert s.catalog.models["kettei-core"].context_window == 512
+    assert s.catalog.models["kettei-fat"].context_window == 131072  # no embedded route
+    cfg = _file(tmp_path, "models:\n  - {id: kettei-core, context_window: 999}\n")
+    wide = load_settings(config_file=cfg, database_url="sqlite://", embedded_n_ctx=4096)
+    assert wide.catalog.models["kettei-core"].context_window == 999
+
+
 def test_a_section_with_nothing_under_it_is_the_defaults(tmp_path):
     cfg = _file(tmp_path, "runs:\nwebhooks:\nmodels:\ntiers:\n")
     s = load_settings(config_file=cfg, database_url="sqlite://")

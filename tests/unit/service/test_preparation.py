@@ -104,6 +104,22 @@ def test_a_batch_line_is_prepared_exactly_as_the_door_prepares_its_body(
     assert batched.input_tokens == asked.input_tokens > preparer.count_chat(asked.model, ASK)
 
 
+@pytest.mark.parametrize(
+    ("given", "code"),
+    [({"mode": "maybe"}, "invalid_privacy_mode"), ("redact", "invalid_type"), ({"x": 1}, None)],
+)
+def test_a_batch_lines_privacy_is_the_deferred_requests_shape(
+    preparer: Preparer, given: Any, code: str | None
+) -> None:
+    body = {"model": "kettei-core", "messages": ASK, "privacy": given}
+    with pytest.raises(InvalidRequest) as refused:
+        validate_line(CHAT, body, Rules(preparer))
+    assert refused.value.code == (code or "unknown_field")
+    assert refused.value.param is not None and refused.value.param.startswith("privacy")
+    kept = validate_line(CHAT, {**body, "privacy": {}}, Rules(preparer))  # {} is off
+    assert (kept.redactions, "privacy" in kept.body) == (0, False)
+
+
 def test_the_window_and_the_output_limit_are_checked_once_here(preparer: Preparer) -> None:
     with pytest.raises(InvalidRequest) as too_long:
         preparer.chat(chat(max_tokens=5000), org_id=None)
@@ -120,6 +136,22 @@ def test_the_window_and_the_output_limit_are_checked_once_here(preparer: Prepare
     emb = parse_embedding({"model": "kettei-core", "input": texts})
     with pytest.raises(ContextWindowExceeded):
         preparer.embeddings(emb, texts, org_id=None)
+
+
+def test_a_prompt_over_the_embedded_engines_window_is_refused_here_not_by_the_engine(
+    tokenizers: Tokenizers,
+) -> None:
+    """With ``embedded_n_ctx`` below the catalog's window, the preparation holds the engine's."""
+    narrow = Preparer(default_catalog().embedded_within(512), tokenizers, chat_max_tokens=256)
+    long = [{"role": "user", "content": "word " * 600}]
+    assert preparer_fits(Preparer(default_catalog(), tokenizers), long)
+    with pytest.raises(ContextWindowExceeded) as over:
+        narrow.chat(chat(messages=long, max_tokens=8), org_id=None)
+    assert "512-token context window" in over.value.message
+
+
+def preparer_fits(preparer: Preparer, messages: list[dict[str, Any]]) -> bool:
+    return preparer.chat(chat(messages=messages, max_tokens=8), org_id=None).input_tokens > 512
 
 
 def test_what_the_route_cannot_serve_is_refused_naming_the_field_that_asked(
