@@ -192,7 +192,7 @@ async def main() -> None:
                     for label, value in order:
                         await switch(eng, field, value)
                         got[label] = await measure(eng, w, inputs, args.quick)
-                    await switch(eng, field, on if m != "score_with_prompt" else off)
+                    await switch(eng, field, on)
                     ratios[(m, w)].append(got["on"] / got["off"])
                     print(
                         f"round {r + 1} {m:20} {w:7} on {got['on']:7.2f} off {got['off']:7.2f}"

@@ -84,6 +84,17 @@ async def test_candidates_tokenize_as_they_would_after_the_whole_prompt(
     candidates = ["Paris", " Paris", "paris: yes", "Ünïcödé ✓", "<|im_end|>", "a\nb"]
     whole = [tokenize((text + c).encode("utf-8"), False, True)[len(prompt) :] for c in candidates]
     assert candidate_tokens(model, text, prompt, candidates, turn_end=False) == whole
+    # Kept per turn opening and candidates: another prompt's text gives the same tokens,
+    # and what the caller does to the answer does not reach what is kept.
+    other = model.prompt_text([{"role": "user", "content": "Something else entirely."}])
+    other_prompt = tokenize(other.encode("utf-8"), False, True)
+    got = candidate_tokens(model, other, other_prompt, candidates, turn_end=False)
+    assert got == whole
+    got[0].append(7)
+    assert candidate_tokens(model, other, other_prompt, candidates, turn_end=False) == whole
+    assert candidate_tokens(model, text, prompt, candidates, turn_end=True) == [
+        [*w, model.turn_end] for w in whole
+    ]
 
 
 async def test_json_schema_constrains_the_output(engine: LlamaCppEngine) -> None:

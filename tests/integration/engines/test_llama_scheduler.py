@@ -163,7 +163,8 @@ async def test_a_decision_sets_later_texts_copy_its_opening() -> None:
 
     Every idle cell widens what each step attends over, so a text's own words
     leave the cache when the next text is admitted; asked again, a text comes
-    back whole from the shelf, its last row with it, and scores as before.
+    back whole from the shelf, its last row and its answer with it, and scores as
+    before, though its candidates were first read beside its prompt's last chunk.
     """
     eng = LlamaCppEngine(default_model_path(), n_ctx=512, slots=4)
     await eng.load()
@@ -189,9 +190,9 @@ async def test_a_decision_sets_later_texts_copy_its_opening() -> None:
         # A later text, asked again, comes back whole too, and its scores are the same.
         again_second, a2 = await eng.score("smollm2", scored(sad), candidates)
         assert a2.cached_input_tokens == a2.input_tokens
-        # Read alone each time, its trie in a step of its own: the same scores.
-        assert again_first == pytest.approx(first, abs=1e-4)
-        assert again_second == pytest.approx(second, abs=1e-4)
+        # Each came back with the answer kept beside its prompt: the same scores.
+        assert again_first == first
+        assert again_second == second
     finally:
         await eng.aclose()
 

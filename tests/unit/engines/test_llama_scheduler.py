@@ -425,8 +425,8 @@ def test_stopping_a_job_that_ended_changes_nothing() -> None:
 CANDIDATES = [[5, 6, 7], [5, 6, 8], [5, 9], [10]]
 
 
-def test_candidates_can_be_scored_beside_the_prompts_last_chunk() -> None:
-    sched, ctx = make(score_with_prompt=True)
+def test_candidates_are_scored_beside_the_prompts_last_chunk() -> None:
+    sched, ctx = make()
     p = prompt(40, 12)
     r = scoring(p, CANDIDATES)
     run_all(sched, r)
@@ -436,8 +436,34 @@ def test_candidates_can_be_scored_beside_the_prompts_last_chunk() -> None:
     assert r.done == Done(12, 0)
 
 
-def test_candidates_are_scored_in_a_step_of_their_own() -> None:
-    sched, ctx = make()
+def test_a_long_prompts_trie_goes_beside_its_last_chunk_only() -> None:
+    sched, ctx = make(prefill=16)
+    p = prompt(44, 40)
+    r = scoring(p, CANDIDATES)
+    run_all(sched, r)
+    assert r.scores == pytest.approx([score(p, c) for c in CANDIDATES], abs=1e-5)
+    assert [len(b) for b in ctx.decoded] == [16, 16, 8 + 2]
+
+
+def test_a_trie_the_step_has_no_room_for_goes_in_the_next() -> None:
+    conts = [[1, 2, 3, 4], [1, 2, 3, 5], [6, 7, 8], [6, 7, 9]]  # nodes: 1, 1 2, 1 2 3, 6, 6 7
+    p = prompt(45, 30)
+    sched, ctx = make(prefill=16, slots=1)
+    r = scoring(p, conts)
+    run_all(sched, r)
+    assert r.scores == pytest.approx([score(p, c) for c in conts], abs=1e-5)
+    assert [len(b) for b in ctx.decoded] == [16, 14 + 5]
+    # A step of 16 tokens: the last chunk's 14 leave no room for the five nodes.
+    sched, ctx = make(prefill=16, slots=1)
+    ctx.capacity = 16
+    r = scoring(p, conts)
+    run_all(sched, r)
+    assert r.scores == pytest.approx([score(p, c) for c in conts], abs=1e-5)
+    assert [len(b) for b in ctx.decoded] == [16, 14, 5]
+
+
+def test_candidates_can_be_scored_in_a_step_of_their_own() -> None:
+    sched, ctx = make(score_with_prompt=False)
     p = prompt(41, 12)
     r = scoring(p, CANDIDATES)
     run_all(sched, r)
@@ -455,6 +481,27 @@ def test_a_scoring_prompt_the_cache_holds_whole_costs_no_decode() -> None:
     assert len(ctx.decoded) == before
     assert again.done == Done(12, 12)
     assert again.scores == pytest.approx([score(p, [t]) for t in (3, 4, 9)], abs=1e-5)
+
+
+def test_a_text_asked_again_gets_its_kept_answer_with_no_decode() -> None:
+    sched, ctx = make()
+    p = prompt(46, 12)
+    first = scoring(p, CANDIDATES)
+    run_all(sched, first)
+    before = len(ctx.decoded)
+    # The same candidates: the answer kept with the prompt, to the last digit.
+    again = scoring(p, CANDIDATES)
+    run_all(sched, again)
+    assert len(ctx.decoded) == before
+    assert again.done == Done(12, 12)
+    assert again.scores == first.scores
+    # Other candidates: the kept row, and their own trie in a step of its own.
+    other = scoring(p, [[5, 6, 9], [10, 2]])
+    run_all(sched, other)
+    assert [len(b) for b in ctx.decoded[before:]] == [3]
+    assert other.scores == pytest.approx([score(p, c) for c in ([5, 6, 9], [10, 2])], abs=1e-5)
+    assert other.done == Done(12, 12)
+    assert not sched.busy and ctx.samplers == 0
 
 
 def test_a_decision_sets_later_texts_copy_its_opening_and_shelve_their_own_words() -> None:

@@ -25,7 +25,16 @@ from typing import Any
 from batchyard.engines.llama.context import Adapter, Context
 from batchyard.engines.llama.jobs import Job
 
-__all__ = ["SHELF_BYTES", "CacheManager", "Idle", "Match", "Shelved", "Tuning", "common"]
+__all__ = [
+    "SHELF_BYTES",
+    "Answer",
+    "CacheManager",
+    "Idle",
+    "Match",
+    "Shelved",
+    "Tuning",
+    "common",
+]
 
 #: Host memory the shelf may hold by default. The embedded model's cells are about
 #: 23 KB a token, so this keeps some 11,000 tokens.
@@ -44,12 +53,18 @@ class Tuning:
     #: A shelved prompt is put back when the tokens it saves reading are at least one
     #: in ``shelf_dup`` of the cached cells it duplicates (1: whenever it saves any).
     shelf_dup: int = 16
-    #: Decode a scoring job's trie in the step of its prompt's last chunk, not the next.
-    #: Off, a text's scores do not depend on whether its prompt came from the cache: a
-    #: row's attention rounds by the shape of its micro-batch
-    #: (docs/explanation/batch-invariance.md), and read apart the trie's rows are the
-    #: ones it gets after a cached prompt.
-    score_with_prompt: bool = False
+    #: Decode a scoring job's trie in the step of its prompt's last chunk, not the next,
+    #: so a text costs one step, as ``llama-server``'s ``n_predict`` 1 does. A row's
+    #: attention rounds by the shape of its micro-batch
+    #: (docs/explanation/batch-invariance.md), so the trie's rows read beside the chunk
+    #: differ in the last bits from the rows it would get after a cached prompt; a text
+    #: asked again still scores as before, since its scores are kept with its prompt
+    #: (``Idle.answer``) and handed back with no decode.
+    score_with_prompt: bool = True
+
+
+#: A scoring job's candidates (``Trie.key``) and the scores they got (``Scored.scores``).
+Answer = tuple[tuple[tuple[int, ...], ...], list[list[float]]]
 
 
 def common(a: list[int], b: list[int]) -> int:
@@ -72,6 +87,9 @@ class Idle:
     logits: Any = None
     #: The adapter the prefix was read under: its cache is no other adapter's.
     adapter: Adapter | None = None
+    #: With the last row, the candidates scored off the whole prompt and their scores:
+    #: the same candidates asked again get the same answer, with no decode.
+    answer: Answer | None = None
 
 
 @dataclass(eq=False)
@@ -85,6 +103,7 @@ class Shelved:
     logits: Any = None
     #: Host bytes it holds: its cells, and its logits row if any.
     size: int = 0
+    answer: Answer | None = None
 
 
 Source = Idle | Shelved | Job
@@ -102,6 +121,8 @@ class Match:
     cached_n: int
     #: The whole prompt is held with its last row: a scoring job needs no decode at all.
     logits: Any = None
+    #: ...and with its candidates' scores, when they are this job's candidates.
+    scores: list[list[float]] | None = None
 
 
 class CacheManager:
@@ -163,16 +184,18 @@ class CacheManager:
                     shelved, need = s, n
         src: Source | None = shelved or best
         n = need if shelved is not None else most
-        logits = None
+        logits = scores = None
         if (
             isinstance(src, Idle | Shelved)
             and job.trie is not None
             and n == len(prompt) == len(src.tokens)
         ):
             logits = src.logits
+            if logits is not None and src.answer is not None and src.answer[0] == job.trie.key:
+                scores = src.answer[1]
         if logits is None:
             n = min(n, len(prompt) - 1)  # the last token is read for its logits
-        return Match(src, n, best, min(most, len(prompt) - 1), logits)
+        return Match(src, n, best, min(most, len(prompt) - 1), logits, scores)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -224,7 +247,7 @@ class CacheManager:
             else:
                 match = Match(None, 0, None, 0)
         if match.src is None or match.n == 0:
-            match.logits = None
+            match.logits = match.scores = None
         for branch in job.branches:
             branch.seq = self.free.pop()
             if job.trie is not None:
@@ -258,7 +281,10 @@ class CacheManager:
         if keep and n > 0:
             ctx.seq_rm(job.seq, n, -1)
             logits = job.logits if n == len(job.prompt) else None
-            self.idle.append(Idle(job.seq, kept, self.tick, logits, job.adapter))
+            answer = None
+            if logits is not None and job.trie is not None and job.scores is not None:
+                answer = (job.trie.key, job.scores)
+            self.idle.append(Idle(job.seq, kept, self.tick, logits, job.adapter, answer))
             self.used += n
             while len(self.idle) > self.slots:
                 self.put_away(min(self.idle, key=lambda i: i.used))
@@ -298,7 +324,7 @@ class CacheManager:
             else:
                 self.ctx.seq_rm(idle.seq, share, -1)
                 self.used -= len(idle.tokens) - share
-                idle.tokens, idle.logits = idle.tokens[:share], None
+                idle.tokens, idle.logits, idle.answer = idle.tokens[:share], None, None
 
     def save(self, idle: Idle) -> None:
         """Copy an idle prompt's cells to the shelf, unless it holds them already."""
@@ -321,7 +347,9 @@ class CacheManager:
                 self.shelf.remove(shelved)
         if idle.logits is not None:
             size += int(idle.logits.nbytes)
-        self.shelf.append(Shelved(idle.tokens, data, idle.used, idle.adapter, idle.logits, size))
+        self.shelf.append(
+            Shelved(idle.tokens, data, idle.used, idle.adapter, idle.logits, size, idle.answer)
+        )
         while self.shelf_held > self.shelf_bytes:
             self.shelf.remove(min(self.shelf, key=lambda s: s.used))
 

@@ -170,6 +170,8 @@ class Job:
     cached: int = 0
     #: A scoring job's prompt row (its last token's logits), once read.
     logits: Any = None
+    #: A scoring job's answer (``Scored.scores``), kept with its prompt when it ends.
+    scores: list[list[float]] | None = None
 
     @property
     def scoring(self) -> bool:

@@ -12,10 +12,10 @@ import atexit
 import functools
 import logging
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 from batchyard.engines.llama.context import Adapter
 from batchyard.engines.llama.steps import StepThread
@@ -37,6 +37,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("batchyard.engines.llama_cpp")
+
+_T = TypeVar("_T")
+
+#: Entries ``Model.remember`` keeps: a few decision sets' candidates and their pieces.
+KEPT = 256
 
 
 @functools.cache
@@ -133,6 +138,22 @@ class Model:
         # The token that closes an assistant turn, for scoring a candidate as
         # the complete reply (see ``LlamaCppEngine.score_turn_end``).
         self.turn_end: int = end
+        self._kept: dict[Hashable, Any] = {}
+
+    def remember(self, key: Hashable, make: Callable[[], _T]) -> _T:
+        """What ``make`` gives for ``key``, made once and kept (per-request work that
+        depends only on the model and a few strings, such as a decision set's
+        candidates' tokens). At most ``KEPT`` entries; all go when it is full."""
+        if key in self._kept:
+            return cast(_T, self._kept[key])
+        if len(self._kept) >= KEPT:
+            self._kept.clear()
+        value = self._kept[key] = make()
+        return value
+
+    def recall(self, key: Hashable) -> Any:
+        """What ``remember`` kept for ``key`` (None: nothing)."""
+        return self._kept.get(key)
 
     def prompt_text(self, messages: list[dict[str, Any]]) -> str:
         if self.template is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from batchyard.core.tokens import text_messages
@@ -30,24 +31,35 @@ __all__ = [
 ]
 
 
+#: The most tokens a prompt's tail after its last special token may hold to be kept
+#: with the model (``Model.remember``): a turn's opening, never a request's words.
+OPENING = 8
+
+
 def after_last_special(model: Model, text: str, tokens: list[int]) -> tuple[str, list[int]]:
     """The prompt from its last special token on, as text and tokens (the whole when none).
 
-    Tokenizing the returned text gives the returned tokens (checked); then text
-    appended to it tokenizes as it would appended to the whole prompt.
+    Tokenizing the returned text gives the returned tokens (checked; for a turn's
+    opening once, ``Model.remember``); then text appended to it tokenizes as it
+    would appended to the whole prompt.
     """
     import llama_cpp
 
-    vocab = model.llama._model.vocab
+    llama = model.llama
+    vocab = llama._model.vocab
     for i in range(len(tokens) - 1, -1, -1):
         if not llama_cpp.llama_vocab_is_control(vocab, tokens[i]):
             continue
-        piece = model.llama.detokenize([tokens[i]], special=True).decode("utf-8", "replace")
+        raw = model.remember(("piece", tokens[i]), partial(llama.detokenize, [tokens[i]], True))
+        piece = raw.decode("utf-8", "replace")
         at = text.rfind(piece) if piece else -1
         if at < 0:
             break
         head_text, head = text[at:], tokens[i:]
-        if model.llama.tokenize(head_text.encode("utf-8"), False, True) == head:
+        check = partial(llama.tokenize, head_text.encode("utf-8"), False, True)
+        # A turn's opening is kept; what holds a request's own words is not.
+        said = model.remember(("head", head_text), check) if len(head) <= OPENING else check()
+        if said == head:
             return head_text, head
         break
     return text, tokens
@@ -152,19 +164,26 @@ def candidate_tokens(
     model: Model, prompt_text: str, prompt: list[int], candidates: list[str], *, turn_end: bool
 ) -> list[list[int]]:
     """Each candidate's tokens as they follow the prompt (with the turn's end if asked)."""
-    tokenize = model.llama.tokenize
     # Each candidate is tokenized after the prompt's last special token, not after
     # the whole prompt: llama.cpp splits a text at its special tokens before it
     # tokenizes the pieces, so what follows one is tokenized the same either way,
     # and a decide call's seven candidates no longer re-read its whole prompt on
-    # the event loop (on the cores the model decodes on).
+    # the event loop (on the cores the model decodes on). A decision set's texts all
+    # end with the same turn opening and ask the same candidates, so what depends
+    # only on that opening is kept (``Model.remember``): tokenized once per set.
     head_text, head = after_last_special(model, prompt_text, prompt)
+    key = ("conts", head_text, tuple(candidates), turn_end)
+    kept = model.recall(key) if len(head) <= OPENING and head is not prompt else None
+    if kept is not None:
+        return [list(c) for c in kept]
+    tokenize = model.llama.tokenize
     conts: list[list[int]] = []
+    alone = len(head) <= OPENING and head is not prompt
     for candidate in candidates:
         full = tokenize((head_text + candidate).encode("utf-8"), False, True)
         if full[: len(head)] != head:
             full = tokenize((prompt_text + candidate).encode("utf-8"), False, True)
-            head = prompt
+            head, alone = prompt, False
         if full[: len(head)] == head:
             tokens = full[len(head) :]
         else:
@@ -172,4 +191,6 @@ def candidate_tokens(
         if turn_end or not tokens:
             tokens = [*tokens, model.turn_end]
         conts.append(tokens)
+    if alone:
+        model.remember(key, lambda: [list(c) for c in conts])
     return conts

@@ -9,7 +9,8 @@ One step is one ``llama_decode``:
    the shelf;
 3. fill the batch: one token of every generating branch, then chunks of
    prompts being read up to the step's prefill budget (chunked prefill); a
-   scoring job's candidate trie goes in the step after its prompt's last chunk;
+   scoring job's candidate trie goes in beside its prompt's last chunk (the next
+   step when this one has no room for it), so a text costs one decode;
 4. decode, then sample each branch with its own sampler chain from its own
    logits row, and score what was scored.
 
@@ -196,10 +197,13 @@ class Scheduler:
             self.live.append(job)
             self._opened(job, placed.n)
             if placed.logits is not None:
-                # The whole scoring prompt and its last row came from the cache.
+                # The whole scoring prompt and its last row came from the cache, and with
+                # them, for the same candidates, their scores.
                 job.logits = placed.logits
                 job.state = JobState.SCORING
-                if job.trie is None or not job.trie.nodes:
+                if placed.scores is not None:
+                    self._answer(job, placed.scores)
+                elif job.trie is None or not job.trie.nodes:
                     self._score(job, [])
             else:
                 job.state = JobState.READING
@@ -326,7 +330,11 @@ class Scheduler:
     def _score(self, job: Job, rows: list[int]) -> None:
         """A scoring job's rows are in: each candidate's log-probability, token by token."""
         assert job.trie is not None
-        scores = job.trie.scores(job.logits, [self.ctx.logits(r) for r in rows])
+        self._answer(job, job.trie.scores(job.logits, [self.ctx.logits(r) for r in rows]))
+
+    def _answer(self, job: Job, scores: list[list[float]]) -> None:
+        """A scoring job ends with ``scores``, kept with its prompt for the next like it."""
+        job.scores = scores
         for branch in job.branches:
             branch.done = True
         self._finish(job, keep=True)

@@ -7,8 +7,9 @@ first token is read from the prompt's own row and its last from its parent's,
 so single-token candidates cost no decode at all. Each *tip* (a decoded node
 with no decoded child) is one sequence, and a node belongs to the sequences of
 every tip below it (one cache cell, many sequence ids), so the whole trie goes
-into one ``llama_decode``, the step after the prompt's last chunk (beside other
-requests' work) or, with ``Tuning.score_with_prompt``, beside that chunk.
+into one ``llama_decode``: beside the prompt's last chunk (``Tuning.score_with_prompt``),
+or, when that step has no room for it or the prompt came whole from the cache, the
+next step, beside other requests' work.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Trie:
         self.reads = [
             [-1, *(index[tuple(cont[:j])] for j in range(1, len(cont)))] for cont in self.conts
         ]
+
+    @property
+    def key(self) -> tuple[tuple[int, ...], ...]:
+        """The candidates, hashable: what an answer kept with a prompt was scored for."""
+        return tuple(tuple(c) for c in self.conts)
 
     def scores(self, prompt_row: Any, node_rows: list[Any]) -> list[list[float]]:
         """Each candidate's log-probability per token, from the prompt's row and the nodes'."""
