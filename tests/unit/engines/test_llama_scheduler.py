@@ -426,7 +426,7 @@ CANDIDATES = [[5, 6, 7], [5, 6, 8], [5, 9], [10]]
 
 
 def test_candidates_are_scored_beside_the_prompts_last_chunk() -> None:
-    sched, ctx = make()
+    sched, ctx = make(score_with_prompt=True)
     p = prompt(40, 12)
     r = scoring(p, CANDIDATES)
     run_all(sched, r)
@@ -437,7 +437,7 @@ def test_candidates_are_scored_beside_the_prompts_last_chunk() -> None:
 
 
 def test_a_long_prompts_trie_goes_beside_its_last_chunk_only() -> None:
-    sched, ctx = make(prefill=16)
+    sched, ctx = make(prefill=16, score_with_prompt=True)
     p = prompt(44, 40)
     r = scoring(p, CANDIDATES)
     run_all(sched, r)
@@ -448,7 +448,7 @@ def test_a_long_prompts_trie_goes_beside_its_last_chunk_only() -> None:
 def test_a_trie_the_step_has_no_room_for_goes_in_the_next() -> None:
     conts = [[1, 2, 3, 4], [1, 2, 3, 5], [6, 7, 8], [6, 7, 9]]  # nodes: 1, 1 2, 1 2 3, 6, 6 7
     p = prompt(45, 30)
-    sched, ctx = make(prefill=16, slots=1)
+    sched, ctx = make(prefill=16, slots=1, score_with_prompt=True)
     r = scoring(p, conts)
     run_all(sched, r)
     assert r.scores == pytest.approx([score(p, c) for c in conts], abs=1e-5)

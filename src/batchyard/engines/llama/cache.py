@@ -59,8 +59,11 @@ class Tuning:
     #: (docs/explanation/batch-invariance.md), so the trie's rows read beside the chunk
     #: differ in the last bits from the rows it would get after a cached prompt; a text
     #: asked again still scores as before, since its scores are kept with its prompt
-    #: (``Idle.answer``) and handed back with no decode.
-    score_with_prompt: bool = True
+    #: (``Idle.answer``) and handed back with no decode. Off: its paired measurement
+    #: does not exclude 1.0, and a version's scores must be llama-cpp-python's own
+    #: for the same GGUF (tests/integration/api/test_model_versions.py), which the
+    #: trie's rows read beside the chunk are not.
+    score_with_prompt: bool = False
 
 
 #: A scoring job's candidates (``Trie.key``) and the scores they got (``Scored.scores``).
