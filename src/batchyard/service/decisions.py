@@ -263,11 +263,7 @@ async def _answer(svc: Service, call: Prepared, caller: Principal) -> _Answered:
 
 
 async def _paid(
-    svc: Service,
-    caller: Principal,
-    decision_id: str,
-    call: Prepared,
-    answer: Callable[[], Awaitable[_Answered]],
+    svc: Service, caller: Principal, decision_id: str, call: Prepared
 ) -> tuple[_Answered, int]:
     """Decide's call, paid through ``Dispatcher.paying``; the charge in ticks.
 
@@ -286,7 +282,7 @@ async def _paid(
         ref=decision_id,
         key_id=caller.key_id,
     ) as pay:
-        got = await answer()
+        got = await _answer(svc, call, caller)
         used = got.plan
         charged = await pay.settle(
             got.scored.usage,
@@ -312,9 +308,7 @@ async def decide(
     call = await _priced(svc, principal.org_id, call)
     await admit(call.primary.input_tokens)
     decision_id = new_id("dec", svc.clock.now())
-    got, charged = await _paid(
-        svc, principal, decision_id, call, lambda: _answer(svc, call, principal)
-    )
+    got, charged = await _paid(svc, principal, decision_id, call)
     req, used, answered = call.req, got.plan, got.scored
     fell_back = used is not call.primary
     log.info(

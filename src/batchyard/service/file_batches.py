@@ -77,10 +77,6 @@ FILE_WINDOWS = {
 }
 
 
-def _bad(message: str, param: str, code: str = "invalid_request") -> InvalidRequest:
-    return InvalidRequest(message, param=param, code=code)
-
-
 #: A percentage from 0 to 100 written as a decimal string (metadata values are strings).
 PERCENT = r"^(100(\.0+)?|[0-9]{1,2}(\.[0-9]+)?)$"
 
@@ -180,11 +176,11 @@ async def create(
                 code="file_deleted",
             )
         if f.purpose != "batch":
-            raise _bad(
+            raise InvalidRequest(
                 f"file {file_id} has purpose {f.purpose}; a batch reads a file uploaded with "
                 "purpose batch",
-                "input_file_id",
-                "invalid_file_purpose",
+                param="input_file_id",
+                code="invalid_file_purpose",
             )
         totals = list(file_store.line_totals(conn, f.id))
         invalid = [

@@ -191,22 +191,11 @@ class PrometheusRecorder:
         registry = CollectorRegistry(auto_describe=True)
         if self.multiprocess:
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        else:
-            assert self.registry is not None
-            registry.register(_Registry(self.registry))
         registry.register(_BacklogCollector(backlog))
         registry.register(_ShelfCollector(shelves))
-        return generate_latest(registry)
-
-
-class _Registry(Collector):
-    """Another registry's metrics, collected into the scrape's registry."""
-
-    def __init__(self, inner: CollectorRegistry) -> None:
-        self._inner = inner
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        return self._inner.collect()
+        # This process's own registry first, as one scrape of both would list them.
+        own = generate_latest(self.registry) if self.registry is not None else b""
+        return own + generate_latest(registry)
 
 
 class _BacklogCollector(Collector):

@@ -69,15 +69,10 @@ _NOT_IN_BATCHES = {
         "streaming_unsupported",
     ),
     "stream_options": ("batch requests do not stream", "streaming_unsupported"),
-    "frequency_penalty": (
-        "frequency_penalty is not honoured in batch requests",
-        "unsupported_parameter",
-    ),
-    "presence_penalty": (
-        "presence_penalty is not honoured in batch requests",
-        "unsupported_parameter",
-    ),
-    "logit_bias": ("logit_bias is not honoured in batch requests", "unsupported_parameter"),
+    **{
+        name: (f"{name} is not honoured in batch requests", "unsupported_parameter")
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias")
+    },
 }
 
 
