@@ -34,7 +34,7 @@ from batchyard.api.context import (
     allow_query,
     check_tier_limits,
     finished_query,
-    idempotent,
+    once,
     path_id,
     query_id_cursor,
     query_limit,
@@ -340,12 +340,12 @@ async def create_message_batch(request: Request, principal: Caller, svc: Service
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=settings_of(svc).max_bytes)
 
-    async def handler() -> tuple[int, Any]:
+    async def handler() -> dict[str, Any]:
         view = await message_batches.create(svc, principal, raw)
         svc.file_batches.notify()
-        return 200, view
+        return view
 
-    return translated(request, await idempotent(request, principal, raw, handler))
+    return translated(request, await once(request, principal, raw, handler))
 
 
 @router.get(_PATH, summary="Message Batches, newest first (before_id / after_id)")
@@ -394,12 +394,12 @@ async def _changed(
     """Cancel or retry: once per idempotency key, then the worker is woken for what it holds."""
     body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
+    async def handler() -> dict[str, Any]:
         view = await change(svc, principal, batch_id, base_url=_base(request))
         svc.file_batches.notify()
-        return 200, view
+        return view
 
-    return translated(request, await idempotent(request, principal, body, handler))
+    return translated(request, await once(request, principal, body, handler))
 
 
 @router.get(

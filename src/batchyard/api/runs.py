@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from batchyard.api.context import (
     Caller,
+    Empty,
     ServiceDep,
     camel_page,
     finished_query,
@@ -21,10 +22,9 @@ from batchyard.api.context import (
     query_cursor,
     query_id_cursor,
     query_limit,
-    read_empty,
     read_json,
 )
-from batchyard.api.openapi import EmptyBody, Finished, ListOf, declare
+from batchyard.api.openapi import Finished, ListOf, declare
 from batchyard.api.projects import ProjectId
 from batchyard.core.inputs import strict
 from batchyard.core.runs import RunStatus
@@ -80,24 +80,31 @@ async def get_run(
 
 
 @router.post(BASE + "/{run_id}/confirm")
-@declare(body=EmptyBody, errors=(402,))
+@declare(errors=(402,))
 async def confirm_run(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    run_id: RunId,
+    body: Empty,
+    svc: ServiceDep,
 ) -> Response:
     """Reserve the quote and queue the run, or block it (funds, billing review)."""
-    body = await read_empty(request)
     return await once(
         request, principal, body, lambda: runs.confirm(svc, principal, project_id, run_id)
     )
 
 
 @router.post(BASE + "/{run_id}/cancel")
-@declare(body=EmptyBody)
 async def cancel_run(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    run_id: RunId,
+    body: Empty,
+    svc: ServiceDep,
 ) -> Response:
     """Stop a run: answered rows are kept and charged, the rest is released."""
-    body = await read_empty(request)
     return await once(
         request, principal, body, lambda: runs.cancel(svc, principal, project_id, run_id)
     )
@@ -133,12 +140,15 @@ async def run_finished(
     status_code=201,
     summary="A new run of the failed and canceled rows, quoted and awaiting confirmation",
 )
-@declare(body=EmptyBody)
 async def retry(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
+    request: Request,
+    principal: Caller,
+    project_id: ProjectId,
+    run_id: RunId,
+    body: Empty,
+    svc: ServiceDep,
 ) -> Response:
     """A new run of an ended run's failed and canceled rows, quoted and awaiting confirmation."""
-    body = await read_empty(request)
     return await once(
         request, principal, body, lambda: runs.retry(svc, principal, project_id, run_id), status=201
     )
