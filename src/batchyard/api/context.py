@@ -57,7 +57,6 @@ __all__ = [
     "check_tier_limits",
     "finished_query",
     "listing",
-    "object_id",
     "once",
     "path_id",
     "query_cursor",
@@ -466,16 +465,11 @@ def path_id(name: str, prefix: str, what: str, *, param: str = "", code: str | N
 
     # A default, not ``Annotated``: the annotation is a string, and ``name`` is local.
     async def check(value: str = Path(alias=name)) -> str:
-        return object_id(value, prefix, param=param or name, what=what, code=code)
+        if not is_id(value, prefix):  # it can name nothing
+            raise NotFound(f"{what} {printable(value)!r} not found", param=param or name, code=code)
+        return value
 
     return Depends(check)
-
-
-def object_id(value: str, prefix: str, *, param: str, what: str, code: str | None = None) -> str:
-    """An ID from a path: the right prefix and a UUIDv7, or 404 (it can name nothing)."""
-    if not is_id(value, prefix):
-        raise NotFound(f"{what} {printable(value)!r} not found", param=param, code=code)
-    return value
 
 
 def row_id(value: str) -> int:

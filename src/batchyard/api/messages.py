@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -226,60 +227,52 @@ def _delta(index: int, delta: dict[str, Any]) -> bytes:
     return sse(body, "content_block_delta")
 
 
+@dataclass
 class _Events:
     """Anthropic's stream ``Dialect``: ``message_start``, content blocks, ``message_stop``."""
 
-    def __init__(
-        self,
-        call_id: str,
-        model: str,
-        input_tokens: int,
-        request_id: str,
-    ) -> None:
-        self._call_id, self._model, self._input_tokens = call_id, model, input_tokens
-        self._request_id = request_id
-        self._blocks = _Blocks()
+    call_id: str
+    model: str
+    input_tokens: int
+    request_id: str
+    blocks: _Blocks = field(default_factory=_Blocks)
 
     def opening(self) -> list[bytes]:
         ping = sse({"type": "ping"}, "ping")
-        return [_start(self._call_id, self._model, self._input_tokens), ping]
+        return [_start(self.call_id, self.model, self.input_tokens), ping]
 
     def piece(self, piece: Delta) -> list[bytes]:
-        out = self._blocks.text(piece.text) if piece.text else []
+        out = self.blocks.text(piece.text) if piece.text else []
         for k, call in enumerate(piece.tool_calls or []):
-            out += self._blocks.tool(k, call)
+            out += self.blocks.tool(k, call)
         return out
 
     def closing(self, whole: dict[str, Any]) -> list[bytes]:
-        return [*self._blocks.finish(), *_end(whole)]
+        return [*self.blocks.finish(), *_end(whole)]
 
     def error(self, exc: BatchyardError) -> bytes:
         # The status line has gone: Anthropic's clients read an error event.
-        body = anthropic_error(anthropic_status(exc), exc.message, exc.code, self._request_id, {})
+        body = anthropic_error(anthropic_status(exc), exc.message, exc.code, self.request_id, {})
         return sse(body, "error")
 
     def replay(self, whole: dict[str, Any]) -> bytes:
-        return _replay(whole)
-
-
-def _replay(whole: dict[str, Any]) -> bytes:
-    """A saved message as the stream it was: each block whole, then the end."""
-    usage = whole["usage"]
-    prompt = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
-    parts = [_start(whole["id"], whole["model"], prompt)]
-    blocks = _Blocks()
-    for k, block in enumerate(whole["content"]):
-        if block["type"] == "text":
-            parts += blocks.text(block["text"])
-        else:
-            call = {
-                "id": block["id"],
-                "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
-            }
-            parts += blocks.tool(k, call)
-    parts += blocks.finish()
-    parts += _end(whole)
-    return b"".join(parts)
+        """A saved message as the stream it was: each block whole, then the end."""
+        usage = whole["usage"]
+        prompt = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
+        parts = [_start(whole["id"], whole["model"], prompt)]
+        blocks = _Blocks()
+        for k, block in enumerate(whole["content"]):
+            if block["type"] == "text":
+                parts += blocks.text(block["text"])
+            else:
+                call = {
+                    "id": block["id"],
+                    "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
+                }
+                parts += blocks.tool(k, call)
+        parts += blocks.finish()
+        parts += _end(whole)
+        return b"".join(parts)
 
 
 # -- the routes -----------------------------------------------------------------------
