@@ -556,16 +556,14 @@ def create_app(
         decide,
         files,
         messages,
-        model_versions,
+        metering,
         models,
         openai_door,
         projects,
         runs,
-        scrape,
         webhooks,
     )
     from batchyard.api.envelope import EnvelopeMiddleware, install_error_handlers
-    from batchyard.api.metering import MeteringMiddleware
     from batchyard.api.openapi import Health, Readiness, declare, install_openapi
     from batchyard.api.overflow import OverflowMiddleware
     from batchyard.web import file_pages
@@ -596,7 +594,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(OverflowMiddleware)
     app.add_middleware(EnvelopeMiddleware)
-    app.add_middleware(MeteringMiddleware, recorder=service.metrics, clock=service.clock)
+    app.add_middleware(metering.MeteringMiddleware, recorder=service.metrics, clock=service.clock)
 
     @app.get("/healthz", response_model=None, summary="Liveness: the process is up")
     @declare(Health, errors=(503,), public=True)
@@ -632,11 +630,10 @@ def create_app(
     app.include_router(decide.router)
     app.include_router(files.router)
     app.include_router(messages.router)  # Anthropic's door: Messages and Message Batches
-    app.include_router(models.router)
-    app.include_router(model_versions.router)  # a project's uploaded model versions
+    app.include_router(models.router)  # ... and a project's uploaded model versions
     app.include_router(projects.router)
     app.include_router(runs.router)
-    app.include_router(scrape.router)  # /metrics
+    app.include_router(metering.router)  # /metrics
     app.include_router(webhooks.router)  # /v1/webhook-endpoints
     app.include_router(workspace.router)  # the Batches workspace pages (web/)
     app.include_router(file_pages.router)  # ... and its file batches
@@ -655,7 +652,7 @@ def create_metrics_app(service: Service) -> FastAPI:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from batchyard.api import scrape
+    from batchyard.api import metering
     from batchyard.api.envelope import install_error_handlers
 
     app = FastAPI(
@@ -673,7 +670,7 @@ def create_metrics_app(service: Service) -> FastAPI:
         ok = service.started and not service.draining
         return JSONResponse({"status": "ok" if ok else "stopping"}, status_code=200 if ok else 503)
 
-    app.include_router(scrape.router)
+    app.include_router(metering.router)
     return app
 
 

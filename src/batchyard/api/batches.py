@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchyard.api.context import (
     Caller,
+    Empty,
     ServiceDep,
     allow_query,
     finished_query,
@@ -26,10 +27,9 @@ from batchyard.api.context import (
     path_id,
     query_id_cursor,
     query_limit,
-    read_empty,
     read_json,
 )
-from batchyard.api.openapi import EmptyBody, Finished, ListOf, declare
+from batchyard.api.openapi import Finished, ListOf, declare
 from batchyard.errors import InvalidState
 from batchyard.service import batch_views, deferred_batches, file_batches
 from batchyard.service.batch_requests import MAX_BODY_BYTES, BatchBody, parse_submission
@@ -88,12 +88,9 @@ async def get_batch(principal: Caller, batch_id: BatchId, svc: ServiceDep) -> JS
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-@declare(body=EmptyBody)
 async def cancel_batch(
-    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+    request: Request, principal: Caller, batch_id: BatchId, body: Empty, svc: ServiceDep
 ) -> Response:
-    body = await read_empty(request)
-
     async def cancel() -> dict[str, Any]:
         if await batch_views.is_file_batch(svc, principal, batch_id):
             view = await file_batches.cancel(svc, principal, batch_id)
@@ -108,12 +105,10 @@ async def cancel_batch(
     "/v1/batches/{batch_id}/retry",
     summary="A batchyard extension: a new file batch of the failed, expired, canceled lines",
 )
-@declare(body=EmptyBody, errors=(402,))
+@declare(errors=(402,))
 async def retry_batch(
-    request: Request, principal: Caller, batch_id: BatchId, svc: ServiceDep
+    request: Request, principal: Caller, batch_id: BatchId, body: Empty, svc: ServiceDep
 ) -> Response:
-    body = await read_empty(request)
-
     async def retry() -> dict[str, Any]:
         if not await batch_views.is_file_batch(svc, principal, batch_id):
             # 404 unless it is the caller's deferred batch.

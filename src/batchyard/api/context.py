@@ -49,15 +49,14 @@ from batchyard.store import accounts
 
 __all__ = [
     "Caller",
+    "Empty",
     "ServiceDep",
     "allow_query",
     "authenticate",
     "camel_page",
     "check_tier_limits",
     "finished_query",
-    "idempotent",
     "listing",
-    "object_id",
     "once",
     "path_id",
     "query_cursor",
@@ -222,52 +221,6 @@ async def check_tier_limits(
     env.slot = HeldSlot(svc.limiter, svc.clock, key, grant.token, svc.settings.slot_lease_s)
 
 
-async def idempotent(
-    request: Request,
-    principal: Principal,
-    body: Any,
-    handler: Callable[[], Awaitable[tuple[int, Any]]],
-    *,
-    min_len: int = 1,
-    required: bool = False,
-    answers_text: bool = True,
-    stream_replay: Callable[[Any], bytes] | None = None,
-) -> Response:
-    """Run ``handler`` once per Idempotency-Key, replaying its saved answer (see ``run_once``).
-
-    Without the header the handler simply runs, unless ``required``.
-    ``answers_text=False`` marks an answer with no customer text in it (a
-    submission's batch object), kept even under zero data retention. A
-    handler that answers with a ``Stream`` is sent as server-sent events, and
-    ``stream_replay`` writes its saved answer back as the stream it was.
-    """
-    key = request.headers.get("idempotency-key")
-    if key is None:
-        if required:
-            raise InvalidRequest(
-                "this call needs an Idempotency-Key header",
-                param="Idempotency-Key",
-                code="idempotency_key_required",
-            )
-        status, payload = await handler()
-        if isinstance(payload, Stream):
-            return StreamingResponse(unkeyed(payload), status, media_type=EVENT_STREAM)
-        return JSONResponse(payload, status)
-    idem_rules.validate_key(key, min_len=min_len)
-    fp = idem_rules.fingerprint(request.method, request.url.path, body)
-    svc = service_of(request)
-    answer = await run_once(svc, principal, key, fp, handler, answers_text=answers_text)
-    if answer.stream is not None:
-        return StreamingResponse(answer.stream, answer.status, media_type=EVENT_STREAM)
-    if answer.replayed and answer.status == 200 and stream_replay is not None:
-        resp = Response(stream_replay(json.loads(answer.text)), media_type=EVENT_STREAM)
-    else:
-        resp = Response(answer.text, status_code=answer.status, media_type="application/json")
-    if answer.replayed:
-        resp.headers["Idempotent-Replayed"] = "true"
-    return resp
-
-
 async def once(
     request: Request,
     principal: Principal,
@@ -278,21 +231,45 @@ async def once(
     min_len: int = 1,
     required: bool = False,
     answers_text: bool = True,
+    stream_replay: Callable[[Any], bytes] | None = None,
 ) -> Response:
-    """``idempotent`` for the common case: ``answer``'s body, with one status."""
+    """``answer`` once per Idempotency-Key, its saved answer replayed (see ``run_once``).
+
+    Without the header it simply runs, unless ``required``; its body leaves
+    with ``status``. ``answers_text=False`` marks an answer with no customer
+    text in it (a submission's batch object), kept even under zero data
+    retention. An answer that is a ``Stream`` is sent as server-sent events,
+    and ``stream_replay`` writes its saved answer back as the stream it was.
+    """
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        if required:
+            raise InvalidRequest(
+                "this call needs an Idempotency-Key header",
+                param="Idempotency-Key",
+                code="idempotency_key_required",
+            )
+        payload = await answer()
+        if isinstance(payload, Stream):
+            return StreamingResponse(unkeyed(payload), status, media_type=EVENT_STREAM)
+        return JSONResponse(payload, status)
+    idem_rules.validate_key(key, min_len=min_len)
+    fp = idem_rules.fingerprint(request.method, request.url.path, body)
 
     async def handler() -> tuple[int, Any]:
         return status, await answer()
 
-    return await idempotent(
-        request,
-        principal,
-        body,
-        handler,
-        min_len=min_len,
-        required=required,
-        answers_text=answers_text,
-    )
+    svc = service_of(request)
+    saved = await run_once(svc, principal, key, fp, handler, answers_text=answers_text)
+    if saved.stream is not None:
+        return StreamingResponse(saved.stream, saved.status, media_type=EVENT_STREAM)
+    if saved.replayed and saved.status == 200 and stream_replay is not None:
+        resp = Response(stream_replay(json.loads(saved.text)), media_type=EVENT_STREAM)
+    else:
+        resp = Response(saved.text, status_code=saved.status, media_type="application/json")
+    if saved.replayed:
+        resp.headers["Idempotent-Replayed"] = "true"
+    return resp
 
 
 def listing(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
@@ -377,6 +354,11 @@ async def read_empty(request: Request) -> dict[str, Any]:
     for key in body:
         raise UnknownField(f"this call takes no body; {key[:60]!r} is not a field", param=key)
     return body
+
+
+#: A call that takes no body, as a handler parameter after the path's IDs (so a bad ID
+#: is 404 before the body is read); the OpenAPI document shows it as ``EmptyBody``.
+Empty = Annotated[dict[str, Any], Depends(read_empty)]
 
 
 async def read_upload(
@@ -483,16 +465,11 @@ def path_id(name: str, prefix: str, what: str, *, param: str = "", code: str | N
 
     # A default, not ``Annotated``: the annotation is a string, and ``name`` is local.
     async def check(value: str = Path(alias=name)) -> str:
-        return object_id(value, prefix, param=param or name, what=what, code=code)
+        if not is_id(value, prefix):  # it can name nothing
+            raise NotFound(f"{what} {printable(value)!r} not found", param=param or name, code=code)
+        return value
 
     return Depends(check)
-
-
-def object_id(value: str, prefix: str, *, param: str, what: str, code: str | None = None) -> str:
-    """An ID from a path: the right prefix and a UUIDv7, or 404 (it can name nothing)."""
-    if not is_id(value, prefix):
-        raise NotFound(f"{what} {printable(value)!r} not found", param=param, code=code)
-    return value
 
 
 def row_id(value: str) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -34,7 +35,7 @@ from batchyard.api.context import (
     allow_query,
     check_tier_limits,
     finished_query,
-    idempotent,
+    once,
     path_id,
     query_id_cursor,
     query_limit,
@@ -226,60 +227,52 @@ def _delta(index: int, delta: dict[str, Any]) -> bytes:
     return sse(body, "content_block_delta")
 
 
+@dataclass
 class _Events:
     """Anthropic's stream ``Dialect``: ``message_start``, content blocks, ``message_stop``."""
 
-    def __init__(
-        self,
-        call_id: str,
-        model: str,
-        input_tokens: int,
-        request_id: str,
-    ) -> None:
-        self._call_id, self._model, self._input_tokens = call_id, model, input_tokens
-        self._request_id = request_id
-        self._blocks = _Blocks()
+    call_id: str
+    model: str
+    input_tokens: int
+    request_id: str
+    blocks: _Blocks = field(default_factory=_Blocks)
 
     def opening(self) -> list[bytes]:
         ping = sse({"type": "ping"}, "ping")
-        return [_start(self._call_id, self._model, self._input_tokens), ping]
+        return [_start(self.call_id, self.model, self.input_tokens), ping]
 
     def piece(self, piece: Delta) -> list[bytes]:
-        out = self._blocks.text(piece.text) if piece.text else []
+        out = self.blocks.text(piece.text) if piece.text else []
         for k, call in enumerate(piece.tool_calls or []):
-            out += self._blocks.tool(k, call)
+            out += self.blocks.tool(k, call)
         return out
 
     def closing(self, whole: dict[str, Any]) -> list[bytes]:
-        return [*self._blocks.finish(), *_end(whole)]
+        return [*self.blocks.finish(), *_end(whole)]
 
     def error(self, exc: BatchyardError) -> bytes:
         # The status line has gone: Anthropic's clients read an error event.
-        body = anthropic_error(anthropic_status(exc), exc.message, exc.code, self._request_id, {})
+        body = anthropic_error(anthropic_status(exc), exc.message, exc.code, self.request_id, {})
         return sse(body, "error")
 
     def replay(self, whole: dict[str, Any]) -> bytes:
-        return _replay(whole)
-
-
-def _replay(whole: dict[str, Any]) -> bytes:
-    """A saved message as the stream it was: each block whole, then the end."""
-    usage = whole["usage"]
-    prompt = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
-    parts = [_start(whole["id"], whole["model"], prompt)]
-    blocks = _Blocks()
-    for k, block in enumerate(whole["content"]):
-        if block["type"] == "text":
-            parts += blocks.text(block["text"])
-        else:
-            call = {
-                "id": block["id"],
-                "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
-            }
-            parts += blocks.tool(k, call)
-    parts += blocks.finish()
-    parts += _end(whole)
-    return b"".join(parts)
+        """A saved message as the stream it was: each block whole, then the end."""
+        usage = whole["usage"]
+        prompt = usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
+        parts = [_start(whole["id"], whole["model"], prompt)]
+        blocks = _Blocks()
+        for k, block in enumerate(whole["content"]):
+            if block["type"] == "text":
+                parts += blocks.text(block["text"])
+            else:
+                call = {
+                    "id": block["id"],
+                    "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
+                }
+                parts += blocks.tool(k, call)
+        parts += blocks.finish()
+        parts += _end(whole)
+        return b"".join(parts)
 
 
 # -- the routes -----------------------------------------------------------------------
@@ -340,12 +333,12 @@ async def create_message_batch(request: Request, principal: Caller, svc: Service
     svc.batch_key.require()  # 503 before the body is read when batches are off
     raw = await read_json(request, limit=settings_of(svc).max_bytes)
 
-    async def handler() -> tuple[int, Any]:
+    async def handler() -> dict[str, Any]:
         view = await message_batches.create(svc, principal, raw)
         svc.file_batches.notify()
-        return 200, view
+        return view
 
-    return translated(request, await idempotent(request, principal, raw, handler))
+    return translated(request, await once(request, principal, raw, handler))
 
 
 @router.get(_PATH, summary="Message Batches, newest first (before_id / after_id)")
@@ -394,12 +387,12 @@ async def _changed(
     """Cancel or retry: once per idempotency key, then the worker is woken for what it holds."""
     body = await read_empty(request)
 
-    async def handler() -> tuple[int, Any]:
+    async def handler() -> dict[str, Any]:
         view = await change(svc, principal, batch_id, base_url=_base(request))
         svc.file_batches.notify()
-        return 200, view
+        return view
 
-    return translated(request, await idempotent(request, principal, body, handler))
+    return translated(request, await once(request, principal, body, handler))
 
 
 @router.get(

@@ -40,7 +40,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from batchyard.api.context import authenticate, check_tier_limits, idempotent, read_json
+from batchyard.api.context import authenticate, check_tier_limits, once, read_json
 from batchyard.api.openapi import MODEL_CALL, ChatCompletion, EmbeddingList, TextCompletion, declare
 from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
@@ -279,7 +279,7 @@ class ModelCall:
         if stream is not None:
             dialect = stream
 
-            async def streamed() -> tuple[int, Any]:
+            async def streamed() -> Stream:
                 await limits()
                 pieces = svc.dispatcher.stream(
                     request=requests[0],
@@ -288,13 +288,13 @@ class ModelCall:
                     **pay,
                 )
                 first = await anext(pieces)
-                return 200, Stream(events(dialect, render, first, pieces))
+                return Stream(events(dialect, render, first, pieces))
 
-            return await idempotent(
+            return await once(
                 self.request, self.principal, raw, streamed, stream_replay=dialect.replay
             )
 
-        async def whole() -> tuple[int, Any]:
+        async def whole() -> dict[str, Any]:
             await limits()
             async with listening(self.request) as hangup:
                 stoppable = [replace(r, hangup=hangup) for r in requests]
@@ -307,9 +307,9 @@ class ModelCall:
                     raise
             if hangup.is_set():
                 log_hangup(self.ref, call.route.id, result.completion.usage.output_tokens)
-            return 200, render(result)
+            return render(result)
 
-        return await idempotent(self.request, self.principal, raw, whole)
+        return await once(self.request, self.principal, raw, whole)
 
 
 @dataclass
@@ -443,7 +443,7 @@ async def embeddings(request: Request) -> Response:
     p = prepared(body.model, lambda: svc.preparer.embeddings(body, texts, org_id=org_id))
     ref = new_id("emb", svc.clock.now())
 
-    async def handler() -> tuple[int, Any]:
+    async def handler() -> dict[str, Any]:
         await check_tier_limits(request, principal, tokens=p.input_tokens)
         result, charged = await svc.dispatcher.embed(
             org_id=org_id,
@@ -457,6 +457,6 @@ async def embeddings(request: Request) -> Response:
             ref=ref,
         )
         answer = embedding_list(body, p.model.id, result.vectors, result.usage)
-        return 200, {**answer, "charge": format_money(charged)}
+        return {**answer, "charge": format_money(charged)}
 
-    return await idempotent(request, principal, raw, handler)
+    return await once(request, principal, raw, handler)

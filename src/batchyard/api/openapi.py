@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
+from batchyard.api.context import read_empty
 from batchyard.api.envelope import ANTHROPIC_DOOR
 
 __all__ = ["Operation", "declare", "install_openapi", "operations"]
@@ -345,6 +346,8 @@ def operations(app: FastAPI) -> dict[tuple[str, str], Operation]:
         if not (isinstance(route, APIRoute) and route.include_in_schema):
             continue
         spec: Operation = getattr(route.endpoint, "operation", Operation())
+        if any(d.call is read_empty for d in route.dependant.dependencies):
+            spec = dataclasses.replace(spec, body=EmptyBody)  # ``context.Empty``
         for method in (m.lower() for m in route.methods or ()):
             common = () if spec.public else (*_COMMON, *_BY_METHOD.get(method, _WRITE))
             errors = tuple(sorted({*common, *spec.errors}))

@@ -6,13 +6,14 @@ claimed, so a refused request leaves nothing and the key stays free.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from batchyard.api.context import (
     Caller,
+    Empty,
     ServiceDep,
     camel_page,
     finished_query,
@@ -21,11 +22,11 @@ from batchyard.api.context import (
     query_cursor,
     query_id_cursor,
     query_limit,
-    read_empty,
     read_json,
 )
-from batchyard.api.openapi import EmptyBody, Finished, ListOf, declare
+from batchyard.api.openapi import Finished, ListOf, declare
 from batchyard.api.projects import ProjectId
+from batchyard.core.accounts import Principal
 from batchyard.core.inputs import strict
 from batchyard.core.runs import RunStatus
 from batchyard.errors import InvalidRequest
@@ -37,6 +38,20 @@ __all__ = ["router"]
 router = APIRouter()
 BASE = "/v1/projects/{project_id}/batch-inference-runs"
 RunId = Annotated[str, path_id("run_id", "bir", "batch inference run", param="runId")]
+
+
+class RunPath(NamedTuple):
+    principal: Principal
+    project_id: str
+    run_id: str
+
+
+async def _run(principal: Caller, project_id: ProjectId, run_id: RunId) -> RunPath:
+    return RunPath(principal, project_id, run_id)
+
+
+#: The caller and the run its path names: ``runs.get(svc, *run)``.
+Run = Annotated[RunPath, Depends(_run)]
 
 
 @router.post(BASE, status_code=201)
@@ -73,45 +88,30 @@ async def list_runs(
 
 
 @router.get(BASE + "/{run_id}")
-async def get_run(
-    principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
-) -> JSONResponse:
-    return JSONResponse(await runs.get(svc, principal, project_id, run_id))
+async def get_run(run: Run, svc: ServiceDep) -> JSONResponse:
+    return JSONResponse(await runs.get(svc, *run))
 
 
 @router.post(BASE + "/{run_id}/confirm")
-@declare(body=EmptyBody, errors=(402,))
-async def confirm_run(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
-) -> Response:
+@declare(errors=(402,))
+async def confirm_run(request: Request, run: Run, body: Empty, svc: ServiceDep) -> Response:
     """Reserve the quote and queue the run, or block it (funds, billing review)."""
-    body = await read_empty(request)
-    return await once(
-        request, principal, body, lambda: runs.confirm(svc, principal, project_id, run_id)
-    )
+    return await once(request, run.principal, body, lambda: runs.confirm(svc, *run))
 
 
 @router.post(BASE + "/{run_id}/cancel")
-@declare(body=EmptyBody)
-async def cancel_run(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
-) -> Response:
+async def cancel_run(request: Request, run: Run, body: Empty, svc: ServiceDep) -> Response:
     """Stop a run: answered rows are kept and charged, the rest is released."""
-    body = await read_empty(request)
-    return await once(
-        request, principal, body, lambda: runs.cancel(svc, principal, project_id, run_id)
-    )
+    return await once(request, run.principal, body, lambda: runs.cancel(svc, *run))
 
 
 @router.get(BASE + "/{run_id}/failures")
 @declare(ListOf)
-async def list_failures(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
-) -> JSONResponse:
+async def list_failures(request: Request, run: Run, svc: ServiceDep) -> JSONResponse:
     """Rows that failed, and rows left ``uncertain`` by a worker that died mid-call."""
     after = query_cursor(request)
     limit = query_limit(request, default=100, most=1000)
-    rows = await runs.failures(svc, principal, project_id, run_id, after=after, limit=limit + 1)
+    rows = await runs.failures(svc, *run, after=after, limit=limit + 1)
     return JSONResponse(camel_page(rows, limit, lambda r: str(r["rowId"])))
 
 
@@ -120,12 +120,9 @@ async def list_failures(
     summary="A batchyard extension: the rows that ended so far, from a cursor, while it runs",
 )
 @declare(Finished)
-async def run_finished(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
-) -> JSONResponse:
+async def run_finished(request: Request, run: Run, svc: ServiceDep) -> JSONResponse:
     after, limit = finished_query(request)
-    page = await runs.finished(svc, principal, project_id, run_id, after=after, limit=limit)
-    return JSONResponse(page)
+    return JSONResponse(await runs.finished(svc, *run, after=after, limit=limit))
 
 
 @router.post(
@@ -133,12 +130,6 @@ async def run_finished(
     status_code=201,
     summary="A new run of the failed and canceled rows, quoted and awaiting confirmation",
 )
-@declare(body=EmptyBody)
-async def retry(
-    request: Request, principal: Caller, project_id: ProjectId, run_id: RunId, svc: ServiceDep
-) -> Response:
+async def retry(request: Request, run: Run, body: Empty, svc: ServiceDep) -> Response:
     """A new run of an ended run's failed and canceled rows, quoted and awaiting confirmation."""
-    body = await read_empty(request)
-    return await once(
-        request, principal, body, lambda: runs.retry(svc, principal, project_id, run_id), status=201
-    )
+    return await once(request, run.principal, body, lambda: runs.retry(svc, *run), status=201)

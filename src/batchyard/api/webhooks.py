@@ -16,15 +16,14 @@ from fastapi.responses import JSONResponse
 from batchyard.api.bodies import WebhookEndpointBody
 from batchyard.api.context import (
     Caller,
+    Empty,
     ServiceDep,
     path_id,
     query_id_cursor,
     query_limit,
-    read_empty,
     read_json,
 )
 from batchyard.api.openapi import (
-    EmptyBody,
     WebhookEndpoint,
     WebhookEndpointDeleted,
     WebhookEndpointList,
@@ -78,9 +77,8 @@ async def delete_endpoint(
 @router.post(
     _BASE + "/{endpoint_id}/rotate-secret", summary="A new signing secret, in this answer only"
 )
-@declare(WebhookEndpoint, body=EmptyBody)
+@declare(WebhookEndpoint)
 async def rotate_secret(
-    request: Request, principal: Caller, endpoint_id: EndpointId, svc: ServiceDep
+    principal: Caller, endpoint_id: EndpointId, _: Empty, svc: ServiceDep
 ) -> JSONResponse:
-    await read_empty(request)
     return JSONResponse(await subscriptions.rotate(svc, principal, endpoint_id))
