@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from batchyard.core.catalog import ModelSpec
-from batchyard.core.inputs import AsDicts, Unserved, strict
+from batchyard.core.inputs import AsDicts, Shape, Unserved, strict
 from batchyard.errors import InvalidRequest, UnsupportedInput
 
 __all__ = [
@@ -29,10 +29,8 @@ __all__ = [
 ]
 
 
-class _Body(BaseModel):
+class _Body(Shape):
     """A body of OpenAI's API: strict, and an optional field sent as ``null`` is its default."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod

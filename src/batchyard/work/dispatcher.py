@@ -239,14 +239,10 @@ class Dispatcher:
     ) -> Completion:
         """Pace and call one route; an upstream 429 is waited out and retried."""
         engine = self.engines.for_route(route)
-        completion = await self._paced(
-            route,
-            request.max_tokens * max(1, request.n),
-            input_tokens,
-            lambda: engine.complete(request),
-            on_send,
+        most = request.max_tokens * max(1, request.n)
+        return await self._paced(
+            route, most, input_tokens, lambda: engine.complete(request), on_send
         )
-        return completion
 
     @contextlib.asynccontextmanager
     async def paying(
@@ -298,21 +294,20 @@ class Dispatcher:
                 ((request, n),) = requests
                 completion = await self.call(route=route, request=request, input_tokens=n)
                 await pay.settle(completion.usage)
-                return DispatchResult(completion, pay.ticks, pay.reservation.id, route.id)
-            try:
-                async with asyncio.TaskGroup() as group:
-                    tasks = [
-                        group.create_task(self.call(route=route, request=r, input_tokens=n))
-                        for r, n in requests
-                    ]
-            except BaseExceptionGroup as exc:
-                raise exc.exceptions[0] from None
-            done = [t.result() for t in tasks]
-            usage = sum((c.usage for c in done), Usage(0, 0))
-            completion = Completion(
-                done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
-            )
-            await pay.settle(usage, {"prompts": len(done)})
+            else:
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        tasks = [
+                            group.create_task(self.call(route=route, request=r, input_tokens=n))
+                            for r, n in requests
+                        ]
+                except BaseExceptionGroup as exc:
+                    raise exc.exceptions[0] from None
+                done = [t.result() for t in tasks]
+                usage = sum((c.usage for c in done), Usage(0, 0))
+                choices = [ch for c in done for ch in c.choices]
+                completion = Completion(done[0].model, choices, usage, done[-1].rate_limit)
+                await pay.settle(usage, {"prompts": len(done)})
             return DispatchResult(completion, pay.ticks, pay.reservation.id, route.id)
 
     async def stream(
