@@ -71,6 +71,10 @@ _LIMITER_SCHEMES = ("redis://", "rediss://", "unix://")
 _PRIVACY_MODES = ("off", "redact", "reject")
 
 
+#: The settings that are sections of the file (a list or a mapping), never a variable.
+SECTIONS = tuple("models routes tiers runs file_batches files model_versions webhooks".split())
+
+
 def _derived(**field: Any) -> Any:
     """A field the code sets (from the home, the catalog's sections), never a file or variable."""
     if "default_factory" not in field:
@@ -310,9 +314,7 @@ class Settings:
             return value
         return tiers_from_config(value)
 
-    @field_validator(
-        "models", "runs", "file_batches", "files", "model_versions", "webhooks", mode="before"
-    )
+    @field_validator(*SECTIONS, mode="before")
     @classmethod
     def _empty(cls, value: Any, info: ValidationInfo) -> Any:
         """A section written with nothing under it (``runs:``) is the defaults."""
@@ -352,19 +354,6 @@ def _fields() -> dict[str, FieldInfo]:
 def _extra(info: FieldInfo) -> dict[str, Any]:
     extra = info.json_schema_extra
     return dict(extra) if isinstance(extra, dict) else {}
-
-
-#: The settings that are sections of the file (a list or a mapping), never a variable.
-SECTIONS = (
-    "models",
-    "routes",
-    "tiers",
-    "runs",
-    "file_batches",
-    "files",
-    "model_versions",
-    "webhooks",
-)
 
 
 def scalar_settings() -> Iterator[tuple[str, FieldInfo]]:

@@ -349,14 +349,14 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
 # -- chunks -----------------------------------------------------------------------------
 
 
+def _piece(index: int, delta: dict[str, Any], lp: Any = None, finish: Any = None) -> dict[str, Any]:
+    """One choice of a ``chat.completion.chunk``."""
+    return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+
 def chat_first(i: int) -> dict[str, Any]:
     """Choice ``i``'s first chunk: the assistant's role and no text yet."""
-    return {
-        "index": i,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    }
+    return _piece(i, {"role": "assistant", "content": ""})
 
 
 def chat_piece(d: Delta, logprobs: bool) -> dict[str, Any]:
@@ -371,7 +371,7 @@ def chat_piece(d: Delta, logprobs: bool) -> dict[str, Any]:
             calls = _tool_calls(d.tool_calls)
             delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(calls)]
     lp = _token_logprobs(d.logprobs) if logprobs and d.logprobs is not None else None
-    return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+    return _piece(d.index, delta, lp, d.finish_reason)
 
 
 def chat_replay(whole: dict[str, Any]) -> list[dict[str, Any]]:
@@ -384,14 +384,7 @@ def chat_replay(whole: dict[str, Any]) -> list[dict[str, Any]]:
             delta["tool_calls"] = [
                 {**call, "index": k} for k, call in enumerate(message["tool_calls"])
             ]
-        out.append(
-            {
-                "index": ch.get("index", 0),
-                "delta": delta,
-                "logprobs": ch.get("logprobs"),
-                "finish_reason": ch.get("finish_reason"),
-            }
-        )
+        out.append(_piece(ch.get("index", 0), delta, ch.get("logprobs"), ch.get("finish_reason")))
     return out
 
 
