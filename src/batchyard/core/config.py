@@ -71,15 +71,16 @@ _LIMITER_SCHEMES = ("redis://", "rediss://", "unix://")
 _PRIVACY_MODES = ("off", "redact", "reject")
 
 
-#: The settings that are sections of the file (a list or a mapping), never a variable.
-SECTIONS = tuple("models routes tiers runs file_batches files model_versions webhooks".split())
-
-
 def _derived(**field: Any) -> Any:
     """A field the code sets (from the home, the catalog's sections), never a file or variable."""
     if "default_factory" not in field:
         field.setdefault("default", None)
     return Field(json_schema_extra={"derived": True}, **field)
+
+
+def _section(default: Any) -> Any:
+    """A section of the file (a list or a mapping), never a variable; left empty, the defaults."""
+    return Field(default, json_schema_extra={"section": True})
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -190,17 +191,17 @@ class Settings:
         "any; `/metrics` then wants `Authorization: Bearer <token>`",
         shown="none (open `/metrics`)",
     )
-    models: tuple[ModelEntry, ...] = setting(())
+    models: tuple[ModelEntry, ...] = _section(())
     #: None: the built-in routes; a list (even empty) replaces them.
-    routes: tuple[RouteEntry, ...] | None = setting(None)
+    routes: tuple[RouteEntry, ...] | None = _section(None)
     #: Built from ``models`` and ``routes`` unless given (tests, embedding applications).
     catalog: Catalog = _derived(validate_default=True)
-    tiers: tuple[Tier, ...] = setting(DEFAULT_TIERS)
-    runs: RunSettings = setting(RunSettings())
-    file_batches: FileBatchSettings = setting(FileBatchSettings())
-    files: FileSettings = setting(FileSettings())
-    model_versions: VersionSettings = setting(VersionSettings())
-    webhooks: WebhookSettings = setting(WebhookSettings())
+    tiers: tuple[Tier, ...] = _section(DEFAULT_TIERS)
+    runs: RunSettings = _section(RunSettings())
+    file_batches: FileBatchSettings = _section(FileBatchSettings())
+    files: FileSettings = _section(FileSettings())
+    model_versions: VersionSettings = _section(VersionSettings())
+    webhooks: WebhookSettings = _section(WebhookSettings())
 
     @property
     def embedded_contexts(self) -> int:
@@ -314,11 +315,11 @@ class Settings:
             return value
         return tiers_from_config(value)
 
-    @field_validator(*SECTIONS, mode="before")
+    @field_validator("*", mode="before")
     @classmethod
     def _empty(cls, value: Any, info: ValidationInfo) -> Any:
         """A section written with nothing under it (``runs:``) is the defaults."""
-        if value is None and info.field_name is not None:
+        if value is None and info.field_name in SECTIONS:
             return _fields()[info.field_name].get_default(call_default_factory=True)
         return value
 
@@ -354,6 +355,10 @@ def _fields() -> dict[str, FieldInfo]:
 def _extra(info: FieldInfo) -> dict[str, Any]:
     extra = info.json_schema_extra
     return dict(extra) if isinstance(extra, dict) else {}
+
+
+#: The settings that are sections of the file, never a variable.
+SECTIONS = tuple(name for name, info in _fields().items() if _extra(info).get("section"))
 
 
 def scalar_settings() -> Iterator[tuple[str, FieldInfo]]:
