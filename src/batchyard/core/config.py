@@ -320,7 +320,7 @@ class Settings:
     def _empty(cls, value: Any, info: ValidationInfo) -> Any:
         """A section written with nothing under it (``runs:``) is the defaults."""
         if value is None and info.field_name in SECTIONS:
-            return _fields()[info.field_name].get_default(call_default_factory=True)
+            return _FIELDS[info.field_name].get_default(call_default_factory=True)
         return value
 
     @model_validator(mode="after")
@@ -347,9 +347,7 @@ def normalise_database_url(url: str) -> str:
     return url
 
 
-def _fields() -> dict[str, FieldInfo]:
-    fields: dict[str, FieldInfo] = Settings.__pydantic_fields__  # type: ignore[attr-defined]
-    return fields
+_FIELDS: dict[str, FieldInfo] = Settings.__pydantic_fields__  # type: ignore[attr-defined]
 
 
 def _extra(info: FieldInfo) -> dict[str, Any]:
@@ -358,32 +356,32 @@ def _extra(info: FieldInfo) -> dict[str, Any]:
 
 
 #: The settings that are sections of the file, never a variable.
-SECTIONS = tuple(name for name, info in _fields().items() if _extra(info).get("section"))
+SECTIONS = tuple(name for name, info in _FIELDS.items() if _extra(info).get("section"))
 
 
 def scalar_settings() -> Iterator[tuple[str, FieldInfo]]:
     """The top-level settings a file or a variable may give one value (not the sections)."""
-    for name, info in _fields().items():
+    for name, info in _FIELDS.items():
         if not _extra(info).get("derived") and name not in SECTIONS:
             yield name, info
 
 
 def env_names(name: str) -> tuple[str, ...]:
     """The environment variables of a top-level setting, the first its own (the rest old names)."""
-    info = _fields()[name]
+    info = _FIELDS[name]
     own = str(_extra(info).get("env") or ENV_PREFIX + name.upper())
     return (own, *(ENV_PREFIX + a.upper() for a in _aliases(name) if a != name))
 
 
 def _aliases(name: str) -> tuple[str, ...]:
-    info = _fields().get(name)
+    info = _FIELDS.get(name)
     alias = info.validation_alias if info is not None else None
     return tuple(str(a) for a in alias.choices) if isinstance(alias, AliasChoices) else (name,)
 
 
 def _canonical(key: str) -> str:
     """A field's name from any of its names (``embedded_contexts`` is ``embedded_slots``)."""
-    for name in _fields():
+    for name in _FIELDS:
         if key in _aliases(name):
             return name
     return key
@@ -438,7 +436,7 @@ def _read_file(path: Path) -> dict[str, Any]:
             "write `name: value` lines at the top level (see docs/reference/configuration.md)",
         ).at(where)
     for key in data:
-        if key in _fields() and _extra(_fields()[key]).get("derived"):
+        if key in _FIELDS and _extra(_FIELDS[key]).get("derived"):
             raise ConfigError(
                 str(key), "is not a setting batchyard knows", "remove it or fix its name"
             ).at(where)

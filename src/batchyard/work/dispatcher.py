@@ -60,16 +60,21 @@ T = TypeVar("T")
 OnSend = Callable[[], Awaitable[None]]
 
 
-class Terms(TypedDict):
-    """``paying``'s terms as a door hands them on: who pays, at what price."""
+class Deal(TypedDict):
+    """What ``paying`` settles at (the model, route and price) and records (``ref``, the key)."""
 
-    org_id: str
-    max_cost: int
     model: ModelSpec
     route: RouteSpec
     price: Price
     ref: NotRequired[str | None]
     key_id: NotRequired[str | None]
+
+
+class Terms(Deal):
+    """``Deal`` as a door hands it on, with who pays and the most they pay."""
+
+    org_id: str
+    max_cost: int
 
 
 class Paid(Terms):
@@ -246,16 +251,7 @@ class Dispatcher:
 
     @contextlib.asynccontextmanager
     async def paying(
-        self,
-        org_id: str,
-        max_cost: int,
-        *,
-        model: ModelSpec,
-        route: RouteSpec,
-        price: Price,
-        purpose: str,
-        ref: str | None = None,
-        key_id: str | None = None,
+        self, org_id: str, max_cost: int, *, purpose: str, **deal: Unpack[Deal]
     ) -> AsyncIterator[Payment]:
         """Reserve → call → settle or release: the one way a call is paid.
 
@@ -265,8 +261,9 @@ class Dispatcher:
         reason the error's code) or ends without settling. Either way the hold
         resolves exactly once.
         """
+        ref, key_id = deal.get("ref"), deal.get("key_id")
         res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref, key_id=key_id)
-        pay = Payment(self, res, model, route, price, purpose, ref)
+        pay = Payment(self, res, deal["model"], deal["route"], deal["price"], purpose, ref)
         try:
             yield pay
         except BaseException as exc:
