@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -232,6 +233,13 @@ class _Prompt(Shape):
         spec = {"name": "output", "schema": given.schema_, "strict": True}
         return {"type": "json_schema", "json_schema": spec}
 
+    @model_validator(mode="after")
+    def _tools_named_once(self) -> _Prompt:
+        """What the shapes cannot say: each tool named once, a choice naming one of them."""
+        to_openai_tools(self)
+        to_openai_tool_choice(self)
+        return self
+
 
 class MessagesRequest(_Prompt):
     """``POST /v1/messages``, as Anthropic documents it (the newest SDK's fields)."""
@@ -424,24 +432,9 @@ def translate(req: MessagesRequest) -> Translated:
     )
 
 
-def _check_prompt(req: _Prompt) -> None:
-    """What the shapes cannot say: each tool named once, a choice naming one of them."""
-    to_openai_tools(req)
-    to_openai_tool_choice(req)
-
-
-def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
-    """A Messages body, checked whole (its translation included); raises a coded 400."""
-    req = strict(MessagesRequest, raw)
-    _check_prompt(req)
-    return req
-
-
-def parse_count_tokens(raw: dict[str, Any]) -> CountTokensRequest:
-    """A count_tokens body, checked as strictly as a Messages body; raises a coded 400."""
-    req = strict(CountTokensRequest, raw)
-    _check_prompt(req)
-    return req
+#: A body checked whole (its translation included); raises a coded 400.
+parse_messages = partial(strict, MessagesRequest)
+parse_count_tokens = partial(strict, CountTokensRequest)
 
 
 def batch_counts(per_state: dict[str, int]) -> dict[str, int]:
