@@ -401,32 +401,23 @@ def _environment() -> dict[str, tuple[str, str]]:
 
 def _read_file(path: Path) -> dict[str, Any]:
     where = str(path)
+    said: tuple[str, str] | None = None  # what is wrong with the file, and the fix
     try:
         text = path.read_text(encoding="utf-8")
+        data: Any = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except FileNotFoundError:
-        raise ConfigError(
-            "", "the config file does not exist", "check --config or BATCHYARD_CONFIG"
-        ).at(where) from None
+        said = ("the config file does not exist", "check --config or BATCHYARD_CONFIG")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            "", f"the config file cannot be read ({exc})", "make it a readable UTF-8 file"
-        ).at(where) from None
-    try:
-        if path.suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        else:
-            data = yaml.safe_load(text)
+        said = (f"the config file cannot be read ({exc})", "make it a readable UTF-8 file")
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("", f"not valid TOML: {exc}", "fix the syntax at that line").at(
-            where
-        ) from None
+        said = (f"not valid TOML: {exc}", "fix the syntax at that line")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError("", f"not valid YAML{at}: {problem}", "fix the syntax there").at(
-            where
-        ) from None
+        said = (f"not valid YAML{at}: {problem}", "fix the syntax there")
+    if said is not None:
+        raise ConfigError("", *said).at(where)
     if data is None:
         return {}
     if not isinstance(data, dict):
