@@ -387,18 +387,6 @@ def _canonical(key: str) -> str:
     return key
 
 
-def _environment() -> dict[str, tuple[str, str]]:
-    """Settings given as environment variables: field -> (variable, value)."""
-    found: dict[str, tuple[str, str]] = {}
-    for name, _ in scalar_settings():
-        for var in env_names(name):
-            value = os.environ.get(var)
-            if value:  # an empty variable is an unset one
-                found[name] = (var, value)
-                break
-    return found
-
-
 def _read_file(path: Path) -> dict[str, Any]:
     where = str(path)
     said: tuple[str, str] | None = None  # what is wrong with the file, and the fix
@@ -453,29 +441,29 @@ def load_settings(
     origin: dict[str, str] = {}
     shadowed: list[tuple[str, Any, str]] = []  # a value a later layer replaced, and its source
 
-    def layer(values: dict[str, Any], where: dict[str, str]) -> None:
-        for key, value in values.items():
-            name = _canonical(key)
-            for alias in _aliases(name):
-                if alias in given and name in origin:
-                    shadowed.append((alias, given[alias], origin[name]))
-                given.pop(alias, None)
-            given[key] = value  # as written: an error names the name the operator used
-            origin[name] = where.get(key, "")
+    def layer(key: str, value: Any, where: str) -> None:
+        name = _canonical(key)
+        for alias in _aliases(name):
+            if alias in given and name in origin:
+                shadowed.append((alias, given[alias], origin[name]))
+            given.pop(alias, None)
+        given[key] = value  # as written: an error names the name the operator used
+        origin[name] = where
 
     if source is not None:
-        data = _read_file(Path(source))
-        layer(data, dict.fromkeys(data, source))
-    env = _environment()
-    layer(
-        {n: v for n, (_, v) in env.items()},
-        {n: f"environment variable {var}" for n, (var, _) in env.items()},
-    )
+        for key, value in _read_file(Path(source)).items():
+            layer(key, value, source)
+    for name, _ in scalar_settings():
+        # A setting's first variable that is set (an empty one is an unset one).
+        var = next((var for var in env_names(name) if os.environ.get(var)), None)
+        if var is not None:
+            layer(name, os.environ[var], f"environment variable {var}")
     if database_url:
         via_env = os.environ.get("BATCHYARD_DATABASE_URL") == database_url
         where = "environment variable BATCHYARD_DATABASE_URL" if via_env else "--database"
-        layer({"database_url": database_url}, {"database_url": where})
-    layer(overrides, dict.fromkeys(overrides, "the arguments"))
+        layer("database_url", database_url, where)
+    for key, value in overrides.items():
+        layer(key, value, "the arguments")
     try:
         settings = _SETTINGS.validate_python(given)
     except ValidationError as exc:
