@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from batchyard.core.anthropic_bodies import (
-    message_object,
     parse_count_tokens,
     parse_messages,
     stop_reason,
@@ -14,7 +13,9 @@ from batchyard.core.anthropic_bodies import (
     to_openai_tools,
     translate,
 )
+from batchyard.engines.protocol import Choice, Completion, Usage
 from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownField
+from batchyard.work.openai_wire import anthropic_message
 
 BASE = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 TOOL = {"name": "f", "input_schema": {"type": "object"}}
@@ -141,15 +142,8 @@ def test_count_tokens_takes_no_max_tokens():
 
 def test_the_message_object_and_its_stop_reasons():
     call = {"id": "call_9", "function": {"name": "f", "arguments": '{"a": 2}'}}
-    msg = message_object(
-        message_id="msg.1",
-        model="m",
-        text="",
-        tool_calls=[call],
-        finish_reason="tool_calls",
-        input_tokens=3,
-        output_tokens=4,
-    )
+    called = Completion("m", [Choice("", "tool_calls", tool_calls=[call])], Usage(3, 4))
+    msg = anthropic_message(id="msg.1", model="m", completion=called, stops=None)
     assert msg["content"] == [{"type": "tool_use", "id": "toolu_9", "name": "f", "input": {"a": 2}}]
     assert msg["stop_reason"] == "tool_use" and msg["usage"]["input_tokens"] == 3
     assert [stop_reason(f) for f in ("stop", "length", "tool_calls")] == [
@@ -157,16 +151,8 @@ def test_the_message_object_and_its_stop_reasons():
         "max_tokens",
         "tool_use",
     ]
-    stopped = message_object(
-        message_id="msg.2",
-        model="m",
-        text="x",
-        tool_calls=None,
-        finish_reason="stop",
-        input_tokens=1,
-        output_tokens=1,
-        matched_stop="END",
-    )
+    ended = Completion("m", [Choice("x", stop_sequence="END")], Usage(1, 1))
+    stopped = anthropic_message(id="msg.2", model="m", completion=ended, stops=["END"])
     assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "END")
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
+from functools import partial
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from batchyard.core.inputs import AsDicts, Unserved, strict
+from batchyard.core.inputs import AsDicts, Shape, Unserved, strict
 from batchyard.errors import InvalidRequest
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "Translated",
     "anthropic_version_ok",
     "batch_counts",
-    "message_object",
     "openai_prompt",
     "parse_count_tokens",
     "parse_messages",
@@ -75,16 +75,12 @@ ERROR_TYPES = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class CacheControl(_Strict):
+class CacheControl(Shape):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-class _Block(_Strict):
+class _Block(Shape):
     cache_control: CacheControl | None = None
 
 
@@ -94,13 +90,13 @@ class TextBlock(_Block):
     citations: list[dict[str, Any]] | None = None
 
 
-class Base64Source(_Strict):
+class Base64Source(Shape):
     type: Literal["base64"]
     media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
     data: str = Field(min_length=1)
 
 
-class URLSource(_Strict):
+class URLSource(Shape):
     type: Literal["url"]
     url: str = Field(min_length=1)
 
@@ -136,12 +132,12 @@ UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discrimina
 AssistantBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
 
 
-class UserTurn(_Strict):
+class UserTurn(Shape):
     role: Literal["user"]
     content: str | list[UserBlock]
 
 
-class AssistantTurn(_Strict):
+class AssistantTurn(Shape):
     role: Literal["assistant"]
     content: str | list[AssistantBlock]
 
@@ -149,7 +145,7 @@ class AssistantTurn(_Strict):
 Turn = Annotated[UserTurn | AssistantTurn, Field(discriminator="role")]
 
 
-class Tool(_Strict):
+class Tool(Shape):
     """A client tool; Anthropic's server tools are refused with ``capability_unsupported``."""
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]+$")
@@ -175,7 +171,7 @@ class Tool(_Strict):
         return data
 
 
-class _Choice(_Strict):
+class _Choice(Shape):
     disable_parallel_tool_use: bool | None = None
 
 
@@ -191,21 +187,21 @@ class ToolChoice(_Choice):
 Choice = Annotated[PlainChoice | ToolChoice, Field(discriminator="type")]
 
 
-class JsonOutputFormat(_Strict):
+class JsonOutputFormat(Shape):
     """Structured outputs: the answer is JSON that validates against ``schema``."""
 
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Shape):
     format: JsonOutputFormat | None = None
     #: How hard to think: accepted, changes nothing here (no extended thinking).
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     task_budget: Annotated[Any, Unserved()] = None
 
 
-class _Prompt(_Strict):
+class _Prompt(Shape):
     """What ``/v1/messages`` and ``/v1/messages/count_tokens`` both take."""
 
     model: str = Field(min_length=1)
@@ -236,6 +232,13 @@ class _Prompt(_Strict):
             return None
         spec = {"name": "output", "schema": given.schema_, "strict": True}
         return {"type": "json_schema", "json_schema": spec}
+
+    @model_validator(mode="after")
+    def _tools_named_once(self) -> _Prompt:
+        """What the shapes cannot say: each tool named once, a choice naming one of them."""
+        to_openai_tools(self)
+        to_openai_tool_choice(self)
+        return self
 
 
 class MessagesRequest(_Prompt):
@@ -395,7 +398,7 @@ def openai_prompt(
     return messages, tools, choice
 
 
-class Translated(_Strict):
+class Translated(Shape):
     """A Messages request in the OpenAI shape the engines take, with Anthropic's ``top_k``.
 
     What the door sends (``work.openai_wire.messages_request``) and what a line of a
@@ -429,24 +432,9 @@ def translate(req: MessagesRequest) -> Translated:
     )
 
 
-def _check_prompt(req: _Prompt) -> None:
-    """What the shapes cannot say: each tool named once, a choice naming one of them."""
-    to_openai_tools(req)
-    to_openai_tool_choice(req)
-
-
-def parse_messages(raw: dict[str, Any]) -> MessagesRequest:
-    """A Messages body, checked whole (its translation included); raises a coded 400."""
-    req = strict(MessagesRequest, raw)
-    _check_prompt(req)
-    return req
-
-
-def parse_count_tokens(raw: dict[str, Any]) -> CountTokensRequest:
-    """A count_tokens body, checked as strictly as a Messages body; raises a coded 400."""
-    req = strict(CountTokensRequest, raw)
-    _check_prompt(req)
-    return req
+#: A body checked whole (its translation included); raises a coded 400.
+parse_messages = partial(strict, MessagesRequest)
+parse_count_tokens = partial(strict, CountTokensRequest)
 
 
 def batch_counts(per_state: dict[str, int]) -> dict[str, int]:
@@ -479,17 +467,6 @@ def tool_id(call: dict[str, Any]) -> str:
     return "toolu_" + given.removeprefix("call_") if given.startswith("call_") else given
 
 
-def _tool_input(arguments: Any) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        parsed = json.loads(arguments or "{}")
-    except (TypeError, ValueError):
-        parsed = None
-    # Only an upstream that ignores its schema gets here; the text is kept, not lost.
-    return parsed if isinstance(parsed, dict) else {"_unparsed_arguments": arguments}
-
-
 def usage_object(
     input_tokens: int, output_tokens: int, cached_input_tokens: int = 0
 ) -> dict[str, Any]:
@@ -504,47 +481,4 @@ def usage_object(
         "cache_read_input_tokens": cached or None,
         "server_tool_use": None,
         "service_tier": "standard",
-    }
-
-
-def message_object(
-    *,
-    message_id: str,
-    model: str,
-    text: str,
-    tool_calls: list[dict[str, Any]] | None,
-    finish_reason: str,
-    input_tokens: int,
-    output_tokens: int,
-    matched_stop: str | None = None,
-    cached_input_tokens: int = 0,
-) -> dict[str, Any]:
-    """The whole ``message`` of an answer: a text block (unless only tools were called), then
-    one ``tool_use`` block per call; shared by the wire and the results of a Message Batch."""
-    content: list[dict[str, Any]] = []
-    if text or not tool_calls:
-        content.append({"type": "text", "text": text, "citations": None})
-    for call in tool_calls or []:
-        fn = call.get("function") or {}
-        content.append(
-            {
-                "type": "tool_use",
-                "id": tool_id(call),
-                "name": str(fn.get("name", "")),
-                "input": _tool_input(fn.get("arguments")),
-            }
-        )
-    reason = "stop_sequence" if matched_stop else stop_reason(finish_reason)
-    if tool_calls:
-        reason = "tool_use"
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": reason,
-        "stop_sequence": matched_stop,
-        "usage": usage_object(input_tokens, output_tokens, cached_input_tokens),
-        "container": None,
     }

@@ -78,6 +78,11 @@ def _derived(**field: Any) -> Any:
     return Field(json_schema_extra={"derived": True}, **field)
 
 
+def _section(default: Any) -> Any:
+    """A section of the file (a list or a mapping), never a variable; left empty, the defaults."""
+    return Field(default, json_schema_extra={"section": True})
+
+
 @dataclass(frozen=True, config=SECTION)
 class Settings:
     """Every setting of one deployment: the file's, the environment's and the defaults.
@@ -186,17 +191,17 @@ class Settings:
         "any; `/metrics` then wants `Authorization: Bearer <token>`",
         shown="none (open `/metrics`)",
     )
-    models: tuple[ModelEntry, ...] = setting(())
+    models: tuple[ModelEntry, ...] = _section(())
     #: None: the built-in routes; a list (even empty) replaces them.
-    routes: tuple[RouteEntry, ...] | None = setting(None)
+    routes: tuple[RouteEntry, ...] | None = _section(None)
     #: Built from ``models`` and ``routes`` unless given (tests, embedding applications).
     catalog: Catalog = _derived(validate_default=True)
-    tiers: tuple[Tier, ...] = setting(DEFAULT_TIERS)
-    runs: RunSettings = setting(RunSettings())
-    file_batches: FileBatchSettings = setting(FileBatchSettings())
-    files: FileSettings = setting(FileSettings())
-    model_versions: VersionSettings = setting(VersionSettings())
-    webhooks: WebhookSettings = setting(WebhookSettings())
+    tiers: tuple[Tier, ...] = _section(DEFAULT_TIERS)
+    runs: RunSettings = _section(RunSettings())
+    file_batches: FileBatchSettings = _section(FileBatchSettings())
+    files: FileSettings = _section(FileSettings())
+    model_versions: VersionSettings = _section(VersionSettings())
+    webhooks: WebhookSettings = _section(WebhookSettings())
 
     @property
     def embedded_contexts(self) -> int:
@@ -310,14 +315,12 @@ class Settings:
             return value
         return tiers_from_config(value)
 
-    @field_validator(
-        "models", "runs", "file_batches", "files", "model_versions", "webhooks", mode="before"
-    )
+    @field_validator("*", mode="before")
     @classmethod
     def _empty(cls, value: Any, info: ValidationInfo) -> Any:
         """A section written with nothing under it (``runs:``) is the defaults."""
-        if value is None and info.field_name is not None:
-            return _fields()[info.field_name].get_default(call_default_factory=True)
+        if value is None and info.field_name in SECTIONS:
+            return _FIELDS[info.field_name].get_default(call_default_factory=True)
         return value
 
     @model_validator(mode="after")
@@ -344,9 +347,7 @@ def normalise_database_url(url: str) -> str:
     return url
 
 
-def _fields() -> dict[str, FieldInfo]:
-    fields: dict[str, FieldInfo] = Settings.__pydantic_fields__  # type: ignore[attr-defined]
-    return fields
+_FIELDS: dict[str, FieldInfo] = Settings.__pydantic_fields__  # type: ignore[attr-defined]
 
 
 def _extra(info: FieldInfo) -> dict[str, Any]:
@@ -354,87 +355,57 @@ def _extra(info: FieldInfo) -> dict[str, Any]:
     return dict(extra) if isinstance(extra, dict) else {}
 
 
-#: The settings that are sections of the file (a list or a mapping), never a variable.
-SECTIONS = (
-    "models",
-    "routes",
-    "tiers",
-    "runs",
-    "file_batches",
-    "files",
-    "model_versions",
-    "webhooks",
-)
+#: The settings that are sections of the file, never a variable.
+SECTIONS = tuple(name for name, info in _FIELDS.items() if _extra(info).get("section"))
 
 
 def scalar_settings() -> Iterator[tuple[str, FieldInfo]]:
     """The top-level settings a file or a variable may give one value (not the sections)."""
-    for name, info in _fields().items():
+    for name, info in _FIELDS.items():
         if not _extra(info).get("derived") and name not in SECTIONS:
             yield name, info
 
 
 def env_names(name: str) -> tuple[str, ...]:
     """The environment variables of a top-level setting, the first its own (the rest old names)."""
-    info = _fields()[name]
+    info = _FIELDS[name]
     own = str(_extra(info).get("env") or ENV_PREFIX + name.upper())
     return (own, *(ENV_PREFIX + a.upper() for a in _aliases(name) if a != name))
 
 
 def _aliases(name: str) -> tuple[str, ...]:
-    info = _fields().get(name)
+    info = _FIELDS.get(name)
     alias = info.validation_alias if info is not None else None
     return tuple(str(a) for a in alias.choices) if isinstance(alias, AliasChoices) else (name,)
 
 
 def _canonical(key: str) -> str:
     """A field's name from any of its names (``embedded_contexts`` is ``embedded_slots``)."""
-    for name in _fields():
+    for name in _FIELDS:
         if key in _aliases(name):
             return name
     return key
 
 
-def _environment() -> dict[str, tuple[str, str]]:
-    """Settings given as environment variables: field -> (variable, value)."""
-    found: dict[str, tuple[str, str]] = {}
-    for name, _ in scalar_settings():
-        for var in env_names(name):
-            value = os.environ.get(var)
-            if value:  # an empty variable is an unset one
-                found[name] = (var, value)
-                break
-    return found
-
-
 def _read_file(path: Path) -> dict[str, Any]:
     where = str(path)
+    said: tuple[str, str] | None = None  # what is wrong with the file, and the fix
     try:
         text = path.read_text(encoding="utf-8")
+        data: Any = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except FileNotFoundError:
-        raise ConfigError(
-            "", "the config file does not exist", "check --config or BATCHYARD_CONFIG"
-        ).at(where) from None
+        said = ("the config file does not exist", "check --config or BATCHYARD_CONFIG")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            "", f"the config file cannot be read ({exc})", "make it a readable UTF-8 file"
-        ).at(where) from None
-    try:
-        if path.suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        else:
-            data = yaml.safe_load(text)
+        said = (f"the config file cannot be read ({exc})", "make it a readable UTF-8 file")
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("", f"not valid TOML: {exc}", "fix the syntax at that line").at(
-            where
-        ) from None
+        said = (f"not valid TOML: {exc}", "fix the syntax at that line")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError("", f"not valid YAML{at}: {problem}", "fix the syntax there").at(
-            where
-        ) from None
+        said = (f"not valid YAML{at}: {problem}", "fix the syntax there")
+    if said is not None:
+        raise ConfigError("", *said).at(where)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -444,7 +415,7 @@ def _read_file(path: Path) -> dict[str, Any]:
             "write `name: value` lines at the top level (see docs/reference/configuration.md)",
         ).at(where)
     for key in data:
-        if key in _fields() and _extra(_fields()[key]).get("derived"):
+        if key in _FIELDS and _extra(_FIELDS[key]).get("derived"):
             raise ConfigError(
                 str(key), "is not a setting batchyard knows", "remove it or fix its name"
             ).at(where)
@@ -470,29 +441,29 @@ def load_settings(
     origin: dict[str, str] = {}
     shadowed: list[tuple[str, Any, str]] = []  # a value a later layer replaced, and its source
 
-    def layer(values: dict[str, Any], where: dict[str, str]) -> None:
-        for key, value in values.items():
-            name = _canonical(key)
-            for alias in _aliases(name):
-                if alias in given and name in origin:
-                    shadowed.append((alias, given[alias], origin[name]))
-                given.pop(alias, None)
-            given[key] = value  # as written: an error names the name the operator used
-            origin[name] = where.get(key, "")
+    def layer(key: str, value: Any, where: str) -> None:
+        name = _canonical(key)
+        for alias in _aliases(name):
+            if alias in given and name in origin:
+                shadowed.append((alias, given[alias], origin[name]))
+            given.pop(alias, None)
+        given[key] = value  # as written: an error names the name the operator used
+        origin[name] = where
 
     if source is not None:
-        data = _read_file(Path(source))
-        layer(data, dict.fromkeys(data, source))
-    env = _environment()
-    layer(
-        {n: v for n, (_, v) in env.items()},
-        {n: f"environment variable {var}" for n, (var, _) in env.items()},
-    )
+        for key, value in _read_file(Path(source)).items():
+            layer(key, value, source)
+    for name, _ in scalar_settings():
+        # A setting's first variable that is set (an empty one is an unset one).
+        var = next((var for var in env_names(name) if os.environ.get(var)), None)
+        if var is not None:
+            layer(name, os.environ[var], f"environment variable {var}")
     if database_url:
         via_env = os.environ.get("BATCHYARD_DATABASE_URL") == database_url
         where = "environment variable BATCHYARD_DATABASE_URL" if via_env else "--database"
-        layer({"database_url": database_url}, {"database_url": where})
-    layer(overrides, dict.fromkeys(overrides, "the arguments"))
+        layer("database_url", database_url, where)
+    for key, value in overrides.items():
+        layer(key, value, "the arguments")
     try:
         settings = _SETTINGS.validate_python(given)
     except ValidationError as exc:

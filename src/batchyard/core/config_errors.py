@@ -48,11 +48,6 @@ class ConfigError(ValueError):
             self.source = source
         return self
 
-    def under(self, prefix: str) -> ConfigError:
-        """The same error with its field nested under ``prefix`` (``routes[2]``)."""
-        field = f"{prefix}.{self.field}" if self.field else prefix
-        return ConfigError(field, self.problem, self.fix, source=self.source)
-
 
 def field_path(loc: Iterable[int | str]) -> str:
     """``("routes", 0, "engine")`` as ``routes[0].engine``."""

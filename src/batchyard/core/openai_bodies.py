@@ -9,12 +9,13 @@ OpenAI's API (LiteLLM sends ``"encoding_format": null``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from batchyard.core.catalog import ModelSpec
-from batchyard.core.inputs import AsDicts, Unserved, strict
+from batchyard.core.inputs import AsDicts, Shape, Unserved, strict
 from batchyard.errors import InvalidRequest, UnsupportedInput
 
 __all__ = [
@@ -29,10 +30,8 @@ __all__ = [
 ]
 
 
-class _Body(BaseModel):
+class _Body(Shape):
     """A body of OpenAI's API: strict, and an optional field sent as ``null`` is its default."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -234,6 +233,28 @@ class ChatRequest(_Common):
     functions: Annotated[Any, Unserved()] = None
     function_call: Annotated[Any, Unserved()] = None
 
+    @model_validator(mode="after")
+    def _tools_named_once(self) -> ChatRequest:
+        """What the tools' shapes cannot say: each name once, and a choice that names one."""
+        names: set[str] = set()
+        for i, tool in enumerate(self.tools or []):
+            name = tool["function"]["name"]
+            if name in names:
+                raise InvalidRequest(
+                    f"tools.{i}.function.name {name!r} is given twice; each tool has its own",
+                    param=f"tools.{i}.function.name",
+                )
+            names.add(name)
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise InvalidRequest("tool_choice required needs tools", param="tool_choice")
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise InvalidRequest(
+                "tool_choice must name one of the request's tools",
+                param="tool_choice.function.name",
+            )
+        return self
+
 
 _T = TypeVar("_T")
 _NonEmpty = Annotated[list[_T], Field(min_length=1)]
@@ -286,41 +307,10 @@ def _items(given: _Given) -> list[str | list[int]]:
     return [i for i in given if not isinstance(i, int)]
 
 
-def _check_tools(req: ChatRequest) -> None:
-    """What the tools' shapes cannot say: each name once, and a choice that names one."""
-    names: set[str] = set()
-    for i, tool in enumerate(req.tools or []):
-        name = tool["function"]["name"]
-        if name in names:
-            raise InvalidRequest(
-                f"tools.{i}.function.name {name!r} is given twice; each tool has its own",
-                param=f"tools.{i}.function.name",
-            )
-        names.add(name)
-    choice = req.tool_choice
-    if choice == "required" and not names:
-        raise InvalidRequest("tool_choice required needs tools", param="tool_choice")
-    if isinstance(choice, dict) and choice["function"]["name"] not in names:
-        raise InvalidRequest(
-            "tool_choice must name one of the request's tools", param="tool_choice.function.name"
-        )
-
-
-def parse_chat(raw: dict[str, Any]) -> ChatRequest:
-    """A chat completions body, checked whole; raises a coded 400."""
-    req = strict(ChatRequest, raw)
-    _check_tools(req)
-    return req
-
-
-def parse_completion(raw: dict[str, Any]) -> CompletionTextRequest:
-    """A text completions body, checked whole; raises a coded 400."""
-    return strict(CompletionTextRequest, raw)
-
-
-def parse_embedding(raw: dict[str, Any]) -> EmbeddingRequest:
-    """An embeddings body, checked whole; raises a coded 400."""
-    return strict(EmbeddingRequest, raw)
+#: A body checked whole, the rules its shape cannot say included; raises a coded 400.
+parse_chat = partial(strict, ChatRequest)
+parse_completion = partial(strict, CompletionTextRequest)
+parse_embedding = partial(strict, EmbeddingRequest)
 
 
 def check_images(messages: list[dict[str, Any]], model: ModelSpec) -> None:

@@ -60,16 +60,21 @@ T = TypeVar("T")
 OnSend = Callable[[], Awaitable[None]]
 
 
-class Terms(TypedDict):
-    """``paying``'s terms as a door hands them on: who pays, at what price."""
+class Deal(TypedDict):
+    """What ``paying`` settles at (the model, route and price) and records (``ref``, the key)."""
 
-    org_id: str
-    max_cost: int
     model: ModelSpec
     route: RouteSpec
     price: Price
     ref: NotRequired[str | None]
     key_id: NotRequired[str | None]
+
+
+class Terms(Deal):
+    """``Deal`` as a door hands it on, with who pays and the most they pay."""
+
+    org_id: str
+    max_cost: int
 
 
 class Paid(Terms):
@@ -239,27 +244,14 @@ class Dispatcher:
     ) -> Completion:
         """Pace and call one route; an upstream 429 is waited out and retried."""
         engine = self.engines.for_route(route)
-        completion = await self._paced(
-            route,
-            request.max_tokens * max(1, request.n),
-            input_tokens,
-            lambda: engine.complete(request),
-            on_send,
+        most = request.max_tokens * max(1, request.n)
+        return await self._paced(
+            route, most, input_tokens, lambda: engine.complete(request), on_send
         )
-        return completion
 
     @contextlib.asynccontextmanager
     async def paying(
-        self,
-        org_id: str,
-        max_cost: int,
-        *,
-        model: ModelSpec,
-        route: RouteSpec,
-        price: Price,
-        purpose: str,
-        ref: str | None = None,
-        key_id: str | None = None,
+        self, org_id: str, max_cost: int, *, purpose: str, **deal: Unpack[Deal]
     ) -> AsyncIterator[Payment]:
         """Reserve → call → settle or release: the one way a call is paid.
 
@@ -269,8 +261,9 @@ class Dispatcher:
         reason the error's code) or ends without settling. Either way the hold
         resolves exactly once.
         """
+        ref, key_id = deal.get("ref"), deal.get("key_id")
         res = await self.reserve(org_id, max_cost, purpose=purpose, ref=ref, key_id=key_id)
-        pay = Payment(self, res, model, route, price, purpose, ref)
+        pay = Payment(self, res, deal["model"], deal["route"], deal["price"], purpose, ref)
         try:
             yield pay
         except BaseException as exc:
@@ -298,21 +291,20 @@ class Dispatcher:
                 ((request, n),) = requests
                 completion = await self.call(route=route, request=request, input_tokens=n)
                 await pay.settle(completion.usage)
-                return DispatchResult(completion, pay.ticks, pay.reservation.id, route.id)
-            try:
-                async with asyncio.TaskGroup() as group:
-                    tasks = [
-                        group.create_task(self.call(route=route, request=r, input_tokens=n))
-                        for r, n in requests
-                    ]
-            except BaseExceptionGroup as exc:
-                raise exc.exceptions[0] from None
-            done = [t.result() for t in tasks]
-            usage = sum((c.usage for c in done), Usage(0, 0))
-            completion = Completion(
-                done[0].model, [ch for c in done for ch in c.choices], usage, done[-1].rate_limit
-            )
-            await pay.settle(usage, {"prompts": len(done)})
+            else:
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        tasks = [
+                            group.create_task(self.call(route=route, request=r, input_tokens=n))
+                            for r, n in requests
+                        ]
+                except BaseExceptionGroup as exc:
+                    raise exc.exceptions[0] from None
+                done = [t.result() for t in tasks]
+                usage = sum((c.usage for c in done), Usage(0, 0))
+                choices = [ch for c in done for ch in c.choices]
+                completion = Completion(done[0].model, choices, usage, done[-1].rate_limit)
+                await pay.settle(usage, {"prompts": len(done)})
             return DispatchResult(completion, pay.ticks, pay.reservation.id, route.id)
 
     async def stream(

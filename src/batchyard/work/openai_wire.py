@@ -10,13 +10,14 @@ request with the function the door uses.
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchyard.core.anthropic_bodies import Translated, message_object
+from batchyard.core.anthropic_bodies import Translated, stop_reason, tool_id, usage_object
 from batchyard.core.openai_bodies import ChatRequest, CompletionTextRequest, EmbeddingRequest
 from batchyard.engines.protocol import Choice, Completion, CompletionRequest, Delta, Usage
 
@@ -308,32 +309,54 @@ def matched_stop(completion: Completion, stops: list[str] | None) -> str | None:
 def anthropic_message(
     *, id: str, model: str, completion: Completion, stops: list[str] | None
 ) -> dict[str, Any]:
-    """Anthropic's whole ``message`` for an answer: its door's and a Message Batch's."""
-    choice = completion.choices[0]
-    return message_object(
-        message_id=id,
-        model=model,
-        text=choice.text,
-        tool_calls=choice.tool_calls,
-        finish_reason=choice.finish_reason,
-        input_tokens=completion.usage.input_tokens,
-        output_tokens=completion.usage.output_tokens,
-        matched_stop=matched_stop(completion, stops),
-        cached_input_tokens=completion.usage.cached_input_tokens,
-    )
+    """Anthropic's whole ``message`` for an answer, its door's and a Message Batch's: a text
+    block (unless only tools were called), then one ``tool_use`` block per call."""
+    choice, usage = completion.choices[0], completion.usage
+    calls = choice.tool_calls or []
+    content: list[dict[str, Any]] = []
+    if choice.text or not calls:
+        content.append({"type": "text", "text": choice.text, "citations": None})
+    for call in calls:
+        fn = call.get("function") or {}
+        name, arguments = str(fn.get("name", "")), _tool_input(fn.get("arguments"))
+        content.append({"type": "tool_use", "id": tool_id(call), "name": name, "input": arguments})
+    stop = matched_stop(completion, stops)
+    reason = "stop_sequence" if stop else stop_reason(choice.finish_reason)
+    return {
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": "tool_use" if calls else reason,
+        "stop_sequence": stop,
+        "usage": usage_object(usage.input_tokens, usage.output_tokens, usage.cached_input_tokens),
+        "container": None,
+    }
+
+
+def _tool_input(arguments: Any) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments or "{}")
+    except (TypeError, ValueError):
+        parsed = None
+    # Only an upstream that ignores its schema gets here; the text is kept, not lost.
+    return parsed if isinstance(parsed, dict) else {"_unparsed_arguments": arguments}
 
 
 # -- chunks -----------------------------------------------------------------------------
 
 
+def _piece(index: int, delta: dict[str, Any], lp: Any = None, finish: Any = None) -> dict[str, Any]:
+    """One choice of a ``chat.completion.chunk``."""
+    return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+
 def chat_first(i: int) -> dict[str, Any]:
     """Choice ``i``'s first chunk: the assistant's role and no text yet."""
-    return {
-        "index": i,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    }
+    return _piece(i, {"role": "assistant", "content": ""})
 
 
 def chat_piece(d: Delta, logprobs: bool) -> dict[str, Any]:
@@ -348,7 +371,7 @@ def chat_piece(d: Delta, logprobs: bool) -> dict[str, Any]:
             calls = _tool_calls(d.tool_calls)
             delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(calls)]
     lp = _token_logprobs(d.logprobs) if logprobs and d.logprobs is not None else None
-    return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+    return _piece(d.index, delta, lp, d.finish_reason)
 
 
 def chat_replay(whole: dict[str, Any]) -> list[dict[str, Any]]:
@@ -361,14 +384,7 @@ def chat_replay(whole: dict[str, Any]) -> list[dict[str, Any]]:
             delta["tool_calls"] = [
                 {**call, "index": k} for k, call in enumerate(message["tool_calls"])
             ]
-        out.append(
-            {
-                "index": ch.get("index", 0),
-                "delta": delta,
-                "logprobs": ch.get("logprobs"),
-                "finish_reason": ch.get("finish_reason"),
-            }
-        )
+        out.append(_piece(ch.get("index", 0), delta, ch.get("logprobs"), ch.get("finish_reason")))
     return out
 
 
