@@ -134,6 +134,14 @@ def test_bad_bodies_are_coded_and_name_the_field(change, error, param):
     assert got.value.param == param
 
 
+def test_a_tool_named_twice_is_refused_by_what_is_wrong_with_it():
+    """The message names the duplicate (it once said the name had to be non-empty)."""
+    with pytest.raises(InvalidRequest) as got:
+        parse_messages({**BASE, "tools": [TOOL, TOOL]})
+    assert got.value.param == "tools.1.name"
+    assert "is given twice" in str(got.value) and repr(TOOL["name"]) in str(got.value)
+
+
 def test_count_tokens_takes_no_max_tokens():
     assert parse_count_tokens({"model": "m", "messages": BASE["messages"]}).model == "m"
     with pytest.raises(UnknownField):

@@ -352,7 +352,7 @@ def to_openai_tools(req: _Prompt) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(req.tools):
         if tool["name"] in names:
             raise InvalidRequest(
-                f"tools.{i}.name must be a non-empty name, each tool's its own",
+                f"tools.{i}.name {tool['name']!r} is given twice; each tool has its own",
                 param=f"tools.{i}.name",
             )
         names.add(tool["name"])
