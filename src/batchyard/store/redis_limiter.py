@@ -56,8 +56,12 @@ __all__ = ["RedisLimiter"]
 
 log = logging.getLogger("batchyard.limits")
 
-#: How long one step waits for Redis before the limiter calls it unavailable.
-TIMEOUT_S = 2.0
+#: How long one step waits for Redis before the limiter calls it unavailable. A stopped
+#: Redis refuses at once; this only bounds one that accepts and never answers. The
+#: event loop measures it, and a late loop finds the reply and the timeout due together
+#: and runs the timeout first, so it stays well above any stall a loaded machine gives
+#: a loop (two seconds turned a busy loop into 503s).
+TIMEOUT_S = 10.0
 
 
 @asynccontextmanager
