@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchyard.core.anthropic_bodies import (
+    error_type,
     parse_count_tokens,
     parse_messages,
     stop_reason,
@@ -140,6 +141,23 @@ def test_a_tool_named_twice_is_refused_by_what_is_wrong_with_it():
         parse_messages({**BASE, "tools": [TOOL, TOOL]})
     assert got.value.param == "tools.1.name"
     assert "is given twice" in str(got.value) and repr(TOOL["name"]) in str(got.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "invalid_request_error"),
+        (404, "not_found_error"),
+        (422, "invalid_request_error"),
+        (429, "rate_limit_error"),
+        (500, "api_error"),
+        (501, "api_error"),
+        (529, "overloaded_error"),
+    ],
+)
+def test_one_error_type_a_status_for_the_door_and_a_batchs_results(status, kind):
+    """A status the table does not name is a request error below 500, in a batch result too."""
+    assert error_type(status) == kind
 
 
 def test_count_tokens_takes_no_max_tokens():

@@ -37,7 +37,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchyard import logs
-from batchyard.core.anthropic_bodies import ERROR_TYPES
+from batchyard.core.anthropic_bodies import error_type
 from batchyard.core.clock import Clock
 from batchyard.core.limits import Limit, Limiter, Standing
 from batchyard.errors import (
@@ -254,7 +254,7 @@ def anthropic_error(
 ) -> dict[str, Any]:
     """Anthropic's error body; batchyard's stable ``code`` (and ``param``) ride beside its type."""
     error: dict[str, Any] = {
-        "type": ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+        "type": error_type(status),
         "message": message,
         "code": code,
     }

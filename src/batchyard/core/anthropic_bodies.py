@@ -20,12 +20,12 @@ from batchyard.core.inputs import AsDicts, Shape, Unserved, strict
 from batchyard.errors import InvalidRequest
 
 __all__ = [
-    "ERROR_TYPES",
     "CountTokensRequest",
     "MessagesRequest",
     "Translated",
     "anthropic_version_ok",
     "batch_counts",
+    "error_type",
     "openai_prompt",
     "parse_count_tokens",
     "parse_messages",
@@ -57,7 +57,7 @@ def anthropic_version_ok(version: str) -> bool:
 
 
 #: Anthropic's error ``type`` for each status, for its envelope (the wire and batch results).
-ERROR_TYPES = {
+_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     402: "billing_error",
@@ -73,6 +73,11 @@ ERROR_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+
+
+def error_type(status: int) -> str:
+    """Anthropic's error ``type`` for ``status``: on the door and in a batch's results alike."""
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 class CacheControl(Shape):

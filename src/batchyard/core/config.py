@@ -39,6 +39,7 @@ from batchyard.core.sections import (
     FileBatchSettings,
     FileSettings,
     RunSettings,
+    Seconds,
     VersionSettings,
     WebhookSettings,
     setting,
@@ -64,7 +65,6 @@ def default_home() -> Path:
     return Path(os.environ.get("BATCHYARD_HOME") or Path.home() / ".batchyard")
 
 
-_Seconds = Annotated[float, Field(gt=0)]
 _DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgres://", "postgresql+psycopg://")
 _LIMITERS = ("memory", "memory://", "sql")
 _LIMITER_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -113,7 +113,7 @@ class Settings:
         "32 random bytes in base64 (`openssl rand -base64 32`); anything else is refused at start",
         shown="SQLite: `batch.key` beside the database, made on first start; PostgreSQL: none",
     )
-    idempotency_ttl_s: _Seconds = setting(24 * 3600.0, shown="86400 (24 h)")
+    idempotency_ttl_s: Seconds = setting(24 * 3600.0, shown="86400 (24 h)")
     max_body_bytes: PositiveInt = setting(4 * 1024 * 1024, shown="4194304 (4 MiB)")
     max_upload_bytes: PositiveInt = setting(
         2 * 1024**3, "a dataset upload's limit", shown="2147483648 (2 GiB)"
@@ -124,14 +124,14 @@ class Settings:
     )
     privacy_default: str = setting("off", "`off`, `redact`, `reject`")
     price_feed: str | None = setting(None, "the market's price feed", kind="text (path or URL)")
-    price_feed_interval_s: _Seconds = setting(60.0)
-    price_max_age_s: _Seconds = setting(300.0)
+    price_feed_interval_s: Seconds = setting(60.0)
+    price_max_age_s: Seconds = setting(300.0)
     market_policy: str = setting(
         "first_eligible", "`first_eligible`, `deadline_aware` (`-` or `_`)"
     )
-    market_interval_s: _Seconds = setting(15.0)
+    market_interval_s: Seconds = setting(15.0)
     #: How long a dispatched deferred item's lease lasts without a heartbeat.
-    market_lease_s: _Seconds = setting(120.0)
+    market_lease_s: Seconds = setting(120.0)
     embedded_model_path: str | None = setting(
         None,
         "an existing GGUF file",
@@ -169,7 +169,7 @@ class Settings:
         "`batchyard_embedded_shelf_bytes` in `/metrics` shows what it holds",
         kind="integer (MiB)",
     )
-    warm_fallback_after_s: _Seconds = setting(10.0)
+    warm_fallback_after_s: Seconds = setting(10.0)
     #: On SIGTERM, how long calls in flight may take to land before they are cut off.
     shutdown_grace_s: Annotated[float, Field(ge=0)] = setting(30.0, flag="--grace")
     # A request over its organisation's limits that would be admitted within this
@@ -177,7 +177,7 @@ class Settings:
     limits_queue_s: Annotated[float, Field(ge=0)] = setting(10.0)
     #: Work with units left whose progress has not moved for this long is stuck:
     #: counted, shown to its owner and listed by ``batchyard stuck``.
-    stuck_after_s: _Seconds = setting(900.0)
+    stuck_after_s: Seconds = setting(900.0)
     #: How many times a batch worker sends a line, row or item again when its
     #: upstream answered 503 before taking the call (it never reached the engine),
     #: before the unit counts as failed; 0: never. A call that may have reached
@@ -185,7 +185,7 @@ class Settings:
     upstream_unavailable_retries: Annotated[int, Field(ge=0, le=10)] = setting(2)
     # A concurrency slot's lease, renewed while its request runs: how long a
     # crashed process can hold slots it never gave back.
-    slot_lease_s: _Seconds = setting(60.0)
+    slot_lease_s: Seconds = setting(60.0)
     metrics_token: str | None = setting(
         None,
         "any; `/metrics` then wants `Authorization: Bearer <token>`",

@@ -23,6 +23,7 @@ __all__ = [
     "FileSettings",
     "Network",
     "RunSettings",
+    "Seconds",
     "VersionSettings",
     "WebhookSettings",
     "parse_networks",
@@ -58,7 +59,8 @@ def setting(
     return Field(default, description=accepts or None, json_schema_extra=extra or None, **field)
 
 
-_Seconds = Annotated[float, Field(gt=0)]
+#: A duration in seconds, above zero (the settings' and the sections' one kind).
+Seconds = Annotated[float, Field(gt=0)]
 _Count = Annotated[int, Field(ge=1)]
 
 
@@ -70,13 +72,13 @@ class RunSettings:
     run fails instead of burning through every row.
     """
 
-    quote_ttl_s: _Seconds = setting(
+    quote_ttl_s: Seconds = setting(
         86400.0, "how long a run's quote may be confirmed", shown="86400 (24 h)"
     )
-    lease_s: _Seconds = setting(60.0, "how long a silent worker keeps its runs")
-    heartbeat_s: _Seconds = setting(5.0, "how often a worker renews its lease")
-    poll_s: _Seconds = setting(0.5, "how often an idle worker looks for runs")
-    flush_s: _Seconds = setting(0.25, "finished rows are committed at least this often")
+    lease_s: Seconds = setting(60.0, "how long a silent worker keeps its runs")
+    heartbeat_s: Seconds = setting(5.0, "how often a worker renews its lease")
+    poll_s: Seconds = setting(0.5, "how often an idle worker looks for runs")
+    flush_s: Seconds = setting(0.25, "finished rows are committed at least this often")
     concurrency: _Count = setting(32, "calls in flight per run when its route names none")
     max_active_runs: _Count = setting(2, "runs one worker executes at once")
     prepare_batch: _Count = setting(2000, "rows counted and quoted per transaction")
@@ -92,11 +94,11 @@ class RunSettings:
 class FileBatchSettings:
     """``file_batches:``: timings and widths of the file-batch worker."""
 
-    poll_s: _Seconds = setting(0.5, "seconds between idle rounds")
-    lease_s: _Seconds = setting(
+    poll_s: Seconds = setting(0.5, "seconds between idle rounds")
+    lease_s: Seconds = setting(
         60.0, "how long a worker may go silent before its in-flight lines become uncertain"
     )
-    flush_s: _Seconds = setting(
+    flush_s: Seconds = setting(
         0.25, "finished lines are committed this often (or when half the slots are free)"
     )
     concurrency: _Count = setting(32, "calls in flight per batch when its route names none")
@@ -136,7 +138,7 @@ class VersionSettings:
         kind="text (path)",
         shown="`$BATCHYARD_HOME/model-versions`",
     )
-    idle_s: _Seconds = setting(
+    idle_s: Seconds = setting(
         IDLE_S,
         "a version not used for this long (and not kept warm) is unloaded; its next request "
         "loads it again (decide falls back to the base after `warm_fallback_after_s`)",
@@ -191,21 +193,21 @@ class WebhookSettings:
         kind="list of CIDR blocks",
         shown="none",
     )
-    timeout_s: _Seconds = setting(10.0, "one attempt's limit (connect, send, answer)")
+    timeout_s: Seconds = setting(10.0, "one attempt's limit (connect, send, answer)")
     max_attempts: _Count = setting(10, "attempts before a delivery is `failed`")
-    base_delay_s: _Seconds = setting(5.0, "the first retry's delay; each next one is 4× longer")
-    max_delay_s: _Seconds = setting(
+    base_delay_s: Seconds = setting(5.0, "the first retry's delay; each next one is 4× longer")
+    max_delay_s: Seconds = setting(
         6 * 3600.0, "the longest delay between attempts", shown="21600 (6 h)"
     )
     jitter: Annotated[float, Field(ge=0, lt=1)] = setting(
         0.2, "each delay is spread by ± this much", kind="fraction"
     )
     concurrency: _Count = setting(16, "deliveries in flight at once per process")
-    lease_s: _Seconds = setting(
+    lease_s: Seconds = setting(
         60.0, "how long a silent worker keeps its deliveries before another retries them"
     )
-    poll_s: _Seconds = setting(1.0, "how often an idle sender looks for due deliveries")
-    flush_s: _Seconds = setting(0.25, "finished attempts are recorded at least this often")
+    poll_s: Seconds = setting(1.0, "how often an idle sender looks for due deliveries")
+    flush_s: Seconds = setting(0.25, "finished attempts are recorded at least this often")
 
     @field_validator("allowed_networks", mode="before")
     @classmethod

@@ -21,7 +21,7 @@ from pydantic import Field
 from sqlalchemy import Connection
 
 from batchyard.core.accounts import Principal
-from batchyard.core.anthropic_bodies import ERROR_TYPES, MessagesRequest, batch_counts
+from batchyard.core.anthropic_bodies import MessagesRequest, batch_counts, error_type
 from batchyard.core.clock import isoformat
 from batchyard.core.inputs import Coded, Shape, strict
 from batchyard.errors import BatchyardError, InsufficientCredit, InvalidState, NotFound
@@ -259,7 +259,7 @@ def _result(line: dict[str, Any]) -> dict[str, Any]:
 
 def _errored(status: int, err: dict[str, Any]) -> dict[str, Any]:
     error = {
-        "type": ERROR_TYPES.get(status, "api_error"),
+        "type": error_type(status),
         "message": str(err.get("message", "")),
         "code": str(err.get("code", "error")),
     }
