@@ -108,7 +108,6 @@ class LlamaCppEngine:
         name: str = "llama_cpp",
         n_ctx: int = 2048,
         slots: int | None = None,
-        contexts: int | None = None,
         n_threads: int | None = None,
         prefill_tokens: int = 512,
         cache_tokens: int | None = None,
@@ -130,9 +129,7 @@ class LlamaCppEngine:
         self.score_turn_end = score_turn_end
         self.model_path = Path(model_path)
         self.n_ctx = n_ctx
-        # ``contexts`` is the old name of ``slots`` (one request per context then).
-        self.slots = max(1, slots or contexts or 8)
-        self.contexts = self.slots
+        self.slots = max(1, slots or 8)
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
         self.prefill_tokens = max(16, prefill_tokens)
         self.cache_tokens = cache_tokens or self.slots * n_ctx

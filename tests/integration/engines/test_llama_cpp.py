@@ -28,7 +28,7 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[LlamaCppEngine]:
     path = default_model_path()
-    eng = LlamaCppEngine(path, n_ctx=512, contexts=2, versions={"copy": VersionSpec("gguf", path)})
+    eng = LlamaCppEngine(path, n_ctx=512, slots=2, versions={"copy": VersionSpec("gguf", path)})
     yield eng
     await eng.aclose()
 
@@ -206,7 +206,7 @@ async def test_llama_cpp_warnings_do_not_reach_stderr_raw() -> None:
         "from batchyard.engines.llama_cpp import LlamaCppEngine\n"
         "from batchyard.engines.model_files import default_model_path\n"
         "async def main():\n"
-        "    eng = LlamaCppEngine(default_model_path(), n_ctx=16384, contexts=2)\n"
+        "    eng = LlamaCppEngine(default_model_path(), n_ctx=16384, slots=2)\n"
         "    await eng.load()\n"
         "    await eng.aclose()\n"
         "asyncio.run(main())\n"
