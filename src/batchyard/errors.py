@@ -207,7 +207,11 @@ class InvalidIdempotencyKey(InvalidRequest):
 
 
 class UnknownModel(InvalidRequest):
+    """A model nobody here serves: 404, as OpenAI's and Anthropic's own doors answer one,
+    and before any rule between a body's fields (the name is what the request is about)."""
+
     code = "unknown_model"
+    status = 404
 
 
 class UnknownField(InvalidRequest):

@@ -256,7 +256,7 @@ class FakeGateway:
 
     def _validate(self, body: dict[str, Any]) -> JSONResponse | None:
         if body.get("model") not in self.models:
-            return _error(400, "unknown_model", "no such model", False)
+            return _error(404, "unknown_model", "no such model", False)
         decisions = body.get("decisions") or []
         if not decisions:
             return _error(400, "no_decisions", "give at least one decision", False)

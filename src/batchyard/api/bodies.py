@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from batchyard.core.inputs import Coded, Shape
+from batchyard.core.inputs import SPACE, Coded, Shape
 from batchyard.core.webhook_rules import EVENTS
 
 __all__ = [
@@ -30,10 +30,10 @@ __all__ = [
 
 
 #: 1 to 64 characters, no surrounding spaces, control characters, ":", quotes or backslashes.
-_ID = r'^[^\s:"\\\x00-\x1f\x7f]([^:"\\\x00-\x1f\x7f]{0,62}[^\s:"\\\x00-\x1f\x7f])?$'
-_IMAGE_URL = r"^(https?://\S+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/=\s]+)$"
+_ID = rf'^[^{SPACE}:"\\\x00-\x1f\x7f]([^:"\\\x00-\x1f\x7f]{{0,62}}[^{SPACE}:"\\\x00-\x1f\x7f])?$'
+_IMAGE_URL = rf"^(https?://[^{SPACE}]+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/={SPACE}]+)$"
 #: Some text that is not only spaces.
-_SOME_TEXT = r"\S"
+_SOME_TEXT = rf"[^{SPACE}]"
 
 
 class DecideOutcome(Shape):
@@ -87,14 +87,14 @@ class KeepWarmBody(Shape):
 class ProjectBody(Shape):
     """``POST /v1/projects``."""
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(max_length=200, pattern=_SOME_TEXT)
 
 
 class DatasetBody(Shape):
     """``POST …/datasets`` with a JSON body: an empty dataset."""
 
-    name: str
-    kind: str | None = None
+    name: str = Field(max_length=200, pattern=_SOME_TEXT)
+    kind: Literal["text", "chat-sft"] | None = None
 
 
 class RowPatchBody(Shape):
@@ -106,10 +106,22 @@ class RowPatchBody(Shape):
 # -- webhook endpoints ---------------------------------------------------------------
 
 
+#: A port from 0 to 65535, leading zeros allowed (as ``urllib`` reads one).
+_PORT = r"0*(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+#: http(s), a host DNS can name (labels of 1 to 63 letters, digits, ``-``, ``_``; or an
+#: IPv4 address), an optional port, then a path or query without spaces, controls or a
+#: fragment; no user name or password. Whether the host's addresses may be reached is the
+#: server's to say (``403 webhook_target_not_allowed``).
+_WEBHOOK_URL = (
+    r"^[hH][tT][tT][pP][sS]?://[A-Za-z0-9_-]{1,63}(\.[A-Za-z0-9_-]{1,63})*\.?"
+    rf"(:({_PORT})?)?([/?][^\x00-\x20\x7f#]*)?$"
+)
+
+
 class WebhookEndpointBody(Shape):
     """``POST /v1/webhook-endpoints``: where to send which events."""
 
-    url: Annotated[str, Field(pattern=r"^https?://[^\s/]+"), Coded("invalid_webhook_url")]
+    url: Annotated[str, Field(pattern=_WEBHOOK_URL, max_length=2048), Coded("invalid_webhook_url")]
     events: Annotated[
         list[Annotated[Literal[EVENTS], Coded("unknown_webhook_event")]],  # type: ignore[valid-type]
         Field(min_length=1),

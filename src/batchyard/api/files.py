@@ -96,7 +96,8 @@ def _expires_after(fields: dict[str, str]) -> int | None:
         },
         "properties": {
             "purpose": {"type": "string", "enum": ["batch"]},
-            "file": {"type": "string", "format": "binary"},
+            # Not empty: a file with no request in it is refused (``400 empty_file``).
+            "file": {"type": "string", "format": "binary", "minLength": 1},
             "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
             "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000},
         },

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from batchyard.core.calibration import CalibrationMode
+from batchyard.core.inputs import SPACE
 from batchyard.errors import (
     DuplicateId,
     EmptyText,
@@ -64,7 +65,9 @@ MAX_ID_CHARS = 64
 # Ids appear inside answer lines (``id: outcome``) and JSON keys, so the
 # characters that delimit those are refused rather than escaped.
 _FORBIDDEN_ID_CHARS = re.compile(r'[:"\\\x00-\x1f\x7f]')
-_IMAGE_URL = re.compile(r"^(https?://\S+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/=\s]+)$")
+_IMAGE_URL = re.compile(
+    rf"^(https?://[^{SPACE}]+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/={SPACE}]+)$"
+)
 
 SYSTEM_PROMPT = (
     "You answer questions about a text. For each question, choose exactly one of "

@@ -49,6 +49,7 @@ from batchyard.errors import (
 
 __all__ = [
     "MAX_DEPTH",
+    "SPACE",
     "UNSERVED_TAGS",
     "AsDicts",
     "Coded",
@@ -56,11 +57,16 @@ __all__ = [
     "Unserved",
     "check_document",
     "check_text",
+    "field",
     "field_error",
     "parse_json",
     "printable",
     "strict",
 ]
+
+#: Whitespace as ``str.isspace`` knows it, spelled out for a regex character class: ``\s``
+#: differs between the document's (ECMA: not U+0085, but U+FEFF) and the server's engines.
+SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 
 #: Nesting levels a body may have: deep enough for any real request, far from
 #: the recursion limits of the parser and of everything that walks a body.
@@ -94,6 +100,14 @@ class Coded:
     code: str
     #: What the 400 says the field must be, where the validator's own words are unclear.
     hint: str | None = None
+
+
+def field(raw: Any, *path: str) -> Any:
+    """``raw[path[0]][path[1]]…`` of a body not yet checked, or None where a step is not an
+    object: what a door reads before the shape (the model it names, to answer 404 first)."""
+    for key in path:
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw
 
 
 def _members(tp: Any) -> list[Any]:

@@ -189,7 +189,7 @@ class WebhookSettings:
         "Without it, a URL whose host is or resolves to a loopback, private (10/8, 172.16/12, "
         "192.168/16, fc00::/7), link-local (169.254/16, the cloud metadata service), shared, "
         "multicast or reserved address is refused at registration "
-        "(`400 webhook_target_not_allowed`) and at each delivery (the host is resolved again)",
+        "(`403 webhook_target_not_allowed`) and at each delivery (the host is resolved again)",
         kind="list of CIDR blocks",
         shown="none",
     )

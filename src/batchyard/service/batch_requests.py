@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field
 
 from batchyard.core import privacy
-from batchyard.core.inputs import AsDicts, Coded, Shape, strict
+from batchyard.core.inputs import AsDicts, Coded, Shape, field, strict
 from batchyard.core.market import effective_min_discount
 from batchyard.core.openai_bodies import ResponseFormat, TextPart
 from batchyard.errors import BatchyardError, InvalidRequest, InvalidType, UnsupportedInput
@@ -235,6 +235,9 @@ def parse_submission(svc: Service, raw: dict[str, Any], org_id: str | None = Non
         )
     seen: set[str] = set()
     reqs = reqs if isinstance(reqs, list) else []
+    svc.preparer.served(
+        ((f"requests[{i}].body", field(r, "body", "model")) for i, r in enumerate(reqs)), org_id
+    )
     least = [_request(r, f"requests[{i}]", batch_min, seen) for i, r in enumerate(reqs)]
     shaped = _shaped(raw)
     # Each model served here, before privacy reads any request; its limits are the preparation's.

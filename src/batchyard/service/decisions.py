@@ -145,8 +145,8 @@ async def prepare(svc: Service, org_id: str, raw: dict[str, Any]) -> Prepared:
     are found. Nothing is claimed, charged or counted here.
     """
     await model_versions.resolve(svc, raw.get("model"))
+    model = svc.catalog.model(raw.get("model"), org_id)  # 404 before the rules between fields
     req = rules.parse_request(raw)
-    model = svc.catalog.model(req.model, org_id)
     primary = _plan(svc, req, model)
     fallback: Plan | None = None
     if model.type == "version" and req.fallback == "base" and model.base_model:

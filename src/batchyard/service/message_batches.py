@@ -23,7 +23,7 @@ from sqlalchemy import Connection
 from batchyard.core.accounts import Principal
 from batchyard.core.anthropic_bodies import MessagesRequest, batch_counts, error_type
 from batchyard.core.clock import isoformat
-from batchyard.core.inputs import Coded, Shape, strict
+from batchyard.core.inputs import Coded, Shape, field, strict
 from batchyard.errors import BatchyardError, InsufficientCredit, InvalidState, NotFound
 from batchyard.service import file_batches, files
 from batchyard.service.batch_requests import CUSTOM_ID
@@ -98,6 +98,10 @@ def _as_request_error(exc: BatchyardError) -> BatchyardError:
 async def create(svc: Service, principal: Principal, raw: dict[str, Any]) -> dict[str, Any]:
     """Take the requests in, hold the quote, start the batch; its ``message_batch``."""
     svc.batch_key.require()
+    given = raw.get("requests")
+    named = enumerate(given if isinstance(given, list) else [])
+    names = [(f"requests.{i}.params", field(r, "params", "model")) for i, r in named]
+    await asyncio.to_thread(svc.preparer.served, names, principal.org_id)
     text, min_discount = _jsonl(raw)
     try:
         taken = await asyncio.to_thread(

@@ -9,7 +9,7 @@ layer (``work.runs.quoting``) by the same rules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from batchyard.core.prices import Price
 from batchyard.core.quotes import check_context, direct_price, quote
 from batchyard.core.tokens import TokenizerSource
 from batchyard.engines import tool_calls
-from batchyard.errors import CapabilityUnsupported, InvalidRequest
+from batchyard.errors import CapabilityUnsupported, InvalidRequest, UnknownModel
 
 __all__ = [
     "COMPLETIONS_MAX_TOKENS",
@@ -102,6 +102,17 @@ class Preparer:
     #: ``max_tokens`` of a chat body that names none (``default_max_tokens``): OpenAI
     #: sets none for chat, so the deployment does, for the door and its batch lines alike.
     chat_max_tokens: int = 256
+
+    def served(self, named: Iterable[tuple[str, Any]], org_id: str | None) -> None:
+        """Each model a batch names, by ``(where, name)``, served here: a name nobody serves
+        is ``404 unknown_model`` naming its request, before any rule between the batch's
+        fields, as at every door. Names that are not strings are the shape's to refuse."""
+        for where, name in named:
+            if isinstance(name, str) and name and self.catalog.find(name, org_id) is None:
+                raise UnknownModel(
+                    f"{where}: unknown model {name!r}; GET /v1/models lists the catalog",
+                    param=f"{where}.model",
+                )
 
     def resolve(
         self, model_id: object, *needs: str, org_id: str | None

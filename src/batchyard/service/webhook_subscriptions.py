@@ -19,7 +19,7 @@ from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.sections import WebhookSettings
 from batchyard.core.webhook_rules import address_allowed, new_secret, parse_target
-from batchyard.errors import InvalidRequest, NotFound
+from batchyard.errors import Conflict, InvalidRequest, NotFound
 from batchyard.service.deployment import Service
 from batchyard.store import webhook_deliveries, webhook_endpoints
 from batchyard.store.webhook_endpoints import Endpoint
@@ -54,8 +54,12 @@ def endpoint_view(e: Endpoint, secret: str | None = None) -> dict[str, Any]:
 
 
 async def check_url(url: Any, settings: WebhookSettings) -> str:
-    """A URL deliveries may go to, or its coded 400 (``invalid_webhook_url``,
-    ``webhook_target_not_allowed``)."""
+    """A URL deliveries may go to: ``400 invalid_webhook_url`` for one that is not, ``403
+    webhook_target_not_allowed`` for one the operator's networks forbid.
+
+    A host that does not resolve (yet) is taken: DNS fails for a while, or a receiver's
+    name is set up after its endpoint, and each delivery resolves the host again and
+    checks every address it finds before it connects (``work.webhook_sender``)."""
     try:
         target = parse_target(url)
     except ValueError as exc:
@@ -63,10 +67,14 @@ async def check_url(url: Any, settings: WebhookSettings) -> str:
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):  # UnicodeError: a host no IDNA encoding can name
+    except UnicodeError:  # a host no IDNA encoding can name
         raise InvalidRequest(
-            f"the host {target.host!r} does not resolve", param="url", code="invalid_webhook_url"
+            f"the host {target.host!r} cannot be named in DNS",
+            param="url",
+            code="invalid_webhook_url",
         ) from None
+    except OSError:
+        infos = []
     for address in sorted({str(info[4][0]) for info in infos}):
         if not address_allowed(address, settings.allowed_networks):
             raise InvalidRequest(
@@ -75,6 +83,7 @@ async def check_url(url: Any, settings: WebhookSettings) -> str:
                 "unless the operator allows the network (webhooks.allowed_networks)",
                 param="url",
                 code="webhook_target_not_allowed",
+                status=403,
             )
     return target.url
 
@@ -97,7 +106,7 @@ async def create(
         org = principal.org_id
         live = webhook_endpoints.list_endpoints(c, org, after=None, limit=MAX_ENDPOINTS)
         if len(live) >= MAX_ENDPOINTS:
-            raise InvalidRequest(
+            raise Conflict(  # the organisation's state, not the body, stands in the way
                 f"an organisation has at most {MAX_ENDPOINTS} webhook endpoints; delete one",
                 code="too_many_webhook_endpoints",
             )

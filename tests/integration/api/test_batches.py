@@ -147,7 +147,13 @@ BAD = [
         400,
         "unsupported_input",
     ),
-    (_body_with(model="nope"), 400, "unknown_model"),
+    (_body_with(model="nope"), 404, "unknown_model"),
+    # A model nobody serves is 404 whatever else the batch holds, as at every door.
+    (
+        {"min_discount": 90, "requests": [{"custom_id": "a", "body": chat(model="nope")}] * 2},
+        404,
+        "unknown_model",
+    ),
     (_body_with(privacy={"mode": "maybe"}), 400, "invalid_privacy_mode"),
     (_body_with(n=2), 400, "unsupported_parameter"),
 ]

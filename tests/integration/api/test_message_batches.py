@@ -102,12 +102,21 @@ async def test_a_bad_request_refuses_the_whole_batch_naming_it(service):
         odd = await http.post(
             PATH, json={"requests": [request("no spaces!")]}, headers=headers(acct)
         )
+        # A model nobody serves is Anthropic's 404 before any rule between fields.
+        tool = {"name": "t", "input_schema": {"type": "object"}}
+        unknown = request("c", model="claude-nope", tools=[tool])
+        unknown["params"]["tool_choice"] = {"type": "tool", "name": "not-t"}
+        nope = await http.post(
+            PATH, json={"requests": [request("a"), unknown]}, headers=headers(acct)
+        )
         listed = (await http.get(PATH, headers=headers(acct))).json()
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["message"].startswith("requests.1")
     assert r.json()["error"]["param"].startswith("requests.1.params")
     assert dup.status_code == 400 and dup.json()["error"]["code"] == "duplicate_custom_id"
     assert odd.status_code == 400
+    assert nope.status_code == 404 and nope.json()["error"]["type"] == "not_found_error"
+    assert nope.json()["error"]["param"] == "requests.1.params.model"
     assert listed["data"] == [] and balance(service, acct.org_id).held == 0
 
 

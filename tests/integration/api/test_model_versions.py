@@ -651,7 +651,7 @@ async def test_a_delete_through_one_process_is_refused_by_another_and_frees_its_
         ask = {"model": second, "input": {"text": TEXT}, "decisions": [DECISION]}
         here = await a.post("/v1/decide", json=ask, headers=acct.headers)
         there = await b.post("/v1/decide", json=ask, headers=acct.headers)
-        assert there.status_code == here.status_code == 400, there.text
+        assert there.status_code == here.status_code == 404, there.text
         assert there.json()["error"]["code"] == here.json()["error"]["code"] == "unknown_model"
 
 

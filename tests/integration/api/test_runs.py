@@ -394,7 +394,7 @@ async def test_idempotent_create_and_listing_with_cursor(svc):
         ({"filter": {"field": "lang", "eq": "de"}}, 400, "filter_matches_no_rows"),
         ({"filter": {"field": "lang", "like": "de"}}, 400, "invalid_filter"),
         ({"model": {"type": "lora", "id": "kettei-core"}}, 400, "unsupported_model_type"),
-        ({"model": {"type": "base", "id": "nope"}}, 400, "unknown_model"),
+        ({"model": {"type": "base", "id": "nope"}}, 404, "unknown_model"),
         ({"model": {"type": "base", "id": "kettei-fat"}}, 400, "model_unavailable"),
         ({"mode": {"type": "multi_turn"}}, 400, "unsupported_mode"),
         ({"input": {"type": "field", "field": "body"}}, 400, "input_field_not_found"),
