@@ -28,13 +28,16 @@ from datetime import datetime
 from sqlalchemy import (
     BigInteger,
     Column,
+    ColumnElement,
     Connection,
     ForeignKey,
+    Label,
     Select,
     String,
     Table,
     bindparam,
     delete,
+    exists,
     func,
     insert,
     or_,
@@ -48,6 +51,7 @@ from batchyard.store.tables import UtcDateTime, metadata, reservations
 
 __all__ = [
     "CapRow",
+    "any_cap",
     "caps_of_org",
     "hold",
     "holders_of",
@@ -139,6 +143,19 @@ def holders_of(key_id: str | None, project_id: str | None) -> list[str]:
     if project_id is not None:
         found.append(f"project:{project_id}")
     return found
+
+
+def any_cap(key_id: ColumnElement[str], project_id: ColumnElement[str]) -> Label[bool]:
+    """Whether a hold's key or project has a cap, as a column of another statement.
+
+    The ledger reads it with the statements a hold and its settlement make anyway
+    (the balance read of ``store.ledger.reserve``, the reservation's update of its
+    ``settle`` and ``release``), so a hold whose holders have no cap, the most
+    common, costs no statement of its own here; one that has reads its rows.
+    """
+    holder = spend_caps.c.holder
+    found = exists().where(or_(holder == "key:" + key_id, holder == "project:" + project_id))
+    return found.label("capped")
 
 
 def _row(r: object) -> CapRow:
