@@ -13,7 +13,8 @@ concurrent holds on one key queue behind each other and cannot both pass
 the last cent. The row keeps running sums (held and settled, in total and
 in the current month); a hold counts against the month it was made in, and
 its settlement moves that month's sums only while the row still counts that
-month. A holder with no cap has no row and costs a hold one indexed read.
+month. A holder with no cap has no row, and a hold and its settlement learn so
+from a column of statements they make anyway (``any_cap``): they read nothing more.
 Setting a cap later counts what the holder's reservations already hold and
 were charged (they name their key and project), so a cap set today includes
 today's spend.
