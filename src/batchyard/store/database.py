@@ -179,7 +179,7 @@ class Database:
         @event.listens_for(self.engine, "begin")
         def _on_begin(conn: Connection) -> None:
             mode = conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")
-            conn.exec_driver_sql(f"BEGIN {mode}")
+            _driver_sql(conn, f"BEGIN {mode}")
 
     @contextmanager
     def transaction(self, *, readonly: bool = False) -> Iterator[Connection]:
@@ -355,25 +355,44 @@ class Database:
         self.engine.dispose()
 
 
-# One write's savepoint in a group commit, in the driver's own SQL (the same on SQLite and
-# PostgreSQL): ``begin_nested``'s bookkeeping cost several times these statements, and a
-# model call makes two writes.
+# One write's savepoint in a group commit, and SQLite's BEGIN, in the driver's own SQL (the
+# same on SQLite and PostgreSQL), sent by ``_driver_sql``: a model call makes two writes,
+# each a savepoint and its release, and most transactions are a BEGIN and one statement.
 _SAVEPOINT = "SAVEPOINT batchyard_write"
 _ROLLBACK_TO = "ROLLBACK TO SAVEPOINT batchyard_write"
 _RELEASE = "RELEASE SAVEPOINT batchyard_write"
 
 
+def _driver_sql(conn: Connection, sql: str) -> None:
+    """``sql`` (no parameters, no rows) on the connection's driver cursor.
+
+    Not through ``exec_driver_sql``: SQLAlchemy's execution path (its events, its
+    result set-up) cost several times the statement, and these are statements
+    SQLAlchemy has nothing to do with (``begin_nested``'s bookkeeping cost more still).
+    A driver error leaves as SQLAlchemy's, as it would have through
+    ``exec_driver_sql``, so ``storage_failure`` reads it alike.
+    """
+    dbapi = conn.dialect.loaded_dbapi
+    cursor = conn.connection.cursor()
+    try:
+        cursor.execute(sql)
+    except dbapi.Error as exc:
+        raise DBAPIError.instance(sql, None, exc, dbapi.Error, dialect=conn.dialect) from exc
+    finally:
+        cursor.close()
+
+
 def _isolated(conn: Connection, fn: Callable[[Connection], Any]) -> tuple[bool, Any]:
     """``fn(conn)`` all or nothing inside the group's transaction: (True, its value), or
     (False, its error) with what it wrote rolled back, for its own caller alone."""
-    conn.exec_driver_sql(_SAVEPOINT)
+    _driver_sql(conn, _SAVEPOINT)
     try:
         value = fn(conn)
     except BaseException as exc:
-        conn.exec_driver_sql(_ROLLBACK_TO)
-        conn.exec_driver_sql(_RELEASE)
+        _driver_sql(conn, _ROLLBACK_TO)
+        _driver_sql(conn, _RELEASE)
         return False, storage_failure(exc) or exc
-    conn.exec_driver_sql(_RELEASE)
+    _driver_sql(conn, _RELEASE)
     return True, value
 
 

@@ -14,8 +14,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, insert, select, update
+from sqlalchemy import Connection, bindparam, case, func, insert, select, update
 
 from batchyard.core.ids import new_id
 from batchyard.core.money import format_money, from_ticks
@@ -78,6 +79,7 @@ _BALANCE_AND_RULE = (
         balances.c.held,
         organisations.c.auto_topup_threshold,
         organisations.c.auto_topup_amount,
+        spend_caps.any_cap(bindparam("c_key_id"), bindparam("c_project_id")),
     )
     .join(organisations, organisations.c.id == balances.c.org_id)
     .where(balances.c.org_id == bindparam("b_org"))
@@ -94,11 +96,21 @@ _MOVE_BALANCE = (
 )
 _RESERVATION = select(reservations).where(reservations.c.id == bindparam("r_id"))
 _RESERVATION_FOR_UPDATE = _RESERVATION.with_for_update()
+_CHARGE = bindparam("r_charge", type_=reservations.c.amount.type)
+# A held reservation resolved, what it holds read back from the same statement (and whether
+# its key or project has a spend cap): the charge is what was asked, at most the hold
+# (``settle``), 0 for a release.
 _RESOLVE = (
     update(reservations)
     .where(reservations.c.id == bindparam("r_id"), reservations.c.state == "held")
     .values(
-        state=bindparam("r_state"), charged=bindparam("r_charged"), resolved_at=bindparam("r_at")
+        state=bindparam("r_state"),
+        charged=case((reservations.c.amount < _CHARGE, reservations.c.amount), else_=_CHARGE),
+        resolved_at=bindparam("r_at"),
+    )
+    .returning(
+        *(reservations.c[f.name] for f in dataclasses.fields(Reservation)),
+        spend_caps.any_cap(reservations.c.key_id, reservations.c.project_id),
     )
 )
 
@@ -198,7 +210,7 @@ def reserve(
     if amount < 0:
         raise InvalidRequest("a reservation cannot be negative")
     q = _BALANCE_AND_RULE_FOR_UPDATE if conn.dialect.name == "postgresql" else _BALANCE_AND_RULE
-    row = conn.execute(q, {"b_org": org_id}).first()
+    row = conn.execute(q, {"b_org": org_id, "c_key_id": key_id, "c_project_id": project_id}).first()
     if row is None:
         raise NotFound(f"organisation {org_id} not found")
     bal = Balance(row.topups, row.settled, row.held)
@@ -217,7 +229,8 @@ def reserve(
                 "available": format_money(max(bal.available, 0)),
             },
         )
-    spend_caps.hold(conn, spend_caps.holders_of(key_id, project_id), amount, now)
+    if row.capped:
+        spend_caps.hold(conn, spend_caps.holders_of(key_id, project_id), amount, now)
     res_id = new_id("res", now)
     conn.execute(
         _INSERT_RESERVATION,
@@ -245,6 +258,10 @@ def get_reservation(conn: Connection, reservation_id: str, *, lock: bool = False
     row = conn.execute(q, {"r_id": reservation_id}).first()
     if row is None:
         raise NotFound(f"reservation {reservation_id} not found")
+    return _reservation(row)
+
+
+def _reservation(row: Any) -> Reservation:
     return Reservation(
         row.id,
         row.org_id,
@@ -259,6 +276,23 @@ def get_reservation(conn: Connection, reservation_id: str, *, lock: bool = False
     )
 
 
+def _resolve(
+    conn: Connection, reservation_id: str, state: str, charge: int, now: datetime
+) -> tuple[Reservation, bool]:
+    """Mark a held reservation ``state``, charged ``charge`` (at most its hold): it as it now
+    stands, and whether its key or project has a spend cap.
+
+    One statement checks, writes and reads back (``_RESOLVE``); a reservation
+    that is not held is read only to say why (``NotFound``, ``InvalidState``).
+    """
+    params = {"r_id": reservation_id, "r_state": state, "r_charge": max(0, charge), "r_at": now}
+    row = conn.execute(_RESOLVE, params).first()
+    if row is None:
+        res = get_reservation(conn, reservation_id)
+        raise InvalidState(f"reservation {reservation_id} is already {res.state}")
+    return _reservation(row), bool(row.capped)
+
+
 def settle(conn: Connection, reservation_id: str, charge: int, now: datetime) -> Reservation:
     """Post the real charge against a held reservation and release the rest.
 
@@ -266,40 +300,38 @@ def settle(conn: Connection, reservation_id: str, charge: int, now: datetime) ->
     quote is the most a call can cost. It is a defect all the same, and
     ``store.billing.settle`` records it (``over_hold``); ``audit`` lists it.
     """
-    res = get_reservation(conn, reservation_id, lock=True)
-    if res.state != "held":
-        raise InvalidState(f"reservation {reservation_id} is already {res.state}")
-    charge = max(0, min(charge, res.amount))
-    rest = res.amount - charge
+    res, capped = _resolve(conn, reservation_id, "settled", charge, now)
+    charged = res.charged or 0
+    rest = res.amount - charged
     rows = []
-    if charge:
-        rows.append(_entry_row(res.org_id, "settle", charge, now, reservation_id=res.id))
+    if charged:
+        rows.append(_entry_row(res.org_id, "settle", charged, now, reservation_id=res.id))
     if rest:
         rows.append(_entry_row(res.org_id, "release", rest, now, reservation_id=res.id))
     _entries(conn, rows)
-    conn.execute(_RESOLVE, {"r_id": res.id, "r_state": "settled", "r_charged": charge, "r_at": now})
-    _move(conn, res.org_id, settled=charge, held=-res.amount)
-    _resolve_caps(conn, res, charge, now)
-    return dataclasses.replace(res, state="settled", charged=charge)
+    _move(conn, res.org_id, settled=charged, held=-res.amount)
+    if capped:
+        _resolve_caps(conn, res, now)
+    return res
 
 
 def release(conn: Connection, reservation_id: str, now: datetime) -> Reservation:
     """Void a held reservation: nothing is charged."""
-    res = get_reservation(conn, reservation_id, lock=True)
-    if res.state != "held":
-        raise InvalidState(f"reservation {reservation_id} is already {res.state}")
+    res, capped = _resolve(conn, reservation_id, "released", 0, now)
     if res.amount:
         _entries(conn, [_entry_row(res.org_id, "release", res.amount, now, reservation_id=res.id)])
-    conn.execute(_RESOLVE, {"r_id": res.id, "r_state": "released", "r_charged": 0, "r_at": now})
     _move(conn, res.org_id, held=-res.amount)
-    _resolve_caps(conn, res, 0, now)
-    return dataclasses.replace(res, state="released", charged=0)
+    if capped:
+        _resolve_caps(conn, res, now)
+    return res
 
 
-def _resolve_caps(conn: Connection, res: Reservation, charged: int, now: datetime) -> None:
+def _resolve_caps(conn: Connection, res: Reservation, now: datetime) -> None:
+    """The resolved hold under its key's and project's caps: after the balance, as a hold
+    takes the balance's row before the caps' (two rows locked in one order)."""
     holders = spend_caps.holders_of(res.key_id, res.project_id)
-    if holders and res.created_at is not None:
-        spend_caps.resolve(conn, holders, res.amount, charged, res.created_at, now)
+    if res.created_at is not None:
+        spend_caps.resolve(conn, holders, res.amount, res.charged or 0, res.created_at, now)
 
 
 def audit(conn: Connection) -> list[str]:

@@ -13,7 +13,8 @@ concurrent holds on one key queue behind each other and cannot both pass
 the last cent. The row keeps running sums (held and settled, in total and
 in the current month); a hold counts against the month it was made in, and
 its settlement moves that month's sums only while the row still counts that
-month. A holder with no cap has no row and costs a hold one indexed read.
+month. A holder with no cap has no row, and a hold and its settlement learn so
+from a column of statements they make anyway (``any_cap``): they read nothing more.
 Setting a cap later counts what the holder's reservations already hold and
 were charged (they name their key and project), so a cap set today includes
 today's spend.
@@ -28,13 +29,16 @@ from datetime import datetime
 from sqlalchemy import (
     BigInteger,
     Column,
+    ColumnElement,
     Connection,
     ForeignKey,
+    Label,
     Select,
     String,
     Table,
     bindparam,
     delete,
+    exists,
     func,
     insert,
     or_,
@@ -48,6 +52,7 @@ from batchyard.store.tables import UtcDateTime, metadata, reservations
 
 __all__ = [
     "CapRow",
+    "any_cap",
     "caps_of_org",
     "hold",
     "holders_of",
@@ -139,6 +144,19 @@ def holders_of(key_id: str | None, project_id: str | None) -> list[str]:
     if project_id is not None:
         found.append(f"project:{project_id}")
     return found
+
+
+def any_cap(key_id: ColumnElement[str], project_id: ColumnElement[str]) -> Label[bool]:
+    """Whether a hold's key or project has a cap, as a column of another statement.
+
+    The ledger reads it with the statements a hold and its settlement make anyway
+    (the balance read of ``store.ledger.reserve``, the reservation's update of its
+    ``settle`` and ``release``), so a hold whose holders have no cap, the most
+    common, costs no statement of its own here; one that has reads its rows.
+    """
+    holder = spend_caps.c.holder
+    found = exists().where(or_(holder == "key:" + key_id, holder == "project:" + project_id))
+    return found.label("capped")
 
 
 def _row(r: object) -> CapRow:

@@ -4,8 +4,8 @@ The cap is checked where money is held, so these tests drive ``ledger.reserve``,
 ``settle`` and ``release`` directly: a hold that would cross a cap is refused
 and writes nothing; 50 holds racing on one key with a cap of exactly ten
 holds' worth leave exactly ten held (PostgreSQL, one connection a thread);
-settlements move the sums; a month turns; a cap set later counts what was
-already spent.
+settlements move the sums, a hold's made before its cap too; a month turns; a cap
+set later counts what was already spent.
 """
 
 from __future__ import annotations
@@ -132,6 +132,19 @@ def test_a_cap_set_later_counts_what_the_key_and_project_already_spent(db: Datab
     assert refused.value.details["holder"] == "project"
     assert _cap(db, org, "project:pp.one", total=None, monthly=None) is None  # removed
     _reserve(db, org, key, project="pp.one")
+
+
+def test_a_hold_made_before_its_key_had_a_cap_is_settled_under_the_cap(db: Database) -> None:
+    # The hold found no cap; the cap set while it was held counted it; its settlement
+    # must move the cap's sums all the same (it asks for itself, not the hold).
+    org, key = _org_and_key(db)
+    first, second = _reserve(db, org, key), _reserve(db, org, key)
+    _cap(db, org, f"key:{key}", total=3 * A, monthly=None)
+    db.transact_sync(lambda c: ledger.settle(c, first.id, A // 2, NOV))
+    db.transact_sync(lambda c: ledger.release(c, second.id, NOV))
+    (row,) = db.read_sync(lambda c: spend_caps.caps_of_org(c, org, NOV))
+    assert (row.total_held, row.total_settled) == (0, A // 2)
+    assert (row.month_held, row.month_settled) == (0, A // 2)
 
 
 @pytest.mark.postgres
