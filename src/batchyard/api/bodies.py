@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from batchyard.core.inputs import SPACE, Coded, Shape
+from batchyard.core.decisions import IMAGE_URL
+from batchyard.core.inputs import SOME_TEXT, SPACE, Coded, Shape
 from batchyard.core.webhook_rules import EVENTS
 
 __all__ = [
@@ -31,9 +32,6 @@ __all__ = [
 
 #: 1 to 64 characters, no surrounding spaces, control characters, ":", quotes or backslashes.
 _ID = rf'^[^{SPACE}:"\\\x00-\x1f\x7f]([^:"\\\x00-\x1f\x7f]{{0,62}}[^{SPACE}:"\\\x00-\x1f\x7f])?$'
-_IMAGE_URL = rf"^(https?://[^{SPACE}]+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/={SPACE}]+)$"
-#: Some text that is not only spaces.
-_SOME_TEXT = rf"[^{SPACE}]"
 
 
 class DecideOutcome(Shape):
@@ -43,7 +41,7 @@ class DecideOutcome(Shape):
 
 class DecideQuestion(Shape):
     id: str = Field(pattern=_ID)
-    question: str = Field(pattern=_SOME_TEXT)
+    question: str = Field(pattern=SOME_TEXT)
     #: Each outcome's id once (the document can say no two are the same object).
     outcomes: Annotated[
         list[DecideOutcome],
@@ -54,13 +52,13 @@ class DecideQuestion(Shape):
 
 class DecideText(Shape):
     text: Annotated[
-        str, Field(pattern=_SOME_TEXT), Coded("empty_text", "send the text to decide about")
+        str, Field(pattern=SOME_TEXT), Coded("empty_text", "send the text to decide about")
     ]
-    image_url: str | None = Field(default=None, pattern=_IMAGE_URL)
+    image_url: str | None = Field(default=None, pattern=IMAGE_URL)
 
 
 class DecideImage(Shape):
-    image_url: str = Field(pattern=_IMAGE_URL)
+    image_url: str = Field(pattern=IMAGE_URL)
     text: str | None = None
 
 
@@ -87,13 +85,13 @@ class KeepWarmBody(Shape):
 class ProjectBody(Shape):
     """``POST /v1/projects``."""
 
-    name: str = Field(max_length=200, pattern=_SOME_TEXT)
+    name: str = Field(max_length=200, pattern=SOME_TEXT)
 
 
 class DatasetBody(Shape):
     """``POST …/datasets`` with a JSON body: an empty dataset."""
 
-    name: str = Field(max_length=200, pattern=_SOME_TEXT)
+    name: str = Field(max_length=200, pattern=SOME_TEXT)
     kind: Literal["text", "chat-sft"] | None = None
 
 

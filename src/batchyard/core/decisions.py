@@ -40,6 +40,7 @@ from batchyard.errors import (
 )
 
 __all__ = [
+    "IMAGE_URL",
     "AnswerFormat",
     "DecideInput",
     "DecideRequest",
@@ -65,9 +66,9 @@ MAX_ID_CHARS = 64
 # Ids appear inside answer lines (``id: outcome``) and JSON keys, so the
 # characters that delimit those are refused rather than escaped.
 _FORBIDDEN_ID_CHARS = re.compile(r'[:"\\\x00-\x1f\x7f]')
-_IMAGE_URL = re.compile(
-    rf"^(https?://[^{SPACE}]+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/={SPACE}]+)$"
-)
+#: An image decide reads: an http(s) URL, or a base64 data URL (the body's pattern too).
+IMAGE_URL = rf"^(https?://[^{SPACE}]+|data:image/[a-zA-Z0-9.+-]+;base64,[A-Za-z0-9+/={SPACE}]+)$"
+_IMAGE_URL = re.compile(IMAGE_URL)
 
 SYSTEM_PROMPT = (
     "You answer questions about a text. For each question, choose exactly one of "

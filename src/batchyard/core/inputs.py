@@ -49,6 +49,7 @@ from batchyard.errors import (
 
 __all__ = [
     "MAX_DEPTH",
+    "SOME_TEXT",
     "SPACE",
     "UNSERVED_TAGS",
     "AsDicts",
@@ -67,6 +68,8 @@ __all__ = [
 #: Whitespace as ``str.isspace`` knows it, spelled out for a regex character class: ``\s``
 #: differs between the document's (ECMA: not U+0085, but U+FEFF) and the server's engines.
 SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+#: A pattern a string matches when it is not only spaces (a name, a question, a text).
+SOME_TEXT = rf"[^{SPACE}]"
 
 #: Nesting levels a body may have: deep enough for any real request, far from
 #: the recursion limits of the parser and of everything that walks a body.

@@ -23,7 +23,7 @@ from batchyard.core.accounts import Principal
 from batchyard.core.clock import isoformat
 from batchyard.core.filters import RowFilter, compile_filter
 from batchyard.core.ids import is_id, new_id
-from batchyard.core.inputs import SPACE, Coded, Shape
+from batchyard.core.inputs import SOME_TEXT, Coded, Shape
 from batchyard.core.money import format_money
 from batchyard.core.runs import (
     MAX_SAMPLES_PER_ROW,
@@ -84,7 +84,7 @@ class RunInput(Shape):
 class RunOutput(Shape):
     type: Annotated[Literal["field", "dataset"], Coded("unsupported_output_type")]
     field: str | None = Field(default=None, min_length=1, max_length=200)
-    name: str | None = Field(default=None, max_length=200, pattern=rf"[^{SPACE}]")
+    name: str | None = Field(default=None, max_length=200, pattern=SOME_TEXT)
 
 
 class RunSampling(Shape):
